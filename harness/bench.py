@@ -1,0 +1,161 @@
+"""Timing, rotating input sets, the roofline, and the per-kernel benchmark loop.
+
+Every time reported is the median of ``triton.testing.do_bench`` after its warm-up (so compilation is
+never timed). When one input set fits in L2, several independent sets are generated and the timed
+function cycles through them, so the numbers are DRAM numbers, not cache numbers.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import itertools
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+import triton.testing
+
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` (do_bench: warm-up excluded, L2 flushed between calls)."""
+    if dev.interpreted():
+        import time
+
+        fn()  # the interpreter has no compilation, but keep the same shape: one untimed call
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return sorted(ts)[1]
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes() -> int:
+    if dev.interpreted():
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+
+
+def rotation(spec, problem, dtype, device, seed: int, layout: str = "contiguous"):
+    """Input sets to cycle through: one if a set is larger than 2x L2, else enough to exceed 4x L2."""
+    first = spec.make_inputs(problem, dtype, device, seed, layout)
+    n = 1
+    if l2_bytes():
+        per = max(first.nbytes(), 1)
+        if per < 2 * l2_bytes():
+            n = min(16, math.ceil(4 * l2_bytes() / per))
+    return [first] + [spec.make_inputs(problem, dtype, device, seed + i, layout) for i in range(1, n)]
+
+
+def cycling(cases, make_call: Callable) -> Callable[[], object]:
+    calls = itertools.cycle([make_call(c) for c in cases])
+    return lambda: next(calls)()
+
+
+def roofline(cost, dtype: torch.dtype, ms: float) -> dict:
+    """Achieved rates and % of the floor set by measured ceilings (max of compute and memory time)."""
+    s = ms * 1e-3
+    out = {"gbps": cost.bytes / s / 1e9, "tflops": cost.flops / s / 1e12}
+    c = dev.ceilings()
+    if not c:
+        return out
+    bw = c["copy_bytes_per_s"]
+    peak = c.get(f"matmul_flops_per_s_{str(dtype).split('.')[-1]}", c["matmul_flops_per_s_bfloat16"])
+    floor = max(cost.bytes / bw, cost.flops / peak)
+    out["pct_roofline"] = 100.0 * floor / s
+    out["pct_copy_bw"] = 100.0 * (cost.bytes / s) / bw
+    out["bound"] = "memory" if cost.bytes / bw >= cost.flops / peak else "compute"
+    return out
+
+
+def problem_label(problem) -> str:
+    fields = getattr(problem, "__dataclass_fields__", None)
+    if not fields:
+        return str(problem)
+    return " ".join(f"{k}={getattr(problem, k)}" for k in fields)
+
+
+def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, config=None,
+               seed: int = 0) -> list[dict]:
+    """Time ours, the vendor path and each available peer on each problem, after checking correctness."""
+    device = dev.device()
+    if problems is None:
+        problems = spec.small_problems if dev.interpreted() else spec.standard_problems
+    rows = []
+    for problem in problems:
+        row = {"kernel": spec.name, "problem": problem_label(problem), "dtype": str(dtype).split(".")[-1]}
+        try:
+            cases = rotation(spec, problem, dtype, device, seed)
+            c0 = cases[0]
+            cfg = spec.config_for(problem, dtype, config)
+            row["config"] = cfg
+            # correctness of exactly what is timed
+            cmp.poison(c0.out) if isinstance(c0.out, torch.Tensor) else [cmp.poison(o) for o in c0.out]
+            got = spec.run(*c0.args, out=c0.out, config=cfg, **c0.kwargs)
+            ref = spec.reference(*c0.args, **c0.kwargs)
+            comp = cmp.compare(got if isinstance(got, torch.Tensor) else got[0],
+                               ref if isinstance(ref, torch.Tensor) else ref[0], dtype, spec.accumulation(dtype))
+            row["rel_error"] = comp.error
+            row["correct"] = comp.ok
+            del got, ref
+            ms = median_ms(cycling(cases, lambda c: functools.partial(
+                spec.run, *c.args, out=c.out, config=cfg, **c.kwargs)))
+            row["ours_us"] = ms * 1e3
+            row.update(roofline(spec.cost(problem, dtype), dtype, ms))
+            if spec.vendor is not None:
+                try:
+                    vms = median_ms(cycling(cases, spec.vendor))
+                    row["vendor"] = spec.vendor_name
+                    row["vendor_us"] = vms * 1e3
+                    row["vs_vendor"] = vms / ms
+                except Exception as e:  # the vendor path may not support a case; say so
+                    row["vendor_error"] = f"{type(e).__name__}: {e}"[:200]
+            if peers:
+                for name, peer in spec.peers.items():
+                    try:
+                        fns = [peer(c) for c in cases]
+                        if any(f is None for f in fns):
+                            continue
+                        it = itertools.cycle(fns)
+                        pms = median_ms(lambda: next(it)())
+                        row[f"{name}_us"] = pms * 1e3
+                        row[f"vs_{name}"] = pms / ms
+                    except Exception as e:
+                        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+            del cases
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        if not dev.interpreted():
+            torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def environment() -> dict:
+    return {
+        "gpu": dev.gpu_name(),
+        "slug": dev.gpu_slug(),
+        "interpreter": dev.interpreted(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ceilings": dev.ceilings(),
+    }
+
+
+def write_results(rows: list[dict], results_dir: Path, name: str) -> Path:
+    d = Path(results_dir) / dev.gpu_slug()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1, default=str))
+    return path

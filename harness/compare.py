@@ -1,0 +1,100 @@
+"""Error metrics, the one tolerance table, output poisoning and the "every element written" check.
+
+All comparisons go through :func:`check`: ``‖out − ref‖ / ‖ref‖`` computed in float64, against a
+tolerance looked up by output dtype and accumulation mode. Tolerances live here and only here; a test
+never passes its own.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Relative Frobenius error allowed, by (dtype, accumulation). The numbers come from the unit roundoff u
+# of the storage type: rounding every output alone gives ~u/sqrt(3) relative error (fp16 u=2^-11,
+# bf16 u=2^-8 truncated / 2^-9 rounded), and kernels that round an intermediate (attention's P, a GEMM
+# output fed to an epilogue) add a few more u. "tf32" is fp32 data through tensor cores with a 10-bit
+# mantissa (u=2^-11) on the operands; "ieee" is true fp32 arithmetic.
+TOLERANCE = {
+    (torch.float32, "ieee"): 1e-5,
+    (torch.float32, "tf32"): 2e-3,
+    (torch.float16, "ieee"): 2e-3,
+    (torch.bfloat16, "ieee"): 1e-2,
+    (torch.float64, "ieee"): 1e-12,
+}
+
+
+def tolerance(dtype: torch.dtype, accumulation: str = "ieee") -> float:
+    try:
+        return TOLERANCE[(dtype, accumulation)]
+    except KeyError:
+        raise KeyError(f"no tolerance for dtype={dtype}, accumulation={accumulation!r}") from None
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖₂ / ‖ref‖₂ in float64; NaN/inf anywhere in ``out`` gives inf (never passes)."""
+    o = out.detach().to(torch.float64).cpu()
+    r = ref.detach().to(torch.float64).cpu()
+    if o.shape != r.shape:
+        raise ValueError(f"shape mismatch: out {tuple(o.shape)} vs reference {tuple(r.shape)}")
+    if not torch.isfinite(o).all():
+        return math.inf
+    denom = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(o - r).item()
+    if denom == 0.0:
+        return num
+    return num / denom
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (or the max value for integer tensors) so an unwritten element cannot pass."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    return poison(torch.empty_like(t, memory_format=torch.contiguous_format))
+
+
+def unwritten(out: torch.Tensor, ref: torch.Tensor) -> int:
+    """Count elements still NaN in ``out`` where the reference is finite."""
+    o = out.detach().cpu()
+    r = ref.detach().cpu()
+    return int((torch.isnan(o.float()) & torch.isfinite(r.double())).sum())
+
+
+@dataclass
+class Comparison:
+    error: float
+    tol: float
+    unwritten: int
+    what: str = "out"
+
+    @property
+    def ok(self) -> bool:
+        return self.unwritten == 0 and self.error <= self.tol
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else "FAIL"
+        return (f"{self.what}: rel error {self.error:.3e} (tol {self.tol:.1e}), "
+                f"{self.unwritten} unwritten -> {verdict}")
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None,
+            accumulation: str = "ieee", what: str = "out") -> Comparison:
+    dtype = dtype or out.dtype
+    return Comparison(rel_error(out, ref), tolerance(dtype, accumulation), unwritten(out, ref), what)
+
+
+def check(out, ref, dtype=None, accumulation="ieee", what="out") -> Comparison:
+    """Assert ``out`` matches ``ref``; outputs may be tensors or tuples of tensors."""
+    if isinstance(out, (tuple, list)):
+        if not isinstance(ref, (tuple, list)) or len(ref) != len(out):
+            raise AssertionError(f"{what}: expected {len(out)} reference outputs")
+        return [check(o, r, dtype, accumulation, f"{what}[{i}]") for i, (o, r) in enumerate(zip(out, ref))]
+    c = compare(out, ref, dtype, accumulation, what)
+    if not c.ok:
+        raise AssertionError(str(c))
+    return c

@@ -1,0 +1,219 @@
+"""The kernel spec and the registry.
+
+Every kernel module in this package registers one :class:`KernelSpec`. Tests, benchmarks, tuning and the
+CLI iterate :func:`all_specs`; none of them branches on a kernel's name. Adding a kernel is one file
+here, one in ``references/`` and its spec: modules are discovered, not listed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import itertools
+import math
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import tritune.harness  # noqa: F401  (switches on the interpreter before triton loads)
+import torch
+
+
+# ---------------------------------------------------------------------------------------------------
+# Problems, cases, costs, spaces
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """Inputs for one launch: ``run(*args, out=out, **kwargs)`` and ``reference(*args, **kwargs)``.
+
+    ``out`` is preallocated by ``make_inputs`` (right shape and dtype, contents irrelevant): the harness
+    poisons it before each launch. A kernel with several outputs takes a tuple.
+    """
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    out: Any = None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for a in itertools.chain(self.args, self.kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                yield a
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float          # floating-point operations
+    bytes: float          # fewest bytes moved through device memory (each input read once, outputs once)
+
+
+@dataclass
+class Space:
+    """Tunable parameters with their choices, and the constraint that prunes impossible points.
+
+    ``constraint(config, problem, dtype)`` returns ``None`` when the point is valid, else a short reason
+    (shared-memory budget, block larger than the problem, ...). Optuna draws from ``params``; the grid
+    sampler enumerates :meth:`points`.
+    """
+    params: dict[str, list]
+    constraint: Callable[[dict, Any, torch.dtype], str | None] = lambda c, p, d: None
+
+    def why_invalid(self, config: dict, problem, dtype) -> str | None:
+        for k, v in config.items():
+            if k not in self.params:
+                return f"unknown parameter {k!r}"
+            if v not in self.params[k]:
+                return f"{k}={v!r} not among {self.params[k]}"
+        missing = set(self.params) - set(config)
+        if missing:
+            return f"missing parameters {sorted(missing)}"
+        return self.constraint(config, problem, dtype)
+
+    def points(self, problem=None, dtype=None) -> list[dict]:
+        """Every valid point (all points when no problem is given)."""
+        keys = list(self.params)
+        pts = [dict(zip(keys, vals)) for vals in itertools.product(*(self.params[k] for k in keys))]
+        if problem is None:
+            return pts
+        return [p for p in pts if self.constraint(p, problem, dtype) is None]
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(v) for v in self.params.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The spec
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class KernelSpec:
+    name: str
+    run: Callable                                   # run(*args, out=None, config=None, **kwargs)
+    reference: Callable                             # reference(*args, **kwargs) in float64
+    make_inputs: Callable                           # make_inputs(problem, dtype, device, seed, layout)
+    problems: Callable                              # problems(cap) -> hypothesis strategy of problems
+    space: Space
+    default_config: Callable                        # default_config(problem, dtype) -> dict
+    bucket: Callable                                # bucket(problem) -> dict[str, int | str]
+    cost: Callable                                  # cost(problem, dtype) -> Cost
+    problem_of: Callable                            # problem_of(*args, **kwargs) -> problem
+    standard_problems: list                         # GPU benchmark / tuning set
+    small_problems: list                            # interpreter benchmark set
+    dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
+    layouts: tuple = ("contiguous",)
+    accumulation: Callable = lambda dtype: "ieee"   # the tolerance key a dtype's result is held to
+    vendor: Callable | None = None                  # vendor(case) -> zero-arg callable (torch/cuBLAS/SDPA)
+    vendor_name: str = "torch"
+    peers: dict = field(default_factory=dict)       # name -> peer(case) -> zero-arg callable or None
+    bad_inputs: Callable | None = None              # bad_inputs(device) -> [(label, thunk, exc_type)]
+    interpreter_skip: dict = field(default_factory=dict)  # dtype -> reason it cannot run interpreted
+    description: str = ""
+
+    def config_for(self, problem, dtype, config: dict | None = None) -> dict:
+        """explicit > tuned store > heuristic default, validated against the space."""
+        if config is not None:
+            why = self.space.why_invalid(config, problem, dtype)
+            if why:
+                raise ValueError(f"{self.name}: config {config} is invalid for {problem}: {why}")
+            return config
+        return _lookup(self, bucket_key(self.bucket(problem)), dtype, problem)
+
+
+def bucket_key(bucket: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in bucket.items())
+
+
+def _lookup(spec: KernelSpec, key: str, dtype, problem) -> dict:
+    # The hot path: one dict lookup after the first launch of a (kernel, bucket, dtype).
+    cache = _CONFIG_CACHE
+    hit = cache.get((spec.name, key, dtype))
+    if hit is not None:
+        return hit
+    from tritune.tuning import store
+
+    cfg = store.lookup(spec.name, key, dtype)
+    if cfg is None or spec.space.why_invalid(cfg, problem, dtype) is not None:
+        cfg = spec.default_config(problem, dtype)
+    cache[(spec.name, key, dtype)] = cfg
+    return cfg
+
+
+_CONFIG_CACHE: dict = {}
+
+
+def clear_config_cache() -> None:
+    _CONFIG_CACHE.clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------------
+REGISTRY: dict[str, KernelSpec] = {}
+
+
+def register(spec: KernelSpec) -> KernelSpec:
+    if spec.name in REGISTRY and REGISTRY[spec.name] is not spec:
+        raise ValueError(f"kernel {spec.name!r} registered twice")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+@functools.lru_cache(maxsize=None)
+def _discover() -> None:
+    for mod in pkgutil.iter_modules(__path__):
+        if not mod.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{mod.name}")
+
+
+def all_specs() -> list[KernelSpec]:
+    _discover()
+    return [REGISTRY[k] for k in sorted(REGISTRY)]
+
+
+def get(name: str) -> KernelSpec:
+    _discover()
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown kernel {name!r}; registered: {', '.join(sorted(REGISTRY))}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation helpers for launchers: checks at the top, messages that name the argument.
+# ---------------------------------------------------------------------------------------------------
+def check_tensor(name: str, t, *, ndim: int | Iterable[int] | None = None, dtypes=None,
+                 device: torch.device | str | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            raise ValueError(f"{name}: expected {' or '.join(map(str, allowed))} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} not supported (expected {names})")
+    if device is not None and t.device.type != torch.device(device).type:
+        raise ValueError(f"{name}: expected a tensor on {torch.device(device).type}, got {t.device}")
+
+
+def kernel_device() -> str:
+    from tritune.harness.device import device
+
+    return device()
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """Kernels run on CUDA tensors (CPU tensors under the interpreter)."""
+    want = kernel_device()
+    if t.device.type != want:
+        raise ValueError(f"{name}: expected a tensor on {want}, got {t.device}")
+
+
+def check_out(out, shape: tuple, dtype: torch.dtype, device) -> None:
+    check_tensor("out", out)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out: expected device {device}, got {out.device}")

@@ -1,0 +1,174 @@
+"""GELU, elementwise: exact y = x·Φ(x) = x/2·(1 + erf(x/√2)), or tanh y = x/2·(1 + tanh(√(2/π)(x + 0.044715x³))).
+
+Computed in float32. The tanh form is evaluated as x·sigmoid(2z), the same function without a tanh
+(0.5·(1 + tanh z) = sigmoid(2z)) and without overflow for large |z|. Contiguous input takes a flat
+1-D path with BLOCK elements per program; any other strides go through a 4-D index decomposition so a
+strided view is read in place rather than copied.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tritune import kernels as K
+from tritune.harness import strategies as S
+from tritune.references import gelu as ref
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+
+
+@triton.jit
+def _gelu_fwd(X, Y, numel, s1, s2, s3, st0, st1, st2, st3,
+              APPROX_TANH: tl.constexpr, CONTIGUOUS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    if CONTIGUOUS:
+        src = offs
+    else:  # offs = ((i0*s1 + i1)*s2 + i2)*s3 + i3 over the 4-D shape (s0, s1, s2, s3)
+        i3 = offs % s3
+        r = offs // s3
+        i2 = r % s2
+        r = r // s2
+        i1 = r % s1
+        i0 = r // s1
+        src = i0 * st0 + i1 * st1 + i2 * st2 + i3 * st3
+    x = tl.load(X + src, mask=mask, other=0.0).to(tl.float32)
+    if APPROX_TANH:
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        y = x / (1.0 + tl.exp(-2.0 * z))
+    else:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    numel: int
+    approximate: str = "none"     # "none" (erf) or "tanh"
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def problem_of(x, approximate="none", **_) -> Problem:
+    return Problem(x.numel(), approximate)
+
+
+def gelu(x, approximate: str = "none", *, out=None, config: dict | None = None):
+    """GELU of ``x`` (any shape up to 4-D for strided views, any shape when contiguous)."""
+    K.check_tensor("x", x, dtypes=DTYPES)
+    K.check_device("x", x)
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+    contiguous = x.is_contiguous()
+    if not contiguous and x.dim() > 4:
+        x = x.contiguous()  # beyond 4 strided dims: one copy, still correct
+        contiguous = True
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        K.check_out(out, x.shape, x.dtype, x.device)
+        if not out.is_contiguous():
+            raise ValueError("out: expected a contiguous tensor")
+    n = x.numel()
+    if n == 0:
+        return out
+    cfg = SPEC.config_for(Problem(n, approximate), x.dtype, config)
+    shape = [1] * (4 - x.dim()) + list(x.shape)
+    strides = [0] * (4 - x.dim()) + list(x.stride())
+    block = cfg["BLOCK"]
+    _gelu_fwd[(triton.cdiv(n, block),)](
+        x, out, n, shape[1], shape[2], shape[3], *strides,
+        APPROX_TANH=approximate == "tanh", CONTIGUOUS=contiguous, BLOCK=block, num_warps=cfg["num_warps"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+def _constraint(c, p: Problem, dtype) -> str | None:
+    if c["BLOCK"] > max(128, triton.next_power_of_2(p.numel)):
+        return "BLOCK larger than the tensor"
+    per_thread = c["BLOCK"] // (32 * c["num_warps"])
+    if per_thread > 64:
+        return f"{per_thread} elements per thread"
+    if per_thread < 1:
+        return "idle threads"
+    return None
+
+
+SPACE = K.Space(
+    params={"BLOCK": [128, 256, 512, 1024, 2048, 4096, 8192, 16384], "num_warps": [1, 2, 4, 8, 16]},
+    constraint=_constraint,
+)
+
+
+def default_config(p: Problem, dtype) -> dict:
+    block = min(4096, max(128, triton.next_power_of_2(p.numel)))
+    return {"BLOCK": block, "num_warps": max(1, min(8, block // 256))}
+
+
+def bucket(p: Problem) -> dict:
+    return {"numel": triton.next_power_of_2(p.numel), "approximate": p.approximate}
+
+
+def cost(p: Problem, dtype) -> K.Cost:
+    e = torch.finfo(dtype).bits // 8
+    return K.Cost(flops=10.0 * p.numel, bytes=2.0 * e * p.numel)
+
+
+def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
+    # a 2-D shape whose rows are not a power of two, so "transposed" and "sliced" mean something
+    cols = next((c for c in (768, 257, 61, 13, 7, 3) if p.numel % c == 0 and p.numel > c), 1)
+    x = S.with_layout(S.randn((p.numel // cols, cols), dtype, device, seed, scale=3.0), layout)
+    return K.Case(args=(x,), kwargs={"approximate": p.approximate},
+                  out=torch.empty(x.shape, dtype=dtype, device=device))
+
+
+def problems(max_elems: int):
+    from hypothesis import strategies as st
+
+    return st.builds(Problem, S.sizes(max_elems), st.sampled_from(["none", "tanh"]))
+
+
+def _vendor(c: K.Case):
+    (x,) = c.args
+    return lambda: torch.nn.functional.gelu(x, approximate=c.kwargs["approximate"])
+
+
+def _bad_inputs(device):
+    x = torch.randn(5, 7, device=device)
+    return [
+        ("integer x", lambda: gelu(x.to(torch.int64)), TypeError),
+        ("float64 x", lambda: gelu(x.double()), TypeError),
+        ("x on the wrong device", lambda: gelu(x.to("meta")), ValueError),
+        ("unknown approximation", lambda: gelu(x, approximate="fast"), ValueError),
+        ("out of the wrong dtype", lambda: gelu(x, out=torch.empty(5, 7, dtype=torch.float16, device=device)), TypeError),
+    ]
+
+
+SPEC = K.register(K.KernelSpec(
+    name="gelu",
+    description="GELU (erf or tanh), elementwise, strided",
+    run=gelu,
+    reference=ref.gelu,
+    make_inputs=make_inputs,
+    problems=problems,
+    space=SPACE,
+    default_config=default_config,
+    bucket=bucket,
+    cost=cost,
+    problem_of=problem_of,
+    standard_problems=[Problem(8192 * 768), Problem(8192 * 768, "tanh"), Problem(65536 * 4096),
+                       Problem(65536 * 4096, "tanh"), Problem(16384 * 8192)],
+    small_problems=[Problem(64 * 768), Problem(1021, "tanh")],
+    layouts=("contiguous", "sliced", "transposed"),
+    vendor=_vendor,
+    vendor_name="F.gelu",
+    bad_inputs=_bad_inputs,
+))

@@ -1,0 +1,102 @@
+"""The harness must catch what it exists to catch."""
+import math
+
+import pytest
+import torch
+from hypothesis import given
+
+from tritune import kernels
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.harness import strategies as S
+
+
+def test_wrong_kernel_fails_comparison():
+    spec = kernels.get("gelu")
+    case = spec.make_inputs(spec.small_problems[0], torch.float32, dev.device(), 0)
+    ref = spec.reference(*case.args, **case.kwargs)
+    wrong = torch.nn.functional.gelu(case.args[0], approximate="tanh")  # the other GELU: close, not equal
+    with pytest.raises(AssertionError, match="FAIL"):
+        cmp.check(wrong, ref, torch.float32)
+
+
+def test_unwritten_element_is_caught():
+    spec = kernels.get("layer_norm")
+    case = spec.make_inputs(spec.small_problems[0], torch.float32, dev.device(), 0)
+    ref = spec.reference(*case.args, **case.kwargs)
+    out = ref.float().clone()
+    cmp.poison(out[5:6, 3:4])
+    c = cmp.compare(out, ref)
+    assert c.unwritten == 1 and not c.ok
+
+
+def test_nan_never_passes():
+    ref = torch.randn(10, dtype=torch.float64)
+    out = ref.clone()
+    out[3] = float("nan")
+    assert math.isinf(cmp.rel_error(out, ref))
+
+
+def test_poison_integer_tensor():
+    t = cmp.poison(torch.zeros(4, dtype=torch.int32))
+    assert (t == torch.iinfo(torch.int32).max).all()
+
+
+def test_tolerance_table_is_the_only_source():
+    assert cmp.tolerance(torch.float32) < cmp.tolerance(torch.float16) < cmp.tolerance(torch.bfloat16)
+    assert cmp.tolerance(torch.float32, "tf32") > cmp.tolerance(torch.float32)
+    with pytest.raises(KeyError):
+        cmp.tolerance(torch.int8)
+
+
+@given(n=S.sizes(100))
+def test_sizes_in_range(n):
+    assert 1 <= n <= 100
+
+
+@pytest.mark.parametrize("layout", S.LAYOUTS)
+def test_layouts_keep_values(layout):
+    t = torch.randn(7, 13)
+    v = S.with_layout(t, layout)
+    assert torch.equal(v, t)
+    if layout == "transposed":
+        assert v.stride() == (1, 7)
+    if layout == "sliced":
+        assert v.stride(0) > 13 and v.stride(1) == 1
+
+
+def test_unknown_layout():
+    with pytest.raises(ValueError, match="layout"):
+        S.with_layout(torch.randn(3, 3), "diagonal")
+
+
+def test_slug():
+    assert dev.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_registry_discovers_kernels():
+    names = {s.name for s in kernels.all_specs()}
+    assert {"layer_norm", "gelu"} <= names
+    with pytest.raises(KeyError, match="unknown kernel"):
+        kernels.get("nope")
+
+
+def test_bench_on_interpreter_checks_and_times(tmp_path):
+    from tritune.harness import bench, report
+
+    spec = kernels.get("gelu")
+    rows = bench.bench_spec(spec, torch.float32, problems=spec.small_problems[:1])
+    assert rows[0]["correct"] and rows[0]["ours_us"] > 0 and "vendor_us" in rows[0]
+    path = bench.write_results(rows, tmp_path, "gelu")
+    assert "gelu" in report.results_tables(tmp_path)
+    assert path.exists()
+
+
+def test_cli_info_and_bench(tmp_path, capsys):
+    from tritune.harness import cli
+
+    assert cli.main(["info"]) == 0
+    assert "layer_norm" in capsys.readouterr().out
+    assert cli.main(["bench", "gelu", "--dtype", "fp32", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "interpreter" in out and "gelu" in out

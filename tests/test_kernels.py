@@ -1,0 +1,102 @@
+"""Property tests for every registered kernel, generated from its spec (no per-kernel branches).
+
+For each kernel and dtype: draw a problem, a layout, a seed and a valid config from the kernel's space;
+build random inputs; poison the output; launch; compare with the float64 reference under the dtype's
+tolerance and check every element was written. Drawing the config as well as the problem tests every
+point the tuner may pick, not only the default.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, given, strategies as st
+
+from tritune import kernels
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.harness import strategies as S
+
+SPECS = kernels.all_specs()
+CASES = [pytest.param(s, d, id=f"{s.name}-{str(d).split('.')[-1]}") for s in SPECS for d in s.dtypes]
+# Interpreter problems stay small: every program instance runs in Python.
+MAX_ELEMS = S.cap(cpu=1 << 14, gpu=1 << 24)
+
+
+def _skip_if_interpreted(spec, dtype):
+    if dev.interpreted() and dtype in spec.interpreter_skip:
+        pytest.skip(f"GPU only: {spec.interpreter_skip[dtype]}")
+
+
+def _poison_out(case):
+    outs = case.out if isinstance(case.out, (tuple, list)) else [case.out]
+    for o in outs:
+        cmp.poison(o)
+
+
+@pytest.mark.parametrize("spec,dtype", CASES)
+def test_matches_reference(spec, dtype):
+    _skip_if_interpreted(spec, dtype)
+
+    @given(problem=spec.problems(MAX_ELEMS), layout=st.sampled_from(spec.layouts),
+           seed=st.integers(0, 2**31 - 1), data=st.data())
+    def prop(problem, layout, seed, data):
+        points = spec.space.points(problem, dtype)
+        assert points, f"{spec.name}: no valid config for {problem}"
+        default = spec.default_config(problem, dtype)
+        assert spec.space.why_invalid(default, problem, dtype) is None, \
+            f"default config {default} invalid: {spec.space.why_invalid(default, problem, dtype)}"
+        config = data.draw(st.sampled_from([None] + points), label="config")
+        case = spec.make_inputs(problem, dtype, dev.device(), seed, layout)
+        _poison_out(case)
+        got = spec.run(*case.args, out=case.out, config=config, **case.kwargs)
+        ref = spec.reference(*case.args, **case.kwargs)
+        cmp.check(got, ref, dtype, spec.accumulation(dtype), what=f"{spec.name} {problem} {layout} cfg={config}")
+
+    prop()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_bad_inputs_raise_clear_errors(spec):
+    if spec.bad_inputs is None:
+        pytest.skip(f"{spec.name} declares no bad inputs")
+    for label, thunk, exc in spec.bad_inputs(dev.device()):
+        with pytest.raises(exc) as info:
+            thunk()
+        assert str(info.value), f"{spec.name}: {label}: empty error message"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_spec_is_complete(spec):
+    """Every standard problem has a valid default config, a bucket and a positive cost."""
+    for problem in spec.standard_problems + spec.small_problems:
+        for dtype in spec.dtypes:
+            cfg = spec.default_config(problem, dtype)
+            assert spec.space.why_invalid(cfg, problem, dtype) is None, (problem, cfg)
+            assert spec.space.points(problem, dtype), problem
+            assert kernels.bucket_key(spec.bucket(problem))
+            c = spec.cost(problem, dtype)
+            assert c.bytes > 0 and c.flops >= 0
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_explicit_invalid_config_is_rejected(spec):
+    problem = spec.small_problems[0]
+    dtype = spec.dtypes[0]
+    case = spec.make_inputs(problem, dtype, dev.device(), 0)
+    bad = dict(spec.default_config(problem, dtype), not_a_parameter=1)
+    with pytest.raises(ValueError, match="not_a_parameter"):
+        spec.run(*case.args, out=case.out, config=bad, **case.kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec,dtype", CASES)
+def test_standard_problems_on_gpu(spec, dtype):
+    """The benchmark problems themselves, at full size, with the default (or tuned) config."""
+    for problem in spec.standard_problems:
+        case = spec.make_inputs(problem, dtype, "cuda", 1234)
+        _poison_out(case)
+        got = spec.run(*case.args, out=case.out, **case.kwargs)
+        ref = spec.reference(*case.args, **case.kwargs)
+        cmp.check(got, ref, dtype, spec.accumulation(dtype), what=f"{spec.name} {problem}")
+        del case, got, ref
+        torch.cuda.empty_cache()

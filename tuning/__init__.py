@@ -1,0 +1,1 @@
+"""Tuning: Optuna search per (kernel, bucket, dtype, GPU), the verified config store, runtime lookup."""
