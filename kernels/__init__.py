@@ -171,7 +171,14 @@ def all_specs() -> list[KernelSpec]:
 
 
 def get(name: str) -> KernelSpec:
-    _discover()
+    if name not in REGISTRY:  # a kernel's module is named after it: import just that one when it exists
+        try:
+            importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    if name not in REGISTRY:
+        _discover()
     try:
         return REGISTRY[name]
     except KeyError:
