@@ -1,9 +1,8 @@
 """LayerNorm forward over the last dim: y = (x − mean(x)) · rsqrt(var(x) + eps) · w + b.
 
 Statistics in float32 whatever the storage type. Rows of up to BLOCK_N elements are normalised in one
-pass from registers (x is read once); longer rows loop over BLOCK_N chunks three times (mean, centred
-variance, normalise) so the variance is never the cancellation-prone E[x²] − E[x]², and the re-reads of a
-row mostly come from L2. Several short rows share a program (ROWS) so small N still fills the warps.
+pass from registers (x is read once); longer rows loop over BLOCK_N chunks twice (shifted sums for the
+statistics, then normalise), the second read of a row mostly coming from L2. Several short rows share a program (ROWS) so small N still fills the warps.
 """
 from __future__ import annotations
 
@@ -43,20 +42,25 @@ def _layer_norm_fwd(X, Y, W, B, Mean, Rstd, M, N, stride_xm, stride_xn, stride_y
             y = y + tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(y_rows + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask = mask_m[:, None] & (offs_n < N)[None, :]
-            acc += tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(acc, axis=1) / N
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        # Two passes over the row instead of three: sums of x − c and (x − c)² with the shift c = the
+        # mean of the first chunk. E[(x−c)²] − E[x−c]² only cancels by (mean − c)² / var, which a shift
+        # near the mean keeps O(1) — the unshifted E[x²] − E[x]² would lose everything for |mean| ≫ std.
+        offs_n = tl.arange(0, BLOCK_N)
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        first = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.sum(first, axis=1) / tl.minimum(N, BLOCK_N)
+        s1 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        s2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask = mask_m[:, None] & (offs_n < N)[None, :]
             x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            acc += xc * xc
-        var = tl.sum(acc, axis=1) / N
+            xc = tl.where(mask, x - shift[:, None], 0.0)
+            s1 += xc
+            s2 += xc * xc
+        d = tl.sum(s1, axis=1) / N
+        mean = shift + d
+        var = tl.maximum(tl.sum(s2, axis=1) / N - d * d, 0.0)
         rstd = 1.0 / tl.sqrt(var + eps)
         for start in range(0, N, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -172,7 +176,7 @@ def default_config(p: Problem, dtype) -> dict:
         block = n2
         rows = max(1, min(1024 // block, triton.next_power_of_2(p.M), 32))
     else:
-        block, rows = 4096, 1
+        block, rows = 8192, 1
     warps = max(1, min(16, block * rows // 512))
     while block * rows // (32 * warps) > 64:
         warps *= 2
