@@ -1,0 +1,171 @@
+"""Paged KV cache: a pool of fixed-size blocks, and per-sequence block tables grown on demand.
+
+The cache of layer ``l`` is ``pool.k_caches[l]`` / ``pool.v_caches[l]``, each ``(num_blocks, block_size,
+H, D)``. Token ``pos`` of a sequence lives in block ``table.blocks[pos // block_size]`` at offset
+``pos % block_size``; its flat *slot* is ``block * block_size + offset`` (what ``write_kv`` takes; a
+negative slot means "skip"). Memory is reserved once, when the pool is built; sequences take blocks only
+as they grow, so no sequence holds room for a maximum length it may never reach.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has fewer free blocks than asked for (the scheduler checks first, so this is a bug)."""
+
+
+class BlockPool:
+    """Per-layer K and V cache tensors carved into blocks, and the free list.
+
+    Size it with exactly one of ``num_blocks``, or ``memory``: bytes (an ``int``), or a fraction in
+    (0, 1] of the free memory of ``device`` (a ``float``; CUDA only, read via ``torch.cuda.mem_get_info``).
+    """
+
+    def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float16, device="cpu", *, num_blocks: int | None = None,
+                 memory: int | float | None = None):
+        for name, v in (("n_layer", n_layer), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                        ("block_size", block_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.device = torch.device(device)
+        self.n_layer, self.n_kv_heads, self.head_dim = n_layer, n_kv_heads, head_dim
+        self.block_size, self.dtype = block_size, dtype
+        self.bytes_per_block = bytes_per_block(n_layer, n_kv_heads, head_dim, block_size, dtype)
+        if (num_blocks is None) == (memory is None):
+            raise ValueError("give exactly one of num_blocks or memory (bytes, or a fraction of free GPU memory)")
+        if num_blocks is None:
+            num_blocks = blocks_for_budget(memory, self.bytes_per_block, self.device)
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        # One allocation for everything; zeroed so a kernel bug reading an unwritten slot sees 0, not NaN.
+        self.cache = torch.zeros(2, n_layer, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype,
+                                 device=self.device)
+        self.k_caches = list(self.cache[0].unbind(0))
+        self.v_caches = list(self.cache[1].unbind(0))
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: allocate() hands out 0, 1, 2, ... first
+        self._allocated = [False] * num_blocks
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > len(self._free):
+            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} of {self.num_blocks} are free")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._allocated[b] = True
+        self.peak_used = max(self.peak_used, self.num_used)
+        return blocks
+
+    def free(self, blocks) -> None:
+        """Return ``blocks`` to the pool. Checks every id first, so a bad call changes nothing."""
+        blocks = list(blocks)
+        seen = set()
+        for b in blocks:
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b!r} is not in this pool (ids 0..{self.num_blocks - 1})")
+            if not self._allocated[b] or b in seen:
+                raise ValueError(f"block {b} is not allocated (double free?)")
+            seen.add(b)
+        for b in blocks:
+            self._allocated[b] = False
+            self._free.append(b)
+
+    def __repr__(self):
+        return (f"BlockPool({self.num_blocks} blocks x {self.block_size} tokens, {self.n_layer} layers, "
+                f"H={self.n_kv_heads}, D={self.head_dim}, {self.dtype}, {self.device}; "
+                f"{self.num_free} free, peak {self.peak_used} used)")
+
+
+def bytes_per_block(n_layer, n_kv_heads, head_dim, block_size, dtype) -> int:
+    """K and V of every layer for ``block_size`` tokens."""
+    return 2 * n_layer * block_size * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def blocks_for_budget(memory: int | float, block_bytes: int, device: torch.device) -> int:
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)):
+        raise TypeError(f"memory must be bytes (int) or a fraction of free GPU memory (float), got {memory!r}")
+    if isinstance(memory, float):
+        if not 0.0 < memory <= 1.0:
+            raise ValueError(f"memory as a fraction of free GPU memory must be in (0, 1], got {memory}")
+        if device.type != "cuda":
+            raise ValueError(f"memory={memory} is a fraction of free GPU memory, but the device is {device}; "
+                             "give bytes (an int) instead")
+        free, _total = torch.cuda.mem_get_info(device)
+        memory = int(free * memory)
+    num_blocks = memory // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"a KV budget of {memory} bytes holds no block ({block_bytes} bytes each)")
+    return num_blocks
+
+
+class BlockTable:
+    """The blocks of one sequence, in order; grows (``ensure_capacity``) as the sequence does."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.blocks: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.pool.block_size
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        """Blocks to add so that ``n_tokens`` tokens fit."""
+        return max(0, math.ceil(n_tokens / self.pool.block_size) - len(self.blocks))
+
+    def ensure_capacity(self, n_tokens: int) -> None:
+        """Allocate just the blocks needed to hold ``n_tokens`` tokens (raises OutOfBlocks if the pool can't)."""
+        need = self.blocks_needed(n_tokens)
+        if need:
+            self.blocks += self.pool.allocate(need)
+
+    def slot(self, pos: int) -> int:
+        if not 0 <= pos < self.capacity:
+            raise IndexError(f"position {pos} is outside this sequence's {self.capacity} allocated slots")
+        bs = self.pool.block_size
+        return self.blocks[pos // bs] * bs + pos % bs
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Slots of positions ``start .. end-1`` (the new tokens' ``slot_mapping``)."""
+        return [self.slot(p) for p in range(start, end)]
+
+    def free(self) -> None:
+        self.pool.free(self.blocks)
+        self.blocks = []
+
+
+def block_tables_tensor(tables, max_blocks: int | None = None, batch: int | None = None, pad: int = 0,
+                        device=None) -> torch.Tensor:
+    """(batch, max_blocks) int32 from BlockTables (or lists of block ids), padded with ``pad``.
+
+    ``max_blocks`` defaults to the longest table; fix it (e.g. ``ceil(n_positions / block_size)``) and
+    ``batch`` (a CUDA-graph bucket >= len(tables)) for shapes that do not change from step to step.
+    Padding is a valid block id (0) by default: kernels read only ``context_lens`` tokens, so it is never
+    used, but a stray read stays in bounds.
+    """
+    rows = [t.blocks if isinstance(t, BlockTable) else list(t) for t in tables]
+    longest = max((len(r) for r in rows), default=0)
+    max_blocks = longest if max_blocks is None else max_blocks
+    if longest > max_blocks:
+        raise ValueError(f"max_blocks={max_blocks} is less than the longest block table ({longest})")
+    batch = len(rows) if batch is None else batch
+    if batch < len(rows):
+        raise ValueError(f"batch={batch} is less than the number of block tables ({len(rows)})")
+    out = torch.full((batch, max_blocks), pad, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return out.to(device) if device is not None else out

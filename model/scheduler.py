@@ -1,0 +1,320 @@
+"""Continuous batching: which sequences run in the next step, and what they write where.
+
+Each :meth:`Scheduler.schedule` call decodes every running sequence (one token each) and then admits
+waiting requests, first come first served, while blocks, ``max_num_seqs`` and the step's token budget
+allow; a request added between steps joins at the next one. When a running sequence needs a new block
+and none is free, the newest running request is preempted: its blocks go back to the pool and it waits
+at the front of the queue, keeping the tokens it generated, to be recomputed later as one prefill of
+prompt + generated. The oldest running request is never preempted for another, so it always advances,
+and everything finishes.
+
+The model sees a :class:`SchedulerOutput`: prefills (all tokens of a sequence, with their cache slots)
+and decodes (each sequence's last token, its slot, its block table), then hands the sampled tokens back
+to :meth:`Scheduler.update`, which appends them, streams them, and retires finished sequences at once.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tritune.model.kv_cache import BlockPool, BlockTable
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
+
+    ``stop`` strings need the tokenizer, so the engine checks them (and calls ``Scheduler.finish``);
+    the scheduler itself stops on EOS, ``stop_token_ids`` and ``max_new_tokens``.
+    """
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0                  # 0: no top-k
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+
+@dataclass(eq=False)
+class Request:
+    id: Any
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    arrival_time: float
+    stream: Any = None              # callable(request, token | None), or a queue (.put(token), None at the end)
+    state: str = WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None   # "stop" (EOS, stop token or string), "length", "abort", "error"
+    error: BaseException | None = None
+    truncated: int = 0              # prompt tokens dropped from the left (truncate=True)
+    num_computed: int = 0           # tokens whose K/V are in the cache
+    table: BlockTable | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    order: int = 0                  # arrival order: the larger, the newer
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state == FINISHED
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. Prefills first, then decodes: ``update`` takes the sampled tokens in that order."""
+    prefill: list[Request] = field(default_factory=list)
+    prefill_ids: list[list[int]] = field(default_factory=list)     # every token of the sequence, from 0
+    prefill_slots: list[list[int]] = field(default_factory=list)   # their cache slots
+    decode: list[Request] = field(default_factory=list)
+    decode_ids: list[int] = field(default_factory=list)            # each sequence's last token
+    decode_positions: list[int] = field(default_factory=list)      # its position (= context_len - 1)
+    decode_slots: list[int] = field(default_factory=list)          # where its K/V go
+    decode_tables: list[BlockTable] = field(default_factory=list)  # for block_tables_tensor()
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def context_lens(self) -> list[int]:
+        """Tokens each decode sequence attends to, the new one included."""
+        return [p + 1 for p in self.decode_positions]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.prefill_ids)) + len(self.decode_ids)
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.prefill + self.decode
+
+    def __bool__(self):
+        return bool(self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, n_positions: int, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, eos_token_id: int | None = None,
+                 vocab_size: int | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.pool, self.n_positions = pool, n_positions
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max(n_positions, 2048) if max_num_batched_tokens is None \
+            else max_num_batched_tokens
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        # Prefills are not chunked: the longest (a full context, when recomputing) must fit in one step.
+        if self.max_num_batched_tokens < n_positions:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is less than the context "
+                             f"(n_positions={n_positions}); a long prompt could never be scheduled")
+        self.eos_token_id, self.vocab_size, self.clock = eos_token_id, vocab_size, clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []     # kept in arrival order: running[-1] is the newest
+        self.requests: dict[Any, Request] = {}  # unfinished, by id
+        self._order = itertools.count()
+        self.num_preemptions = 0
+        self._pending = False       # a step was scheduled and its tokens are not back yet
+
+    # ---------------------------------------------------------------------------------------- requests
+    def add_request(self, prompt_ids, sampling: SamplingParams | None = None, *, request_id=None,
+                    stream=None, truncate: bool = False, arrival_time: float | None = None) -> Request:
+        """Validate and enqueue; raises ValueError/TypeError (and changes nothing) for a bad request."""
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if isinstance(prompt_ids, (str, bytes)):
+            raise TypeError("prompt_ids must be token ids, not text: tokenize the prompt first")
+        if hasattr(prompt_ids, "tolist"):
+            prompt_ids = prompt_ids.tolist()
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"prompt_ids must be ints, got {t!r} ({type(t).__name__})")
+            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
+                raise ValueError(f"token id {t} in prompt_ids is outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1 if self.vocab_size else 'vocab_size-1'})")
+        max_new, ctx = sampling.max_new_tokens, self.n_positions
+        truncated = 0
+        if len(prompt_ids) + max_new > ctx:
+            if not truncate:
+                what = (f"prompt of {len(prompt_ids)} tokens is longer than the context ({ctx})"
+                        if len(prompt_ids) > ctx else
+                        f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new} exceeds the context ({ctx})")
+                raise ValueError(f"{what}; shorten it, lower max_new_tokens, or pass truncate=True "
+                                 "to drop prompt tokens from the left")
+            keep = ctx - max_new
+            if keep < 1:
+                raise ValueError(f"max_new_tokens={max_new} leaves no room for the prompt in the context ({ctx})")
+            truncated, prompt_ids = len(prompt_ids) - keep, prompt_ids[-keep:]
+        # The last sampled token is never fed back, so a sequence holds at most prompt + max_new - 1 tokens.
+        need = math.ceil((len(prompt_ids) + max_new - 1) / self.pool.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks ({len(prompt_ids)} prompt + {max_new} new tokens), "
+                             f"more than the whole pool ({self.pool.num_blocks} blocks of {self.pool.block_size})")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        order = next(self._order)
+        if request_id is None:      # the arrival number, unless a caller took it as an id
+            request_id = next(i for i in itertools.count(order) if i not in self.requests)
+        req = Request(request_id, prompt_ids, max_new, sampling,
+                      self.clock() if arrival_time is None else arrival_time, stream=stream,
+                      truncated=truncated, order=order)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id) -> Request:
+        if request_id not in self.requests:
+            raise KeyError(f"no unfinished request with id {request_id!r}")
+        req = self.requests[request_id]
+        self.finish(req, "abort")
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Retire ``req`` now: its blocks go back to the pool and its stream gets the end marker."""
+        if req.state == FINISHED:
+            return
+        if req.state == RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        if req.table is not None:
+            req.table.free()
+            req.table = None
+        req.state, req.finish_reason, req.finish_time = FINISHED, reason, self.clock()
+        del self.requests[req.id]
+        self._emit(req, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------------------------------- steps
+    def schedule(self) -> SchedulerOutput:
+        if self._pending:
+            raise RuntimeError("schedule() called again before update() returned the last step's tokens")
+        out = SchedulerOutput()
+        pool = self.pool
+        # Decode: every running sequence feeds its last token, which needs a slot at position num_tokens-1.
+        for req in list(self.running):
+            if req.state != RUNNING:        # preempted for an older one, earlier in this loop
+                continue
+            while req.table.blocks_needed(req.num_tokens) > pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.state != RUNNING:
+                continue
+            req.table.ensure_capacity(req.num_tokens)
+            pos = req.num_tokens - 1
+            out.decode.append(req)
+            out.decode_ids.append((req.output_ids or req.prompt_ids)[-1])
+            out.decode_positions.append(pos)
+            out.decode_slots.append(req.table.slot(pos))
+            out.decode_tables.append(req.table)
+
+        # Admit, first come first served (no skipping ahead: the head would starve). Not after a
+        # preemption: the blocks just freed belong to the request at the front, once there is room.
+        budget = self.max_num_batched_tokens - len(out.decode)
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens
+            if n > budget or math.ceil(n / pool.block_size) > pool.num_free:
+                break
+            self.waiting.popleft()
+            req.table = BlockTable(pool)
+            req.table.ensure_capacity(n)
+            req.state = RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.order)
+            out.prefill.append(req)
+            out.prefill_ids.append(req.all_ids)
+            out.prefill_slots.append(req.table.slots(0, n))
+            budget -= n
+        self._pending = bool(out)
+        return out
+
+    def update(self, out: SchedulerOutput, next_tokens) -> list[Request]:
+        """Append each sequence's sampled token (prefills first, then decodes); returns those that finished."""
+        reqs = out.requests
+        if hasattr(next_tokens, "tolist"):
+            next_tokens = next_tokens.tolist()
+        if len(next_tokens) != len(reqs):
+            raise ValueError(f"got {len(next_tokens)} tokens for {len(reqs)} scheduled sequences")
+        self._pending = False
+        now = self.clock()
+        done = []
+        for req, tok in zip(reqs, next_tokens):
+            if req.state != RUNNING:        # aborted (or finished by the engine) since schedule()
+                continue
+            tok = int(tok)
+            req.num_computed = req.num_tokens
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._emit(req, tok)
+            if req.state == FINISHED:       # its stream failed
+                done.append(req)
+                continue
+            if (tok == self.eos_token_id and not req.sampling.ignore_eos) or tok in req.sampling.stop_token_ids:
+                self.finish(req, "stop")
+            elif len(req.output_ids) >= req.max_new_tokens:
+                self.finish(req, "length")
+            if req.state == FINISHED:
+                done.append(req)
+        return done
+
+    # ---------------------------------------------------------------------------------------- internals
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        req.table.free()
+        req.table = None
+        req.num_computed = 0
+        req.state = WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims go newest first, so appending each at the left keeps the queue in arrival order.
+        self.waiting.appendleft(req)
+
+    def _emit(self, req: Request, tok: int | None) -> None:
+        """Hand a token (None: the end) to the request's stream; a failing stream ends only its request."""
+        if req.stream is None:
+            return
+        try:
+            if callable(req.stream):
+                req.stream(req, tok)
+            else:
+                req.stream.put(tok)
+        except Exception as e:  # noqa: BLE001 (a consumer's bug must not stop the other requests)
+            if tok is not None and req.state != FINISHED:
+                req.error = e
+                self.finish(req, "error")
