@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -156,9 +157,10 @@ class Scheduler:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int):
+        for i, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
                 raise TypeError(f"prompt_ids must be ints, got {t!r} ({type(t).__name__})")
+            prompt_ids[i] = t = operator.index(t)
             if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
                 raise ValueError(f"token id {t} in prompt_ids is outside the vocabulary "
                                  f"(0..{self.vocab_size - 1 if self.vocab_size else 'vocab_size-1'})")
@@ -180,6 +182,8 @@ class Scheduler:
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs {need} KV blocks ({len(prompt_ids)} prompt + {max_new} new tokens), "
                              f"more than the whole pool ({self.pool.num_blocks} blocks of {self.pool.block_size})")
+        if stream is not None and not (callable(stream) or hasattr(stream, "put")):
+            raise TypeError(f"stream must be a callable(request, token) or a queue, got {type(stream).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         order = next(self._order)

@@ -286,6 +286,7 @@ def test_bad_requests_raise_and_others_continue():
         (ValueError, "outside the vocabulary", lambda: sched.add_request([1, 50], SamplingParams())),
         (TypeError, "not text", lambda: sched.add_request("hello", SamplingParams())),
         (TypeError, "must be ints", lambda: sched.add_request([1, 2.5], SamplingParams())),
+        (TypeError, "stream must be", lambda: sched.add_request([1], SamplingParams(), stream="stdout")),
         (ValueError, "top_p must be in", lambda: SamplingParams(top_p=0)),
         (ValueError, "temperature must be >= 0", lambda: SamplingParams(temperature=-1.0)),
     ]
@@ -302,8 +303,8 @@ def test_bad_requests_raise_and_others_continue():
 def test_truncate_keeps_the_end_of_the_prompt():
     pool, sched, model = make(num_blocks=16, block_size=4, n_positions=32)
     p = prompt(40)
-    r = sched.add_request(p, SamplingParams(max_new_tokens=5), truncate=True)
-    assert r.prompt_ids == p[-27:] and r.truncated == 13
+    r = sched.add_request(torch.tensor(p), SamplingParams(max_new_tokens=5), truncate=True)
+    assert r.prompt_ids == p[-27:] and r.truncated == 13 and all(type(t) is int for t in r.prompt_ids)
     with pytest.raises(ValueError, match="max_num_batched_tokens=16 is less than the context"):
         Scheduler(pool, 32, max_num_batched_tokens=16)
 
