@@ -1,0 +1,86 @@
+"""``tritune generate``: stream a GPT-2 completion to the terminal, then a line of timings."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def default_model_dir() -> Path | None:
+    """The packaged checkpoint (model/default/), when one has been trained into it."""
+    import tritune.model
+
+    d = Path(tritune.model.__file__).parent / "default"
+    return d if (d / "config.json").is_file() else None
+
+
+def add_parser(subparsers, name: str) -> None:
+    if name != "generate":
+        return
+    from tritune.harness.cli import parse_dtype
+
+    s = subparsers.add_parser("generate", help="generate text with GPT-2 on tritune kernels (streams)")
+    s.add_argument("prompt", help="the prompt text")
+    s.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face hub id (default: the packaged checkpoint)")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    s.add_argument("--top-k", type=int, default=0, help="0 (default) disables top-k")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    s.add_argument("--backend", choices=("triton", "torch"), default=None,
+                   help="default: triton with a CUDA GPU, torch without")
+    s.add_argument("--dtype", type=parse_dtype, default=None, help="fp32, fp16 or bf16 (default: bf16 on a "
+                   "GPU, fp32 on the CPU)")
+    s.add_argument("--truncate", action="store_true",
+                   help="drop the prompt's first tokens when it does not fit the context")
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from tritune.model.generate import stream
+    from tritune.model.gpt2 import GPT2
+    from tritune.model.tokenizer import Tokenizer
+
+    model_path = args.model
+    if model_path is None:
+        d = default_model_dir()
+        if d is None:
+            print("tritune generate: no packaged default checkpoint (model/default/config.json is missing); "
+                  "pass --model DIR or a hub id such as --model gpt2", file=sys.stderr)
+            return 2
+        model_path = d
+    gpu = torch.cuda.is_available()
+    backend = args.backend
+    if backend is None:
+        backend = "triton" if gpu else "torch"
+        if not gpu:
+            print("note: no CUDA GPU; using the torch backend (pass --backend triton to run the kernels "
+                  "through the Triton interpreter, slowly)", file=sys.stderr)
+    dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
+    try:
+        model = GPT2.from_pretrained(model_path, backend=backend, dtype=dtype)
+        tok = Tokenizer.from_dir(model.directory)
+        g = stream(model, args.prompt, tokenizer=tok, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   stop=args.stop, truncate=args.truncate)
+    except (FileNotFoundError, NotADirectoryError, ValueError, TypeError) as e:
+        print(f"tritune generate: {e}", file=sys.stderr)
+        return 2
+    if g.result.truncated:
+        print(f"note: prompt truncated: dropped its first {g.result.truncated} tokens", file=sys.stderr)
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    for ev in g:
+        if ev.text:
+            out.write(ev.text)
+            out.flush()
+    r = g.result
+    out.write("\n")
+    print(f"[{backend}, {str(dtype).replace('torch.', '')}, {model.device}] {r.timings}; "
+          f"stopped: {r.finish_reason}", file=sys.stderr)
+    return 0

@@ -1,0 +1,386 @@
+"""GPT-2's forward on tritune kernels, with a plain-PyTorch backend to compare it to step by step.
+
+One layer, the residual stream ``x`` (T, E) over the T tokens of the step::
+
+    h = layer_norm(x)                         ln_1
+    q, k, v = gemm(h, W_qkv, b_qkv)           one fused c_attn GEMM; q, k, v are views of its output
+    a = attention(q, k, v)                    prefill: causal within each packed sequence
+                                              decode:  the new token against the paged KV cache
+    x = gemm(a, W_o, b_o, residual=x)         residual add fused into the GEMM epilogue
+    h = layer_norm(x)                         ln_2
+    f = gemm(h, W_fc, b_fc, activation="gelu_tanh")
+    x = gemm(f, W_proj, b_proj, residual=x)
+
+then ``logits = gemm(layer_norm(x), wte^T)`` on the rows that need them.
+
+Two entry points, both over *packed* tokens so the continuous-batching engine can call them as they are:
+- :meth:`GPT2.prefill`: several whole sequences concatenated (``seq_lens``), each attending causally to
+  itself; K/V written to the cache at ``slot_mapping`` when a cache is given.
+- :meth:`GPT2.decode`: one new token per sequence; its K/V written at ``slot_mapping``, then paged
+  attention over ``block_tables`` / ``context_lens``.
+A KV cache is anything with per-layer lists ``k_caches`` / ``v_caches`` of (num_blocks, block_size, H, D)
+tensors (:class:`PagedKVCache` here, or the engine's block pool).
+
+Backends: ``"triton"`` runs each step on its tritune kernel when that kernel's module imports, else on
+the PyTorch op of the ``"torch"`` backend (:func:`backend_report` says which). ``"torch"`` runs plain
+PyTorch ops (F.layer_norm, addmm, F.gelu, F.scaled_dot_product_attention) in the model's dtype: the
+float64 ``tritune.references`` are the kernels' judges, far too slow to run a model on.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from pathlib import Path
+
+import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+import torch
+import torch.nn.functional as F
+
+from tritune.model import weights as W
+from tritune.model.config import GPT2Config
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BACKENDS = ("triton", "torch")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The torch backend: plain PyTorch ops in the model's dtype
+# ---------------------------------------------------------------------------------------------------
+def torch_layer_norm(x, w, b, eps):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def torch_linear(x, w, b=None, activation=None, residual=None):
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.mm(x2, w) if b is None else torch.addmm(b, x2, w)
+    if activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    if residual is not None:
+        y = y + residual.reshape(y.shape)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def torch_gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen):
+    """q, k, v (T, H, D) packed; causal within each sequence. One SDPA call per sequence."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    s = 0
+    for n in seq_lens:
+        e = s + n
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                           v[s:e].transpose(0, 1), is_causal=True)
+        out[s:e] = o.transpose(0, 1)
+        s = e
+    return out
+
+
+def torch_write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """k, v (T, H, D) into the flat slots of (num_blocks, block_size, H, D) caches; slot < 0 skips."""
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    keep = slot_mapping >= 0
+    idx = slot_mapping[keep].long()
+    kc[idx] = k[keep]
+    vc[idx] = v[keep]
+
+
+def torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens):
+    """q (B, H, D), one query per sequence, over its first context_lens cached tokens (gathered by block)."""
+    B, nb = block_tables.shape
+    bs = k_cache.shape[1]
+    bt = block_tables.long()
+    k = k_cache[bt].reshape(B, nb * bs, *k_cache.shape[2:]).transpose(1, 2)   # (B, H, L, D)
+    v = v_cache[bt].reshape(B, nb * bs, *v_cache.shape[2:]).transpose(1, 2)
+    mask = torch.arange(nb * bs, device=q.device)[None, :] < context_lens[:, None].long()
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :])
+    return o[:, :, 0, :]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The triton backend: each step on its kernel when the kernel's module imports
+# ---------------------------------------------------------------------------------------------------
+def _kernel(module: str, *names: str):
+    """(functions, None) from tritune.kernels.<module>, or (None, why not)."""
+    try:
+        mod = importlib.import_module(f"tritune.kernels.{module}")
+    except ImportError as e:
+        if getattr(e, "name", None) == f"tritune.kernels.{module}":
+            return None, "kernel not landed"
+        return None, f"kernel import failed: {type(e).__name__}: {e}"
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        return None, f"tritune.kernels.{module} has no {', '.join(missing)}"
+    return tuple(getattr(mod, n) for n in names), None
+
+
+class TritonOps:
+    """The implementation of each step for the triton backend, chosen once (kernels import or not)."""
+
+    def __init__(self):
+        self.steps: dict[str, str] = {}
+        ln, why = _kernel("layer_norm", "layer_norm")
+        self._ln = ln[0] if ln else None
+        self.steps["layernorm"] = ("kernel tritune.kernels.layer_norm" if self._ln
+                                   else f"reference F.layer_norm ({why})")
+
+        g, why_g = _kernel("gemm", "gemm")
+        self._gemm = g[0] if g else None
+        ge, why_ge = _kernel("gelu", "gelu")
+        self._gelu = ge[0] if ge else None
+        self.steps["linear"] = ("kernel tritune.kernels.gemm (bias, residual fused)" if self._gemm
+                                else f"reference torch.addmm ({why_g})")
+        if self._gemm:
+            self.steps["gelu"] = "fused into the gemm epilogue (activation='gelu_tanh')"
+        elif self._gelu:
+            self.steps["gelu"] = f"kernel tritune.kernels.gelu, after torch.addmm (gemm: {why_g})"
+        else:
+            self.steps["gelu"] = f"reference F.gelu ({why_ge})"
+
+        a, why_a = _kernel("attention", "attention_varlen")
+        self._varlen = a[0] if a else None
+        self._attn = None
+        if self._varlen:
+            self.steps["attention prefill"] = "kernel tritune.kernels.attention.attention_varlen"
+        else:
+            a1, why_1 = _kernel("attention", "attention")
+            self._attn = a1[0] if a1 else None
+            self.steps["attention prefill"] = (
+                f"kernel tritune.kernels.attention.attention, one call per sequence ({why_a})" if self._attn
+                else f"reference F.scaled_dot_product_attention ({why_a})")
+
+        p, why_p = _kernel("paged_attention", "paged_attention", "write_kv")
+        self._paged, self._write_kv = p if p else (None, None)
+        self.steps["attention decode"] = (
+            "kernel tritune.kernels.paged_attention (write_kv + paged_attention)" if p
+            else f"reference: index_put into the cache + SDPA over gathered blocks ({why_p})")
+
+    # -- steps --------------------------------------------------------------------------------------
+    def layer_norm(self, x, w, b, eps):
+        return self._ln(x, w, b, eps) if self._ln else torch_layer_norm(x, w, b, eps)
+
+    def linear(self, x, w, b=None, activation=None, residual=None):
+        if self._gemm:
+            return self._gemm(x, w, b, activation=activation, residual=residual)
+        if activation == "gelu_tanh" and self._gelu:
+            y = self._gelu(torch_linear(x, w, b), approximate="tanh")
+            return y if residual is None else y + residual
+        return torch_linear(x, w, b, activation, residual)
+
+    def attn_prefill(self, q, k, v, seq_lens, cu_seqlens, max_seqlen):
+        if self._varlen:
+            return self._varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+        if self._attn:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            s = 0
+            for n in seq_lens:
+                e = s + n
+                o = self._attn(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
+                               v[s:e].transpose(0, 1)[None], causal=True)
+                out[s:e] = o[0].transpose(0, 1)
+                s = e
+            return out
+        return torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        if self._write_kv:
+            # validate=False: the slots come from our own block tables, and validation syncs with the host
+            return self._write_kv(k, v, k_cache, v_cache, slot_mapping, validate=False)
+        return torch_write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attn_decode(self, q, k_cache, v_cache, block_tables, context_lens):
+        if self._paged:
+            return self._paged(q, k_cache, v_cache, block_tables, context_lens, validate=False)
+        return torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens)
+
+
+class TorchOps:
+    steps = {s: "plain PyTorch in the model dtype" for s in
+             ("layernorm", "linear", "gelu", "attention prefill", "attention decode")}
+    layer_norm = staticmethod(torch_layer_norm)
+    linear = staticmethod(torch_linear)
+    attn_prefill = staticmethod(torch_attn_prefill)
+    write_kv = staticmethod(torch_write_kv)
+    attn_decode = staticmethod(torch_attn_decode)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ops() -> TritonOps:
+    return TritonOps()
+
+
+def ops_for(backend: str):
+    if backend == "triton":
+        return _triton_ops()
+    if backend == "torch":
+        return TorchOps
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+def backend_report() -> str:
+    """Which implementation each step of the triton backend runs (for ``tritune info``)."""
+    ops = _triton_ops()
+    width = max(map(len, ops.steps))
+    lines = ["GPT-2 triton backend (tritune.model.gpt2):"]
+    lines += [f"  {k:<{width}}  {v}" for k, v in ops.steps.items()]
+    lines.append(f"  {'embedding':<{width}}  torch indexing (wte[ids] + wpe[pos]; no kernel)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV cache for one or a few sequences
+# ---------------------------------------------------------------------------------------------------
+class PagedKVCache:
+    """Per-layer K/V caches in the paged layout (num_blocks, block_size, H, D), no allocator.
+
+    Enough for single-request generation: the sequence takes blocks 0, 1, 2, ... in order, so its block
+    table is ``arange(num_blocks)`` and a position's slot is the position itself.
+    """
+
+    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, dtype, device):
+        shape = (config.n_layer, num_blocks, block_size, config.n_head, config.head_dim)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_caches = list(self.k.unbind(0))
+        self.v_caches = list(self.v.unbind(0))
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------
+class GPT2:
+    def __init__(self, config: GPT2Config, weights: W.GPT2Weights, *, backend: str = "triton",
+                 directory: Path | None = None):
+        self.config, self.w, self.directory = config, weights, directory
+        self.backend = backend
+        self.ops = ops_for(backend)
+        self.dtype = weights.wte.dtype
+        self.device = weights.wte.device
+
+    @classmethod
+    def from_pretrained(cls, model, *, backend: str = "triton", dtype: torch.dtype = torch.float32,
+                        device=None) -> "GPT2":
+        """Load a checkpoint directory or hub id. ``device`` defaults to where the backend runs."""
+        ops_for(backend)  # validate the backend name before reading gigabytes
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype: expected one of {DTYPES}, got {dtype}")
+        if device is None:
+            device = default_device(backend)
+        config, w, directory = W.load(model, dtype, device)
+        return cls(config, w, backend=backend, directory=directory)
+
+    def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
+        return PagedKVCache(self.config, max(1, math.ceil(num_tokens / block_size)), block_size,
+                            self.dtype, self.device)
+
+    # -- the shared layer stack ---------------------------------------------------------------------
+    def _embed(self, input_ids, positions):
+        return self.w.wte[input_ids] + self.w.wpe[positions]
+
+    def _blocks(self, x, attend):
+        c, ops = self.config, self.ops
+        T, H, D = x.shape[0], c.n_head, c.head_dim
+        for i, L in enumerate(self.w.layers):
+            h = ops.layer_norm(x, L.ln1_w, L.ln1_b, c.layer_norm_epsilon)
+            qkv = ops.linear(h, L.w_qkv, L.b_qkv).view(T, 3, H, D)
+            a = attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2])
+            x = ops.linear(a.reshape(T, H * D), L.w_o, L.b_o, residual=x)
+            h = ops.layer_norm(x, L.ln2_w, L.ln2_b, c.layer_norm_epsilon)
+            f = ops.linear(h, L.w_fc, L.b_fc, activation="gelu_tanh")
+            x = ops.linear(f, L.w_proj, L.b_proj, residual=x)
+        return x
+
+    def _logits(self, x):
+        c = self.config
+        h = self.ops.layer_norm(x, self.w.lnf_w, self.w.lnf_b, c.layer_norm_epsilon)
+        return self.ops.linear(h, self.w.lm_head)
+
+    # -- entry points -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, input_ids, seq_lens, *, positions=None, kv_cache=None, slot_mapping=None,
+                all_logits: bool = False):
+        """Whole sequences, packed: ``input_ids`` (T,) = the concatenation of ``seq_lens`` tokens each.
+
+        Returns logits (len(seq_lens), V) of each sequence's last token, or (T, V) with ``all_logits``.
+        With ``kv_cache``, every token's K/V goes to ``slot_mapping`` (T,) (flat slots; < 0 skips).
+        """
+        seq_lens = [int(n) for n in seq_lens]
+        input_ids = torch.as_tensor(input_ids, device=self.device).long().reshape(-1)
+        T = input_ids.numel()
+        if not seq_lens or min(seq_lens) < 1 or sum(seq_lens) != T:
+            raise ValueError(f"seq_lens: expected positive lengths summing to len(input_ids)={T}, got {seq_lens}")
+        if max(seq_lens) > self.config.n_positions:
+            raise ValueError(f"seq_lens: a sequence of {max(seq_lens)} tokens exceeds n_positions="
+                             f"{self.config.n_positions}")
+        if positions is None:
+            positions = torch.cat([torch.arange(n) for n in seq_lens]).to(self.device)
+        self._check_ids(input_ids)
+        if kv_cache is not None:
+            if slot_mapping is None:
+                raise ValueError("slot_mapping: required with kv_cache")
+            slot_mapping = torch.as_tensor(slot_mapping, device=self.device).reshape(-1)
+            if slot_mapping.numel() != T:
+                raise ValueError(f"slot_mapping: expected {T} slots, got {slot_mapping.numel()}")
+        cu = [0]
+        for n in seq_lens:
+            cu.append(cu[-1] + n)
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=self.device)
+        max_seqlen = max(seq_lens)
+        ops = self.ops
+
+        def attend(i, q, k, v):
+            if kv_cache is not None:
+                ops.write_kv(k, v, kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping)
+            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+
+        x = self._blocks(self._embed(input_ids, positions), attend)
+        if not all_logits:
+            x = x[torch.tensor(cu[1:], device=self.device) - 1]
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def decode(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens):
+        """One new token per sequence: input_ids, positions, slot_mapping (B,), block_tables (B, max_blocks)
+        int32, context_lens (B,) int32 (tokens to attend to, the new one included). Returns logits (B, V).
+
+        All on the model's device; nothing here syncs with the host (the engine may capture it in a graph).
+        """
+        B = input_ids.shape[0]
+        ops = self.ops
+
+        def attend(i, q, k, v):
+            kc, vc = kv_cache.k_caches[i], kv_cache.v_caches[i]
+            ops.write_kv(k, v, kc, vc, slot_mapping)
+            return ops.attn_decode(q, kc, vc, block_tables, context_lens)
+
+        x = self._blocks(self._embed(input_ids.reshape(B), positions.reshape(B)), attend)
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def forward(self, sequences) -> list[torch.Tensor]:
+        """Logits (len_i, V) of every position of each token-id list in ``sequences`` (no cache)."""
+        seqs = [list(map(int, s)) for s in sequences]
+        flat = [t for s in seqs for t in s]
+        logits = self.prefill(torch.tensor(flat, dtype=torch.long), [len(s) for s in seqs], all_logits=True)
+        return list(logits.split([len(s) for s in seqs]))
+
+    def _check_ids(self, ids):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids: token ids must lie in [0, {self.config.vocab_size}), "
+                             f"got min {int(ids.min())}, max {int(ids.max())}")
+
+
+def default_device(backend: str) -> str:
+    if backend == "triton":
+        from tritune.harness.device import device
+
+        return device()
+    return "cuda" if torch.cuda.is_available() else "cpu"
