@@ -1,0 +1,223 @@
+"""Paged attention and write_kv: the cases the generic property test may not draw.
+
+Every input comes from ``make_inputs``: sequences own disjoint, randomly permuted blocks of a pool, and
+each slot a sequence must not read (past its length, spare blocks) holds NaN or ±max, so any leak turns
+the output NaN or wrong. Split-KV and single-pass configs are each held to the float64 reference.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.kernels import paged_attention as pa
+from tritune.references import paged_attention as ref
+
+P = pa.Problem
+DEVICE = dev.device()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _cfg(block_n=16, partition=0, use_dot=False, warps=2, stages=1):
+    return {"BLOCK_N": block_n, "PARTITION": partition, "USE_DOT": use_dot, "num_warps": warps,
+            "num_stages": stages}
+
+
+def _check(problem, dtype, config, seed=0, layout="contiguous"):
+    if config is not None:
+        why = pa.SPACE.why_invalid(config, problem, dtype)
+        if why:
+            pytest.skip(f"config not in the space for this problem: {why}")
+    c = pa.make_inputs(problem, dtype, DEVICE, seed, layout)
+    cmp.poison(c.out)
+    got = pa.paged_attention(*c.args, out=c.out, config=config, **c.kwargs)
+    want = ref.paged_attention(*c.args, **c.kwargs)
+    cmp.check(got, want, dtype, what=f"{problem} {layout} {config}")
+
+
+def _dtype_id(d):
+    return str(d).split(".")[-1]
+
+
+# Context lengths around the block boundary, for every block size; a split path and a single pass.
+@pytest.mark.parametrize("bs", [8, 16, 32, 64])
+@pytest.mark.parametrize("ctx_of", ["1", "bs", "bs+1", "long"])
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+def test_lengths_around_block_boundaries(bs, ctx_of, split):
+    ctx = {"1": 1, "bs": bs, "bs+1": bs + 1, "long": 3 * bs + 5}[ctx_of]
+    problem = P(2, 2, 1, 32, ctx, bs)
+    cfg = _cfg(8, 8 if split else 0) if not split or ctx > 8 else None
+    if split and ctx <= 8:
+        pytest.skip("one chunk would hold the whole context")
+    _check(problem, torch.float32, cfg, seed=bs + ctx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1), (3, 1), (2, 1)], ids=lambda x: str(x))
+@pytest.mark.parametrize("use_dot", [False, True], ids=["bcast", "dot"])
+def test_gqa_mixed_lengths_split_and_single(dtype, hq, hkv, use_dot):
+    if use_dot and not pa._tl_dot_ok(dtype):
+        pytest.skip("GPU only: tl.dot on bf16 operands returns garbage under the Triton interpreter (triton 3.9)")
+    problem = P(4, hq, hkv, 32, 90, 16, mixed=True)
+    _check(problem, dtype, _cfg(16, 0, use_dot), seed=hq * 10 + hkv, layout="strided")
+    _check(problem, dtype, _cfg(16, 32, use_dot), seed=hq * 10 + hkv + 1)
+
+
+def test_split_equals_single_pass():
+    """The merge of chunk partials gives the single-pass answer (to float32 rounding)."""
+    problem = P(3, 4, 2, 64, 77, 8, mixed=True)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 5)
+    one = pa.paged_attention(*c.args, config=_cfg(16, 0), **c.kwargs)
+    for part in (16, 32, 64):
+        split = pa.paged_attention(*c.args, config=_cfg(16, part), **c.kwargs)
+        torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-6)
+
+
+def test_default_config_reaches_reference_for_small_problems():
+    for problem in pa.SPEC.small_problems:
+        for dtype in DTYPES:
+            _check(problem, dtype, None, seed=3)
+
+
+def test_table_wider_than_needed_and_validate_on():
+    """Columns past a sequence's blocks hold ids outside the pool (-1): never read, validation accepts."""
+    problem = P(3, 2, 2, 32, 40, 8, mixed=True)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 11)
+    q, kc, vc, bt, cl = c.args
+    wide = torch.cat([bt, torch.full((bt.shape[0], 4), -1, dtype=torch.int32, device=bt.device)], dim=1)
+    got = pa.paged_attention(q, kc, vc, wide, cl, scale=c.kwargs["scale"], validate=True)
+    cmp.check(got, ref.paged_attention(q, kc, vc, bt, cl, scale=c.kwargs["scale"]), torch.float32)
+    split = pa.paged_attention(q, kc, vc, wide, cl, scale=c.kwargs["scale"], config=_cfg(8, 16))
+    cmp.check(split, ref.paged_attention(q, kc, vc, bt, cl, scale=c.kwargs["scale"]), torch.float32)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    problem = P(2, 2, 1, 64, 20, 16)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 2)
+    got = pa.paged_attention(*c.args)
+    cmp.check(got, ref.paged_attention(*c.args, scale=1 / math.sqrt(64)), torch.float32)
+
+
+@pytest.mark.parametrize("partition", [0, 16])
+def test_length_zero_without_validation_gives_zeros(partition):
+    problem = P(2, 2, 2, 16, 30, 8)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 4)
+    q, kc, vc, bt, cl = c.args
+    cl = cl.clone()
+    cl[0] = 0
+    out = pa.paged_attention(q, kc, vc, bt, cl, validate=False, config=_cfg(8, partition))
+    assert torch.equal(out[0].cpu(), torch.zeros_like(out[0]).cpu())
+    cmp.check(out[1:], ref.paged_attention(q[1:], kc, vc, bt[1:], cl[1:]), torch.float32)
+
+
+def test_garbage_would_be_caught():
+    """make_inputs really hides NaN / ±max in every unreadable slot (the tests above depend on it)."""
+    problem = P(3, 2, 1, 16, 21, 8, mixed=True)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 9)
+    q, kc, vc, bt, cl = c.args
+    for b, n in enumerate(cl.tolist()):
+        nb = -(-n // 8)
+        k = kc[bt[b].long()].reshape(-1, 1, 16)
+        v = vc[bt[b].long()].reshape(-1, 1, 16)
+        assert torch.isfinite(k[:n]).all() and torch.isfinite(v[:n]).all()
+        assert torch.isnan(v[n:]).all()
+        assert (~torch.isfinite(k[n:]) | (k[n:].abs() == torch.finfo(k.dtype).max)).all()
+        assert nb <= bt.shape[1]
+    used = set(bt.flatten().tolist())
+    assert len(used) == bt.numel(), "a block is shared between sequences"
+    spare = [i for i in range(kc.shape[0]) if i not in used]
+    assert spare and torch.isnan(vc[spare]).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_write_kv_matches_reference(dtype, slot_dtype):
+    g = torch.Generator().manual_seed(0)
+    nb, bs, hkv, d, t = 6, 8, 3, 32, 10
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEVICE)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[[2, 7]] = -1  # padding tokens
+    slots = slots.to(slot_dtype).to(DEVICE)
+    want_k, want_v = ref.write_kv(k, v, kc, vc, slots)
+    got_k, got_v = pa.write_kv(k, v, kc, vc, slots)
+    assert got_k is kc and got_v is vc
+    assert torch.equal(kc.cpu(), want_k.cpu()) and torch.equal(vc.cpu(), want_v.cpu())
+
+
+def test_write_kv_strided_views_and_empty():
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randn(4, 16, 2, 2, 16, generator=g).to(DEVICE)
+    kc, vc = pool[:, :, 0], pool[:, :, 1]
+    qkv = torch.randn(5, 3, 2, 16, generator=g).to(DEVICE)
+    k, v = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([3, 63, 0, -5, 17], dtype=torch.int64, device=DEVICE)
+    want_k, want_v = ref.write_kv(k, v, kc, vc, slots)
+    pa.write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc.cpu(), want_k.cpu()) and torch.equal(vc.cpu(), want_v.cpu())
+    before = kc.clone()
+    pa.write_kv(k[:0], v[:0], kc, vc, slots[:0])
+    assert torch.equal(kc, before)
+
+
+def test_write_then_attend_round_trip():
+    """Tokens stored by write_kv are what paged_attention reads back (the engine's decode step)."""
+    problem = P(2, 4, 2, 32, 19, 8)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 6)
+    q, kc, vc, bt, cl = c.args
+    # Append one token to each sequence: slot = table[len // bs] * bs + len % bs (inside its last block,
+    # or the first unused slot of the next block; 19 → block 2, offset 3).
+    pos = cl.long()
+    slots = bt.long()[torch.arange(2), pos // 8] * 8 + pos % 8
+    g = torch.Generator().manual_seed(2)
+    k_new = torch.randn(2, 2, 32, generator=g).to(DEVICE)
+    v_new = torch.randn(2, 2, 32, generator=g).to(DEVICE)
+    pa.write_kv(k_new, v_new, kc, vc, slots)
+    cl1 = cl + 1
+    got = pa.paged_attention(q, kc, vc, bt, cl1)
+    cmp.check(got, ref.paged_attention(q, kc, vc, bt, cl1), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+def test_default_config_splits_only_when_the_gpu_would_idle():
+    assert pa.default_config(P(1, 32, 8, 128, 32768), torch.bfloat16)["PARTITION"] > 0
+    assert pa.default_config(P(1, 12, 12, 64, 1024), torch.bfloat16)["PARTITION"] > 0
+    assert pa.default_config(P(256, 12, 12, 64, 1024), torch.bfloat16)["PARTITION"] == 0
+    assert pa.default_config(P(128, 32, 8, 128, 4096), torch.bfloat16)["PARTITION"] == 0
+    assert pa.default_config(P(64, 12, 12, 64, 128), torch.bfloat16)["PARTITION"] == 0
+
+
+def test_launcher_problem_matches_make_inputs_problem():
+    """Configs drawn for a test problem must be valid for what the launcher derives from the tensors."""
+    for problem in [P(3, 4, 2, 32, 37, 8, True), P(1, 2, 1, 64, 64, 64)]:
+        c = pa.make_inputs(problem, torch.float32, DEVICE, 0)
+        seen = pa.problem_of(*c.args)
+        assert seen.capacity == problem.capacity
+        assert pa.SPACE.points(seen, torch.float32) == pa.SPACE.points(problem, torch.float32)
+
+
+def test_error_messages_name_the_argument():
+    for label, thunk, exc in pa._bad_inputs(DEVICE):
+        with pytest.raises(exc) as info:
+            thunk()
+        msg = str(info.value)
+        assert any(name in msg for name in ("q", "k_cache", "v_cache", "block_tables", "context_lens",
+                                            "scale", "out", "k:", "v:", "slot_mapping")), (label, msg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_dtype_id)
+def test_every_path_on_gpu(dtype):
+    """Both score forms, split and single pass, several tiles and warps, on mid-size GQA problems."""
+    for problem in [P(5, 32, 8, 128, 1500, 16, True), P(3, 12, 12, 64, 777, 32, True), P(2, 8, 1, 64, 300, 8)]:
+        for cfg in [_cfg(32, 0, False, 4, 1), _cfg(64, 256, False, 4, 2), _cfg(16, 0, True, 4, 2),
+                    _cfg(64, 512, True, 4, 3), _cfg(128, 0, True, 8, 2), None]:
+            if cfg is not None and pa.SPACE.why_invalid(cfg, problem, dtype):
+                continue
+            _check(problem, dtype, cfg, seed=17)
