@@ -1,0 +1,706 @@
+"""Fused attention forward for prefill: out = softmax(q kᵀ · scale + mask) v, flash-attention style.
+
+One program owns BLOCK_M query rows of one head and streams the keys and values past them in BLOCK_N
+blocks with an online softmax: running row max m_i, running denominator l_i and output accumulator acc,
+all float32; no Tq × Tk matrix ever reaches memory. Scores are kept in base 2 (scale · log2 e folded in,
+exp2 instead of exp). Both dots run in the input dtype with float32 accumulation; P is cast to the input
+dtype before the P·V dot.
+
+The key loop is split in two: blocks every row of the tile sees in full run without a single mask,
+then the few blocks on the causal diagonal or past the end of the keys run masked. Fully masked blocks
+(above the diagonal) are never visited. Causal alignment puts the queries at the end of the keys:
+query i sees key j when j <= i + Tk − Tq. A row that sees no key (Tq > Tk, or an empty key sequence)
+outputs 0 and its lse is −inf.
+
+GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
+take the same kernel with per-sequence offsets read from cu_seqlens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tritune import kernels as K
+from tritune.harness import strategies as S
+from tritune.references import attention as ref
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attn_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, mask_d,
+                lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Fold keys lo..hi (lo a multiple of BLOCK_N) into (acc, l_i, m_i)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k_ptrs = k_base + cols[:, None] * stride_kn + offs_dk[None, :]
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_dv[None, :]
+        if MASKED:
+            kv_mask = (cols < seqlen_k)[:, None]
+            if PAD_D:
+                kv_mask = kv_mask & mask_d[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif PAD_D:
+            k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            visible = (cols < seqlen_k)[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + delta)
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with nothing visible yet keeps m = −inf: subtract 0 instead (exp2(−inf − −inf) is NaN)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_sub[:, None])
+            alpha = tl.math.exp2(m_i - m_sub)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK,
+              stride_qb, stride_qh, stride_qm, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_ob, stride_oh, stride_om, stride_od,
+              stride_lb, stride_lh, stride_lm,
+              Hq, group, seqlen_q_all, seqlen_k_all, num_m_blocks, num_bh, qk_scale,
+              D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, HEADS_INNER: tl.constexpr,
+              D_CONTIG: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    if HEADS_INNER:  # neighbouring programs share a kv head (L2 reuse of K/V), all heads' row block at once
+        bh = pid % num_bh
+        mb = pid // num_bh
+    else:
+        mb = pid % num_m_blocks
+        bh = pid // num_m_blocks
+    # the last row blocks first: under causal masking they are the longest, so the tail is short
+    start_m = (num_m_blocks - 1 - mb) * BLOCK_M
+    b = bh // Hq
+    h = bh % Hq
+    kvh = h // group
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    k_base = K + b64 * stride_kb + kvh64 * stride_kh
+    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    o_base = O + b64 * stride_ob + h64 * stride_oh
+    l_base = LSE + b64 * stride_lb + h64 * stride_lh
+    if VARLEN:  # packed: the sequence's rows start at cu_seqlens[b] (the batch strides are 0)
+        q_start = tl.load(CuQ + b).to(tl.int64)
+        seqlen_q = (tl.load(CuQ + b + 1) - q_start).to(tl.int32)
+        k_start = tl.load(CuK + b).to(tl.int64)
+        seqlen_k = (tl.load(CuK + b + 1) - k_start).to(tl.int32)
+        q_base += q_start * stride_qm
+        k_base += k_start * stride_kn
+        v_base += k_start * stride_vn
+        o_base += q_start * stride_om
+        l_base += q_start * stride_lm
+    else:
+        seqlen_q = seqlen_q_all
+        seqlen_k = seqlen_k_all
+    if start_m >= seqlen_q:
+        return
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    PAD_D: tl.constexpr = BLOCK_D != D
+    mask_d = offs_d < D
+    mask_m = offs_m < seqlen_q
+    if D_CONTIG:  # a literal unit stride lets loads vectorise
+        offs_dq = offs_d
+        offs_dk = offs_d
+        offs_dv = offs_d
+        offs_do = offs_d
+    else:
+        offs_dq = offs_d * stride_qd
+        offs_dk = offs_d * stride_kd
+        offs_dv = offs_d * stride_vd
+        offs_do = offs_d * stride_od
+
+    q_mask = mask_m[:, None]
+    if PAD_D:
+        q_mask = q_mask & mask_d[None, :]
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dq[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    delta = seqlen_k - seqlen_q  # query i sits at key position i + delta
+    full_blocks = seqlen_k // BLOCK_N
+    if CAUSAL:
+        # key blocks wholly at or before the tile's first row's diagonal: no mask at all
+        full_blocks = tl.minimum(full_blocks, tl.maximum(start_m + delta + 1, 0) // BLOCK_N)
+        hi = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + delta, 0))
+    else:
+        hi = seqlen_k
+    lo = full_blocks * BLOCK_N
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, mask_d,
+                                0, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale,
+                                False, CAUSAL, PAD_D, IEEE, BLOCK_N)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, mask_d,
+                                lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale,
+                                True, CAUSAL, PAD_D, IEEE, BLOCK_N)
+
+    # rows that saw no key: l = 0, acc = 0 -> output 0 (not 0/0)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    o_mask = mask_m[:, None]
+    if PAD_D:
+        o_mask = o_mask & mask_d[None, :]
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_do[None, :], acc.to(O.dtype.element_ty), mask=o_mask)
+    if STORE_LSE:
+        # natural log: (m + log2 l) · ln 2; a row that saw nothing has m = −inf and log2 0 = −inf
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        tl.store(l_base + offs_m * stride_lm, lse, mask=mask_m)
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    B: int                 # batch
+    Hq: int                # query heads
+    Hkv: int               # key/value heads (Hq a multiple)
+    Tq: int                # query length
+    Tk: int                # key length
+    D: int                 # head dim
+    causal: bool = False
+
+
+@dataclass(frozen=True)
+class VarlenProblem:
+    seqlens_q: tuple       # per-sequence query lengths (0 allowed)
+    seqlens_k: tuple       # per-sequence key lengths
+    Hq: int
+    Hkv: int
+    D: int
+    causal: bool = False
+
+    # What a launcher sees without reading cu_seqlens: the batch and the longest lengths.
+    @property
+    def B(self) -> int:
+        return len(self.seqlens_q)
+
+    @property
+    def Tq(self) -> int:
+        return max(self.seqlens_q, default=0)
+
+    @property
+    def Tk(self) -> int:
+        return max(self.seqlens_k, default=0)
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_DIMS = (32, 64, 80, 128)
+
+
+def _name(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _check_qkv(q, k, v, ndim: int):
+    """Shared checks; returns (Hq, Hkv, D)."""
+    K.check_tensor("q", q, ndim=ndim, dtypes=DTYPES)
+    K.check_device("q", q)
+    for name, t in (("k", k), ("v", v)):
+        K.check_tensor(name, t, ndim=ndim)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {_name(t.dtype)} does not match q's {_name(q.dtype)}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+    D = q.shape[-1]
+    if k.shape[-1] != D:
+        raise ValueError(f"k: head dim {k.shape[-1]} does not match q's {D}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head dim {D} not supported (expected one of {HEAD_DIMS})")
+    Hq, Hkv = q.shape[1], k.shape[1]  # (B, H, T, D) and (total, H, D) both keep heads at dim 1
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q: {Hq} heads is not a multiple of k/v's {Hkv} heads")
+    return Hq, Hkv, D
+
+
+def _check_scale(scale):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
+
+
+def _launch(spec, problem, config, q, k, v, out, lse, cu_q, cu_k, strides, scale):
+    """Common tail of both launchers: config, grid, launch. ``problem`` gives B, Hq, Hkv, Tq, Tk, D."""
+    p = problem
+    cfg = spec.config_for(p, q.dtype, config)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    num_m = triton.cdiv(p.Tq, block_m)
+    num_bh = p.B * p.Hq
+    scale = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
+    d_contig = all(t.stride(-1) == 1 for t in (q, k, v, out))
+    _attn_fwd[(num_m * num_bh,)](
+        q, k, v, out, lse if lse is not None else out, cu_q if cu_q is not None else q, cu_k if cu_k is not None else q,
+        *strides, p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, scale * LOG2E, p.D,
+        VARLEN=cu_q is not None, CAUSAL=p.causal, STORE_LSE=lse is not None, HEADS_INNER=bool(cfg["HEADS_INNER"]),
+        D_CONTIG=d_contig, IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def problem_of(q, k, v, *, causal=False, **_) -> Problem:
+    return Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(causal))
+
+
+def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False, out=None,
+              config: dict | None = None):
+    """Attention over (B, H, T, D) tensors of any strides. Returns out (B, Hq, Tq, D) in q's dtype, or
+    (out, lse) with lse (B, Hq, Tq) float32, the natural log of each row's softmax denominator.
+
+    q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D) with Hq a multiple of Hkv; D in {32, 64, 80, 128};
+    fp16, bf16 or fp32. ``scale`` defaults to 1/sqrt(D). ``causal``: query i sees keys j <= i + Tk − Tq.
+    ``out`` may be any strided view of the right shape (e.g. a (B, T, H, D) buffer transposed).
+    """
+    Hq, Hkv, D = _check_qkv(q, k, v, 4)
+    B, _, Tq, _ = q.shape
+    _, _, Tk, _ = k.shape
+    if k.shape[0] != B:
+        raise ValueError(f"k: batch {k.shape[0]} does not match q's {B}")
+    _check_scale(scale)
+    if out is None:
+        out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=q.device)
+    else:
+        K.check_out(out, (B, Hq, Tq, D), q.dtype, q.device)
+    lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
+    if B * Hq * Tq > 0:
+        problem = Problem(B, Hq, Hkv, Tq, Tk, D, bool(causal))
+        strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                   *(lse.stride() if lse is not None else (0, 0, 0)))
+        _launch(SPEC, problem, config, q, k, v, out, lse, None, None, strides, scale)
+    return (out, lse) if return_lse else out
+
+
+def _check_cu(name, cu, total, device, validate):
+    K.check_tensor(name, cu, ndim=1, dtypes=(torch.int32,))
+    if cu.device != device:
+        raise ValueError(f"{name}: on {cu.device}, but q is on {device}")
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name}: expected batch + 1 >= 1 entries, got none")
+    if not validate:
+        return None
+    vals = cu.tolist()  # one small device-to-host copy
+    if vals[0] != 0:
+        raise ValueError(f"{name}: must start at 0, starts at {vals[0]}")
+    lens = [b - a for a, b in zip(vals, vals[1:])]
+    if any(n < 0 for n in lens):
+        i = next(i for i, n in enumerate(lens) if n < 0)
+        raise ValueError(f"{name}: decreases at entry {i + 1} ({vals[i]} -> {vals[i + 1]}); must be non-decreasing")
+    if vals[-1] != total:
+        raise ValueError(f"{name}: last entry {vals[-1]} does not match the {total} packed tokens")
+    return lens
+
+
+def varlen_problem_of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, **_):
+    """The shape a launcher configures for: batch and longest lengths (no need to read cu_seqlens)."""
+    return Problem(cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], int(max_seqlen_q), int(max_seqlen_k),
+                   q.shape[2], bool(causal))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal: bool = False,
+                     scale=None, return_lse: bool = False, out=None, config: dict | None = None,
+                     validate: bool = True):
+    """Attention over packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D); sequence b owns rows
+    cu_seqlens[b]:cu_seqlens[b+1] (int32, batch + 1 entries, from 0, non-decreasing). Empty sequences
+    are allowed. Returns out (total_q, Hq, D), or (out, lse) with lse (total_q, Hq) float32.
+
+    ``max_seqlen_q/k`` must bound the lengths (they size the grid). ``validate=True`` checks the values
+    of cu_seqlens and the bounds with one device-to-host sync (skipped while a CUDA graph is captured);
+    with ``validate=False`` bad values are undefined behaviour.
+    """
+    Hq, Hkv, D = _check_qkv(q, k, v, 3)
+    _check_scale(scale)
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
+    validate = validate and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, validate)
+    lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, validate)
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_k: {cu_seqlens_k.shape[0]} entries, but cu_seqlens_q has "
+                         f"{cu_seqlens_q.shape[0]} (both batch + 1)")
+    if validate:
+        if max(lens_q, default=0) > max_seqlen_q:
+            raise ValueError(f"max_seqlen_q: {max_seqlen_q} is less than the longest query sequence {max(lens_q)}")
+        if max(lens_k, default=0) > max_seqlen_k:
+            raise ValueError(f"max_seqlen_k: {max_seqlen_k} is less than the longest key sequence {max(lens_k)}")
+    total_q = q.shape[0]
+    if out is None:
+        out = torch.empty((total_q, Hq, D), dtype=q.dtype, device=q.device)
+    else:
+        K.check_out(out, (total_q, Hq, D), q.dtype, q.device)
+    lse = torch.empty((total_q, Hq), dtype=torch.float32, device=q.device) if return_lse else None
+    B = cu_seqlens_q.shape[0] - 1
+    if B > 0 and max_seqlen_q > 0 and total_q > 0:
+        problem = Problem(B, Hq, Hkv, max_seqlen_q, max_seqlen_k, D, bool(causal))
+        # packed tensors have no batch stride: the sequence offset comes from cu_seqlens
+        strides = (0, q.stride(1), q.stride(0), q.stride(2), 0, k.stride(1), k.stride(0), k.stride(2),
+                   0, v.stride(1), v.stride(0), v.stride(2), 0, out.stride(1), out.stride(0), out.stride(2),
+                   *((0, lse.stride(1), lse.stride(0)) if lse is not None else (0, 0, 0)))
+        _launch(VARLEN_SPEC, problem, config, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, strides, scale)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config space (shared by both specs: their problems both answer B, Hq, Hkv, Tq, Tk, D, causal)
+SPACE = K.Space(
+    params={
+        "BLOCK_M": [16, 32, 64, 128],
+        "BLOCK_N": [16, 32, 64, 128],
+        "num_warps": [2, 4, 8],
+        "num_stages": [1, 2, 3, 4, 5],
+        "HEADS_INNER": [0, 1],
+    },
+)
+
+
+def _smem_budget() -> int:
+    from tritune.harness import device as dev
+
+    if dev.interpreted():
+        return 227 * 1024  # the interpreter has no limit; prune as for an H100
+    props = torch.cuda.get_device_properties(0)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
+
+
+_SMEM = []
+
+
+def smem_bytes(c, D: int, dtype) -> int:
+    """Shared memory the kernel needs, by the pipeliner's rule: Q once, K and V tiles for each load in
+    flight (num_stages − 1, at least 1), and a P tile for the layout change before the second dot."""
+    e = torch.finfo(dtype).bits // 8
+    bd = triton.next_power_of_2(D)
+    buffers = max(1, c["num_stages"] - 1)
+    return e * (c["BLOCK_M"] * bd + 2 * buffers * c["BLOCK_N"] * bd + c["BLOCK_M"] * c["BLOCK_N"])
+
+
+def _constraint(c, p, dtype) -> str | None:
+    bm, bn, w = c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]
+    if bm > max(16, triton.next_power_of_2(p.Tq)):
+        return "BLOCK_M larger than the queries"
+    if bn > max(16, triton.next_power_of_2(p.Tk)):
+        return "BLOCK_N larger than the keys"
+    if bm < 8 * w:
+        return "idle warps (fewer than 8 rows a warp)"
+    bd = triton.next_power_of_2(p.D)
+    if dtype == torch.float32 and (bm > 64 or bn > 64):
+        return "fp32 takes the FMA path (ieee dots): tiles of at most 64 x 64"
+    per_thread = (bm * bd + bm * bn) // (32 * w)
+    if per_thread > 192:
+        return f"{per_thread} float32 accumulators/scores per thread (register spills)"
+    if not _SMEM:
+        _SMEM.append(_smem_budget())
+    if smem_bytes(c, p.D, dtype) > _SMEM[0]:
+        return f"needs {smem_bytes(c, p.D, dtype)} B of shared memory (budget {_SMEM[0]})"
+    return None
+
+
+SPACE.constraint = _constraint
+
+
+def default_config(p, dtype) -> dict:
+    """Hopper-minded: 128-row tiles (two warpgroups at D=128), 64-key blocks, three stages; smaller
+    tiles for short sequences and for fp32's FMA path."""
+    bd = triton.next_power_of_2(p.D)
+    if dtype == torch.float32:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    elif bd <= 64:
+        bm, bn, warps, stages = 128, 64, 4, 3
+    else:
+        bm, bn, warps, stages = 128, 64, 8, 3
+    bm = min(bm, max(16, triton.next_power_of_2(p.Tq)))
+    bn = min(bn, max(16, triton.next_power_of_2(p.Tk)))
+    while warps > 2 and bm < 8 * warps:
+        warps //= 2
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "HEADS_INNER": 1}
+    while SPACE.constraint(cfg, p, dtype) and cfg["num_stages"] > 1:
+        cfg["num_stages"] -= 1
+    return cfg
+
+
+def bucket(p) -> dict:
+    return {"B": triton.next_power_of_2(max(1, p.B)), "Hq": p.Hq, "Hkv": p.Hkv,
+            "Tq": triton.next_power_of_2(max(1, p.Tq)), "Tk": triton.next_power_of_2(max(1, p.Tk)),
+            "D": p.D, "mask": "causal" if p.causal else "full"}
+
+
+def _pairs(p) -> float:
+    """Query-key pairs a row of heads computes: Tq·Tk, halved under causal masking (square case)."""
+    if isinstance(p, VarlenProblem):
+        return sum(q * k for q, k in zip(p.seqlens_q, p.seqlens_k)) * (0.5 if p.causal else 1.0)
+    return p.B * p.Tq * p.Tk * (0.5 if p.causal else 1.0)
+
+
+def cost(p, dtype) -> K.Cost:
+    e = torch.finfo(dtype).bits // 8
+    if isinstance(p, VarlenProblem):
+        tq, tk = sum(p.seqlens_q), sum(p.seqlens_k)
+    else:
+        tq, tk = p.B * p.Tq, p.B * p.Tk
+    # two dots of 2·D flops per query-key pair; bytes: q and o once, k and v once
+    return K.Cost(flops=4.0 * p.Hq * p.D * _pairs(p), bytes=float(e * p.D * (2 * tq * p.Hq + 2 * tk * p.Hkv)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs. Layouts: "contiguous" (B, H, T, D); "bthd": views of (B, T, H, D) buffers, k and v sharing one,
+# as a model's projections produce them; "sliced": rows padded with NaN past D; "transposed": the
+# head dim is not unit-stride.
+def _qkv(shape_q, shape_kv, dtype, device, seed, layout):
+    q = S.randn(shape_q, dtype, device, seed)
+    k = S.randn(shape_kv, dtype, device, seed + 1)
+    v = S.randn(shape_kv, dtype, device, seed + 2, scale=1.0, shift=0.25)
+    if layout == "bthd":  # q from a (B, Tq, Hq, D) buffer, k and v from one fused (B, Tk, 2·Hkv, D) buffer
+        hkv = shape_kv[1]
+        kv = torch.cat([k, v], dim=1).transpose(1, 2).contiguous().transpose(1, 2)
+        return q.transpose(1, 2).contiguous().transpose(1, 2), kv[:, :hkv], kv[:, hkv:]
+    return tuple(S.with_layout(t, layout) for t in (q, k, v))
+
+
+def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
+    q, k, v = _qkv((p.B, p.Hq, p.Tq, p.D), (p.B, p.Hkv, p.Tk, p.D), dtype, device, seed, layout)
+    return K.Case(args=(q, k, v), kwargs={"causal": p.causal},
+                  out=torch.empty((p.B, p.Hq, p.Tq, p.D), dtype=dtype, device=device))
+
+
+def _cu(lens, device):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make_varlen_inputs(p: VarlenProblem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
+    tq, tk = sum(p.seqlens_q), sum(p.seqlens_k)
+    q, k, v = _qkv((tq, p.Hq, p.D), (tk, p.Hkv, p.D), dtype, device, seed, layout)
+    return K.Case(args=(q, k, v, _cu(p.seqlens_q, device), _cu(p.seqlens_k, device), p.Tq, p.Tk),
+                  kwargs={"causal": p.causal}, out=torch.empty((tq, p.Hq, p.D), dtype=dtype, device=device))
+
+
+def _heads(d, max_elems):
+    from hypothesis import strategies as st
+
+    small = max_elems <= 1 << 16  # the interpreter: few heads
+    hkv = d(st.sampled_from([1, 2] if small else [1, 2, 3, 4]))
+    group = d(st.sampled_from([1, 2, 4] if small else [1, 2, 4, 8]))
+    return hkv * group, hkv
+
+
+def problems(max_elems: int):
+    """Attention is Tq·Tk per head: lengths up to 64 on the interpreter, 2048 on a GPU; the batch keeps
+    q within max_elems and the float64 reference's scores within 4·max_elems."""
+    from hypothesis import strategies as st
+
+    t_max = 64 if max_elems <= 1 << 16 else 2048
+
+    @st.composite
+    def draw(d):
+        D = d(st.sampled_from(HEAD_DIMS))
+        hq, hkv = _heads(d, max_elems)
+        tq = d(S.sizes(t_max))
+        tk = d(st.one_of(st.just(tq), S.sizes(t_max)))
+        b_max = max(1, min(4, max_elems // (hq * max(tq, tk) * D), 4 * max_elems // (hq * tq * tk)))
+        return Problem(d(st.integers(1, b_max)), hq, hkv, tq, tk, D, d(st.booleans()))
+
+    return draw()
+
+
+def varlen_problems(max_elems: int):
+    from hypothesis import strategies as st
+
+    t_max = 48 if max_elems <= 1 << 16 else 1024
+
+    @st.composite
+    def draw(d):
+        D = d(st.sampled_from(HEAD_DIMS))
+        hq, hkv = _heads(d, max_elems)
+        length = st.one_of(st.sampled_from([0, 1]), S.sizes(t_max))
+        lq = d(st.lists(length, min_size=1, max_size=4))
+        lk = tuple(lq) if d(st.booleans()) else tuple(d(st.lists(length, min_size=len(lq), max_size=len(lq))))
+        return VarlenProblem(tuple(lq), lk, hq, hkv, D, d(st.booleans()))
+
+    return draw()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The vendor path and peers
+def _vendor(c: K.Case):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = c.args
+    if k.shape[1] != q.shape[1]:  # expand GQA heads outside the timed call
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    causal = c.kwargs.get("causal", False)
+
+    def call():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return call
+
+
+_FLEX: dict = {}
+
+
+def _causal_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def _flex(c: K.Case):
+    """flex_attention compiled by torch.compile; the block mask is built here, outside the timed call."""
+    q, k, v = c.args
+    causal = c.kwargs.get("causal", False)
+    if q.device.type != "cuda" or (causal and q.shape[2] != k.shape[2]):
+        return None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if "fn" not in _FLEX:
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        key = (q.shape[2], k.shape[2], causal)
+        if key not in _FLEX:
+            _FLEX[key] = create_block_mask(_causal_mask, None, None, q.shape[2], k.shape[2],
+                                           device=q.device) if causal else None
+        fn, mask, gqa = _FLEX["fn"], _FLEX[key], q.shape[1] != k.shape[1]
+        call = lambda: fn(q, k, v, block_mask=mask, enable_gqa=gqa)  # noqa: E731
+        call()
+        return call
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+def _bad_inputs(device):
+    q = torch.randn(1, 4, 8, 32, device=device)
+    k = torch.randn(1, 2, 8, 32, device=device)
+    qp, kp = torch.randn(10, 4, 32, device=device), torch.randn(12, 2, 32, device=device)
+    i32 = torch.int32
+
+    def cu(*vals):
+        return torch.tensor(vals, dtype=i32, device=device)
+
+    def va(**kw):
+        a = dict(q=qp, k=kp, v=kp, cu_seqlens_q=cu(0, 4, 10), cu_seqlens_k=cu(0, 6, 12), max_seqlen_q=6,
+                 max_seqlen_k=6)
+        a.update(kw)
+        return lambda: attention_varlen(**a)
+
+    return [
+        ("head dim mismatch q/k", lambda: attention(q, torch.randn(1, 2, 8, 64, device=device), k), ValueError),
+        ("v shape differs from k", lambda: attention(q, k, torch.randn(1, 2, 9, 32, device=device)), ValueError),
+        ("Hq not a multiple of Hkv", lambda: attention(torch.randn(1, 3, 8, 32, device=device), k, k), ValueError),
+        ("unsupported head dim", lambda: attention(*(torch.randn(1, 2, 8, 48, device=device),) * 3), ValueError),
+        ("k dtype differs from q", lambda: attention(q, k.half(), k.half()), TypeError),
+        ("float64 q", lambda: attention(q.double(), k.double(), k.double()), TypeError),
+        ("integer q", lambda: attention(q.int(), k.int(), k.int()), TypeError),
+        ("q not a tensor", lambda: attention([1.0], k, k), TypeError),
+        ("3-D q for attention", lambda: attention(q[0], k[0], k[0]), ValueError),
+        ("batch mismatch", lambda: attention(q, torch.randn(2, 2, 8, 32, device=device),
+                                             torch.randn(2, 2, 8, 32, device=device)), ValueError),
+        ("q on the wrong device", lambda: attention(q.to("meta"), k, k), ValueError),
+        ("k on the wrong device", lambda: attention(q, k.to("meta"), k), ValueError),
+        ("scale not finite", lambda: attention(q, k, k, scale=float("nan")), ValueError),
+        ("out of the wrong shape", lambda: attention(q, k, k, out=torch.empty(1, 4, 8, 31, device=device)), ValueError),
+        ("out of the wrong dtype", lambda: attention(q, k, k, out=torch.empty(1, 4, 8, 32, device=device).half()),
+         TypeError),
+        ("varlen: cu_seqlens decreasing", va(cu_seqlens_q=cu(0, 7, 5, 10), cu_seqlens_k=cu(0, 4, 6, 12)), ValueError),
+        ("varlen: cu_seqlens not from 0", va(cu_seqlens_q=cu(1, 4, 10)), ValueError),
+        ("varlen: cu_seqlens_q total mismatch", va(cu_seqlens_q=cu(0, 4, 9)), ValueError),
+        ("varlen: cu_seqlens_k total mismatch", va(cu_seqlens_k=cu(0, 6, 13)), ValueError),
+        ("varlen: cu_seqlens lengths differ", va(cu_seqlens_k=cu(0, 12)), ValueError),
+        ("varlen: int64 cu_seqlens", va(cu_seqlens_q=cu(0, 4, 10).long()), TypeError),
+        ("varlen: 2-D cu_seqlens", va(cu_seqlens_q=cu(0, 4, 10)[None]), ValueError),
+        ("varlen: max_seqlen_q too small", va(max_seqlen_q=5), ValueError),
+        ("varlen: max_seqlen_k too small", va(max_seqlen_k=5), ValueError),
+        ("varlen: negative max_seqlen", va(max_seqlen_k=-1), ValueError),
+        ("varlen: head dim mismatch", va(k=torch.randn(12, 2, 64, device=device),
+                                         v=torch.randn(12, 2, 64, device=device)), ValueError),
+        ("varlen: Hq not a multiple of Hkv", va(q=torch.randn(10, 3, 32, device=device)), ValueError),
+        ("varlen: cu_seqlens on the wrong device", va(cu_seqlens_q=cu(0, 4, 10).to("meta")), ValueError),
+        ("varlen: dtype mismatch", va(q=qp.half()), TypeError),
+    ]
+
+
+_COMMON = dict(
+    space=SPACE,
+    default_config=default_config,
+    bucket=bucket,
+    cost=cost,
+    dtypes=DTYPES,
+    accumulation=lambda dt: "ieee",  # fp32 dots run with input_precision="ieee"; fp16/bf16 are exact products
+    bad_inputs=_bad_inputs,
+    interpreter_skip={torch.bfloat16: "tl.dot on bf16 operands returns garbage under the Triton interpreter "
+                                      "(triton 3.9); bf16 is not supported by the interpreter (triton-lang/triton#11584)"},
+)
+
+_GPT2 = [Problem(b, 12, 12, t, t, 64, c) for (b, t) in ((8, 1024), (16, 1024), (1, 4096)) for c in (True, False)]
+_LARGE = [Problem(b, 32, 32, t, t, 128, c) for (b, t) in ((4, 4096), (1, 16384)) for c in (True, False)]
+
+SPEC = K.register(K.KernelSpec(
+    name="attention",
+    description="fused attention forward (prefill): online softmax, causal, GQA",
+    run=attention,
+    reference=ref.attention,
+    make_inputs=make_inputs,
+    problems=problems,
+    problem_of=problem_of,
+    standard_problems=_GPT2 + _LARGE + [Problem(4, 32, 8, 4096, 4096, 128, True)],
+    small_problems=[Problem(2, 4, 2, 40, 40, 64, True), Problem(1, 2, 1, 17, 33, 80, False)],
+    layouts=("contiguous", "bthd", "sliced", "transposed"),
+    vendor=_vendor,
+    vendor_name="SDPA flash",
+    peers={"flex": _flex},
+    **_COMMON,
+))
+
+VARLEN_SPEC = K.register(K.KernelSpec(
+    name="attention_varlen",
+    description="fused attention forward over packed variable-length sequences",
+    run=attention_varlen,
+    reference=ref.attention_varlen,
+    make_inputs=make_varlen_inputs,
+    problems=varlen_problems,
+    problem_of=varlen_problem_of,
+    standard_problems=[VarlenProblem((1024, 37, 512, 2048, 1, 300, 880, 1000), (1024, 37, 512, 2048, 1, 300, 880, 1000),
+                                     12, 12, 64, True)],
+    small_problems=[VarlenProblem((5, 0, 17, 1), (5, 3, 17, 1), 4, 2, 64, True)],
+    layouts=("contiguous", "sliced"),
+    **_COMMON,
+))
