@@ -1,0 +1,353 @@
+"""Tuning: search, failure handling, resume, worker isolation, several workers, the store, export, CLI.
+
+Most tests drive the sweep with injected fake evaluators (known objective, instant); one runs a real
+(tiny) sweep over GELU through the Triton interpreter, end to end through the CLI.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+import textwrap
+import warnings
+from dataclasses import dataclass
+
+import optuna
+import pytest
+import torch
+
+from tritune import kernels as K
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.kernels import gelu as gelu_mod
+from tritune.tuning import cli as tcli
+from tritune.tuning import search, store
+
+
+# ---------------------------------------------------------------------------------------------------
+# A toy kernel spec: a 16x16 space, half of it invalid (odd a+b), torch "launches"
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToyProblem:
+    n: int
+
+
+_LAST = {}
+
+
+def _toy_run(x, out=None, config=None):
+    _LAST["config"] = config
+    mode = config.get("mode", "good")
+    if mode == "raise":
+        raise RuntimeError("boom: simulated compile failure")
+    if out is None:
+        out = torch.empty_like(x)
+    if mode == "wrong":
+        out.copy_(x * 2 + 1)
+    elif mode == "unwritten":
+        pass  # leaves the poisoned (NaN) output as it is
+    else:
+        out.copy_(x * 2)
+    return out
+
+
+def _toy_make_inputs(p, dtype, device, seed, layout="contiguous"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(p.n, generator=g).to(dtype)
+    return K.Case(args=(x,), out=torch.empty_like(x))
+
+
+def toy_spec(params, constraint=lambda c, p, d: None, default=None, name="toy"):
+    return K.KernelSpec(
+        name=name, run=_toy_run, reference=lambda x: x.double() * 2, make_inputs=_toy_make_inputs,
+        problems=None, space=K.Space(params=params, constraint=constraint),
+        default_config=lambda p, d: dict(default or {k: v[0] for k, v in params.items()}),
+        bucket=lambda p: {"n": p.n}, cost=lambda p, d: K.Cost(1.0, 1.0), problem_of=lambda x, **_: ToyProblem(x.numel()),
+        standard_problems=[ToyProblem(64)], small_problems=[ToyProblem(64)], dtypes=(torch.float32,))
+
+
+GRID = {"a": list(range(1, 17)), "b": list(range(1, 17))}    # 128 valid points
+SMALL = {"a": list(range(6, 14)), "b": list(range(1, 9))}     # 32 valid points
+
+
+def _odd(c, p, d):
+    return "a+b odd" if (c["a"] + c["b"]) % 2 else None
+
+
+def quadratic(task):
+    """Known best: a=11, b=5 (1 ms)."""
+    c = task.config
+    return {"ok": True, "ms": 1.0 + (c["a"] - 11) ** 2 + (c["b"] - 5) ** 2}
+
+
+def _stats(storage, job_name):
+    return search.study_stats(optuna.load_study(study_name=job_name, storage=search.open_storage(storage)))
+
+
+def _tune(spec, tmp_path, evaluate, trials, sampler="tpe", name="s.journal", **kw):
+    storage = str(tmp_path / name)
+    rows = search.tune([spec], [ToyProblem(64)], [torch.float32], trials=trials, sampler=sampler,
+                       storage=storage, evaluate=evaluate, isolation="inline", progress=False, **kw)
+    assert len(rows) == 1
+    return rows[0], storage
+
+
+# ---------------------------------------------------------------------------------------------------
+# Search
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sampler", search.SAMPLERS)
+def test_search_finds_known_best_and_prunes_invalid_points(tmp_path, sampler):
+    spec = toy_spec(SMALL, _odd, default={"a": 7, "b": 1})
+    # a budget beyond the 32 valid points: the search must end once each valid point is evaluated
+    row, storage = _tune(spec, tmp_path, quadratic, trials=1000, sampler=sampler)
+    assert row["config"] == {"a": 11, "b": 5}
+    assert row["best_us"] == pytest.approx(1000.0)
+    assert row["trials"] == 32 == row["n_valid"]  # each valid point once; invalid and duplicates free
+    assert row["failed"] == 0
+    assert row["default_us"] == pytest.approx(1000.0 * (1 + 16 + 16))
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    pruned = [t for t in st.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert all(t.user_attrs["invalid"] == "a+b odd" and "evaluated" not in t.user_attrs for t in pruned)
+    evaluated = [t for t in st.trials if t.user_attrs.get("evaluated")]
+    assert len({(t.params["a"], t.params["b"]) for t in evaluated}) == 32
+
+
+def test_tpe_gets_close_with_a_small_budget(tmp_path):
+    spec = toy_spec(GRID, _odd)
+    row, _ = _tune(spec, tmp_path, quadratic, trials=40, sampler="tpe", seed=1)
+    assert row["trials"] == 40
+    assert row["best_us"] <= 3000.0  # within two steps of (11, 5) after 40 of 128 points (seeded)
+
+
+def test_failing_and_wrong_configs_are_recorded_and_skipped(tmp_path):
+    spec = toy_spec({"mode": ["good", "fast", "raise", "wrong", "unwritten"], "w": [1, 2]},
+                    default={"mode": "good", "w": 2})
+    speed = {"good": 2.0, "fast": 1.0, "raise": 0.1, "wrong": 0.1, "unwritten": 0.1}
+
+    def timer(fn):  # the real evaluation (launch, reference check), a fake clock
+        fn()
+        c = _LAST["config"]
+        return speed[c["mode"]] + 0.1 * c["w"]
+
+    row, storage = _tune(spec, tmp_path, search.Evaluator(timer=timer), trials=100, sampler="grid")
+    assert row["trials"] == 10 and row["failed"] == 6
+    assert row["config"] == {"mode": "fast", "w": 1} and row["best_us"] == pytest.approx(1100.0)
+    assert row["default_us"] == pytest.approx(2200.0) and row["speedup"] == pytest.approx(2.0)
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    for t in st.trials:
+        if not t.user_attrs.get("evaluated"):
+            continue
+        mode = t.params["mode"]
+        if mode in ("good", "fast"):
+            assert t.state == optuna.trial.TrialState.COMPLETE
+        else:
+            assert t.state == optuna.trial.TrialState.FAIL
+            err = t.user_attrs["error"]
+            assert ("boom" in err) if mode == "raise" else err.startswith("wrong answer")
+    # the export keeps only verified winners
+    search.export(storage, [spec], root=tmp_path / "cfg", log=lambda m: None)
+    data = json.loads((tmp_path / "cfg" / dev.gpu_slug() / "toy.json").read_text())
+    (e,) = store.validate(data, "toy", dev.gpu_slug())
+    assert e["config"] == {"mode": "fast", "w": 1} and e["failed"] == 6 and e["trials"] == 10
+
+
+def test_classify_failures():
+    import triton.runtime.errors as terr
+
+    reason, fatal = search.classify(terr.OutOfResources(300000, 232448, "shared memory"))
+    assert reason.startswith("out of resources") and not fatal
+    reason, fatal = search.classify(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert fatal and "worker restarted" in reason
+    assert search.classify(ValueError("x: bad"))[0] == "error: ValueError: x: bad"
+
+
+class _Interrupt:
+    """A fake evaluation that raises KeyboardInterrupt (Ctrl-C) on its n-th call."""
+
+    def __init__(self, at):
+        self.calls, self.at = 0, at
+
+    def __call__(self, task):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return quadratic(task)
+
+
+def test_interrupted_sweep_resumes_without_losing_trials(tmp_path):
+    spec = toy_spec(GRID, _odd)
+    with pytest.raises(KeyboardInterrupt):
+        _tune(spec, tmp_path, _Interrupt(at=5), trials=8)
+    storage = search.open_storage(str(tmp_path / "s.journal"))
+    (name,) = optuna.get_all_study_names(storage)
+    before = {t.number: t.value for t in optuna.load_study(study_name=name, storage=storage).trials
+              if t.user_attrs.get("evaluated")}
+    assert len(before) == 4  # the interrupted trial is marked failed, not counted
+    row, _ = _tune(spec, tmp_path, quadratic, trials=8)
+    assert row["trials"] == 8
+    row, _ = _tune(spec, tmp_path, quadratic, trials=12)  # a larger budget continues the same study
+    assert row["trials"] == 12
+    after = {t.number: t.value for t in optuna.load_study(study_name=name, storage=storage).trials
+             if t.user_attrs.get("evaluated")}
+    assert len(after) == 12 and all(after[n] == v for n, v in before.items())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker processes: a dying worker, and two workers on one study
+# ---------------------------------------------------------------------------------------------------
+HELPERS = '''
+import os, time
+
+def fake_gelu(task):
+    c = task.config
+    return {"ok": True, "ms": abs(c["BLOCK"] - 1024) / 1000 + c["num_warps"] / 100 + 0.5}
+
+def die_on_one(task):
+    if task.config == {"BLOCK": 512, "num_warps": 4}:
+        os._exit(7)  # what a CUDA context crash looks like from the parent
+    return fake_gelu(task)
+
+def slow_gelu(task):
+    time.sleep(0.1)
+    return fake_gelu(task)
+'''
+
+
+@pytest.fixture(scope="module")
+def helpers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("helpers")
+    (d / "tritune_tuning_helpers.py").write_text(textwrap.dedent(HELPERS))
+    sys.path.insert(0, str(d))  # spawn children inherit sys.path
+    try:
+        yield importlib.import_module("tritune_tuning_helpers")
+    finally:
+        sys.path.remove(str(d))
+
+
+def test_dying_worker_is_restarted_and_the_sweep_goes_on(tmp_path, helpers):
+    storage = str(tmp_path / "s.journal")
+    rows = search.tune("gelu", [gelu_mod.Problem(4096)], [torch.float32], trials=1000, sampler="grid",
+                       storage=storage, evaluate=helpers.die_on_one, isolation="process", progress=False)
+    (row,) = rows
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    dead = [t for t in st.trials if t.user_attrs.get("evaluated") and t.state == optuna.trial.TrialState.FAIL]
+    assert [t.params for t in dead] == [{"BLOCK": 512, "num_warps": 4}]
+    assert dead[0].user_attrs["error"] == "worker died (exit code 7)"
+    assert row["trials"] == row["n_valid"] and row["failed"] == 1
+    assert row["config"] == {"BLOCK": 1024, "num_warps": 1}
+    assert len(row["workers"]) == 1  # one sweeping process; its evaluation worker was restarted
+
+
+def test_two_workers_share_one_study(tmp_path, helpers):
+    storage = str(tmp_path / "s.journal")
+    (row,) = search.tune("gelu", [gelu_mod.Problem(4096)], [torch.float32], trials=12, storage=storage,
+                         workers=2, evaluate=helpers.slow_gelu, isolation="inline", progress=False)
+    assert 12 <= row["trials"] <= 13  # two workers may each start the last trial
+    assert len(row["workers"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# The store
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def temp_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITUNE_CONFIGS", str(tmp_path / "configs"))
+    store.clear_cache()
+    yield tmp_path / "configs" / dev.gpu_slug()
+    monkeypatch.delenv("TRITUNE_CONFIGS")
+    store.clear_cache()
+
+
+def _entry(bucket, config, dtype="float32"):
+    return {"bucket": bucket, "dtype": dtype, "config": config, "time_us": 1.0, "default_us": 2.0}
+
+
+def test_corrupt_or_foreign_store_files_warn_and_fall_back(temp_store):
+    spec = K.get("gelu")
+    p = gelu_mod.Problem(4096)
+    default = spec.default_config(p, torch.float32)
+    temp_store.mkdir(parents=True)
+    for text in ("{not json", json.dumps({"kernel": "layer_norm", "gpu": dev.gpu_slug(), "entries": []}),
+                 json.dumps({"kernel": "gelu", "gpu": dev.gpu_slug(), "entries": [{"bucket": 3}]})):
+        (temp_store / "gelu.json").write_text(text)
+        store.clear_cache()
+        with pytest.warns(UserWarning, match="gelu.json"):
+            assert store.lookup("gelu", "numel=4096,approximate=none", torch.float32) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert spec.config_for(p, torch.float32) == default
+
+
+def test_lookup_exact_then_nearest_bucket_of_the_same_dtype(temp_store):
+    store.write("gelu", [_entry("numel=1024,approximate=none", {"BLOCK": 256, "num_warps": 2}),
+                         _entry("numel=1048576,approximate=none", {"BLOCK": 2048, "num_warps": 8}),
+                         _entry("numel=4096,approximate=none", {"BLOCK": 512, "num_warps": 4}, "float16")])
+    look = lambda b, dt=torch.float32: store.lookup("gelu", b, dt)  # noqa: E731
+    assert look("numel=1024,approximate=none") == {"BLOCK": 256, "num_warps": 2}
+    assert look("numel=4096,approximate=none") == {"BLOCK": 256, "num_warps": 2}        # 2 octaves vs 8
+    assert look("numel=262144,approximate=none") == {"BLOCK": 2048, "num_warps": 8}     # 2 octaves vs 8
+    assert look("numel=4096,approximate=none", torch.float16) == {"BLOCK": 512, "num_warps": 4}
+    assert look("numel=4096,approximate=tanh") is None       # non-numeric fields must match
+    assert look("numel=4096,approximate=none", torch.bfloat16) is None
+
+
+def test_launcher_uses_the_exported_config(tmp_path, temp_store, helpers):
+    storage = str(tmp_path / "s.journal")
+    problem = gelu_mod.Problem(3000, "tanh")
+    search.tune("gelu", [problem], [torch.float32], trials=8, sampler="grid", storage=storage,
+                evaluate=helpers.fake_gelu, isolation="inline", progress=False)
+    (path,) = search.export(storage, ["gelu"], log=lambda m: None)  # into the temporary store
+    assert path.parent == temp_store
+    (e,) = store.validate(json.loads(path.read_text()), "gelu", dev.gpu_slug())
+    assert e["bucket"] == "numel=4096,approximate=tanh" and e["trials"] == 8 and e["failed"] == 0
+    assert e["time_us"] > 0 and e["default_us"] >= e["time_us"]
+    spec = K.get("gelu")
+    assert spec.config_for(problem, torch.float32) == e["config"]
+    x = torch.randn(3000) * 3
+    cmp.check(gelu_mod.gelu(x, "tanh"), spec.reference(x, "tanh"), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI and a real sweep
+# ---------------------------------------------------------------------------------------------------
+def test_parse_problems():
+    ln, gl = K.get("layer_norm"), K.get("gelu")
+    assert tcli.parse_problems(ln, "M=8192,N=768; M=64 N=768 affine=false") == [
+        ln.standard_problems[0], type(ln.standard_problems[0])(64, 768, False)]
+    assert tcli.parse_problems(gl, "numel=8192*768,approximate=tanh") == [gelu_mod.Problem(8192 * 768, "tanh")]
+    for bad in ("M=8192,K=3", "M=x,N=3", "N", ""):
+        with pytest.raises(ValueError):
+            tcli.parse_problems(ln, bad)
+
+
+def test_real_gelu_sweep_through_the_cli(tmp_path, capsys):
+    from tritune.harness.cli import main
+
+    storage, cfg = str(tmp_path / "s.journal"), tmp_path / "cfg"
+    argv = ["tune", "gelu", "--problems", "numel=1021,approximate=tanh", "--dtype", "fp32", "--trials", "3",
+            "--storage", storage, "--quiet"]
+    assert main(argv) == 0
+    assert main(argv[:-3] + ["--trials", "5", "--storage", storage, "--export", "--configs-dir", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "default µs" in out and "numel=1024,approximate=tanh" in out
+    (e,) = store.validate(json.loads((cfg / dev.gpu_slug() / "gelu.json").read_text()), "gelu", dev.gpu_slug())
+    assert e["trials"] == 5 and e["failed"] == 0 and math.isfinite(e["time_us"]) and e["default_us"]
+    assert K.get("gelu").space.why_invalid(e["config"], gelu_mod.Problem(1021, "tanh"), torch.float32) is None
+    assert main(["configs", "--configs-dir", str(cfg)]) == 0
+    assert "BLOCK=" in capsys.readouterr().out
+
+
+def test_compare_samplers_replays_tpe_and_random_on_the_grid(tmp_path):
+    spec = toy_spec(SMALL, _odd)
+    rows, path = search.compare_samplers([spec], [ToyProblem(64)], [torch.float32], storage=str(tmp_path / "s.journal"),
+                                         repeats=3, evaluate=quadratic, isolation="inline", progress=False,
+                                         results_dir=tmp_path / "results", log=lambda m: None)
+    (row,) = rows
+    assert row["n_valid"] == 32 and row["grid_best_us"] == pytest.approx(1000.0)
+    assert row["grid_best_config"] == {"a": 11, "b": 5}
+    for name in ("tpe", "random"):
+        counts = row[name]["trials_to_target"]
+        assert len(counts) == 3 and all(c is not None and 1 <= c <= 32 for c in counts)
+    data = json.loads(path.read_text())
+    assert path.name == "tuning_efficiency.json" and data["experiments"][0]["kernel"] == "toy"

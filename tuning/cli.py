@@ -1,0 +1,280 @@
+"""``tritune tune`` and ``tritune configs`` (plugged into the main CLI by harness/cli.py).
+
+    tritune tune layer_norm --dtype bf16 --trials 40                  # TPE over the standard problems
+    tritune tune gelu --problems "numel=6291456;numel=6291456,approximate=tanh" --sampler grid
+    tritune tune all --trials 0 --export                              # write tuning/configs/<slug>/*.json
+    tritune tune layer_norm --compare-samplers --dtype bf16           # search-efficiency experiment
+    tritune configs                                                   # what is stored for this GPU
+
+``--problems``: problems separated by ``;``, each ``field=value`` pairs separated by ``,`` (or spaces),
+named after the kernel's Problem dataclass; omitted fields take their defaults, values are converted to
+the field's type (int, float, bool, str).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+
+def _problem_class(spec):
+    for p in list(spec.standard_problems) + list(spec.small_problems):
+        if dataclasses.is_dataclass(p):
+            return type(p), p
+    raise ValueError(f"{spec.name}: no example Problem to learn the fields from")
+
+
+def _convert(text: str, like, ftype: str):
+    if isinstance(like, bool) or ftype == "bool":
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "y", "on"):
+            return True
+        if low in ("0", "false", "no", "n", "off"):
+            return False
+        raise ValueError(f"expected a boolean, got {text!r}")
+    if isinstance(like, int) or ftype == "int":
+        return math.prod(_int(t) for t in text.split("*"))  # numel=8192*768 reads as the product
+    if isinstance(like, float) or ftype == "float":
+        return float(text)
+    return text
+
+
+def _int(t: str) -> int:
+    try:
+        return int(t)
+    except ValueError:
+        return int(t, 0)
+
+
+def parse_problems(spec, text: str) -> list:
+    """``"M=8192,N=768;M=64,N=768"`` -> [Problem(8192, 768), Problem(64, 768)] for the spec's Problem."""
+    cls, example = _problem_class(spec)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for chunk in text.split(";"):
+        chunk = chunk.strip()
+        if not chunk:
+            continue
+        kw = {}
+        for part in chunk.replace(",", " ").split():
+            k, sep, v = part.partition("=")
+            if not sep:
+                raise ValueError(f"--problems: {part!r} is not field=value (fields of {spec.name}: "
+                                 f"{', '.join(fields)})")
+            if k not in fields:
+                raise ValueError(f"--problems: {spec.name} problems have no field {k!r} (fields: {', '.join(fields)})")
+            f = fields[k]
+            try:
+                kw[k] = _convert(v, getattr(example, k), str(f.type))
+            except ValueError as e:
+                raise ValueError(f"--problems: {k}={v!r}: {e}") from None
+        try:
+            out.append(cls(**kw))
+        except TypeError as e:
+            raise ValueError(f"--problems: {chunk!r}: {e}") from None
+    if not out:
+        raise ValueError("--problems: no problem given")
+    return out
+
+
+def _fmt(v, digits=1):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _cfg(c) -> str:
+    return "" if not c else " ".join(f"{k}={v}" for k, v in c.items())
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def results_table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+
+    table = []
+    for r in rows:
+        note = ""
+        if r.get("default_error"):
+            note = "default: " + str(r["default_error"])[:60]
+        elif r.get("trials") and r.get("best_us") is None:
+            note = "no verified config: " + ", ".join(f"{k} x{n}" for k, n in (r.get("failure_kinds") or {}).items())
+        table.append([r.get("kernel"), r.get("bucket"), r.get("dtype"), _fmt(r.get("default_us")),
+                      _fmt(r.get("best_us")), (_fmt(r.get("speedup"), 2) + "x") if r.get("speedup") else "",
+                      r.get("trials", 0), r.get("failed", 0), _cfg(r.get("config")), note])
+    text = tabulate(table, headers=["kernel", "bucket", "dtype", "default µs", "tuned µs", "speedup", "trials",
+                                    "failed", "config", ""], disable_numparse=True)
+    kernels = sorted({r.get("kernel") for r in rows if r.get("speedup")})
+    lines = [text]
+    for k in kernels:
+        g = _geomean([r["speedup"] for r in rows if r.get("kernel") == k])
+        lines.append(f"{k}: geomean speedup of tuned over default {g:.3f}x over "
+                     f"{sum(1 for r in rows if r.get('kernel') == k and r.get('speedup'))} buckets")
+    return "\n".join(lines)
+
+
+def cmd_tune(args) -> int:
+    from tritune.harness import device as dev
+    from tritune.tuning import search
+
+    names = args.kernels
+    specs = search.resolve_specs(names)
+    problems = None
+    if args.problems:
+        if len(specs) != 1:
+            print("tune: --problems needs exactly one kernel (problems are in that kernel's fields)", file=sys.stderr)
+            return 2
+        try:
+            problems = parse_problems(specs[0], args.problems)
+        except ValueError as e:
+            print(f"tune: {e}", file=sys.stderr)
+            return 2
+    storage = args.storage or search.default_storage()
+    slug = dev.gpu_slug()
+    if dev.interpreted():
+        print("note: no CUDA GPU; tuning through the Triton interpreter on small problems "
+              "(times are the interpreter's, not a GPU's)", file=sys.stderr)
+    print(f"tune: storage {storage}, GPU slug {slug}, sampler "
+          f"{'grid + replayed tpe/random' if args.compare_samplers else args.sampler}", file=sys.stderr)
+    common = dict(storage=storage, workers=args.workers, time_budget=args.time_budget, seed=args.seed,
+                  isolation=args.isolation, timeout=args.trial_timeout, progress=not args.quiet)
+    try:
+        if args.compare_samplers:
+            rows, path = search.compare_samplers(specs, problems, args.dtype, repeats=args.repeats,
+                                                 threshold=args.threshold, results_dir=args.results_dir, **common)
+            print(efficiency_table(rows))
+            if path:
+                print(f"\nwrote {path}")
+            return 0
+        rows = search.tune(specs, problems, args.dtype, trials=args.trials, sampler=args.sampler, **common)
+    except KeyboardInterrupt:
+        print(f"\ntune: interrupted; finished trials are kept in {storage}: run the same command to resume",
+              file=sys.stderr)
+        rows = search.tune(specs, problems, args.dtype, trials=0, storage=storage, progress=False)
+        print(results_table(rows))
+        return 130
+    print(results_table(rows))
+    if args.export:
+        print()
+        search.export(storage, [s.name for s in specs], slug=slug, root=args.configs_dir)
+    missing = [r for r in rows if args.trials > 0 and r.get("trials") and r.get("best_us") is None]
+    return 1 if missing else 0
+
+
+def efficiency_table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+
+    table = []
+    for r in rows:
+        if "incomplete" in r:
+            table.append([r["kernel"], r["bucket"], r["dtype"], r["n_valid"], "", "", "", "", r["incomplete"]])
+            continue
+        t, rd = r["tpe"], r["random"]
+        table.append([r["kernel"], r["bucket"], r["dtype"], r["n_valid"], _fmt(r["grid_best_us"]),
+                      f"{_fmt(t['median'], 1)} ({_fmt(t['median_fraction_of_grid'] * 100 if t['median'] else None, 0)}%)",
+                      f"{_fmt(rd['median'], 1)} ({_fmt(rd['median_fraction_of_grid'] * 100 if rd['median'] else None, 0)}%)",
+                      f"{_fmt(t['max'])} / {_fmt(rd['max'])}",
+                      "TPE <= 25% of grid" if r["tpe_within_25pct_of_grid"] else ""])
+    return tabulate(table, headers=["kernel", "bucket", "dtype", "grid trials (valid points)", "grid best µs",
+                                    "TPE trials to 3% (median)", "random trials to 3% (median)", "worst TPE / random",
+                                    ""], disable_numparse=True)
+
+
+def cmd_configs(args) -> int:
+    import os
+
+    from tabulate import tabulate
+
+    from tritune.harness import device as dev
+    from tritune.tuning import store
+
+    if args.configs_dir:
+        os.environ["TRITUNE_CONFIGS"] = args.configs_dir
+        store.clear_cache()
+    slug = args.slug or dev.gpu_slug()
+    files = store.files_for(slug)
+    if args.kernels:
+        files = {k: v for k, v in files.items() if k in args.kernels}
+    if not files:
+        print(f"no tuned configs for {slug} under {store.config_root() / slug}")
+        return 0
+    table = []
+    for kernel, path in files.items():
+        for e in store.entries(kernel, slug):
+            t, d = e.get("time_us"), e.get("default_us")
+            table.append([kernel, e["bucket"], e["dtype"], _cfg(e["config"]), _fmt(t), _fmt(d),
+                          f"{d / t:.2f}x" if isinstance(t, (int, float)) and isinstance(d, (int, float)) and t else "",
+                          _fmt(e.get("trials"))])
+    print(f"tuned configs for {slug} ({store.config_root() / slug}):")
+    print(tabulate(table, headers=["kernel", "bucket", "dtype", "config", "µs", "default µs", "speedup", "trials"],
+                   disable_numparse=True))
+    return 0
+
+
+def add_parser(subparsers, name: str) -> None:
+    from tritune.harness.cli import parse_dtype
+    from tritune.tuning import search
+
+    if name == "tune":
+        s = subparsers.add_parser("tune", help="search launch configs with Optuna (resumable, multi-GPU); --export "
+                                              "writes the store")
+        s.add_argument("kernels", nargs="+", metavar="KERNEL", help="kernel name(s), or 'all'")
+        s.add_argument("--problems", help='e.g. "M=8192,N=768;M=64,N=768" (default: the kernel\'s standard '
+                                          "problems on a GPU, its small problems on the interpreter)")
+        s.add_argument("--dtype", action="append", type=parse_dtype, help="repeatable; default: each supported")
+        s.add_argument("--trials", type=int, default=40,
+                       help="evaluated trials per study, counting those already in the storage (default 40); "
+                            "constraint-pruned and duplicate proposals are free")
+        s.add_argument("--sampler", choices=search.SAMPLERS, default="tpe")
+        s.add_argument("--storage", default=None,
+                       help="Optuna storage: a journal file path or an RDB URL (sqlite:///x.db, postgresql://...); "
+                            "default $TRITUNE_STUDIES or ~/.cache/tritune/tuning-studies.journal")
+        s.add_argument("--workers", type=int, default=1, help="worker processes, one per visible GPU (default 1)")
+        s.add_argument("--time-budget", type=float, default=None, metavar="S",
+                       help="stop starting trials after S seconds (shared evenly among the studies)")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--export", action="store_true", help="write the store from the studies afterwards "
+                                                             "(with --trials 0: export only)")
+        s.add_argument("--configs-dir", default=None,
+                       help="export under DIR/<slug>/ instead of the packaged tuning/configs/")
+        s.add_argument("--isolation", choices=("auto", "process", "inline"), default="auto",
+                       help="evaluate in a restartable worker process (auto: on a GPU) or in this process")
+        s.add_argument("--trial-timeout", type=float, default=search.TASK_TIMEOUT, metavar="S",
+                       help=f"kill the worker after S seconds on one trial (default {search.TASK_TIMEOUT:.0f})")
+        s.add_argument("--compare-samplers", action="store_true",
+                       help="complete the grid, then replay TPE and random on its measurements: trials to reach "
+                            "within --threshold of the grid's best")
+        s.add_argument("--repeats", type=int, default=10, help="seeds per sampler for --compare-samplers")
+        s.add_argument("--threshold", type=float, default=0.03)
+        s.add_argument("--results-dir", default="results", help="--compare-samplers writes "
+                                                                "<dir>/<slug>/tuning_efficiency.json")
+        s.add_argument("--quiet", action="store_true", help="no progress line")
+        s.set_defaults(func=cmd_tune)
+    elif name == "configs":
+        s = subparsers.add_parser("configs", help="list the tuned configs stored for this GPU")
+        s.add_argument("kernels", nargs="*", help="kernel names (default: all stored)")
+        s.add_argument("--slug", default=None, help="another GPU type's slug")
+        s.add_argument("--configs-dir", default=None, help="a store root other than the packaged one")
+        s.set_defaults(func=cmd_configs)
+    else:
+        raise ValueError(f"tritune.tuning.cli provides 'tune' and 'configs', not {name!r}")
+
+
+def main(argv=None) -> int:  # for `python -m tritune.tuning.cli tune ...`
+    p = argparse.ArgumentParser(prog="tritune")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_parser(sub, "tune")
+    add_parser(sub, "configs")
+    args = p.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
