@@ -12,8 +12,7 @@ PLUGINS = {
     "tune": "tritune.tuning.cli",
     "configs": "tritune.tuning.cli",
     "generate": "tritune.model.cli",
-    "serve-bench": "tritune.model.cli",
-    "train-default": "tritune.model.cli",
+    "serve-bench": "tritune.model.serve",
 }
 
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
