@@ -1,0 +1,595 @@
+"""GEMM with a fused epilogue: C = act(A @ B + bias) + residual.
+
+A (..., K) with its leading dims flattened into M, B (K, N); either may be a transposed or strided view
+(both strides go to the kernel; nothing is copied). fp16/bf16 accumulate in fp32 on tensor cores; fp32
+goes through tf32 tensor cores on the GPU (``input_precision="tf32"``, 10-bit mantissa operands: the
+"tf32" tolerance), exact fp32 under the interpreter. The epilogue runs in fp32 on the accumulator and
+the output is rounded once to the input dtype. activation "gelu_tanh" is evaluated as x·sigmoid(2z),
+z = √(2/π)(x + 0.044715x³): the same function as x/2·(1 + tanh z) with no tanh and no overflow.
+
+Operands are read either through pointers (any strides, masked edges) or, with ``TMA=True`` on a GPU
+that has it (sm90+), through host-built TMA tensor descriptors when the view allows one (16-byte
+aligned base and strides, one unit stride); a view that does not allow one falls back to pointers.
+
+Split-K (``SPLIT_K > 1``, for small M and large K): the K tiles are cut into SPLIT_K slices, one program
+each; every program writes its fp32 partial tile to a workspace, then takes a ticket from a per-tile
+counter. The program holding the last ticket sums the SPLIT_K partials in slice order (deterministic,
+whatever the arrival order), applies the epilogue once, stores C and resets the counter to zero for the
+next launch. One launch, no zero-fill, no second kernel. The counters are per device and reset by the
+kernel itself, so two split-K GEMMs must not run concurrently on different streams.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tritune import kernels as K
+from tritune.harness import strategies as S
+from tritune.references import gemm as ref
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+
+@triton.jit
+def _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
+                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr):
+    """acc (fp32) -> act(acc + bias) + residual -> C, rounded once."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols * s_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACT == 1:  # gelu_tanh: x·sigmoid(2z); exp overflow to inf gives x/inf = -0, never NaN
+        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc / (1.0 + tl.exp(-2.0 * z))
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        acc += tl.load(R + rows[:, None] * s_rm + cols[None, :] * s_rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_cn, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(A, B, C, Bias, R, W, Locks,
+                 M, N, K, M1,
+                 s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
+                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 A_MODE: tl.constexpr, B_MODE: tl.constexpr, A_3D: tl.constexpr, INT64: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """C[m, n] = act(sum_k A[m, k] B[k, n] + bias[n]) + R[m, n] over one BLOCK_M x BLOCK_N tile and one K slice.
+
+    A_MODE / B_MODE: 0 pointers, 1 a TMA descriptor of the operand as it is, 2 a TMA descriptor of its
+    transpose (the operand is a column-major view). A_3D: A is (M / M1, M1, K) with rows that do not
+    merge into one stride: row m sits at (m // M1)·s_a0 + (m % M1)·s_am.
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # grouped ordering: GROUP_M row-tiles share the B columns they read while those are in L2
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # this program's K slice: whole BLOCK_K tiles, the last slice cut at K
+    tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_lo = pid_k * tiles_per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + tiles_per_split * BLOCK_K)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if INT64:  # some tensor spans 2^31 elements or more: 64-bit offsets (zero + s also widens a
+        # stride the JIT specialised to the constant 1)
+        zero = pid.to(tl.int64) * 0
+        rows = offs_m.to(tl.int64)
+        cols = offs_n.to(tl.int64)
+        kk = (k_lo + offs_k).to(tl.int64)
+        s_ak = zero + s_ak
+        s_bk = zero + s_bk
+        slab = (zero + M) * N
+    else:
+        rows = offs_m
+        cols = offs_n
+        kk = k_lo + offs_k
+        slab = M * N
+
+    if A_MODE == 0:
+        if A_3D:
+            a_rows = (rows // M1) * s_a0 + (rows % M1) * s_am
+        else:
+            a_rows = rows * s_am
+        a_ptrs = A + a_rows[:, None] + kk[None, :] * s_ak
+    if B_MODE == 0:
+        b_ptrs = B + kk[:, None] * s_bk + cols[None, :] * s_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if A_MODE == 1:
+            a = A.load([pid_m * BLOCK_M, k])
+        elif A_MODE == 2:
+            a = A.load([k, pid_m * BLOCK_M]).T
+        else:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_hi - k), other=0.0)
+            a_ptrs += BLOCK_K * s_ak
+        if B_MODE == 1:
+            b = B.load([k, pid_n * BLOCK_N])
+        elif B_MODE == 2:
+            b = B.load([pid_n * BLOCK_N, k]).T
+        else:
+            if EVEN_K:
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_hi - k) & mask_n[None, :], other=0.0)
+            b_ptrs += BLOCK_K * s_bk
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+
+    if SPLIT_K == 1:
+        _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
+                        HAS_BIAS, ACT, HAS_RES)
+    else:
+        mask = mask_m[:, None] & mask_n[None, :]
+        w_tile = W + rows[:, None] * N + cols[None, :]
+        tl.store(w_tile + pid_k * slab, acc, mask=mask)
+        # every thread's partial is written before the ticket is taken (the atomic releases them)
+        tl.debug_barrier()
+        tile = pid_m * num_pid_n + pid_n
+        ticket = tl.atomic_add(Locks + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on arrival order
+                acc += tl.load(w_tile + s * slab, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(Locks + tile, 0)
+            _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
+                            HAS_BIAS, ACT, HAS_RES)
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    M: int                       # rows of A and C (all leading dims of A flattened)
+    N: int
+    K: int
+    trans_a: bool = False        # A is a column-major view (the transpose of a row-major (K, M))
+    trans_b: bool = False        # B is a column-major view (e.g. a tied embedding (N, K) read as its .t())
+    bias: bool = False
+    act: str | None = None       # None or "gelu_tanh"
+    residual: bool = False
+    batch: int = 1               # A is (batch, M / batch, K) when > 1
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACTIVATIONS = (None, "gelu_tanh")
+INT32_LIMIT = 2**31             # offsets at or past this take the 64-bit path (tests lower it)
+SMEM_BUDGET = 200 * 1024         # H100 has 227 KiB per block; the margin covers the epilogue's scratch
+
+
+def problem_of(a, b, bias=None, *, activation=None, residual=None, **_) -> Problem:
+    kdim = a.shape[-1]
+    return Problem(a.numel() // max(kdim, 1), b.shape[-1], kdim, bias=bias is not None, act=activation,
+                   residual=residual is not None, batch=a.shape[0] if a.dim() == 3 else 1)
+
+
+def _span(t: torch.Tensor) -> int:
+    """1 + the largest element offset of a view: what its addressing must reach."""
+    return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_capable(device_index: int) -> bool:
+    if TensorDescriptor is None:
+        return False
+    if K.kernel_device() == "cpu":  # the interpreter emulates descriptors
+        return True
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms() -> int:
+    if K.kernel_device() == "cpu":
+        return 132
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+_LOCKS: dict = {}
+
+
+def _locks(device, n: int) -> torch.Tensor:
+    """Per-device tile counters for split-K, zero between launches (the kernel resets what it uses)."""
+    t = _LOCKS.get(device)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _LOCKS[device] = t
+    return t
+
+
+def _desc(t: torch.Tensor, block_rows: int, block_cols: int, e: int):
+    """A TMA descriptor of the 2-D view ``t`` (mode 1) or of ``t.T`` (mode 2), or None (mode 0)."""
+    if t.data_ptr() % 16 or t.numel() == 0:
+        return 0, t
+    r, c = t.shape
+    sr, sc = t.stride()
+    if sc == 1 and (sr * e) % 16 == 0 and sr > 0:
+        return 1, TensorDescriptor(t, [r, c], [sr, 1], [block_rows, block_cols])
+    if sr == 1 and (sc * e) % 16 == 0 and sc > 0:
+        return 2, TensorDescriptor(t, [c, r], [sc, 1], [block_cols, block_rows])
+    return 0, t
+
+
+def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: dict | None = None):
+    """C = act(a @ b + bias) + residual. a (..., K), b (K, N), bias (N,), residual (..., N) or (M, N).
+
+    Returns C of shape a.shape[:-1] + (N,) in a's dtype (written into ``out`` when given).
+    """
+    K.check_tensor("a", a, dtypes=DTYPES)
+    K.check_device("a", a)
+    K.check_tensor("b", b, ndim=2, dtypes=DTYPES)
+    if a.dim() == 0:
+        raise ValueError("a: expected at least 1 dim (..., K), got a scalar")
+    if b.dtype != a.dtype:
+        raise TypeError(f"b: dtype {b.dtype} differs from a's {a.dtype}")
+    if b.device != a.device:
+        raise ValueError(f"b: on {b.device}, but a is on {a.device}")
+    kdim, n = b.shape
+    if a.shape[-1] != kdim:
+        raise ValueError(f"a, b: inner sizes differ: a is {tuple(a.shape)} (K={a.shape[-1]}), "
+                         f"b is {tuple(b.shape)} (K={kdim})")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if bias is not None:
+        K.check_tensor("bias", bias, ndim=1)
+        if bias.dtype != a.dtype:
+            raise TypeError(f"bias: dtype {bias.dtype} differs from a's {a.dtype}")
+        if bias.shape[0] != n:
+            raise ValueError(f"bias: expected shape ({n},) to match b's N, got {tuple(bias.shape)}")
+        if bias.device != a.device:
+            raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
+    out_shape = (*a.shape[:-1], n)
+    m = math.prod(a.shape[:-1])
+    if residual is not None:
+        K.check_tensor("residual", residual)
+        if residual.dtype != a.dtype:
+            raise TypeError(f"residual: dtype {residual.dtype} differs from a's {a.dtype}")
+        if tuple(residual.shape) not in (out_shape, (m, n)):
+            raise ValueError(f"residual: expected shape {out_shape} or {(m, n)}, got {tuple(residual.shape)}")
+        if residual.device != a.device:
+            raise ValueError(f"residual: on {residual.device}, but a is on {a.device}")
+    if out is None:
+        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    else:
+        K.check_out(out, out_shape, a.dtype, a.device)
+    if m == 0 or n == 0:
+        return out
+    try:
+        c2 = out.view(m, n)
+    except RuntimeError:
+        raise ValueError(f"out: its strides {out.stride()} do not flatten to ({m}, {n})") from None
+
+    # A as 2-D when its rows merge into one stride (a view, never a copy); 3-D with two row strides
+    # otherwise; beyond 3 dims that do not merge, one copy.
+    a_3d = False
+    try:
+        a2 = a.view(m, kdim)
+        s_a0, s_am, s_ak = 0, a2.stride(0), a2.stride(1)
+    except RuntimeError:
+        if a.dim() == 3:
+            a2, a_3d = a, True
+            s_a0, s_am, s_ak = a.stride()
+        else:
+            a2 = a.reshape(m, kdim)
+            s_a0, s_am, s_ak = 0, a2.stride(0), a2.stride(1)
+    r2 = residual.reshape(m, n) if residual is not None else None
+
+    problem = Problem(m, n, kdim, bias=bias is not None, act=activation, residual=residual is not None)
+    cfg = SPEC.config_for(problem, a.dtype, config)
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+
+    e = a.element_size()
+    a_arg, b_arg, a_mode, b_mode = a2, b, 0, 0
+    if cfg["TMA"] and not a_3d and _tma_capable(a.device.index or 0):
+        a_mode, a_arg = _desc(a2, bm, bk, e)
+        b_mode, b_arg = _desc(b, bk, bn, e)
+
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if split > 1:
+        work = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+        locks = _locks(a.device, tiles)
+    else:
+        work = locks = c2
+    spans = [_span(a2), _span(b), _span(c2), split * m * n]
+    if r2 is not None:
+        spans.append(_span(r2))
+    int64 = max(spans) >= INT32_LIMIT
+
+    _gemm_kernel[(tiles, split)](
+        a_arg, b_arg, c2, bias if bias is not None else c2, r2 if r2 is not None else c2, work, locks,
+        m, n, kdim, a.shape[1] if a_3d else m,
+        s_a0, s_am, s_ak, b.stride(0), b.stride(1), c2.stride(0), c2.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        r2.stride(0) if r2 is not None else 0, r2.stride(1) if r2 is not None else 0,
+        HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
+        EVEN_K=kdim % bk == 0, A_MODE=a_mode, B_MODE=b_mode, A_3D=a_3d, INT64=int64,
+        PRECISION="tf32" if a.dtype == torch.float32 else "ieee",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+SPACE = K.Space(
+    params={
+        "BLOCK_M": [16, 32, 64, 128, 256],
+        "BLOCK_N": [16, 32, 64, 128, 256],
+        "BLOCK_K": [16, 32, 64, 128, 256],
+        "GROUP_M": [1, 4, 8],
+        "SPLIT_K": [1, 2, 4, 8, 16],
+        "num_warps": [2, 4, 8],
+        "num_stages": [2, 3, 4, 5],
+        "TMA": [False, True],
+    },
+)
+
+
+_ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, None: 2}
+
+
+def _elem(dtype) -> int:
+    return _ELEM[dtype]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _np2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=4096)
+def _limits(p: Problem) -> tuple:
+    return max(16, _np2(p.M)), max(16, _np2(p.N)), max(16, _np2(p.K))
+
+
+def _constraint(c, p: Problem, dtype) -> str | None:
+    # plain Python only: the space is enumerated point by point (tens of thousands per problem)
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    m2, n2, k2 = _limits(p)
+    # tiles no larger than the problem (also what keeps the interpreter fast on tiny problems)
+    if bm > m2:
+        return "BLOCK_M larger than M"
+    if bn > n2:
+        return "BLOCK_N larger than N"
+    if bk > k2:
+        return "BLOCK_K larger than K"
+    smem = (bm + bn) * bk * _ELEM[dtype] * c["num_stages"]
+    if smem > SMEM_BUDGET:
+        return f"{smem // 1024} KiB of shared memory for the pipeline"
+    threads = 32 * c["num_warps"]
+    if bm * bn > 128 * threads:
+        return f"{bm * bn // threads} accumulator registers per thread"
+    if bm * bn < 4 * threads:
+        return "idle warps"
+    split = c["SPLIT_K"]
+    if split > 1:
+        if split > _cdiv(p.K, bk):
+            return "more K slices than K tiles"
+        if c["GROUP_M"] > 1:
+            return "split-K tiles are few: no grouping"
+    if c["TMA"] and not _tma_capable(0):
+        return "no TMA on this GPU"
+    return None
+
+
+SPACE.constraint = _constraint
+
+
+def default_config(p: Problem, dtype) -> dict:
+    """A sound heuristic: small M reads B once over many programs (split-K when tiles are few);
+    large problems take 128x256 (or 128x128) tiles with a deep pipeline."""
+    e = _elem(dtype)
+    m2 = max(16, triton.next_power_of_2(p.M))
+    n2 = max(16, triton.next_power_of_2(p.N))
+    k2 = max(16, triton.next_power_of_2(p.K))
+    sms = _num_sms()
+    if p.M <= 64:
+        bm = min(m2, 64)
+        bn = min(n2, 64)
+        bk = min(k2, 128)
+        warps = 4
+        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
+        k_tiles = triton.cdiv(p.K, bk)
+        split = 1
+        while split < 16 and tiles * split * 2 <= 2 * sms and split * 4 <= k_tiles:
+            split *= 2
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
+               "num_warps": warps, "num_stages": 4, "TMA": False}
+    else:
+        bm = min(m2, 128)
+        bn = min(n2, 256 if p.M * p.N >= 4096 * 4096 and e == 2 else 128)
+        bk = min(k2, 64 if e == 2 else 32)
+        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
+        if tiles < sms and bn > 64:  # too few programs for the machine: smaller tiles
+            bn //= 2
+            tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
+            if tiles < sms and bm > 64:
+                bm //= 2
+        warps = 8 if bm * bn >= 128 * 128 else 4
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 1,
+               "num_warps": warps, "num_stages": 4, "TMA": False}
+    return _fit(cfg, p, dtype)
+
+
+def _fit(cfg: dict, p: Problem, dtype) -> dict:
+    """Shrink stages, then warps, until the point is valid (a default must always be)."""
+    cfg = dict(cfg)
+    for _ in range(16):
+        why = SPACE.constraint(cfg, p, dtype)
+        if why is None:
+            return cfg
+        if "shared memory" in why and cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif "shared memory" in why:
+            cfg["BLOCK_K"] //= 2
+        elif "idle warps" in why:
+            cfg["num_warps"] //= 2
+        elif "registers" in why:
+            cfg["num_warps"] *= 2
+        elif "slices" in why:
+            cfg["SPLIT_K"] //= 2
+        elif "TMA" in why:
+            cfg["TMA"] = False
+        else:
+            break
+    raise AssertionError(f"gemm: no valid default for {p}: {cfg}: {SPACE.constraint(cfg, p, dtype)}")
+
+
+def bucket(p: Problem) -> dict:
+    return {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K}
+
+
+def cost(p: Problem, dtype) -> K.Cost:
+    e = _elem(dtype)
+    elems = p.M * p.K + p.K * p.N + p.M * p.N + (p.N if p.bias else 0) + (p.M * p.N if p.residual else 0)
+    return K.Cost(flops=2.0 * p.M * p.N * p.K, bytes=float(e * elems))
+
+
+def _operand(rows: int, cols: int, trans: bool, batch: int, dtype, device, seed: int, layout: str,
+             scale: float) -> torch.Tensor:
+    """A (batch ×) rows × cols operand; ``trans`` stores it column-major (a transposed view)."""
+    lead = (batch,) if batch > 1 else ()
+    shape = (*lead, cols, rows) if trans else (*lead, rows, cols)
+    t = S.with_layout(S.randn(shape, dtype, device, seed, scale=scale), layout)
+    return t.transpose(-1, -2) if trans else t
+
+
+def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
+    batch = p.batch if p.batch > 1 and p.M % p.batch == 0 else 1
+    # B scaled by 1/sqrt(K): pre-activations O(1), where GELU bends
+    a = _operand(p.M // batch, p.K, p.trans_a, batch, dtype, device, seed, layout, 1.0)
+    b = _operand(p.K, p.N, p.trans_b, 1, dtype, device, seed + 1, layout, 1.0 / math.sqrt(p.K))
+    bias = S.randn((p.N,), dtype, device, seed + 2, scale=0.5) if p.bias else None
+    out_shape = (*a.shape[:-1], p.N)
+    res = S.randn(out_shape, dtype, device, seed + 3) if p.residual else None
+    return K.Case(args=(a, b, bias), kwargs={"activation": p.act, "residual": res},
+                  out=torch.empty(out_shape, dtype=dtype, device=device))
+
+
+def problems(max_elems: int):
+    """Sizes up to max_elems^(1/3) per dim (25 on the interpreter), every epilogue, both transpositions."""
+    from hypothesis import strategies as st
+
+    d = max(2, round(max_elems ** (1 / 3)))
+
+    @st.composite
+    def draw(dr):
+        m, n, k = dr(S.sizes(d)), dr(S.sizes(d)), dr(S.sizes(d))
+        batch = dr(st.sampled_from([b for b in (1, 2, 3) if m % b == 0]))
+        return Problem(m, n, k, trans_a=dr(st.booleans()), trans_b=dr(st.booleans()), bias=dr(st.booleans()),
+                       act=dr(st.sampled_from(ACTIVATIONS)), residual=dr(st.booleans()), batch=batch)
+
+    return draw()
+
+
+def _vendor(c: K.Case):
+    """cuBLAS through PyTorch plus the same epilogue, op by op (what a PyTorch model runs)."""
+    a, b, bias = c.args
+    act, res = c.kwargs["activation"], c.kwargs["residual"]
+    a2 = a.reshape(-1, a.shape[-1])
+    r2 = res.reshape(a2.shape[0], -1) if res is not None else None
+
+    def run():
+        y = torch.addmm(bias, a2, b) if bias is not None else torch.mm(a2, b)
+        if act == "gelu_tanh":
+            y = torch.nn.functional.gelu(y, approximate="tanh")
+        if r2 is not None:
+            y += r2
+        return y
+
+    return run
+
+
+def _flag_gems(c: K.Case):
+    a, b, bias = c.args
+    if bias is not None or c.kwargs["activation"] or c.kwargs["residual"] is not None:
+        return None  # plain matmul only
+    try:
+        import flag_gems
+    except Exception:
+        return None
+    a2 = a.reshape(-1, a.shape[-1])
+    return lambda: flag_gems.mm(a2, b)
+
+
+def _bad_inputs(device):
+    a = torch.randn(4, 8, device=device)
+    b = torch.randn(8, 5, device=device)
+    return [
+        ("inner sizes differ", lambda: gemm(a, torch.randn(7, 5, device=device)), ValueError),
+        ("dtype mismatch", lambda: gemm(a, b.half()), TypeError),
+        ("integer a", lambda: gemm(a.to(torch.int32), b), TypeError),
+        ("float64 a", lambda: gemm(a.double(), b.double()), TypeError),
+        ("a on the wrong device", lambda: gemm(a.to("meta"), b), ValueError),
+        ("b on another device than a", lambda: gemm(a, b.to("meta")), ValueError),
+        ("b not 2-D", lambda: gemm(a, b[None]), ValueError),
+        ("a a scalar", lambda: gemm(torch.tensor(1.0, device=device), b), ValueError),
+        ("a not a tensor", lambda: gemm([[1.0]], b), TypeError),
+        ("bias of the wrong length", lambda: gemm(a, b, torch.randn(6, device=device)), ValueError),
+        ("bias 2-D", lambda: gemm(a, b, torch.randn(1, 5, device=device)), ValueError),
+        ("bias of another dtype", lambda: gemm(a, b, torch.randn(5, device=device).half()), TypeError),
+        ("residual of the wrong shape", lambda: gemm(a, b, residual=torch.randn(4, 6, device=device)), ValueError),
+        ("residual of another dtype", lambda: gemm(a, b, residual=torch.randn(4, 5, device=device).half()), TypeError),
+        ("unknown activation", lambda: gemm(a, b, activation="relu"), ValueError),
+        ("out of the wrong shape", lambda: gemm(a, b, out=torch.empty(4, 6, device=device)), ValueError),
+    ]
+
+
+def _gpt2(m: int) -> list[Problem]:
+    """GPT-2 small's linears as the model runs them: c_attn (bias), attn c_proj (bias + residual),
+    mlp c_fc (bias + GELU), mlp c_proj (bias + residual), the tied LM head (x @ wte.T, no bias)."""
+    return [Problem(m, 2304, 768, bias=True),
+            Problem(m, 768, 768, bias=True, residual=True),
+            Problem(m, 3072, 768, bias=True, act="gelu_tanh"),
+            Problem(m, 768, 3072, bias=True, residual=True),
+            Problem(m, 50257, 768, trans_b=True)]
+
+
+SPEC = K.register(K.KernelSpec(
+    name="gemm",
+    description="GEMM with fused bias / GELU / residual epilogue, split-K, TMA",
+    run=gemm,
+    reference=ref.gemm,
+    make_inputs=make_inputs,
+    problems=problems,
+    space=SPACE,
+    default_config=default_config,
+    bucket=bucket,
+    cost=cost,
+    problem_of=problem_of,
+    standard_problems=[p for m in (1, 8, 64, 512, 8192) for p in _gpt2(m)]
+    + [Problem(4096, 4096, 4096), Problem(8192, 8192, 8192)],
+    small_problems=[Problem(64, 96, 80, bias=True, act="gelu_tanh"),
+                    Problem(5, 33, 47, trans_b=True, residual=True)],
+    layouts=("contiguous", "sliced"),
+    accumulation=lambda dt: "tf32" if dt == torch.float32 else "ieee",
+    vendor=_vendor,
+    vendor_name="cuBLAS+torch",
+    peers={"flag_gems": _flag_gems},
+    bad_inputs=_bad_inputs,
+    interpreter_skip={torch.bfloat16: "tl.dot on bf16 operands returns garbage under the Triton interpreter "
+                                      "(triton 3.9); bf16 is not supported by the interpreter "
+                                      "(triton-lang/triton#11584)"},
+))

@@ -1,0 +1,188 @@
+"""GEMM-specific tests, on top of the generic property tests every spec gets (tests/test_kernels.py).
+
+Edge sizes (1 in each dim), every transposition and epilogue combination, batched and non-mergeable
+3-D A, split-K (uneven and empty slices, counters reset, deterministic), TMA descriptors and their
+pointer fallback, the 64-bit offset path, and the config space itself.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.kernels import gemm as G
+
+DEV = dev.device()
+DTYPES = [torch.float32, torch.float16] + ([] if dev.interpreted() else [torch.bfloat16])
+
+
+def _check(p: G.Problem, dtype, config=None, layout="contiguous", seed=0):
+    case = G.make_inputs(p, dtype, DEV, seed, layout)
+    cmp.poison(case.out)
+    if config is not None:
+        config = dict(G.default_config(p, dtype), **config)
+        why = G.SPACE.why_invalid(config, p, dtype)
+        assert why is None, why
+    got = G.gemm(*case.args, out=case.out, config=config, **case.kwargs)
+    assert got is case.out
+    ref = G.ref.gemm(*case.args, **case.kwargs)
+    return cmp.check(got, ref, dtype, G.SPEC.accumulation(dtype), what=f"gemm {p} {config} {layout}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mnk", [(1, 1, 1), (1, 37, 29), (23, 1, 29), (23, 37, 1), (1, 1, 300), (1, 130, 1)])
+def test_unit_dims(mnk, dtype):
+    _check(G.Problem(*mnk, bias=True), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("trans_a,trans_b", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("tma", [False, True])
+def test_transposed_operands(trans_a, trans_b, tma, dtype):
+    # 48 x 40 x 64: aligned strides, so TMA=True really takes descriptors in both orientations
+    _check(G.Problem(48, 40, 64, trans_a=trans_a, trans_b=trans_b), dtype, {"TMA": tma})
+    # odd sizes: unaligned strides, TMA falls back to pointers
+    _check(G.Problem(19, 27, 33, trans_a=trans_a, trans_b=trans_b), dtype, {"TMA": tma})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias,act,residual", list(itertools.product([False, True], G.ACTIVATIONS, [False, True])))
+def test_epilogues(bias, act, residual, dtype):
+    _check(G.Problem(33, 45, 70, bias=bias, act=act, residual=residual), dtype)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp(+big) = inf
+def test_gelu_epilogue_is_tanh_gelu_and_finite_at_extremes():
+    a = torch.tensor([[1.0], [-1.0], [30.0], [-30.0], [0.0]], device=DEV)
+    b = torch.tensor([[1.0, 100.0, -100.0]], device=DEV)
+    got = G.gemm(a, b, activation="gelu_tanh", config=dict(G.default_config(G.Problem(5, 3, 1), torch.float32)))
+    want = torch.nn.functional.gelu((a.double() @ b.double()), approximate="tanh")
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batched_a(dtype):
+    # merges into (M, K): the plain 2-D path, output keeps A's leading dims
+    p = G.Problem(12, 20, 24, bias=True, residual=True, batch=3)
+    case = G.make_inputs(p, dtype, DEV, 0)
+    assert case.args[0].shape == (3, 4, 24) and case.out.shape == (3, 4, 20)
+    _check(p, dtype)
+    # per-batch transposed: rows do not merge into one stride, the kernel takes two row strides
+    p = G.Problem(12, 20, 24, trans_a=True, act="gelu_tanh", batch=3)
+    a = G.make_inputs(p, dtype, DEV, 0).args[0]
+    with pytest.raises(RuntimeError):
+        a.view(12, 24)
+    _check(p, dtype)
+    _check(p, dtype, {"SPLIT_K": 2, "GROUP_M": 1, "BLOCK_K": 16})
+
+
+def test_residual_of_flat_shape_and_in_place():
+    a = torch.randn(2, 3, 16, device=DEV)
+    b = torch.randn(16, 8, device=DEV)
+    r = torch.randn(6, 8, device=DEV)
+    ref = G.ref.gemm(a, b, residual=r)
+    cmp.check(G.gemm(a, b, residual=r), ref, torch.float32, "tf32")
+    # residual stream updated in place: out aliases residual (each element read before it is written)
+    x = r.view(2, 3, 8).clone()
+    G.gemm(a, b, residual=x, out=x)
+    cmp.check(x, ref, torch.float32, "tf32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("split", [2, 4, 8, 16])
+def test_split_k(split, dtype):
+    # K = 200 with BLOCK_K = 16: 13 K tiles in uneven slices (8 slices: 2 tiles each, the last one 0);
+    # 16 slices would leave 3 without work and 13 K tiles < 16 prunes that point: check it does
+    p = G.Problem(9, 40, 200, bias=True, act="gelu_tanh", residual=True)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": split, "GROUP_M": 1, "num_warps": 2,
+           "TMA": False}
+    if split > 13:
+        assert "slices" in G.SPACE.why_invalid(dict(G.default_config(p, dtype), **cfg), p, dtype)
+        return
+    _check(p, dtype, cfg)
+
+
+def test_split_k_empty_slices_counters_and_determinism():
+    # 5 K tiles over 4 slices: 2 tiles each, the fourth slice has none and still counts in
+    p = G.Problem(17, 33, 80, bias=True)
+    cfg = dict(G.default_config(p, torch.float32), BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=4, GROUP_M=1,
+               num_warps=2)
+    case = G.make_inputs(p, torch.float32, DEV, 3)
+    first = G.gemm(*case.args, config=cfg, **case.kwargs)
+    tiles = 2 * 3
+    assert int(G._LOCKS[torch.device(DEV)][:tiles].abs().sum()) == 0, "split-K counters not reset"
+    again = G.gemm(*case.args, config=cfg, **case.kwargs)
+    assert torch.equal(first, again), "split-K is not deterministic"
+    cmp.check(first, G.ref.gemm(*case.args, **case.kwargs), torch.float32, "tf32")
+    # and TMA descriptors with split-K (aligned sizes)
+    _check(G.Problem(16, 32, 256, trans_b=True), torch.float32, {"SPLIT_K": 4, "GROUP_M": 1, "TMA": True,
+                                                               "BLOCK_K": 32})
+
+
+def test_int64_offsets(monkeypatch):
+    monkeypatch.setattr(G, "INT32_LIMIT", 1)
+    _check(G.Problem(21, 19, 40, trans_a=True, bias=True, residual=True), torch.float16)
+    _check(G.Problem(21, 19, 40, trans_b=True, batch=3), torch.float32, {"SPLIT_K": 2, "GROUP_M": 1, "BLOCK_K": 16})
+    _check(G.Problem(12, 19, 40, trans_a=True, batch=3), torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["sliced"])
+def test_strided_views_never_read_padding(layout):
+    # the sliced layout pads rows with NaN: any read past a row end poisons the result
+    for p in (G.Problem(20, 24, 40), G.Problem(20, 24, 40, trans_a=True, trans_b=True)):
+        _check(p, torch.float32, layout=layout)
+        _check(p, torch.float32, {"TMA": True}, layout=layout)
+
+
+def test_empty_m_and_out_argument():
+    a = torch.randn(0, 8, device=DEV)
+    b = torch.randn(8, 5, device=DEV)
+    assert G.gemm(a, b).shape == (0, 5)
+    a = torch.randn(3, 8, device=DEV)
+    out = torch.empty(3, 5, device=DEV)
+    assert G.gemm(a, b, out=out) is out
+    # a 1-D A is one row: (K,) @ (K, N) -> (N,)
+    v = torch.randn(8, device=DEV)
+    cmp.check(G.gemm(v, b), G.ref.gemm(v, b), torch.float32, "tf32")
+
+
+@pytest.mark.parametrize("label,thunk_args,exc,match", [
+    ("inner", lambda d: ((torch.randn(4, 8, device=d), torch.randn(7, 5, device=d)), {}), ValueError, "inner sizes"),
+    ("dtype", lambda d: ((torch.randn(4, 8, device=d), torch.randn(8, 5, device=d).half()), {}), TypeError, "b: dtype"),
+    ("device", lambda d: ((torch.randn(4, 8, device="meta"), torch.randn(8, 5, device=d)), {}), ValueError, "a: expected"),
+    ("bias", lambda d: ((torch.randn(4, 8, device=d), torch.randn(8, 5, device=d), torch.randn(4, device=d)), {}),
+     ValueError, "bias"),
+    ("residual", lambda d: ((torch.randn(4, 8, device=d), torch.randn(8, 5, device=d)),
+                            {"residual": torch.randn(5, 4, device=d)}), ValueError, "residual"),
+    ("activation", lambda d: ((torch.randn(4, 8, device=d), torch.randn(8, 5, device=d)), {"activation": "gelu"}),
+     ValueError, "activation"),
+])
+def test_bad_inputs_name_the_argument(label, thunk_args, exc, match):
+    args, kwargs = thunk_args(DEV)
+    with pytest.raises(exc, match=match):
+        G.gemm(*args, **kwargs)
+
+
+def test_space_is_wide_at_large_shapes_and_tight_at_small_ones():
+    big = G.SPACE.points(G.Problem(8192, 8192, 8192), torch.bfloat16)
+    assert len(big) >= 300, len(big)
+    tiny = G.SPACE.points(G.Problem(5, 7, 9), torch.float32)
+    assert tiny and all(c["BLOCK_M"] == 16 and c["BLOCK_N"] == 16 and c["BLOCK_K"] == 16 for c in tiny)
+    # shared memory budget respected everywhere
+    for c in big:
+        assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["num_stages"] <= G.SMEM_BUDGET
+
+
+def test_default_config_shapes():
+    # small M, large K: split-K; big problems: large tiles
+    small = G.default_config(G.Problem(1, 768, 3072), torch.bfloat16)
+    assert small["SPLIT_K"] > 1
+    big = G.default_config(G.Problem(8192, 8192, 8192), torch.bfloat16)
+    assert big["BLOCK_M"] >= 128 and big["BLOCK_N"] >= 128
+    for p in G.SPEC.standard_problems:
+        for dt in G.DTYPES:
+            assert G.SPACE.why_invalid(G.default_config(p, dt), p, dt) is None
