@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call that does a lot: install from carried wheels, then the phases named in $PHASES
+# (space-separated): tune, compare, test, bench. Everything lands under $OUT.
+#   PHASES="tune" TUNE_BUDGET=420 bash scripts/gpu_session.sh
+set -uo pipefail
+: "${OUT:?OUT must be set}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+python -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
+echo "GPU slug: $slug"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv | tee "$OUT/gpu.csv"
+KERNELS=${KERNELS:-all}
+for phase in ${PHASES:-test bench}; do
+  echo "=== $phase ($(date -u +%T))"
+  case $phase in
+    tune)
+      timeout "${TUNE_BUDGET:-400}" tritune tune $KERNELS --dtype bf16 --trials "${TRIALS:-24}" \
+        --time-budget "$(( ${TUNE_BUDGET:-400} - 30 ))" --storage "$OUT/studies.journal" --quiet \
+        2>&1 | tee "$OUT/tune.log"
+      tritune tune all --trials 0 --export --storage "$OUT/studies.journal" --configs-dir "$OUT/configs" \
+        2>&1 | tee -a "$OUT/tune.log"
+      python scripts/study_report.py "$OUT/studies.journal" --out "$OUT/studies.json" > /dev/null ;;
+    compare)
+      timeout "${COMPARE_BUDGET:-300}" tritune tune ${COMPARE_KERNEL:-paged_attention} --dtype bf16 --compare-samplers \
+        --problems "${COMPARE_PROBLEM:?}" --storage "$OUT/compare.journal" --results-dir "$OUT/results" \
+        --repeats 20 2>&1 | tee "$OUT/compare.log" ;;
+    test)
+      timeout "${TEST_BUDGET:-300}" python -m pytest -n 8 -q -p no:cacheprovider \
+        ${TEST_ARGS:-} 2>&1 | tail -60 | tee "$OUT/pytest.log" ;;
+    bench)
+      timeout "${BENCH_BUDGET:-300}" tritune bench ${BENCH_KERNELS:-} --dtype bf16 --results-dir "$OUT/results" \
+        2>&1 | tee "$OUT/bench.log" ;;
+  esac
+done
