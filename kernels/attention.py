@@ -92,7 +92,7 @@ def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK,
               stride_lb, stride_lh, stride_lm,
               Hq, group, seqlen_q_all, seqlen_k_all, num_m_blocks, num_bh, qk_scale,
               D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, HEADS_INNER: tl.constexpr,
-              D_CONTIG: tl.constexpr, IEEE: tl.constexpr,
+              D_CONTIG: tl.constexpr, IEEE: tl.constexpr, NEG_SCALE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     if HEADS_INNER:  # neighbouring programs share a kv head (L2 reuse of K/V), all heads' row block at once
@@ -151,6 +151,8 @@ def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK,
     if PAD_D:
         q_mask = q_mask & mask_d[None, :]
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dq[None, :], mask=q_mask, other=0.0)
+    if NEG_SCALE:  # scale·(q·k) = |scale|·(−q)·k: the unmasked loop's max(s)·scale needs scale >= 0
+        q = -q
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -265,12 +267,13 @@ def _launch(spec, problem, config, q, k, v, out, lse, cu_q, cu_k, strides, scale
     num_m = triton.cdiv(p.Tq, block_m)
     num_bh = p.B * p.Hq
     scale = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
+    neg = scale < 0  # the kernel negates q and takes |scale| (negating fp16/bf16/fp32 is exact)
     d_contig = all(t.stride(-1) == 1 for t in (q, k, v, out))
     _attn_fwd[(num_m * num_bh,)](
         q, k, v, out, lse if lse is not None else out, cu_q if cu_q is not None else q, cu_k if cu_k is not None else q,
-        *strides, p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, scale * LOG2E, p.D,
+        *strides, p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, abs(scale) * LOG2E, p.D,
         VARLEN=cu_q is not None, CAUSAL=p.causal, STORE_LSE=lse is not None, HEADS_INNER=bool(cfg["HEADS_INNER"]),
-        D_CONTIG=d_contig, IEEE=q.dtype == torch.float32,
+        D_CONTIG=d_contig, IEEE=q.dtype == torch.float32, NEG_SCALE=neg,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 

@@ -1,0 +1,338 @@
+"""Attention-specific tests, on top of the generic property tests every spec gets (tests/test_kernels.py).
+
+Odd lengths (1, 17, 1000 on a GPU), Tq != Tk with causal alignment (queries are the last Tq positions),
+every head dim, GQA ratios down to MQA, packed batches with empty and length-1 sequences, rows that see
+no key (causal with Tq > Tk, empty key sequences), the log-sum-exp, custom scales of either sign, strided
+outputs, the config space's corners, and bad inputs. Outputs are poisoned with NaN first, so an unwritten
+row fails; outputs go to the float64 reference under the dtype's tolerance, lse under float32's.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.kernels import attention as A
+from tritune.references import attention as ref
+
+DEV = dev.device()
+GPU = not dev.interpreted()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if GPU else [])
+P = A.Problem
+VP = A.VarlenProblem
+
+
+def _id(x):
+    return str(x).split(".")[-1] if isinstance(x, torch.dtype) else str(x)
+
+
+def _check_lse(lse, want, what):
+    """lse is float32 whatever the inputs: finite entries held to float32's tolerance, −inf exactly where
+    the reference row saw no key."""
+    want = want.to(lse.device)
+    finite = torch.isfinite(want)
+    assert not torch.isnan(lse).any(), f"{what}: NaN in lse"
+    assert torch.equal(torch.isneginf(lse), ~finite), f"{what}: lse is −inf on other rows than the reference's"
+    if finite.any():
+        cmp.check(lse[finite], want[finite], torch.float32, "ieee", what=f"{what} lse")
+
+
+def _config(problem, dtype, **over):
+    if not over:
+        return None
+    cfg = dict(A.default_config(problem, dtype), **over)
+    why = A.SPACE.why_invalid(cfg, problem, dtype)
+    if why:
+        pytest.skip(f"config {cfg} not in the space for {problem}: {why}")
+    return cfg
+
+
+def _dense(problem: P, dtype, *, scale=None, layout="contiguous", seed=0, config=None, lse=True):
+    """Run the kernel on make_inputs' case, check out and lse against the reference; return both."""
+    case = A.make_inputs(problem, dtype, DEV, seed, layout)
+    cmp.poison(case.out)
+    what = f"{problem} {_id(dtype)} {layout} scale={scale} cfg={config}"
+    got = A.attention(*case.args, out=case.out, scale=scale, return_lse=lse, config=config, **case.kwargs)
+    want = ref.attention(*case.args, scale=scale, return_lse=True, **case.kwargs)
+    out, lse_ = got if lse else (got, None)
+    assert out is case.out
+    cmp.check(out, want[0], dtype, A.SPEC.accumulation(dtype), what=what)
+    if lse:
+        assert lse_.shape == (problem.B, problem.Hq, problem.Tq) and lse_.dtype == torch.float32
+        _check_lse(lse_, want[1], what)
+    return case, out, lse_
+
+
+def _varlen(problem: VP, dtype, *, scale=None, layout="contiguous", seed=0, config=None):
+    case = A.make_varlen_inputs(problem, dtype, DEV, seed, layout)
+    cmp.poison(case.out)
+    what = f"{problem} {_id(dtype)} {layout} scale={scale} cfg={config}"
+    out, lse = A.attention_varlen(*case.args, out=case.out, scale=scale, return_lse=True, config=config,
+                                  **case.kwargs)
+    want_out, want_lse = ref.attention_varlen(*case.args, scale=scale, return_lse=True, **case.kwargs)
+    assert out is case.out and lse.shape == (sum(problem.seqlens_q), problem.Hq)
+    cmp.check(out, want_out, dtype, A.SPEC.accumulation(dtype), what=what)
+    _check_lse(lse, want_lse, what)
+    return case, out, lse
+
+
+def _naive(q, k, v, causal, scale):
+    """Row by row from the definition (float64): query i of Tq sees key j of Tk when j <= i + Tk − Tq."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    B, Hq, Tq, D = q.shape
+    g = Hq // k.shape[1]
+    Tk = k.shape[2]
+    out = torch.zeros(B, Hq, Tq, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(Tq):
+                n = min(Tk, i + Tk - Tq + 1) if causal else Tk
+                if n <= 0:
+                    continue
+                s = (k[b, h // g, :n] @ q[b, h, i]) * scale
+                w = torch.exp(s - s.max())
+                out[b, h, i] = (w / w.sum()) @ v[b, h // g, :n]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lengths
+LENGTHS = [1, 17, 1000] if GPU else [1, 17, 67]
+
+
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_odd_lengths(T, causal, dtype):
+    heads = (4, 2) if GPU else (2, 1)
+    _dense(P(2 if GPU or T < 50 else 1, *heads, T, T, 64, causal), dtype, seed=T)
+
+
+# (Tq, Tk): decode-like, Tq < Tk off and on block edges, Tq > Tk (rows that see no key), Tk = 0
+TQ_TK = [(1, 37), (17, 64), (5, 33), (33, 16), (40, 7), (3, 0)] + ([(1000, 1537), (1537, 1000)] if GPU else [])
+
+
+@pytest.mark.parametrize("tq,tk", TQ_TK, ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_tq_ne_tk(tq, tk, causal, dtype):
+    _, out, lse = _dense(P(2, 2, 1, tq, tk, 64, causal), dtype, seed=tq * 7 + tk)
+    if causal and tq > tk:  # query i sees keys j <= i + tk − tq: the first tq − tk rows see none
+        dead = slice(0, tq - tk)
+        assert torch.all(out[:, :, dead] == 0), "rows that see no key must output 0"
+        assert torch.all(torch.isneginf(lse[:, :, dead])), "rows that see no key must have lse = −inf"
+        assert torch.isfinite(lse[:, :, tq - tk:]).all()
+
+
+@pytest.mark.parametrize("tq,tk", [(5, 13), (13, 5), (9, 9)], ids=lambda x: str(x))
+def test_causal_alignment_from_the_definition(tq, tk):
+    """Kernel and reference both against a row-by-row loop: the queries are the last tq positions."""
+    p = P(1, 2, 1, tq, tk, 32, True)
+    case = A.make_inputs(p, torch.float32, DEV, 3)
+    q, k, v = case.args
+    want = _naive(q, k, v, True, 1 / math.sqrt(32))
+    cmp.check(ref.attention(q, k, v, causal=True), want, torch.float64, what="reference vs definition")
+    cmp.check(A.attention(q, k, v, causal=True), want, torch.float32, what="kernel vs definition")
+
+
+def test_causal_tq_lt_tk_is_the_tail_of_the_square_problem():
+    """Queries at the end of a prefix: the same rows of the square causal problem over all keys."""
+    tk, tq = 45, 12
+    p = P(1, 2, 2, tk, tk, 64, True)
+    q, k, v = A.make_inputs(p, torch.float16, DEV, 11).args
+    full = ref.attention(q, k, v, causal=True)
+    tail = A.attention(q[:, :, tk - tq:], k, v, causal=True)
+    cmp.check(tail, full[:, :, tk - tq:], torch.float16, what="tail rows")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Head dims, layouts, GQA
+@pytest.mark.parametrize("D", A.HEAD_DIMS)
+@pytest.mark.parametrize("layout", ["contiguous", "bthd", "sliced", "transposed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_every_head_dim_and_layout(D, layout, dtype):
+    T = 200 if GPU else 24
+    _dense(P(1, 2, 2, T, T + 5, D, True), dtype, layout=layout, seed=D)
+    _dense(P(1, 2, 1, T - 3, T, D, False), dtype, layout=layout, seed=D + 1)
+
+
+GQA = [(4, 4), (4, 2), (4, 1), (6, 3), (6, 1)] + ([(32, 8), (32, 1), (12, 4)] if GPU else [])
+
+
+@pytest.mark.parametrize("hq,hkv", GQA, ids=lambda x: str(x))
+@pytest.mark.parametrize("heads_inner", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_gqa_ratios(hq, hkv, heads_inner, dtype):
+    T = 129 if GPU else 19
+    p = P(2, hq, hkv, T, T, 64, True)
+    _dense(p, dtype, seed=hq * 10 + hkv, config=_config(p, dtype, HEADS_INNER=heads_inner))
+
+
+def test_gqa_matches_mha_with_repeated_heads():
+    p = P(1, 4, 1, 21, 21, 32, True)
+    q, k, v = A.make_inputs(p, torch.float16, DEV, 4).args
+    mqa = A.attention(q, k, v, causal=True)
+    mha = A.attention(q, k.expand(1, 4, 21, 32), v.expand(1, 4, 21, 32), causal=True)
+    assert torch.equal(mqa, mha), "a kv head shared by 4 query heads is the same as 4 identical kv heads"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scale, lse, out
+SCALES = [None, 0.5, 1 / 8, 4.0, 0.0, -0.3, -4.0]
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_custom_scale(scale, causal):
+    """Large |scale| makes the softmax nearly one-hot (and overflows a max taken on the wrong side);
+    0 makes it uniform; a negative scale flips which key wins."""
+    T = 300 if GPU else 40
+    _dense(P(1, 2, 1, T, T, 64, causal), torch.float16, scale=scale, seed=5)
+    _varlen(VP((9, 0, 33), (9, 4, 40), 2, 1, 64, causal), torch.float32, scale=scale, seed=6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_lse_without_and_with(dtype):
+    p = P(2, 2, 1, 31, 50, 80, True)
+    case, out, lse = _dense(p, dtype, seed=8)
+    alone = A.attention(*case.args, **case.kwargs)
+    assert torch.equal(alone, out), "return_lse must not change the output"
+    # lse is the log of the softmax denominator: exp(s − lse) sums to 1 over the visible keys
+    q, k, _ = (t.double() for t in case.args)
+    s = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) / math.sqrt(80)
+    i = torch.arange(31, device=s.device)[:, None]
+    j = torch.arange(50, device=s.device)[None, :]
+    s = s.masked_fill(j > i + 19, float("-inf"))
+    total = torch.exp(s - lse.double()[..., None]).sum(-1)
+    torch.testing.assert_close(total, torch.ones_like(total), rtol=1e-5, atol=0)
+
+
+def test_out_as_a_strided_view():
+    """out may be a (B, T, H, D) buffer seen as (B, H, T, D): the rows land where the strides say."""
+    p = P(2, 4, 2, 23, 23, 64, True)
+    q, k, v = A.make_inputs(p, torch.float16, DEV, 9).args
+    buf = torch.full((2, 23, 4, 64 + 8), float("nan"), dtype=torch.float16, device=DEV)
+    view = buf[..., :64].transpose(1, 2)
+    got = A.attention(q, k, v, causal=True, out=view)
+    assert got is view
+    cmp.check(got, ref.attention(q, k, v, causal=True), torch.float16, what="strided out")
+    assert torch.isnan(buf[..., 64:]).all(), "wrote past D"
+
+
+def test_empty_problems():
+    q = torch.randn(2, 2, 0, 32, device=DEV)
+    k = torch.randn(2, 1, 5, 32, device=DEV)
+    out, lse = A.attention(q, k, k, return_lse=True)
+    assert out.shape == (2, 2, 0, 32) and lse.shape == (2, 2, 0)
+    out, lse = A.attention(torch.randn(0, 2, 4, 32, device=DEV), k[:0], k[:0], return_lse=True)
+    assert out.shape == (0, 2, 4, 32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variable-length batches
+VARLEN = [
+    ((0, 1, 5, 0, 17), (0, 1, 5, 0, 17)),        # empty and length-1 sequences, square
+    ((1, 1, 1), (7, 1, 30)),                     # decode-like rows after a prefix
+    ((0, 9, 1), (3, 4, 0)),                      # Tq > Tk and an empty key sequence: rows that see no key
+    ((40,), (40,)),                              # one sequence
+    ((0, 0), (0, 0)),                            # nothing at all
+    ((0, 0, 3), (2, 5, 0)),                      # keys but no queries, queries but no keys
+] + ([((1000, 1, 0, 257, 513), (1000, 1, 0, 300, 513))] if GPU else [])
+
+
+@pytest.mark.parametrize("lens", VARLEN, ids=lambda x: "-".join(map(str, x[0])) + "/" + "-".join(map(str, x[1])))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_varlen_batches(lens, causal, dtype):
+    lq, lk = lens
+    _varlen(VP(lq, lk, 4, 2, 64, causal), dtype, seed=sum(lq) + sum(lk))
+
+
+def test_varlen_equals_dense_per_sequence():
+    """Each packed sequence alone through the dense launcher: the same numbers (both from the kernel,
+    with the same block boundaries relative to each sequence's start)."""
+    p = VP((7, 0, 1, 20), (9, 3, 1, 20), 4, 1, 32, True)
+    case = A.make_varlen_inputs(p, torch.float32, DEV, 12)
+    q, k, v, cq, ck, mq, mk = case.args
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "HEADS_INNER": 0}
+    out, lse = A.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True, config=cfg)
+    cq, ck = cq.tolist(), ck.tolist()
+    for b in range(p.B):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b] == cq[b + 1]:
+            continue
+        one = lambda t, s: t[s].transpose(0, 1)[None]  # noqa: E731  (T, H, D) -> (1, H, T, D)
+        o, s_ = A.attention(one(q, qs), one(k, ks), one(v, ks), causal=True, return_lse=True,
+                            config=cfg if ck[b] < ck[b + 1] else None)
+        torch.testing.assert_close(out[qs], o[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse[qs], s_[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+
+
+def test_varlen_max_seqlen_larger_than_needed():
+    """max_seqlen only sizes the grid: a loose bound gives the same answer."""
+    p = VP((5, 12), (6, 12), 2, 2, 32, True)
+    case = A.make_varlen_inputs(p, torch.float16, DEV, 13)
+    q, k, v, cq, ck, mq, mk = case.args
+    want = ref.attention_varlen(q, k, v, cq, ck, causal=True)
+    got = A.attention_varlen(q, k, v, cq, ck, 100, 200, causal=True)
+    cmp.check(got, want, torch.float16, what="loose max_seqlen")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The config space's corners: tiles smaller and larger than the diagonal, one key block, many
+CORNERS = [(16, 16, 2, 1), (16, 64, 2, 2), (64, 16, 4, 2), (32, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
+
+
+@pytest.mark.parametrize("bm,bn,warps,stages", CORNERS, ids=lambda x: str(x))
+@pytest.mark.parametrize("tq,tk", [(70, 70), (37, 101), (101, 37)], ids=lambda x: str(x))
+def test_config_corners_causal(bm, bn, warps, stages, tq, tk):
+    if not GPU and bm * bn > 64 * 64:
+        pytest.skip("large tiles are slow under the interpreter and add nothing the small ones test there")
+    p = P(1, 2, 1, tq, tk, 64, True)
+    dtype = torch.float16
+    cfg = _config(p, dtype, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    _dense(p, dtype, seed=bm + bn, config=cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad inputs: the errors name the argument and say what is wrong
+def test_bad_inputs_have_clear_messages():
+    q = torch.randn(1, 4, 8, 32, device=DEV)
+    k = torch.randn(1, 2, 8, 32, device=DEV)
+    with pytest.raises(ValueError, match=r"^k: head dim 64 does not match q's 32"):
+        A.attention(q, torch.randn(1, 2, 8, 64, device=DEV), torch.randn(1, 2, 8, 64, device=DEV))
+    with pytest.raises(ValueError, match=r"^q: 3 heads is not a multiple of k/v's 2 heads"):
+        A.attention(torch.randn(1, 3, 8, 32, device=DEV), k, k)
+    with pytest.raises(ValueError, match=r"^q: head dim 48 not supported"):
+        A.attention(*(torch.randn(1, 2, 8, 48, device=DEV),) * 3)
+    with pytest.raises(ValueError, match=r"^scale:"):
+        A.attention(q, k, k, scale=float("inf"))
+    with pytest.raises(ValueError, match=r"^scale:"):
+        A.attention(q, k, k, scale=True)
+
+    qp, kp = torch.randn(10, 4, 32, device=DEV), torch.randn(12, 2, 32, device=DEV)
+    cu = lambda *x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: decreases at entry 2 \(7 -> 5\)"):
+        A.attention_varlen(qp, kp, kp, cu(0, 7, 5, 10), cu(0, 4, 6, 12), 7, 6)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: decreases"):
+        A.attention_varlen(qp, kp, kp, cu(0, 4, 10), cu(0, 13, 12), 6, 13)
+    with pytest.raises(ValueError, match=r"^k: head dim 64 does not match q's 32"):
+        A.attention_varlen(qp, torch.randn(12, 2, 64, device=DEV), torch.randn(12, 2, 64, device=DEV),
+                           cu(0, 4, 10), cu(0, 6, 12), 6, 6)
+    with pytest.raises(ValueError, match=r"^q: 3 heads is not a multiple"):
+        A.attention_varlen(torch.randn(10, 3, 32, device=DEV), kp, kp, cu(0, 4, 10), cu(0, 6, 12), 6, 6)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q: 5 is less than the longest query sequence 6"):
+        A.attention_varlen(qp, kp, kp, cu(0, 4, 10), cu(0, 6, 12), 5, 6)
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q: dtype int64 not supported"):
+        A.attention_varlen(qp, kp, kp, cu(0, 4, 10).long(), cu(0, 6, 12), 6, 6)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: last entry 9 does not match the 10 packed"):
+        A.attention_varlen(qp, kp, kp, cu(0, 4, 9), cu(0, 6, 12), 6, 6)
+
+
+def test_non_decreasing_cu_seqlens_are_accepted():
+    """Repeated entries are empty sequences, not an error."""
+    p = VP((4, 0, 0, 6), (6, 0, 2, 6), 4, 2, 32, False)
+    _varlen(p, torch.float32, seed=14)
