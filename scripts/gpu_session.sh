@@ -2,6 +2,7 @@
 # One device call that does a lot: install from carried wheels, then the phases named in $PHASES
 # (space-separated): tune, compare, test, bench. Everything lands under $OUT.
 #   PHASES="tune" TUNE_BUDGET=420 bash scripts/gpu_session.sh
+# A journal carried in .tune/studies.journal is resumed (studies continue, no finished trial lost).
 set -uo pipefail
 : "${OUT:?OUT must be set}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -15,21 +16,26 @@ for phase in ${PHASES:-test bench}; do
   echo "=== $phase ($(date -u +%T))"
   case $phase in
     tune)
+      [ -f .tune/studies.journal ] && [ ! -f "$OUT/studies.journal" ] && cp .tune/studies.journal "$OUT/"
       timeout "${TUNE_BUDGET:-400}" tritune tune $KERNELS --dtype bf16 --trials "${TRIALS:-24}" \
         --time-budget "$(( ${TUNE_BUDGET:-400} - 30 ))" --storage "$OUT/studies.journal" --quiet \
         2>&1 | tee "$OUT/tune.log"
-      tritune tune all --trials 0 --export --storage "$OUT/studies.journal" --configs-dir "$OUT/configs" \
+      tritune tune $KERNELS --dtype bf16 --trials 0 --export --storage "$OUT/studies.journal" --configs-dir "$OUT/configs" \
         2>&1 | tee -a "$OUT/tune.log"
-      python scripts/study_report.py "$OUT/studies.journal" --out "$OUT/studies.json" > /dev/null ;;
+      python scripts/study_report.py "$OUT/studies.journal" --out "$OUT/studies.json" > /dev/null
+      export TRITUNE_CONFIGS="$OUT/configs"  # later phases (bench) run on the configs just tuned
+      ;;
     compare)
       timeout "${COMPARE_BUDGET:-300}" tritune tune ${COMPARE_KERNEL:-paged_attention} --dtype bf16 --compare-samplers \
         --problems "${COMPARE_PROBLEM:?}" --storage "$OUT/compare.journal" --results-dir "$OUT/results" \
         --repeats 20 2>&1 | tee "$OUT/compare.log" ;;
     test)
-      timeout "${TEST_BUDGET:-300}" python -m pytest -n 8 -q -p no:cacheprovider \
-        ${TEST_ARGS:-} 2>&1 | tail -60 | tee "$OUT/pytest.log" ;;
+      eval "timeout ${TEST_BUDGET:-300} python -m pytest -n 8 -q -p no:cacheprovider ${TEST_ARGS:-}" 2>&1 | tail -60 | tee "$OUT/pytest.log" ;;
     bench)
       timeout "${BENCH_BUDGET:-300}" tritune bench ${BENCH_KERNELS:-} --dtype bf16 --results-dir "$OUT/results" \
         2>&1 | tee "$OUT/bench.log" ;;
   esac
 done
+# The device returns at most 8 files: everything goes back in one archive.
+echo "=== done ($(date -u +%T))"
+(cd "$OUT" && tar czf /tmp/bundle.tgz . && find . -mindepth 1 -delete && mv /tmp/bundle.tgz bundle.tgz)

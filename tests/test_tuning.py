@@ -304,7 +304,7 @@ def test_launcher_uses_the_exported_config(tmp_path, temp_store, helpers):
     assert e["time_us"] > 0 and e["default_us"] >= e["time_us"]
     spec = K.get("gelu")
     assert spec.config_for(problem, torch.float32) == e["config"]
-    x = torch.randn(3000) * 3
+    x = torch.randn(3000, device=dev.device()) * 3
     cmp.check(gelu_mod.gelu(x, "tanh"), spec.reference(x, "tanh"), torch.float32)
 
 
