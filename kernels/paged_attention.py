@@ -60,7 +60,7 @@ def _weighted_values(p, v, USE_DOT: tl.constexpr, GROUP_PAD: tl.constexpr, PRECI
 @triton.jit
 def _paged_attention_fwd(
         Q, Kc, Vc, BT, CL, Out, Mw, Lw, Aw,
-        qk_scale, num_parts,
+        qk_scale, num_parts, stride_cl,
         stride_qb, stride_qh, stride_qd,
         stride_kn, stride_kb, stride_kh, stride_kd,
         stride_vn, stride_vb, stride_vh, stride_vd,
@@ -71,7 +71,7 @@ def _paged_attention_fwd(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
-    seq_len = tl.load(CL + b)
+    seq_len = tl.load(CL + b * stride_cl)
     if PARTITION > 0:
         start = part * PARTITION
         end = tl.minimum(start + PARTITION, seq_len)
@@ -130,13 +130,13 @@ def _paged_attention_fwd(
 
 
 @triton.jit
-def _paged_attention_merge(Mw, Lw, Aw, CL, Out, num_parts, stride_ob, stride_oh, stride_od,
+def _paged_attention_merge(Mw, Lw, Aw, CL, Out, num_parts, stride_cl, stride_ob, stride_oh, stride_od,
                            D: tl.constexpr, PARTITION: tl.constexpr, PARTS_PAD: tl.constexpr,
                            PARTS_BLOCK: tl.constexpr):
     """out = Σ_p 2^(m_p − M) acc_p / Σ_p 2^(m_p − M) l_p over the chunks p that hold tokens; M = max m_p."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.load(CL + b)
+    seq_len = tl.load(CL + b * stride_cl)
     n_live = (seq_len + PARTITION - 1) // PARTITION
     row0 = (b * tl.num_programs(1) + h).to(tl.int64) * num_parts
     offs_all = tl.arange(0, PARTS_PAD)
@@ -158,14 +158,14 @@ def _paged_attention_merge(Mw, Lw, Aw, CL, Out, num_parts, stride_ob, stride_oh,
 
 
 @triton.jit
-def _write_kv(Kn, Vn, Kc, Vc, Slots, num_slots,
+def _write_kv(Kn, Vn, Kc, Vc, Slots, num_slots, stride_s,
               stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
               stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd,
               D, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
     """k_cache[slot // block_size, slot % block_size, h] = k[t, h] (and v) for slot = slots[t] in range."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    slot = tl.load(Slots + t).to(tl.int64)
+    slot = tl.load(Slots + t * stride_s).to(tl.int64)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     offs_d = tl.arange(0, BLOCK_D)
@@ -273,15 +273,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
     num_parts = triton.cdiv(max_blocks * block_size, partition) if partition else 1
-    if partition:
-        m_ws = torch.empty((B, Hq, num_parts), dtype=torch.float32, device=q.device)
-        l_ws = torch.empty_like(m_ws)
-        a_ws = torch.empty((B, Hq, num_parts, D), dtype=torch.float32, device=q.device)
+    if partition:  # one allocation for the three partial-result buffers (m, l, acc)
+        n = B * Hq * num_parts
+        ws = torch.empty(n * (D + 2), dtype=torch.float32, device=q.device)
+        a_ws, m_ws, l_ws = ws[: n * D], ws[n * D: n * (D + 1)], ws[n * (D + 1):]
     else:
         m_ws = l_ws = a_ws = out
     _paged_attention_fwd[(B, Hkv, num_parts)](
         q, k_cache, v_cache, block_tables, context_lens, out, m_ws, l_ws, a_ws,
-        scale * LOG2E, num_parts,
+        scale * LOG2E, num_parts, context_lens.stride(0),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
         PARTITION=partition, USE_DOT=use_dot, PRECISION=precision,
@@ -289,7 +289,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     if partition:
         parts_pad = triton.next_power_of_2(num_parts)
         _paged_attention_merge[(B, Hq)](
-            m_ws, l_ws, a_ws, context_lens, out, num_parts, *out.stride(),
+            m_ws, l_ws, a_ws, context_lens, out, num_parts, context_lens.stride(0), *out.stride(),
             D=D, PARTITION=partition, PARTS_PAD=parts_pad, PARTS_BLOCK=min(parts_pad, max(1, 2048 // D)),
             num_warps=4 if D >= 128 else 2)
     return out
@@ -359,7 +359,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = True):
             raise ValueError("slot_mapping: the same slot appears twice")
     if T == 0 or Hkv == 0:
         return k_cache, v_cache
-    _write_kv[(T, Hkv)](k, v, k_cache, v_cache, slot_mapping, num_slots,
+    _write_kv[(T, Hkv)](k, v, k_cache, v_cache, slot_mapping, num_slots, slot_mapping.stride(0),
                         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
                         D, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
     return k_cache, v_cache

@@ -94,6 +94,18 @@ def test_table_wider_than_needed_and_validate_on():
     cmp.check(split, ref.paged_attention(q, kc, vc, bt, cl, scale=c.kwargs["scale"]), torch.float32)
 
 
+@pytest.mark.parametrize("partition", [0, 64])
+def test_head_dim_128_block_64_and_strided_context_lens(partition):
+    """D=128 with 64-token blocks (the largest of the issue); context_lens a strided view."""
+    problem = P(2, 4, 1, 128, 150, 64, mixed=True)
+    c = pa.make_inputs(problem, torch.float16, DEVICE, 8)
+    q, kc, vc, bt, cl = c.args
+    wide = torch.stack([cl, torch.zeros_like(cl)], dim=1)[:, 0]
+    assert wide.stride(0) == 2
+    got = pa.paged_attention(q, kc, vc, bt, wide, scale=c.kwargs["scale"], config=_cfg(32, partition, False, 4))
+    cmp.check(got, ref.paged_attention(q, kc, vc, bt, cl, scale=c.kwargs["scale"]), torch.float16)
+
+
 def test_default_scale_is_inverse_sqrt_head_dim():
     problem = P(2, 2, 1, 64, 20, 16)
     c = pa.make_inputs(problem, torch.float32, DEVICE, 2)
@@ -148,6 +160,43 @@ def test_write_kv_matches_reference(dtype, slot_dtype):
     want_k, want_v = ref.write_kv(k, v, kc, vc, slots)
     got_k, got_v = pa.write_kv(k, v, kc, vc, slots)
     assert got_k is kc and got_v is vc
+    assert torch.equal(kc.cpu(), want_k.cpu()) and torch.equal(vc.cpu(), want_v.cpu())
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32, 64])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_dtype_id)
+def test_write_kv_block_sizes_head_dims_and_padding(bs, d, dtype):
+    """Every block size and head dim of the issue; slot -1 (CUDA-graph padding rows) writes nothing."""
+    g = torch.Generator().manual_seed(bs + d)
+    nb, hkv, t = 3, 2, 6
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEVICE)
+    # first and last slot of the pool, a block boundary, and padding rows in the middle and at the end
+    slots = torch.tensor([0, nb * bs - 1, -1, bs, -1, bs - 1], dtype=torch.int32, device=DEVICE)
+    want_k, want_v = ref.write_kv(k, v, kc, vc, slots)
+    pa.write_kv(k, v, kc, vc, slots, validate=False)
+    assert torch.equal(kc.cpu(), want_k.cpu()) and torch.equal(vc.cpu(), want_v.cpu())
+
+
+def test_write_kv_all_padding_and_strided_slot_mapping():
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(4, 8, 2, 16, generator=g).to(DEVICE)
+    vc = torch.randn(4, 8, 2, 16, generator=g).to(DEVICE)
+    k = torch.randn(5, 2, 16, generator=g).to(DEVICE)
+    v = torch.randn(5, 2, 16, generator=g).to(DEVICE)
+    before_k, before_v = kc.clone(), vc.clone()
+    for validate in (True, False):
+        pa.write_kv(k, v, kc, vc, torch.full((5,), -1, dtype=torch.int32, device=DEVICE), validate=validate)
+        assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
+    # a column of a (T, 2) tensor: stride 2, not 1
+    pairs = torch.tensor([[30, 0], [-1, 0], [2, 0], [9, 0], [-1, 0]], dtype=torch.int64, device=DEVICE)
+    slots = pairs[:, 0]
+    assert slots.stride(0) == 2
+    want_k, want_v = ref.write_kv(k, v, kc, vc, slots)
+    pa.write_kv(k, v, kc, vc, slots)
     assert torch.equal(kc.cpu(), want_k.cpu()) and torch.equal(vc.cpu(), want_v.cpu())
 
 
@@ -221,3 +270,46 @@ def test_every_path_on_gpu(dtype):
             if cfg is not None and pa.SPACE.why_invalid(cfg, problem, dtype):
                 continue
             _check(problem, dtype, cfg, seed=17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+def test_cuda_graph_replay_with_padding_rows(split):
+    """The engine's decode step: write_kv + paged_attention captured once, replayed with new lengths and
+    slots; padding rows (slot -1, length 0) write nothing and read nothing."""
+    problem = P(4, 8, 2, 64, 200, 16)
+    c = pa.make_inputs(problem, torch.bfloat16, "cuda", 21)
+    q, kc, vc, bt, cl = c.args
+    cfg = _cfg(32, 64 if split else 0, True, 4, 2)
+    lens = torch.tensor([150, 7, 0, 0], dtype=torch.int32, device="cuda")
+    slots = torch.full((4,), -1, dtype=torch.int64, device="cuda")
+    k_new = torch.randn(4, 2, 64, device="cuda").to(torch.bfloat16)
+    v_new = torch.randn(4, 2, 64, device="cuda").to(torch.bfloat16)
+    out = torch.empty(4, 8, 64, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        pa.write_kv(k_new, v_new, kc, vc, slots, validate=False)
+        pa.paged_attention(q, kc, vc, bt, lens, out=out, config=cfg, validate=False)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for n0, n1 in [(150, 7), (199, 33)]:
+        pos = torch.tensor([n0, n1], device="cuda")
+        lens.copy_(torch.tensor([n0 + 1, n1 + 1, 0, 0], dtype=torch.int32))
+        slots.copy_(torch.cat([bt[:2].long()[torch.arange(2), pos // 16] * 16 + pos % 16,
+                               torch.tensor([-1, -1], device="cuda")]))
+        k_before = kc.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kc[bt[:2].long()[torch.arange(2), pos // 16], pos % 16], k_new[:2])
+        same = (kc == k_before) | (kc.isnan() & k_before.isnan())  # the pool's garbage holds NaN
+        changed = (~same).flatten(1).any(1).sum()
+        assert changed <= 2  # only the two live tokens' blocks changed
+        assert torch.equal(out[2:].float().cpu(), torch.zeros(2, 8, 64))
+        cmp.check(out[:2], ref.paged_attention(q[:2], kc, vc, bt[:2], lens[:2], scale=None), torch.bfloat16)
