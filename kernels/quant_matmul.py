@@ -386,7 +386,8 @@ def default_config(p: Problem, dtype) -> dict:
         bk = max(32, min(bk, _np2(p.K)))
     blocks = -(-p.K // bk)
     split = 1
-    while split < 16 and tiles * split < 4 * sms and blocks // (2 * split) >= 2:
+    want = 4 * sms if p.M <= 64 else 2 * sms  # programs for a full machine; big tiles need fewer
+    while split < 16 and tiles * split < want and blocks // (2 * split) >= 2:
         split *= 2
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
            "num_stages": stages}
