@@ -80,7 +80,7 @@ def _k_slice(pid_k, K, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.cons
 
 @triton.jit
 def _qmm_gemv(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_ym,
-              BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, HAS_BIAS: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] · w[n, k] for one row m, BLOCK_N columns n and one K slice, on CUDA cores."""
     m = tl.program_id(0)          # rows fastest: programs of one strip share its bytes through L2
@@ -92,7 +92,6 @@ def _qmm_gemv(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_
     x_row = X + m.to(tl.int64) * s_xm
     lo, hi = _k_slice(pid_k, K, GROUP, BITS, BLOCK_K, SPLIT_K)
     if BITS == 4:
-        H: tl.constexpr = GROUP // 2
         n_groups = K // GROUP
         offs_h = tl.arange(0, H)
         acc = tl.zeros((BLOCK_N, H), dtype=tl.float32)
@@ -137,7 +136,7 @@ def _codes_to(q, zf, MAGIC: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_ym,
-             BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+             BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, HAS_BIAS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
              MAGIC: tl.constexpr):
     """Y tile = X tile @ dequant(W tile)ᵀ over one K slice with tl.dot (fp32 accumulator)."""
@@ -155,7 +154,6 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
     lo, hi = _k_slice(pid_k, K, GROUP, BITS, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BITS == 4:
-        H: tl.constexpr = GROUP // 2
         n_groups = K // GROUP
         offs_h = tl.arange(0, H)
         for blk in range(lo, hi):
@@ -278,7 +276,8 @@ def quant_matmul(x, qw, bias=None, *, out=None, config: dict | None = None):
     args = (x2, qw.data, qw.scales, zeros, bias if bias is not None else y2, y2, work, locks,
             m, n, kdim, x2.stride(0), x2.stride(1), qw.data.stride(0),
             qw.scales.stride(0) if qw.bits == 4 else 1, y2.stride(0))
-    meta = dict(BITS=qw.bits, GROUP=qw.group_size if qw.bits == 4 else 1, HAS_BIAS=bias is not None,
+    meta = dict(BITS=qw.bits, GROUP=qw.group_size if qw.bits == 4 else 2, H=qw.group_size // 2 if qw.bits == 4 else 1,
+                HAS_BIAS=bias is not None,
                 BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if bm == 1:
         _qmm_gemv[(m, n_tiles, split)](*args, **meta)
