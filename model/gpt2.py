@@ -117,10 +117,16 @@ def _kernel(module: str, *names: str):
     return tuple(getattr(mod, n) for n in names), None
 
 
-class TritonOps:
-    """The implementation of each step for the triton backend, chosen once (kernels import or not)."""
+def _head_dims(fns) -> tuple | None:
+    """The head dims the module of a kernel function accepts (its HEAD_DIMS), None when it says nothing."""
+    return getattr(importlib.import_module(fns[0].__module__), "HEAD_DIMS", None)
 
-    def __init__(self):
+
+class TritonOps:
+    """The implementation of each step for the triton backend, chosen once per head dim (kernels import
+    or not; an attention kernel that does not take the model's head dim leaves that step on PyTorch)."""
+
+    def __init__(self, head_dim: int | None = None):
         self.steps: dict[str, str] = {}
         ln, why = _kernel("layer_norm", "layer_norm")
         self._ln = ln[0] if ln else None
@@ -131,7 +137,8 @@ class TritonOps:
         self._gemm = g[0] if g else None
         ge, why_ge = _kernel("gelu", "gelu")
         self._gelu = ge[0] if ge else None
-        self.steps["linear"] = ("kernel tritune.kernels.gemm (bias, residual fused)" if self._gemm
+        self.steps["linear"] = ("kernel tritune.kernels.gemm (bias, residual fused; fp32 through tf32 on a GPU)"
+                                if self._gemm
                                 else f"reference torch.addmm ({why_g})")
         if self._gemm:
             self.steps["gelu"] = "fused into the gemm epilogue (activation='gelu_tanh')"
@@ -140,19 +147,25 @@ class TritonOps:
         else:
             self.steps["gelu"] = f"reference F.gelu ({why_ge})"
 
-        a, why_a = _kernel("attention", "attention_varlen")
+        def head_dim_ok(fns, why):
+            dims = _head_dims(fns) if fns else None
+            if fns and head_dim is not None and dims is not None and head_dim not in dims:
+                return None, f"head dim {head_dim} not in the kernel's {tuple(dims)}"
+            return fns, why
+
+        a, why_a = head_dim_ok(*_kernel("attention", "attention_varlen"))
         self._varlen = a[0] if a else None
         self._attn = None
         if self._varlen:
             self.steps["attention prefill"] = "kernel tritune.kernels.attention.attention_varlen"
         else:
-            a1, why_1 = _kernel("attention", "attention")
+            a1, why_1 = head_dim_ok(*_kernel("attention", "attention"))
             self._attn = a1[0] if a1 else None
             self.steps["attention prefill"] = (
                 f"kernel tritune.kernels.attention.attention, one call per sequence ({why_a})" if self._attn
                 else f"reference F.scaled_dot_product_attention ({why_a})")
 
-        p, why_p = _kernel("paged_attention", "paged_attention", "write_kv")
+        p, why_p = head_dim_ok(*_kernel("paged_attention", "paged_attention", "write_kv"))
         self._paged, self._write_kv = p if p else (None, None)
         self.steps["attention decode"] = (
             "kernel tritune.kernels.paged_attention (write_kv + paged_attention)" if p
@@ -208,26 +221,31 @@ class TorchOps:
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_ops() -> TritonOps:
-    return TritonOps()
+def _triton_ops(head_dim: int | None = None) -> TritonOps:
+    return TritonOps(head_dim)
 
 
-def ops_for(backend: str):
+def ops_for(backend: str, head_dim: int | None = None):
     if backend == "triton":
-        return _triton_ops()
+        return _triton_ops(head_dim)
     if backend == "torch":
         return TorchOps
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
 
 
-def backend_report() -> str:
-    """Which implementation each step of the triton backend runs (for ``tritune info``)."""
-    ops = _triton_ops()
-    width = max(map(len, ops.steps))
-    lines = ["GPT-2 triton backend (tritune.model.gpt2):"]
-    lines += [f"  {k:<{width}}  {v}" for k, v in ops.steps.items()]
+def _report(title: str, steps: dict) -> str:
+    width = max(map(len, steps))
+    lines = [title]
+    lines += [f"  {k:<{width}}  {v}" for k, v in steps.items()]
     lines.append(f"  {'embedding':<{width}}  torch indexing (wte[ids] + wpe[pos]; no kernel)")
     return "\n".join(lines)
+
+
+def backend_report(head_dim: int = 64) -> str:
+    """Which implementation each step of the triton backend runs (for ``tritune info``): kernel or
+    reference, and why not the kernel. ``head_dim`` 64 is every released GPT-2's."""
+    return _report(f"GPT-2 triton backend (tritune.model.gpt2), head dim {head_dim}:",
+                   _triton_ops(head_dim).steps)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -261,7 +279,7 @@ class GPT2:
                  directory: Path | None = None):
         self.config, self.w, self.directory = config, weights, directory
         self.backend = backend
-        self.ops = ops_for(backend)
+        self.ops = ops_for(backend, config.head_dim)
         self.dtype = weights.wte.dtype
         self.device = weights.wte.device
 
@@ -276,6 +294,11 @@ class GPT2:
             device = default_device(backend)
         config, w, directory = W.load(model, dtype, device)
         return cls(config, w, backend=backend, directory=directory)
+
+    def backend_report(self) -> str:
+        """Which implementation each step of this model runs (kernel or reference, and why)."""
+        return _report(f"GPT-2 {self.backend} backend, head dim {self.config.head_dim}, {self.dtype}:",
+                       self.ops.steps)
 
     def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
         return PagedKVCache(self.config, max(1, math.ceil(num_tokens / block_size)), block_size,
