@@ -18,7 +18,7 @@ for phase in ${PHASES:-test bench}; do
     tune)
       [ -f .tune/studies.journal ] && [ ! -f "$OUT/studies.journal" ] && cp .tune/studies.journal "$OUT/"
       timeout "${TUNE_BUDGET:-400}" tritune tune $KERNELS --dtype bf16 --trials "${TRIALS:-24}" \
-        --time-budget "$(( ${TUNE_BUDGET:-400} - 30 ))" --storage "$OUT/studies.journal" --quiet \
+        --time-budget "$(( ${TUNE_BUDGET:-400} - 30 ))" --workers "${WORKERS:-1}" --storage "$OUT/studies.journal" --quiet \
         2>&1 | tee "$OUT/tune.log"
       tritune tune $KERNELS --dtype bf16 --trials 0 --export --storage "$OUT/studies.journal" --configs-dir "$OUT/configs" \
         2>&1 | tee -a "$OUT/tune.log"
