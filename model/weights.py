@@ -86,23 +86,34 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     st = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
     binf = directory / "pytorch_model.bin"
+    def read(path, fn):
+        try:
+            return fn(str(path))
+        except Exception as e:  # a truncated or foreign file: name it, whatever the reader raised
+            raise ValueError(f"{path}: cannot read the weights ({type(e).__name__}: {e})") from None
+
     if st.is_file():
         from safetensors.torch import load_file
 
-        raw = load_file(str(st))
+        raw = read(st, load_file)
     elif index.is_file():
         from safetensors.torch import load_file
 
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
         raw = {}
         for s in shards:
             if not (directory / s).is_file():
                 raise FileNotFoundError(f"{directory / s}: shard named in {index.name} is missing")
-            raw.update(load_file(str(directory / s)))
+            raw.update(read(directory / s, load_file))
     elif binf.is_file():
-        raw = torch.load(str(binf), map_location="cpu", weights_only=True)
+        raw = read(binf, lambda f: torch.load(f, map_location="cpu", weights_only=True))
     else:
         raise FileNotFoundError(f"{directory}: no weights file (expected one of {', '.join(WEIGHT_FILES)})")
+    if not isinstance(raw, dict) or not all(isinstance(v, torch.Tensor) for v in raw.values()):
+        raise ValueError(f"{directory}: the weights file does not hold a dict of tensors")
     state = {}
     for k, v in raw.items():
         k = k[len("transformer."):] if k.startswith("transformer.") else k
