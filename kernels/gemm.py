@@ -54,32 +54,26 @@ def _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_b
 
 
 @triton.jit
-def _gemm_kernel(A, B, C, Bias, R, W, Locks,
-                 M, N, K, M1,
-                 s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
-                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 A_MODE: tl.constexpr, B_MODE: tl.constexpr, A_3D: tl.constexpr, INT64: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """C[m, n] = act(sum_k A[m, k] B[k, n] + bias[n]) + R[m, n] over one BLOCK_M x BLOCK_N tile and one K slice.
-
-    A_MODE / B_MODE: 0 pointers, 1 a TMA descriptor of the operand as it is, 2 a TMA descriptor of its
-    transpose (the operand is a column-major view). A_3D: A is (M / M1, M1, K) with rows that do not
-    merge into one stride: row m sits at (m // M1)·s_a0 + (m % M1)·s_am.
-    """
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    # grouped ordering: GROUP_M row-tiles share the B columns they read while those are in L2
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile index -> (pid_m, pid_n), grouped: GROUP_M row-tiles in a row share the B columns they read
+    while those are in L2."""
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
+    first_pid_m = (tile // num_pid_in_group) * GROUP_M
     group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m = first_pid_m + (tile % num_pid_in_group) % group_size_m
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
 
+
+@triton.jit
+def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num_pid_n,
+               s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
+               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr,
+               A_3D: tl.constexpr, A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of C over K slice pid_k of SPLIT_K."""
     # this program's K slice: whole BLOCK_K tiles, the last slice cut at K
     tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_lo = pid_k * tiles_per_split * BLOCK_K
@@ -90,11 +84,24 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    # Operand rows/columns past the edge: along a strided dim they wrap (m % M: in bounds, no mask in the
+    # loop, the rows are dropped at the store); along a unit-stride dim wrapping would break vector
+    # loads, so those are masked instead.
+    if A_M_CONTIG:
+        a_m = offs_m
+    else:
+        a_m = offs_m % M
+    if B_N_CONTIG:
+        b_n = offs_n
+    else:
+        b_n = offs_n % N
     if INT64:  # some tensor spans 2^31 elements or more: 64-bit offsets (zero + s also widens a
         # stride the JIT specialised to the constant 1)
-        zero = pid.to(tl.int64) * 0
+        zero = pid_m.to(tl.int64) * 0
         rows = offs_m.to(tl.int64)
         cols = offs_n.to(tl.int64)
+        a_m = a_m.to(tl.int64)
+        b_n = b_n.to(tl.int64)
         kk = (k_lo + offs_k).to(tl.int64)
         s_ak = zero + s_ak
         s_bk = zero + s_bk
@@ -107,12 +114,12 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
 
     if A_MODE == 0:
         if A_3D:
-            a_rows = (rows // M1) * s_a0 + (rows % M1) * s_am
+            a_rows = (a_m // M1) * s_a0 + (a_m % M1) * s_am
         else:
-            a_rows = rows * s_am
+            a_rows = a_m * s_am
         a_ptrs = A + a_rows[:, None] + kk[None, :] * s_ak
     if B_MODE == 0:
-        b_ptrs = B + kk[:, None] * s_bk + cols[None, :] * s_bn
+        b_ptrs = B + kk[:, None] * s_bk + b_n[None, :] * s_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
@@ -121,20 +128,26 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
         elif A_MODE == 2:
             a = A.load([k, pid_m * BLOCK_M]).T
         else:
-            if EVEN_K:
+            if EVEN_K and A_M_CONTIG:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
             else:
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_hi - k), other=0.0)
+                in_k = offs_k[None, :] < k_hi - k
+                a = tl.load(a_ptrs, mask=in_k & mask_m[:, None] if A_M_CONTIG else in_k, other=0.0)
             a_ptrs += BLOCK_K * s_ak
         if B_MODE == 1:
             b = B.load([k, pid_n * BLOCK_N])
         elif B_MODE == 2:
             b = B.load([pid_n * BLOCK_N, k]).T
         else:
-            if EVEN_K:
+            if EVEN_K and B_N_CONTIG:
                 b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            elif EVEN_K:
+                b = tl.load(b_ptrs)
             else:
-                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_hi - k) & mask_n[None, :], other=0.0)
+                in_k = offs_k[:, None] < k_hi - k
+                b = tl.load(b_ptrs, mask=in_k & mask_n[None, :] if B_N_CONTIG else in_k, other=0.0)
             b_ptrs += BLOCK_K * s_bk
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
@@ -158,6 +171,43 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
                             HAS_BIAS, ACT, HAS_RES)
 
 
+@triton.jit
+def _gemm_kernel(A, B, C, Bias, R, W, Locks,
+                 M, N, K, M1,
+                 s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
+                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 A_MODE: tl.constexpr, B_MODE: tl.constexpr, A_3D: tl.constexpr,
+                 A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
+                 PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                 WARP_SPEC: tl.constexpr):
+    """C[m, n] = act(sum_k A[m, k] B[k, n] + bias[n]) + R[m, n].
+
+    Grid (tiles, SPLIT_K): one tile and K slice per program; or, PERSISTENT, a fixed grid whose
+    programs stride over the tiles (the pipeline runs on across tile boundaries when FLATTEN).
+    A_MODE / B_MODE: 0 pointers, 1 a TMA descriptor of the operand as it is, 2 a TMA descriptor of its
+    transpose (the operand is a column-major view). A_3D: A is (M / M1, M1, K) with rows that do not
+    merge into one stride: row m sits at (m // M1)·s_a0 + (m % M1)·s_am.
+    """
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
+                             warp_specialize=WARP_SPEC):
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, 0, num_pid_n,
+                       s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
+                       HAS_BIAS, ACT, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, 1, EVEN_K, A_MODE, B_MODE,
+                       A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, tl.program_id(1), num_pid_n,
+                   s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
+                   HAS_BIAS, ACT, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, A_MODE, B_MODE,
+                   A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION)
+
+
 # ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Problem:
@@ -176,11 +226,18 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = (None, "gelu_tanh")
 INT32_LIMIT = 2**31             # offsets at or past this take the 64-bit path (tests lower it)
 SMEM_BUDGET = 200 * 1024         # H100 has 227 KiB per block; the margin covers the epilogue's scratch
+SMEM_PER_SM = 228 * 1024
+# Persistent loop options (module switches, not tuned: measured once on the H100, see default_config):
+# FLATTEN lets the software pipeline run across tile boundaries (the next tile's loads overlap this
+# tile's epilogue); WARP_SPEC asks for automatic warp specialisation (loads and MMAs in separate warps).
+FLATTEN = True
+WARP_SPEC = False
 
 
 def problem_of(a, b, bias=None, *, activation=None, residual=None, **_) -> Problem:
     kdim = a.shape[-1]
-    return Problem(a.numel() // max(kdim, 1), b.shape[-1], kdim, bias=bias is not None, act=activation,
+    return Problem(math.prod(a.shape[:-1]), b.shape[-1], kdim, trans_a=a.stride(-1) != 1,
+                   trans_b=b.stride(1) != 1, bias=bias is not None, act=activation,
                    residual=residual is not None, batch=a.shape[0] if a.dim() == 3 else 1)
 
 
@@ -203,6 +260,18 @@ def _num_sms() -> int:
     if K.kernel_device() == "cpu":
         return 132
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _smem(c: dict, dtype) -> int:
+    """Bytes of shared memory the operand pipeline takes."""
+    return (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _ELEM[dtype] * c["num_stages"]
+
+
+def _ctas_per_sm(c: dict, dtype) -> int:
+    """Programs resident per SM, by shared memory and registers (64K per SM, ~up to 255 a thread)."""
+    by_smem = SMEM_PER_SM // (_smem(c, dtype) + 8 * 1024)
+    by_regs = 65536 // (32 * c["num_warps"] * max(64, 2 * c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"])))
+    return max(1, min(by_smem, by_regs, 4))
 
 
 _LOCKS: dict = {}
@@ -294,7 +363,8 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
             s_a0, s_am, s_ak = 0, a2.stride(0), a2.stride(1)
     r2 = residual.reshape(m, n) if residual is not None else None
 
-    problem = Problem(m, n, kdim, bias=bias is not None, act=activation, residual=residual is not None)
+    problem = Problem(m, n, kdim, trans_a=s_ak != 1, trans_b=b.stride(1) != 1, bias=bias is not None,
+                      act=activation, residual=residual is not None)
     cfg = SPEC.config_for(problem, a.dtype, config)
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
 
@@ -314,8 +384,12 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
     if r2 is not None:
         spans.append(_span(r2))
     int64 = max(spans) >= INT32_LIMIT
+    if cfg["PERSISTENT"]:
+        grid = (min(tiles, _num_sms() * _ctas_per_sm(cfg, a.dtype)), 1)
+    else:
+        grid = (tiles, split)
 
-    _gemm_kernel[(tiles, split)](
+    _gemm_kernel[grid](
         a_arg, b_arg, c2, bias if bias is not None else c2, r2 if r2 is not None else c2, work, locks,
         m, n, kdim, a.shape[1] if a_3d else m,
         s_a0, s_am, s_ak, b.stride(0), b.stride(1), c2.stride(0), c2.stride(1),
@@ -323,8 +397,10 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
         r2.stride(0) if r2 is not None else 0, r2.stride(1) if r2 is not None else 0,
         HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
-        EVEN_K=kdim % bk == 0, A_MODE=a_mode, B_MODE=b_mode, A_3D=a_3d, INT64=int64,
+        EVEN_K=kdim % bk == 0, A_MODE=a_mode, B_MODE=b_mode, A_3D=a_3d,
+        A_M_CONTIG=s_ak != 1, B_N_CONTIG=b.stride(0) != 1, INT64=int64,
         PRECISION="tf32" if a.dtype == torch.float32 else "ieee",
+        PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -340,6 +416,7 @@ SPACE = K.Space(
         "num_warps": [2, 4, 8],
         "num_stages": [2, 3, 4, 5],
         "TMA": [False, True],
+        "PERSISTENT": [False, True],
     },
 )
 
@@ -375,7 +452,7 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         return "BLOCK_N larger than N"
     if bk > k2:
         return "BLOCK_K larger than K"
-    smem = (bm + bn) * bk * _ELEM[dtype] * c["num_stages"]
+    smem = _smem(c, dtype)
     if smem > SMEM_BUDGET:
         return f"{smem // 1024} KiB of shared memory for the pipeline"
     threads = 32 * c["num_warps"]
@@ -384,6 +461,8 @@ def _constraint(c, p: Problem, dtype) -> str | None:
     if bm * bn < 4 * threads:
         return "idle warps"
     split = c["SPLIT_K"]
+    if split > 1 and c["PERSISTENT"]:
+        return "persistent programs take whole tiles (no split-K)"
     if split > 1:
         if split > _cdiv(p.K, bk):
             return "more K slices than K tiles"
@@ -397,39 +476,61 @@ def _constraint(c, p: Problem, dtype) -> str | None:
 SPACE.constraint = _constraint
 
 
+# Large-tile candidates (BLOCK_M, BLOCK_N, num_warps, num_stages for 16-bit operands) and their relative
+# MMA efficiency per SM (a 128x256 tile reuses each loaded byte most).
+_LARGE_TILES = [(128, 256, 8, 3, 1.0), (128, 128, 8, 4, 0.85), (64, 128, 4, 4, 0.7), (64, 64, 4, 5, 0.5)]
+TMA_DEFAULT = False         # large problems read operands through TMA descriptors by default
+PERSISTENT_DEFAULT = False  # ... and run a persistent grid
+
+
+def _estimate_s(bm: int, bn: int, split: int, eff: float, m: int, n: int, k: int, sms: int, e: int) -> float:
+    """Rough seconds for a tiling: whole waves of tiles at a per-SM MMA rate, plus split-K's partials
+    (written and read back in fp32, mostly through L2) and its ticket round trip."""
+    progs = _cdiv(m, bm) * _cdiv(n, bn) * split
+    rate = (3.2e12 if e == 2 else 1.6e12) * eff          # multiply-adds per second per SM, achieved
+    t = _cdiv(progs, sms) * bm * bn * _cdiv(_cdiv(k, split), 64) * 64 / rate
+    if split > 1:
+        t += 2.0 * split * m * n * 4 / 5e12 + 1.5e-6
+    return t
+
+
 def default_config(p: Problem, dtype) -> dict:
-    """A sound heuristic: small M reads B once over many programs (split-K when tiles are few);
-    large problems take 128x256 (or 128x128) tiles with a deep pipeline."""
+    """A sound heuristic that depends only on the bucket (M to a power of two, N, K) and the dtype.
+
+    M <= 64 is bound by reading B: small row tiles, 64-column tiles, long K steps and split-K until there
+    are about two programs per SM. Larger M: the tiling (and split-K when tiles are few) that a wave
+    model says finishes first."""
     e = _elem(dtype)
-    m2 = max(16, triton.next_power_of_2(p.M))
-    n2 = max(16, triton.next_power_of_2(p.N))
-    k2 = max(16, triton.next_power_of_2(p.K))
+    m2 = max(16, _np2(p.M))
+    k2 = max(16, _np2(p.K))
     sms = _num_sms()
-    if p.M <= 64:
-        bm = min(m2, 64)
-        bn = min(n2, 64)
-        bk = min(k2, 128)
-        warps = 4
-        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
-        k_tiles = triton.cdiv(p.K, bk)
+    if m2 <= 64:
+        bm = m2
+        bn = min(max(16, _np2(p.N)), 64)
+        bk = min(k2, 128 if e == 2 else 64)
+        tiles = _cdiv(p.N, bn)
+        k_tiles = _cdiv(p.K, bk)
         split = 1
-        while split < 16 and tiles * split * 2 <= 2 * sms and split * 4 <= k_tiles:
+        while split < 16 and tiles * split < 2 * sms and 2 * split * 2 <= k_tiles:
             split *= 2
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
-               "num_warps": warps, "num_stages": 4, "TMA": False}
+               "num_warps": 4, "num_stages": 4, "TMA": False, "PERSISTENT": False}
     else:
-        bm = min(m2, 128)
-        bn = min(n2, 256 if p.M * p.N >= 4096 * 4096 and e == 2 else 128)
+        best = None
+        for bm, bn, warps, stages, eff in _LARGE_TILES:
+            if bm > m2 or bn > max(16, _np2(p.N)):
+                continue
+            for split in (1, 2, 4, 8):
+                if split > 1 and (_cdiv(p.M, bm) * _cdiv(p.N, bn) >= sms or p.K // split < 256):
+                    break
+                t = _estimate_s(bm, bn, split, eff, m2, p.N, p.K, sms, e)
+                if best is None or t < best[0] * 0.97:
+                    best = (t, bm, bn, warps, stages, split)
+        _, bm, bn, warps, stages, split = best
         bk = min(k2, 64 if e == 2 else 32)
-        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
-        if tiles < sms and bn > 64:  # too few programs for the machine: smaller tiles
-            bn //= 2
-            tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
-            if tiles < sms and bm > 64:
-                bm //= 2
-        warps = 8 if bm * bn >= 128 * 128 else 4
-        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 1,
-               "num_warps": warps, "num_stages": 4, "TMA": False}
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8 if split == 1 else 1,
+               "SPLIT_K": split, "num_warps": warps, "num_stages": stages,
+               "TMA": TMA_DEFAULT and split == 1, "PERSISTENT": PERSISTENT_DEFAULT and split == 1}
     return _fit(cfg, p, dtype)
 
 

@@ -114,7 +114,7 @@ def test_split_k_empty_slices_counters_and_determinism():
     case = G.make_inputs(p, torch.float32, DEV, 3)
     first = G.gemm(*case.args, config=cfg, **case.kwargs)
     tiles = 2 * 3
-    assert int(G._LOCKS[torch.device(DEV)][:tiles].abs().sum()) == 0, "split-K counters not reset"
+    assert int(G._LOCKS[case.args[0].device][:tiles].abs().sum()) == 0, "split-K counters not reset"
     again = G.gemm(*case.args, config=cfg, **case.kwargs)
     assert torch.equal(first, again), "split-K is not deterministic"
     cmp.check(first, G.ref.gemm(*case.args, **case.kwargs), torch.float32, "tf32")
@@ -123,11 +123,27 @@ def test_split_k_empty_slices_counters_and_determinism():
                                                                "BLOCK_K": 32})
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tma", [False, True])
+def test_persistent_programs_stride_over_tiles(monkeypatch, tma, dtype):
+    # 2 SMs: each program runs several tiles (grouped order, edge tiles, every epilogue on the way)
+    monkeypatch.setattr(G, "_num_sms", lambda: 2)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4, "SPLIT_K": 1, "num_warps": 2,
+           "PERSISTENT": True, "TMA": tma}
+    _check(G.Problem(37, 50, 40, bias=True, act="gelu_tanh", residual=True), dtype, cfg)
+    _check(G.Problem(48, 64, 32, trans_a=True, trans_b=True), dtype, cfg)
+    _check(G.Problem(12, 40, 24, trans_a=True, batch=3, residual=True), dtype, cfg)
+    # persistent and split-K do not combine
+    p = G.Problem(37, 50, 40)
+    assert "split-K" in G.SPACE.why_invalid(dict(G.default_config(p, dtype), **dict(cfg, SPLIT_K=2)), p, dtype)
+
+
 def test_int64_offsets(monkeypatch):
     monkeypatch.setattr(G, "INT32_LIMIT", 1)
     _check(G.Problem(21, 19, 40, trans_a=True, bias=True, residual=True), torch.float16)
     _check(G.Problem(21, 19, 40, trans_b=True, batch=3), torch.float32, {"SPLIT_K": 2, "GROUP_M": 1, "BLOCK_K": 16})
     _check(G.Problem(12, 19, 40, trans_a=True, batch=3), torch.float32)
+    _check(G.Problem(21, 19, 40, bias=True), torch.float32, {"PERSISTENT": True, "GROUP_M": 1})
 
 
 @pytest.mark.parametrize("layout", ["sliced"])
