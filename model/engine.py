@@ -1,0 +1,583 @@
+"""The serving engine: a paged KV block pool, the continuous-batching scheduler, and one step loop.
+
+Each :meth:`Engine.step`:
+
+1. ``schedule()`` picks the step's work: one decode token for every running sequence, plus whole
+   prefills of newly admitted (or preempted, recomputed) requests while blocks and the token budget last.
+2. One forward runs it. Without a fast decode path, prefills and decodes share a *single* forward over
+   their packed tokens: LayerNorm and every linear are per token, so they run once over all rows; only
+   attention splits (varlen causal attention over the prefill rows, paged attention over the decode
+   rows), and ``write_kv`` stores every new K/V at once. With CUDA graphs (or ``torch.compile``) the decode
+   rows go through the captured graph of their batch-size bucket and the prefill rows through an eager
+   forward of their own: a graph cannot hold the prefills' shapes, which change every step.
+3. Sampling (greedy rows by one argmax; others per request, with its own seeded generator), then
+   ``update()`` appends the tokens, streams them, and retires finished requests, freeing their blocks.
+
+CUDA graphs: one graph per bucket (1, 2, 4, ..., 256, up to ``max_num_seqs``) over static input buffers.
+A batch of B runs in the smallest bucket >= B; the padding rows have token 0 at position 0, slot -1
+(``write_kv`` skips negative slots), context length 1 and an all-zero block table row, so they read one
+valid cache slot and write nothing; their logits are dropped.
+
+Weight-only quantization (``quant="int8" | "int4"``): every linear (qkv, attention out, MLP in/out and
+the tied lm_head) holds a :class:`~tritune.references.quant.QuantizedWeight` and runs through
+``tritune.kernels.quant_matmul.quant_linear`` when that kernel has landed, else through the reference
+path (dequantize to the model dtype, then a dense matmul: correct, not fast); ``Engine.notes`` says which.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tritune.model import gpt2 as G
+from tritune.model.generate import sample
+from tritune.model.kv_cache import BlockPool
+from tritune.model.scheduler import FINISHED, Request, SamplingParams, Scheduler, SchedulerOutput
+
+QUANT_MODES = (None, "int8", "int4")
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CPU_KV_BYTES = 256 << 20          # default KV budget without a GPU
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ops the engine needs beyond gpt2's
+# ---------------------------------------------------------------------------------------------------
+def _index_write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """write_kv for the torch backend without the boolean mask of gpt2.torch_write_kv (a host sync and a
+    graph break): the engine only calls it with real slots (no padding rows outside CUDA graphs)."""
+    idx = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v)
+
+
+class _TorchEngineOps(G.TorchOps):
+    write_kv = staticmethod(_index_write_kv)
+
+
+def quant_linear_impl():
+    """(quant_linear or None, how linears run) for the quantized mode."""
+    try:
+        from tritune.kernels.quant_matmul import quant_linear
+    except ImportError as e:
+        why = ("kernel not landed" if getattr(e, "name", None) == "tritune.kernels.quant_matmul"
+               else f"kernel import failed: {type(e).__name__}: {e}")
+        return None, f"reference path: dequantize to the model dtype + dense matmul ({why})"
+    return quant_linear, ("kernel tritune.kernels.quant_matmul.quant_linear for fp16/bf16 activations "
+                          "(fp32: the reference path, dequantize + dense matmul)")
+
+
+class QuantOps:
+    """The model's ops, with linears whose weight is a QuantizedWeight run weight-only quantized."""
+
+    def __init__(self, base, qlinear):
+        self.base, self.qlinear = base, qlinear
+        self.layer_norm, self.attn_prefill = base.layer_norm, base.attn_prefill
+        self.write_kv, self.attn_decode = base.write_kv, base.attn_decode
+        self.steps = dict(getattr(base, "steps", {}))
+
+    def linear(self, x, w, b=None, activation=None, residual=None):
+        from tritune.references.quant import QuantizedWeight
+
+        if not isinstance(w, QuantizedWeight):
+            return self.base.linear(x, w, b, activation=activation, residual=residual)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.qlinear is not None and x.dtype in (torch.float16, torch.bfloat16):   # the kernel's dtypes
+            y = self.qlinear(x2, w, b)
+        else:
+            wd = w.dequantize(torch.float32).to(x.dtype).t()
+            y = torch.mm(x2, wd) if b is None else torch.addmm(b, x2, wd)
+        if activation == "gelu_tanh":
+            y = F.gelu(y, approximate="tanh")
+        if residual is not None:
+            y = y + residual.reshape(y.shape)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def quantize_weights(w, quant: str, group_size: int = 128):
+    """A copy of GPT2Weights with every linear weight quantized (embeddings and norms kept as they are).
+
+    Our projections are stored (K, N) for gemm; the quantizers take the nn.Linear (N, K) layout, hence .t().
+    """
+    from tritune.references import quant as Q
+
+    bits = {"int8": 8, "int4": 4}[quant]
+    if bits == 4 and group_size not in Q.INT4_GROUP_SIZES:
+        raise ValueError(f"group_size: expected one of {Q.INT4_GROUP_SIZES}, got {group_size!r}")
+
+    def q(t):
+        K = t.shape[0]
+        g = group_size
+        if bits == 4 and K % g:   # a narrow model: the largest supported group that divides K
+            g = next((s for s in sorted(Q.INT4_GROUP_SIZES, reverse=True) if s <= group_size and K % s == 0), None)
+            if g is None:
+                raise ValueError(f"int4: K={K} is not a multiple of any group size in {Q.INT4_GROUP_SIZES}")
+        return Q.quantize(t.t().contiguous(), bits, g)
+
+    layers = [replace(L, w_qkv=q(L.w_qkv), w_o=q(L.w_o), w_fc=q(L.w_fc), w_proj=q(L.w_proj)) for L in w.layers]
+    return replace(w, layers=layers, lm_head=q(w.lm_head))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The forward of one step
+# ---------------------------------------------------------------------------------------------------
+def forward_step(model, ops, kv, ids, positions, slots, *, seq_lens=(), cu_seqlens=None, block_tables=None,
+                 context_lens=None, logit_rows=None):
+    """One forward over packed tokens: ``sum(seq_lens)`` prefill rows first, then one row per decode.
+
+    ids, positions, slots (T,) on the device; cu_seqlens (P+1,) int32 of the prefills; block_tables
+    (Td, max_blocks) and context_lens (Td,) int32 of the decodes. Returns the logits of ``logit_rows``
+    (all rows when None). Nothing here syncs with the host when there are no prefills.
+    """
+    Tp = int(sum(seq_lens))
+    T = ids.shape[0]
+    max_seqlen = max(seq_lens) if Tp else 0
+
+    def attend(i, q, k, v):
+        kc, vc = kv.k_caches[i], kv.v_caches[i]
+        ops.write_kv(k, v, kc, vc, slots)
+        if Tp == T:
+            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+        if Tp == 0:
+            return ops.attn_decode(q, kc, vc, block_tables, context_lens)
+        return torch.cat((ops.attn_prefill(q[:Tp], k[:Tp], v[:Tp], seq_lens, cu_seqlens, max_seqlen),
+                          ops.attn_decode(q[Tp:], kc, vc, block_tables, context_lens)))
+
+    saved = model.ops
+    model.ops = ops         # _blocks/_logits read model.ops
+    try:
+        x = model._blocks(model._embed(ids, positions), attend)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return model._logits(x)
+    finally:
+        model.ops = saved
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode forward, one per batch-size bucket, over shared static buffers."""
+
+    def __init__(self, engine, buckets):
+        self.engine = engine
+        dev = engine.device
+        Bmax = buckets[-1]
+        self.buckets = buckets
+        self.ids = torch.zeros(Bmax, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(Bmax, dtype=torch.long, device=dev)
+        self.slots = torch.full((Bmax,), -1, dtype=torch.long, device=dev)
+        self.ctx = torch.ones(Bmax, dtype=torch.int32, device=dev)
+        self.bt = torch.zeros(Bmax, engine.max_blocks, dtype=torch.int32, device=dev)
+        # pinned staging: [ids | pos | slots] int64 and [ctx | block table] int32, one copy each
+        self.h64 = torch.zeros(3 * Bmax, dtype=torch.long, pin_memory=True)
+        self.h32 = torch.zeros(Bmax * (1 + engine.max_blocks), dtype=torch.int32, pin_memory=True)
+        self.graphs, self.logits = {}, {}
+        self.capture_s = 0.0
+        t0 = time.perf_counter()
+        pool = None
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for b in buckets:        # compile + warm up every kernel variant before any capture
+                self._run(b)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
+        for b in reversed(buckets):  # largest first: the smaller graphs reuse its memory pool
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.logits[b] = self._run(b)
+            pool = g.pool() if pool is None else pool
+            self.graphs[b] = g
+        torch.cuda.synchronize(dev)
+        self.capture_s = time.perf_counter() - t0
+
+    def _run(self, b):
+        e = self.engine
+        return forward_step(e.model, e.ops, e.pool, self.ids[:b], self.pos[:b], self.slots[:b],
+                            block_tables=self.bt[:b], context_lens=self.ctx[:b])
+
+    def bucket(self, B):
+        for b in self.buckets:
+            if b >= B:
+                return b
+        return None
+
+    def __call__(self, ids, positions, slots, context_lens, tables) -> torch.Tensor:
+        B = len(ids)
+        b = self.bucket(B)
+        Bmax, mb = self.buckets[-1], self.engine.max_blocks
+        h64 = self.h64.numpy()
+        h64[:B], h64[B:b] = ids, 0
+        h64[Bmax:Bmax + B], h64[Bmax + B:Bmax + b] = positions, 0
+        h64[2 * Bmax:2 * Bmax + B], h64[2 * Bmax + B:2 * Bmax + b] = slots, -1
+        h32 = self.h32.numpy()
+        h32[:B], h32[B:b] = context_lens, 1
+        bt = h32[Bmax:].reshape(Bmax, mb)
+        bt[:b] = 0
+        for i, t in enumerate(tables):
+            bt[i, :len(t.blocks)] = t.blocks
+        d64 = torch.empty(3 * Bmax, dtype=torch.long, device=self.ids.device)
+        d64.copy_(self.h64, non_blocking=True)
+        d32 = torch.empty(Bmax * (1 + mb), dtype=torch.int32, device=self.ids.device)
+        d32.copy_(self.h32, non_blocking=True)
+        self.ids[:b].copy_(d64[:b])
+        self.pos[:b].copy_(d64[Bmax:Bmax + b])
+        self.slots[:b].copy_(d64[2 * Bmax:2 * Bmax + b])
+        self.ctx[:b].copy_(d32[:b])
+        self.bt[:b].copy_(d32[Bmax:].view(Bmax, mb)[:b])
+        self.graphs[b].replay()
+        return self.logits[b][:B]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Results and streams
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Completion:
+    request_id: object
+    prompt_ids: list
+    token_ids: list
+    finish_reason: str | None
+    text: str | None = None
+    error: str | None = None          # why the request was rejected (generate(..., errors="return"))
+    truncated: int = 0
+    num_preemptions: int = 0
+    ttft_s: float = float("nan")      # arrival -> first token
+    tpot_s: float = float("nan")      # mean time per output token after the first
+    latency_s: float = float("nan")   # arrival -> last token
+
+
+def completion_of(req: Request, tokenizer=None) -> Completion:
+    n = len(req.output_ids)
+    ttft = req.first_token_time - req.arrival_time if req.first_token_time is not None else float("nan")
+    lat = req.finish_time - req.arrival_time if req.finish_time is not None else float("nan")
+    tpot = ((req.finish_time - req.first_token_time) / (n - 1)
+            if n > 1 and req.finish_time is not None and req.first_token_time is not None else float("nan"))
+    text = tokenizer.decode(req.output_ids) if tokenizer is not None else None
+    return Completion(req.id, list(req.prompt_ids), list(req.output_ids), req.finish_reason, text,
+                      repr(req.error) if req.error is not None else None, req.truncated, req.num_preemptions,
+                      ttft, tpot, lat)
+
+
+class TokenStream:
+    """Iterate the tokens of one request as they are sampled; iterating drives ``engine.step()``
+    (which advances every other request too). ``.request`` is the scheduler's Request."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.buffer: deque = deque()
+        self.done = False
+        self.request: Request | None = None
+
+    def __call__(self, req, tok):
+        if tok is None:
+            self.done = True
+        else:
+            self.buffer.append(tok)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        while not self.buffer:
+            if self.done:
+                raise StopIteration
+            self.engine.step()
+        return self.buffer.popleft()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------------
+class Engine:
+    """Continuous-batching GPT-2 serving on a paged KV cache.
+
+    model: a :class:`tritune.model.gpt2.GPT2`. The KV pool is sized by exactly one of ``num_blocks``,
+    ``kv_memory_bytes`` or ``kv_memory_fraction`` (of free GPU memory); default 0.5 on a GPU, 256 MiB on
+    the CPU. ``max_batch_tokens``: tokens per step (prefill tokens + one per decode; >= n_positions, as
+    prefills are not chunked). ``cuda_graphs``: capture the decode forward per batch bucket (CUDA and the
+    triton backend only; otherwise ignored and said in ``notes``). ``compile``: torch.compile the decode
+    forward instead (dynamic shapes). ``quant``: None, "int8" or "int4" weight-only for every linear.
+    """
+
+    def __init__(self, model, *, num_blocks: int | None = None, kv_memory_bytes: int | None = None,
+                 kv_memory_fraction: float | None = None, block_size: int = 16,
+                 max_batch_tokens: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool = True,
+                 compile: bool = False, quant: str | None = None, group_size: int = 128, tokenizer=None,
+                 graph_buckets=GRAPH_BUCKETS):
+        if quant not in QUANT_MODES:
+            raise ValueError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
+        given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
+                                ("kv_memory_fraction", kv_memory_fraction)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of num_blocks, kv_memory_bytes, kv_memory_fraction (got {given})")
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: expected an int >= 1, got {max_num_seqs!r}")
+        self.config = c = model.config
+        self.device = torch.device(model.device)
+        self.dtype = model.dtype
+        self.tokenizer = tokenizer
+        self.notes: list[str] = []
+        self.block_size = block_size
+        self.max_blocks = math.ceil(c.n_positions / block_size)
+
+        # The model the engine runs: a shallow copy, so quantizing or swapping ops leaves the caller's alone.
+        self.model = copy.copy(model)
+        base_ops = _TorchEngineOps if model.backend == "torch" else model.ops
+        self.quant = quant
+        if quant:
+            qlinear, how = quant_linear_impl()
+            self.model.w = quantize_weights(model.w, quant, group_size)
+            base_ops = QuantOps(base_ops, qlinear)
+            self.notes.append(f"{quant} linears: {how}")
+        self.ops = base_ops
+
+        memory = None
+        if num_blocks is None:
+            if kv_memory_bytes is not None:
+                memory = int(kv_memory_bytes)
+            elif kv_memory_fraction is not None:
+                memory = float(kv_memory_fraction)
+            else:
+                memory = 0.5 if self.device.type == "cuda" else CPU_KV_BYTES
+        self.pool = BlockPool(c.n_layer, c.n_head, c.head_dim, block_size, self.dtype, self.device,
+                              num_blocks=num_blocks, memory=memory)
+        self.scheduler = Scheduler(self.pool, c.n_positions, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_batch_tokens, eos_token_id=c.eos_token_id,
+                                   vocab_size=c.vocab_size)
+        self.max_num_seqs = max_num_seqs
+        self._generators: dict = {}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,
+                      "mixed_steps": 0, "preemptions": 0}
+
+        self.graphs = None
+        self._compiled = None
+        if cuda_graphs and compile:
+            raise ValueError("cuda_graphs and compile: pick one fast decode path")
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                self.notes.append("cuda_graphs off: no CUDA device")
+            elif model.backend != "triton":
+                self.notes.append("cuda_graphs off: the torch backend's write_kv masks padding rows on the "
+                                  "host; use backend='triton' (or compile=True)")
+            else:
+                buckets = [b for b in graph_buckets if b < max_num_seqs] + [min(
+                    max_num_seqs, next((b for b in graph_buckets if b >= max_num_seqs), max_num_seqs))]
+                self.graphs = _DecodeGraphs(self, sorted(set(buckets)))
+                self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
+                                  f"(captured in {self.graphs.capture_s:.1f} s)")
+        if compile:
+            self._compiled = torch.compile(self._decode_eager, dynamic=True)
+            self.notes.append("decode forward under torch.compile(dynamic=True); prefill eager")
+
+    # -------------------------------------------------------------------------------------- requests
+    def _ids(self, prompt):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("prompt: text needs a tokenizer (Engine(..., tokenizer=...)) or pass token ids")
+            return self.tokenizer.encode(prompt)
+        return prompt
+
+    def add_request(self, prompt, sampling: SamplingParams | None = None, *, request_id=None, stream=None,
+                    truncate: bool = False, arrival_time: float | None = None) -> Request:
+        """Queue a request (text with a tokenizer, or token ids); it joins at the next step.
+
+        ``stream``: callable(request, token) (token None at the end) or a queue (``put``). A bad request
+        raises ValueError/TypeError and leaves every other request as it was.
+        """
+        req = self.scheduler.add_request(self._ids(prompt), sampling, request_id=request_id, stream=stream,
+                                         truncate=truncate, arrival_time=arrival_time)
+        return req
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, **kw) -> TokenStream:
+        """A :class:`TokenStream` over a new request's tokens (iterating it runs the engine)."""
+        ts = TokenStream(self)
+        ts.request = self.add_request(prompt, sampling, stream=ts, **kw)
+        return ts
+
+    def abort(self, request_id) -> Request:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def generate(self, prompts, sampling=None, *, errors: str = "raise", truncate: bool = False) -> list[Completion]:
+        """Run a batch of prompts to completion; one Completion per prompt, in order.
+
+        ``sampling``: one SamplingParams for all, or a list (one per prompt). ``errors="raise"``: a bad
+        prompt raises ValueError/TypeError naming its index, before anything runs; ``"return"``: it gets a
+        Completion with finish_reason "error" and the message, and the others run.
+        """
+        if errors not in ("raise", "return"):
+            raise ValueError(f"errors: expected 'raise' or 'return', got {errors!r}")
+        prompts = list(prompts)
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"sampling: {len(sampling)} SamplingParams for {len(prompts)} prompts")
+            samplings = list(sampling)
+        else:
+            samplings = [sampling] * len(prompts)
+        reqs, results = [], [None] * len(prompts)
+        for i, (p, s) in enumerate(zip(prompts, samplings)):
+            try:
+                reqs.append((i, self.add_request(p, s, truncate=truncate)))
+            except (ValueError, TypeError) as e:
+                if errors == "raise":
+                    for _, r in reqs:
+                        self.scheduler.abort(r.id)
+                    raise type(e)(f"prompts[{i}]: {e}") from None
+                results[i] = Completion(None, [], [], "error", error=f"{type(e).__name__}: {e}")
+        while any(not r.finished for _, r in reqs):
+            self.step()
+        for i, r in reqs:
+            results[i] = completion_of(r, self.tokenizer)
+        return results
+
+    def run(self) -> None:
+        """Step until every queued request has finished."""
+        while self.scheduler.has_unfinished():
+            self.step()
+
+    # -------------------------------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Schedule, run one forward, sample, update. Returns the requests that finished in this step."""
+        out = self.scheduler.schedule()
+        if not out:
+            return []
+        try:
+            logits = self._forward(out)
+            tokens = self._sample(out, logits)
+        except Exception as e:
+            # The step's requests cannot go on (their caches are in an unknown state): end them with the
+            # error, free their blocks, and leave the engine usable for the rest.
+            self.scheduler._pending = False
+            for req in out.requests:
+                req.error = e
+                self.scheduler.finish(req, "error")
+            raise
+        finished = self.scheduler.update(out, tokens)
+        if self.tokenizer is not None:
+            for req in out.requests:
+                if req.sampling.stop and req.state != FINISHED:
+                    text = self.tokenizer.decode(req.output_ids)
+                    if any(s in text for s in req.sampling.stop):
+                        self.scheduler.finish(req, "stop")
+                        finished.append(req)
+        for req in finished:
+            self._generators.pop(req.id, None)
+        st = self.stats
+        st["steps"] += 1
+        st["prefill_tokens"] += sum(map(len, out.prefill_ids))
+        st["decode_tokens"] += len(out.decode_ids)
+        st["preemptions"] += len(out.preempted)
+        return finished
+
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        Td = len(out.decode)
+        fast = None
+        if Td and self.graphs is not None and self.graphs.bucket(Td) is not None:
+            fast = "graph"
+        elif Td and self._compiled is not None:
+            fast = "compile"
+        if fast is None:
+            if out.prefill and Td:
+                self.stats["mixed_steps"] += 1
+            return self._eager(out.prefill_ids, out.prefill_slots, out.decode_ids, out.decode_positions,
+                               out.decode_slots, out.context_lens, out.decode_tables)
+        parts = []
+        if out.prefill:
+            parts.append(self._eager(out.prefill_ids, out.prefill_slots, [], [], [], [], []))
+        if fast == "graph":
+            self.stats["graph_steps"] += 1
+            parts.append(self.graphs(out.decode_ids, out.decode_positions, out.decode_slots, out.context_lens,
+                                     out.decode_tables))
+        else:
+            ids, pos, slots, bt, ctx = self._decode_inputs(out.decode_ids, out.decode_positions, out.decode_slots,
+                                                           out.context_lens, out.decode_tables)
+            parts.append(self._compiled(ids, pos, slots, bt, ctx))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode_eager(self, ids, pos, slots, bt, ctx):
+        return forward_step(self.model, self.ops, self.pool, ids, pos, slots, block_tables=bt, context_lens=ctx)
+
+    def _decode_inputs(self, ids, positions, slots, context_lens, tables):
+        dev = self.device
+        B = len(ids)
+        h = torch.tensor(np.concatenate([np.asarray(ids, np.int64), np.asarray(positions, np.int64),
+                                         np.asarray(slots, np.int64)]))
+        mb = max(len(t.blocks) for t in tables)
+        h32 = np.zeros((B, mb + 1), np.int32)
+        h32[:, 0] = context_lens
+        for i, t in enumerate(tables):
+            h32[i, 1:1 + len(t.blocks)] = t.blocks
+        d = h.to(dev, non_blocking=True)
+        d32 = torch.from_numpy(h32).to(dev, non_blocking=True)
+        return d[:B], d[B:2 * B], d[2 * B:], d32[:, 1:], d32[:, 0].contiguous()
+
+    def _eager(self, prefill_ids, prefill_slots, decode_ids, decode_positions, decode_slots, context_lens, tables):
+        """Prefills and decodes in one forward (see forward_step); logits in the same order."""
+        dev = self.device
+        seq_lens = [len(s) for s in prefill_ids]
+        Tp, Td = sum(seq_lens), len(decode_ids)
+        ids = np.fromiter((t for s in prefill_ids for t in s), np.int64, Tp)
+        pos = np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens]) if seq_lens else np.zeros(0, np.int64)
+        slots = np.fromiter((t for s in prefill_slots for t in s), np.int64, Tp)
+        cu = np.zeros(len(seq_lens) + 1, np.int64)
+        np.cumsum(seq_lens, out=cu[1:])
+        rows = np.concatenate([cu[1:] - 1, Tp + np.arange(Td)])
+        h64 = torch.from_numpy(np.concatenate([ids, np.asarray(decode_ids, np.int64), pos,
+                                               np.asarray(decode_positions, np.int64), slots,
+                                               np.asarray(decode_slots, np.int64), rows]))
+        T = Tp + Td
+        d64 = h64.to(dev, non_blocking=True)
+        kw = {}
+        if Tp:
+            kw["seq_lens"] = seq_lens
+            kw["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True)
+        if Td:
+            mb = max(len(t.blocks) for t in tables)
+            h32 = np.zeros((Td, mb + 1), np.int32)
+            h32[:, 0] = context_lens
+            for i, t in enumerate(tables):
+                h32[i, 1:1 + len(t.blocks)] = t.blocks
+            d32 = torch.from_numpy(h32).to(dev, non_blocking=True)
+            kw["block_tables"], kw["context_lens"] = d32[:, 1:], d32[:, 0].contiguous()
+        logit_rows = None if Tp == 0 else d64[3 * T:]
+        return forward_step(self.model, self.ops, self.pool, d64[:T], d64[T:2 * T], d64[2 * T:3 * T],
+                            logit_rows=logit_rows, **kw)
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int]:
+        reqs = out.requests
+        greedy = logits.argmax(dim=-1)
+        if all(r.sampling.temperature == 0 for r in reqs):
+            return greedy.tolist()
+        toks = greedy.tolist()
+        for i, r in enumerate(reqs):
+            s = r.sampling
+            if s.temperature == 0:
+                continue
+            gen = self._generators.get(r.id)
+            if gen is None and s.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(s.seed))
+                self._generators[r.id] = gen
+            toks[i] = int(sample(logits[i:i + 1], s.temperature, s.top_k, s.top_p, gen)[0])
+        return toks
+
+    # -------------------------------------------------------------------------------------- reports
+    @property
+    def peak_blocks(self) -> int:
+        return self.pool.peak_used
+
+    def describe(self) -> dict:
+        return {"backend": self.model.backend, "dtype": str(self.dtype).replace("torch.", ""),
+                "device": str(self.device), "quant": self.quant, "cuda_graphs": self.graphs is not None,
+                "compile": self._compiled is not None, "num_blocks": self.pool.num_blocks,
+                "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
+                "max_batch_tokens": self.scheduler.max_num_batched_tokens, "notes": list(self.notes)}

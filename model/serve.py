@@ -1,0 +1,452 @@
+"""``tritune serve-bench``: a serving workload through the engine, beside ``transformers`` and naive inference.
+
+The workload: N requests whose prompt and output lengths are drawn uniformly from ``--prompt-len`` and
+``--output-len`` ranges with ``--seed`` (random token ids; EOS ignored so every request produces exactly
+its output length), or read from a JSONL file (``{"prompt_len": 100, "output_len": 50}`` or
+``{"prompt_ids": [...], "max_new_tokens": 50}``, optional ``"arrival"`` seconds). Arrivals: all at once
+(``--rate inf``) or a Poisson process of ``--rate`` requests/s.
+
+For each ``--modes`` entry (torch, torch-compile, triton, triton-graphs, triton-int8, triton-int4) the
+engine serves the workload after a warm-up (kernels compiled, graphs captured); reported: output and
+total tok/s, req/s, TTFT and TPOT P50/P95/P99, peak KV blocks, steps and preemptions, and the batch-1
+decode rate. Baselines on the same workload and model: ``transformers`` ``generate`` with static batches
+of ``--hf-batch-size`` (left-padded, each batch runs to its longest output; timed on the first
+``--hf-requests`` requests and extrapolated), and naive single-request inference (no KV cache: the whole
+sequence re-run for every token). Without ``--model``, GPT-2 small's config with random weights.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = {
+    "torch": dict(backend="torch", cuda_graphs=False),
+    "torch-compile": dict(backend="torch", cuda_graphs=False, compile=True),
+    "triton": dict(backend="triton", cuda_graphs=False),
+    "triton-graphs": dict(backend="triton", cuda_graphs=True),
+    "triton-int8": dict(backend="triton", cuda_graphs=True, quant="int8"),
+    "triton-int4": dict(backend="triton", cuda_graphs=True, quant="int4"),
+}
+
+
+@dataclass
+class Item:
+    prompt_ids: list
+    output_len: int
+    arrival: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workload
+# ---------------------------------------------------------------------------------------------------
+def parse_range(s: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = s.partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI (or N), got {s!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {s!r}")
+    return lo, hi
+
+
+def make_workload(n, prompt_len, output_len, vocab, seed=0, rate=math.inf, jsonl=None) -> list[Item]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    items = []
+    if jsonl:
+        for i, line in enumerate(Path(jsonl).read_text().splitlines()):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if "prompt_ids" in d:
+                ids = [int(t) for t in d["prompt_ids"]]
+            elif "prompt_len" in d:
+                ids = rng.integers(0, vocab - 1, int(d["prompt_len"])).tolist()
+            else:
+                raise ValueError(f"{jsonl}:{i + 1}: expected prompt_ids or prompt_len")
+            out = d.get("output_len", d.get("max_new_tokens"))
+            if out is None:
+                raise ValueError(f"{jsonl}:{i + 1}: expected output_len or max_new_tokens")
+            items.append(Item(ids, int(out), float(d["arrival"]) if "arrival" in d else None))
+        items = items[:n] if n else items
+    else:
+        for _ in range(n):
+            p = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+            o = int(rng.integers(output_len[0], output_len[1] + 1))
+            items.append(Item(rng.integers(0, vocab - 1, p).tolist(), o, None))
+    t = 0.0
+    for it in items:
+        if it.arrival is None:
+            if math.isfinite(rate):
+                t += float(rng.exponential(1.0 / rate))
+            it.arrival = t
+    return items
+
+
+def percentiles(xs) -> dict:
+    import numpy as np
+
+    xs = [x for x in xs if x == x]
+    if not xs:
+        return {"p50": None, "p95": None, "p99": None, "mean": None}
+    a = np.asarray(xs) * 1e3
+    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------
+def load_models(model_dir, dtype, device, need_hf=True):
+    """(our config, state dict on the CPU, HF model or None). Random GPT-2 small without model_dir."""
+    import torch
+
+    from tritune.model import weights as W
+    from tritune.model.config import GPT2Config
+
+    if model_dir:
+        directory = W.resolve(model_dir)
+        config = GPT2Config.from_file(directory / "config.json")
+        state = W.load_state_dict(directory)
+        W.check_state(config, state, str(directory))
+        hf = None
+        if need_hf:
+            from transformers import GPT2LMHeadModel
+
+            hf = GPT2LMHeadModel.from_pretrained(str(directory), torch_dtype=dtype)
+    else:
+        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        hc = HFConfig()
+        hf = GPT2LMHeadModel(hc)
+        state = {k[len("transformer."):] if k.startswith("transformer.") else k: v
+                 for k, v in hf.state_dict().items()}
+        config = GPT2Config.from_dict(hc.to_dict(), "transformers GPT2Config()")
+        if not need_hf:
+            hf = None
+    if hf is not None:
+        hf = hf.to(device=device, dtype=dtype).eval()
+    return config, state, hf
+
+
+def build_model(config, state, backend, dtype, device):
+    from tritune.model import weights as W
+    from tritune.model.gpt2 import GPT2
+
+    return GPT2(config, W.to_layout(config, state, dtype, device), backend=backend)
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------------
+def run_engine(engine, items) -> dict:
+    """Serve ``items`` (arrivals relative to the start); metrics of the run."""
+    from tritune.model.scheduler import SamplingParams
+
+    pending = sorted(range(len(items)), key=lambda i: items[i].arrival)
+    reqs = [None] * len(items)
+    steps0, pre0 = engine.stats["steps"], engine.stats["preemptions"]
+    engine.pool.peak_used = engine.pool.num_used
+    _sync()
+    t0 = time.perf_counter()
+    k = 0
+    while k < len(pending) or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while k < len(pending) and items[pending[k]].arrival <= now:
+            i = pending[k]
+            it = items[i]
+            reqs[i] = engine.add_request(it.prompt_ids, SamplingParams(max_new_tokens=it.output_len, ignore_eos=True),
+                                         arrival_time=t0 + it.arrival)
+            k += 1
+        if engine.has_unfinished():
+            engine.step()
+        elif k < len(pending):
+            time.sleep(max(0.0, items[pending[k]].arrival - (time.perf_counter() - t0)))
+    _sync()
+    elapsed = time.perf_counter() - t0
+    out_tok = sum(len(r.output_ids) for r in reqs)
+    in_tok = sum(len(r.prompt_ids) for r in reqs)
+    ttft = [r.first_token_time - r.arrival_time for r in reqs]
+    tpot = [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
+    return {"requests": len(reqs), "elapsed_s": elapsed, "prompt_tokens": in_tok, "output_tokens": out_tok,
+            "output_tok_s": out_tok / elapsed, "total_tok_s": (in_tok + out_tok) / elapsed,
+            "req_s": len(reqs) / elapsed, "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot),
+            "peak_kv_blocks": engine.pool.peak_used, "kv_blocks": engine.pool.num_blocks,
+            "steps": engine.stats["steps"] - steps0, "preemptions": engine.stats["preemptions"] - pre0}
+
+
+def decode_rate(engine, prompt_len=64, new_tokens=512, vocab=50257) -> dict:
+    """One request alone: decode tokens/s after the first token."""
+    import random
+
+    from tritune.model.scheduler import SamplingParams
+
+    new_tokens = min(new_tokens, engine.config.n_positions - prompt_len)
+    rnd = random.Random(1)
+    req = engine.add_request([rnd.randrange(vocab - 1) for _ in range(prompt_len)],
+                             SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    engine.run()
+    dt = req.finish_time - req.first_token_time
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "decode_tok_s": (new_tokens - 1) / dt,
+            "ms_per_token": dt / (new_tokens - 1) * 1e3}
+
+
+def warm_up(engine, vocab, max_len):
+    """Compile the kernels' shape variants (and the compiled graph) before timing."""
+    import random
+
+    from tritune.model.scheduler import SamplingParams
+
+    rnd = random.Random(0)
+    lens = [1, 2, 15, 16, 17, 63, 64, 100, 129, min(max_len, 511), min(max_len, 512)]
+    n = min(len(lens) * 3, engine.max_num_seqs + 8)
+    for i in range(n):
+        p = lens[i % len(lens)]
+        engine.add_request([rnd.randrange(vocab - 1) for _ in range(p)],
+                           SamplingParams(max_new_tokens=3 + i % 5, ignore_eos=True))
+    engine.run()
+
+
+def run_hf(hf, items, batch_size, limit) -> dict:
+    """transformers generate, static batches in arrival order, left-padded, each to its longest output."""
+    import torch
+
+    sub = items[:limit] if limit else items
+    pad = 0
+    useful = 0
+    _sync()
+    t0 = time.perf_counter()
+    for s in range(0, len(sub), batch_size):
+        batch = sub[s:s + batch_size]
+        L = max(len(it.prompt_ids) for it in batch)
+        new = max(it.output_len for it in batch)
+        ids = torch.full((len(batch), L), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), L), dtype=torch.long)
+        for i, it in enumerate(batch):
+            ids[i, L - len(it.prompt_ids):] = torch.tensor(it.prompt_ids)
+            mask[i, L - len(it.prompt_ids):] = 1
+        dev = next(hf.parameters()).device
+        with torch.inference_mode():
+            hf.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new,
+                        min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        useful += sum(it.output_len for it in batch)
+    _sync()
+    el = time.perf_counter() - t0
+    out_tok_s = useful / el
+    total = sum(it.output_len for it in items)
+    return {"batch_size": batch_size, "requests_timed": len(sub), "elapsed_s": el, "output_tokens": useful,
+            "output_tok_s": out_tok_s, "extrapolated_elapsed_s": total / out_tok_s,
+            "note": None if len(sub) == len(items) else
+            f"timed the first {len(sub)} of {len(items)} requests; elapsed for all extrapolated at that rate"}
+
+
+def run_naive(hf, items, n, max_new) -> dict:
+    """Single request, no KV cache: every token re-runs the whole sequence (HF forward, use_cache=False)."""
+    import torch
+
+    dev = next(hf.parameters()).device
+    toks = 0
+    _sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for it in items[:n]:
+            ids = torch.tensor([it.prompt_ids], device=dev)
+            for _ in range(min(max_new, it.output_len)):
+                logits = hf(ids, use_cache=False).logits[:, -1]
+                ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+                toks += 1
+            int(ids[0, -1])
+    _sync()
+    el = time.perf_counter() - t0
+    return {"requests": min(n, len(items)), "tokens": toks, "elapsed_s": el, "output_tok_s": toks / el,
+            "note": f"first {max_new} output tokens of each request (shorter sequences than the full outputs, "
+                    "which flatters naive)"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------
+def add_parser(subparsers, name: str) -> None:
+    if name != "serve-bench":
+        return
+    from tritune.harness.cli import parse_dtype
+
+    s = subparsers.add_parser("serve-bench", help="serving throughput/latency of the engine vs transformers",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--model", default=None, help="checkpoint directory or hub id (default: GPT-2 small config, "
+                   "random weights)")
+    s.add_argument("-n", "--num-requests", type=int, default=512)
+    s.add_argument("--prompt-len", type=parse_range, default=(64, 512), help="LO:HI, uniform (default 64:512)")
+    s.add_argument("--output-len", type=parse_range, default=(64, 512), help="LO:HI, uniform (default 64:512)")
+    s.add_argument("--jsonl", default=None, help="workload file instead of the drawn lengths")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals, requests/s (default inf: "
+                   "all at once)")
+    s.add_argument("--modes", default="triton-graphs",
+                   help=f"comma-separated, from {','.join(MODES)} (default triton-graphs)")
+    s.add_argument("--dtype", type=parse_dtype, default=None, help="default bf16 on a GPU, fp32 on the CPU")
+    s.add_argument("--max-num-seqs", type=int, default=256)
+    s.add_argument("--max-batch-tokens", type=int, default=8192)
+    s.add_argument("--kv-memory-fraction", type=float, default=0.4)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--batch-sweep", default="8", help="also run the first requests at these max batch sizes "
+                   "(comma-separated; '' for none), for the factor over naive")
+    s.add_argument("--sweep-requests", type=int, default=64)
+    s.add_argument("--decode-tokens", type=int, default=512, help="batch-1 decode run length (0: skip)")
+    s.add_argument("--hf-batch-size", type=int, default=32)
+    s.add_argument("--hf-requests", type=int, default=64, help="requests timed through transformers "
+                   "(0: all; -1: skip the transformers baseline)")
+    s.add_argument("--naive-requests", type=int, default=2, help="0: skip the naive baseline")
+    s.add_argument("--naive-tokens", type=int, default=64)
+    s.add_argument("--out", default=None, help="write the results as JSON here")
+    s.set_defaults(func=run)
+
+
+def _print(*a):
+    print(*a, flush=True)
+
+
+def run(args) -> int:
+    import torch
+
+    from tritune.model.engine import Engine
+
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"tritune serve-bench: unknown mode(s) {bad}; expected from {list(MODES)}", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
+    need_hf = args.hf_requests >= 0 or args.naive_requests > 0
+    try:
+        config, state, hf = load_models(args.model, dtype, device, need_hf)
+        items = make_workload(args.num_requests, args.prompt_len, args.output_len, config.vocab_size, args.seed,
+                              args.rate, args.jsonl)
+    except (OSError, ValueError) as e:
+        print(f"tritune serve-bench: {e}", file=sys.stderr)
+        return 2
+    too_long = [i for i, it in enumerate(items) if len(it.prompt_ids) + it.output_len > config.n_positions]
+    if too_long:
+        print(f"tritune serve-bench: {len(too_long)} request(s) exceed the context ({config.n_positions}), "
+              f"e.g. #{too_long[0]}", file=sys.stderr)
+        return 2
+    from tritune.harness import device as hdev
+
+    res = {"gpu": hdev.gpu_name() if gpu else "cpu", "dtype": str(dtype).replace("torch.", ""),
+           "model": args.model or "GPT-2 small config, random weights",
+           "workload": {"requests": len(items), "prompt_len": list(args.prompt_len),
+                        "output_len": list(args.output_len), "jsonl": args.jsonl, "seed": args.seed,
+                        "rate": None if math.isinf(args.rate) else args.rate,
+                        "prompt_tokens": sum(len(it.prompt_ids) for it in items),
+                        "output_tokens": sum(it.output_len for it in items)},
+           "torch": torch.__version__, "modes": {}}
+    _print(f"workload: {len(items)} requests, {res['workload']['prompt_tokens']} prompt + "
+           f"{res['workload']['output_tokens']} output tokens; {res['dtype']} on {res['gpu']}")
+
+    def save():
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(res, indent=2))
+
+    if need_hf and hf is not None:
+        if args.naive_requests > 0:
+            res["naive"] = run_naive(hf, items, args.naive_requests, args.naive_tokens)
+            _print(f"naive (no KV cache, one request): {res['naive']['output_tok_s']:.1f} tok/s")
+        if args.hf_requests >= 0:
+            hf(torch.tensor([[1, 2, 3]], device=device))     # warm-up
+            res["transformers"] = run_hf(hf, items, args.hf_batch_size, args.hf_requests)
+            h = res["transformers"]
+            _print(f"transformers generate (static batch {h['batch_size']}, {h['requests_timed']} requests): "
+                   f"{h['output_tok_s']:.1f} output tok/s")
+        del hf
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        save()
+
+    for mode in modes:
+        opts = dict(MODES[mode])
+        backend = opts.pop("backend")
+        r = {}
+        try:
+            model = build_model(config, state, backend, dtype, device)
+            t0 = time.perf_counter()
+            kv = {"kv_memory_fraction": args.kv_memory_fraction} if gpu else {}
+            eng = Engine(model, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+                         max_num_seqs=args.max_num_seqs, **kv, **opts)
+            warm_up(eng, config.vocab_size, config.n_positions // 2)
+            r["setup_s"] = time.perf_counter() - t0
+            r["engine"] = eng.describe()
+            if args.decode_tokens:
+                r["batch1_decode"] = decode_rate(eng, 64, args.decode_tokens, config.vocab_size)
+                _print(f"[{mode}] batch-1 decode: {r['batch1_decode']['decode_tok_s']:.0f} tok/s")
+            r["run"] = run_engine(eng, items)
+            m = r["run"]
+            _print(f"[{mode}] {m['output_tok_s']:.0f} output tok/s, {m['total_tok_s']:.0f} total tok/s, "
+                   f"{m['req_s']:.2f} req/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, TPOT p50 "
+                   f"{m['tpot_ms']['p50']:.2f} ms, peak KV blocks {m['peak_kv_blocks']}/{m['kv_blocks']}, "
+                   f"{m['steps']} steps, {m['preemptions']} preemptions")
+            sweep = {}
+            for b in [int(x) for x in args.batch_sweep.split(",") if x]:
+                eng.scheduler.max_num_seqs = b
+                sub = items[:max(args.sweep_requests, 0) or len(items)]
+                sweep[b] = run_engine(eng, sub)
+                _print(f"[{mode}] max batch {b} ({len(sub)} requests): {sweep[b]['output_tok_s']:.0f} output tok/s")
+            eng.scheduler.max_num_seqs = args.max_num_seqs
+            if sweep:
+                r["batch_sweep"] = sweep
+            del eng, model
+        except Exception as e:  # noqa: BLE001 (one mode failing must not lose the others' numbers)
+            import traceback
+
+            traceback.print_exc()
+            r["error"] = f"{type(e).__name__}: {e}"
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        res["modes"][mode] = r
+        save()
+
+    # factors
+    hf_rate = res.get("transformers", {}).get("output_tok_s")
+    naive_rate = res.get("naive", {}).get("output_tok_s")
+    for mode, r in res["modes"].items():
+        if "run" not in r:
+            continue
+        f = {}
+        if hf_rate:
+            f["vs_transformers"] = r["run"]["output_tok_s"] / hf_rate
+        if naive_rate:
+            rates = {args.max_num_seqs: r["run"]["output_tok_s"]}
+            rates.update({b: s["output_tok_s"] for b, s in r.get("batch_sweep", {}).items()})
+            if 8 in rates:
+                f["vs_naive_batch8"] = rates[8] / naive_rate
+            best = max(rates, key=rates.get)
+            f["vs_naive_best"] = rates[best] / naive_rate
+            f["best_batch"] = best
+        r["factors"] = f
+        if f:
+            _print(f"[{mode}] " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in f.items()))
+    save()
+    if args.out:
+        _print(f"wrote {args.out}")
+    return 1 if any("error" in r for r in res["modes"].values()) else 0

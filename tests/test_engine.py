@@ -1,0 +1,212 @@
+"""The serving engine on a tiny random GPT-2 (CPU, fp32, torch backend mostly; one triton-backend run
+through the interpreter): continuous batching changes no request's greedy output, blocks never leak,
+bad requests are refused without disturbing the others, preemption recomputes to the same outputs."""
+import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+
+import queue
+
+import pytest
+import torch
+
+from tritune.model import weights as W
+from tritune.model.config import GPT2Config
+from tritune.model.engine import Engine, forward_step, quantize_weights
+from tritune.model.generate import generate as generate_alone
+from tritune.model.gpt2 import GPT2
+from tritune.model.scheduler import SamplingParams
+
+VOCAB = 101
+
+
+def tiny_model(backend="torch", n_layer=2, n_embd=64, n_head=2, n_positions=96, seed=3):
+    """Random weights with a wide init, so greedy outputs vary from token to token."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=VOCAB,
+                     eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 1)
+    E, Fd = n_embd, 4 * n_embd
+    state = {"wte.weight": torch.randn(VOCAB, E, generator=g), "wpe.weight": torch.randn(n_positions, E, generator=g),
+             "ln_f.weight": 1 + 0.1 * torch.randn(E, generator=g), "ln_f.bias": 0.1 * torch.randn(E, generator=g)}
+    for i in range(n_layer):
+        h = f"h.{i}."
+        for name, shape, std in (("ln_1.weight", (E,), 0.1), ("ln_1.bias", (E,), 0.1),
+                                 ("attn.c_attn.weight", (E, 3 * E), 0.3), ("attn.c_attn.bias", (3 * E,), 0.1),
+                                 ("attn.c_proj.weight", (E, E), 0.2), ("attn.c_proj.bias", (E,), 0.1),
+                                 ("ln_2.weight", (E,), 0.1), ("ln_2.bias", (E,), 0.1),
+                                 ("mlp.c_fc.weight", (E, Fd), 0.2), ("mlp.c_fc.bias", (Fd,), 0.1),
+                                 ("mlp.c_proj.weight", (Fd, E), 0.1), ("mlp.c_proj.bias", (E,), 0.1)):
+            t = std * torch.randn(shape, generator=g)
+            state[h + name] = t + 1 if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") else t
+    return GPT2(cfg, W.to_layout(cfg, state, torch.float32, "cpu"), backend=backend)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def prompts(n, seed=1, lo=1, hi=30):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, VOCAB - 1, (k,), generator=g).tolist() for k in lens]
+
+
+def alone(model, p, max_new):
+    """The same request through the single-request path (generate.py), an independent implementation."""
+    return generate_alone(model, p, max_new_tokens=max_new, eos_token_id=None).tokens
+
+
+def test_tiny_model_outputs_vary(model):
+    out = alone(model, [1, 2, 3], 12)
+    assert len(set(out)) > 3, out       # otherwise the equality tests below would prove little
+
+
+def test_continuous_batching_equals_alone_with_arrivals_mid_run(model):
+    ps = prompts(9)
+    news = [5 + (7 * i) % 17 for i in range(9)]
+    eng = Engine(model, num_blocks=200, block_size=4, max_num_seqs=4, cuda_graphs=False)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps[:4], news[:4])]
+    steps = 0
+    while eng.has_unfinished() or len(reqs) < 9:
+        if len(reqs) < 9 and steps % 3 == 2:     # a new request joins every third step
+            i = len(reqs)
+            reqs.append(eng.add_request(ps[i], SamplingParams(max_new_tokens=news[i], ignore_eos=True)))
+        eng.step()
+        steps += 1
+        used = sum(len(r.table.blocks) for r in eng.scheduler.running)
+        assert eng.pool.num_used == used          # every used block belongs to a running request
+    assert eng.stats["mixed_steps"] > 0           # prefills and decodes did share a forward
+    for p, n, r in zip(ps, news, reqs):
+        assert r.finish_reason == "length" and r.output_ids == alone(model, p, n)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_generate_batch_and_preemption_under_tiny_pool(model):
+    ps = prompts(8, seed=2, lo=3, hi=20)
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    # 14 blocks of 4 tokens: at most ~2 sequences fit at full length, so the newest keep being preempted
+    eng = Engine(model, num_blocks=14, block_size=4, cuda_graphs=False)
+    res = eng.generate(ps, sp)
+    assert eng.stats["preemptions"] > 0
+    assert eng.pool.peak_used <= 14 and eng.pool.num_free == 14
+    for p, r in zip(ps, res):
+        assert r.token_ids == alone(model, p, 16), r
+        assert r.ttft_s >= 0 and r.latency_s >= r.ttft_s
+
+
+def test_bad_requests_rejected_without_disturbing_others(model):
+    ps = prompts(3, seed=3)
+    eng = Engine(model, num_blocks=64, block_size=4, cuda_graphs=False)
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    good = [eng.add_request(p, sp) for p in ps]
+    eng.step()
+    eng.step()
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], sp)
+    with pytest.raises(ValueError, match="context"):
+        eng.add_request(list(range(97)), sp)                       # n_positions is 96
+    with pytest.raises(ValueError, match="exceeds the context"):
+        eng.add_request([1] * 90, SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.add_request([1, 2], SamplingParams(max_new_tokens=0))
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request([1, VOCAB + 5], sp)
+    with pytest.raises(TypeError, match="tokenizer"):
+        eng.add_request("text without a tokenizer", sp)
+    small = Engine(model, num_blocks=8, block_size=4, cuda_graphs=False)
+    with pytest.raises(ValueError, match="more than the whole pool"):
+        small.add_request([1] * 30, SamplingParams(max_new_tokens=10))
+    eng.run()
+    for p, r in zip(ps, good):
+        assert r.output_ids == alone(model, p, 10)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+    # generate(): errors="raise" names the prompt and runs nothing; errors="return" runs the others
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt is empty"):
+        eng.generate([ps[0], [], ps[1]], sp)
+    assert not eng.has_unfinished() and eng.pool.num_free == eng.pool.num_blocks
+    res = eng.generate([ps[0], [], ps[1]], sp, errors="return")
+    assert res[1].finish_reason == "error" and "empty" in res[1].error
+    assert res[0].token_ids == alone(model, ps[0], 10) and res[2].token_ids == alone(model, ps[1], 10)
+
+
+def test_streaming_iterator_queue_and_abort(model):
+    eng = Engine(model, num_blocks=64, block_size=4, cuda_graphs=False)
+    p1, p2, p3 = prompts(3, seed=4)
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    q = queue.Queue()
+    r2 = eng.add_request(p2, sp, stream=q)
+    r3 = eng.add_request(p3, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    ts = eng.stream(p1, sp)
+    toks = list(ts)                        # drives the engine: the others advance too
+    assert toks == alone(model, p1, 8) == ts.request.output_ids
+    eng.abort(r3.id)
+    eng.run()
+    got = []
+    while (t := q.get_nowait()) is not None:
+        got.append(t)
+    assert got == r2.output_ids == alone(model, p2, 8)
+    assert r3.finish_reason == "abort" and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_seeded_sampling_is_reproducible(model):
+    ps = prompts(4, seed=5)
+    sps = [SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, seed=i, ignore_eos=True) for i in range(4)]
+    runs = [[r.token_ids for r in Engine(model, num_blocks=64, block_size=4, cuda_graphs=False).generate(ps, sps)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != [alone(model, p, 10) for p in ps]       # not greedy
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_engine_runs_the_dequantized_weights(model, quant):
+    """Weight-only quant changes only the weights: the engine's logits equal a dense model's on the
+    dequantized weights (whichever path, kernel or reference, runs the quantized linears)."""
+    eng = Engine(model, num_blocks=64, block_size=4, cuda_graphs=False, quant=quant, group_size=32)
+    qw = quantize_weights(model.w, quant, 32)
+
+    def deq(t):
+        return t.dequantize(torch.float32).t().contiguous() if hasattr(t, "dequantize") else t
+
+    from dataclasses import replace
+    dense_w = replace(qw, lm_head=deq(qw.lm_head), layers=[
+        replace(L, w_qkv=deq(L.w_qkv), w_o=deq(L.w_o), w_fc=deq(L.w_fc), w_proj=deq(L.w_proj)) for L in qw.layers])
+    dense = GPT2(model.config, dense_w, backend="torch")
+    ids = torch.tensor(prompts(1, seed=6)[0])
+    T = len(ids)
+    pos = torch.arange(T)
+    slots = torch.arange(T)
+    want = dense.prefill(ids, [T], all_logits=True)
+    got = forward_step(eng.model, eng.ops, eng.pool, ids, pos, slots, seq_lens=[T],
+                       cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert any(quant in n for n in eng.notes)
+    res = eng.generate(prompts(3, seed=7), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert all(len(r.token_ids) == 6 for r in res) and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_engine_options_validated(model):
+    with pytest.raises(ValueError, match="quant"):
+        Engine(model, num_blocks=8, quant="int3")
+    with pytest.raises(ValueError, match="at most one"):
+        Engine(model, num_blocks=8, kv_memory_bytes=1 << 20)
+    with pytest.raises(ValueError, match="fraction"):
+        Engine(model, kv_memory_fraction=0.5)                    # a fraction of GPU memory, on the CPU
+    eng = Engine(model, kv_memory_bytes=1 << 20, block_size=8)
+    assert eng.pool.num_blocks == (1 << 20) // eng.pool.bytes_per_block
+    assert any("cuda_graphs off" in n for n in eng.notes)
+
+
+def test_triton_backend_mixed_steps_match_alone():
+    """The kernels (through the interpreter) in a step that mixes a prefill with decodes."""
+    m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=32)
+    ref = tiny_model("torch", n_layer=1, n_embd=32, n_head=2, n_positions=32)
+    eng = Engine(m, num_blocks=16, block_size=4, cuda_graphs=False)
+    ps = prompts(2, seed=8, lo=2, hi=7)
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    r0 = eng.add_request(ps[0], sp)
+    eng.step()
+    r1 = eng.add_request(ps[1], sp)        # joins beside r0's decode
+    eng.run()
+    assert eng.stats["mixed_steps"] >= 1
+    assert r0.output_ids == alone(ref, ps[0], 4) and r1.output_ids == alone(ref, ps[1], 4)
+    assert eng.pool.num_free == eng.pool.num_blocks
