@@ -53,7 +53,7 @@ BLOCK_SIZE = 16 if GPU else 4
 
 
 def greedy_tokens(backend: str) -> int:
-    return 64 if GPU or backend == "torch" else 6
+    return 64 if GPU or backend == "torch" else 10
 
 
 # ---------------------------------------------------------------------------------------------------

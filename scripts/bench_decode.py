@@ -1,0 +1,161 @@
+"""Single-request decode speed: tritune's GPT-2 (triton and torch backends) against transformers.generate.
+
+Batch 1, a prompt of --prompt tokens, --new greedy tokens (no EOS stop), random weights with GPT-2
+small's config (or --model DIR), one dtype. Each method runs once to warm up (compilation, allocator),
+then --reps timed runs; the table reports medians:
+
+- decode tok/s: the tokens after the first over the time after the first (prefill excluded). For
+  transformers that is (new - 1) / (t(new tokens) - t(1 token)), both timed through generate().
+- end-to-end tok/s: new tokens over the whole call, prefill included.
+
+Writes the table to stdout and JSON to --out (default $OUT/decode.json, else ./decode.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+import torch
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench_tritune(directory, backend, dtype, prompt, new, reps):
+    from tritune.model.generate import generate
+    from tritune.model.gpt2 import GPT2
+
+    m = GPT2.from_pretrained(directory, backend=backend, dtype=dtype)
+    generate(m, prompt, max_new_tokens=new, eos_token_id=None)          # warm-up: every shape compiles
+    runs = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        r = generate(m, prompt, max_new_tokens=new, eos_token_id=None)
+        sync()
+        total = time.perf_counter() - t0
+        assert len(r.tokens) == new
+        runs.append(dict(decode_tok_s=r.timings.decode_tok_s, e2e_tok_s=new / total,
+                         prefill_ms=r.timings.prefill_ms, tokens=r.tokens))
+    steps = m.backend_report()
+    del m
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return runs, steps
+
+
+def bench_transformers(directory, dtype, prompt, new, reps, device):
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(directory, dtype=dtype).to(device).eval()
+    ids = torch.tensor([prompt], device=device)
+
+    def call(n):
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        sync()
+        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+
+    call(new)
+    call(1)
+    # the 1-token call is short and noisy: its median over several calls is subtracted from each long one
+    t1 = statistics.median(call(1)[0] for _ in range(max(5, reps)))
+    runs = []
+    for _ in range(reps):
+        tn, toks = call(new)
+        runs.append(dict(decode_tok_s=(new - 1) / (tn - t1) if tn > t1 else float("nan"), e2e_tok_s=new / tn,
+                         prefill_ms=t1 * 1e3, tokens=toks))
+    del hf
+    return runs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: random GPT-2 small weights)")
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--methods", default="triton,torch,transformers")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    directory = args.model
+    if directory is None:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        directory = tempfile.mkdtemp(prefix="gpt2-small-random-")
+        GPT2LMHeadModel(GPT2Config()).save_pretrained(directory)   # GPT-2 small's sizes, random weights
+    from tritune.model.config import GPT2Config as Cfg
+
+    cfg = Cfg.from_file(Path(directory) / "config.json")
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    results, reports = {}, {}
+    for method in args.methods.split(","):
+        if method in ("triton", "torch"):
+            runs, reports[method] = bench_tritune(directory, method, dtype, prompt, args.new, args.reps)
+        elif method == "transformers":
+            runs = bench_transformers(directory, dtype, prompt, args.new, args.reps, device)
+        else:
+            p.error(f"unknown method {method!r}")
+        results[method] = runs
+        print(f"{method}: done", file=sys.stderr, flush=True)
+
+    from tritune.harness import device as dev
+
+    rows, summary = [], {}
+    ref = results.get("transformers", [{}])[0].get("tokens")
+    for method, runs in results.items():
+        s = {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_s", "e2e_tok_s", "prefill_ms")}
+        # bf16 rounding differs between implementations, so greedy texts may part after a near tie
+        toks = runs[0]["tokens"]
+        s["same_tokens_as_transformers"] = (None if ref is None else
+                                            next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref)))
+        s["runs"] = [{k: v for k, v in r.items() if k != "tokens"} for r in runs]
+        summary[method] = s
+        rows.append([method, f"{s['decode_tok_s']:.1f}", f"{s['e2e_tok_s']:.1f}", f"{s['prefill_ms']:.2f}",
+                     s["same_tokens_as_transformers"]])
+    from tabulate import tabulate
+
+    what = ("GPT-2 small config (random weights)" if args.model is None else
+            f"{args.model} (n_layer {cfg.n_layer}, n_embd {cfg.n_embd})")
+    print(f"{what}, {args.dtype}, batch 1, prompt {args.prompt}, "
+          f"{args.new} new tokens, {dev.gpu_name()}")
+    print(tabulate(rows, headers=["method", "decode tok/s", "end-to-end tok/s", "prefill ms",
+                                  "tokens equal to transformers'"]))
+    for r in reports.values():
+        print(r)
+    out = Path(args.out or (Path(os.environ["OUT"]) / "decode.json" if os.environ.get("OUT") else "decode.json"))
+    import triton
+    import transformers
+
+    doc = dict(benchmark="gpt2 single-request decode", gpu=dev.gpu_name(), gpu_slug=dev.gpu_slug(),
+               date=time.strftime("%Y-%m-%d"), torch=torch.__version__, triton=triton.__version__,
+               transformers=transformers.__version__, dtype=args.dtype, batch=1, prompt_tokens=args.prompt,
+               new_tokens=args.new, reps=args.reps,
+               model=dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
+                          weights="random" if args.model is None else str(args.model)),
+               backend_steps=reports, results=summary)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
