@@ -36,6 +36,8 @@ class Case:
         for a in itertools.chain(self.args, self.kwargs.values()):
             if isinstance(a, torch.Tensor):
                 yield a
+            elif callable(getattr(a, "tensors", None)):  # a container such as a QuantizedWeight
+                yield from (t for t in a.tensors() if isinstance(t, torch.Tensor))
 
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
