@@ -105,8 +105,9 @@ def problem_label(problem) -> str:
 
 
 def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, config=None,
-               seed: int = 0) -> list[dict]:
-    """Time ours, the vendor path and each available peer on each problem, after checking correctness."""
+               seed: int = 0, on_row: Callable[[dict], object] | None = None) -> list[dict]:
+    """Time ours, the vendor path and each available peer on each problem, after checking correctness.
+    ``on_row`` sees each row as soon as it is measured (the CLI saves as it goes)."""
     device = dev.device()
     if problems is None:
         problems = spec.small_problems if dev.interpreted() else spec.standard_problems
@@ -157,6 +158,8 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
         if not dev.interpreted():
             torch.cuda.empty_cache()
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 

@@ -76,11 +76,17 @@ def cmd_bench(args) -> int:
     for spec in specs:
         dtypes = args.dtype or [d for d in spec.dtypes if not (dev.interpreted() and d in spec.interpreter_skip)]
         rows = []
+
+        def save(row, rows=rows, spec=spec):  # after every problem: a later crash or timeout loses nothing
+            rows.append(row)
+            if not args.no_save:
+                bench.write_results(rows, Path(args.results_dir), spec.name)
+
         for dt in dtypes:
             if dt not in spec.dtypes:
                 print(f"{spec.name}: skipping dtype {dt} (supported: {spec.dtypes})")
                 continue
-            rows += bench.bench_spec(spec, dt, peers=not args.no_peers)
+            bench.bench_spec(spec, dt, peers=not args.no_peers, on_row=save)
         print(report.bench_table(rows), flush=True)
         print()
         all_rows += rows
