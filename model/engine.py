@@ -161,23 +161,25 @@ def forward_step(model, ops, kv, ids, positions, slots, *, seq_lens=(), cu_seqle
 
 
 class _DecodeGraphs:
-    """CUDA graphs of the decode forward, one per batch-size bucket, over shared static buffers."""
+    """CUDA graphs of the decode forward (and the greedy argmax), one per batch-size bucket, over shared
+    static inputs: one int64 buffer [ids | positions | slots] and one int32 buffer [context_lens | block
+    tables], each filled by a single host-to-device copy from a pinned twin per step."""
 
     def __init__(self, engine, buckets):
         self.engine = engine
         dev = engine.device
-        Bmax = buckets[-1]
-        self.buckets = buckets
-        self.ids = torch.zeros(Bmax, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(Bmax, dtype=torch.long, device=dev)
-        self.slots = torch.full((Bmax,), -1, dtype=torch.long, device=dev)
-        self.ctx = torch.ones(Bmax, dtype=torch.int32, device=dev)
-        self.bt = torch.zeros(Bmax, engine.max_blocks, dtype=torch.int32, device=dev)
-        # pinned staging: [ids | pos | slots] int64 and [ctx | block table] int32, one copy each
+        Bmax, mb = buckets[-1], engine.max_blocks
+        self.buckets, self.Bmax = buckets, Bmax
+        self.d64 = torch.zeros(3 * Bmax, dtype=torch.long, device=dev)
+        self.d32 = torch.zeros(Bmax * (1 + mb), dtype=torch.int32, device=dev)
         self.h64 = torch.zeros(3 * Bmax, dtype=torch.long, pin_memory=True)
-        self.h32 = torch.zeros(Bmax * (1 + engine.max_blocks), dtype=torch.int32, pin_memory=True)
-        self.graphs, self.logits = {}, {}
-        self.capture_s = 0.0
+        self.h32 = torch.zeros(Bmax * (1 + mb), dtype=torch.int32, pin_memory=True)
+        self.n64, self.n32 = self.h64.numpy(), self.h32.numpy()
+        self.n64[2 * Bmax:] = -1          # padding rows: slot -1 (nothing written), context 1, block 0
+        self.n32[:Bmax] = 1
+        self.d64.copy_(self.h64)
+        self.d32.copy_(self.h32)
+        self.graphs, self.out = {}, {}
         t0 = time.perf_counter()
         pool = None
         stream = torch.cuda.Stream(dev)
@@ -190,48 +192,43 @@ class _DecodeGraphs:
         for b in reversed(buckets):  # largest first: the smaller graphs reuse its memory pool
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.logits[b] = self._run(b)
+                self.out[b] = self._run(b)
             pool = g.pool() if pool is None else pool
             self.graphs[b] = g
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
 
     def _run(self, b):
-        e = self.engine
-        return forward_step(e.model, e.ops, e.pool, self.ids[:b], self.pos[:b], self.slots[:b],
-                            block_tables=self.bt[:b], context_lens=self.ctx[:b])
+        e, Bmax = self.engine, self.Bmax
+        bt = self.d32[Bmax:].view(Bmax, e.max_blocks)
+        logits = forward_step(e.model, e.ops, e.pool, self.d64[:b], self.d64[Bmax:Bmax + b],
+                              self.d64[2 * Bmax:2 * Bmax + b], block_tables=bt[:b], context_lens=self.d32[:b])
+        return logits, logits.argmax(dim=-1)
 
     def bucket(self, B):
-        for b in self.buckets:
-            if b >= B:
-                return b
-        return None
+        return next((b for b in self.buckets if b >= B), None)
 
-    def __call__(self, ids, positions, slots, context_lens, tables) -> torch.Tensor:
+    def __call__(self, ids, positions, slots, context_lens, tables):
+        """(logits (B, V), greedy tokens (B,)) of one decode step; B <= the largest bucket."""
         B = len(ids)
         b = self.bucket(B)
-        Bmax, mb = self.buckets[-1], self.engine.max_blocks
-        h64 = self.h64.numpy()
-        h64[:B], h64[B:b] = ids, 0
-        h64[Bmax:Bmax + B], h64[Bmax + B:Bmax + b] = positions, 0
-        h64[2 * Bmax:2 * Bmax + B], h64[2 * Bmax + B:2 * Bmax + b] = slots, -1
-        h32 = self.h32.numpy()
-        h32[:B], h32[B:b] = context_lens, 1
-        bt = h32[Bmax:].reshape(Bmax, mb)
+        Bmax, mb = self.Bmax, self.engine.max_blocks
+        n64, n32 = self.n64, self.n32
+        n64[:B], n64[B:b] = ids, 0
+        n64[Bmax:Bmax + B], n64[Bmax + B:Bmax + b] = positions, 0
+        n64[2 * Bmax:2 * Bmax + B], n64[2 * Bmax + B:2 * Bmax + b] = slots, -1
+        n32[:B], n32[B:b] = context_lens, 1
+        bt = n32[Bmax:].reshape(Bmax, mb)
         bt[:b] = 0
         for i, t in enumerate(tables):
             bt[i, :len(t.blocks)] = t.blocks
-        d64 = torch.empty(3 * Bmax, dtype=torch.long, device=self.ids.device)
-        d64.copy_(self.h64, non_blocking=True)
-        d32 = torch.empty(Bmax * (1 + mb), dtype=torch.int32, device=self.ids.device)
-        d32.copy_(self.h32, non_blocking=True)
-        self.ids[:b].copy_(d64[:b])
-        self.pos[:b].copy_(d64[Bmax:Bmax + b])
-        self.slots[:b].copy_(d64[2 * Bmax:2 * Bmax + b])
-        self.ctx[:b].copy_(d32[:b])
-        self.bt[:b].copy_(d32[Bmax:].view(Bmax, mb)[:b])
+        # the previous step's copies are done: its tokens came back to the host before this call
+        self.d64.copy_(self.h64, non_blocking=True)
+        n = Bmax + b * mb                 # context lens, then the bucket's block-table rows
+        self.d32[:n].copy_(self.h32[:n], non_blocking=True)
         self.graphs[b].replay()
-        return self.logits[b][:B]
+        logits, tokens = self.out[b]
+        return logits[:B], tokens[:B]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -352,6 +349,7 @@ class Engine:
                                    vocab_size=c.vocab_size)
         self.max_num_seqs = max_num_seqs
         self._generators: dict = {}
+        self._greedy = None
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,
                       "mixed_steps": 0, "preemptions": 0}
 
@@ -495,8 +493,11 @@ class Engine:
             parts.append(self._eager(out.prefill_ids, out.prefill_slots, [], [], [], [], []))
         if fast == "graph":
             self.stats["graph_steps"] += 1
-            parts.append(self.graphs(out.decode_ids, out.decode_positions, out.decode_slots, out.context_lens,
-                                     out.decode_tables))
+            logits, greedy = self.graphs(out.decode_ids, out.decode_positions, out.decode_slots,
+                                         out.context_lens, out.decode_tables)
+            if not out.prefill:
+                self._greedy = greedy      # argmax already taken inside the graph
+            parts.append(logits)
         else:
             ids, pos, slots, bt, ctx = self._decode_inputs(out.decode_ids, out.decode_positions, out.decode_slots,
                                                            out.context_lens, out.decode_tables)
@@ -554,7 +555,9 @@ class Engine:
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int]:
         reqs = out.requests
-        greedy = logits.argmax(dim=-1)
+        greedy, self._greedy = self._greedy, None
+        if greedy is None:
+            greedy = logits.argmax(dim=-1)
         if all(r.sampling.temperature == 0 for r in reqs):
             return greedy.tolist()
         toks = greedy.tolist()

@@ -18,7 +18,7 @@ from tritune.model.scheduler import SamplingParams
 VOCAB = 101
 
 
-def tiny_model(backend="torch", n_layer=2, n_embd=64, n_head=2, n_positions=96, seed=3):
+def tiny_model(backend="torch", n_layer=2, n_embd=64, n_head=2, n_positions=96, seed=3, device=None):
     """Random weights with a wide init, so greedy outputs vary from token to token."""
     g = torch.Generator().manual_seed(seed)
     cfg = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=VOCAB,
@@ -36,7 +36,9 @@ def tiny_model(backend="torch", n_layer=2, n_embd=64, n_head=2, n_positions=96, 
                                  ("mlp.c_proj.weight", (Fd, E), 0.1), ("mlp.c_proj.bias", (E,), 0.1)):
             t = std * torch.randn(shape, generator=g)
             state[h + name] = t + 1 if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") else t
-    return GPT2(cfg, W.to_layout(cfg, state, torch.float32, "cpu"), backend=backend)
+    if device is None:      # the triton backend runs where the kernels do (the GPU, or the interpreter's CPU)
+        device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    return GPT2(cfg, W.to_layout(cfg, state, torch.float32, device), backend=backend)
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +212,34 @@ def test_triton_backend_mixed_steps_match_alone():
     assert eng.stats["mixed_steps"] >= 1
     assert r0.output_ids == alone(ref, ps[0], 4) and r1.output_ids == alone(ref, ps[1], 4)
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_decode_matches_eager_and_padding_writes_nothing():
+    m = tiny_model("triton", device="cuda")
+    eng = Engine(m, num_blocks=64, block_size=4, cuda_graphs=True, max_num_seqs=8)
+    assert eng.graphs is not None and eng.graphs.buckets == [1, 2, 4, 8]
+    for p in prompts(3, seed=9):                 # 3 decodes run in the bucket of 4: one padding row
+        eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    eng.step()                                   # the prefills
+    checked = 0
+    while eng.has_unfinished():
+        out = eng.scheduler.schedule()
+        before = eng.pool.cache.clone()
+        eager = eng._eager([], [], out.decode_ids, out.decode_positions, out.decode_slots, out.context_lens,
+                           out.decode_tables)
+        torch.cuda.synchronize()
+        after_eager = eng.pool.cache.clone()
+        eng.pool.cache.copy_(before)
+        graph, greedy = eng.graphs(out.decode_ids, out.decode_positions, out.decode_slots, out.context_lens,
+                           out.decode_tables)
+        torch.cuda.synchronize()
+        # the graph wrote exactly what eager wrote (padding rows, slot -1, wrote nothing) ...
+        assert torch.equal(eng.pool.cache, after_eager)
+        # ... and its logits match eager's (the same kernels at another M: tf32 rounding may differ)
+        torch.testing.assert_close(graph, eager, rtol=2e-3, atol=2e-3 * float(eager.abs().max()))
+        assert torch.equal(greedy, graph.argmax(-1))
+        eng.scheduler.update(out, greedy.tolist())
+        checked += 1
+    assert checked >= 10 and eng.pool.num_free == eng.pool.num_blocks
