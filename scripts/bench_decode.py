@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         else:
             p.error(f"unknown method {method!r}")
         results[method] = runs
-        print(f"{method}: done", file=sys.stderr, flush=True)
+        print(f"{method}: decode tok/s {[round(r['decode_tok_s'], 1) for r in runs]}", file=sys.stderr, flush=True)
 
     from tritune.harness import device as dev
 
