@@ -102,3 +102,20 @@ def test_oversized_model_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="MiB"):
         T.main(["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--vocab-size", "300",
                 "--n-layer", "12", "--n-embd", "768", "--n-head", "12", "--device", "cpu"])
+
+
+def test_packaged_default_checkpoint_loads_and_generates():
+    from tritune.model.cli import default_model_dir
+    from tritune.model.generate import generate
+
+    d = default_model_dir()
+    if d is None:
+        pytest.skip("no packaged checkpoint (model/default/config.json) in this checkout")
+    assert (d / "model.safetensors").stat().st_size <= T.MAX_CHECKPOINT_BYTES
+    m = json.loads((d / "metrics.json").read_text())
+    assert m["validation_perplexity"] == pytest.approx(torch.tensor(m["validation_loss"]).exp().item(), rel=1e-3)
+    model = GPT2.from_pretrained(d, backend="torch", dtype=torch.float32, device="cpu")
+    tok = Tokenizer.from_dir(d)
+    assert model.config.eos_token_id == tok.token_id(T.EOS)
+    r = generate(model, "ROMEO:", tokenizer=tok, max_new_tokens=16)
+    assert len(r.tokens) == 16 and r.text.strip()
