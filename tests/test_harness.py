@@ -101,3 +101,12 @@ def test_cli_info_and_bench(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "gelu" in out
     assert ("interpreter" in out) == dev.interpreted()  # says so exactly when kernels are interpreted
+
+
+def test_rel_error_infinities_must_match_the_reference():
+    r = torch.tensor([1.0, -math.inf, 2.0])
+    assert cmp.rel_error(r.clone(), r) == 0.0                                      # -inf where the reference has it
+    assert cmp.rel_error(torch.tensor([1.0, math.inf, 2.0]), r) == math.inf        # wrong sign
+    assert cmp.rel_error(torch.tensor([1.0, 0.0, 2.0]), r) == math.inf             # finite where -inf expected
+    assert cmp.rel_error(torch.tensor([1.0, -math.inf, math.inf]), r) == math.inf  # inf where finite expected
+    assert cmp.rel_error(torch.tensor([math.nan, -math.inf, 2.0]), r) == math.inf  # NaN never passes
