@@ -306,7 +306,8 @@ class Engine:
                  kv_memory_fraction: float | None = None, block_size: int = 16,
                  max_batch_tokens: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool = True,
                  compile: bool = False, quant: str | None = None, group_size: int = 128, tokenizer=None,
-                 graph_buckets=GRAPH_BUCKETS):
+                 graph_buckets=GRAPH_BUCKETS, prefill_batching: bool | None = None, prefill_min_seats: int | None = None,
+                 prefill_max_wait: int = 8):
         if quant not in QUANT_MODES:
             raise ValueError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
         given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
@@ -372,6 +373,15 @@ class Engine:
         if compile:
             self._compiled = torch.compile(self._decode_eager, dynamic=True)
             self.notes.append("decode forward under torch.compile(dynamic=True); prefill eager")
+        # Prefill batching: with a fast decode path, a step that admits requests pays a whole eager forward
+        # for its prefills (launch-bound: about as long as many graph decode steps), so while sequences are
+        # decoding, admit only once enough seats are free for a batch of prefills (or after
+        # prefill_max_wait steps of waiting). Without one, prefills ride in the decode forward: admit at once.
+        fast = self.graphs is not None or self._compiled is not None
+        self.prefill_batching = fast if prefill_batching is None else bool(prefill_batching)
+        self.prefill_min_seats = max(1, max_num_seqs // 8) if prefill_min_seats is None else prefill_min_seats
+        self.prefill_max_wait = prefill_max_wait
+        self._waited = 0
 
     # -------------------------------------------------------------------------------------- requests
     def _ids(self, prompt):
@@ -445,7 +455,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Schedule, run one forward, sample, update. Returns the requests that finished in this step."""
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(admit=self._admit())
         if not out:
             return []
         try:
@@ -475,6 +485,18 @@ class Engine:
         st["decode_tokens"] += len(out.decode_ids)
         st["preemptions"] += len(out.preempted)
         return finished
+
+    def _admit(self) -> bool:
+        sch = self.scheduler
+        if not self.prefill_batching or not sch.running or not sch.waiting:
+            self._waited = 0
+            return True
+        seats = self.max_num_seqs - len(sch.running)
+        if seats >= min(self.prefill_min_seats, len(sch.waiting)) or self._waited >= self.prefill_max_wait:
+            self._waited = 0
+            return True
+        self._waited += 1
+        return False
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         Td = len(out.decode)
@@ -583,4 +605,6 @@ class Engine:
                 "device": str(self.device), "quant": self.quant, "cuda_graphs": self.graphs is not None,
                 "compile": self._compiled is not None, "num_blocks": self.pool.num_blocks,
                 "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
-                "max_batch_tokens": self.scheduler.max_num_batched_tokens, "notes": list(self.notes)}
+                "max_batch_tokens": self.scheduler.max_num_batched_tokens, "prefill_batching": self.prefill_batching,
+                "prefill_min_seats": self.prefill_min_seats, "prefill_max_wait": self.prefill_max_wait,
+                "notes": list(self.notes)}

@@ -222,7 +222,9 @@ class Scheduler:
         return bool(self.requests)
 
     # ---------------------------------------------------------------------------------------- steps
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
+        """The next step's work. ``admit=False`` decodes the running sequences and admits no one (the
+        engine batches prefills up when each prefill forward costs more than the decodes beside it)."""
         if self._pending:
             raise RuntimeError("schedule() called again before update() returned the last step's tokens")
         out = SchedulerOutput()
@@ -250,7 +252,7 @@ class Scheduler:
         # Admit, first come first served (no skipping ahead: the head would starve). Not after a
         # preemption: the blocks just freed belong to the request at the front, once there is room.
         budget = self.max_num_batched_tokens - len(out.decode)
-        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = req.num_tokens
             if n > budget or math.ceil(n / pool.block_size) > pool.num_free:

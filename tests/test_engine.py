@@ -82,6 +82,17 @@ def test_continuous_batching_equals_alone_with_arrivals_mid_run(model):
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
+def test_prefill_batching_defers_admission_but_changes_no_output(model):
+    ps = prompts(10, seed=10)
+    news = [3 + (5 * i) % 13 for i in range(10)]
+    eng = Engine(model, num_blocks=200, block_size=4, max_num_seqs=4, cuda_graphs=False, prefill_batching=True,
+                 prefill_min_seats=3, prefill_max_wait=4)
+    res = eng.generate(ps, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news])
+    for p, n, r in zip(ps, news, res):
+        assert r.token_ids == alone(model, p, n)
+    assert eng.stats["mixed_steps"] < eng.stats["steps"] and eng.pool.num_free == eng.pool.num_blocks
+
+
 def test_generate_batch_and_preemption_under_tiny_pool(model):
     ps = prompts(8, seed=2, lo=3, hi=20)
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
