@@ -10,7 +10,7 @@ def default_model_dir() -> Path | None:
     """The packaged checkpoint (model/default/), when one has been trained into it."""
     import tritune.model
 
-    d = Path(tritune.model.__file__).parent / "default"
+    d = Path(list(tritune.model.__path__)[0]) / "default"  # __file__ is None for a stale namespace install
     return d if (d / "config.json").is_file() else None
 
 
@@ -24,9 +24,10 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face hub id (default: the packaged checkpoint)")
     s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    s.add_argument("--top-k", type=int, default=0, help="0 (default) disables top-k")
-    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the checkpoint's generation_config.json, else greedy)")
+    s.add_argument("--top-k", type=int, default=None, help="0 disables top-k (default: as --temperature)")
+    s.add_argument("--top-p", type=float, default=None, help="1 disables top-p (default: as --temperature)")
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     s.add_argument("--backend", choices=("triton", "torch"), default=None,
                    help="default: triton with a CUDA GPU, torch without")
@@ -36,6 +37,28 @@ def add_parser(subparsers, name: str) -> None:
                    help="drop the prompt's first tokens when it does not fit the context")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.set_defaults(func=run)
+
+
+def sampling_defaults(model_dir) -> dict:
+    """Sampling settings from the checkpoint's ``generation_config.json`` (Hugging Face's file), if any:
+    ``{"temperature": ..., "top_k": ..., "top_p": ...}``; greedy when absent or ``do_sample`` is false."""
+    import json
+
+    out = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    f = Path(model_dir) / "generation_config.json"
+    if not f.is_file():
+        return out
+    try:
+        g = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        print(f"note: ignoring {f}: {e}", file=sys.stderr)
+        return out
+    if not isinstance(g, dict) or not g.get("do_sample"):
+        return out
+    out["temperature"] = float(g.get("temperature", 1.0))
+    out["top_k"] = int(g.get("top_k", 0) or 0)
+    out["top_p"] = float(g.get("top_p", 1.0))
+    return out
 
 
 def run(args) -> int:
@@ -64,8 +87,12 @@ def run(args) -> int:
     try:
         model = GPT2.from_pretrained(model_path, backend=backend, dtype=dtype)
         tok = Tokenizer.from_dir(model.directory)
+        sd = sampling_defaults(model.directory)
+        temperature = sd["temperature"] if args.temperature is None else args.temperature
+        top_k = sd["top_k"] if args.top_k is None else args.top_k
+        top_p = sd["top_p"] if args.top_p is None else args.top_p
         g = stream(model, args.prompt, tokenizer=tok, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   temperature=temperature, top_k=top_k, top_p=top_p, seed=args.seed,
                    stop=args.stop, truncate=args.truncate)
     except (FileNotFoundError, NotADirectoryError, ValueError, TypeError) as e:
         print(f"tritune generate: {e}", file=sys.stderr)

@@ -529,3 +529,16 @@ def test_backend_report_and_unsupported_head_dim(tmp_path):
         ref = hf.to(DEVICE)(torch.tensor([[1, 2, 3, 4, 5]], device=DEVICE)).logits[0]
     assert rel_error(ours, ref) <= tolerance(torch.float32, accumulation("triton", torch.float32))
     assert "plain PyTorch" in G.GPT2.from_pretrained(tmp_path, backend="torch", device=DEVICE).backend_report()
+
+
+def test_sampling_defaults_come_from_generation_config(tmp_path):
+    from tritune.model import cli as mcli
+
+    assert mcli.sampling_defaults(tmp_path) == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # no file: greedy
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.8, "top_k": 50}')
+    assert mcli.sampling_defaults(tmp_path) == {"temperature": 0.8, "top_k": 50, "top_p": 1.0}
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.8}')
+    assert mcli.sampling_defaults(tmp_path)["temperature"] == 0.0
+    (tmp_path / "generation_config.json").write_text("not json")
+    assert mcli.sampling_defaults(tmp_path)["temperature"] == 0.0  # a broken file is ignored with a note
+    assert mcli.default_model_dir() is not None  # the packaged checkpoint ships with the package
