@@ -194,9 +194,9 @@ def test_space_is_wide_at_large_shapes_and_tight_at_small_ones():
 
 
 def test_default_config_shapes():
-    # small M, large K: split-K; big problems: large tiles
-    small = G.default_config(G.Problem(1, 768, 3072), torch.bfloat16)
-    assert small["SPLIT_K"] > 1
+    # small M: no split-K at GPT-2 sizes (measured slower), split-K when tiles are few and K is long
+    assert G.default_config(G.Problem(1, 768, 3072), torch.bfloat16)["SPLIT_K"] == 1
+    assert G.default_config(G.Problem(1, 768, 16384), torch.bfloat16)["SPLIT_K"] > 1
     big = G.default_config(G.Problem(8192, 8192, 8192), torch.bfloat16)
     assert big["BLOCK_M"] >= 128 and big["BLOCK_N"] >= 128
     for p in G.SPEC.standard_problems:
