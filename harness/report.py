@@ -36,17 +36,115 @@ def bench_table(rows: list[dict], fmt: str = "simple") -> str:
     return tabulate(table, headers=headers, tablefmt=fmt, disable_numparse=True)
 
 
-def results_tables(results_dir: Path, fmt: str = "github") -> str:
-    """One section per GPU slug and results file, in a stable order."""
+def _decode_table(d: dict, fmt: str) -> str:
+    rows = [[name, _fmt(r.get("decode_tok_s")), _fmt(r.get("prefill_ms")), r.get("same_tokens_as_transformers", "")]
+            for name, r in d.get("results", {}).items()]
+    return tabulate(rows, headers=["method", "decode tok/s", "prefill ms", "greedy tokens equal to transformers"],
+                    tablefmt=fmt, disable_numparse=True)
+
+
+def _serve_rows(modes: dict, label: str) -> list:
+    out = []
+    for name, m in modes.items():
+        if "error" in m:
+            out.append([label, name, "error: " + m["error"][:70]] + [""] * 6)
+            continue
+        r, b1 = m.get("run", {}), m.get("batch1_decode", {})
+        q = lambda k, p: _fmt((r.get(k) or {}).get(p))  # noqa: E731
+        out.append([label, name, _fmt(r.get("output_tok_s"), 0), _fmt(r.get("total_tok_s"), 0), _fmt(r.get("req_s")),
+                    f"{q('ttft_ms', 'p50')} / {q('ttft_ms', 'p99')}", f"{q('tpot_ms', 'p50')} / {q('tpot_ms', 'p99')}",
+                    _fmt(b1.get("decode_tok_s"), 0), r.get("peak_kv_blocks", "")])
+    return out
+
+
+def _serve_table(d: dict, fmt: str) -> str:
+    runs = [("", d)] + [(k, v) for k, v in d.items() if isinstance(v, dict) and "modes" in v]
+    rows = []
+    for label, run in runs:
+        w = run.get("workload", {})
+        tag = label or f"{w.get('requests', '?')} requests"
+        rows += _serve_rows(run.get("modes", {}), tag)
+        hf, nv = run.get("transformers") or {}, run.get("naive") or {}
+        if hf:
+            rows.append([tag, f"transformers (static batch {hf.get('batch_size', '?')})", _fmt(hf.get("output_tok_s"), 0)] + [""] * 6)
+        if nv:
+            rows.append([tag, "naive (no KV cache, 1 request)", _fmt(nv.get("output_tok_s"), 1)] + [""] * 6)
+    head = ["run", "mode", "output tok/s", "total tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+            "batch-1 decode tok/s", "peak KV blocks"]
+    text = tabulate(rows, headers=head, tablefmt=fmt, disable_numparse=True)
+    if d.get("command"):
+        text += f"\n\n`{d['command']}`"
+    if d.get("note"):
+        text += f"\n\n{d['note']}"
+    return text
+
+
+def _efficiency_table(d: dict, fmt: str) -> str:
+    rows = [[e["kernel"], e["problem"], e["dtype"], e["n_valid"], _fmt(e["grid_best_us"]),
+             f"{e['tpe']['median']} ({100 * e['tpe']['median_fraction_of_grid']:.0f}%)",
+             f"{e['random']['median']} ({100 * e['random']['median_fraction_of_grid']:.0f}%)"]
+            for e in d.get("experiments", [])]
+    return tabulate(rows, headers=["kernel", "problem", "dtype", "grid (valid points)", "grid best µs",
+                                   f"TPE trials to {100 * d.get('threshold', 0.03):.0f}% (median)",
+                                   "random trials (median)"], tablefmt=fmt, disable_numparse=True)
+
+
+def tuning_table(configs_dir: Path, fmt: str = "github") -> str:
+    """Tuned vs default per kernel and GPU, from the committed store."""
+    import math
+
+    rows = []
+    for path in sorted(Path(configs_dir).glob("*/*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        ent = [e for e in data.get("entries", []) if e.get("time_us") and e.get("default_us")]
+        if not ent:
+            continue
+        sp = [e["default_us"] / e["time_us"] for e in ent]
+        rows.append([path.parent.name, data.get("kernel", path.stem), len(data.get("entries", [])),
+                     f"{math.exp(sum(map(math.log, sp)) / len(sp)):.3f}x", f"{max(sp):.2f}x",
+                     sum(e.get("trials", 0) for e in ent), data.get("triton", ""), data.get("date", ""),
+                     data.get("note", "")])
+    return tabulate(rows, headers=["GPU", "kernel", "buckets", "tuned vs default (geomean)", "best bucket",
+                                   "trials", "triton", "date", "note"], tablefmt=fmt, disable_numparse=True)
+
+
+def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | None = None) -> str:
+    """One section per GPU slug and results file, in a stable order; then the tuned-config store."""
     parts = []
     for path in sorted(Path(results_dir).glob("*/*.json")):
-        data = json.loads(path.read_text())
-        if "rows" not in data:
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
             continue
-        env = data.get("environment", {})
-        parts.append(f"#### {path.parent.name} / {path.stem}  ({env.get('gpu', '?')}, triton {env.get('triton', '?')}, "
-                     f"torch {env.get('torch', '?')}, {env.get('date', '?')[:10]})\n")
-        parts.append(bench_table(data["rows"], fmt) + "\n")
+        if not isinstance(data, dict):
+            continue
+        if "rows" in data:
+            env = data.get("environment", {})
+            parts.append(f"#### {path.parent.name} / {path.stem}  ({env.get('gpu', '?')}, triton {env.get('triton', '?')}, "
+                         f"torch {env.get('torch', '?')}, {env.get('date', '?')[:10]})\n")
+            parts.append(bench_table(data["rows"], fmt) + "\n")
+        elif data.get("benchmark") == "gpt2 single-request decode":
+            parts.append(f"#### {path.parent.name} / {path.stem}: GPT-2 ({data.get('model', {}).get('n_layer', '?')} layers, "
+                         f"{data.get('model', {}).get('weights', '')} weights) batch {data.get('batch')}, prompt "
+                         f"{data.get('prompt_tokens')}, {data.get('new_tokens')} new tokens, {data.get('dtype')}\n")
+            parts.append(_decode_table(data, fmt) + "\n")
+        elif "modes" in data and "workload" in data:
+            parts.append(f"#### {path.parent.name} / {path.stem}: serving ({data.get('model', '')}, {data.get('dtype', '')})\n")
+            parts.append(_serve_table(data, fmt) + "\n")
+        elif "experiments" in data:
+            env = data.get("environment", {})
+            parts.append(f"#### {path.parent.name} / {path.stem}: search efficiency ({env.get('gpu', '?')})\n")
+            parts.append(_efficiency_table(data, fmt) + "\n")
+    if configs_dir is None:
+        from tritune.tuning import store
+
+        configs_dir = store.PACKAGE_CONFIGS
+    if Path(configs_dir).is_dir():
+        parts.append("#### Tuned configs in the store (`tuning/configs/`): tuned vs heuristic default, timed in the sweep\n")
+        parts.append(tuning_table(Path(configs_dir), fmt) + "\n")
     return "\n".join(parts)
 
 
