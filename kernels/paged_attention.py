@@ -19,7 +19,7 @@ context).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -224,6 +224,72 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     which costs a device-to-host sync; the engine passes ``validate=False`` on its hot path (then a
     length of 0 yields zeros, and lengths or block ids out of range are undefined behaviour).
     """
+    # Decode launches are tiny, so the host-side work matters: the checks and the launch parameters
+    # depend only on tensor metadata, and are computed once per metadata signature (_plan).
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+               k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+               block_tables.shape, block_tables.stride(), block_tables.dtype, block_tables.device,
+               context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.device,
+               None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+               scale, None if config is None else tuple(sorted(config.items())))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks will say
+        key, plan = None, None
+    if plan is not None and plan.lookup is not None and K._CONFIG_CACHE.get(plan.lookup) is not plan.cfg:
+        plan = None  # the tuned store was reloaded since: pick the config again
+    if plan is None:
+        plan = _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
+        if key is not None and plan.B:
+            if len(_PLANS) > 4096:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    if not plan.B:
+        return out
+    if validate:
+        _validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
+    if plan.partition:  # one allocation for the three partial-result buffers (acc, m, l)
+        n = plan.ws_rows
+        ws = torch.empty(n * (plan.D + 2), dtype=torch.float32, device=q.device)
+        a_ws, m_ws, l_ws = ws[: n * plan.D], ws[n * plan.D: n * (plan.D + 1)], ws[n * (plan.D + 1):]
+    else:
+        a_ws = m_ws = l_ws = out
+    os_ = out.stride()
+    _paged_attention_fwd[plan.grid](
+        q, k_cache, v_cache, block_tables, context_lens, out, m_ws, l_ws, a_ws,
+        plan.qk_scale, plan.num_parts, context_lens.stride(0),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *os_, **plan.fwd_meta)
+    if plan.partition:
+        _paged_attention_merge[plan.merge_grid](
+            m_ws, l_ws, a_ws, context_lens, out, plan.num_parts, context_lens.stride(0), *os_,
+            **plan.merge_meta)
+    return out
+
+
+@dataclass
+class _Plan:
+    B: int
+    D: int
+    out_shape: tuple
+    cfg: dict | None = None
+    lookup: tuple | None = None        # the config cache key the default/tuned config came from
+    partition: int = 0
+    num_parts: int = 1
+    ws_rows: int = 0
+    qk_scale: float = 1.0
+    grid: tuple = ()
+    merge_grid: tuple = ()
+    fwd_meta: dict = field(default_factory=dict)
+    merge_meta: dict = field(default_factory=dict)
+
+
+_PLANS: dict = {}
+
+
+def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -> _Plan:
+    """Every metadata check (clear errors naming the argument), the config, and the launch parameters."""
     K.check_tensor("q", q, ndim=3, dtypes=DTYPES)
     K.check_device("q", q)
     B, Hq, D = q.shape
@@ -254,18 +320,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     if block_tables.shape[1] == 0:
         raise ValueError("block_tables: no columns (every sequence needs at least one block)")
     _check_scale(scale)
-    if out is None:
-        out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
-    else:
+    if out is not None:
         K.check_out(out, (B, Hq, D), q.dtype, q.device)
+    plan = _Plan(B=B, D=D, out_shape=(B, Hq, D))
     if B == 0:
-        return out
+        return plan
     max_blocks = block_tables.shape[1]
-    if validate:
-        _validate_lengths(block_tables, context_lens, num_blocks, block_size)
-
     problem = Problem(B, Hq, Hkv, D, max_blocks * block_size, block_size)
     cfg = SPEC.config_for(problem, q.dtype, config)
+    if config is None:
+        plan.lookup = (SPEC.name, K.bucket_key(bucket(problem)), q.dtype)
+    plan.cfg = cfg
     group = Hq // Hkv
     use_dot = cfg["USE_DOT"]
     group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
@@ -273,26 +338,18 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
     num_parts = triton.cdiv(max_blocks * block_size, partition) if partition else 1
-    if partition:  # one allocation for the three partial-result buffers (m, l, acc)
-        n = B * Hq * num_parts
-        ws = torch.empty(n * (D + 2), dtype=torch.float32, device=q.device)
-        a_ws, m_ws, l_ws = ws[: n * D], ws[n * D: n * (D + 1)], ws[n * (D + 1):]
-    else:
-        m_ws = l_ws = a_ws = out
-    _paged_attention_fwd[(B, Hkv, num_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, out, m_ws, l_ws, a_ws,
-        scale * LOG2E, num_parts, context_lens.stride(0),
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
-        PARTITION=partition, USE_DOT=use_dot, PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    plan.partition, plan.num_parts, plan.ws_rows = partition, num_parts, B * Hq * num_parts
+    plan.qk_scale = scale * LOG2E
+    plan.grid = (B, Hkv, num_parts)
+    plan.fwd_meta = dict(GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
+                         PARTITION=partition, USE_DOT=use_dot, PRECISION=precision,
+                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if partition:
         parts_pad = triton.next_power_of_2(num_parts)
-        _paged_attention_merge[(B, Hq)](
-            m_ws, l_ws, a_ws, context_lens, out, num_parts, context_lens.stride(0), *out.stride(),
-            D=D, PARTITION=partition, PARTS_PAD=parts_pad, PARTS_BLOCK=min(parts_pad, max(1, 2048 // D)),
-            num_warps=4 if D >= 128 else 2)
-    return out
+        plan.merge_grid = (B, Hq)
+        plan.merge_meta = dict(D=D, PARTITION=partition, PARTS_PAD=parts_pad,
+                               PARTS_BLOCK=min(parts_pad, max(1, 2048 // D)), num_warps=4 if D >= 128 else 2)
+    return plan
 
 
 def _validate_lengths(block_tables, context_lens, num_blocks, block_size):
@@ -415,24 +472,46 @@ SPACE = K.Space(
 
 
 def default_config(p: Problem, dtype) -> dict:
+    """Defaults from an H100 sweep (bf16): see the module notes in the report of issue 6.
+
+    tl.dot wins even for one query head per kv head (the group padded to 16 rows costs tensor-core
+    time that is free here): its K/V loads are software-pipelined (num_stages), the broadcast form's
+    are not. BLOCK_N 64, 4 warps, 3 stages was within 1% of the best tile from B=8 to B=256 (D=64) and
+    at B=32..128 (D=128). float32 keeps the broadcast form for small groups (an ieee fp32 dot has no
+    tensor cores), and the interpreter cannot run a bf16 dot.
+    """
     group = p.Hq // p.Hkv
-    use_dot = group >= 4 and _tl_dot_ok(dtype) and p.ctx >= 16
-    cfg = {"BLOCK_N": 64 if p.D <= 64 else 32, "PARTITION": 0, "USE_DOT": use_dot,
-           "num_warps": 4, "num_stages": 2}
-    if not use_dot:
-        while triton.next_power_of_2(group) * cfg["BLOCK_N"] * p.D // (32 * cfg["num_warps"]) > 64:
+    use_dot = _tl_dot_ok(dtype) and (dtype != torch.float32 or group >= 4)
+    if use_dot:
+        cfg = {"BLOCK_N": 64, "PARTITION": 0, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+        rows = max(16, triton.next_power_of_2(group))
+        while (rows * cfg["BLOCK_N"] > 128 * 32 * cfg["num_warps"]
+               or cfg["BLOCK_N"] * p.D > 128 * 32 * cfg["num_warps"]):
             if cfg["BLOCK_N"] > 16:
                 cfg["BLOCK_N"] //= 2
             else:
                 cfg["num_warps"] *= 2
+        if 2 * cfg["BLOCK_N"] * p.D * dtype.itemsize * cfg["num_stages"] > 160 * 1024:
+            cfg["num_stages"] = 2  # K and V tiles per stage (D=256): stay inside shared memory
+    else:
+        cfg = {"BLOCK_N": 64 if p.D <= 64 else 32, "PARTITION": 0, "USE_DOT": False, "num_warps": 4,
+               "num_stages": 1}
+        while triton.next_power_of_2(group) * cfg["BLOCK_N"] * p.D > 64 * 32 * cfg["num_warps"]:
+            if cfg["BLOCK_N"] > 8:
+                cfg["BLOCK_N"] //= 2
+            elif cfg["num_warps"] < 8:
+                cfg["num_warps"] *= 2
+            else:
+                break  # at most 128 products per thread: still inside the space's bound
     while cfg["BLOCK_N"] * p.D < 32 * cfg["num_warps"] and cfg["num_warps"] > 1:
         cfg["num_warps"] //= 2
-    # Split-KV when one program per (sequence, kv head) leaves most SMs idle: aim at ~4 programs per
-    # SM, with chunks of at least 256 tokens so each program still streams a useful amount.
+    # Split-KV when one program per (sequence, kv head) leaves SMs idle: aim at ~4 programs per SM,
+    # in chunks of at least 128 tokens (the sweep's best at B=1: 32..64 chunks of 128..1024 tokens).
+    # At >= SMS programs the single pass was as fast (B=32, Hkv=8, ctx 4096) and skips the merge.
     programs = p.B * p.Hkv
-    if programs < 2 * SMS and p.capacity > 512:
+    if programs < SMS and p.capacity > 512:
         want = -(-4 * SMS // programs)
-        part = max(256, triton.next_power_of_2(-(-p.capacity // want)))
+        part = max(128, cfg["BLOCK_N"], triton.next_power_of_2(-(-p.capacity // want)))
         while -(-p.capacity // part) > MAX_PARTS:
             part *= 2
         if part < p.capacity and part <= 4096:

@@ -313,3 +313,19 @@ def test_cuda_graph_replay_with_padding_rows(split):
         assert changed <= 2  # only the two live tokens' blocks changed
         assert torch.equal(out[2:].float().cpu(), torch.zeros(2, 8, 64))
         cmp.check(out[:2], ref.paged_attention(q[:2], kc, vc, bt[:2], lens[:2], scale=None), torch.bfloat16)
+
+
+def test_cached_launch_plan_still_validates_values_and_follows_config_cache():
+    """The second call with the same metadata reuses the launch plan: value checks still run, and a
+    cleared config cache (a reloaded tuned store) makes it pick the config again."""
+    from tritune import kernels as K
+    problem = P(2, 4, 2, 32, 40, 8)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 13)
+    q, kc, vc, bt, cl = c.args
+    want = ref.paged_attention(q, kc, vc, bt, cl)
+    for _ in range(2):
+        cmp.check(pa.paged_attention(q, kc, vc, bt, cl), want, torch.float32)
+        with pytest.raises(ValueError, match="context_lens"):
+            pa.paged_attention(q, kc, vc, bt, torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
+    K.clear_config_cache()
+    cmp.check(pa.paged_attention(q, kc, vc, bt, cl), want, torch.float32)
