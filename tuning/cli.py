@@ -18,6 +18,8 @@ import math
 import sys
 from pathlib import Path
 
+from tritune.harness.report import _fmt  # one number format for every table
+
 
 def _problem_class(spec):
     for p in list(spec.standard_problems) + list(spec.small_problems):
@@ -77,14 +79,6 @@ def parse_problems(spec, text: str) -> list:
     if not out:
         raise ValueError("--problems: no problem given")
     return out
-
-
-def _fmt(v, digits=1):
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
 
 
 def _cfg(c) -> str:
