@@ -472,7 +472,7 @@ SPACE = K.Space(
 
 
 def default_config(p: Problem, dtype) -> dict:
-    """Defaults from an H100 sweep (bf16): see the module notes in the report of issue 6.
+    """Defaults from an H100 sweep (bf16, issue 6), timed with the harness (do_bench, L2 flushed).
 
     tl.dot wins even for one query head per kv head (the group padded to 16 rows costs tensor-core
     time that is free here): its K/V loads are software-pipelined (num_stages), the broadcast form's
