@@ -351,3 +351,20 @@ def test_compare_samplers_replays_tpe_and_random_on_the_grid(tmp_path):
         assert len(counts) == 3 and all(c is not None and 1 <= c <= 32 for c in counts)
     data = json.loads(path.read_text())
     assert path.name == "tuning_efficiency.json" and data["experiments"][0]["kernel"] == "toy"
+
+
+def test_store_records_the_kernel_source_and_flags_stale_entries(temp_store):
+    path = store.write("gelu", [_entry("numel=4096,approximate=tanh", {"BLOCK": 1024, "num_warps": 4})])
+    (e,) = json.loads(path.read_text())["entries"]
+    assert e["source"] == store.source_hash("gelu") and len(e["source"]) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the entry matches the kernel as it is: no warning
+        assert len(store.entries("gelu")) == 1
+    data = json.loads(path.read_text())
+    data["entries"][0]["source"] = "0123456789ab"  # tuned against another version of kernels/gelu.py
+    path.write_text(json.dumps(data))
+    store.clear_cache()
+    with pytest.warns(UserWarning, match="another version of the gelu kernel"):
+        es = store.entries("gelu")
+    assert len(es) == 1 and store.stale("gelu", es) == list(es)  # still used, but flagged
+    assert store.lookup("gelu", "numel=4096,approximate=tanh", torch.float32) == {"BLOCK": 1024, "num_warps": 4}

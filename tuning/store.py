@@ -87,6 +87,29 @@ def validate(data, kernel: str, slug: str | None = None) -> list[dict]:
     return entries
 
 
+@functools.lru_cache(maxsize=None)
+def source_hash(kernel: str) -> str | None:
+    """sha256 (12 hex digits) of the file that defines the kernel: an entry records the source it was
+    tuned against, so a config tuned for an older version of the kernel is flagged as stale."""
+    import hashlib
+    import inspect
+
+    from tritune import kernels
+
+    try:
+        f = inspect.getsourcefile(kernels.get(kernel).run)
+        return hashlib.sha256(Path(f).read_bytes()).hexdigest()[:12]
+    except (KeyError, OSError, TypeError):
+        return None
+
+
+def stale(kernel: str, es) -> list[dict]:
+    """Entries tuned against another version of the kernel's source (entries that record none are not
+    judged)."""
+    h = source_hash(kernel)
+    return [e for e in es if h is not None and e.get("source") not in (None, h)]
+
+
 def path_for(kernel: str, slug: str | None = None, root: Path | None = None) -> Path:
     return (root or config_root()) / (slug or dev.gpu_slug()) / f"{kernel}.json"
 
@@ -98,10 +121,16 @@ def _load(path: str, kernel: str, slug: str) -> tuple:
         return ()
     try:
         data = json.loads(p.read_text())
-        return tuple(validate(data, kernel, slug))
+        es = tuple(validate(data, kernel, slug))
     except (OSError, ValueError) as e:
         warnings.warn(f"tritune: ignoring tuned-config file {p}: {e}; using heuristic defaults", stacklevel=3)
         return ()
+    old = stale(kernel, es)
+    if old:  # still valid points of the space (checked at lookup), but timed on other code: say so once
+        warnings.warn(f"tritune: {len(old)} of {len(es)} entries in {p} were tuned against another version of "
+                      f"the {kernel} kernel; they are used, but re-run `tritune tune {kernel}` to refresh them",
+                      stacklevel=3)
+    return es
 
 
 def entries(kernel: str, slug: str | None = None) -> tuple:
@@ -144,8 +173,9 @@ def write(kernel: str, new_entries: list[dict], slug: str | None = None, root: P
         except (OSError, ValueError) as e:
             warnings.warn(f"tritune: replacing unreadable tuned-config file {path}: {e}")
     keyed = {(e["bucket"], e["dtype"]): e for e in old}
+    src = source_hash(kernel)
     for e in new_entries:
-        keyed[(e["bucket"], e["dtype"])] = e
+        keyed[(e["bucket"], e["dtype"])] = {**e, "source": e.get("source", src)}
     data = {
         "format": FORMAT,
         "kernel": kernel,
@@ -164,6 +194,7 @@ def write(kernel: str, new_entries: list[dict], slug: str | None = None, root: P
 
 def clear_cache() -> None:
     _load.cache_clear()
+    source_hash.cache_clear()
     from tritune import kernels
 
     kernels.clear_config_cache()
