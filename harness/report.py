@@ -103,12 +103,19 @@ def tuning_table(configs_dir: Path, fmt: str = "github") -> str:
         if not ent:
             continue
         sp = [e["default_us"] / e["time_us"] for e in ent]
+        try:
+            from tritune.tuning import store
+
+            n_stale = len(store.stale(data.get("kernel", path.stem), data.get("entries", [])))
+        except ImportError:
+            n_stale = 0
         rows.append([path.parent.name, data.get("kernel", path.stem), len(data.get("entries", [])),
                      f"{math.exp(sum(map(math.log, sp)) / len(sp)):.3f}x", f"{max(sp):.2f}x",
                      sum(e.get("trials", 0) for e in ent), data.get("triton", ""), data.get("date", ""),
-                     data.get("note", "")])
+                     n_stale or "", data.get("note", "")])
     return tabulate(rows, headers=["GPU", "kernel", "buckets", "tuned vs default (geomean)", "best bucket",
-                                   "trials", "triton", "date", "note"], tablefmt=fmt, disable_numparse=True)
+                                   "trials", "triton", "date", "stale (kernel changed since)", "note"],
+                    tablefmt=fmt, disable_numparse=True)
 
 
 def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | None = None) -> str:
