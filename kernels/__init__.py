@@ -226,3 +226,21 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device) -> None:
         raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
     if out.device != device:
         raise ValueError(f"out: expected device {device}, got {out.device}")
+
+
+class Counters:
+    """Per-device int32 tile counters for split-K reductions, kept zero between launches (a kernel resets
+    the ones it used). One buffer per device and owner: two launches of the same owner must not run
+    concurrently on different streams."""
+
+    def __init__(self, minimum: int = 1024):
+        self.minimum = minimum
+        self.buffers: dict = {}
+
+    def __call__(self, device, n: int) -> torch.Tensor:
+        t = self.buffers.get(device)
+        if t is None or t.numel() < n:
+            t = torch.zeros(max(n, self.minimum), dtype=torch.int32, device=device)
+            self.buffers[device] = t
+        return t
+

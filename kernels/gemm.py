@@ -295,16 +295,7 @@ def _ctas_per_sm(c: dict, dtype) -> int:
     return max(1, min(by_smem, by_regs, 4))
 
 
-_LOCKS: dict = {}
-
-
-def _locks(device, n: int) -> torch.Tensor:
-    """Per-device tile counters for split-K, zero between launches (the kernel resets what it uses)."""
-    t = _LOCKS.get(device)
-    if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _LOCKS[device] = t
-    return t
+_locks = K.Counters(minimum=1024)  # split-K tile counters, per device
 
 
 def _desc(t: torch.Tensor, block_rows: int, block_cols: int, e: int):

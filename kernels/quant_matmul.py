@@ -202,16 +202,7 @@ class Problem:
 
 DTYPES = (torch.float16, torch.bfloat16)
 
-_LOCKS: dict = {}
-
-
-def _locks(device, n: int) -> torch.Tensor:
-    """Per-device tile counters for split-K, zero between launches (the kernel resets what it uses)."""
-    t = _LOCKS.get(device)
-    if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _LOCKS[device] = t
-    return t
+_locks = K.Counters(minimum=4096)  # split-K tile counters, per device
 
 
 def problem_of(x, qw, bias=None, **_) -> Problem:

@@ -114,7 +114,7 @@ def test_split_k_empty_slices_counters_and_determinism():
     case = G.make_inputs(p, torch.float32, DEV, 3)
     first = G.gemm(*case.args, config=cfg, **case.kwargs)
     tiles = 2 * 3
-    assert int(G._LOCKS[case.args[0].device][:tiles].abs().sum()) == 0, "split-K counters not reset"
+    assert int(G._locks.buffers[case.args[0].device][:tiles].abs().sum()) == 0, "split-K counters not reset"
     again = G.gemm(*case.args, config=cfg, **case.kwargs)
     assert torch.equal(first, again), "split-K is not deterministic"
     cmp.check(first, G.ref.gemm(*case.args, **case.kwargs), torch.float32, "tf32")
