@@ -547,6 +547,8 @@ def default_config(p: Problem, dtype) -> dict:
                 t = _estimate_s(bm, bn, split, eff, m2, p.N, p.K, sms, e)
                 if best is None or t < best[0] * 0.97:
                     best = (t, bm, bn, warps, stages, split)
+        if best is None:  # N (or M) below every mid tile: a narrow tile, _fit below makes it valid
+            best = (0.0, 64 if m2 >= 64 else m2, min(n2, 64), 4, 4, 1)
         _, bm, bn, warps, stages, split = best
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": min(k2, 64 if e == 2 else 32),
                "GROUP_M": 8 if split == 1 else 1, "SPLIT_K": split, "num_warps": warps, "num_stages": stages,

@@ -202,3 +202,21 @@ def test_default_config_shapes():
     for p in G.SPEC.standard_problems:
         for dt in G.DTYPES:
             assert G.SPACE.why_invalid(G.default_config(p, dt), p, dt) is None
+
+
+def test_default_config_is_valid_for_every_shape_class():
+    # Narrow N with M > 64 once had no default at all (a crash on a valid input): sweep the classes.
+    sizes = [1, 2, 7, 13, 16, 17, 33, 64, 65, 127, 128, 129, 511, 1000, 4096, 8192, 50257]
+    for m in sizes:
+        for n in sizes:
+            for k in (1, 7, 64, 768, 3072):
+                p = G.Problem(m, n, k)
+                for dt in G.DTYPES:
+                    cfg = G.default_config(p, dt)
+                    assert G.SPACE.why_invalid(cfg, p, dt) is None, (p, dt, cfg)
+
+
+def test_narrow_n_with_many_rows_runs():
+    a, b, bias = torch.randn(65, 7, device=DEV), torch.randn(7, 13, device=DEV), torch.randn(13, device=DEV)
+    cmp.check(G.gemm(a, b, bias), G.SPEC.reference(a, b, bias), torch.float32,
+              G.SPEC.accumulation(torch.float32))
