@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from tritune import kernels
 from tritune.harness import compare as cmp
@@ -51,6 +51,20 @@ def test_matches_reference(spec, dtype):
         got = spec.run(*case.args, out=case.out, config=config, **case.kwargs)
         ref = spec.reference(*case.args, **case.kwargs)
         cmp.check(got, ref, dtype, spec.accumulation(dtype), what=f"{spec.name} {problem} {layout} cfg={config}")
+
+    prop()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_default_config_valid_for_any_problem(spec):
+    """No launch, so problems of GPU size are cheap: the heuristic default must be a valid point of the
+    space for every problem the strategy can draw (a missing default is a crash on a valid input)."""
+
+    @settings(max_examples=150, deadline=None)
+    @given(problem=spec.problems(1 << 26), dtype=st.sampled_from(spec.dtypes))
+    def prop(problem, dtype):
+        default = spec.default_config(problem, dtype)
+        assert spec.space.why_invalid(default, problem, dtype) is None, (problem, dtype, default)
 
     prop()
 
