@@ -260,7 +260,7 @@ _VALID: dict = {}  # explicit configs already validated, by (config, bucket, dty
 def _config(problem: Problem, dtype, config: dict | None) -> dict:
     if config is None:
         return SPEC.config_for(problem, dtype)
-    key = (tuple(config.items()), _np2(problem.M), problem.N, problem.K, dtype)
+    key = (tuple(config.items()), triton.next_power_of_2(max(1, problem.M)), problem.N, problem.K, dtype)
     hit = _VALID.get(key)
     if hit is None:
         hit = _VALID[key] = SPEC.config_for(problem, dtype, config)
@@ -387,7 +387,7 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
         a_mode, a_arg = _desc(a2, bm, bk, e)
         b_mode, b_arg = _desc(b, bk, bn, e)
 
-    tiles = _cdiv(m, bm) * _cdiv(n, bn)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split > 1:
         work = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
         locks = _locks(a.device, tiles)
@@ -439,17 +439,9 @@ def _elem(dtype) -> int:
     return _ELEM[dtype]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _np2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=4096)
 def _limits(p: Problem) -> tuple:
-    return max(16, _np2(p.M)), max(16, _np2(p.N)), max(16, _np2(p.K))
+    return max(16, triton.next_power_of_2(p.M)), max(16, triton.next_power_of_2(p.N)), max(16, triton.next_power_of_2(p.K))
 
 
 def _constraint(c, p: Problem, dtype) -> str | None:
@@ -475,7 +467,7 @@ def _constraint(c, p: Problem, dtype) -> str | None:
     if split > 1 and c["PERSISTENT"]:
         return "persistent programs take whole tiles (no split-K)"
     if split > 1:
-        if split > _cdiv(p.K, bk):
+        if split > triton.cdiv(p.K, bk):
             return "more K slices than K tiles"
         if c["GROUP_M"] > 1:
             return "split-K tiles are few: no grouping"
@@ -495,9 +487,9 @@ _MID_TILES = [(128, 256, 8, 3, 1.0), (128, 128, 8, 4, 0.85), (64, 128, 4, 4, 0.7
 def _estimate_s(bm: int, bn: int, split: int, eff: float, m: int, n: int, k: int, sms: int, e: int) -> float:
     """Rough seconds for a tiling: whole waves of tiles at a per-SM MMA rate, plus split-K's partials
     (written and read back in fp32, mostly through L2) and its ticket round trip."""
-    progs = _cdiv(m, bm) * _cdiv(n, bn) * split
+    progs = triton.cdiv(m, bm) * triton.cdiv(n, bn) * split
     rate = (3.2e12 if e == 2 else 1.6e12) * eff          # multiply-adds per second per SM, achieved
-    t = _cdiv(progs, sms) * bm * bn * _cdiv(_cdiv(k, split), 64) * 64 / rate
+    t = triton.cdiv(progs, sms) * bm * bn * triton.cdiv(triton.cdiv(k, split), 64) * 64 / rate
     if split > 1:
         t += 2.0 * split * m * n * 4 / 5e12 + 1.5e-6
     return t
@@ -515,9 +507,9 @@ def default_config(p: Problem, dtype) -> dict:
       a few percent (8192^3 720 TFLOP/s, 4096^3 750).
     - In between: the tiling (and split-K) that a wave model says finishes first, pointer loads."""
     e = _elem(dtype)
-    m2 = max(16, _np2(p.M))
-    n2 = max(16, _np2(p.N))
-    k2 = max(16, _np2(p.K))
+    m2 = max(16, triton.next_power_of_2(p.M))
+    n2 = max(16, triton.next_power_of_2(p.N))
+    k2 = max(16, triton.next_power_of_2(p.K))
     sms = _num_sms()
     tma = _tma_capable(0)
     if m2 <= 64:
@@ -525,14 +517,14 @@ def default_config(p: Problem, dtype) -> dict:
         bn = min(n2, 64 if m2 <= 16 else 32)
         long_k = p.K > 1024
         bk = min(k2, (256 if long_k else 128) if e == 2 else 64)
-        tiles = _cdiv(p.M, bm) * _cdiv(p.N, bn)
-        k_tiles = _cdiv(p.K, bk)
+        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
+        k_tiles = triton.cdiv(p.K, bk)
         split = 1
         while split < 16 and tiles * split * 4 < sms and k_tiles >= 16 * split:
             split *= 2
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
                "num_warps": 4, "num_stages": 3 if bk * e >= 512 else 4, "TMA": False, "PERSISTENT": False}
-    elif m2 >= 128 and n2 >= 256 and _cdiv(p.M, 128) * _cdiv(p.N, 256) >= 2 * sms:
+    elif m2 >= 128 and n2 >= 256 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 256) >= 2 * sms:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": min(k2, 64 if e == 2 else 32), "GROUP_M": 8,
                "SPLIT_K": 1, "num_warps": 8, "num_stages": 3 if p.K <= 1024 or e == 4 else 4,
                "TMA": tma, "PERSISTENT": True}
@@ -542,7 +534,7 @@ def default_config(p: Problem, dtype) -> dict:
             if bm > m2 or bn > n2:
                 continue
             for split in (1, 2, 4, 8):
-                if split > 1 and (_cdiv(p.M, bm) * _cdiv(p.N, bn) >= sms or p.K // split < 256):
+                if split > 1 and (triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn) >= sms or p.K // split < 256):
                     break
                 t = _estimate_s(bm, bn, split, eff, m2, p.N, p.K, sms, e)
                 if best is None or t < best[0] * 0.97:

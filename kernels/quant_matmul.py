@@ -300,24 +300,20 @@ SPACE = K.Space(
 SMEM_BUDGET = 200 * 1024
 
 
-def _np2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def _constraint(c, p: Problem, dtype) -> str | None:
     bm, bn, bk, split = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
     threads = 32 * c["num_warps"]
     if p.bits == 4:
         if bk % p.group:
             return "BLOCK_K not a multiple of the group size"
-        if bk > max(p.group, _np2(p.K)):
+        if bk > max(p.group, triton.next_power_of_2(p.K)):
             return "BLOCK_K larger than K"
         depth = p.group // 2
     else:
-        if bk > max(32, _np2(p.K)):
+        if bk > max(32, triton.next_power_of_2(p.K)):
             return "BLOCK_K larger than K"
         depth = bk
-    if bn > max(16, _np2(p.N)):
+    if bn > max(16, triton.next_power_of_2(p.N)):
         return "BLOCK_N larger than N"
     if split > -(-p.K // bk):
         return "more K slices than K blocks"
@@ -329,7 +325,7 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         if bn * depth < 2 * threads:
             return "idle threads"
     else:
-        if bm > max(16, _np2(p.M)):
+        if bm > max(16, triton.next_power_of_2(p.M)):
             return "BLOCK_M larger than M"
         if bm * bn > 128 * threads:
             return f"{bm * bn // threads} accumulator registers per thread"
@@ -379,9 +375,9 @@ def default_config(p: Problem, dtype) -> dict:
         tiles = -(-p.M // bm) * -(-p.N // bn)
         want = 4 * sms if p.bits == 4 else sms
     if p.bits == 4:
-        bk = max(p.group, min(bk, _np2(p.K)))
+        bk = max(p.group, min(bk, triton.next_power_of_2(p.K)))
     else:
-        bk = max(32, min(bk, _np2(p.K)))
+        bk = max(32, min(bk, triton.next_power_of_2(p.K)))
     blocks = -(-p.K // bk)
     split = 1
     # (K, N) = (3072, 768) measured 3-4x slower with any split than without, at M = 1 and 16
@@ -419,7 +415,7 @@ def _fit(cfg: dict, p: Problem, dtype) -> dict:
 
 
 def bucket(p: Problem) -> dict:
-    return {"w": f"int{p.bits}", "g": p.group_size if p.bits == 4 else 0, "M": _np2(p.M), "N": p.N, "K": p.K}
+    return {"w": f"int{p.bits}", "g": p.group_size if p.bits == 4 else 0, "M": triton.next_power_of_2(max(1, p.M)), "N": p.N, "K": p.K}
 
 
 def weight_bytes(p: Problem) -> int:
