@@ -298,17 +298,34 @@ def _ctas_per_sm(c: dict, dtype) -> int:
 _locks = K.Counters(minimum=1024)  # split-K tile counters, per device
 
 
-def _desc(t: torch.Tensor, block_rows: int, block_cols: int, e: int):
-    """A TMA descriptor of the 2-D view ``t`` (mode 1) or of ``t.T`` (mode 2), or None (mode 0)."""
-    if t.data_ptr() % 16 or t.numel() == 0:
-        return 0, t
-    r, c = t.shape
-    sr, sc = t.stride()
-    if sc == 1 and (sr * e) % 16 == 0 and sr > 0:
-        return 1, TensorDescriptor(t, [r, c], [sr, 1], [block_rows, block_cols])
-    if sr == 1 and (sc * e) % 16 == 0 and sc > 0:
-        return 2, TensorDescriptor(t, [c, r], [sc, 1], [block_cols, block_rows])
-    return 0, t
+def _tma_layout(rows: int, cols: int, s_r: int, s_c: int, e: int, block_rows: int, block_cols: int):
+    """(mode, shape, strides, block) of a TMA descriptor of the 2-D view (rows x cols, strides s_r, s_c):
+    mode 1 the view as it is, 2 its transpose (a column-major view); None when no descriptor fits (the
+    pointer path). The base pointer's 16-byte alignment is checked per launch."""
+    if rows == 0 or cols == 0:
+        return None
+    if s_c == 1 and (s_r * e) % 16 == 0 and s_r > 0:
+        return 1, [rows, cols], [s_r, 1], [block_rows, block_cols]
+    if s_r == 1 and (s_c * e) % 16 == 0 and s_c > 0:
+        return 2, [cols, rows], [s_c, 1], [block_cols, block_rows]
+    return None
+
+
+class _Plan:
+    """Everything a launch needs that depends only on the arguments' shapes, strides, dtypes and
+    devices, the activation and the config: worked out (and the arguments validated) once per such
+    combination; a launch with the same combination does the per-call work only (the output and
+    split-K workspace allocations, TMA descriptors, the launch itself)."""
+    __slots__ = ("out_shape", "empty", "m", "n", "k", "a_copy", "r_copy", "grid", "ints", "work_shape",
+                 "locks", "kws", "a_tma", "b_tma", "cfg", "cfg_key")
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: dict | None = None):
@@ -316,6 +333,53 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
 
     Returns C of shape a.shape[:-1] + (N,) in a's dtype (written into ``out`` when given).
     """
+    # Hot path: one dict lookup on everything the plan depends on (validation included: a hit means the
+    # same shapes, strides, dtypes and devices passed the checks before). Anything odd (not tensors,
+    # unhashable values) takes the slow path, which raises the error that names the argument.
+    try:
+        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, _meta(bias),
+               _meta(residual), _meta(out), activation, None if config is None else tuple(config.items()),
+               INT32_LIMIT, FLATTEN, WARP_SPEC, _num_sms)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is not None and plan.cfg_key is not None and K._CONFIG_CACHE.get(plan.cfg_key) is not plan.cfg:
+        plan = None  # the config cache was cleared (a store was written): look the config up again
+    if plan is None:
+        plan = _make_plan(a, b, bias, activation, residual, out, config)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)
+    if plan.empty:
+        return out
+    if plan.a_copy:  # > 3 dims that do not merge into rows: one copy
+        a = a.reshape(plan.m, plan.k)
+    r_arg = out if residual is None else (residual.reshape(plan.m, plan.n) if plan.r_copy else residual)
+    if plan.work_shape is None:  # no split-K: the workspace and counters are never touched
+        work = locks = out
+    else:
+        work, locks = torch.empty(plan.work_shape, dtype=torch.float32, device=a.device), plan.locks
+    a_mode = b_mode = 0
+    a_arg, b_arg = a, b
+    if plan.a_tma is not None and a.data_ptr() % 16 == 0:
+        a_mode, shape, strides, block = plan.a_tma
+        a_arg = TensorDescriptor(a, shape, strides, block)
+    if plan.b_tma is not None and b.data_ptr() % 16 == 0:
+        b_mode, shape, strides, block = plan.b_tma
+        b_arg = TensorDescriptor(b, shape, strides, block)
+    # every tensor goes in as it is (only its data pointer is used: the strides are in plan.ints)
+    _gemm_kernel[plan.grid](a_arg, b_arg, out, out if bias is None else bias, r_arg, work, locks,
+                            *plan.ints, **plan.kws[a_mode][b_mode])
+    return out
+
+
+def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
+    """Validate the arguments and work out the launch (see _Plan). Raises the errors that name the
+    argument."""
     K.check_tensor("a", a, dtypes=DTYPES)
     if a.device.type != _device_type():
         K.check_device("a", a)
@@ -350,20 +414,27 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
             raise ValueError(f"residual: expected shape {out_shape} or {(m, n)}, got {tuple(residual.shape)}")
         if residual.device != a.device:
             raise ValueError(f"residual: on {residual.device}, but a is on {a.device}")
-    if out is None:
-        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    else:
+    if out is not None:
         K.check_out(out, out_shape, a.dtype, a.device)
-    if m == 0 or n == 0:
-        return out
-    try:
-        c2 = out.view(m, n)
-    except RuntimeError:
-        raise ValueError(f"out: its strides {out.stride()} do not flatten to ({m}, {n})") from None
+
+    p = _Plan()
+    p.out_shape, p.m, p.n, p.k = out_shape, m, n, kdim
+    p.cfg = p.cfg_key = None
+    p.empty = m == 0 or n == 0
+    if p.empty:
+        return p
+    if out is None:
+        s_cm, s_cn = n, 1
+    else:
+        try:
+            s_cm, s_cn = out.view(m, n).stride()
+        except RuntimeError:
+            raise ValueError(f"out: its strides {out.stride()} do not flatten to ({m}, {n})") from None
+    c2 = out.view(m, n) if out is not None else None
 
     # A as 2-D when its rows merge into one stride (a view, never a copy); 3-D with two row strides
-    # otherwise; beyond 3 dims that do not merge, one copy.
-    a_3d = False
+    # otherwise; beyond 3 dims that do not merge, one copy per launch.
+    a_3d = p.a_copy = False
     try:
         a2 = a.view(m, kdim)
         s_a0, s_am, s_ak = 0, a2.stride(0), a2.stride(1)
@@ -372,48 +443,53 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
             a2, a_3d = a, True
             s_a0, s_am, s_ak = a.stride()
         else:
-            a2 = a.reshape(m, kdim)
+            a2, p.a_copy = a.reshape(m, kdim), True
             s_a0, s_am, s_ak = 0, a2.stride(0), a2.stride(1)
-    r2 = residual.reshape(m, n) if residual is not None else None
+    p.r_copy = False
+    r2 = None
+    if residual is not None:
+        try:
+            r2 = residual.view(m, n)
+        except RuntimeError:
+            r2, p.r_copy = residual.reshape(m, n), True
 
     problem = Problem(m, n, kdim, trans_a=s_ak != 1, trans_b=b.stride(1) != 1, bias=bias is not None,
                       act=activation, residual=residual is not None)
     cfg = _config(problem, a.dtype, config)
+    if config is None:  # from the store or the defaults: re-checked per launch against the config cache
+        p.cfg, p.cfg_key = cfg, (SPEC.name, K.bucket_key(bucket(problem)), a.dtype)
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
 
     e = a.element_size()
-    a_arg, b_arg, a_mode, b_mode = a2, b, 0, 0
+    p.a_tma = p.b_tma = None
     if cfg["TMA"] and not a_3d and _tma_capable(a.device.index or 0):
-        a_mode, a_arg = _desc(a2, bm, bk, e)
-        b_mode, b_arg = _desc(b, bk, bn, e)
+        p.a_tma = _tma_layout(m, kdim, s_am, s_ak, e, bm, bk)
+        p.b_tma = _tma_layout(kdim, n, b.stride(0), b.stride(1), e, bk, bn)
 
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    if split > 1:
-        work = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
-        locks = _locks(a.device, tiles)
-    else:
-        work = locks = c2
+    p.work_shape = (split, m, n) if split > 1 else None
+    # the plan holds its counters: a buffer grown later for another plan stays alive for this one (and
+    # for any CUDA graph that captured it)
+    p.locks = _locks(a.device, tiles) if split > 1 else None
     int64 = (split * m * n >= INT32_LIMIT or _span(a2) >= INT32_LIMIT or _span(b) >= INT32_LIMIT
-             or _span(c2) >= INT32_LIMIT or (r2 is not None and _span(r2) >= INT32_LIMIT))
+             or m * n >= INT32_LIMIT or (c2 is not None and _span(c2) >= INT32_LIMIT)
+             or (r2 is not None and _span(r2) >= INT32_LIMIT))
     if cfg["PERSISTENT"]:
-        grid = (min(tiles, _num_sms() * _ctas_per_sm(cfg, a.dtype)), 1)
+        p.grid = (min(tiles, _num_sms() * _ctas_per_sm(cfg, a.dtype)), 1)
     else:
-        grid = (tiles, split)
-
-    _gemm_kernel[grid](
-        a_arg, b_arg, c2, bias if bias is not None else c2, r2 if r2 is not None else c2, work, locks,
-        m, n, kdim, a.shape[1] if a_3d else m,
-        s_a0, s_am, s_ak, b.stride(0), b.stride(1), c2.stride(0), c2.stride(1),
-        bias.stride(0) if bias is not None else 0,
-        r2.stride(0) if r2 is not None else 0, r2.stride(1) if r2 is not None else 0,
-        HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
-        EVEN_K=kdim % bk == 0, A_MODE=a_mode, B_MODE=b_mode, A_3D=a_3d,
-        A_M_CONTIG=s_ak != 1, B_N_CONTIG=b.stride(0) != 1, INT64=int64,
-        PRECISION="tf32" if a.dtype == torch.float32 else "ieee",
-        PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
+        p.grid = (tiles, split)
+    p.ints = (m, n, kdim, a.shape[1] if a_3d else m,
+              s_a0, s_am, s_ak, b.stride(0), b.stride(1), s_cm, s_cn,
+              bias.stride(0) if bias is not None else 0,
+              r2.stride(0) if r2 is not None else 0, r2.stride(1) if r2 is not None else 0)
+    base = dict(HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
+                EVEN_K=kdim % bk == 0, A_3D=a_3d, A_M_CONTIG=s_ak != 1, B_N_CONTIG=b.stride(0) != 1,
+                INT64=int64, PRECISION="tf32" if a.dtype == torch.float32 else "ieee",
+                PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    p.kws = [[dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)] for am in range(3)]
+    return p
 
 
 # ---------------------------------------------------------------------------------------------------

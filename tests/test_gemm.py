@@ -166,6 +166,36 @@ def test_empty_m_and_out_argument():
     cmp.check(G.gemm(v, b), G.ref.gemm(v, b), torch.float32, "tf32")
 
 
+def test_launch_plans_are_reused_only_where_they_apply():
+    # The launcher caches one plan per (shapes, strides, dtypes, devices, epilogue, config): new data with
+    # the same layout reuses it; a base pointer that lost its 16-byte alignment drops the TMA descriptor
+    # for that launch; anything invalid still raises, hit or not.
+    p = G.Problem(32, 48, 64, bias=True, residual=True)
+    cfg = dict(G.default_config(p, torch.float32), TMA=True, SPLIT_K=1, BLOCK_K=16, GROUP_M=1)
+    G._PLANS.clear()
+    for seed in (0, 1):
+        case = G.make_inputs(p, torch.float32, DEV, seed)
+        got = G.gemm(*case.args, config=cfg, **case.kwargs)
+        cmp.check(got, G.ref.gemm(*case.args, **case.kwargs), torch.float32, "tf32", what=f"seed {seed}")
+    assert len(G._PLANS) == 1
+    a, b, bias = G.make_inputs(p, torch.float32, DEV, 2).args
+    buf = torch.empty(a.numel() + 1, device=DEV)
+    a_off = buf[1:].view_as(a).copy_(a)  # same shape and strides, base 4 bytes past 16-byte alignment
+    assert a_off.data_ptr() % 16 and a_off.stride() == a.stride()
+    for x in (a, a_off, a):
+        cmp.check(G.gemm(x, b, bias, config=cfg), G.ref.gemm(x, b, bias), torch.float32, "tf32")
+    assert len(G._PLANS) == 2  # one more plan (no residual), shared by both alignments
+    with pytest.raises(ValueError, match="activation"):
+        G.gemm(a, b, bias, activation="relu", config=cfg)
+    with pytest.raises(TypeError, match="b: dtype"):
+        G.gemm(a, b.half(), bias, config=cfg)
+    # config=None plans follow the config cache: cleared (a store written) means looked up again
+    G.gemm(a, b, bias)
+    from tritune import kernels as K
+    K.clear_config_cache()
+    cmp.check(G.gemm(a, b, bias), G.ref.gemm(a, b, bias), torch.float32, "tf32")
+
+
 @pytest.mark.parametrize("label,thunk_args,exc,match", [
     ("inner", lambda d: ((torch.randn(4, 8, device=d), torch.randn(7, 5, device=d)), {}), ValueError, "inner sizes"),
     ("dtype", lambda d: ((torch.randn(4, 8, device=d), torch.randn(8, 5, device=d).half()), {}), TypeError, "b: dtype"),
