@@ -27,3 +27,17 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With TRITUNE_TEST_LOG=FILE, each failure's traceback and each test's duration go to FILE as they
+    happen (the controller under xdist). A GPU run that ends at a time limit keeps what it learned;
+    pytest prints failures and --durations only at the very end."""
+    path = os.environ.get("TRITUNE_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or report.when == "teardown" and report.passed:
+        return
+    with open(path, "a") as f:
+        if report.failed:
+            f.write(f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+        elif report.when == "call":
+            f.write(f"{report.duration:8.2f}s {report.outcome} {report.nodeid}\n")

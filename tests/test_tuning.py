@@ -209,6 +209,14 @@ def die_on_one(task):
     return fake_gelu(task)
 
 def slow_gelu(task):
+    # Rendezvous: no worker evaluates before both have started, so a worker slow to start (a GPU
+    # machine busy with other tests takes seconds to import torch) cannot find the study finished.
+    d = os.environ.get("TRITUNE_TEST_RENDEZVOUS")
+    if d:
+        open(os.path.join(d, str(os.getpid())), "w").close()
+        t0 = time.time()
+        while len(os.listdir(d)) < 2 and time.time() - t0 < 120:
+            time.sleep(0.05)
     time.sleep(0.1)
     return fake_gelu(task)
 '''
@@ -239,8 +247,10 @@ def test_dying_worker_is_restarted_and_the_sweep_goes_on(tmp_path, helpers):
     assert len(row["workers"]) == 1  # one sweeping process; its evaluation worker was restarted
 
 
-def test_two_workers_share_one_study(tmp_path, helpers):
+def test_two_workers_share_one_study(tmp_path, helpers, monkeypatch):
     storage = str(tmp_path / "s.journal")
+    (tmp_path / "rendezvous").mkdir()
+    monkeypatch.setenv("TRITUNE_TEST_RENDEZVOUS", str(tmp_path / "rendezvous"))
     (row,) = search.tune("gelu", [gelu_mod.Problem(4096)], [torch.float32], trials=12, storage=storage,
                          workers=2, evaluate=helpers.slow_gelu, isolation="inline", progress=False)
     assert 12 <= row["trials"] <= 13  # two workers may each start the last trial
