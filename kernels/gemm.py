@@ -713,16 +713,50 @@ def _vendor(c: K.Case):
     return run
 
 
-def _flag_gems(c: K.Case):
-    a, b, bias = c.args
-    if bias is not None or c.kwargs["activation"] or c.kwargs["residual"] is not None:
-        return None  # plain matmul only
+# FlagGems' mm autotunes every new (M, N, K) over its whole list (22 configs for its pointer kernel, ~150
+# for its Hopper TMA kernel): minutes of compiling per shape, more than a benchmark run has. As a peer it
+# runs with its autotuner held to these of its own configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages), the usual winners of each size class; it still picks among them by timing.
+FLAG_GEMS_CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4),
+                     (128, 64, 64, 4, 4), (32, 64, 256, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 2, 4))
+FLAG_GEMS_MAX = 6
+
+
+@functools.lru_cache(maxsize=None)
+def _flag_gems_mm():
+    """flag_gems.mm with its autotuners' config lists cut to FLAG_GEMS_CONFIGS (at most FLAG_GEMS_MAX
+    each); None when FlagGems is not installed."""
     try:
         import flag_gems
     except Exception:
         return None
+    import sys
+
+    mod = sys.modules.get(getattr(flag_gems.mm, "__module__", ""))
+    for name in dir(mod) if mod is not None else ():
+        tuner = getattr(getattr(mod, name), "fn", None)  # libentry(libtuner(jit)): the tuner is .fn
+        configs = getattr(tuner, "configs", None)
+        if not isinstance(configs, list) or len(configs) <= FLAG_GEMS_MAX:
+            continue
+
+        def sig(cf):
+            kw = getattr(cf, "kwargs", {})
+            return (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("BLOCK_K"), cf.num_warps, cf.num_stages)
+
+        keep = [cf for cf in configs if sig(cf) in FLAG_GEMS_CONFIGS][:FLAG_GEMS_MAX]
+        tuner.configs = keep or configs[:FLAG_GEMS_MAX]
+    return flag_gems.mm
+
+
+def _flag_gems(c: K.Case):
+    a, b, bias = c.args
+    if bias is not None or c.kwargs["activation"] or c.kwargs["residual"] is not None:
+        return None  # plain matmul only
+    mm = _flag_gems_mm()
+    if mm is None:
+        return None
     a2 = a.reshape(-1, a.shape[-1])
-    return lambda: flag_gems.mm(a2, b)
+    return lambda: mm(a2, b)
 
 
 def _bad_inputs(device):
