@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
+from tritune.harness import device as dev
 from tritune.harness import strategies as S
 from tritune.references import quant as Q
 from tritune.references import quant_matmul as ref
@@ -127,19 +128,61 @@ def _qmm_gemv(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_
             pid_k, M, N, s_ym, HAS_BIAS, BITS == 8, SPLIT_K)
 
 
+def _nibble_asm(magic: int) -> str:
+    """PTX: four packed bytes in $4 -> (magic + low nibble) of each in $0, $1 and (magic + high nibble)
+    in $2, $3, two 16-bit floats a register. One prmt puts bytes 0, 1 in the two halves' low bytes
+    (and 2, 3 in their high bytes); then a shift and one lop3 ((t & 0x000f000f) | magic·0x10001) per
+    two codes: 1.5 instructions a weight where the per-element unpack Triton emits took about 4."""
+    m = f"0x{magic:04x}{magic:04x}"
+    return (
+        "{\n.reg .b32 t, u;\n"
+        "prmt.b32 t, $4, 0, 0x3120;\n"
+        f"lop3.b32 $0, t, 0x000f000f, {m}, 0xea;\n"
+        "shr.u32 u, t, 8;\n"
+        f"lop3.b32 $1, u, 0x000f000f, {m}, 0xea;\n"
+        "shr.u32 u, t, 4;\n"
+        f"lop3.b32 $2, u, 0x000f000f, {m}, 0xea;\n"
+        "shr.u32 u, t, 12;\n"
+        f"lop3.b32 $3, u, 0x000f000f, {m}, 0xea;\n}}"
+    )
+
+
+_NIBBLES_FP16 = tl.constexpr(_nibble_asm(0x6400))
+_NIBBLES_BF16 = tl.constexpr(_nibble_asm(0x4300))
+
+
 @triton.jit
-def _codes_to(q, zf, MAGIC: tl.constexpr, DT: tl.constexpr):
-    """int4 codes (int16, 0..15) -> (q − z) in fp16/bf16, exact: MAGIC is 1024.0 (fp16) or 128.0 (bf16)
-    with a zero mantissa, so q | MAGIC is MAGIC + q; zf is MAGIC + z."""
-    return (q | MAGIC).to(DT, bitcast=True) - zf
+def _nibbles(b, MAGIC: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    """uint8 bytes -> (MAGIC + low nibble, MAGIC + high nibble) in fp16/bf16, exact: MAGIC is 1024.0
+    (fp16) or 128.0 (bf16), whose mantissa has zeros below the 4 bits a code needs, so q | MAGIC is
+    MAGIC + q. ASM: four bytes a PTX block (the GPU); else plain Triton (the interpreter has no asm)."""
+    if ASM:
+        if MAGIC == 0x6400:
+            lo, hi = tl.inline_asm_elementwise(_NIBBLES_FP16, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_NIBBLES_BF16, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=4)
+    else:
+        b16 = b.to(tl.int16)
+        lo = ((b16 & 15) | MAGIC).to(DT, bitcast=True)
+        hi = ((b16 >> 4) | MAGIC).to(DT, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
 def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_ym,
              BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, HAS_BIAS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             MAGIC: tl.constexpr):
-    """Y tile = X tile @ dequant(W tile)ᵀ over one K slice with tl.dot (fp32 accumulator)."""
+             MAGIC: tl.constexpr, ASM: tl.constexpr):
+    """Y tile = X tile @ dequant(W tile)ᵀ over one K slice with tl.dot (fp32 accumulator).
+
+    INT4 with BLOCK_M <= 16 swaps the operands: the tile computed is Yᵀ = dequant(W) @ Xᵀ, so the
+    weight is the MMA's A operand (its rows fill the instruction's 16 / 64 rows, the few rows of x its
+    8 / 16 columns). The unpacked codes then go from the unpack straight into the MMA's registers (mma
+    or wgmma with A in registers), where as the B operand they needed register moves for every x
+    fragment: ~2.6 instructions a weight against ~4 (SASS of the loop, BLOCK_N 128, BLOCK_K 256).
+    """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     m_tiles = tl.cdiv(M, BLOCK_M)
@@ -149,10 +192,17 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm
-    w_cols = Wq + offs_n.to(tl.int64)[None, :] * s_wn
+    SWAP: tl.constexpr = BITS == 4 and BLOCK_M <= 16
+    DT: tl.constexpr = X.dtype.element_ty
     lo, hi = _k_slice(pid_k, K, GROUP, BITS, BLOCK_K, SPLIT_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)    # Yᵀ tile
+        x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
+        w_rows = Wq + offs_n.to(tl.int64)[:, None] * s_wn
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm
+        w_cols = Wq + offs_n.to(tl.int64)[None, :] * s_wn
     if BITS == 4:
         n_groups = K // GROUP
         offs_h = tl.arange(0, H)
@@ -161,17 +211,30 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
                 # a group past K (the last block's tail) reads the last group again with x = 0
                 grp = tl.minimum(blk * (BLOCK_K // GROUP) + j, n_groups - 1)
                 k_lo = (blk * (BLOCK_K // GROUP) + j) * GROUP + offs_h
-                b = tl.load(w_cols + (grp * H + offs_h)[:, None], mask=mask_n[None, :], other=0)  # (H, BN)
-                b = b.to(tl.int16)
-                xm = mask_m[:, None] & (k_lo < K)[None, :]
-                x_lo = tl.load(x_rows + k_lo[None, :] * s_xk, mask=xm, other=0.0)
-                x_hi = tl.load(x_rows + (k_lo + H)[None, :] * s_xk, mask=xm, other=0.0)
                 s = tl.load(Sc + offs_n * s_sn + grp, mask=mask_n, other=0.0).to(tl.float32)
                 z = tl.load(Zp + offs_n * s_sn + grp, mask=mask_n, other=0).to(tl.int16)
-                zf = (z | MAGIC).to(X.dtype.element_ty, bitcast=True)[None, :]
-                part = tl.dot(x_lo, _codes_to(b & 15, zf, MAGIC, X.dtype.element_ty))
-                part = tl.dot(x_hi, _codes_to(b >> 4, zf, MAGIC, X.dtype.element_ty), part)
-                acc += part * s[None, :]
+                zf = (z | MAGIC).to(DT, bitcast=True)  # MAGIC + z
+                # the unpack runs in the dot-operand layout (Triton hoists the layout change above
+                # elementwise ops, asm included): bytes go through shared memory, not 16-bit codes.
+                # (MAGIC + q) − (MAGIC + z) is q − z exactly; the scale multiplies the group's sum.
+                if SWAP:
+                    b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0)  # (BN, H)
+                    xm = (k_lo < K)[:, None] & mask_m[None, :]
+                    x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=xm, other=0.0)         # (H, BM)
+                    x_hi = tl.load(x_cols + (k_lo + H)[:, None] * s_xk, mask=xm, other=0.0)
+                    q_lo, q_hi = _nibbles(b, MAGIC, DT, ASM)
+                    part = tl.dot(q_lo - zf[:, None], x_lo)
+                    part = tl.dot(q_hi - zf[:, None], x_hi, part)
+                    acc += part * s[:, None]
+                else:
+                    b = tl.load(w_cols + (grp * H + offs_h)[:, None], mask=mask_n[None, :], other=0)  # (H, BN)
+                    xm = mask_m[:, None] & (k_lo < K)[None, :]
+                    x_lo = tl.load(x_rows + k_lo[None, :] * s_xk, mask=xm, other=0.0)         # (BM, H)
+                    x_hi = tl.load(x_rows + (k_lo + H)[None, :] * s_xk, mask=xm, other=0.0)
+                    q_lo, q_hi = _nibbles(b, MAGIC, DT, ASM)
+                    part = tl.dot(x_lo, q_lo - zf[None, :])
+                    part = tl.dot(x_hi, q_hi - zf[None, :], part)
+                    acc += part * s[None, :]
     else:
         offs_k = tl.arange(0, BLOCK_K)
         for blk in range(lo, hi):
@@ -179,7 +242,9 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
             mask_k = kk < K
             q = tl.load(w_cols + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)  # (BK, BN)
             x = tl.load(x_rows + kk[None, :] * s_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc = tl.dot(x, q.to(X.dtype.element_ty), acc)  # |q| <= 127: exact in fp16 and bf16
+            acc = tl.dot(x, q.to(DT), acc)  # |q| <= 127: exact in fp16 and bf16
+    if SWAP:
+        acc = tl.trans(acc)
     n_tiles = tl.cdiv(N, BLOCK_N)
     _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Bias, Sc, Work, Locks, pid_m * n_tiles + pid_n,
             pid_k, M, N, s_ym, HAS_BIAS, BITS == 8, SPLIT_K)
@@ -203,6 +268,7 @@ class Problem:
 DTYPES = (torch.float16, torch.bfloat16)
 
 _locks = K.Counters(minimum=4096)  # split-K tile counters, per device
+_ASM = not dev.interpreted()  # inline PTX for the int4 unpack on the GPU; the interpreter runs none
 
 
 def problem_of(x, qw, bias=None, **_) -> Problem:
@@ -275,7 +341,7 @@ def quant_matmul(x, qw, bias=None, *, out=None, config: dict | None = None):
     else:
         # fp16 1024.0 / bf16 128.0: zero mantissa bits below the 4 a code needs
         magic = 0x6400 if x.dtype == torch.float16 else 0x4300
-        _qmm_dot[(m_tiles * n_tiles, split)](*args, BLOCK_M=bm, MAGIC=magic, **meta)
+        _qmm_dot[(m_tiles * n_tiles, split)](*args, BLOCK_M=bm, MAGIC=magic, ASM=_ASM, **meta)
     return out
 
 
@@ -288,7 +354,7 @@ def quant_linear(x, qw, bias=None, *, out=None):
 # ---------------------------------------------------------------------------------------------------
 SPACE = K.Space(
     params={
-        "BLOCK_M": [1, 16, 32, 64, 128],          # 1: the GEMV kernel (one row per program)
+        "BLOCK_M": [1, 8, 16, 32, 64, 128],       # 1: the GEMV kernel (one row per program)
         "BLOCK_N": [16, 32, 64, 128, 256],
         "BLOCK_K": [32, 64, 128, 256, 512],       # int4: a multiple of the group (groups unrolled)
         "SPLIT_K": [1, 2, 4, 8, 16],
@@ -363,9 +429,13 @@ def default_config(p: Problem, dtype) -> dict:
         bk, warps = (256, 4) if p.bits == 8 else (128, 2)
         tiles = p.M * -(-p.N // bn)
         want = 8 * sms
+    elif p.bits == 4 and p.M <= 8:
+        bm, bn, bk, warps, stages = 8, 128, 256, 4, 3
+        tiles = -(-p.N // bn)
+        want = 8 * sms
     elif p.M <= 16:
-        bm, bn, stages, warps = 16, 64, 3, 4
-        bk = 128 if p.bits == 4 else 256
+        bm, stages = 16, 3
+        bn, bk, warps = (64, 256, 2) if p.bits == 4 else (64, 256, 4)
         tiles = -(-p.N // bn)
         want = 8 * sms
     else:

@@ -31,21 +31,27 @@ def _x(shape, dtype, seed):
     return torch.randn(shape, generator=g, device=DEV).to(dtype)
 
 
+# "gemv": BLOCK_M 1 (CUDA cores); "tiled8" / "tiled": BLOCK_M 8 / 16, int4 with the operands swapped (the
+# weight is the MMA's A operand); "tiled32": BLOCK_M 32, x the A operand
+PATHS = ["gemv", "tiled8", "tiled", "tiled32"]
+
+
 def _config(path, bits, group, split, k):
     bk = group if bits == 4 else 32
     if path == "gemv":
         return dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=1, num_stages=1)
-    return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=1, num_stages=1)
+    bm = {"tiled8": 8, "tiled": 16, "tiled32": 32}[path]
+    return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=1, num_stages=1)
 
 
 # --- the kernel ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits,group", FORMATS, ids=[f"int{b}-g{g}" for b, g in FORMATS])
-@pytest.mark.parametrize("path", ["gemv", "tiled"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("split", [1, 2])
 def test_matches_reference_fp16(bits, group, path, bias, split):
     """Odd M and N, K three groups (int8: an odd K), split-K over 3 blocks (uneven slices)."""
-    m, n = 3, 37
+    m, n = (19 if path == "tiled32" else 3), 37
     k = 3 * group if bits == 4 else 101
     qw = Q.quantize(_weight(n, k, 1), bits, group)
     x = _x((m, k), torch.float16, 2)
@@ -56,11 +62,11 @@ def test_matches_reference_fp16(bits, group, path, bias, split):
 
 
 @pytest.mark.parametrize("bits,group", FORMATS, ids=[f"int{b}-g{g}" for b, g in FORMATS])
-@pytest.mark.parametrize("path", ["gemv", "tiled"])
+@pytest.mark.parametrize("path", PATHS)
 def test_matches_reference_bf16(bits, group, path):
-    if path == "tiled" and dev.interpreted():
+    if path != "gemv" and dev.interpreted():
         pytest.skip(f"GPU only: {BF16_DOT_SKIP}")
-    m, n, k = 5, 29, (2 * group if bits == 4 else 64)
+    m, n, k = (21 if path == "tiled32" else 5), 29, (2 * group if bits == 4 else 64)
     qw = Q.quantize(_weight(n, k, 4), bits, group)
     x = _x((m, k), torch.bfloat16, 5)
     b = _x((n,), torch.bfloat16, 6)
