@@ -13,10 +13,17 @@ Each :meth:`Engine.step`:
 3. Sampling (greedy rows by one argmax; others per request, with its own seeded generator), then
    ``update()`` appends the tokens, streams them, and retires finished requests, freeing their blocks.
 
-CUDA graphs: one graph per bucket (1, 2, 4, ..., 256, up to ``max_num_seqs``) over static input buffers.
-A batch of B runs in the smallest bucket >= B; the padding rows have token 0 at position 0, slot -1
-(``write_kv`` skips negative slots), context length 1 and an all-zero block table row, so they read one
-valid cache slot and write nothing; their logits are dropped.
+CUDA graphs (:class:`DecodeGraphs`): one graph per bucket (1, 2, 4, ..., 256, up to ``max_num_seqs``)
+of the *whole* decode step, state included: the graph reads each row's token, position and block table
+from persistent device buffers, derives slots and context lengths, runs the model, takes the greedy
+argmax and feeds it back as the next input, advancing the position (two small kernels of this module
+bracket the model). The host writes the state with one copy per load. A step that only decodes greedy
+requests therefore replays the graph up to ``decode_steps`` times back to back, with blocks reserved
+ahead, and reads every row's tokens with a single sync; a row that reaches its length or EOS turns to
+padding on the device. Steps with prefills, sampled requests or stop strings run one step at a time.
+A batch of B runs in the smallest bucket >= B; padding rows have position -1: slot -1 (``write_kv``
+skips negative slots), context length 1 and a valid block id, so they write nothing; their logits are
+dropped.
 
 Weight-only quantization (``quant="int8" | "int4"``): every linear (qkv, attention out, MLP in/out and
 the tied lm_head) holds a :class:`~tritune.references.quant.QuantizedWeight` and runs through
@@ -35,6 +42,8 @@ import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
 import numpy as np
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from tritune.model import gpt2 as G
 from tritune.model.generate import sample
@@ -128,15 +137,16 @@ def quantize_weights(w, quant: str, group_size: int = 128):
 # The forward of one step
 # ---------------------------------------------------------------------------------------------------
 def forward_step(model, ops, kv, ids, positions, slots, *, seq_lens=(), cu_seqlens=None, block_tables=None,
-                 context_lens=None, logit_rows=None):
+                 context_lens=None, logit_rows=None, x=None):
     """One forward over packed tokens: ``sum(seq_lens)`` prefill rows first, then one row per decode.
 
     ids, positions, slots (T,) on the device; cu_seqlens (P+1,) int32 of the prefills; block_tables
-    (Td, max_blocks) and context_lens (Td,) int32 of the decodes. Returns the logits of ``logit_rows``
+    (Td, max_blocks) and context_lens (Td,) int32 of the decodes. ``x`` (T, E): the embedded tokens, when
+    the caller embedded them (then ids and positions are not read). Returns the logits of ``logit_rows``
     (all rows when None). Nothing here syncs with the host when there are no prefills.
     """
     Tp = int(sum(seq_lens))
-    T = ids.shape[0]
+    T = slots.shape[0]
     max_seqlen = max(seq_lens) if Tp else 0
 
     def attend(i, q, k, v):
@@ -152,7 +162,7 @@ def forward_step(model, ops, kv, ids, positions, slots, *, seq_lens=(), cu_seqle
     saved = model.ops
     model.ops = ops         # _blocks/_logits read model.ops
     try:
-        x = model._blocks(model._embed(ids, positions), attend)
+        x = model._blocks(model._embed(ids, positions) if x is None else x, attend)
         if logit_rows is not None:
             x = x[logit_rows]
         return model._logits(x)
@@ -160,36 +170,117 @@ def forward_step(model, ops, kv, ids, positions, slots, *, seq_lens=(), cu_seqle
         model.ops = saved
 
 
-class _DecodeGraphs:
-    """CUDA graphs of the decode forward (and the greedy argmax), one per batch-size bucket, over shared
-    static inputs: one int64 buffer [ids | positions | slots] and one int32 buffer [context_lens | block
-    tables], each filled by a single host-to-device copy from a pinned twin per step."""
+# ---------------------------------------------------------------------------------------------------
+# The decode step on the device: its state in persistent buffers, captured once per batch bucket
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte, stride_wpe, E, max_pos,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row b of a decode step: x = wte[ids[b]] + wpe[pos[b]], the new token's cache slot
+    bt[b, pos // block_size] * block_size + pos % block_size and context length pos + 1.
+    pos < 0 marks a padding row: slot -1 (write_kv skips it), context 1, position 0."""
+    b = tl.program_id(0)
+    tok = tl.load(Ids + b).to(tl.int64)
+    pos = tl.load(Pos + b)
+    p = tl.minimum(tl.maximum(pos, 0), max_pos)       # the clamp only keeps a host bug in bounds
+    blk = tl.load(BT + b * stride_bt + p // BLOCK_SIZE)
+    tl.store(Slots + b, tl.where(pos >= 0, blk * BLOCK_SIZE + p % BLOCK_SIZE, -1))
+    tl.store(Ctx + b, p + 1)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < E
+    # the sum in fp32, rounded once: what torch's wte[ids] + wpe[pos] computes
+    x = (tl.load(Wte + tok * stride_wte + offs, mask=mask).to(tl.float32)
+         + tl.load(Wpe + p.to(tl.int64) * stride_wpe + offs, mask=mask).to(tl.float32))
+    tl.store(X + b.to(tl.int64) * E + offs, x.to(X.dtype.element_ty), mask=mask)
 
-    def __init__(self, engine, buckets):
-        self.engine = engine
-        dev = engine.device
-        Bmax, mb = buckets[-1], engine.max_blocks
-        self.buckets, self.Bmax = buckets, Bmax
-        self.d64 = torch.zeros(3 * Bmax, dtype=torch.long, device=dev)
-        self.d32 = torch.zeros(Bmax * (1 + mb), dtype=torch.int32, device=dev)
-        self.h64 = torch.zeros(3 * Bmax, dtype=torch.long, pin_memory=True)
-        self.h32 = torch.zeros(Bmax * (1 + mb), dtype=torch.int32, pin_memory=True)
-        self.n64, self.n32 = self.h64.numpy(), self.h32.numpy()
-        self.n64[2 * Bmax:] = -1          # padding rows: slot -1 (nothing written), context 1, block 0
-        self.n32[:Bmax] = 1
-        self.d64.copy_(self.h64)
-        self.d32.copy_(self.h32)
+
+@triton.jit
+def _step_out_kernel(Tok, Ids, Pos, Stop, Eos, Hist, B, R, BLOCK_B: tl.constexpr):
+    """After a decode step, for each live row (pos >= 0): the sampled token becomes the next input,
+    is kept in the row's ring of the last R tokens at (pos + 1) % R, and pos advances; the row turns
+    to padding (pos -1) once pos reaches stop[b] or the token is eos[b] (-1: none)."""
+    offs = tl.arange(0, BLOCK_B)
+    pos = tl.load(Pos + offs, mask=offs < B, other=-1)
+    live = (offs < B) & (pos >= 0)
+    tok = tl.load(Tok + offs, mask=live, other=0).to(tl.int32)
+    tl.store(Ids + offs, tok, mask=live)
+    tl.store(Hist + offs * R + (pos + 1) % R, tok, mask=live)
+    stop = tl.load(Stop + offs, mask=live, other=0)
+    eos = tl.load(Eos + offs, mask=live, other=-1)
+    nxt = tl.where((pos + 1 >= stop) | (tok == eos), -1, pos + 1)
+    tl.store(Pos + offs, nxt, mask=live)
+
+
+class DecodeGraphs:
+    """The decode step with its metadata on the device, one CUDA graph per batch-size bucket.
+
+    State (persistent device buffers, one int32 buffer filled by a single host-to-device copy per
+    :meth:`load`): per row the input token, its position (-1: padding), the position at which the row
+    stops, its EOS id, and its block table. A step (:meth:`run`) embeds the tokens and derives slots and
+    context lengths on the device (one kernel), runs the model, takes the greedy argmax, and advances the
+    state on the device (one kernel): the token becomes the next input and lands in a ring of the last
+    ``hist`` tokens, the position moves on, a row that reached its stop or produced its EOS turns to
+    padding. So ``run(B, steps)`` replays the graph ``steps`` times with no host work in between, and
+    :meth:`tokens` reads every row's new tokens back with one sync.
+
+    A batch of B runs in the smallest bucket >= B; padding rows (pos -1) have slot -1 (``write_kv``
+    skips it), context length 1 and a valid block id in their table, so they write nothing and read one
+    valid cache slot; their logits are dropped. ``capture=False`` runs the same step eagerly (no CUDA:
+    tests of the host logic on the CPU).
+    """
+
+    def __init__(self, model, ops, kv, max_blocks, buckets, *, hist: int = 16, capture: bool = True):
+        self.model, self.ops, self.kv = model, ops, kv
+        self.device = torch.device(model.device)
+        self.buckets, self.Bmax, self.mb, self.R = list(buckets), buckets[-1], max_blocks, hist
+        self.block_size = kv.k_caches[0].shape[1]
+        self.max_pos = min(model.config.n_positions, max_blocks * self.block_size) - 1
+        Bm, dev = self.Bmax, self.device
+        pin = dev.type == "cuda"
+        self.h = torch.zeros(4 * Bm + Bm * max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.n = self.h.numpy()
+        self.n[Bm:2 * Bm] = -1             # every row padding
+        self.n[3 * Bm:4 * Bm] = -1         # no EOS
+        self.d = self.h.to(dev)
+        self.ids, self.pos, self.stop, self.eos = (self.d[i * Bm:(i + 1) * Bm] for i in range(4))
+        self.bt = self.d[4 * Bm:].view(Bm, max_blocks)
+        self.slots = torch.full((Bm,), -1, dtype=torch.int32, device=dev)
+        self.ctx = torch.ones(Bm, dtype=torch.int32, device=dev)
+        self.hist = torch.zeros((Bm, hist), dtype=torch.int32, device=dev)
+        self._rows = [None] * Bm           # the block table each row's bt holds, and how many of its blocks
+        self._row_len = [0] * Bm
         self.graphs, self.out = {}, {}
+        self.capture_s = 0.0
+        if capture:
+            self._capture()
+
+    def _run(self, b):
+        m = self.model
+        E = m.config.n_embd
+        wte, wpe = m.w.wte, m.w.wpe
+        x = torch.empty((b, E), dtype=m.dtype, device=self.device)
+        _step_in_kernel[(b,)](self.ids, self.pos, self.bt, wte, wpe, x, self.slots, self.ctx, self.bt.stride(0),
+                              wte.stride(0), wpe.stride(0), E, self.max_pos, BLOCK_SIZE=self.block_size,
+                              BLOCK_E=triton.next_power_of_2(E), num_warps=4 if E >= 512 else 1)
+        logits = forward_step(m, self.ops, self.kv, None, None, self.slots[:b], block_tables=self.bt[:b],
+                              context_lens=self.ctx[:b], x=x)
+        tok = logits.argmax(dim=-1)
+        _step_out_kernel[(1,)](tok, self.ids, self.pos, self.stop, self.eos, self.hist, b, self.R,
+                               BLOCK_B=triton.next_power_of_2(b), num_warps=1 if b <= 32 else 4)
+        return logits
+
+    def _capture(self):
+        dev = self.device
         t0 = time.perf_counter()
-        pool = None
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for b in buckets:        # compile + warm up every kernel variant before any capture
-                self._run(b)
+            for b in self.buckets:      # compile + warm up every kernel variant before any capture
+                self._run(b)            # (every row is padding: nothing is written)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
-        for b in reversed(buckets):  # largest first: the smaller graphs reuse its memory pool
+        pool = None
+        for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self.out[b] = self._run(b)
@@ -198,37 +289,52 @@ class _DecodeGraphs:
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
 
-    def _run(self, b):
-        e, Bmax = self.engine, self.Bmax
-        bt = self.d32[Bmax:].view(Bmax, e.max_blocks)
-        logits = forward_step(e.model, e.ops, e.pool, self.d64[:b], self.d64[Bmax:Bmax + b],
-                              self.d64[2 * Bmax:2 * Bmax + b], block_tables=bt[:b], context_lens=self.d32[:b])
-        return logits, logits.argmax(dim=-1)
-
     def bucket(self, B):
         return next((b for b in self.buckets if b >= B), None)
 
-    def __call__(self, ids, positions, slots, context_lens, tables):
-        """(logits (B, V), greedy tokens (B,)) of one decode step; B <= the largest bucket."""
+    def load(self, ids, positions, stops, eos, tables):
+        """Set rows 0..B-1 (the rest of the bucket: padding): input token, its position, the position at
+        which the row stops, its EOS id (-1: none), its block table (BlockTable or list of block ids)."""
         B = len(ids)
+        b, Bm, n = self.bucket(B), self.Bmax, self.n
+        n[:B] = ids
+        n[Bm:Bm + B] = positions
+        n[Bm + B:Bm + b] = -1
+        n[2 * Bm:2 * Bm + B] = stops
+        n[3 * Bm:3 * Bm + B] = eos
+        bt = n[4 * Bm:].reshape(Bm, self.mb)
+        rows, lens = self._rows, self._row_len
+        for i, t in enumerate(tables):       # a row's table only grows: write just its new blocks
+            blocks = t.blocks if hasattr(t, "blocks") else t
+            k = len(blocks)
+            if rows[i] is t:
+                if k != lens[i]:
+                    bt[i, lens[i]:k] = blocks[lens[i]:]
+                    lens[i] = k
+            else:
+                bt[i, :k] = blocks
+                rows[i], lens[i] = t, k
+        # The previous load's copy is done: every caller syncs on its tokens before loading again.
+        k = 4 * Bm + b * self.mb
+        self.d[:k].copy_(self.h[:k], non_blocking=True)
+
+    def run(self, B, steps: int = 1):
+        """``steps`` decode steps of the loaded rows; the logits (B, V) of the last."""
         b = self.bucket(B)
-        Bmax, mb = self.Bmax, self.engine.max_blocks
-        n64, n32 = self.n64, self.n32
-        n64[:B], n64[B:b] = ids, 0
-        n64[Bmax:Bmax + B], n64[Bmax + B:Bmax + b] = positions, 0
-        n64[2 * Bmax:2 * Bmax + B], n64[2 * Bmax + B:2 * Bmax + b] = slots, -1
-        n32[:B], n32[B:b] = context_lens, 1
-        bt = n32[Bmax:].reshape(Bmax, mb)
-        bt[:b] = 0
-        for i, t in enumerate(tables):
-            bt[i, :len(t.blocks)] = t.blocks
-        # the previous step's copies are done: its tokens came back to the host before this call
-        self.d64.copy_(self.h64, non_blocking=True)
-        n = Bmax + b * mb                 # context lens, then the bucket's block-table rows
-        self.d32[:n].copy_(self.h32[:n], non_blocking=True)
-        self.graphs[b].replay()
-        logits, tokens = self.out[b]
-        return logits[:B], tokens[:B]
+        g = self.graphs.get(b)
+        for _ in range(steps):
+            if g is not None:
+                g.replay()
+            else:
+                self.out[b] = self._run(b)
+        return self.out[b][:B]
+
+    def tokens(self, positions, steps: int) -> list[list[int]]:
+        """The tokens of the last ``steps`` steps, per step, of the rows loaded at ``positions`` (one sync).
+        A row that stopped early has stale values past its stop."""
+        B, R = len(positions), self.R
+        h = self.hist[:B].tolist()
+        return [[h[i][(p + 1 + k) % R] for i, p in enumerate(positions)] for k in range(steps)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -297,9 +403,12 @@ class Engine:
     model: a :class:`tritune.model.gpt2.GPT2`. The KV pool is sized by exactly one of ``num_blocks``,
     ``kv_memory_bytes`` or ``kv_memory_fraction`` (of free GPU memory); default 0.5 on a GPU, 256 MiB on
     the CPU. ``max_batch_tokens``: tokens per step (prefill tokens + one per decode; >= n_positions, as
-    prefills are not chunked). ``cuda_graphs``: capture the decode forward per batch bucket (CUDA and the
-    triton backend only; otherwise ignored and said in ``notes``). ``compile``: torch.compile the decode
-    forward instead (dynamic shapes). ``quant``: None, "int8" or "int4" weight-only for every linear.
+    prefills are not chunked). ``cuda_graphs``: capture the decode step per batch bucket (CUDA and the
+    triton backend only; otherwise ignored and said in ``notes``). ``decode_steps``: on that path, a step
+    that only decodes greedy requests runs up to this many graph replays back to back (the tokens fed
+    back on the device), then reads all their tokens with one sync (1: one step per sync).
+    ``compile``: torch.compile the decode forward instead (dynamic shapes). ``quant``: None, "int8" or
+    "int4" weight-only for every linear.
     """
 
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory_bytes: int | None = None,
@@ -307,7 +416,7 @@ class Engine:
                  max_batch_tokens: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool = True,
                  compile: bool = False, quant: str | None = None, group_size: int = 128, tokenizer=None,
                  graph_buckets=GRAPH_BUCKETS, prefill_batching: bool | None = None, prefill_min_seats: int | None = None,
-                 prefill_max_wait: int = 8):
+                 prefill_max_wait: int = 8, decode_steps: int = 16):
         if quant not in QUANT_MODES:
             raise ValueError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
         given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
@@ -316,6 +425,9 @@ class Engine:
             raise ValueError(f"give at most one of num_blocks, kv_memory_bytes, kv_memory_fraction (got {given})")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: expected an int >= 1, got {max_num_seqs!r}")
+        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or not 1 <= decode_steps <= 64:
+            raise ValueError(f"decode_steps: expected an int in [1, 64], got {decode_steps!r}")
+        self.decode_steps = decode_steps
         self.config = c = model.config
         self.device = torch.device(model.device)
         self.dtype = model.dtype
@@ -350,9 +462,13 @@ class Engine:
                                    vocab_size=c.vocab_size)
         self.max_num_seqs = max_num_seqs
         self._generators: dict = {}
-        self._greedy = None
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,
-                      "mixed_steps": 0, "preemptions": 0}
+                      "multi_steps": 0, "mixed_steps": 0, "preemptions": 0}
+        # host seconds per phase of step() (load/launch/wait: the graph path; forward: the others)
+        self.timings = dict.fromkeys(("schedule_s", "forward_s", "load_s", "launch_s", "wait_s", "update_s"), 0.0)
+        self.timings["tokens"] = 0
+        self.gpu_timing = False     # True: CUDA events time the graph replays (stats["graph_gpu_s"])
+        self.stats["graph_gpu_s"] = 0.0
 
         self.graphs = None
         self._compiled = None
@@ -367,7 +483,8 @@ class Engine:
             else:
                 buckets = [b for b in graph_buckets if b < max_num_seqs] + [min(
                     max_num_seqs, next((b for b in graph_buckets if b >= max_num_seqs), max_num_seqs))]
-                self.graphs = _DecodeGraphs(self, sorted(set(buckets)))
+                self.graphs = DecodeGraphs(self.model, self.ops, self.pool, self.max_blocks, sorted(set(buckets)),
+                                           hist=max(16, decode_steps))
                 self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
                                   f"(captured in {self.graphs.capture_s:.1f} s)")
         if compile:
@@ -454,13 +571,27 @@ class Engine:
     # -------------------------------------------------------------------------------------- the step
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Schedule, run one forward, sample, update. Returns the requests that finished in this step."""
+        """Schedule, run one forward (or, on the graph path, up to ``decode_steps`` decode steps), sample,
+        update. Returns the requests that finished."""
+        tm = self.timings
+        t0 = time.perf_counter()
         out = self.scheduler.schedule(admit=self._admit())
         if not out:
             return []
+        t1 = time.perf_counter()
+        tm["schedule_s"] += t1 - t0
+        before = self.stats["decode_tokens"]
         try:
-            logits = self._forward(out)
-            tokens = self._sample(out, logits)
+            if self._graph_only(out):
+                finished = self._graph_decode(out)
+            else:
+                logits = self._forward(out)
+                tokens = self._sample(out, logits)
+                t2 = time.perf_counter()
+                tm["forward_s"] += t2 - t1
+                finished = self.scheduler.update(out, tokens)
+                self.stats["steps"] += 1
+                self.stats["decode_tokens"] += len(out.decode)
         except Exception as e:
             # The step's requests cannot go on (their caches are in an unknown state): end them with the
             # error, free their blocks, and leave the engine usable for the rest.
@@ -469,7 +600,7 @@ class Engine:
                 req.error = e
                 self.scheduler.finish(req, "error")
             raise
-        finished = self.scheduler.update(out, tokens)
+        t3 = time.perf_counter()
         if self.tokenizer is not None:
             for req in out.requests:
                 if req.sampling.stop and req.state != FINISHED:
@@ -480,10 +611,11 @@ class Engine:
         for req in finished:
             self._generators.pop(req.id, None)
         st = self.stats
-        st["steps"] += 1
-        st["prefill_tokens"] += sum(map(len, out.prefill_ids))
-        st["decode_tokens"] += len(out.decode_ids)
+        if out.prefill:
+            st["prefill_tokens"] += sum(map(len, out.prefill_ids))
         st["preemptions"] += len(out.preempted)
+        tm["update_s"] += time.perf_counter() - t3
+        tm["tokens"] += st["decode_tokens"] - before
         return finished
 
     def _admit(self) -> bool:
@@ -497,6 +629,68 @@ class Engine:
             return True
         self._waited += 1
         return False
+
+    # -------------------------------------------------------------------------------------- graph decode
+    def _graph_only(self, out: SchedulerOutput) -> bool:
+        """A step of greedy decodes only, in a captured bucket: the device samples and feeds back."""
+        return (self.graphs is not None and not out.prefill and self.graphs.bucket(len(out.decode)) is not None
+                and all(r.sampling.temperature == 0 for r in out.decode))
+
+    def _num_steps(self, out: SchedulerOutput) -> int:
+        """How many decode steps to run before the host looks at the tokens again."""
+        reqs = out.decode
+        K = self.decode_steps
+        if K == 1 or (self.tokenizer is not None and any(r.sampling.stop for r in reqs)):
+            return 1                    # stop strings are checked on the host after every token
+        left = [r.max_new_tokens - len(r.output_ids) for r in reqs]
+        K = min(K, max(left))           # rows that finish earlier turn to padding on the device
+        sch = self.scheduler
+        if sch.waiting:                 # admission decisions happen between host round trips
+            if self.prefill_batching:
+                K = min(K, max(1, self.prefill_max_wait - self._waited))
+            else:
+                K = min(K, min(left))   # admit as soon as a seat frees
+        if K > 1 and not sch.reserve(out, K):
+            K = 1                       # not enough free blocks to hold K tokens of every row
+        return K
+
+    def _graph_decode(self, out: SchedulerOutput) -> list[Request]:
+        """Up to ``decode_steps`` greedy decode steps with one host sync; update with every token."""
+        tm = self.timings
+        t0 = time.perf_counter()
+        K = self._num_steps(out)
+        reqs, pos = out.decode, out.decode_positions
+        eos = self.config.eos_token_id
+        stops = [p + min(K, r.max_new_tokens - len(r.output_ids)) for r, p in zip(reqs, pos)]
+        eoss = [-1 if eos is None or r.sampling.ignore_eos else eos for r in reqs]
+        g = self.graphs
+        g.load(out.decode_ids, pos, stops, eoss, out.decode_tables)
+        t1 = time.perf_counter()
+        if self.gpu_timing:
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev[0].record()
+        g.run(len(reqs), K)
+        if self.gpu_timing:
+            ev[1].record()
+        t2 = time.perf_counter()
+        rows = g.tokens(pos, K)                       # the one sync
+        t3 = time.perf_counter()
+        if self.gpu_timing:
+            self.stats["graph_gpu_s"] += ev[0].elapsed_time(ev[1]) / 1e3
+        before = sum(len(r.output_ids) for r in reqs)
+        finished = self.scheduler.update_steps(out, rows)
+        st = self.stats
+        st["decode_tokens"] += sum(len(r.output_ids) for r in reqs) - before
+        st["steps"] += K
+        st["graph_steps"] += K
+        st["multi_steps"] += K > 1
+        if K > 1 and self.scheduler.waiting and self.prefill_batching:
+            self._waited += K - 1      # each replay was a step the queue waited
+        tm["load_s"] += t1 - t0
+        tm["launch_s"] += t2 - t1
+        tm["wait_s"] += t3 - t2
+        tm["update_s"] += time.perf_counter() - t3
+        return finished
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         Td = len(out.decode)
@@ -515,27 +709,32 @@ class Engine:
             parts.append(self._eager(out.prefill_ids, out.prefill_slots, [], [], [], [], []))
         if fast == "graph":
             self.stats["graph_steps"] += 1
-            logits, greedy = self.graphs(out.decode_ids, out.decode_positions, out.decode_slots,
-                                         out.context_lens, out.decode_tables)
-            if not out.prefill:
-                self._greedy = greedy      # argmax already taken inside the graph
-            parts.append(logits)
+            pos = out.decode_positions
+            self.graphs.load(out.decode_ids, pos, [p + 1 for p in pos], [-1] * Td, out.decode_tables)
+            parts.append(self.graphs.run(Td, 1))
         else:
             ids, pos, slots, bt, ctx = self._decode_inputs(out.decode_ids, out.decode_positions, out.decode_slots,
                                                            out.context_lens, out.decode_tables)
-            parts.append(self._compiled(ids, pos, slots, bt, ctx))
+            parts.append(self._compiled(ids, pos, slots, bt, ctx)[:Td])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decode_eager(self, ids, pos, slots, bt, ctx):
         return forward_step(self.model, self.ops, self.pool, ids, pos, slots, block_tables=bt, context_lens=ctx)
 
     def _decode_inputs(self, ids, positions, slots, context_lens, tables):
+        """Device inputs of the compiled decode: block tables padded to max_blocks columns and the batch
+        to at least 2 rows (a copy of row 0, which writes the same K/V to the same slot), so one dynamic
+        compile covers every batch (a batch of 1 would otherwise be specialised and compiled again)."""
         dev = self.device
-        B = len(ids)
+        B = max(2, len(ids))
+        ids, positions, slots = list(ids), list(positions), list(slots)
+        context_lens, tables = list(context_lens), list(tables)
+        while len(ids) < B:
+            ids.append(ids[0]), positions.append(positions[0]), slots.append(slots[0])
+            context_lens.append(context_lens[0]), tables.append(tables[0])
         h = torch.tensor(np.concatenate([np.asarray(ids, np.int64), np.asarray(positions, np.int64),
                                          np.asarray(slots, np.int64)]))
-        mb = max(len(t.blocks) for t in tables)
-        h32 = np.zeros((B, mb + 1), np.int32)
+        h32 = np.zeros((B, self.max_blocks + 1), np.int32)
         h32[:, 0] = context_lens
         for i, t in enumerate(tables):
             h32[i, 1:1 + len(t.blocks)] = t.blocks
@@ -577,9 +776,7 @@ class Engine:
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int]:
         reqs = out.requests
-        greedy, self._greedy = self._greedy, None
-        if greedy is None:
-            greedy = logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1)
         if all(r.sampling.temperature == 0 for r in reqs):
             return greedy.tolist()
         toks = greedy.tolist()

@@ -7,6 +7,13 @@ is given), and after the loop ``.result`` holds the tokens, the text, why it sto
 
 The KV cache is the paged layout the decode kernel reads, with the sequence's blocks taken in order
 (block table = 0, 1, 2, ...; slot = position): the engine's block pool replaces that for many requests.
+
+On a GPU with the triton backend, decode steps replay a CUDA graph of the whole step
+(:class:`tritune.model.engine.DecodeGraphs` at batch 1: embedding, layers, logits, greedy argmax, and the
+position advanced on the device), captured once per model and cache size. The host runs one step ahead:
+step s+1 is queued before the token of step s is read back, so the GPU never waits for the host's
+per-token work (streaming, stop checks). Sampled tokens are drawn on the device between two replays,
+so a seeded generator gives the same tokens as the eager path.
 """
 from __future__ import annotations
 
@@ -104,9 +111,44 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+_MAX_DECODERS = 4     # cached decode graphs per model (one per cache size)
+
+
+def _acquire_decoder(model, num_blocks: int, block_size: int):
+    """The model's DecodeGraphs for a one-sequence cache of ``num_blocks`` blocks (built and captured on
+    first use, then reused), or None while another generation holds it."""
+    from tritune.model.engine import DecodeGraphs
+
+    cache = model.__dict__.setdefault("_decoders", {})
+    key = (num_blocks, block_size)
+    dec = cache.get(key)
+    if dec is None:
+        if len(cache) >= _MAX_DECODERS:
+            idle = [k for k, d in cache.items() if not d.busy]
+            if not idle:
+                return None
+            del cache[idle[0]]
+        kv = model.new_cache(num_blocks * block_size, block_size)
+        dec = DecodeGraphs(model, model.ops, kv, num_blocks, [1], capture=graphs_available(model))
+        dec.busy = False
+        cache[key] = dec
+    if dec.busy:
+        return None
+    dec.busy = True
+    return dec
+
+
+def graphs_available(model) -> bool:
+    """Whether ``stream``/``generate`` replay CUDA graphs by default: the triton backend on a CUDA device
+    with its decode kernels (write_kv skipping padding slots and paged attention)."""
+    ops = model.ops
+    return (torch.device(model.device).type == "cuda" and model.backend == "triton"
+            and getattr(ops, "_paged", None) is not None)
+
+
 class Generation:
     def __init__(self, model, prompt_ids, *, tokenizer, max_new_tokens, temperature, top_k, top_p, seed,
-                 stop, eos_token_id, truncate, block_size):
+                 stop, eos_token_id, truncate, block_size, cuda_graph=None):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         check_sampling(temperature, top_k, top_p)
@@ -132,6 +174,7 @@ class Generation:
         self.seed, self.stops, self.block_size = seed, stops, block_size
         self.eos = model.config.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
         self.result = GenerationResult(prompt_ids=ids, truncated=truncated)
+        self.cuda_graph = graphs_available(model) if cuda_graph is None else bool(cuda_graph)
         self._started = False
 
     def __iter__(self):
@@ -141,18 +184,30 @@ class Generation:
         return self._run()
 
     def _run(self):
+        P, n_pos = len(self.result.prompt_ids), self.model.config.n_positions
+        # positions that get K/V: the prompt and every new token but the last (which is never fed back)
+        need = min(n_pos, P + self.max_new_tokens - 1)
+        dec = None
+        if self.cuda_graph:
+            dec = _acquire_decoder(self.model, max(1, -(-need // self.block_size)), self.block_size)
+        try:
+            yield from self._generate(dec, need)
+        finally:
+            if dec is not None:
+                dec.busy = False
+
+    def _generate(self, dec, need):
         model, res = self.model, self.result
         dev = model.device
         ids = res.prompt_ids
-        P, n_pos = len(ids), model.config.n_positions
-        # positions that get K/V: the prompt and every new token but the last (which is never fed back)
-        cache = model.new_cache(min(n_pos, P + self.max_new_tokens - 1), self.block_size)
+        P = len(ids)
+        cache = dec.kv if dec is not None else model.new_cache(need, self.block_size)
         gen = None
         if self.seed is not None:
             gen = torch.Generator(device=dev)
             gen.manual_seed(int(self.seed))
-        dec = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        text, held = "", ""          # text emitted; text held back as a possible start of a stop string
+        self._dec = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        self._text, self._held = "", ""   # text emitted; text held back as a possible start of a stop string
 
         _sync(dev)
         t0 = time.perf_counter()
@@ -162,33 +217,31 @@ class Generation:
         token = int(tok[0])          # syncs: the prefill time includes the first token
         t1 = time.perf_counter()
         res.timings = Timings(prompt_tokens=P, prefill_ms=(t1 - t0) * 1e3)
+        if dec is None:
+            yield from self._eager_steps(cache, tok, token, gen)
+        else:
+            yield from self._graph_steps(dec, token, gen)
+        _sync(dev)
+        res.timings.decode_s = time.perf_counter() - t1
+        if self._dec is not None and res.finish_reason != "stop":
+            rest = self._held + self._dec.flush()
+            if rest:
+                self._text += rest
+                yield TokenEvent(None, rest)
+        res.text = self._text
 
+    def _eager_steps(self, cache, tok, token, gen):
+        model = self.model
+        dev = model.device
+        P = len(self.result.prompt_ids)
         block_table = torch.arange(cache.num_blocks, dtype=torch.int32, device=dev)[None, :]
         pos = torch.full((1,), P, dtype=torch.long, device=dev)     # also the slot: blocks in order
         ctx = torch.full((1,), P + 1, dtype=torch.int32, device=dev)
         n = P
         while True:
-            res.tokens.append(token)
-            res.timings.new_tokens = len(res.tokens)
-            if self.eos is not None and token == self.eos:
-                res.finish_reason = "eos"
-            piece = ""
-            if dec is not None and res.finish_reason != "eos":
-                full = text + held + dec.push(token)    # everything produced; text is what was emitted
-                hits = [i for i in (full.find(s) for s in self.stops) if i >= 0]
-                if hits:
-                    piece, held = full[len(text):min(hits)], ""
-                    res.finish_reason = "stop"
-                else:
-                    keep = min(self._held_len(full), len(full) - len(text))
-                    piece, held = full[len(text):len(full) - keep], full[len(full) - keep:]
-                text += piece
-            if res.finish_reason is None and len(res.tokens) >= self.max_new_tokens:
-                res.finish_reason = "length"
-            if res.finish_reason is None and n >= n_pos:
-                res.finish_reason = "context"
-            yield TokenEvent(token, piece)
-            if res.finish_reason is not None:
+            ev = self._accept(token, n)
+            yield ev
+            if self.result.finish_reason is not None:
                 break
             logits = model.decode(tok.view(1), pos, cache, pos, block_table, ctx)
             tok = sample(logits, self.temperature, self.top_k, self.top_p, gen)
@@ -196,14 +249,66 @@ class Generation:
             pos += 1
             ctx += 1
             n += 1
-        _sync(dev)
-        res.timings.decode_s = time.perf_counter() - t1
-        if dec is not None and res.finish_reason != "stop":
-            rest = held + dec.flush()
-            if rest:
-                text += rest
-                yield TokenEvent(None, rest)
-        res.text = text
+
+    def _graph_steps(self, dec, token, gen):
+        """Decode steps as graph replays, one step ahead of the host (see the module docstring)."""
+        P, n_pos = len(self.result.prompt_ids), self.model.config.n_positions
+        S = min(self.max_new_tokens - 1, n_pos - P)     # decode steps that may be needed
+        dec.load([token], [P], [P + S], [-1], [list(range(dec.mb))])
+        cuda = dec.device.type == "cuda"
+        bufs = [torch.zeros(1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        greedy = self.temperature == 0
+        launched = 0
+
+        def launch():
+            nonlocal launched
+            launched += 1
+            logits = dec.run(1, 1)
+            if not greedy:          # drawn on the device; it replaces the argmax the graph fed back
+                dec.ids[:1].copy_(sample(logits, self.temperature, self.top_k, self.top_p, gen))
+            i = launched % 2
+            bufs[i].copy_(dec.ids[:1], non_blocking=cuda)
+            if cuda:
+                events[i].record()
+
+        if S >= 1:
+            launch()
+        yield self._accept(token, P)
+        s = 0
+        while self.result.finish_reason is None:
+            s += 1
+            if launched < min(s + 1, S):
+                launch()            # step s+1 is queued before step s's token is waited for
+            if cuda:
+                events[s % 2].synchronize()
+            token = int(bufs[s % 2][0])
+            yield self._accept(token, P + s)
+
+    def _accept(self, token: int, n: int) -> TokenEvent:
+        """Take the new token (``n``: the position it would be fed back at): stop checks, streamed text."""
+        res = self.result
+        res.tokens.append(token)
+        res.timings.new_tokens = len(res.tokens)
+        if self.eos is not None and token == self.eos:
+            res.finish_reason = "eos"
+        piece = ""
+        if self._dec is not None and res.finish_reason != "eos":
+            text, held = self._text, self._held
+            full = text + held + self._dec.push(token)  # everything produced; text is what was emitted
+            hits = [i for i in (full.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                piece, held = full[len(text):min(hits)], ""
+                res.finish_reason = "stop"
+            else:
+                keep = min(self._held_len(full), len(full) - len(text))
+                piece, held = full[len(text):len(full) - keep], full[len(full) - keep:]
+            self._text, self._held = text + piece, held
+        if res.finish_reason is None and len(res.tokens) >= self.max_new_tokens:
+            res.finish_reason = "length"
+        if res.finish_reason is None and n >= self.model.config.n_positions:
+            res.finish_reason = "context"
+        return TokenEvent(token, piece)
 
     def _held_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that begins some stop string (it might complete it)."""
@@ -218,13 +323,15 @@ class Generation:
 
 def stream(model, prompt, *, tokenizer=None, max_new_tokens: int = 64, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=None, eos_token_id=_DEFAULT,
-           truncate: bool = False, block_size: int = 16) -> Generation:
+           truncate: bool = False, block_size: int = 16, cuda_graph: bool | None = None) -> Generation:
     """A generation to iterate: ``prompt`` is text (needs ``tokenizer``) or a list of token ids.
 
     Stops at ``eos_token_id`` (default: the config's; None never stops on it), at a ``stop`` string (the
     text ends before it), after ``max_new_tokens``, or when the context is full. A prompt longer than
     the context raises ValueError; ``truncate=True`` instead keeps its last tokens, as many as leave
-    room for ``max_new_tokens``.
+    room for ``max_new_tokens``. ``cuda_graph``: replay the decode step as a graph, one step ahead of
+    the host (default: where :func:`graphs_available`; True elsewhere runs the same device-side step
+    eagerly, False the plain per-step loop).
     """
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -232,7 +339,8 @@ def stream(model, prompt, *, tokenizer=None, max_new_tokens: int = 64, temperatu
         prompt = tokenizer.encode(prompt)
     return Generation(model, prompt, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                      eos_token_id=eos_token_id, truncate=truncate, block_size=block_size)
+                      eos_token_id=eos_token_id, truncate=truncate, block_size=block_size,
+                      cuda_graph=cuda_graph)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:

@@ -299,6 +299,33 @@ class Scheduler:
                 done.append(req)
         return done
 
+    def reserve(self, out: SchedulerOutput, steps: int) -> bool:
+        """Blocks for ``steps`` decode steps of every sequence in ``out.decode`` (the engine runs several
+        steps between two host round trips): a sequence with r tokens left gets room for min(steps, r)
+        new positions. All or nothing: False (and nothing allocated) when the pool is short."""
+        pool = self.pool
+        need = []
+        for req in out.decode:
+            n = req.num_tokens - 1 + min(steps, req.max_new_tokens - len(req.output_ids))
+            need.append((req, n, req.table.blocks_needed(n)))
+        if sum(k for _, _, k in need) > pool.num_free:
+            return False
+        for req, n, k in need:
+            if k:
+                req.table.ensure_capacity(n)
+        return True
+
+    def update_steps(self, out: SchedulerOutput, steps) -> list[Request]:
+        """:meth:`update` once per step of a multi-step decode: ``steps`` holds, for each step, one token
+        per sequence of ``out.decode``. A sequence that finishes ignores its later tokens."""
+        if out.prefill:
+            raise ValueError("update_steps: a step with prefills runs one step at a time")
+        done = []
+        for tokens in steps:
+            self._pending = True
+            done += self.update(out, tokens)
+        return done
+
     # ---------------------------------------------------------------------------------------- internals
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -162,6 +162,7 @@ def run_engine(engine, items) -> dict:
     pending = sorted(range(len(items)), key=lambda i: items[i].arrival)
     reqs = [None] * len(items)
     steps0, pre0 = engine.stats["steps"], engine.stats["preemptions"]
+    multi0, tm0 = engine.stats["multi_steps"], dict(engine.timings)
     engine.pool.peak_used = engine.pool.num_used
     _sync()
     t0 = time.perf_counter()
@@ -188,34 +189,34 @@ def run_engine(engine, items) -> dict:
             "output_tok_s": out_tok / elapsed, "total_tok_s": (in_tok + out_tok) / elapsed,
             "req_s": len(reqs) / elapsed, "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot),
             "peak_kv_blocks": engine.pool.peak_used, "kv_blocks": engine.pool.num_blocks,
-            "steps": engine.stats["steps"] - steps0, "preemptions": engine.stats["preemptions"] - pre0}
+            "steps": engine.stats["steps"] - steps0, "multi_steps": engine.stats["multi_steps"] - multi0,
+            "preemptions": engine.stats["preemptions"] - pre0,
+            "host_s": {k[:-2]: round(engine.timings[k] - tm0[k], 4) for k in tm0 if k.endswith("_s")}}
 
 
 def decode_rate(engine, prompt_len=64, new_tokens=512, vocab=50257) -> dict:
-    """One request alone: decode tokens/s after the first token."""
+    """One request alone: decode tokens/s after the first token, and where a token's time goes: on the
+    graph path the GPU's share (CUDA events around the replays) and the host's phases of ``step()``."""
     import random
 
     from tritune.model.scheduler import SamplingParams
 
     new_tokens = min(new_tokens, engine.config.n_positions - prompt_len)
     rnd = random.Random(1)
+    engine.gpu_timing = engine.graphs is not None
+    gpu0, tm0 = engine.stats["graph_gpu_s"], dict(engine.timings)
     req = engine.add_request([rnd.randrange(vocab - 1) for _ in range(prompt_len)],
                              SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     engine.run()
+    engine.gpu_timing = False
     dt = req.finish_time - req.first_token_time
-    r = {"prompt_len": prompt_len, "new_tokens": new_tokens, "decode_tok_s": (new_tokens - 1) / dt,
-         "ms_per_token": dt / (new_tokens - 1) * 1e3}
-    if engine.graphs is not None:    # the GPU's share: the batch-1 graph replayed back to back, no host work
-        import torch
-
-        g = engine.graphs.graphs[1]
-        g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(100):
-            g.replay()
-        torch.cuda.synchronize()
-        r["graph_replay_ms"] = (time.perf_counter() - t0) / 100 * 1e3
+    n = new_tokens - 1
+    r = {"prompt_len": prompt_len, "new_tokens": new_tokens, "decode_tok_s": n / dt, "ms_per_token": dt / n * 1e3}
+    tm = {k: engine.timings[k] - tm0[k] for k in tm0}
+    r["host_us_per_token"] = {k[:-2]: v / n * 1e6 for k, v in tm.items() if k.endswith("_s") and v}
+    if engine.graphs is not None:
+        r["gpu_ms_per_token"] = (engine.stats["graph_gpu_s"] - gpu0) / n * 1e3
+        r["decode_steps"] = engine.decode_steps
     return r
 
 
@@ -242,6 +243,13 @@ def run_hf(hf, items, batch_size, limit) -> dict:
     sub = items[:limit] if limit else items
     pad = 0
     useful = 0
+    dev = next(hf.parameters()).device
+    with torch.inference_mode():     # warm-up at the timed batch size: kernels, allocator, generate's setup
+        w = [it.prompt_ids for it in sub[:batch_size]]
+        L = max(map(len, w))
+        hf.generate(input_ids=torch.tensor([[pad] * (L - len(p)) + p for p in w], device=dev),
+                    attention_mask=torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in w], device=dev),
+                    max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=pad)
     _sync()
     t0 = time.perf_counter()
     for s in range(0, len(sub), batch_size):
@@ -253,7 +261,6 @@ def run_hf(hf, items, batch_size, limit) -> dict:
         for i, it in enumerate(batch):
             ids[i, L - len(it.prompt_ids):] = torch.tensor(it.prompt_ids)
             mask[i, L - len(it.prompt_ids):] = 1
-        dev = next(hf.parameters()).device
         with torch.inference_mode():
             hf.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new,
                         min_new_tokens=new, do_sample=False, pad_token_id=pad)
@@ -274,6 +281,10 @@ def run_naive(hf, items, n, max_new) -> dict:
 
     dev = next(hf.parameters()).device
     toks = 0
+    p0 = items[0].prompt_ids
+    with torch.inference_mode():     # warm-up: kernels and allocator at the lengths timed below
+        for L in (len(p0), len(p0) + max_new):
+            hf(torch.tensor([(p0 * (L // len(p0) + 1))[:L]], device=dev), use_cache=False)
     _sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -289,6 +300,45 @@ def run_naive(hf, items, n, max_new) -> dict:
     return {"requests": min(n, len(items)), "tokens": toks, "elapsed_s": el, "output_tok_s": toks / el,
             "note": f"first {max_new} output tokens of each request (shorter sequences than the full outputs, "
                     "which flatters naive)"}
+
+
+def progression(res) -> list[dict]:
+    """One row per mode, in the order they ran: the same workload, the same run, the same baselines."""
+    hf = res.get("transformers", {})
+    rows = []
+    for mode, r in res["modes"].items():
+        if "run" not in r:
+            rows.append({"mode": mode, "error": r.get("error")})
+            continue
+        b1 = r.get("batch1_decode", {})
+        rows.append({"mode": mode, "batch1_decode_tok_s": b1.get("decode_tok_s"),
+                     "output_tok_s": r["run"]["output_tok_s"], "total_tok_s": r["run"]["total_tok_s"],
+                     "tpot_p50_ms": r["run"]["tpot_ms"]["p50"], "ttft_p50_ms": r["run"]["ttft_ms"]["p50"],
+                     "vs_transformers": r.get("factors", {}).get("vs_transformers"),
+                     "vs_naive_batch8": r.get("factors", {}).get("vs_naive_batch8"),
+                     "vs_naive_best": r.get("factors", {}).get("vs_naive_best")})
+    if hf:
+        rows.append({"mode": f"transformers generate (static batch {hf['batch_size']})",
+                     "output_tok_s": hf["output_tok_s"], "vs_transformers": 1.0})
+    if res.get("naive"):
+        rows.append({"mode": "naive (HF forward, no KV cache, batch 1)", "output_tok_s": res["naive"]["output_tok_s"]})
+    return rows
+
+
+def progression_table(res) -> str:
+    from tabulate import tabulate
+
+    def f(v, fmt):
+        return "" if v is None else format(v, fmt)
+
+    rows = [[r["mode"], f(r.get("batch1_decode_tok_s"), ".0f"), f(r.get("output_tok_s"), ".0f"),
+             f(r.get("tpot_p50_ms"), ".2f"), f(r.get("vs_transformers"), ".1f"), f(r.get("vs_naive_batch8"), ".0f"),
+             f(r.get("vs_naive_best"), ".0f"), r.get("error") or ""] for r in res["progression"]]
+    w = res["workload"]
+    head = (f"{w['requests']} requests (prompt {w['prompt_len'][0]}-{w['prompt_len'][1]}, output "
+            f"{w['output_len'][0]}-{w['output_len'][1]} tokens), {res['dtype']}, {res['gpu']}")
+    return head + "\n" + tabulate(rows, headers=["mode", "batch-1 decode tok/s", "output tok/s", "TPOT p50 ms",
+                                                 "x transformers", "x naive (batch 8)", "x naive (best)", "error"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -319,6 +369,8 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--batch-sweep", default="8", help="also run the first requests at these max batch sizes "
                    "(comma-separated; '' for none), for the factor over naive")
+    s.add_argument("--sweep-modes", default="triton-graphs,triton-int8,triton-int4",
+                   help="the modes that run the batch sweep (comma-separated)")
     s.add_argument("--sweep-requests", type=int, default=64)
     s.add_argument("--decode-tokens", type=int, default=512, help="batch-1 decode run length (0: skip)")
     s.add_argument("--hf-batch-size", type=int, default=32)
@@ -369,7 +421,7 @@ def run(args) -> int:
                         "rate": None if math.isinf(args.rate) else args.rate,
                         "prompt_tokens": sum(len(it.prompt_ids) for it in items),
                         "output_tokens": sum(it.output_len for it in items)},
-           "torch": torch.__version__, "modes": {}}
+           "torch": torch.__version__, "command": "tritune serve-bench " + " ".join(sys.argv[2:]), "modes": {}}
     _print(f"workload: {len(items)} requests, {res['workload']['prompt_tokens']} prompt + "
            f"{res['workload']['output_tokens']} output tokens; {res['dtype']} on {res['gpu']}")
 
@@ -410,7 +462,8 @@ def run(args) -> int:
             if args.decode_tokens:
                 r["batch1_decode"] = decode_rate(eng, 64, args.decode_tokens, config.vocab_size)
                 _print(f"[{mode}] batch-1 decode: {r['batch1_decode']['decode_tok_s']:.0f} tok/s "
-                       f"(graph replay alone: {r['batch1_decode'].get('graph_replay_ms', float('nan')):.3f} ms)")
+                       f"(GPU {r['batch1_decode'].get('gpu_ms_per_token', float('nan')):.3f} ms/token; host us/token "
+                       f"{ {k: round(v, 1) for k, v in r['batch1_decode']['host_us_per_token'].items()} })")
             r["run"] = run_engine(eng, items)
             m = r["run"]
             _print(f"[{mode}] {m['output_tok_s']:.0f} output tok/s, {m['total_tok_s']:.0f} total tok/s, "
@@ -418,7 +471,7 @@ def run(args) -> int:
                    f"{m['tpot_ms']['p50']:.2f} ms, peak KV blocks {m['peak_kv_blocks']}/{m['kv_blocks']}, "
                    f"{m['steps']} steps, {m['preemptions']} preemptions")
             sweep = {}
-            for b in [int(x) for x in args.batch_sweep.split(",") if x]:
+            for b in [int(x) for x in args.batch_sweep.split(",") if x and mode in args.sweep_modes.split(",")]:
                 eng.scheduler.max_num_seqs = b
                 sub = items[:max(args.sweep_requests, 0) or len(items)]
                 sweep[b] = run_engine(eng, sub)
@@ -459,6 +512,8 @@ def run(args) -> int:
         if f:
             _print(f"[{mode}] " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                             for k, v in f.items()))
+    res["progression"] = progression(res)
+    _print(progression_table(res))
     save()
     if args.out:
         _print(f"wrote {args.out}")

@@ -1,12 +1,22 @@
 """Single-request decode speed: tritune's GPT-2 (triton and torch backends) against transformers.generate.
 
 Batch 1, a prompt of --prompt tokens, --new greedy tokens (no EOS stop), random weights with GPT-2
-small's config (or --model DIR), one dtype. Each method runs once to warm up (compilation, allocator),
-then --reps timed runs; the table reports medians:
+small's config (or --model DIR), one dtype. Methods:
+
+- ``triton-graph``: ``generate`` replaying the CUDA graph of the decode step, one step ahead of the host;
+- ``engine``: the serving engine alone with one request (CUDA graphs, several replays per host sync);
+- ``triton``, ``torch``: ``generate``'s plain per-step loop (eager kernels / PyTorch ops);
+- ``transformers``: ``generate`` of transformers' GPT2LMHeadModel.
+
+Each method runs once to warm up (compilation, allocator, graph capture), then --reps timed runs; the
+table reports medians:
 
 - decode tok/s: the tokens after the first over the time after the first (prefill excluded). For
   transformers that is (new - 1) / (t(new tokens) - t(1 token)), both timed through generate().
 - end-to-end tok/s: new tokens over the whole call, prefill included.
+
+``--profile``: also a torch.profiler trace of the engine's batch-1 decode: the kernels of one token
+(count and GPU time each), GPU busy time against wall time, and the host's phases of ``Engine.step``.
 
 Writes the table to stdout and JSON to --out (default $OUT/decode.json, else ./decode.json).
 """
@@ -30,17 +40,18 @@ def sync():
         torch.cuda.synchronize()
 
 
-def bench_tritune(directory, backend, dtype, prompt, new, reps):
+def bench_tritune(directory, backend, dtype, prompt, new, reps, cuda_graph=False):
     from tritune.model.generate import generate
     from tritune.model.gpt2 import GPT2
 
     m = GPT2.from_pretrained(directory, backend=backend, dtype=dtype)
-    generate(m, prompt, max_new_tokens=new, eos_token_id=None)          # warm-up: every shape compiles
+    kw = dict(max_new_tokens=new, eos_token_id=None, cuda_graph=cuda_graph)
+    generate(m, prompt, **kw)          # warm-up: every shape compiles (and the graph is captured)
     runs = []
     for _ in range(reps):
         sync()
         t0 = time.perf_counter()
-        r = generate(m, prompt, max_new_tokens=new, eos_token_id=None)
+        r = generate(m, prompt, **kw)
         sync()
         total = time.perf_counter() - t0
         assert len(r.tokens) == new
@@ -50,6 +61,100 @@ def bench_tritune(directory, backend, dtype, prompt, new, reps):
     del m
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return runs, steps
+
+
+def _engine(directory, dtype, **kw):
+    from tritune.model.engine import Engine
+    from tritune.model.gpt2 import GPT2
+
+    m = GPT2.from_pretrained(directory, backend="triton", dtype=dtype)
+    return Engine(m, num_blocks=256, max_num_seqs=1, cuda_graphs=True, **kw)
+
+
+def _engine_run(eng, prompt, new):
+    from tritune.model.scheduler import SamplingParams
+
+    sync()
+    t0 = time.perf_counter()
+    req = eng.add_request(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    eng.run()
+    sync()
+    total = time.perf_counter() - t0
+    return req, total
+
+
+def bench_engine(directory, dtype, prompt, new, reps):
+    """The serving engine with one request: CUDA graphs, up to decode_steps replays per host sync."""
+    eng = _engine(directory, dtype)
+    _engine_run(eng, prompt, new)
+    runs = []
+    for _ in range(reps):
+        req, total = _engine_run(eng, prompt, new)
+        dt = req.finish_time - req.first_token_time
+        runs.append(dict(decode_tok_s=(new - 1) / dt, e2e_tok_s=new / total,
+                         prefill_ms=(req.first_token_time - req.arrival_time) * 1e3, tokens=list(req.output_ids)))
+    notes = eng.notes
+    del eng
+    torch.cuda.empty_cache()
+    return runs, "; ".join(notes)
+
+
+def _kernel_table(eng, prompt, new):
+    """[(kernel name, launches per decode token, GPU us per decode token)] of one request's decode."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tritune.model.scheduler import SamplingParams
+
+    eng.add_request(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    eng.step()                      # the prefill, outside the trace
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.run()
+        sync()
+    n = new - 1
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not any(
+                w in e.name.lower() for w in ("memcpy", "memset")):
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time
+    return sorted(((name, c / n, t / n) for name, (c, t) in kernels.items()), key=lambda r: -r[2])
+
+
+def profile_engine(directory, dtype, prompt, new=128, top=30) -> dict:
+    """Where a batch-1 token's time goes on the engine's graph path (decode_steps 1 and the default)."""
+    out = {}
+    for steps in (1, None):
+        eng = _engine(directory, dtype, **({} if steps is None else {"decode_steps": steps}))
+        _engine_run(eng, prompt, new)                    # warm
+        tm0, gpu0 = dict(eng.timings), eng.stats["graph_gpu_s"]
+        eng.gpu_timing = True
+        req, total = _engine_run(eng, prompt, new)
+        eng.gpu_timing = False
+        n = new - 1
+        wall = req.finish_time - req.first_token_time
+        host = {k[:-2]: (eng.timings[k] - tm0[k]) / n * 1e6 for k in tm0 if k.endswith("_s")}
+        rec = {"decode_steps": eng.decode_steps, "decode_tok_s": n / wall, "us_per_token": wall / n * 1e6,
+               "gpu_us_per_token_events": (eng.stats["graph_gpu_s"] - gpu0) / n * 1e6,
+               "host_us_per_token": host}
+        if steps is None:       # the kernel table, from the default configuration's replays
+            rows = _kernel_table(eng, prompt, new)
+            if not rows:        # the profiler saw no kernel inside the graphs: the same step, eagerly
+                g = eng.graphs
+                saved = g.graphs, dict(g.out)
+                g.graphs = {}
+                rows = _kernel_table(eng, prompt, 32)
+                g.graphs, g.out = saved
+                rec["kernels_from"] = "eager run of the captured step (the profiler saw no graph kernels)"
+            rec["kernels_per_token"] = round(sum(c for _, c, _ in rows), 2)
+            rec["kernel_us_per_token"] = round(sum(t for _, _, t in rows), 2)
+            rec["kernels"] = [{"name": nm[:120], "per_token": round(c, 2), "us_per_token": round(t, 2)}
+                              for nm, c, t in rows[:top]]
+        out[f"decode_steps={eng.decode_steps}"] = rec
+        del eng
+        torch.cuda.empty_cache()
+    return out
 
 
 def bench_transformers(directory, dtype, prompt, new, reps, device):
@@ -87,7 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--methods", default="triton,torch,transformers")
+    p.add_argument("--methods", default="triton-graph,engine,triton,torch,transformers")
+    p.add_argument("--profile", action="store_true", help="also profile the engine's batch-1 decode")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -106,9 +212,18 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
 
     results, reports = {}, {}
+    profile = None
+    if args.profile:
+        profile = profile_engine(directory, dtype, prompt)
+        print(json.dumps(profile, indent=1), file=sys.stderr, flush=True)
     for method in args.methods.split(","):
         if method in ("triton", "torch"):
             runs, reports[method] = bench_tritune(directory, method, dtype, prompt, args.new, args.reps)
+        elif method == "triton-graph":
+            runs, reports[method] = bench_tritune(directory, "triton", dtype, prompt, args.new, args.reps,
+                                                  cuda_graph=True)
+        elif method == "engine":
+            runs, reports[method] = bench_engine(directory, dtype, prompt, args.new, args.reps)
         elif method == "transformers":
             runs = bench_transformers(directory, dtype, prompt, args.new, args.reps, device)
         else:
@@ -150,7 +265,8 @@ def main(argv=None) -> int:
                new_tokens=args.new, reps=args.reps,
                model=dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
                           weights="random" if args.model is None else str(args.model)),
-               backend_steps=reports, results=summary)
+               command="python scripts/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               backend_steps=reports, results=summary, profile=profile)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")

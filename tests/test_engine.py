@@ -4,13 +4,15 @@ bad requests are refused without disturbing the others, preemption recomputes to
 import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
 
 import queue
+from dataclasses import replace
 
 import pytest
 import torch
 
 from tritune.model import weights as W
 from tritune.model.config import GPT2Config
-from tritune.model.engine import Engine, forward_step, quantize_weights
+from tritune.model import gpt2 as G
+from tritune.model.engine import DecodeGraphs, Engine, forward_step, quantize_weights
 from tritune.model.generate import generate as generate_alone
 from tritune.model.gpt2 import GPT2
 from tritune.model.scheduler import SamplingParams
@@ -225,13 +227,69 @@ def test_triton_backend_mixed_steps_match_alone():
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
+def device_step_engine(model, buckets=(1, 2, 4, 8), **kw):
+    """An engine whose decode runs through DecodeGraphs without capture (the CPU has no CUDA graphs): the
+    device-side step (embedding, slots, argmax, feedback, stop/EOS) and the multi-step host logic."""
+    eng = Engine(model, cuda_graphs=False, **kw)
+    eng.graphs = DecodeGraphs(eng.model, G.TorchOps, eng.pool, eng.max_blocks, list(buckets),
+                              hist=max(16, eng.decode_steps), capture=False)
+    return eng
+
+
+@pytest.mark.parametrize("decode_steps", [1, 5, 16])
+def test_multi_step_decode_equals_alone(model, decode_steps):
+    """Several decode steps per host round trip (tokens fed back on the device, rows that finish turn
+    to padding mid-run, batches that need padding rows, arrivals between round trips) change no token."""
+    ps = prompts(7, seed=11)
+    news = [1, 2, 9, 17, 30, 4, 23]
+    eng = device_step_engine(model, num_blocks=200, block_size=4, max_num_seqs=8, decode_steps=decode_steps)
+    sp = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news]
+    reqs = [eng.add_request(p, s) for p, s in zip(ps[:5], sp[:5])]
+    for _ in range(3):
+        eng.step()
+    reqs += [eng.add_request(p, s) for p, s in zip(ps[5:], sp[5:])]
+    eng.run()
+    for p, n, r in zip(ps, news, reqs):
+        assert r.finish_reason == "length" and r.output_ids == alone(model, p, n)
+    assert eng.pool.num_free == eng.pool.num_blocks
+    assert (eng.stats["multi_steps"] > 0) == (decode_steps > 1)
+    assert eng.stats["decode_tokens"] == sum(news) - len(news)
+
+
+def test_multi_step_decode_stops_at_eos_and_falls_back(model):
+    """EOS ends a row on the device mid-run; a sampled request beside greedy ones, and a pool too small
+    to reserve several steps ahead, fall back to one step per round trip, with the same outputs."""
+    p = prompts(1, seed=12)[0]
+    free = alone(model, p, 20)
+    eos = free[6]
+    m = GPT2(replace(model.config, eos_token_id=eos), model.w, backend="torch")
+    eng = device_step_engine(m, num_blocks=200, block_size=4, decode_steps=8)
+    r = eng.generate([p], SamplingParams(max_new_tokens=20))[0]
+    assert r.token_ids == free[:free.index(eos) + 1] and r.finish_reason == "stop"
+
+    eng = device_step_engine(model, num_blocks=200, block_size=4, decode_steps=8)
+    sps = [SamplingParams(max_new_tokens=12, ignore_eos=True),
+           SamplingParams(max_new_tokens=12, temperature=0.9, seed=1, ignore_eos=True)]
+    res = eng.generate(prompts(2, seed=13), sps)
+    assert res[0].token_ids == alone(model, prompts(2, seed=13)[0], 12)
+    assert eng.stats["multi_steps"] == 0 and eng.pool.num_free == eng.pool.num_blocks
+
+    ps = prompts(3, seed=14, lo=3, hi=8)
+    eng = device_step_engine(model, num_blocks=9, block_size=4, decode_steps=8)  # little room to reserve
+    res = eng.generate(ps, SamplingParams(max_new_tokens=9, ignore_eos=True))
+    for p, r in zip(ps, res):
+        assert r.token_ids == alone(model, p, 9)
+    assert eng.pool.num_free == 9
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_cuda_graph_decode_matches_eager_and_padding_writes_nothing():
     m = tiny_model("triton", device="cuda")
     eng = Engine(m, num_blocks=64, block_size=4, cuda_graphs=True, max_num_seqs=8)
     assert eng.graphs is not None and eng.graphs.buckets == [1, 2, 4, 8]
-    for p in prompts(3, seed=9):                 # 3 decodes run in the bucket of 4: one padding row
+    ps = prompts(3, seed=9)
+    for p in ps:                                 # 3 decodes run in the bucket of 4: one padding row
         eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True))
     eng.step()                                   # the prefills
     checked = 0
@@ -243,14 +301,35 @@ def test_cuda_graph_decode_matches_eager_and_padding_writes_nothing():
         torch.cuda.synchronize()
         after_eager = eng.pool.cache.clone()
         eng.pool.cache.copy_(before)
-        graph, greedy = eng.graphs(out.decode_ids, out.decode_positions, out.decode_slots, out.context_lens,
-                           out.decode_tables)
+        pos = out.decode_positions
+        eng.graphs.load(out.decode_ids, pos, [p + 1 for p in pos], [-1] * len(pos), out.decode_tables)
+        graph = eng.graphs.run(len(pos), 1)
+        greedy = eng.graphs.tokens(pos, 1)[0]
         torch.cuda.synchronize()
         # the graph wrote exactly what eager wrote (padding rows, slot -1, wrote nothing) ...
         assert torch.equal(eng.pool.cache, after_eager)
         # ... and its logits match eager's (the same kernels at another M: tf32 rounding may differ)
         torch.testing.assert_close(graph, eager, rtol=2e-3, atol=2e-3 * float(eager.abs().max()))
-        assert torch.equal(greedy, graph.argmax(-1))
-        eng.scheduler.update(out, greedy.tolist())
+        assert greedy == graph.argmax(-1).tolist()
+        eng.scheduler.update(out, greedy)
         checked += 1
     assert checked >= 10 and eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_multi_step_engine_equals_alone():
+    """The captured path end to end: several replays per round trip, padding rows, arrivals, EOS."""
+    m = tiny_model("triton", device="cuda")
+    ps = prompts(6, seed=15)
+    news = [3, 25, 8, 40, 1, 17]
+    eng = Engine(m, num_blocks=200, block_size=4, cuda_graphs=True, max_num_seqs=8, decode_steps=8)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps[:4], news[:4])]
+    eng.step()
+    eng.step()
+    reqs += [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps[4:], news[4:])]
+    eng.run()
+    assert eng.stats["multi_steps"] > 0
+    for p, n, r in zip(ps, news, reqs):
+        assert r.output_ids == alone(m, p, n), (p, n)
+    assert eng.pool.num_free == eng.pool.num_blocks

@@ -250,6 +250,26 @@ def test_generate_matches_own_forward(checkpoints):
             seq.append(t)
 
 
+@pytest.mark.parametrize("backend", BACKENDS if GPU else ("torch",))
+def test_graph_decode_equals_plain_loop(checkpoints, backend):
+    """The device-side decode step (a CUDA graph with the triton backend on the GPU, the same step run
+    eagerly otherwise), one step ahead of the host, picks the plain loop's tokens: greedy, seeded
+    sampling (drawn between replays), EOS mid-run (the step already queued is dropped), a full context."""
+    m = load(checkpoints["odd"][0], backend)
+    n_pos = m.config.n_positions
+    for kw in (dict(), dict(temperature=0.8, top_k=40, seed=7), dict(temperature=1.0, top_p=0.9, seed=8)):
+        for prompt in ([3, 1, 4], list(range(n_pos - 5))):
+            a = generate(m, prompt, max_new_tokens=20, eos_token_id=None, cuda_graph=False, **kw)
+            b = generate(m, prompt, max_new_tokens=20, eos_token_id=None, cuda_graph=True, **kw)
+            assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), kw
+    free = generate(m, [9, 8, 7], max_new_tokens=16, eos_token_id=None, cuda_graph=True).tokens
+    eos = free[5]
+    r = generate(m, [9, 8, 7], max_new_tokens=16, eos_token_id=eos, cuda_graph=True)
+    assert r.tokens == free[:free.index(eos) + 1] and r.finish_reason == "eos"
+    if GPU and backend == "triton":
+        assert m.ops._paged is not None and any(d.graphs for d in m._decoders.values())
+
+
 # ---------------------------------------------------------------------------------------------------
 # sampling
 # ---------------------------------------------------------------------------------------------------

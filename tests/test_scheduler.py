@@ -411,3 +411,23 @@ def test_abort_between_schedule_and_update():
     assert sched.update(out, toks) == [] and len(a.output_ids) == 1 and len(b.output_ids) == 2
     run_all(sched, model)
     assert b.output_ids == run_alone(b.prompt_ids, b.sampling, 50)[0] and pool.num_free == pool.num_blocks
+
+
+def test_reserve_is_all_or_nothing_and_update_steps_stops_each_request():
+    """Multi-step decode: blocks for K steps of every sequence (at most its tokens left), or none at all;
+    update_steps appends step by step and ignores a request's tokens after it finished."""
+    pool = BlockPool(1, 1, 4, block_size=4, num_blocks=4)
+    sch = Scheduler(pool, 64, max_num_seqs=4, eos_token_id=EOS, vocab_size=50)
+    a = sch.add_request([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    b = sch.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=9))
+    out = sch.schedule()
+    sch.update(out, [11, 12])
+    out = sch.schedule()                                  # decode: a at position 3, b at position 4
+    used = pool.num_used
+    assert not sch.reserve(out, 12) and pool.num_used == used      # 2 more blocks, 1 free
+    assert sch.reserve(out, 4)
+    assert a.table.capacity >= 3 - 1 + 3 and len(a.table.blocks) == 2 and b.table.capacity >= 4 + 4
+    done = sch.update_steps(out, [[13, 14], [15, EOS], [16, 17], [18, 19]])
+    assert a.output_ids == [11, 13, 15] and a.finish_reason == "length"
+    assert b.output_ids == [12, 14, EOS] and b.finish_reason == "stop"
+    assert set(done) == {a, b} and pool.num_free == pool.num_blocks
