@@ -118,7 +118,7 @@ def _kernel_table(eng, prompt, new):
                 w in e.name.lower() for w in ("memcpy", "memset")):
             k = kernels.setdefault(e.name, [0, 0.0])
             k[0] += 1
-            k[1] += e.device_time
+            k[1] += e.time_range.elapsed_us()
     return sorted(((name, c / n, t / n) for name, (c, t) in kernels.items()), key=lambda r: -r[2])
 
 
