@@ -10,9 +10,10 @@ BLOCK_N tokens with an online softmax (log2 domain). Scores and P·V take one of
 broadcast multiply and reduce in float32 on the CUDA cores (no padding).
 
 Split-KV (flash-decoding), PARTITION > 0: the context is cut into chunks of PARTITION tokens handled by
-separate programs, each writing its partial (m, l, acc) to a float32 workspace; a second kernel merges
-the partials. This fills the GPU when B·Hkv programs alone would leave SMs idle (small batch, long
-context).
+separate programs, each writing its partial (m, l, acc) to a float32 workspace and taking a ticket
+from a per-(sequence, kv head) counter; the program that takes the last ticket merges the partials and
+resets the counter (one launch, no second kernel, no zero-fill). This fills the GPU when B·Hkv programs
+alone would leave SMs idle (small batch, long context), or run in a fraction of a wave.
 
 ``write_kv`` stores new tokens' K and V into their slots (slot = block id · block_size + offset).
 """
@@ -58,8 +59,16 @@ def _weighted_values(p, v, USE_DOT: tl.constexpr, GROUP_PAD: tl.constexpr, PRECI
 
 
 @triton.jit
+def _store_out(Out, b, heads, mask_g, offs_d, acc, l_i, stride_ob, stride_oh, stride_od):
+    # A length-0 sequence (only possible with validate=False) gets zeros, not 0/0.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0 only when acc = 0
+    tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=mask_g[:, None])
+
+
+@triton.jit
 def _paged_attention_fwd(
-        Q, Kc, Vc, BT, CL, Out, Mw, Lw, Aw,
+        Q, Kc, Vc, BT, CL, Out, WS, Locks,
         qk_scale, num_parts, stride_cl,
         stride_qb, stride_qh, stride_qd,
         stride_kn, stride_kb, stride_kh, stride_kd,
@@ -67,7 +76,8 @@ def _paged_attention_fwd(
         stride_tb, stride_tn,
         stride_ob, stride_oh, stride_od,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr, KV_EVICT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -101,11 +111,12 @@ def _paged_attention_fwd(
         # Table entries past the length are never read: they may hold anything.
         block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
         slot_in_block = offs_n % BLOCK_SIZE
-        # Both tiles are requested before any math, so K and V loads are in flight together.
+        # Both tiles are requested before any math, so K and V loads are in flight together. Each K/V
+        # byte is read once per step: KV_EVICT ("evict_first") lets L2 drop these lines before others.
         k = tl.load(k_head + (block * stride_kn + slot_in_block * stride_kb)[:, None], mask=mask_n[:, None],
-                    other=0.0)
+                    other=0.0, eviction_policy=KV_EVICT)
         v = tl.load(v_head + (block * stride_vn + slot_in_block * stride_vb)[:, None], mask=mask_n[:, None],
-                    other=0.0)
+                    other=0.0, eviction_policy=KV_EVICT)
         s = _scores(q, k, USE_DOT, GROUP_PAD, PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -116,45 +127,63 @@ def _paged_attention_fwd(
         m_i = m_new
 
     if PARTITION > 0:
-        # Partial results; programs whose chunk starts past the length write nothing (the merge skips them).
-        row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_parts + part
-        live = mask_g & ((offs_g * 0 + start) < seq_len)
-        tl.store(Mw + row, m_i, mask=live)
-        tl.store(Lw + row, l_i, mask=live)
-        tl.store(Aw + row[:, None] * D + offs_d[None, :], acc, mask=live[:, None])
+        # Chunks past the length do nothing; a sequence that fits one chunk is finished here.
+        n_live = tl.maximum(tl.cdiv(seq_len, PARTITION), 1)
+        if n_live == 1:
+            if part == 0:
+                _store_out(Out, b, heads, mask_g, offs_d, acc, l_i, stride_ob, stride_oh, stride_od)
+        elif part < n_live:
+            # Workspace: acc (rows, D), then m (rows), then l (rows); row = (b, head, chunk).
+            n_rows = tl.num_programs(0).to(tl.int64) * tl.num_programs(1) * GROUP * num_parts
+            Mw = WS + n_rows * D
+            Lw = Mw + n_rows
+            row0 = (b * tl.num_programs(1) * GROUP + kvh * GROUP).to(tl.int64) * num_parts  # head 0, chunk 0
+            row = row0 + offs_g * num_parts + part
+            tl.store(Mw + row, m_i, mask=mask_g)
+            tl.store(Lw + row, l_i, mask=mask_g)
+            tl.store(WS + row[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
+            # Every thread's partial is written before the ticket is taken (the atomic releases them);
+            # the program that takes the last ticket merges the chunks and resets the counter.
+            tl.debug_barrier()
+            lock = Locks + b * tl.num_programs(1) + kvh
+            ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_live - 1:
+                _merge_chunks(WS + row0 * D, Mw + row0, Lw + row0, Out, b, kvh, n_live, num_parts,
+                              stride_ob, stride_oh, stride_od, GROUP, D, GROUP_MERGE, PARTS_BLOCK)
+                tl.store(lock, 0)
     else:
-        # A length-0 sequence (only possible with validate=False) gets zeros, not 0/0.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0 only when acc = 0
-        tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 out.to(Out.dtype.element_ty), mask=mask_g[:, None])
+        _store_out(Out, b, heads, mask_g, offs_d, acc, l_i, stride_ob, stride_oh, stride_od)
 
 
 @triton.jit
-def _paged_attention_merge(Mw, Lw, Aw, CL, Out, num_parts, stride_cl, stride_ob, stride_oh, stride_od,
-                           D: tl.constexpr, PARTITION: tl.constexpr, PARTS_PAD: tl.constexpr,
-                           PARTS_BLOCK: tl.constexpr):
-    """out = Σ_p 2^(m_p − M) acc_p / Σ_p 2^(m_p − M) l_p over the chunks p that hold tokens; M = max m_p."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(CL + b * stride_cl)
-    n_live = (seq_len + PARTITION - 1) // PARTITION
-    row0 = (b * tl.num_programs(1) + h).to(tl.int64) * num_parts
-    offs_all = tl.arange(0, PARTS_PAD)
-    m_max = tl.max(tl.load(Mw + row0 + offs_all, mask=offs_all < n_live, other=float("-inf")), axis=0)
+def _merge_chunks(Aw, Mw, Lw, Out, b, kvh, n_live, num_parts, stride_ob, stride_oh, stride_od,
+                  GROUP: tl.constexpr, D: tl.constexpr, GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr):
+    """out = Σ_p 2^(m_p − M) acc_p / Σ_p 2^(m_p − M) l_p over the live chunks p, M = max m_p: an online
+    merge over blocks of chunks, in chunk order (the result does not depend on which program merges)."""
+    offs_g = tl.arange(0, GROUP_MERGE)
+    mask_g = offs_g < GROUP
     offs_d = tl.arange(0, D)
-    acc = tl.zeros((D,), dtype=tl.float32)
-    l_sum = tl.zeros((1,), dtype=tl.float32)
+    m_i = tl.zeros((GROUP_MERGE,), dtype=tl.float32) + float("-inf")
+    l_i = tl.zeros((GROUP_MERGE,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_MERGE, D), dtype=tl.float32)
     for p0 in range(0, n_live, PARTS_BLOCK):
         offs_p = p0 + tl.arange(0, PARTS_BLOCK)
-        mask_p = offs_p < n_live
-        m = tl.load(Mw + row0 + offs_p, mask=mask_p, other=float("-inf"))
-        w = tl.where(mask_p, tl.exp2(m - m_max), 0.0)
-        l_sum += tl.sum(w * tl.load(Lw + row0 + offs_p, mask=mask_p, other=0.0), axis=0)
-        a = tl.load(Aw + (row0 + offs_p)[:, None] * D + offs_d[None, :], mask=mask_p[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * a, axis=0)
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_d * stride_od,
-             out.to(Out.dtype.element_ty))
+        idx = offs_g[:, None] * num_parts + offs_p[None, :]          # (GROUP_MERGE, PARTS_BLOCK)
+        live = mask_g[:, None] & (offs_p < n_live)[None, :]
+        # .cg: the partials were written by other programs; read them from L2, not a stale L1 line.
+        m = tl.load(Mw + idx, mask=live, other=float("-inf"), cache_modifier=".cg")
+        m = tl.where(mask_g[:, None], m, 0.0)  # padding heads stay finite (their rows are never stored)
+        l = tl.load(Lw + idx, mask=live, other=0.0, cache_modifier=".cg")
+        a = tl.load(Aw + idx[:, :, None] * D + offs_d[None, None, :], mask=live[:, :, None], other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m_i, tl.max(m, axis=1))  # finite: block 0 holds chunk 0, which holds tokens
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(m - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(w * l, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a, axis=1)
+        m_i = m_new
+    heads = kvh * GROUP + offs_g
+    _store_out(Out, b, heads, mask_g, offs_d, acc, l_i, stride_ob, stride_oh, stride_od)
 
 
 @triton.jit
@@ -196,8 +225,9 @@ class Problem:
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128, 256)
-MAX_PARTS = 1024            # split-KV chunks per sequence (the merge kernel holds their maxima at once)
+MAX_PARTS = 1024            # split-KV chunks per sequence (more only adds merge work)
 SMS = 132                   # H100 SXM; the split heuristic only needs the order of magnitude
+KV_EVICT = "evict_first"    # L2 policy of the K/V loads ("" for the default)
 
 
 def _name(dt) -> str:
@@ -223,9 +253,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     ``validate=True`` also checks the values of context_lens and of the block-table entries in use,
     which costs a device-to-host sync; the engine passes ``validate=False`` on its hot path (then a
     length of 0 yields zeros, and lengths or block ids out of range are undefined behaviour).
+    Split-KV launches share per-device counters: two must not run at once on different streams.
     """
-    # Decode launches are tiny, so the host-side work matters: the checks and the launch parameters
-    # depend only on tensor metadata, and are computed once per metadata signature (_plan).
+    # Decode launches are tiny, so the host-side work matters: the checks and every launch argument but
+    # the tensors depend only on tensor metadata, and are computed once per metadata signature (_plan).
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
                k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
@@ -236,9 +267,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks will say
         key, plan = None, None
-    if plan is not None and plan.lookup is not None and K._CONFIG_CACHE.get(plan.lookup) is not plan.cfg:
-        plan = None  # the tuned store was reloaded since: pick the config again
-    if plan is None:
+    if plan is None or plan.lookup is not None and K._CONFIG_CACHE.get(plan.lookup) is not plan.cfg:
+        # (a cached plan whose config came from a since-reloaded tuned store picks its config again)
         plan = _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
         if key is not None and plan.B:
             if len(_PLANS) > 4096:
@@ -250,42 +280,87 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
         return out
     if validate:
         _validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
-    if plan.partition:  # one allocation for the three partial-result buffers (acc, m, l)
-        n = plan.ws_rows
-        ws = torch.empty(n * (plan.D + 2), dtype=torch.float32, device=q.device)
-        a_ws, m_ws, l_ws = ws[: n * plan.D], ws[n * plan.D: n * (plan.D + 1)], ws[n * (plan.D + 1):]
-    else:
-        a_ws = m_ws = l_ws = out
-    os_ = out.stride()
-    _paged_attention_fwd[plan.grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, m_ws, l_ws, a_ws,
-        plan.qk_scale, plan.num_parts, context_lens.stride(0),
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *os_, **plan.fwd_meta)
-    if plan.partition:
-        _paged_attention_merge[plan.merge_grid](
-            m_ws, l_ws, a_ws, context_lens, out, plan.num_parts, context_lens.stride(0), *os_,
-            **plan.merge_meta)
+    # split-KV partials (acc, m, l) in one per-device float32 buffer; the kernel finds each part's offset
+    ws = _workspace(q.device, plan.ws_numel) if plan.ws_numel else out
+    kernel = plan.kernel
+    if kernel is not None:
+        # Triton's launch path (argument binding, specialisation key, cache lookup) costs ~35 us of host
+        # time per call on the H100 machine; the plan already fixes all of it but the pointers' 16-byte
+        # alignment, checked here. The kernel was compiled for aligned pointers on plan.device.
+        if (not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | block_tables.data_ptr()
+                 | context_lens.data_ptr() | out.data_ptr() | ws.data_ptr()) & 15
+                and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None
+                and _driver.active.get_current_device() == plan.device):
+            kernel.run(*plan.grid, _driver.active.get_current_stream(plan.device), kernel.function,
+                       kernel.packed_metadata, None, None, None, q, k_cache, v_cache, block_tables,
+                       context_lens, out, ws, plan.locks, *plan.args, *plan.constexprs)
+            return out
+    kernel = _paged_attention_fwd[plan.grid](q, k_cache, v_cache, block_tables, context_lens, out, ws,
+                                             plan.locks, *plan.args, **plan.meta)
+    if plan.kernel is None and plan.fast_ok:
+        _remember_kernel(plan, kernel, (q, k_cache, v_cache, block_tables, context_lens, out, ws))
     return out
+
+
+try:  # the pieces of Triton's launch that the direct path reuses (absent under the interpreter: unused)
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _driver
+except ImportError:  # pragma: no cover
+    _knobs = _driver = None
+
+
+def _remember_kernel(plan, kernel, tensors):
+    """Keep the compiled kernel for the direct path when it can take it: a compiled (not interpreted)
+    kernel with Triton's launcher, every pointer 16-byte aligned (what it was specialised for), and the
+    kernel's arguments after the runtime ones all launch constants of the plan."""
+    plan.fast_ok = False  # one try per plan
+    if _knobs is None or dev.interpreted() or _paged_attention_fwd.pre_run_hooks:
+        return
+    if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+        return
+    if any(t.data_ptr() % 16 for t in tensors):
+        return
+    names = _paged_attention_fwd.arg_names[8 + len(plan.args):]
+    if any(n not in plan.meta for n in names):
+        return
+    plan.constexprs = tuple(plan.meta[n] for n in names)
+    plan.device = _driver.active.get_current_device()
+    plan.kernel = kernel
 
 
 @dataclass
 class _Plan:
     B: int
-    D: int
     out_shape: tuple
     cfg: dict | None = None
     lookup: tuple | None = None        # the config cache key the default/tuned config came from
-    partition: int = 0
-    num_parts: int = 1
-    ws_rows: int = 0
-    qk_scale: float = 1.0
+    ws_numel: int = 0                  # float32 workspace elements (split-KV only)
+    locks: object = None               # split-KV chunk counters (per (sequence, kv head)); else a dummy
     grid: tuple = ()
-    merge_grid: tuple = ()
-    fwd_meta: dict = field(default_factory=dict)
-    merge_meta: dict = field(default_factory=dict)
+    args: tuple = ()                   # scalar launch arguments after the tensors
+    meta: dict = field(default_factory=dict)
+    fast_ok: bool = True               # may still take the direct launch path
+    kernel: object = None              # the compiled kernel, once launched through Triton
+    constexprs: tuple = ()             # its constexpr arguments in signature order
+    device: int = -1                   # the device it was compiled for
 
 
 _PLANS: dict = {}
+_locks = K.Counters(minimum=1 << 14)   # split-KV tickets, per device, zero between launches
+_HELD: list = []                       # every buffer handed out: a captured CUDA graph may still use it
+_WORKSPACES: dict = {}
+
+
+def _workspace(device, n: int) -> torch.Tensor:
+    """The per-device float32 split-KV workspace (grown, never freed), at least n elements. Launches on
+    one stream use it in turn; like the counters, two must not run at once on different streams."""
+    t = _WORKSPACES.get(device)
+    if t is None or t.numel() < n:
+        t = torch.empty(max(n, 2 * t.numel() if t is not None else 0, 1 << 16), dtype=torch.float32,
+                        device=device)
+        _WORKSPACES[device] = t
+        _HELD.append(t)
+    return t
 
 
 def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -> _Plan:
@@ -322,7 +397,7 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
     _check_scale(scale)
     if out is not None:
         K.check_out(out, (B, Hq, D), q.dtype, q.device)
-    plan = _Plan(B=B, D=D, out_shape=(B, Hq, D))
+    plan = _Plan(B=B, out_shape=(B, Hq, D))
     if B == 0:
         return plan
     max_blocks = block_tables.shape[1]
@@ -338,17 +413,27 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
     num_parts = triton.cdiv(max_blocks * block_size, partition) if partition else 1
-    plan.partition, plan.num_parts, plan.ws_rows = partition, num_parts, B * Hq * num_parts
-    plan.qk_scale = scale * LOG2E
-    plan.grid = (B, Hkv, num_parts)
-    plan.fwd_meta = dict(GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
-                         PARTITION=partition, USE_DOT=use_dot, PRECISION=precision,
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    group_merge = triton.next_power_of_2(group)
+    parts_block = 1
     if partition:
-        parts_pad = triton.next_power_of_2(num_parts)
-        plan.merge_grid = (B, Hq)
-        plan.merge_meta = dict(D=D, PARTITION=partition, PARTS_PAD=parts_pad,
-                               PARTS_BLOCK=min(parts_pad, max(1, 2048 // D)), num_warps=4 if D >= 128 else 2)
+        plan.ws_numel = B * Hq * num_parts * (D + 2)
+        plan.locks = _locks(q.device, B * Hkv)
+        if not any(t is plan.locks for t in _HELD):
+            _HELD.append(plan.locks)
+        # the merge holds (group, chunks, D) float32 tiles: ~32 values a thread
+        budget = 32 * 32 * cfg["num_warps"]
+        while parts_block * 2 <= min(triton.next_power_of_2(num_parts), budget // (group_merge * D)):
+            parts_block *= 2
+    else:
+        plan.locks = context_lens  # unused
+    os_ = (Hq * D, D, 1) if out is None else out.stride()
+    plan.grid = (B, Hkv, num_parts)
+    plan.args = (scale * LOG2E, num_parts, context_lens.stride(0), *q.stride(), *k_cache.stride(),
+                 *v_cache.stride(), *block_tables.stride(), *os_)
+    plan.meta = dict(GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
+                     PARTITION=partition, USE_DOT=use_dot, PRECISION=precision, GROUP_MERGE=group_merge,
+                     PARTS_BLOCK=parts_block, KV_EVICT=KV_EVICT, num_warps=cfg["num_warps"],
+                     num_stages=cfg["num_stages"])
     return plan
 
 
@@ -440,6 +525,8 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         rows = max(16, triton.next_power_of_2(group))
         if rows * c["BLOCK_N"] // (32 * warps) > 128 or c["BLOCK_N"] * p.D // (32 * warps) > 128:
             return "tiles too large for the warps (register spills)"
+        if 2 * c["BLOCK_N"] * p.D * dtype.itemsize * c["num_stages"] > 192 * 1024:
+            return "K and V tiles of every stage exceed shared memory"
     else:
         per_thread = triton.next_power_of_2(group) * c["BLOCK_N"] * p.D // (32 * warps)
         if per_thread > 128:
@@ -465,20 +552,21 @@ SPACE = K.Space(
         "PARTITION": [0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096],
         "USE_DOT": [False, True],
         "num_warps": [1, 2, 4, 8],
-        "num_stages": [1, 2, 3],
+        "num_stages": [1, 2, 3, 4],
     },
     constraint=_constraint,
 )
 
 
 def default_config(p: Problem, dtype) -> dict:
-    """Defaults from an H100 sweep (bf16, issue 6), timed with the harness (do_bench, L2 flushed).
+    """Defaults from H100 sweeps (bf16, issue 6; scripts/pa_sweep.py), timed with the harness (do_bench,
+    L2 flushed) and GPU-only (CUDA graph over the same rotating inputs).
 
     tl.dot wins even for one query head per kv head (the group padded to 16 rows costs tensor-core
     time that is free here): its K/V loads are software-pipelined (num_stages), the broadcast form's
-    are not. BLOCK_N 64, 4 warps, 3 stages was within 1% of the best tile from B=8 to B=256 (D=64) and
-    at B=32..128 (D=128). float32 keeps the broadcast form for small groups (an ieee fp32 dot has no
-    tensor cores), and the interpreter cannot run a bf16 dot.
+    are not. BLOCK_N 64, 4 warps, 3 stages was within 1.5% of the best of 76 tiles at B=64 (D=64, ctx
+    1024) and the best at B=128 (D=128, ctx 4096). float32 keeps the broadcast form for small groups (an
+    ieee fp32 dot has no tensor cores), and the interpreter cannot run a bf16 dot.
     """
     group = p.Hq // p.Hkv
     use_dot = _tl_dot_ok(dtype) and (dtype != torch.float32 or group >= 4)
@@ -505,17 +593,26 @@ def default_config(p: Problem, dtype) -> dict:
                 break  # at most 128 products per thread: still inside the space's bound
     while cfg["BLOCK_N"] * p.D < 32 * cfg["num_warps"] and cfg["num_warps"] > 1:
         cfg["num_warps"] //= 2
-    # Split-KV when one program per (sequence, kv head) leaves SMs idle: aim at ~4 programs per SM,
-    # in chunks of at least 128 tokens (the sweep's best at B=1: 32..64 chunks of 128..1024 tokens).
-    # At >= SMS programs the single pass was as fast (B=32, Hkv=8, ctx 4096) and skips the merge.
+    # Split-KV when one program per (sequence, kv head) gives less than ~3 programs per SM: aim at ~3,
+    # in chunks of at least 64 tokens. Sweep best: B=1 ctx 4096 (Hkv 8) chunks of 128, ctx 32768 of
+    # 1024, B=1 and B=8 with 12 heads chunks of 64..256; B=32 (Hkv 8, ctx 4096) 2 chunks (2% faster).
+    # At >= 3 programs per SM (B=64 with 12 heads) splitting was slower: the merge costs, no tail to fill.
     programs = p.B * p.Hkv
-    if programs < SMS and p.capacity > 512:
-        want = -(-4 * SMS // programs)
-        part = max(128, cfg["BLOCK_N"], triton.next_power_of_2(-(-p.capacity // want)))
+    if programs < 3 * SMS and p.capacity >= 256:
+        want = -(-3 * SMS // programs)
+        part = max(64, cfg["BLOCK_N"], triton.next_power_of_2(-(-p.capacity // want)))
         while -(-p.capacity // part) > MAX_PARTS:
             part *= 2
         if part < p.capacity and part <= 4096:
             cfg["PARTITION"] = part
+            # two warps per chunk program for D <= 64 (B=1 ctx 1024: 9.9 us vs 10.6 with four)
+            two = dict(cfg, num_warps=2)
+            if use_dot and p.D <= 64 and cfg["num_warps"] == 4 and _constraint(two, p, dtype) is None:
+                cfg["num_warps"] = 2
+    # A program of at most two tiles has nothing to pipeline beyond double buffering (B=1 ctx 4096, 128-
+    # token chunks: 18.0 us with 2 stages, 23.6 with 3; B=256 ctx 128: 51.3 vs 52.5).
+    if use_dot and (cfg["PARTITION"] or p.capacity) <= 2 * cfg["BLOCK_N"]:
+        cfg["num_stages"] = 2
     return cfg
 
 

@@ -76,6 +76,21 @@ def test_split_equals_single_pass():
         torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-6)
 
 
+def test_split_merge_over_many_chunk_blocks_leaves_counters_at_zero():
+    """The last program of a (sequence, kv head) merges many chunks in several blocks (more chunks than
+    one merge tile holds), a padded head group (3 of 4), sequences of one chunk finishing on their own;
+    the ticket counters are back at zero after each launch, so a second launch gives the same answer."""
+    problem = P(3, 6, 2, 128, 150, 8, mixed=True)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 12)
+    want = ref.paged_attention(*c.args, **c.kwargs)
+    cfg = _cfg(8, 8, False, 1)  # 19 chunks, merged 2 at a time (one warp, D=128, 4 merge rows)
+    for _ in range(2):
+        cmp.poison(c.out)
+        cmp.check(pa.paged_attention(*c.args, out=c.out, config=cfg, **c.kwargs), want, torch.float32)
+        for t in pa._locks.buffers.values():
+            assert int(t.abs().sum()) == 0
+
+
 def test_default_config_reaches_reference_for_small_problems():
     for problem in pa.SPEC.small_problems:
         for dtype in DTYPES:
@@ -240,6 +255,9 @@ def test_default_config_splits_only_when_the_gpu_would_idle():
     assert pa.default_config(P(256, 12, 12, 64, 1024), torch.bfloat16)["PARTITION"] == 0
     assert pa.default_config(P(128, 32, 8, 128, 4096), torch.bfloat16)["PARTITION"] == 0
     assert pa.default_config(P(64, 12, 12, 64, 128), torch.bfloat16)["PARTITION"] == 0
+    assert pa.default_config(P(64, 12, 12, 64, 1024), torch.bfloat16)["PARTITION"] == 0
+    assert pa.default_config(P(8, 12, 12, 64, 512), torch.bfloat16)["PARTITION"] > 0
+    assert pa.default_config(P(1, 12, 12, 64, 128), torch.bfloat16)["PARTITION"] == 0
 
 
 def test_launcher_problem_matches_make_inputs_problem():
@@ -313,6 +331,29 @@ def test_cuda_graph_replay_with_padding_rows(split):
         assert changed <= 2  # only the two live tokens' blocks changed
         assert torch.equal(out[2:].float().cpu(), torch.zeros(2, 8, 64))
         cmp.check(out[:2], ref.paged_attention(q[:2], kc, vc, bt[:2], lens[:2], scale=None), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+def test_direct_launch_of_the_cached_kernel(split):
+    """From the second call with the same metadata the launcher starts the compiled kernel itself: new
+    data through it is still right; an unaligned view (another specialisation) goes through Triton."""
+    problem = P(3, 8, 2, 64, 300, 16)
+    cfg = _cfg(32, 128 if split else 0, True, 4, 2)
+    cases = [pa.make_inputs(problem, torch.bfloat16, "cuda", s) for s in (31, 32, 33)]
+    for c in cases:
+        cmp.poison(c.out)
+        got = pa.paged_attention(*c.args, out=c.out, config=cfg, **c.kwargs)
+        cmp.check(got, ref.paged_attention(*c.args, **c.kwargs), torch.bfloat16)
+    assert any(p.kernel is not None for p in pa._PLANS.values())
+    q, kc, vc, bt, cl = cases[0].args
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    q_odd = buf[1:].view(q.shape)  # 2 bytes past an aligned address
+    q_odd.copy_(q)
+    assert q_odd.data_ptr() % 16
+    for _ in range(2):
+        got = pa.paged_attention(q_odd, kc, vc, bt, cl, config=cfg, scale=cases[0].kwargs["scale"], validate=False)
+        cmp.check(got, ref.paged_attention(q, kc, vc, bt, cl, scale=cases[0].kwargs["scale"]), torch.bfloat16)
 
 
 def test_cached_launch_plan_still_validates_values_and_follows_config_cache():
