@@ -18,7 +18,7 @@ take the same kernel with per-sequence offsets read from cu_seqlens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -259,27 +259,65 @@ def _check_scale(scale):
         raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
 
 
-def _launch(spec, problem, config, q, k, v, out, lse, cu_q, cu_k, strides, scale):
-    """Common tail of both launchers: config, grid, launch. ``problem`` gives B, Hq, Hkv, Tq, Tk, D."""
-    p = problem
-    cfg = spec.config_for(p, q.dtype, config)
+@dataclass
+class _Plan:
+    """What a launch needs beyond the tensors, computed once per metadata signature."""
+    out_shape: tuple
+    grid: tuple = ()                 # () when there is nothing to launch
+    strides: tuple = ()              # q, k, v, out, lse (dense plans only)
+    scalars: tuple = ()              # Hq, group, Tq, Tk, num_m_blocks, num_bh, qk_scale
+    meta: dict = field(default_factory=dict)  # constexprs, num_warps, num_stages
+    cfg: dict | None = None
+    lookup: tuple | None = None      # the config-cache key a tuned/default config came from
+
+
+def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse: bool) -> _Plan:
+    """Config, grid and launch parameters for problem ``p`` (B, Hq, Hkv, Tq, Tk, D, causal)."""
+    cfg = spec.config_for(p, dtype, config)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_m = triton.cdiv(p.Tq, block_m)
     num_bh = p.B * p.Hq
     scale = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
-    neg = scale < 0  # the kernel negates q and takes |scale| (negating fp16/bf16/fp32 is exact)
-    d_contig = all(t.stride(-1) == 1 for t in (q, k, v, out))
-    _attn_fwd[(num_m * num_bh,)](
-        q, k, v, out, lse if lse is not None else out, cu_q if cu_q is not None else q, cu_k if cu_k is not None else q,
-        *strides, p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, abs(scale) * LOG2E, p.D,
-        VARLEN=cu_q is not None, CAUSAL=p.causal, STORE_LSE=lse is not None, HEADS_INNER=bool(cfg["HEADS_INNER"]),
-        D_CONTIG=d_contig, IEEE=q.dtype == torch.float32, NEG_SCALE=neg,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return _Plan(
+        out_shape=(), grid=(num_m * num_bh,), cfg=cfg,
+        lookup=None if config is not None else (spec.name, K.bucket_key(spec.bucket(p)), dtype),
+        scalars=(p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, abs(scale) * LOG2E),
+        # scale < 0: the kernel negates q and takes |scale| (negating fp16/bf16/fp32 is exact)
+        meta=dict(D=p.D, VARLEN=varlen, CAUSAL=p.causal, STORE_LSE=store_lse, HEADS_INNER=bool(cfg["HEADS_INNER"]),
+                  D_CONTIG=d_contig, IEEE=dtype == torch.float32, NEG_SCALE=scale < 0,
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
 def problem_of(q, k, v, *, causal=False, **_) -> Problem:
     return Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(causal))
+
+
+_PLANS: dict = {}
+
+
+def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> _Plan:
+    """Every metadata check (errors name the argument), then the launch plan."""
+    Hq, Hkv, D = _check_qkv(q, k, v, 4)
+    B, _, Tq, _ = q.shape
+    _, _, Tk, _ = k.shape
+    if k.shape[0] != B:
+        raise ValueError(f"k: batch {k.shape[0]} does not match q's {B}")
+    _check_scale(scale)
+    shape = (B, Hq, Tq, D)
+    if out is not None:
+        K.check_out(out, shape, q.dtype, q.device)
+    if B * Hq * Tq == 0:
+        return _Plan(out_shape=shape)
+    # a fresh out / lse is contiguous: its strides follow from its shape
+    out_strides = out.stride() if out is not None else (Hq * Tq * D, Tq * D, D, 1)
+    lse_strides = (Hq * Tq, Tq, 1) if return_lse else (0, 0, 0)
+    d_contig = q.stride(-1) == k.stride(-1) == v.stride(-1) == out_strides[-1] == 1
+    plan = _plan(SPEC, Problem(B, Hq, Hkv, Tq, Tk, D, bool(causal)), config, q.dtype, scale, d_contig,
+                 False, bool(return_lse))
+    plan.out_shape = shape
+    plan.strides = (*q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides)
+    return plan
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False, out=None,
@@ -291,22 +329,31 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
     fp16, bf16 or fp32. ``scale`` defaults to 1/sqrt(D). ``causal``: query i sees keys j <= i + Tk − Tq.
     ``out`` may be any strided view of the right shape (e.g. a (B, T, H, D) buffer transposed).
     """
-    Hq, Hkv, D = _check_qkv(q, k, v, 4)
-    B, _, Tq, _ = q.shape
-    _, _, Tk, _ = k.shape
-    if k.shape[0] != B:
-        raise ValueError(f"k: batch {k.shape[0]} does not match q's {B}")
-    _check_scale(scale)
+    # The checks, the config and the launch parameters depend only on metadata: computed once per
+    # signature. A GPT-2 prefill runs ~50 µs; the uncached host path (checks, config validation) cost
+    # ~30 µs more on the host, enough to leave the GPU idle between launches.
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device,
+               None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+               causal, scale, type(scale), return_lse, None if config is None else tuple(config.items()))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks will say
+        key, plan = None, None
+    if plan is not None and plan.lookup is not None and K._CONFIG_CACHE.get(plan.lookup) is not plan.cfg:
+        plan = None  # the tuned store was reloaded since: pick the config again
+    if plan is None:
+        plan = _dense_plan(q, k, v, causal, scale, return_lse, out, config)
+        if key is not None:
+            if len(_PLANS) > 4096:
+                _PLANS.clear()
+            _PLANS[key] = plan
     if out is None:
-        out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=q.device)
-    else:
-        K.check_out(out, (B, Hq, Tq, D), q.dtype, q.device)
-    lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
-    if B * Hq * Tq > 0:
-        problem = Problem(B, Hq, Hkv, Tq, Tk, D, bool(causal))
-        strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                   *(lse.stride() if lse is not None else (0, 0, 0)))
-        _launch(SPEC, problem, config, q, k, v, out, lse, None, None, strides, scale)
+        out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
+    if plan.grid:
+        _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, q, q, *plan.strides, *plan.scalars,
+                             **plan.meta)
     return (out, lse) if return_lse else out
 
 
@@ -376,7 +423,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         strides = (0, q.stride(1), q.stride(0), q.stride(2), 0, k.stride(1), k.stride(0), k.stride(2),
                    0, v.stride(1), v.stride(0), v.stride(2), 0, out.stride(1), out.stride(0), out.stride(2),
                    *((0, lse.stride(1), lse.stride(0)) if lse is not None else (0, 0, 0)))
-        _launch(VARLEN_SPEC, problem, config, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, strides, scale)
+        d_contig = q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
+        plan = _plan(VARLEN_SPEC, problem, config, q.dtype, scale, d_contig, True, lse is not None)
+        _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, *strides,
+                             *plan.scalars, **plan.meta)
     return (out, lse) if return_lse else out
 
 

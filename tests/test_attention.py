@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from tritune import kernels as K
 from tritune.harness import compare as cmp
 from tritune.harness import device as dev
 from tritune.kernels import attention as A
@@ -229,6 +230,33 @@ def test_empty_problems():
     assert out.shape == (2, 2, 0, 32) and lse.shape == (2, 2, 0)
     out, lse = A.attention(torch.randn(0, 2, 4, 32, device=DEV), k[:0], k[:0], return_lse=True)
     assert out.shape == (0, 2, 4, 32)
+
+
+def test_launch_plan_cache():
+    """A second launch with the same metadata reuses the launch plan: the same result, a given out filled,
+    lse on request; an argument the checks reject is rejected whatever was cached (scale=True hashes like
+    scale=1); an explicit config or a reloaded tuned store is followed."""
+    p = P(1, 2, 1, 33, 40, 64, True)
+    case = A.make_inputs(p, torch.float32, DEV, 3)
+    q, k, v = case.args
+    want = ref.attention(q, k, v, causal=True, scale=1)
+    first = A.attention(q, k, v, causal=True, scale=1)
+    cmp.check(first, want, torch.float32, what="first launch")
+    assert torch.equal(A.attention(q, k, v, causal=True, scale=1), first)
+    out = torch.full_like(first, float("nan"))
+    assert A.attention(q, k, v, causal=True, scale=1, out=out) is out and torch.equal(out, first)
+    o, lse = A.attention(q, k, v, causal=True, scale=1, return_lse=True)
+    assert torch.equal(o, first) and lse.shape == (1, 2, 33)
+    with pytest.raises(ValueError, match=r"^scale:"):
+        A.attention(q, k, v, causal=True, scale=True)
+    with pytest.raises(ValueError, match=r"^out: expected shape"):
+        A.attention(q, k, v, causal=True, scale=1, out=out[..., :32])
+    cfg = dict(A.default_config(p, torch.float32), BLOCK_M=16, BLOCK_N=16, num_warps=2)
+    cmp.check(A.attention(q, k, v, causal=True, scale=1, config=cfg), want, torch.float32, what="explicit config")
+    K.clear_config_cache()  # as a store reload does: the cached plan must pick the config again
+    A.attention(q, k, v, causal=True, scale=1)
+    lookup = ("attention", K.bucket_key(A.bucket(p)), torch.float32)
+    assert any(pl.cfg is K._CONFIG_CACHE[lookup] for pl in A._PLANS.values() if pl.lookup == lookup)
 
 
 # ---------------------------------------------------------------------------------------------------
