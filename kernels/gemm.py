@@ -36,6 +36,10 @@ try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
+try:  # launch hooks, passed on by a direct launch exactly as triton's own launch passes them
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover
+    _knobs = None
 
 
 @triton.jit
@@ -314,14 +318,64 @@ def _tma_layout(rows: int, cols: int, s_r: int, s_c: int, e: int, block_rows: in
 class _Plan:
     """Everything a launch needs that depends only on the arguments' shapes, strides, dtypes and
     devices, the activation and the config: worked out (and the arguments validated) once per such
-    combination; a launch with the same combination does the per-call work only (the output and
-    split-K workspace allocations, TMA descriptors, the launch itself)."""
-    __slots__ = ("out_shape", "empty", "m", "n", "k", "a_copy", "r_copy", "grid", "ints", "work_shape",
-                 "locks", "kws", "a_tma", "b_tma", "cfg", "cfg_key")
+    combination; a launch with the same combination does the per-call work only (the output
+    allocation, TMA descriptors, the launch itself)."""
+    __slots__ = ("out_shape", "empty", "m", "n", "k", "a_copy", "r_copy", "grid", "ints", "work_numel",
+                 "locks", "kws", "consts", "kernels", "a_tma", "b_tma", "cfg", "cfg_key")
 
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096
+
+# Direct launch. Triton's own launch binds and specialises every argument on each call (~35 us of host
+# time for this kernel's 40 arguments on the H100 machine's CPU, more than the kernel takes at small M).
+# What it specialises on is fixed by the plan (shapes, strides, dtypes, constexprs) except the 16-byte
+# alignment of each pointer: so after a plan's first launch through triton, the compiled kernel is kept
+# per (TMA modes, pointer alignments, device) and later launches call it directly, with the same
+# arguments, launch metadata and hooks triton's launch would pass.
+DIRECT_LAUNCH = _knobs is not None
+_CONSTEXPRS = ("HAS_BIAS", "ACT", "HAS_RES", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "EVEN_K",
+               "A_MODE", "B_MODE", "A_3D", "A_M_CONTIG", "B_N_CONTIG", "INT64", "PRECISION", "PERSISTENT",
+               "FLATTEN", "WARP_SPEC")  # _gemm_kernel's constexpr parameters, in order (checked below)
+
+
+def _check_constexprs() -> None:
+    import inspect
+
+    names = tuple(inspect.signature(_gemm_kernel.fn).parameters)
+    assert names[21:] == _CONSTEXPRS and len(names) == 21 + len(_CONSTEXPRS), names
+
+
+_check_constexprs()
+
+
+def _launch_direct(kern, grid, stream, args) -> None:
+    hooks = _knobs.runtime
+    kern.run(grid[0], grid[1], 1, stream, kern.function, kern.packed_metadata,
+             kern.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+
+
+class _Workspace:
+    """Per-device fp32 split-K workspace, reused by every launch (as the tile counters are: two split-K
+    GEMMs must not run concurrently on different streams). It only grows, and a buffer it outgrows is
+    kept alive: a CUDA graph that captured it stays valid."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.retired: list = []
+
+    def __call__(self, device, numel: int) -> torch.Tensor:
+        t = self.buffers.get(device)
+        if t is None or t.numel() < numel:
+            if t is not None:
+                self.retired.append(t)
+            t = torch.empty(max(numel, 2 * (t.numel() if t is not None else 0), 1 << 16), dtype=torch.float32,
+                            device=device)
+            self.buffers[device] = t
+        return t
+
+
+_workspace = _Workspace()
 
 
 def _meta(t):
@@ -359,10 +413,10 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
     if plan.a_copy:  # > 3 dims that do not merge into rows: one copy
         a = a.reshape(plan.m, plan.k)
     r_arg = out if residual is None else (residual.reshape(plan.m, plan.n) if plan.r_copy else residual)
-    if plan.work_shape is None:  # no split-K: the workspace and counters are never touched
+    if plan.work_numel:
+        work, locks = _workspace(a.device, plan.work_numel), plan.locks
+    else:  # no split-K: the workspace and counters are never touched
         work = locks = out
-    else:
-        work, locks = torch.empty(plan.work_shape, dtype=torch.float32, device=a.device), plan.locks
     a_mode = b_mode = 0
     a_arg, b_arg = a, b
     if plan.a_tma is not None and a.data_ptr() % 16 == 0:
@@ -372,8 +426,27 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
         b_mode, shape, strides, block = plan.b_tma
         b_arg = TensorDescriptor(b, shape, strides, block)
     # every tensor goes in as it is (only its data pointer is used: the strides are in plan.ints)
-    _gemm_kernel[plan.grid](a_arg, b_arg, out, out if bias is None else bias, r_arg, work, locks,
-                            *plan.ints, **plan.kws[a_mode][b_mode])
+    args = (a_arg, b_arg, out, out if bias is None else bias, r_arg, work, locks, *plan.ints)
+    if plan.kernels is None:
+        _gemm_kernel[plan.grid](*args, **plan.kws[a_mode][b_mode])
+        return out
+    align = 0  # what triton specialises a pointer on: its 16-byte alignment (descriptors: their modes)
+    for t in args[2:7]:
+        align = 2 * align + (t.data_ptr() % 16 == 0)
+    if not a_mode:
+        align = 2 * align + (a.data_ptr() % 16 == 0)
+    if not b_mode:
+        align = 2 * align + (b.data_ptr() % 16 == 0)
+    drv = triton.runtime.driver.active
+    device = drv.get_current_device()
+    kkey = (a_mode, b_mode, align, device)
+    kern = plan.kernels.get(kkey)
+    if kern is not None:
+        _launch_direct(kern, plan.grid, drv.get_current_stream(device), args + plan.consts[a_mode][b_mode])
+    else:
+        kern = _gemm_kernel[plan.grid](*args, **plan.kws[a_mode][b_mode])
+        if hasattr(kern, "run") and hasattr(kern, "packed_metadata") and not hasattr(kern, "result"):
+            plan.kernels[kkey] = kern
     return out
 
 
@@ -467,7 +540,7 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
         p.b_tma = _tma_layout(kdim, n, b.stride(0), b.stride(1), e, bk, bn)
 
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    p.work_shape = (split, m, n) if split > 1 else None
+    p.work_numel = split * m * n if split > 1 else 0
     # the plan holds its counters: a buffer grown later for another plan stays alive for this one (and
     # for any CUDA graph that captured it)
     p.locks = _locks(a.device, tiles) if split > 1 else None
@@ -489,6 +562,8 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
                 PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     p.kws = [[dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)] for am in range(3)]
+    p.consts = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws]
+    p.kernels = {} if DIRECT_LAUNCH and a.device.type == "cuda" else None
     return p
 
 
@@ -574,13 +649,20 @@ def _estimate_s(bm: int, bn: int, split: int, eff: float, m: int, n: int, k: int
 def default_config(p: Problem, dtype) -> dict:
     """A sound heuristic that depends only on the bucket (M to a power of two, N, K) and the dtype.
 
-    Measured on the H100 (bf16, results-local sweep of 500 points over the standard problems):
-    - M <= 64 is bound by reading B: 16- or 64-row tiles, narrow column tiles, long K steps; split-K
-      only when the tiles cannot cover a quarter of the SMs and K is long (its partials and ticket
-      cost ~5 us, more than it saves on the GPT-2 shapes).
+    Measured on the H100 (bf16; a 686-point sweep over the standard problems, GPU time under CUDA
+    graphs with inputs cycled past L2, then do_bench with L2 flushed for the front runners):
+    - M <= 64 reads B and little else: 16-row tiles (M <= 16) or one tile of all rows, 64-wide column
+      tiles for 16 rows and 32-wide for more (the accumulator stays small), 128-wide for a very wide N
+      (an LM head), 128- or 256-long K steps, 4 warps, 4 stages. Split-K when K is long (>= 2048) and
+      the tiles are few: up to 8 slices while the programs fit in one wave and each slice keeps 3 K
+      steps (GPT-2 c_proj, 768 x 3072, at M = 1: 9.6 -> 5.6 us, at M = 64: 10.1 -> 7.3 us; at K = 768
+      no split is as fast). TMA descriptors would save ~5% of GPU time here but cost more host time
+      than the kernel takes; pointers.
     - Large problems (at least two 128x256 tiles per SM): 128x256x64, 8 warps, TMA descriptors, a
       persistent grid (the pipeline runs on across tiles): the fastest on every such problem to within
-      a few percent (8192^3 720 TFLOP/s, 4096^3 750).
+      a few percent (4096^3 780 TFLOP/s, GPT-2 c_fc at M = 8192 1.2x cuBLAS + GELU). With N too
+      narrow for that (768) but two 128x128 tiles per SM: the same at 128x128 (M = 8192: 10% faster
+      than 128x128 pointer tiles).
     - In between: the tiling (and split-K) that a wave model says finishes first, pointer loads."""
     e = _elem(dtype)
     m2 = max(16, triton.next_power_of_2(p.M))
@@ -590,20 +672,26 @@ def default_config(p: Problem, dtype) -> dict:
     tma = _tma_capable(0)
     if m2 <= 64:
         bm = 16 if m2 <= 16 else min(m2, 64)
-        bn = min(n2, 64 if m2 <= 16 else 32)
-        long_k = p.K > 1024
-        bk = min(k2, (256 if long_k else 128) if e == 2 else 64)
+        if triton.cdiv(p.N, 128) >= sms:  # very wide N: enough 128-wide tiles for every SM
+            bn, bk = 128, (128 if bm == 16 else 64)
+        else:
+            bn, bk = (64, 128) if bm == 16 else (32, 128 if p.K <= 1024 else 256)
+        bn, bk = min(n2, bn), min(k2, bk if e == 2 else 64)
         tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
         k_tiles = triton.cdiv(p.K, bk)
         split = 1
-        while split < 16 and tiles * split * 4 < sms and k_tiles >= 16 * split:
-            split *= 2
+        if p.K >= 2048:
+            while split < 8 and tiles * split * 2 <= sms and k_tiles >= 6 * split:
+                split *= 2
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
-               "num_warps": 4, "num_stages": 3 if bk * e >= 512 else 4, "TMA": False, "PERSISTENT": False}
+               "num_warps": 4, "num_stages": 4, "TMA": False, "PERSISTENT": False}
     elif m2 >= 128 and n2 >= 256 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 256) >= 2 * sms:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": min(k2, 64 if e == 2 else 32), "GROUP_M": 8,
                "SPLIT_K": 1, "num_warps": 8, "num_stages": 3 if p.K <= 1024 or e == 4 else 4,
                "TMA": tma, "PERSISTENT": True}
+    elif m2 >= 128 and n2 >= 128 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 128) >= 2 * sms:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": min(k2, 64 if e == 2 else 32), "GROUP_M": 8,
+               "SPLIT_K": 1, "num_warps": 8, "num_stages": 4, "TMA": tma, "PERSISTENT": True}
     else:
         best = None
         for bm, bn, warps, stages, eff in _MID_TILES:
