@@ -114,7 +114,7 @@ def tuning_table(configs_dir: Path, fmt: str = "github") -> str:
                      sum(e.get("trials", 0) for e in ent), data.get("triton", ""), data.get("date", ""),
                      n_stale or "", data.get("note", "")])
     return tabulate(rows, headers=["GPU", "kernel", "buckets", "tuned vs default (geomean)", "best bucket",
-                                   "trials", "triton", "date", "stale (kernel changed since)", "note"],
+                                   "trials", "triton", "date", "stale (kernel changed since; skipped)", "note"],
                     tablefmt=fmt, disable_numparse=True)
 
 

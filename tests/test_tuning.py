@@ -298,6 +298,9 @@ def test_lookup_exact_then_nearest_bucket_of_the_same_dtype(temp_store):
     assert look("numel=4096,approximate=none") == {"BLOCK": 256, "num_warps": 2}        # 2 octaves vs 8
     assert look("numel=262144,approximate=none") == {"BLOCK": 2048, "num_warps": 8}     # 2 octaves vs 8
     assert look("numel=4096,approximate=none", torch.float16) == {"BLOCK": 512, "num_warps": 4}
+    # only neighbours: 3 octaves from the nearest entry (each field within 4x) is too far to trust
+    assert look("numel=32768,approximate=none") is None
+    assert look("numel=128,approximate=none") is None
     assert look("numel=4096,approximate=tanh") is None       # non-numeric fields must match
     assert look("numel=4096,approximate=none", torch.bfloat16) is None
 
@@ -376,5 +379,5 @@ def test_store_records_the_kernel_source_and_flags_stale_entries(temp_store):
     store.clear_cache()
     with pytest.warns(UserWarning, match="another version of the gelu kernel"):
         es = store.entries("gelu")
-    assert len(es) == 1 and store.stale("gelu", es) == list(es)  # still used, but flagged
-    assert store.lookup("gelu", "numel=4096,approximate=tanh", torch.float32) == {"BLOCK": 1024, "num_warps": 4}
+    assert len(es) == 1 and store.stale("gelu", es) == list(es)  # kept in the file, flagged,
+    assert store.lookup("gelu", "numel=4096,approximate=tanh", torch.float32) is None  # and not used

@@ -207,7 +207,7 @@ def cmd_configs(args) -> int:
             t, d = e.get("time_us"), e.get("default_us")
             table.append([kernel, e["bucket"], e["dtype"], _cfg(e["config"]), _fmt(t), _fmt(d),
                           f"{d / t:.2f}x" if isinstance(t, (int, float)) and isinstance(d, (int, float)) and t else "",
-                          _fmt(e.get("trials")), "stale: kernel changed since" if id(e) in old else ""])
+                          _fmt(e.get("trials")), "stale: kernel changed since (skipped)" if id(e) in old else ""])
     print(f"tuned configs for {slug} ({store.config_root() / slug}):")
     print(tabulate(table, headers=["kernel", "bucket", "dtype", "config", "µs", "default µs", "speedup", "trials",
                                    ""], disable_numparse=True))

@@ -5,8 +5,9 @@ time, the trials it took, and the date, triton and torch versions of the sweep. 
 load: a malformed file, or one written for another kernel or GPU, is skipped with a warning naming it,
 never a crash and never a config for the wrong kernel.
 
-Lookup: exact bucket, else the nearest bucket of the same dtype (log-distance over the numeric fields;
-non-numeric fields must match), else ``None`` (the caller uses the heuristic default). Files are read
+Lookup: exact bucket, else the nearest neighbouring bucket of the same dtype (log-distance over the
+numeric fields, each within 4x; non-numeric fields must match), else ``None`` (the caller uses the
+heuristic default). Entries tuned against other code of the kernel (stale) are skipped. Files are read
 once per process; launchers cache the result per (kernel, bucket, dtype), so the hot path does no I/O.
 """
 from __future__ import annotations
@@ -49,13 +50,18 @@ def parse_bucket(key: str) -> dict:
 
 
 def bucket_distance(a: dict, b: dict) -> float:
+    """Sum over numeric fields of |log2 a - log2 b|; inf when the keys or a non-numeric field differ, or
+    when one numeric field is more than MAX_FIELD_LOG2 away."""
     if set(a) != set(b):
         return math.inf
     d = 0.0
     for k in a:
         x, y = a[k], b[k]
         if isinstance(x, int) and isinstance(y, int) and x > 0 and y > 0:
-            d += abs(math.log2(x) - math.log2(y))
+            f = abs(math.log2(x) - math.log2(y))
+            if f > MAX_FIELD_LOG2:
+                return math.inf
+            d += f
         elif x != y:
             return math.inf
     return d
@@ -89,23 +95,37 @@ def validate(data, kernel: str, slug: str | None = None) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def source_hash(kernel: str) -> str | None:
-    """sha256 (12 hex digits) of the file that defines the kernel: an entry records the source it was
-    tuned against, so a config tuned for an older version of the kernel is flagged as stale."""
+    """sha256 (12 hex digits) of the source of the ``@triton.jit`` functions in the kernel's module: an
+    entry records the code it was timed on, so a config tuned for another version of the kernel is known
+    as stale. Only the jitted code counts (not the launcher's docstrings or validation), so editing the
+    Python around a kernel does not throw its tuned configs away."""
     import hashlib
     import inspect
+    import sys
 
     from tritune import kernels
 
     try:
-        f = inspect.getsourcefile(kernels.get(kernel).run)
-        return hashlib.sha256(Path(f).read_bytes()).hexdigest()[:12]
-    except (KeyError, OSError, TypeError):
+        mod = sys.modules[kernels.get(kernel).run.__module__]
+    except (KeyError, AttributeError):
         return None
+    srcs = []
+    for name, obj in sorted(vars(mod).items()):
+        fn = getattr(obj, "fn", None)  # triton's JITFunction (and the interpreter's wrapper) keep the function
+        if callable(fn) and type(obj).__module__.startswith("triton") and getattr(fn, "__module__", None) == mod.__name__:
+            try:
+                srcs.append(f"{name}\n{inspect.getsource(fn)}")
+            except (OSError, TypeError):
+                return None
+    if not srcs:
+        return None
+    return hashlib.sha256("\n".join(srcs).encode()).hexdigest()[:12]
 
 
 def stale(kernel: str, es) -> list[dict]:
-    """Entries tuned against another version of the kernel's source (entries that record none are not
-    judged)."""
+    """Entries tuned against another version of the kernel's jitted code (entries that record none are
+    not judged). Lookup skips them: a config timed on other code is neither verified nor known fast
+    (a gemm sweep found such entries 1.1-13x slower than the current defaults)."""
     h = source_hash(kernel)
     return [e for e in es if h is not None and e.get("source") not in (None, h)]
 
@@ -128,7 +148,8 @@ def _load(path: str, kernel: str, slug: str) -> tuple:
     old = stale(kernel, es)
     if old:  # still valid points of the space (checked at lookup), but timed on other code: say so once
         warnings.warn(f"tritune: {len(old)} of {len(es)} entries in {p} were tuned against another version of "
-                      f"the {kernel} kernel; they are used, but re-run `tritune tune {kernel}` to refresh them",
+                      f"the {kernel} kernel; they are skipped (heuristic defaults instead): re-run "
+                      f"`tritune tune {kernel}` to refresh them",
                       stacklevel=3)
     return es
 
@@ -138,9 +159,18 @@ def entries(kernel: str, slug: str | None = None) -> tuple:
     return _load(str(path_for(kernel, slug)), kernel, slug)
 
 
+# Nearest-bucket fallback only between neighbours: each numeric field within a factor of 4, and at most
+# three octaves in all. A config tuned at M=1 says nothing about M=8192 (it handed 8192^3 a 32x16 tile).
+MAX_FIELD_LOG2 = 2.0
+MAX_DISTANCE = 3.0
+
+
 def lookup(kernel: str, bucket: str, dtype) -> dict | None:
-    """The stored config for the exact bucket, else the nearest bucket of this dtype, else None."""
+    """The stored config for the exact bucket, else the nearest neighbouring bucket of this dtype (see
+    MAX_FIELD_LOG2, MAX_DISTANCE), else None. Stale entries (tuned on other kernel code) are skipped."""
     es = [e for e in entries(kernel) if e["dtype"] == dtype_name(dtype)]
+    old = {id(e) for e in stale(kernel, es)}
+    es = [e for e in es if id(e) not in old]
     if not es:
         return None
     for e in es:
@@ -148,7 +178,7 @@ def lookup(kernel: str, bucket: str, dtype) -> dict | None:
             return dict(e["config"])
     want = parse_bucket(bucket)
     best = min(es, key=lambda e: bucket_distance(want, parse_bucket(e["bucket"])))
-    if math.isinf(bucket_distance(want, parse_bucket(best["bucket"]))):
+    if bucket_distance(want, parse_bucket(best["bucket"])) > MAX_DISTANCE:
         return None
     return dict(best["config"])
 
