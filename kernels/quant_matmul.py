@@ -17,8 +17,11 @@ Two kernels, chosen by the config's BLOCK_M:
 - BLOCK_M = 1, the GEMV path (decode, M = 1 or a few rows): one program per (row, BLOCK_N strip, K
   slice); products and sums on CUDA cores in fp32, a (BLOCK_N × g/2) accumulator reduced once at the
   end. Memory-bound: the byte tiles are the only DRAM traffic that matters.
-- BLOCK_M >= 16, the tiled path: one program per (BLOCK_M × BLOCK_N tile, K slice); per group two
+- BLOCK_M >= 8, the tiled path: one program per (BLOCK_M × BLOCK_N tile, K slice); per group two
   tl.dot of depth g/2 on the fp16/bf16 codes (q − z, exact), the fp32 partial scaled by s[n, j].
+  INT4 unpacks four bytes per inline-PTX block (the interpreter runs the same math in plain Triton),
+  and with BLOCK_M <= 16 computes Yᵀ = dequant(W) · Xᵀ so the weight is the MMA's A operand (decode:
+  M = 1..16; 8-row tiles at M <= 8).
 Split-K (SPLIT_K > 1, either path): each K slice writes its fp32 partial to a workspace and takes a
 ticket from a per-tile counter; the last one sums the slices in order (deterministic), adds the bias,
 rounds once and resets the counter. One launch. Counters are per device: two split-K launches must not
@@ -217,8 +220,12 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
                 # the unpack runs in the dot-operand layout (Triton hoists the layout change above
                 # elementwise ops, asm included): bytes go through shared memory, not 16-bit codes.
                 # (MAGIC + q) − (MAGIC + z) is q − z exactly; the scale multiplies the group's sum.
+                # Weights are read once: evict_first keeps them from pushing x, the scales or other
+                # kernels' data out of L2 (the hint survives only unpipelined loads, num_stages 1:
+                # Triton's cp.async path drops it).
                 if SWAP:
-                    b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0)  # (BN, H)
+                    b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0,
+                                eviction_policy="evict_first")  # (BN, H)
                     xm = (k_lo < K)[:, None] & mask_m[None, :]
                     x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=xm, other=0.0)         # (H, BM)
                     x_hi = tl.load(x_cols + (k_lo + H)[:, None] * s_xk, mask=xm, other=0.0)
@@ -227,7 +234,8 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
                     part = tl.dot(q_hi - zf[:, None], x_hi, part)
                     acc += part * s[:, None]
                 else:
-                    b = tl.load(w_cols + (grp * H + offs_h)[:, None], mask=mask_n[None, :], other=0)  # (H, BN)
+                    b = tl.load(w_cols + (grp * H + offs_h)[:, None], mask=mask_n[None, :], other=0,
+                                eviction_policy="evict_first")  # (H, BN)
                     xm = mask_m[:, None] & (k_lo < K)[None, :]
                     x_lo = tl.load(x_rows + k_lo[None, :] * s_xk, mask=xm, other=0.0)         # (BM, H)
                     x_hi = tl.load(x_rows + (k_lo + H)[None, :] * s_xk, mask=xm, other=0.0)
@@ -414,11 +422,13 @@ def _sms() -> int:
 
 
 def default_config(p: Problem, dtype) -> dict:
-    """From an H100 sweep (bf16, (K, N) = (8192, 28672) and GPT-2/4096 shapes):
+    """From H100 sweeps (bf16, (K, N) = (8192, 28672) and GPT-2/4096 shapes):
     - int8, M <= 2: the GEMV kernel (BLOCK_N 32, BLOCK_K 256): 100 µs at M = 1 on the large shape;
     - int4, M <= 2 on small weights (N·K <= 2^24): the GEMV kernel (BLOCK_N 32, BLOCK_K 128);
-    - otherwise tl.dot tiles with BLOCK_M 16 up to M = 16 (beat the GEMV kernel on int4 at M = 1:
-      the dequant runs in 16-bit and the FMAs on tensor cores), 64 beyond;
+    - int4 otherwise up to M = 16: the swapped tl.dot path, BLOCK_M 8 (M <= 8: 8 x 64 x 256 tiles,
+      4 warps; 69.6 µs at M = 1 on the large shape, 8 x 128 tiles 81.5) or 16 (16 x 32 x 256, 2 warps:
+      84.1 µs at M = 16; 16 x 64 116.1), split-K 4;
+    - int8 up to M = 16: tl.dot tiles with BLOCK_M 16; 64 beyond (both formats);
     - split-K (at most 4 slices of >= 4 blocks, N >= 1024) only while the tiles leave the SMs short:
       deeper splits measured slower on every shape tried.
     """
@@ -429,13 +439,13 @@ def default_config(p: Problem, dtype) -> dict:
         bk, warps = (256, 4) if p.bits == 8 else (128, 2)
         tiles = p.M * -(-p.N // bn)
         want = 8 * sms
-    elif p.bits == 4 and p.M <= 8:
-        bm, bn, bk, warps, stages = 8, 128, 256, 4, 3
+    elif p.bits == 4 and p.M <= 16:
+        # operands swapped; many small CTAs (7 of 4 warps fit an SM at BLOCK_N 64) hide DRAM latency
+        bm, bn, bk, warps, stages = (8, 64, 256, 4, 3) if p.M <= 8 else (16, 32, 256, 2, 3)
         tiles = -(-p.N // bn)
-        want = 8 * sms
+        want = 16 * sms
     elif p.M <= 16:
-        bm, stages = 16, 3
-        bn, bk, warps = (64, 256, 2) if p.bits == 4 else (64, 256, 4)
+        bm, bn, bk, warps, stages = 16, 64, 256, 4, 3
         tiles = -(-p.N // bn)
         want = 8 * sms
     else:
