@@ -70,6 +70,55 @@ class _TorchEngineOps(G.TorchOps):
     write_kv = staticmethod(_index_write_kv)
 
 
+# The decode step of the torch backend in pieces for torch.compile. A piece takes tensors only, so one
+# compile serves every layer (regional compilation: a layer's compile, not the whole model's, which took
+# minutes); the cache write stays outside (an in-place write into a compiled graph's input).
+def _layer_in(x, ln_w, ln_b, w_qkv, b_qkv, eps: float, n_head: int):
+    T, E = x.shape
+    return G.torch_linear(G.torch_layer_norm(x, ln_w, ln_b, eps), w_qkv, b_qkv).view(T, 3, n_head, E // n_head)
+
+
+def _layer_out(x, qkv, k_cache, v_cache, block_tables, context_lens, w_o, b_o, ln_w, ln_b, w_fc, b_fc,
+               w_proj, b_proj, eps: float):
+    T, E = x.shape
+    a = G.torch_attn_decode(qkv[:, 0], k_cache, v_cache, block_tables, context_lens)
+    x = G.torch_linear(a.reshape(T, E), w_o, b_o, residual=x)
+    f = G.torch_linear(G.torch_layer_norm(x, ln_w, ln_b, eps), w_fc, b_fc, activation="gelu_tanh")
+    return G.torch_linear(f, w_proj, b_proj, residual=x)
+
+
+def _head(x, ln_w, ln_b, lm_head, eps: float):
+    return G.torch_linear(G.torch_layer_norm(x, ln_w, ln_b, eps), lm_head)
+
+
+class _CompiledDecode:
+    """GPT2's decode forward on the torch ops, its layer and head compiled (dynamic shapes)."""
+
+    def __init__(self, model, kv):
+        self.model, self.kv = model, kv
+        self.layer_in = torch.compile(_layer_in, dynamic=True)
+        self.layer_out = torch.compile(_layer_out, dynamic=True)
+        self.head = torch.compile(_head, dynamic=True)
+
+    def __call__(self, ids, pos, slots, block_tables, context_lens):
+        from torch.fx.experimental import _config as fx_config
+
+        m, kv = self.model, self.kv
+        c = m.config
+        eps = c.layer_norm_epsilon
+        x = m._embed(ids, pos)
+        # no duck sizing: a batch that happens to equal another dim (3, the head count, ...) on the first
+        # call would tie the two and force a recompile at the next batch size
+        with fx_config.patch(use_duck_shape=False):
+            for i, L in enumerate(m.w.layers):
+                kc, vc = kv.k_caches[i], kv.v_caches[i]
+                qkv = self.layer_in(x, L.ln1_w, L.ln1_b, L.w_qkv, L.b_qkv, eps, c.n_head)
+                _index_write_kv(qkv[:, 1], qkv[:, 2], kc, vc, slots)
+                x = self.layer_out(x, qkv, kc, vc, block_tables, context_lens, L.w_o, L.b_o, L.ln2_w, L.ln2_b,
+                                   L.w_fc, L.b_fc, L.w_proj, L.b_proj, eps)
+            return self.head(x, m.w.lnf_w, m.w.lnf_b, m.w.lm_head, eps)
+
+
 def quant_linear_impl():
     """(quant_linear or None, how linears run) for the quantized mode."""
     try:
@@ -195,20 +244,29 @@ def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte
 
 
 @triton.jit
-def _step_out_kernel(Tok, Ids, Pos, Stop, Eos, Hist, B, R, BLOCK_B: tl.constexpr):
-    """After a decode step, for each live row (pos >= 0): the sampled token becomes the next input,
-    is kept in the row's ring of the last R tokens at (pos + 1) % R, and pos advances; the row turns
-    to padding (pos -1) once pos reaches stop[b] or the token is eos[b] (-1: none)."""
-    offs = tl.arange(0, BLOCK_B)
-    pos = tl.load(Pos + offs, mask=offs < B, other=-1)
-    live = (offs < B) & (pos >= 0)
-    tok = tl.load(Tok + offs, mask=live, other=0).to(tl.int32)
-    tl.store(Ids + offs, tok, mask=live)
-    tl.store(Hist + offs * R + (pos + 1) % R, tok, mask=live)
-    stop = tl.load(Stop + offs, mask=live, other=0)
-    eos = tl.load(Eos + offs, mask=live, other=-1)
-    nxt = tl.where((pos + 1 >= stop) | (tok == eos), -1, pos + 1)
-    tl.store(Pos + offs, nxt, mask=live)
+def _step_out_kernel(Logits, stride_l, V, Ids, Pos, Stop, Eos, Hist, R, BLOCK_V: tl.constexpr):
+    """Row b after a decode step: the greedy token (the first maximum of its logits, as torch.argmax);
+    for a live row (pos >= 0) it becomes the next input and lands in the row's ring of the last R
+    tokens at (pos + 1) % R, and pos advances; the row turns to padding (pos -1) once pos reaches
+    stop[b] or the token is eos[b] (-1: none)."""
+    b = tl.program_id(0)
+    row = Logits + b.to(tl.int64) * stride_l
+    offs = tl.arange(0, BLOCK_V)
+    best = tl.full((), float("-inf"), tl.float32)
+    tok = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
+        m, i = tl.max(x, axis=0, return_indices=True)
+        take = m > best                 # strictly: an earlier chunk keeps a tie
+        tok = tl.where(take, i + start, tok)
+        best = tl.where(take, m, best)
+    pos = tl.load(Pos + b)
+    if pos >= 0:
+        tl.store(Ids + b, tok)
+        tl.store(Hist + b * R + (pos + 1) % R, tok)
+        stop = tl.load(Stop + b)
+        eos = tl.load(Eos + b)
+        tl.store(Pos + b, tl.where((pos + 1 >= stop) | (tok == eos), -1, pos + 1))
 
 
 class DecodeGraphs:
@@ -264,9 +322,9 @@ class DecodeGraphs:
                               BLOCK_E=triton.next_power_of_2(E), num_warps=4 if E >= 512 else 1)
         logits = forward_step(m, self.ops, self.kv, None, None, self.slots[:b], block_tables=self.bt[:b],
                               context_lens=self.ctx[:b], x=x)
-        tok = logits.argmax(dim=-1)
-        _step_out_kernel[(1,)](tok, self.ids, self.pos, self.stop, self.eos, self.hist, b, self.R,
-                               BLOCK_B=triton.next_power_of_2(b), num_warps=1 if b <= 32 else 4)
+        V = logits.shape[1]
+        _step_out_kernel[(b,)](logits, logits.stride(0), V, self.ids, self.pos, self.stop, self.eos, self.hist,
+                               self.R, BLOCK_V=min(8192, triton.next_power_of_2(V)), num_warps=8 if V >= 8192 else 4)
         return logits
 
     def _capture(self):
@@ -488,8 +546,12 @@ class Engine:
                 self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
                                   f"(captured in {self.graphs.capture_s:.1f} s)")
         if compile:
-            self._compiled = torch.compile(self._decode_eager, dynamic=True)
-            self.notes.append("decode forward under torch.compile(dynamic=True); prefill eager")
+            if model.backend != "torch" or quant:
+                self.notes.append("compile off: it compiles the torch backend's ops (backend='torch', no quant)")
+            else:
+                self._compiled = _CompiledDecode(self.model, self.pool)
+                self.notes.append("decode forward's layer and head under torch.compile(dynamic=True), one compile "
+                                  "for all layers; KV write and prefill eager")
         # Prefill batching: with a fast decode path, a step that admits requests pays a whole eager forward
         # for its prefills (launch-bound: about as long as many graph decode steps), so while sequences are
         # decoding, admit only once enough seats are free for a batch of prefills (or after
@@ -623,8 +685,10 @@ class Engine:
         if not self.prefill_batching or not sch.running or not sch.waiting:
             self._waited = 0
             return True
-        seats = self.max_num_seqs - len(sch.running)
-        if seats >= min(self.prefill_min_seats, len(sch.waiting)) or self._waited >= self.prefill_max_wait:
+        # (the scheduler's seat count, which a benchmark may lower after construction)
+        seats = sch.max_num_seqs - len(sch.running)
+        need = min(self.prefill_min_seats, max(1, sch.max_num_seqs // 8), len(sch.waiting))
+        if seats >= need or self._waited >= self.prefill_max_wait:
             self._waited = 0
             return True
         self._waited += 1
@@ -646,10 +710,10 @@ class Engine:
         K = min(K, max(left))           # rows that finish earlier turn to padding on the device
         sch = self.scheduler
         if sch.waiting:                 # admission decisions happen between host round trips
-            if self.prefill_batching:
+            if self.prefill_batching and len(sch.running) < sch.max_num_seqs:
                 K = min(K, max(1, self.prefill_max_wait - self._waited))
             else:
-                K = min(K, min(left))   # admit as soon as a seat frees
+                K = min(K, min(left))   # nobody can join before a seat frees: run until one does
         if K > 1 and not sch.reserve(out, K):
             K = 1                       # not enough free blocks to hold K tokens of every row
         return K
@@ -718,13 +782,10 @@ class Engine:
             parts.append(self._compiled(ids, pos, slots, bt, ctx)[:Td])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _decode_eager(self, ids, pos, slots, bt, ctx):
-        return forward_step(self.model, self.ops, self.pool, ids, pos, slots, block_tables=bt, context_lens=ctx)
-
     def _decode_inputs(self, ids, positions, slots, context_lens, tables):
-        """Device inputs of the compiled decode: block tables padded to max_blocks columns and the batch
-        to at least 2 rows (a copy of row 0, which writes the same K/V to the same slot), so one dynamic
-        compile covers every batch (a batch of 1 would otherwise be specialised and compiled again)."""
+        """Device inputs of the compiled decode: the batch padded to at least 2 rows (a copy of row 0,
+        which writes the same K/V to the same slot) and the block tables to at least 2 columns, so one
+        dynamic compile covers every step (a dim of size 1 would be specialised and compiled again)."""
         dev = self.device
         B = max(2, len(ids))
         ids, positions, slots = list(ids), list(positions), list(slots)
@@ -734,7 +795,8 @@ class Engine:
             context_lens.append(context_lens[0]), tables.append(tables[0])
         h = torch.tensor(np.concatenate([np.asarray(ids, np.int64), np.asarray(positions, np.int64),
                                          np.asarray(slots, np.int64)]))
-        h32 = np.zeros((B, self.max_blocks + 1), np.int32)
+        mb = max(2, max(len(t.blocks) for t in tables))
+        h32 = np.zeros((B, mb + 1), np.int32)
         h32[:, 0] = context_lens
         for i, t in enumerate(tables):
             h32[i, 1:1 + len(t.blocks)] = t.blocks

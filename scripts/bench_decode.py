@@ -112,14 +112,44 @@ def _kernel_table(eng, prompt, new):
         eng.run()
         sync()
     n = new - 1
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and not any(w in e.name.lower() for w in ("memcpy", "memset"))),
+                    key=lambda e: e.time_range.start)
     kernels = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not any(
-                w in e.name.lower() for w in ("memcpy", "memset")):
-            k = kernels.setdefault(e.name, [0, 0.0])
-            k[0] += 1
-            k[1] += e.time_range.elapsed_us()
-    return sorted(((name, c / n, t / n) for name, (c, t) in kernels.items()), key=lambda r: -r[2])
+    for e in events:
+        k = kernels.setdefault(e.name, [0, 0.0])
+        k[0] += 1
+        k[1] += e.time_range.elapsed_us()
+    return sorted(((name, c / n, t / n) for name, (c, t) in kernels.items()), key=lambda r: -r[2]), \
+        _op_table(events)
+
+
+def _op_table(events) -> dict:
+    """GPU us per token of each op of the GPT-2 decode step (the graph's kernels in launch order: step
+    input, per layer ln_1 qkv write_kv attention [merge] attn_out ln_2 fc proj, then ln_f lm_head step
+    output); gemms and layer norms told apart by their place in the step."""
+    ops, steps = {}, 0
+    gemm = ln = 0
+    for e in events:
+        name = e.name
+        if name.startswith("_step_in"):
+            steps += 1
+            gemm = ln = 0
+        if not steps:
+            continue
+        if name.startswith("_gemm"):
+            label = "gemm " + ("lm_head" if gemm >= 48 else ("qkv", "attn_out", "fc", "proj")[gemm % 4])
+            gemm += 1
+        elif name.startswith("_layer_norm"):
+            label = "layer_norm " + ("ln_f" if ln >= 24 else ("ln_1", "ln_2")[ln % 2])
+            ln += 1
+        else:
+            label = name[:60]
+        o = ops.setdefault(label, [0, 0.0])
+        o[0] += 1
+        o[1] += e.time_range.elapsed_us()
+    return {k: {"per_token": round(c / max(steps, 1), 2), "us_per_token": round(t / max(steps, 1), 2),
+                "us_each": round(t / max(c, 1), 2)} for k, (c, t) in sorted(ops.items(), key=lambda kv: -kv[1][1])}
 
 
 def profile_engine(directory, dtype, prompt, new=128, top=30) -> dict:
@@ -139,14 +169,15 @@ def profile_engine(directory, dtype, prompt, new=128, top=30) -> dict:
                "gpu_us_per_token_events": (eng.stats["graph_gpu_s"] - gpu0) / n * 1e6,
                "host_us_per_token": host}
         if steps is None:       # the kernel table, from the default configuration's replays
-            rows = _kernel_table(eng, prompt, new)
+            rows, ops = _kernel_table(eng, prompt, new)
             if not rows:        # the profiler saw no kernel inside the graphs: the same step, eagerly
                 g = eng.graphs
                 saved = g.graphs, dict(g.out)
                 g.graphs = {}
-                rows = _kernel_table(eng, prompt, 32)
+                rows, ops = _kernel_table(eng, prompt, 32)
                 g.graphs, g.out = saved
                 rec["kernels_from"] = "eager run of the captured step (the profiler saw no graph kernels)"
+            rec["ops"] = ops
             rec["kernels_per_token"] = round(sum(c for _, c, _ in rows), 2)
             rec["kernel_us_per_token"] = round(sum(t for _, _, t in rows), 2)
             rec["kernels"] = [{"name": nm[:120], "per_token": round(c, 2), "us_per_token": round(t, 2)}

@@ -211,6 +211,22 @@ def test_engine_options_validated(model):
     assert any("cuda_graphs off" in n for n in eng.notes)
 
 
+@pytest.mark.slow
+def test_compiled_decode_equals_alone(model):
+    """compile=True: the torch ops' layer and head under torch.compile (one compile for all layers and
+    every batch size: batches of 1..4 and contexts that grow, no recompile)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eng = Engine(model, num_blocks=200, block_size=4, max_num_seqs=4, cuda_graphs=False, compile=True)
+    ps = prompts(6, seed=20)
+    news = [3, 9, 1, 14, 6, 11]
+    res = eng.generate(ps, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news])
+    for p, n, r in zip(ps, news, res):
+        assert r.token_ids == alone(model, p, n)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3        # layer in, layer out, head
+
+
 def test_triton_backend_mixed_steps_match_alone():
     """The kernels (through the interpreter) in a step that mixes a prefill with decodes."""
     m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=32)
@@ -227,6 +243,16 @@ def test_triton_backend_mixed_steps_match_alone():
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
+# The device-step tests run the torch backend where the step's Triton kernels can run: the GPU when there
+# is one (no interpreter then), else the CPU through the interpreter.
+STEP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def step_model():
+    return tiny_model(device=STEP_DEVICE)
+
+
 def device_step_engine(model, buckets=(1, 2, 4, 8), **kw):
     """An engine whose decode runs through DecodeGraphs without capture (the CPU has no CUDA graphs): the
     device-side step (embedding, slots, argmax, feedback, stop/EOS) and the multi-step host logic."""
@@ -237,12 +263,12 @@ def device_step_engine(model, buckets=(1, 2, 4, 8), **kw):
 
 
 @pytest.mark.parametrize("decode_steps", [1, 5, 16])
-def test_multi_step_decode_equals_alone(model, decode_steps):
+def test_multi_step_decode_equals_alone(step_model, decode_steps):
     """Several decode steps per host round trip (tokens fed back on the device, rows that finish turn
     to padding mid-run, batches that need padding rows, arrivals between round trips) change no token."""
     ps = prompts(7, seed=11)
     news = [1, 2, 9, 17, 30, 4, 23]
-    eng = device_step_engine(model, num_blocks=200, block_size=4, max_num_seqs=8, decode_steps=decode_steps)
+    eng = device_step_engine(step_model, num_blocks=200, block_size=4, max_num_seqs=8, decode_steps=decode_steps)
     sp = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news]
     reqs = [eng.add_request(p, s) for p, s in zip(ps[:5], sp[:5])]
     for _ in range(3):
@@ -250,35 +276,35 @@ def test_multi_step_decode_equals_alone(model, decode_steps):
     reqs += [eng.add_request(p, s) for p, s in zip(ps[5:], sp[5:])]
     eng.run()
     for p, n, r in zip(ps, news, reqs):
-        assert r.finish_reason == "length" and r.output_ids == alone(model, p, n)
+        assert r.finish_reason == "length" and r.output_ids == alone(step_model, p, n)
     assert eng.pool.num_free == eng.pool.num_blocks
     assert (eng.stats["multi_steps"] > 0) == (decode_steps > 1)
     assert eng.stats["decode_tokens"] == sum(news) - len(news)
 
 
-def test_multi_step_decode_stops_at_eos_and_falls_back(model):
+def test_multi_step_decode_stops_at_eos_and_falls_back(step_model):
     """EOS ends a row on the device mid-run; a sampled request beside greedy ones, and a pool too small
     to reserve several steps ahead, fall back to one step per round trip, with the same outputs."""
     p = prompts(1, seed=12)[0]
-    free = alone(model, p, 20)
+    free = alone(step_model, p, 20)
     eos = free[6]
-    m = GPT2(replace(model.config, eos_token_id=eos), model.w, backend="torch")
+    m = GPT2(replace(step_model.config, eos_token_id=eos), step_model.w, backend="torch")
     eng = device_step_engine(m, num_blocks=200, block_size=4, decode_steps=8)
     r = eng.generate([p], SamplingParams(max_new_tokens=20))[0]
     assert r.token_ids == free[:free.index(eos) + 1] and r.finish_reason == "stop"
 
-    eng = device_step_engine(model, num_blocks=200, block_size=4, decode_steps=8)
+    eng = device_step_engine(step_model, num_blocks=200, block_size=4, decode_steps=8)
     sps = [SamplingParams(max_new_tokens=12, ignore_eos=True),
            SamplingParams(max_new_tokens=12, temperature=0.9, seed=1, ignore_eos=True)]
     res = eng.generate(prompts(2, seed=13), sps)
-    assert res[0].token_ids == alone(model, prompts(2, seed=13)[0], 12)
+    assert res[0].token_ids == alone(step_model, prompts(2, seed=13)[0], 12)
     assert eng.stats["multi_steps"] == 0 and eng.pool.num_free == eng.pool.num_blocks
 
     ps = prompts(3, seed=14, lo=3, hi=8)
-    eng = device_step_engine(model, num_blocks=9, block_size=4, decode_steps=8)  # little room to reserve
+    eng = device_step_engine(step_model, num_blocks=9, block_size=4, decode_steps=8)  # little room to reserve
     res = eng.generate(ps, SamplingParams(max_new_tokens=9, ignore_eos=True))
     for p, r in zip(ps, res):
-        assert r.token_ids == alone(model, p, 9)
+        assert r.token_ids == alone(step_model, p, 9)
     assert eng.pool.num_free == 9
 
 
