@@ -17,15 +17,15 @@ def _fmt(v, digits=1):
 
 
 def bench_table(rows: list[dict], fmt: str = "simple") -> str:
-    peers = sorted({k[:-3] for r in rows for k in r if k.endswith("_us") and k not in ("ours_us", "vendor_us")})
-    headers = ["kernel", "problem", "dtype", "ours µs", "GB/s", "TFLOP/s", "% roofline", "vendor µs", "vs vendor"]
+    peers = sorted({k[:-3] for r in rows for k in r if k.endswith("_us") and k not in ("ours_us", "vendor_us", "host_us")})
+    headers = ["kernel", "problem", "dtype", "ours µs", "host µs", "GB/s", "TFLOP/s", "% roofline", "vendor µs", "vs vendor"]
     headers += [h for p in peers for h in (f"{p} µs", f"vs {p}")]
     table = []
     for r in rows:
         if "error" in r:
             table.append([r["kernel"], r["problem"], r["dtype"], "error: " + r["error"][:60]] + [""] * (len(headers) - 4))
             continue
-        line = [r["kernel"], r["problem"], r["dtype"], _fmt(r.get("ours_us")), _fmt(r.get("gbps"), 0),
+        line = [r["kernel"], r["problem"], r["dtype"], _fmt(r.get("ours_us")), _fmt(r.get("host_us"), 0), _fmt(r.get("gbps"), 0),
                 _fmt(r.get("tflops"), 1), _fmt(r.get("pct_roofline"), 0),
                 _fmt(r.get("vendor_us")), _fmt(r.get("vs_vendor"), 2) + ("x" if r.get("vs_vendor") else "")]
         for p in peers:
