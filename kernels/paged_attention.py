@@ -77,7 +77,7 @@ def _paged_attention_fwd(
         stride_ob, stride_oh, stride_od,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-        GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr, KV_EVICT: tl.constexpr):
+        GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -111,12 +111,11 @@ def _paged_attention_fwd(
         # Table entries past the length are never read: they may hold anything.
         block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
         slot_in_block = offs_n % BLOCK_SIZE
-        # Both tiles are requested before any math, so K and V loads are in flight together. Each K/V
-        # byte is read once per step: KV_EVICT ("evict_first") lets L2 drop these lines before others.
+        # Both tiles are requested before any math, so K and V loads are in flight together.
         k = tl.load(k_head + (block * stride_kn + slot_in_block * stride_kb)[:, None], mask=mask_n[:, None],
-                    other=0.0, eviction_policy=KV_EVICT)
+                    other=0.0)
         v = tl.load(v_head + (block * stride_vn + slot_in_block * stride_vb)[:, None], mask=mask_n[:, None],
-                    other=0.0, eviction_policy=KV_EVICT)
+                    other=0.0)
         s = _scores(q, k, USE_DOT, GROUP_PAD, PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -227,7 +226,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_PARTS = 1024            # split-KV chunks per sequence (more only adds merge work)
 SMS = 132                   # H100 SXM; the split heuristic only needs the order of magnitude
-KV_EVICT = "evict_first"    # L2 policy of the K/V loads ("" for the default)
 
 
 def _name(dt) -> str:
@@ -282,50 +280,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
         _validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     # split-KV partials (acc, m, l) in one per-device float32 buffer; the kernel finds each part's offset
     ws = _workspace(q.device, plan.ws_numel) if plan.ws_numel else out
-    kernel = plan.kernel
-    if kernel is not None:
-        # Triton's launch path (argument binding, specialisation key, cache lookup) costs ~35 us of host
-        # time per call on the H100 machine; the plan already fixes all of it but the pointers' 16-byte
-        # alignment, checked here. The kernel was compiled for aligned pointers on plan.device.
-        if (not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | block_tables.data_ptr()
-                 | context_lens.data_ptr() | out.data_ptr() | ws.data_ptr()) & 15
-                and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None
-                and _driver.active.get_current_device() == plan.device):
-            kernel.run(*plan.grid, _driver.active.get_current_stream(plan.device), kernel.function,
-                       kernel.packed_metadata, None, None, None, q, k_cache, v_cache, block_tables,
-                       context_lens, out, ws, plan.locks, *plan.args, *plan.constexprs)
-            return out
-    kernel = _paged_attention_fwd[plan.grid](q, k_cache, v_cache, block_tables, context_lens, out, ws,
-                                             plan.locks, *plan.args, **plan.meta)
-    if plan.kernel is None and plan.fast_ok:
-        _remember_kernel(plan, kernel, (q, k_cache, v_cache, block_tables, context_lens, out, ws))
+    # One launch (the split-KV merge is in the kernel). On the H100 machine Triton's launch is most of the
+    # host time (35-43 us of 44-54 per call, issue 6); calling the cached compiled kernel directly
+    # measured no faster, so the launch stays Triton's own. Harness timings hide it (do_bench's L2 flush
+    # gives the host ~80 us per call), CUDA graphs remove it.
+    _paged_attention_fwd[plan.grid](q, k_cache, v_cache, block_tables, context_lens, out, ws, plan.locks,
+                                    *plan.args, **plan.meta)
     return out
-
-
-try:  # the pieces of Triton's launch that the direct path reuses (absent under the interpreter: unused)
-    from triton import knobs as _knobs
-    from triton.runtime import driver as _driver
-except ImportError:  # pragma: no cover
-    _knobs = _driver = None
-
-
-def _remember_kernel(plan, kernel, tensors):
-    """Keep the compiled kernel for the direct path when it can take it: a compiled (not interpreted)
-    kernel with Triton's launcher, every pointer 16-byte aligned (what it was specialised for), and the
-    kernel's arguments after the runtime ones all launch constants of the plan."""
-    plan.fast_ok = False  # one try per plan
-    if _knobs is None or dev.interpreted() or _paged_attention_fwd.pre_run_hooks:
-        return
-    if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
-        return
-    if any(t.data_ptr() % 16 for t in tensors):
-        return
-    names = _paged_attention_fwd.arg_names[8 + len(plan.args):]
-    if any(n not in plan.meta for n in names):
-        return
-    plan.constexprs = tuple(plan.meta[n] for n in names)
-    plan.device = _driver.active.get_current_device()
-    plan.kernel = kernel
 
 
 @dataclass
@@ -339,10 +300,6 @@ class _Plan:
     grid: tuple = ()
     args: tuple = ()                   # scalar launch arguments after the tensors
     meta: dict = field(default_factory=dict)
-    fast_ok: bool = True               # may still take the direct launch path
-    kernel: object = None              # the compiled kernel, once launched through Triton
-    constexprs: tuple = ()             # its constexpr arguments in signature order
-    device: int = -1                   # the device it was compiled for
 
 
 _PLANS: dict = {}
@@ -432,8 +389,7 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
                  *v_cache.stride(), *block_tables.stride(), *os_)
     plan.meta = dict(GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
                      PARTITION=partition, USE_DOT=use_dot, PRECISION=precision, GROUP_MERGE=group_merge,
-                     PARTS_BLOCK=parts_block, KV_EVICT=KV_EVICT, num_warps=cfg["num_warps"],
-                     num_stages=cfg["num_stages"])
+                     PARTS_BLOCK=parts_block, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return plan
 
 

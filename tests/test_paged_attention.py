@@ -333,29 +333,6 @@ def test_cuda_graph_replay_with_padding_rows(split):
         cmp.check(out[:2], ref.paged_attention(q[:2], kc, vc, bt[:2], lens[:2], scale=None), torch.bfloat16)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
-def test_direct_launch_of_the_cached_kernel(split):
-    """From the second call with the same metadata the launcher starts the compiled kernel itself: new
-    data through it is still right; an unaligned view (another specialisation) goes through Triton."""
-    problem = P(3, 8, 2, 64, 300, 16)
-    cfg = _cfg(32, 128 if split else 0, True, 4, 2)
-    cases = [pa.make_inputs(problem, torch.bfloat16, "cuda", s) for s in (31, 32, 33)]
-    for c in cases:
-        cmp.poison(c.out)
-        got = pa.paged_attention(*c.args, out=c.out, config=cfg, **c.kwargs)
-        cmp.check(got, ref.paged_attention(*c.args, **c.kwargs), torch.bfloat16)
-    assert any(p.kernel is not None for p in pa._PLANS.values())
-    q, kc, vc, bt, cl = cases[0].args
-    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
-    q_odd = buf[1:].view(q.shape)  # 2 bytes past an aligned address
-    q_odd.copy_(q)
-    assert q_odd.data_ptr() % 16
-    for _ in range(2):
-        got = pa.paged_attention(q_odd, kc, vc, bt, cl, config=cfg, scale=cases[0].kwargs["scale"], validate=False)
-        cmp.check(got, ref.paged_attention(q, kc, vc, bt, cl, scale=cases[0].kwargs["scale"]), torch.bfloat16)
-
-
 def test_cached_launch_plan_still_validates_values_and_follows_config_cache():
     """The second call with the same metadata reuses the launch plan: value checks still run, and a
     cleared config cache (a reloaded tuned store) makes it pick the config again."""
