@@ -116,6 +116,17 @@ def roofline(cost, dtype: torch.dtype, ms: float) -> dict:
     return out
 
 
+def graph_ms(fn: Callable[[], object]) -> float:
+    """Median GPU milliseconds of ``fn`` replayed from a CUDA graph (triton.testing.do_bench_cudagraph):
+    no host time and no L2 flush (inputs rotate past L2 instead), as the engine runs its decode step. The
+    flush of do_bench leaves ~50 MB of dirty lines that the timed kernel must write back (about 12 µs on
+    an H100 for a kernel reading >= 50 MB: paged attention at B=64 read 77% of copy bandwidth under
+    do_bench and 91.5% here)."""
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
+
+
 def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     """Host (CPU) microseconds per call of ``fn``: launches are queued without synchronising, so this is
     the launcher's own cost. do_bench hides host time only up to its L2 flush (~85 µs of GPU time on an
@@ -170,6 +181,13 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
             row["ours_us"] = ms * 1e3
             if not dev.interpreted():
                 row["host_us"] = host_us(ours)
+                try:
+                    gms = graph_ms(ours)
+                    row["graph_us"] = gms * 1e3
+                    row["pct_roofline_graph"] = roofline(spec.cost(problem, dtype), dtype, gms).get("pct_roofline")
+                except Exception as e:  # a launcher that cannot be captured says so in the row
+                    row["graph_error"] = f"{type(e).__name__}: {e}"[:200]
+                    torch.cuda.synchronize()
             row.update(roofline(spec.cost(problem, dtype), dtype, ms))
             if spec.vendor is not None:
                 try:

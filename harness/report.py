@@ -17,8 +17,9 @@ def _fmt(v, digits=1):
 
 
 def bench_table(rows: list[dict], fmt: str = "simple") -> str:
-    peers = sorted({k[:-3] for r in rows for k in r if k.endswith("_us") and k not in ("ours_us", "vendor_us", "host_us")})
-    headers = ["kernel", "problem", "dtype", "ours µs", "host µs", "GB/s", "TFLOP/s", "% roofline", "vendor µs", "vs vendor"]
+    peers = sorted({k[:-3] for r in rows for k in r if k.endswith("_us") and k not in ("ours_us", "vendor_us", "host_us", "graph_us")})
+    headers = ["kernel", "problem", "dtype", "ours µs", "host µs", "GB/s", "TFLOP/s", "% roofline", "graph µs",
+               "% roofline (graph)", "vendor µs", "vs vendor"]
     headers += [h for p in peers for h in (f"{p} µs", f"vs {p}")]
     table = []
     for r in rows:
@@ -26,8 +27,8 @@ def bench_table(rows: list[dict], fmt: str = "simple") -> str:
             table.append([r["kernel"], r["problem"], r["dtype"], "error: " + r["error"][:60]] + [""] * (len(headers) - 4))
             continue
         line = [r["kernel"], r["problem"], r["dtype"], _fmt(r.get("ours_us")), _fmt(r.get("host_us"), 0), _fmt(r.get("gbps"), 0),
-                _fmt(r.get("tflops"), 1), _fmt(r.get("pct_roofline"), 0),
-                _fmt(r.get("vendor_us")), _fmt(r.get("vs_vendor"), 2) + ("x" if r.get("vs_vendor") else "")]
+                _fmt(r.get("tflops"), 1), _fmt(r.get("pct_roofline"), 0), _fmt(r.get("graph_us")),
+                _fmt(r.get("pct_roofline_graph"), 0), _fmt(r.get("vendor_us")), _fmt(r.get("vs_vendor"), 2) + ("x" if r.get("vs_vendor") else "")]
         for p in peers:
             line += [_fmt(r.get(f"{p}_us")), _fmt(r.get(f"vs_{p}"), 2) + ("x" if r.get(f"vs_{p}") else "")]
         if not r.get("correct", True):
