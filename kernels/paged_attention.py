@@ -276,7 +276,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if not plan.B:
         return out
-    if validate and not torch.cuda.is_current_stream_capturing():  # no host sync inside a graph capture
+    if validate and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # no host sync in a capture
         _validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     # split-KV partials (acc, m, l) in one per-device float32 buffer; the kernel finds each part's offset
     ws = _workspace(q.device, plan.ws_numel) if plan.ws_numel else out
