@@ -95,6 +95,24 @@ def test_row_strided_and_column_major_x(bits):
         cmp.check(QM.quant_matmul(x, qw), ref.quant_matmul(x, qw), torch.float16)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_launch_plan_reused_across_tensors(bits):
+    """The launcher caches a plan per (shapes, strides, dtypes, devices, config): later calls with other
+    tensors of the same meta must read those tensors (nothing but the layout is cached), split-K
+    workspace included; an x whose dims cannot merge into rows (a copy) too."""
+    n, k = 40, 128
+    cfg = _config("tiled", bits, 64, 2, k)
+    for seed in (30, 31):
+        qw = Q.quantize(_weight(n, k, seed), bits, 64)
+        x = _x((2, 3, k), torch.float16, seed + 10)
+        for _ in range(2):
+            cmp.check(QM.quant_matmul(x, qw, config=cfg), ref.quant_matmul(x, qw), torch.float16)
+        xt = _x((3, 2, k), torch.float16, seed + 20).transpose(0, 1)  # (2, 3, K), rows do not merge
+        cmp.check(QM.quant_matmul(xt, qw), ref.quant_matmul(xt, qw), torch.float16)
+        out = torch.empty(2, 3, n, dtype=torch.float16, device=DEV)
+        assert QM.quant_matmul(x, qw, out=out) is out
+
+
 def test_split_k_counters_are_reset():
     """Two split-K launches in a row on the same tiles: the second must not see the first's tickets."""
     n, k, m = 33, 256, 2
