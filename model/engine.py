@@ -630,6 +630,39 @@ class Engine:
         while self.scheduler.has_unfinished():
             self.step()
 
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile the kernel variants a serving run meets, before it runs (seconds taken).
+
+        The triton backend's kernels compile on first use of each variant, and their launch configs
+        depend on the step's sizes (total prefill tokens, longest sequence, rows of logits, decode batch):
+        a variant first met mid-run stalls that step for a compile (around a second each on the H100
+        machine's host). So: eager prefill forwards over a ladder of total token counts (16, 17, 32, 33,
+        ... up to the step budget, multiples of 16 and not), packed as sequences of the whole context and
+        of 256 tokens; without CUDA graphs, decode forwards at every batch size of the same ladder. Every
+        slot is -1: nothing is written to the cache.
+        """
+        t0 = time.perf_counter()
+        if self.model.backend != "triton":
+            return 0.0
+        c = self.config
+        budget = self.scheduler.max_num_batched_tokens
+        sizes, n = [], 16
+        while n <= budget:
+            sizes += [n, n + 1] if n + 1 <= budget else [n]
+            n *= 2
+        for cap in sorted({c.n_positions, min(256, c.n_positions)}):
+            for T in sizes:
+                lens = [cap] * (T // cap) + ([T % cap] if T % cap else [])
+                self._eager([[0] * k for k in lens], [[-1] * k for k in lens], [], [], [], [], [])
+        if self.graphs is None:
+            table = type("Table", (), {"blocks": [0]})()
+            for B in [b for b in [1, 2, 3] + sizes if b <= self.max_num_seqs]:
+                self._eager([], [], [0] * B, [0] * B, [-1] * B, [1] * B, [table] * B)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     # -------------------------------------------------------------------------------------- the step
     @torch.inference_mode()
     def step(self) -> list[Request]:

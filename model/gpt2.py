@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
@@ -277,6 +278,15 @@ class PagedKVCache:
 class GPT2:
     def __init__(self, config: GPT2Config, weights: W.GPT2Weights, *, backend: str = "triton",
                  directory: Path | None = None):
+        head = weights.lm_head
+        if isinstance(head, torch.Tensor) and head.dim() == 2 and head.is_contiguous() and head.shape[1] > 1:
+            # The LM head as the (E, V) transpose of a (V, E) tensor (K contiguous; the tied wte itself, or a
+            # copy in that layout), not the N-contiguous (E, V) copy: with V = 50257 the copy's rows lie 100514
+            # bytes apart, not 16-byte aligned, and the gemm streamed it at 66 GB/s (1171 us at M=1 in the
+            # decode graph on the H100, 76% of the step); the transposed view is the LM-head problem the gemm
+            # is tuned and benchmarked on (trans_b=True, 40.5 us at M=1).
+            tied = weights.wte.shape == head.shape[::-1] and torch.equal(weights.wte, head.t())
+            weights = replace(weights, lm_head=weights.wte.t() if tied else head.t().contiguous().t())
         self.config, self.w, self.directory = config, weights, directory
         self.backend = backend
         self.ops = ops_for(backend, config.head_dim)

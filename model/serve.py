@@ -226,6 +226,7 @@ def warm_up(engine, vocab, max_len):
 
     from tritune.model.scheduler import SamplingParams
 
+    engine.warm_up()        # the prefill (and eager decode) kernel variants of every step size
     rnd = random.Random(0)
     lens = [1, 2, 15, 16, 17, 63, 64, 100, 129, min(max_len, 511), min(max_len, 512)]
     n = min(len(lens) * 3, engine.max_num_seqs + 8)

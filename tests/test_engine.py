@@ -227,6 +227,14 @@ def test_compiled_decode_equals_alone(model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3        # layer in, layer out, head
 
 
+def test_warm_up_compiles_without_writing_the_cache():
+    m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=32)
+    eng = Engine(m, num_blocks=16, block_size=4, cuda_graphs=False, max_batch_tokens=40, max_num_seqs=4)
+    assert eng.warm_up() > 0
+    assert not eng.pool.cache.any() and eng.pool.num_free == 16      # every slot was -1
+    assert Engine(tiny_model(), num_blocks=8, cuda_graphs=False).warm_up() == 0.0   # torch: nothing to compile
+
+
 def test_triton_backend_mixed_steps_match_alone():
     """The kernels (through the interpreter) in a step that mixes a prefill with decodes."""
     m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=32)
