@@ -607,6 +607,10 @@ def _constraint(c, p: Problem, dtype) -> str | None:
     if bk > k2:
         return "BLOCK_K larger than K"
     smem = _smem(c, dtype)
+    if dtype == torch.float32:
+        # fp32 (tf32) tiles also take an fp32 scratch of the whole accumulator for the epilogue's layout
+        # change, not shared with the pipeline: 128x256x32 in 3 stages asked for 278552 bytes on an H100
+        smem += bm * bn * 4
     if smem > SMEM_BUDGET:
         return f"{smem // 1024} KiB of shared memory for the pipeline"
     threads = 32 * c["num_warps"]
@@ -685,7 +689,7 @@ def default_config(p: Problem, dtype) -> dict:
                 split *= 2
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
                "num_warps": 4, "num_stages": 4, "TMA": False, "PERSISTENT": False}
-    elif m2 >= 128 and n2 >= 256 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 256) >= 2 * sms:
+    elif e == 2 and m2 >= 128 and n2 >= 256 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 256) >= 2 * sms:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": min(k2, 64 if e == 2 else 32), "GROUP_M": 8,
                "SPLIT_K": 1, "num_warps": 8, "num_stages": 3 if p.K <= 1024 or e == 4 else 4,
                "TMA": tma, "PERSISTENT": True}
@@ -695,7 +699,7 @@ def default_config(p: Problem, dtype) -> dict:
     else:
         best = None
         for bm, bn, warps, stages, eff in _MID_TILES:
-            if bm > m2 or bn > n2:
+            if bm > m2 or bn > n2 or (e == 4 and bm * bn > 128 * 128):  # fp32: the epilogue scratch (_constraint)
                 continue
             for split in (1, 2, 4, 8):
                 if split > 1 and (triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn) >= sms or p.K // split < 256):
