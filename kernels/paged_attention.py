@@ -535,8 +535,14 @@ def default_config(p: Problem, dtype) -> dict:
                 cfg["BLOCK_N"] //= 2
             else:
                 cfg["num_warps"] *= 2
-        if 2 * cfg["BLOCK_N"] * p.D * dtype.itemsize * cfg["num_stages"] > 160 * 1024:
-            cfg["num_stages"] = 2  # K and V tiles per stage (D=256): stay inside shared memory
+        while 2 * cfg["BLOCK_N"] * p.D * dtype.itemsize * cfg["num_stages"] > 160 * 1024:
+            # K and V tiles per stage (D=256, float32 most of all): stay inside shared memory
+            if cfg["num_stages"] > 2:
+                cfg["num_stages"] = 2
+            elif cfg["BLOCK_N"] > 16:
+                cfg["BLOCK_N"] //= 2
+            else:
+                cfg["num_stages"] = 1
     else:
         cfg = {"BLOCK_N": 64 if p.D <= 64 else 32, "PARTITION": 0, "USE_DOT": False, "num_warps": 4,
                "num_stages": 1}
@@ -568,7 +574,7 @@ def default_config(p: Problem, dtype) -> dict:
     # A program of at most two tiles has nothing to pipeline beyond double buffering (B=1 ctx 4096, 128-
     # token chunks: 18.0 us with 2 stages, 23.6 with 3; B=256 ctx 128: 51.3 vs 52.5).
     if use_dot and (cfg["PARTITION"] or p.capacity) <= 2 * cfg["BLOCK_N"]:
-        cfg["num_stages"] = 2
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
     return cfg
 
 
