@@ -86,7 +86,8 @@ def cmd_bench(args) -> int:
             if dt not in spec.dtypes:
                 print(f"{spec.name}: skipping dtype {dt} (supported: {spec.dtypes})")
                 continue
-            bench.bench_spec(spec, dt, peers=not args.no_peers, on_row=save)
+            bench.bench_spec(spec, dt, problems=spec.small_problems if args.small else None,
+                             peers=not args.no_peers, on_row=save)
         print(report.bench_table(rows), flush=True)
         print()
         all_rows += rows
@@ -132,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--results-dir", default="results", help="where the JSON goes (default: ./results)")
     s.add_argument("--no-save", action="store_true")
     s.add_argument("--no-peers", action="store_true")
+    s.add_argument("--small", action="store_true", help="the small problems the interpreter runs (a quick smoke "
+                   "test on a GPU; default there: the standard problems)")
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("test", help="run the test suite (arguments pass through to pytest)")

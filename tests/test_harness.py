@@ -97,7 +97,7 @@ def test_cli_info_and_bench(tmp_path, capsys):
 
     assert cli.main(["info"]) == 0
     assert "layer_norm" in capsys.readouterr().out
-    assert cli.main(["bench", "gelu", "--dtype", "fp32", "--results-dir", str(tmp_path)]) == 0
+    assert cli.main(["bench", "gelu", "--dtype", "fp32", "--small", "--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "gelu" in out
     assert ("interpreter" in out) == dev.interpreted()  # says so exactly when kernels are interpreted
