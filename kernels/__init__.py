@@ -236,11 +236,41 @@ class Counters:
     def __init__(self, minimum: int = 1024):
         self.minimum = minimum
         self.buffers: dict = {}
+        self.retired: list = []  # outgrown buffers stay alive: a captured CUDA graph may still use them
 
     def __call__(self, device, n: int) -> torch.Tensor:
         t = self.buffers.get(device)
         if t is None or t.numel() < n:
+            if t is not None:
+                self.retired.append(t)
             t = torch.zeros(max(n, self.minimum), dtype=torch.int32, device=device)
             self.buffers[device] = t
         return t
+
+
+class Workspace:
+    """Per-device float32 scratch (split-K and split-KV partial results) shared by every launch of its
+    owner: like the counters, two launches must not run concurrently on different streams. It only grows
+    (at least doubling), and a buffer it outgrows is kept alive, so a CUDA graph that captured it stays
+    valid."""
+
+    def __init__(self, minimum: int = 1 << 16):
+        self.minimum = minimum
+        self.buffers: dict = {}
+        self.retired: list = []
+
+    def __call__(self, device, n: int) -> torch.Tensor:
+        t = self.buffers.get(device)
+        if t is None or t.numel() < n:
+            if t is not None:
+                self.retired.append(t)
+            t = torch.empty(max(n, 2 * t.numel() if t is not None else 0, self.minimum), dtype=torch.float32,
+                            device=device)
+            self.buffers[device] = t
+        return t
+
+
+def tensor_meta(t):
+    """What a cached launch plan depends on for an optional tensor argument."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 

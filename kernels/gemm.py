@@ -355,31 +355,8 @@ def _launch_direct(kern, grid, stream, args) -> None:
              kern.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
 
 
-class _Workspace:
-    """Per-device fp32 split-K workspace, reused by every launch (as the tile counters are: two split-K
-    GEMMs must not run concurrently on different streams). It only grows, and a buffer it outgrows is
-    kept alive: a CUDA graph that captured it stays valid."""
-
-    def __init__(self):
-        self.buffers: dict = {}
-        self.retired: list = []
-
-    def __call__(self, device, numel: int) -> torch.Tensor:
-        t = self.buffers.get(device)
-        if t is None or t.numel() < numel:
-            if t is not None:
-                self.retired.append(t)
-            t = torch.empty(max(numel, 2 * (t.numel() if t is not None else 0), 1 << 16), dtype=torch.float32,
-                            device=device)
-            self.buffers[device] = t
-        return t
-
-
-_workspace = _Workspace()
-
-
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+_workspace = K.Workspace()
+_meta = K.tensor_meta
 
 
 def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: dict | None = None):

@@ -304,20 +304,7 @@ class _Plan:
 
 _PLANS: dict = {}
 _locks = K.Counters(minimum=1 << 14)   # split-KV tickets, per device, zero between launches
-_HELD: list = []                       # every buffer handed out: a captured CUDA graph may still use it
-_WORKSPACES: dict = {}
-
-
-def _workspace(device, n: int) -> torch.Tensor:
-    """The per-device float32 split-KV workspace (grown, never freed), at least n elements. Launches on
-    one stream use it in turn; like the counters, two must not run at once on different streams."""
-    t = _WORKSPACES.get(device)
-    if t is None or t.numel() < n:
-        t = torch.empty(max(n, 2 * t.numel() if t is not None else 0, 1 << 16), dtype=torch.float32,
-                        device=device)
-        _WORKSPACES[device] = t
-        _HELD.append(t)
-    return t
+_workspace = K.Workspace()             # split-KV partials (acc, m, l), per device
 
 
 def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -> _Plan:
@@ -374,9 +361,7 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
     parts_block = 1
     if partition:
         plan.ws_numel = B * Hq * num_parts * (D + 2)
-        plan.locks = _locks(q.device, B * Hkv)
-        if not any(t is plan.locks for t in _HELD):
-            _HELD.append(plan.locks)
+        plan.locks = _locks(q.device, B * Hkv)  # (Counters keep outgrown buffers alive for captured graphs)
         # the merge holds (group, chunks, D) float32 tiles: ~32 values a thread
         budget = 32 * 32 * cfg["num_warps"]
         while parts_block * 2 <= min(triton.next_power_of_2(num_parts), budget // (group_merge * D)):

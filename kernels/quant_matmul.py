@@ -307,31 +307,8 @@ _PLANS: dict = {}
 _MAX_PLANS = 4096
 
 
-class _Workspace:
-    """Per-device fp32 split-K workspace shared by every launch (as the tile counters are: two split-K
-    launches must not run concurrently on different streams). It only grows; a buffer it outgrows is
-    kept alive, so a CUDA graph that captured it stays valid."""
-
-    def __init__(self):
-        self.buffers: dict = {}
-        self.retired: list = []
-
-    def __call__(self, device, numel: int) -> torch.Tensor:
-        t = self.buffers.get(device)
-        if t is None or t.numel() < numel:
-            if t is not None:
-                self.retired.append(t)
-            t = torch.empty(max(numel, 2 * (t.numel() if t is not None else 0), 1 << 16), dtype=torch.float32,
-                            device=device)
-            self.buffers[device] = t
-        return t
-
-
-_workspace = _Workspace()
-
-
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+_workspace = K.Workspace()
+_meta = K.tensor_meta
 
 
 def quant_matmul(x, qw, bias=None, *, out=None, config: dict | None = None):
