@@ -332,8 +332,9 @@ _MAX_PLANS = 4096
 # What it specialises on is fixed by the plan (shapes, strides, dtypes, constexprs) except the 16-byte
 # alignment of each pointer: so after a plan's first launch through triton, the compiled kernel is kept
 # per (TMA modes, pointer alignments, device) and later launches call it directly, with the same
-# arguments, launch metadata and hooks triton's launch would pass.
-DIRECT_LAUNCH = _knobs is not None
+# arguments, launch metadata and hooks triton's launch would pass. The compiled kernel's run() signature
+# is triton's internal API, read on the sources of 3.5 to 3.9: other versions take triton's own launch.
+DIRECT_LAUNCH = _knobs is not None and (3, 5) <= tuple(int(v) for v in triton.__version__.split(".")[:2]) <= (3, 9)
 _CONSTEXPRS = ("HAS_BIAS", "ACT", "HAS_RES", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "EVEN_K",
                "A_MODE", "B_MODE", "A_3D", "A_M_CONTIG", "B_N_CONTIG", "INT64", "PRECISION", "PERSISTENT",
                "FLATTEN", "WARP_SPEC")  # _gemm_kernel's constexpr parameters, in order (checked below)
