@@ -120,6 +120,35 @@ class KernelSpec:
             return config
         return _lookup(self, bucket_key(self.bucket(problem)), dtype, problem)
 
+    def config_and_key(self, problem, dtype, config: dict | None = None) -> tuple[dict, tuple | None]:
+        """:meth:`config_for`, and the config cache's key when the config came from it (None for an
+        explicit one): a cached launch plan holding that config is stale once the cache drops it."""
+        cfg = self.config_for(problem, dtype, config)
+        return cfg, None if config is not None else (self.name, bucket_key(self.bucket(problem)), dtype)
+
+
+class PlanCache:
+    """Launch plans of one launcher, keyed on everything its checks and its config depend on (shapes,
+    strides, dtypes, devices, scalar arguments, an explicit config). A hit means the same metadata passed
+    the checks before, so the hot path is a dict lookup and the launch. A plan records the config it
+    holds (``cfg``) and where it came from (``cfg_key``): when the config cache was cleared (a tuned
+    store was written) the plan is made again. Plans need ``cfg`` and ``cfg_key`` attributes."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self.plans: dict = {}
+
+    def get(self, key):
+        plan = self.plans.get(key)
+        if plan is not None and plan.cfg_key is not None and _CONFIG_CACHE.get(plan.cfg_key) is not plan.cfg:
+            return None
+        return plan
+
+    def put(self, key, plan) -> None:
+        if len(self.plans) >= self.limit:
+            self.plans.clear()
+        self.plans[key] = plan
+
 
 def bucket_key(bucket: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in bucket.items())

@@ -87,32 +87,64 @@ def problem_of(x, approximate="none", **_) -> Problem:
     return Problem(x.numel(), approximate)
 
 
-def gelu(x, approximate: str = "none", *, out=None, config: dict | None = None):
-    """GELU of ``x`` (any shape up to 4-D for strided views, any shape when contiguous)."""
+class _Plan:
+    """The checks, config, grid and launch arguments for one combination of metadata (K.PlanCache)."""
+    __slots__ = ("copy", "n", "grid", "ints", "kws", "cfg", "cfg_key")
+
+
+_PLANS = K.PlanCache()
+
+
+def _plan(x, approximate, out, config) -> _Plan:
     K.check_tensor("x", x, dtypes=DTYPES)
     K.check_device("x", x)
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
-    contiguous = x.is_contiguous()
-    if not contiguous and x.dim() > 4:
-        x = x.contiguous()  # beyond 4 strided dims: one copy, still correct
-        contiguous = True
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    else:
+    if out is not None:
         K.check_out(out, x.shape, x.dtype, x.device)
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous tensor")
-    n = x.numel()
-    if n == 0:
+    p = _Plan()
+    contiguous = x.is_contiguous()
+    p.copy = not contiguous and x.dim() > 4  # beyond 4 strided dims: one copy, still correct
+    contiguous = contiguous or p.copy
+    p.n = x.numel()
+    if p.n == 0:
+        p.cfg = p.cfg_key = None
+        return p
+    p.cfg, p.cfg_key = SPEC.config_and_key(Problem(p.n, approximate), x.dtype, config)
+    if contiguous:  # the flat path reads no shape or strides (and a > 4-D shape would not fit them)
+        shape, strides = [1, 1, 1, p.n], [0, 0, 0, 1]
+    else:
+        shape = [1] * (4 - x.dim()) + list(x.shape)
+        strides = [0] * (4 - x.dim()) + list(x.stride())
+    block = p.cfg["BLOCK"]
+    p.grid = (triton.cdiv(p.n, block),)
+    p.ints = (p.n, shape[1], shape[2], shape[3], *strides)
+    p.kws = dict(APPROX_TANH=approximate == "tanh", CONTIGUOUS=contiguous, BLOCK=block,
+                 num_warps=p.cfg["num_warps"])
+    return p
+
+
+def gelu(x, approximate: str = "none", *, out=None, config: dict | None = None):
+    """GELU of ``x`` (any shape up to 4-D for strided views, any shape when contiguous)."""
+    try:  # the hot path: one dict lookup; anything odd takes _plan, which names the bad argument
+        key = (x.shape, x.stride(), x.dtype, x.device, approximate, K.tensor_meta(out),
+               None if config is None else tuple(config.items()))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is None:
+        plan = _plan(x, approximate, out, config)
+        if key is not None:
+            _PLANS.put(key, plan)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if plan.n == 0:
         return out
-    cfg = SPEC.config_for(Problem(n, approximate), x.dtype, config)
-    shape = [1] * (4 - x.dim()) + list(x.shape)
-    strides = [0] * (4 - x.dim()) + list(x.stride())
-    block = cfg["BLOCK"]
-    _gelu_fwd[(triton.cdiv(n, block),)](
-        x, out, n, shape[1], shape[2], shape[3], *strides,
-        APPROX_TANH=approximate == "tanh", CONTIGUOUS=contiguous, BLOCK=block, num_warps=cfg["num_warps"])
+    if plan.copy:
+        x = x.contiguous()
+    _gelu_fwd[plan.grid](x, out, *plan.ints, **plan.kws)
     return out
 
 

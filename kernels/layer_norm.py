@@ -95,9 +95,17 @@ def problem_of(x, weight=None, bias=None, eps=1e-5, **_) -> Problem:
     return Problem(x.numel() // max(N, 1), N, weight is not None)
 
 
-def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, out=None, return_stats: bool = False,
-               config: dict | None = None):
-    """LayerNorm over the last dim of ``x``. Returns y (x's shape and dtype), or (y, mean, rstd)."""
+class _Plan:
+    """What a launch needs beyond the data pointers, worked out (and the arguments checked) once per
+    combination of metadata: see K.PlanCache. The hot path is then ~2 µs of Python before triton's launch
+    (16 µs before, on a CPU where the launch itself stubbed out)."""
+    __slots__ = ("out_shape", "stats_shape", "M", "N", "grid", "ints", "kws", "cfg", "cfg_key")
+
+
+_PLANS = K.PlanCache()
+
+
+def _plan(x, weight, bias, eps, out, return_stats, config) -> _Plan:
     K.check_tensor("x", x, dtypes=DTYPES)
     K.check_device("x", x)
     if x.dim() == 0:
@@ -112,32 +120,56 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, out=None, return
                 raise ValueError(f"{name}: expected shape ({N},) to match x's last dim, got {tuple(t.shape)}")
             if t.device != x.device:
                 raise ValueError(f"{name}: on {t.device}, but x is on {x.device}")
-    if not isinstance(eps, (int, float)) or not eps > 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps: expected a positive number, got {eps!r}")
-    w = weight.contiguous() if weight is not None else None
-    b = bias.contiguous() if bias is not None else None
-    x2 = x.reshape(-1, N)  # a view for row-strided inputs; copies only when dims cannot merge
-    M = x2.shape[0]
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    else:
+    if out is not None:
         K.check_out(out, x.shape, x.dtype, x.device)
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous tensor")
-    if M == 0:
-        return out
-    problem = Problem(M, N, weight is not None)
-    cfg = SPEC.config_for(problem, x.dtype, config)
+    p = _Plan()
+    p.out_shape, p.stats_shape = x.shape, x.shape[:-1]
+    x2 = x.reshape(-1, N)  # a view for row-strided inputs; copies only when dims cannot merge
+    p.M, p.N = x2.shape[0], N
+    if p.M == 0:
+        p.cfg = p.cfg_key = p.grid = p.ints = p.kws = None
+        return p
+    p.cfg, p.cfg_key = SPEC.config_and_key(Problem(p.M, N, weight is not None), x.dtype, config)
+    p.grid = (triton.cdiv(p.M, p.cfg["ROWS"]),)
+    # x2's strides are those of the view reshape makes now; a copying reshape (rare) gives a contiguous
+    # (M, N) whose strides are the same every call, so they are part of the plan either way
+    p.ints = (p.M, N, x2.stride(0), x2.stride(1), N, float(eps))
+    p.kws = dict(HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=return_stats,
+                 BLOCK_N=p.cfg["BLOCK_N"], ROWS=p.cfg["ROWS"], ONE_PASS=p.cfg["BLOCK_N"] >= N,
+                 num_warps=p.cfg["num_warps"])
+    return p
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, out=None, return_stats: bool = False,
+               config: dict | None = None):
+    """LayerNorm over the last dim of ``x``. Returns y (x's shape and dtype), or (y, mean, rstd)."""
+    try:  # the hot path: one dict lookup; anything odd takes _plan, which names the bad argument
+        key = (x.shape, x.stride(), x.dtype, x.device, K.tensor_meta(weight), K.tensor_meta(bias), type(eps), eps,
+               K.tensor_meta(out), bool(return_stats), None if config is None else tuple(config.items()))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is None:
+        plan = _plan(x, weight, bias, eps, out, return_stats, config)
+        if key is not None:
+            _PLANS.put(key, plan)
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
+    if plan.M == 0:
+        return (out, torch.empty(plan.stats_shape, dtype=torch.float32, device=x.device),
+                torch.empty(plan.stats_shape, dtype=torch.float32, device=x.device)) if return_stats else out
+    x2 = x.reshape(plan.M, plan.N)
+    w = weight.contiguous() if weight is not None else x2
+    b = bias.contiguous() if bias is not None else x2
     mean = rstd = out
     if return_stats:
-        mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    rows = cfg["ROWS"]
-    _layer_norm_fwd[(triton.cdiv(M, rows),)](
-        x2, out, w if w is not None else x2, b if b is not None else x2, mean, rstd,
-        M, N, x2.stride(0), x2.stride(1), N, float(eps),
-        HAS_W=w is not None, HAS_B=b is not None, STORE_STATS=return_stats,
-        BLOCK_N=cfg["BLOCK_N"], ROWS=rows, ONE_PASS=cfg["BLOCK_N"] >= N, num_warps=cfg["num_warps"])
+        mean = torch.empty(plan.stats_shape, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(plan.stats_shape, dtype=torch.float32, device=x.device)
+    _layer_norm_fwd[plan.grid](x2, out, w, b, mean, rstd, *plan.ints, **plan.kws)
     return (out, mean, rstd) if return_stats else out
 
 

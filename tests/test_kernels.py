@@ -56,6 +56,26 @@ def test_matches_reference(spec, dtype):
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_cached_launch_plans_read_each_calls_data(spec):
+    """Launchers cache a plan per metadata: same-shaped calls with other data (and other outputs), in
+    turn and again, must each match their own reference (a plan that kept a pointer, a copy or a
+    workspace of the first call would not)."""
+    dtype = next(d for d in spec.dtypes if d not in spec.interpreter_skip or not dev.interpreted())
+    for problem in spec.small_problems[:2]:
+        cases = [spec.make_inputs(problem, dtype, dev.device(), seed) for seed in (11, 12)]
+        for case in cases + cases:
+            _poison_out(case)
+            got = spec.run(*case.args, out=case.out, **case.kwargs)
+            cmp.check(got, spec.reference(*case.args, **case.kwargs), dtype, spec.accumulation(dtype),
+                      what=f"{spec.name} {problem}")
+        got = spec.run(*cases[0].args, **cases[0].kwargs)  # a fresh output this time, same plan
+        cmp.check(got, spec.reference(*cases[0].args, **cases[0].kwargs), dtype, spec.accumulation(dtype))
+        kernels.clear_config_cache()  # a store written meanwhile: plans must look their config up again
+        got = spec.run(*cases[1].args, **cases[1].kwargs)
+        cmp.check(got, spec.reference(*cases[1].args, **cases[1].kwargs), dtype, spec.accumulation(dtype))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_default_config_valid_for_any_problem(spec):
     """No launch, so problems of GPU size are cheap: the heuristic default must be a valid point of the
     space for every problem the strategy can draw (a missing default is a crash on a valid input)."""
