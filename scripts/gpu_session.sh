@@ -30,7 +30,9 @@ for phase in ${PHASES:-test bench}; do
         --problems "${COMPARE_PROBLEM:?}" --storage "$OUT/compare.journal" --results-dir "$OUT/results" \
         --repeats 20 2>&1 | tee "$OUT/compare.log" ;;
     test)
-      eval "timeout ${TEST_BUDGET:-300} python -m pytest -n 8 -q -p no:cacheprovider ${TEST_ARGS:-}" 2>&1 | tail -60 | tee "$OUT/pytest.log" ;;
+      # failures and durations land in tests.log as they happen (a run cut off by its budget keeps them)
+      TRITUNE_TEST_LOG="$OUT/tests.log" eval "timeout ${TEST_BUDGET:-300} python -m pytest -n 16 -q -p no:cacheprovider ${TEST_ARGS:-}" \
+        2>&1 | tail -60 | tee "$OUT/pytest.log" ;;
     bench)
       timeout "${BENCH_BUDGET:-300}" tritune bench ${BENCH_KERNELS:-} --dtype bf16 --results-dir "$OUT/results" \
         2>&1 | tee "$OUT/bench.log" ;;
