@@ -270,6 +270,11 @@ class Counters:
     def __call__(self, device, n: int) -> torch.Tensor:
         t = self.buffers.get(device)
         if t is None or t.numel() < n:
+            if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # torch.zeros in a capture only records the fill: the buffer would stay uninitialised for
+                # every eager launch until the graph first replays (garbage tickets, outputs never stored)
+                raise RuntimeError("split-K/split-KV tile counters must grow outside CUDA graph capture: "
+                                   "run the launch once (same shapes) before capturing it")
             if t is not None:
                 self.retired.append(t)
             t = torch.zeros(max(n, self.minimum), dtype=torch.int32, device=device)
