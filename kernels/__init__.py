@@ -127,27 +127,27 @@ class KernelSpec:
         return cfg, None if config is not None else (self.name, bucket_key(self.bucket(problem)), dtype)
 
 
-class PlanCache:
+class PlanCache(dict):
     """Launch plans of one launcher, keyed on everything its checks and its config depend on (shapes,
     strides, dtypes, devices, scalar arguments, an explicit config). A hit means the same metadata passed
     the checks before, so the hot path is a dict lookup and the launch. A plan records the config it
-    holds (``cfg``) and where it came from (``cfg_key``): when the config cache was cleared (a tuned
-    store was written) the plan is made again. Plans need ``cfg`` and ``cfg_key`` attributes."""
+    holds (``cfg``) and where it came from (``cfg_key``, None for an explicit config): once the config
+    cache has dropped that entry (a tuned store was written), :meth:`get` misses and the plan is made again."""
 
     def __init__(self, limit: int = 4096):
+        super().__init__()
         self.limit = limit
-        self.plans: dict = {}
 
-    def get(self, key):
-        plan = self.plans.get(key)
+    def get(self, key, default=None):
+        plan = super().get(key)
         if plan is not None and plan.cfg_key is not None and _CONFIG_CACHE.get(plan.cfg_key) is not plan.cfg:
-            return None
-        return plan
+            return default
+        return plan if plan is not None else default
 
     def put(self, key, plan) -> None:
-        if len(self.plans) >= self.limit:
-            self.plans.clear()
-        self.plans[key] = plan
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
 
 
 def bucket_key(bucket: dict) -> str:

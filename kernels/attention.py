@@ -268,7 +268,7 @@ class _Plan:
     scalars: tuple = ()              # Hq, group, Tq, Tk, num_m_blocks, num_bh, qk_scale
     meta: dict = field(default_factory=dict)  # constexprs, num_warps, num_stages
     cfg: dict | None = None
-    lookup: tuple | None = None      # the config-cache key a tuned/default config came from
+    cfg_key: tuple | None = None     # the config-cache key a tuned/default config came from (K.PlanCache)
 
 
 def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse: bool) -> _Plan:
@@ -280,7 +280,7 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
     scale = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     return _Plan(
         out_shape=(), grid=(num_m * num_bh,), cfg=cfg,
-        lookup=None if config is not None else (spec.name, K.bucket_key(spec.bucket(p)), dtype),
+        cfg_key=None if config is not None else (spec.name, K.bucket_key(spec.bucket(p)), dtype),
         scalars=(p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, abs(scale) * LOG2E),
         # scale < 0: the kernel negates q and takes |scale| (negating fp16/bf16/fp32 is exact)
         meta=dict(D=p.D, VARLEN=varlen, CAUSAL=p.causal, STORE_LSE=store_lse, HEADS_INNER=bool(cfg["HEADS_INNER"]),
@@ -293,7 +293,7 @@ def problem_of(q, k, v, *, causal=False, **_) -> Problem:
     return Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(causal))
 
 
-_PLANS: dict = {}
+_PLANS = K.PlanCache()
 
 
 def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> _Plan:
@@ -340,14 +340,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks will say
         key, plan = None, None
-    if plan is not None and plan.lookup is not None and K._CONFIG_CACHE.get(plan.lookup) is not plan.cfg:
-        plan = None  # the tuned store was reloaded since: pick the config again
-    if plan is None:
+    if plan is None:  # (PlanCache drops a plan whose config the config cache has since dropped)
         plan = _dense_plan(q, k, v, causal, scale, return_lse, out, config)
         if key is not None:
-            if len(_PLANS) > 4096:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _PLANS.put(key, plan)
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None

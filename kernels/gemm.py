@@ -324,8 +324,7 @@ class _Plan:
                  "locks", "kws", "consts", "kernels", "a_tma", "b_tma", "cfg", "cfg_key")
 
 
-_PLANS: dict = {}
-_MAX_PLANS = 4096
+_PLANS = K.PlanCache()
 
 # Direct launch. Triton's own launch binds and specialises every argument on each call (~35 us of host
 # time for this kernel's 40 arguments on the H100 machine's CPU, more than the kernel takes at small M).
@@ -375,14 +374,10 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    if plan is not None and plan.cfg_key is not None and K._CONFIG_CACHE.get(plan.cfg_key) is not plan.cfg:
-        plan = None  # the config cache was cleared (a store was written): look the config up again
-    if plan is None:
+    if plan is None:  # (PlanCache drops a plan whose config the config cache has since dropped)
         plan = _make_plan(a, b, bias, activation, residual, out, config)
         if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _PLANS.put(key, plan)
 
     if out is None:
         out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)

@@ -265,13 +265,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks will say
         key, plan = None, None
-    if plan is None or plan.lookup is not None and K._CONFIG_CACHE.get(plan.lookup) is not plan.cfg:
-        # (a cached plan whose config came from a since-reloaded tuned store picks its config again)
+    if plan is None:  # (PlanCache drops a plan whose config the config cache has since dropped)
         plan = _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
         if key is not None and plan.B:
-            if len(_PLANS) > 4096:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _PLANS.put(key, plan)
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if not plan.B:
@@ -294,7 +291,7 @@ class _Plan:
     B: int
     out_shape: tuple
     cfg: dict | None = None
-    lookup: tuple | None = None        # the config cache key the default/tuned config came from
+    cfg_key: tuple | None = None       # the config cache key the default/tuned config came from
     ws_numel: int = 0                  # float32 workspace elements (split-KV only)
     locks: object = None               # split-KV chunk counters (per (sequence, kv head)); else a dummy
     grid: tuple = ()
@@ -302,7 +299,7 @@ class _Plan:
     meta: dict = field(default_factory=dict)
 
 
-_PLANS: dict = {}
+_PLANS = K.PlanCache()
 _locks = K.Counters(minimum=1 << 14)   # split-KV tickets, per device, zero between launches
 _workspace = K.Workspace()             # split-KV partials (acc, m, l), per device
 
@@ -348,7 +345,7 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
     problem = Problem(B, Hq, Hkv, D, max_blocks * block_size, block_size)
     cfg = SPEC.config_for(problem, q.dtype, config)
     if config is None:
-        plan.lookup = (SPEC.name, K.bucket_key(bucket(problem)), q.dtype)
+        plan.cfg_key = (SPEC.name, K.bucket_key(bucket(problem)), q.dtype)
     plan.cfg = cfg
     group = Hq // Hkv
     use_dot = cfg["USE_DOT"]

@@ -303,8 +303,7 @@ class _Plan:
                  "work_numel", "locks", "cfg", "cfg_key")
 
 
-_PLANS: dict = {}
-_MAX_PLANS = 4096
+_PLANS = K.PlanCache()
 
 
 _workspace = K.Workspace()
@@ -326,14 +325,10 @@ def quant_matmul(x, qw, bias=None, *, out=None, config: dict | None = None):
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    if plan is not None and plan.cfg_key is not None and K._CONFIG_CACHE.get(plan.cfg_key) is not plan.cfg:
-        plan = None  # the config cache was cleared (a store was written): look the config up again
-    if plan is None:
+    if plan is None:  # (PlanCache drops a plan whose config the config cache has since dropped)
         plan = _make_plan(x, qw, bias, out, config)
         if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _PLANS.put(key, plan)
     if out is None:
         out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
     if plan.empty:
