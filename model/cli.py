@@ -1,7 +1,6 @@
 """``tritune generate``: stream a GPT-2 completion to the terminal, then a line of timings."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 
 import tritune.harness  # noqa: F401  (interpreter switch before triton loads)

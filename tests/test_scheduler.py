@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tritune.model.kv_cache import BlockPool, BlockTable, OutOfBlocks, block_tables_tensor
-from tritune.model.scheduler import FINISHED, RUNNING, WAITING, SamplingParams, Scheduler
+from tritune.model.scheduler import RUNNING, WAITING, SamplingParams, Scheduler
 
 EOS = 0
 

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import math
 import sys
-from pathlib import Path
 
 from tritune.harness.report import _fmt  # one number format for every table
 
