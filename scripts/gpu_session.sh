@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that does a lot: install from carried wheels, then the phases named in $PHASES
-# (space-separated): tune, compare, test, bench. Everything lands under $OUT.
+# (space-separated): tune, compare, test, bench, decode, serve. Everything lands under $OUT.
 #   PHASES="tune" TUNE_BUDGET=420 bash scripts/gpu_session.sh
 # A journal carried in .tune/studies.journal is resumed (studies continue, no finished trial lost).
 set -uo pipefail
@@ -17,9 +17,19 @@ for phase in ${PHASES:-test bench}; do
   case $phase in
     tune)
       [ -f .tune/studies.journal ] && [ ! -f "$OUT/studies.journal" ] && cp .tune/studies.journal "$OUT/"
-      timeout "${TUNE_BUDGET:-400}" tritune tune $KERNELS --dtype bf16 --trials "${TRIALS:-24}" \
-        --time-budget "$(( ${TUNE_BUDGET:-400} - 30 ))" --workers "${WORKERS:-1}" --storage "$OUT/studies.journal" --quiet \
-        2>&1 | tee "$OUT/tune.log"
+      # TUNE_JOBS: a file of lines "kernel|budget s|trials|problems" (problems empty: the standard set; '#'
+      # starts a comment); without it, $KERNELS over their standard problems with $TUNE_BUDGET and $TRIALS.
+      if [ -n "${TUNE_JOBS:-}" ]; then jobs=$(grep -v '^#' "$TUNE_JOBS"); else jobs="$KERNELS|${TUNE_BUDGET:-400}|${TRIALS:-24}|"; fi
+      tuned=""
+      while IFS='|' read -r jk jb jt jp; do
+        [ -z "$jk" ] && continue
+        tuned="$tuned $jk"
+        echo "--- tune $jk (budget ${jb}s, ${jt} trials) $(date -u +%T)" | tee -a "$OUT/tune.log"
+        timeout "$jb" tritune tune $jk --dtype bf16 --trials "$jt" ${jp:+--problems "$jp"} \
+          --time-budget "$(( jb - 30 ))" --workers "${WORKERS:-1}" --storage "$OUT/studies.journal" --quiet \
+          2>&1 | tee -a "$OUT/tune.log"
+      done <<< "$jobs"
+      KERNELS=$(echo $tuned | tr ' ' '\n' | sort -u | tr '\n' ' ')
       tritune tune $KERNELS --dtype bf16 --trials 0 --export --storage "$OUT/studies.journal" --configs-dir "$OUT/configs" \
         2>&1 | tee -a "$OUT/tune.log"
       python scripts/study_report.py "$OUT/studies.journal" --out "$OUT/studies.json" > /dev/null
@@ -33,6 +43,12 @@ for phase in ${PHASES:-test bench}; do
       # failures and durations land in tests.log as they happen (a run cut off by its budget keeps them)
       TRITUNE_TEST_LOG="$OUT/tests.log" eval "timeout ${TEST_BUDGET:-300} python -m pytest -n 16 -q -p no:cacheprovider ${TEST_ARGS:-}" \
         2>&1 | tail -60 | tee "$OUT/pytest.log" ;;
+    decode)
+      timeout "${DECODE_BUDGET:-150}" python scripts/bench_decode.py --profile --reps 2 --methods "${DECODE_METHODS:-triton-graph,engine}" \
+        --out "$OUT/decode.json" 2>&1 | tail -60 | tee "$OUT/decode.log" ;;
+    serve)
+      timeout "${SERVE_BUDGET:-300}" tritune serve-bench ${SERVE_ARGS:--n 512} --out "$OUT/serve.json" 2>&1 | tail -80 \
+        | tee "$OUT/serve.log" ;;
     bench)
       timeout "${BENCH_BUDGET:-300}" tritune bench ${BENCH_KERNELS:-} --dtype bf16 --results-dir "$OUT/results" \
         2>&1 | tee "$OUT/bench.log" ;;
