@@ -30,6 +30,8 @@ for phase in ${PHASES:-test bench}; do
           2>&1 | tee -a "$OUT/tune.log"
       done <<< "$jobs"
       KERNELS=$(echo $tuned | tr ' ' '\n' | sort -u | tr '\n' ' ')
+      # the exported store starts as the packaged one: kernels not tuned here keep their entries
+      mkdir -p "$OUT/configs" && cp -r tuning/configs/. "$OUT/configs/"
       tritune tune $KERNELS --dtype bf16 --trials 0 --export --storage "$OUT/studies.journal" --configs-dir "$OUT/configs" \
         2>&1 | tee -a "$OUT/tune.log"
       python scripts/study_report.py "$OUT/studies.journal" --out "$OUT/studies.json" > /dev/null
