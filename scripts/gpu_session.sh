@@ -38,6 +38,8 @@ for phase in ${PHASES:-test bench}; do
       export TRITUNE_CONFIGS="$OUT/configs"  # later phases (bench) run on the configs just tuned
       ;;
     compare)
+      # a journal carried in .tune/compare.journal is resumed: the grid goes on where it stopped
+      [ -f .tune/compare.journal ] && [ ! -f "$OUT/compare.journal" ] && cp .tune/compare.journal "$OUT/"
       timeout "${COMPARE_BUDGET:-300}" tritune tune ${COMPARE_KERNEL:-paged_attention} --dtype bf16 --compare-samplers \
         --problems "${COMPARE_PROBLEM:?}" --storage "$OUT/compare.journal" --results-dir "$OUT/results" \
         --repeats 20 2>&1 | tee "$OUT/compare.log" ;;
