@@ -12,8 +12,8 @@ slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
 echo "GPU slug: $slug"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv | tee "$OUT/gpu.csv"
 KERNELS=${KERNELS:-all}
-for phase in ${PHASES:-test bench}; do
-  echo "=== $phase ($(date -u +%T))"
+run_phase() {
+  local phase=$1
   case $phase in
     tune)
       [ -f .tune/studies.journal ] && [ ! -f "$OUT/studies.journal" ] && cp .tune/studies.journal "$OUT/"
@@ -35,7 +35,6 @@ for phase in ${PHASES:-test bench}; do
       tritune tune $KERNELS --dtype bf16 --trials 0 --export --storage "$OUT/studies.journal" --configs-dir "$OUT/configs" \
         2>&1 | tee -a "$OUT/tune.log"
       python scripts/study_report.py "$OUT/studies.journal" --out "$OUT/studies.json" > /dev/null
-      export TRITUNE_CONFIGS="$OUT/configs"  # later phases (bench) run on the configs just tuned
       ;;
     compare)
       # a journal carried in .tune/compare.journal is resumed: the grid goes on where it stopped
@@ -57,7 +56,20 @@ for phase in ${PHASES:-test bench}; do
       timeout "${BENCH_BUDGET:-300}" tritune bench ${BENCH_KERNELS:-} --dtype bf16 --results-dir "$OUT/results" \
         2>&1 | tee "$OUT/bench.log" ;;
   esac
+}
+# Each phase runs as its own process group, killed whole when the phase ends: a phase cut by its timeout
+# must not leave pytest-xdist or tuning workers running on the GPU into the next phase's timings.
+set -m
+for phase in ${PHASES:-test bench}; do
+  echo "=== $phase ($(date -u +%T))"
+  run_phase "$phase" &
+  pg=$!
+  wait "$pg"
+  kill -9 -- "-$pg" 2>/dev/null
+  # later phases (bench, decode, serve) run on the configs just tuned
+  [ "$phase" = tune ] && [ -d "$OUT/configs" ] && export TRITUNE_CONFIGS="$OUT/configs"
 done
+set +m
 # The device returns at most 8 files: everything goes back in one archive.
 echo "=== done ($(date -u +%T))"
 (cd "$OUT" && tar czf /tmp/bundle.tgz . && find . -mindepth 1 -delete && mv /tmp/bundle.tgz bundle.tgz)
