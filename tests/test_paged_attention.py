@@ -278,6 +278,22 @@ def test_error_messages_name_the_argument():
                                             "scale", "out", "k:", "v:", "slot_mapping")), (label, msg)
 
 
+@pytest.mark.parametrize("partition", [0, 32], ids=["single", "split"])
+def test_fp32_broadcast_form_keeps_ieee_precision_on_16_wide_tiles(partition):
+    """fp32 without tl.dot holds fp32's tolerance where every tile dim is >= 16. Triton's combine pass
+    rewrites sum(x[:, :, None] * y[None, :, :], axis=1) into a tl.dot of default (tf32) precision on a
+    GPU; the H100 property run found it here (5.6e-4 at Hq=16, Hkv=1, D=16, ctx=1). The interpreter
+    does not rewrite, so on the CPU this only checks the form's arithmetic."""
+    ran = 0
+    for problem in [P(1, 16, 1, 16, 1, 8), P(2, 16, 1, 32, 77, 16), P(1, 32, 2, 64, 300, 16)]:
+        for block_n in (8, 16, 32):
+            cfg = _cfg(block_n, partition, False, 4, 1)
+            if not pa.SPACE.why_invalid(cfg, problem, torch.float32):
+                _check(problem, torch.float32, cfg, seed=5)
+                ran += 1
+    assert ran >= 4, ran
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_dtype_id)
 def test_every_path_on_gpu(dtype):
