@@ -149,6 +149,20 @@ class PlanCache(dict):
             self.clear()
         self[key] = plan
 
+    def get_or_make(self, key, make, keep=None):
+        """The plan under ``key``, else ``make()`` (which validates the arguments and names a bad one),
+        kept under ``key`` unless the key is None or unhashable (metadata that did not come from tensors)
+        or ``keep(plan)`` is false."""
+        try:
+            plan = None if key is None else self.get(key)
+        except TypeError:
+            key = plan = None
+        if plan is None:
+            plan = make()
+            if key is not None and (keep is None or keep(plan)):
+                self.put(key, plan)
+        return plan
+
 
 def bucket_key(bucket: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in bucket.items())

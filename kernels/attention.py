@@ -337,13 +337,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
                v.shape, v.stride(), v.dtype, v.device,
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
                causal, scale, type(scale), return_lse, None if config is None else tuple(config.items()))
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks will say
-        key, plan = None, None
-    if plan is None:  # (PlanCache drops a plan whose config the config cache has since dropped)
-        plan = _dense_plan(q, k, v, causal, scale, return_lse, out, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+    except (AttributeError, TypeError):  # not tensors: the checks will say
+        key = None
+    plan = _PLANS.get_or_make(key, lambda: _dense_plan(q, k, v, causal, scale, return_lse, out, config))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None

@@ -131,13 +131,9 @@ def gelu(x, approximate: str = "none", *, out=None, config: dict | None = None):
     try:  # the hot path: one dict lookup; anything odd takes _plan, which names the bad argument
         key = (x.shape, x.stride(), x.dtype, x.device, approximate, K.tensor_meta(out),
                None if config is None else tuple(config.items()))
-        plan = _PLANS.get(key)
     except (AttributeError, TypeError):
-        key = plan = None
-    if plan is None:
-        plan = _plan(x, approximate, out, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+        key = None
+    plan = _PLANS.get_or_make(key, lambda: _plan(x, approximate, out, config))
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if plan.n == 0:

@@ -371,13 +371,9 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, _meta(bias),
                _meta(residual), _meta(out), activation, None if config is None else tuple(config.items()),
                INT32_LIMIT, FLATTEN, WARP_SPEC, _num_sms)
-        plan = _PLANS.get(key)
     except (AttributeError, TypeError):
-        key = plan = None
-    if plan is None:  # (PlanCache drops a plan whose config the config cache has since dropped)
-        plan = _make_plan(a, b, bias, activation, residual, out, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+        key = None
+    plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config))
 
     if out is None:
         out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)

@@ -150,13 +150,9 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, out=None, return
     try:  # the hot path: one dict lookup; anything odd takes _plan, which names the bad argument
         key = (x.shape, x.stride(), x.dtype, x.device, K.tensor_meta(weight), K.tensor_meta(bias), type(eps), eps,
                K.tensor_meta(out), bool(return_stats), None if config is None else tuple(config.items()))
-        plan = _PLANS.get(key)
     except (AttributeError, TypeError):
-        key = plan = None
-    if plan is None:
-        plan = _plan(x, weight, bias, eps, out, return_stats, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+        key = None
+    plan = _PLANS.get_or_make(key, lambda: _plan(x, weight, bias, eps, out, return_stats, config))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
     if plan.M == 0:

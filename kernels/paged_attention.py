@@ -267,13 +267,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
                context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.device,
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
                scale, None if config is None else tuple(sorted(config.items())))
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks will say
-        key, plan = None, None
-    if plan is None:  # (PlanCache drops a plan whose config the config cache has since dropped)
-        plan = _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
-        if key is not None and plan.B:
-            _PLANS.put(key, plan)
+    except (AttributeError, TypeError):  # not tensors: the checks will say
+        key = None
+    plan = _PLANS.get_or_make(key, lambda: _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out,
+                                                 config), keep=lambda plan: plan.B)
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if not plan.B:

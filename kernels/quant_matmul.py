@@ -322,13 +322,9 @@ def quant_matmul(x, qw, bias=None, *, out=None, config: dict | None = None):
         key = (x.shape, x.stride(), x.dtype, x.device, type(qw), qw.bits, qw.N, qw.K, qw.group_size,
                _meta(qw.data), _meta(qw.scales), _meta(qw.zeros), _meta(bias), _meta(out),
                None if config is None else tuple(config.items()))
-        plan = _PLANS.get(key)
     except (AttributeError, TypeError):
-        key = plan = None
-    if plan is None:  # (PlanCache drops a plan whose config the config cache has since dropped)
-        plan = _make_plan(x, qw, bias, out, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+        key = None
+    plan = _PLANS.get_or_make(key, lambda: _make_plan(x, qw, bias, out, config))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
     if plan.empty:
