@@ -198,9 +198,10 @@ def forward_step(model, ops, kv, ids, positions, slots, *, seq_lens=(), cu_seqle
     T = slots.shape[0]
     max_seqlen = max(seq_lens) if Tp else 0
 
-    def attend(i, q, k, v):
+    def attend(i, q, k, v, written=False):
         kc, vc = kv.k_caches[i], kv.v_caches[i]
-        ops.write_kv(k, v, kc, vc, slots)
+        if not written:
+            ops.write_kv(k, v, kc, vc, slots)
         if Tp == T:
             return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
         if Tp == 0:
@@ -211,7 +212,8 @@ def forward_step(model, ops, kv, ids, positions, slots, *, seq_lens=(), cu_seqle
     saved = model.ops
     model.ops = ops         # _blocks/_logits read model.ops
     try:
-        x = model._blocks(model._embed(ids, positions) if x is None else x, attend)
+        kv_for = (lambda i: (kv.k_caches[i], kv.v_caches[i], slots)) if Tp == 0 else None
+        x = model._blocks(model._embed(ids, positions) if x is None else x, attend, kv_for)
         if logit_rows is not None:
             x = x[logit_rows]
         return model._logits(x)

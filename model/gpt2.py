@@ -166,17 +166,40 @@ class TritonOps:
                 f"kernel tritune.kernels.attention.attention, one call per sequence ({why_a})" if self._attn
                 else f"reference F.scaled_dot_product_attention ({why_a})")
 
+        gv, why_gv = _kernel("gemv", "gemv")
+        self._gemv = gv[0] if gv else None
+        self.steps["decode linears"] = (
+            f"kernel tritune.kernels.gemv at <= {self.GEMV_MAX_M} rows (ln_1 / ln_2 / ln_f and the KV-cache write "
+            "fused in)" if self._gemv else f"as linear ({why_gv})")
+
         p, why_p = head_dim_ok(*_kernel("paged_attention", "paged_attention", "write_kv"))
         self._paged, self._write_kv = p if p else (None, None)
         self.steps["attention decode"] = (
             "kernel tritune.kernels.paged_attention (write_kv + paged_attention)" if p
             else f"reference: index_put into the cache + SDPA over gathered blocks ({why_p})")
 
+    # Rows up to which the linears of a step run on the gemv kernel (decode of a few sequences), with the
+    # LayerNorm before them and the KV-cache write after the qkv projection fused in.
+    GEMV_MAX_M = 8
+
+    def _gemv_rows(self, x, w) -> bool:
+        return (self._gemv is not None and isinstance(w, torch.Tensor)
+                and math.prod(x.shape[:-1]) <= self.GEMV_MAX_M)
+
     # -- steps --------------------------------------------------------------------------------------
     def layer_norm(self, x, w, b, eps):
         return self._ln(x, w, b, eps) if self._ln else torch_layer_norm(x, w, b, eps)
 
+    def ln_linear(self, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
+        """linear(layer_norm(x)), and with ``kv`` (k_cache, v_cache, slots) the qkv output's k and v written
+        to the cache. Returns (y, whether the cache was written)."""
+        if self._gemv_rows(x, w):
+            return self._gemv(x, w, b, activation=activation, ln=(ln_w, ln_b, eps), kv=kv), kv is not None
+        return self.linear(self.layer_norm(x, ln_w, ln_b, eps), w, b, activation=activation), False
+
     def linear(self, x, w, b=None, activation=None, residual=None):
+        if self._gemv_rows(x, w):
+            return self._gemv(x, w, b, activation=activation, residual=residual)
         if self._gemm:
             return self._gemm(x, w, b, activation=activation, residual=residual)
         if activation == "gelu_tanh" and self._gelu:
@@ -209,6 +232,15 @@ class TritonOps:
         if self._paged:
             return self._paged(q, k_cache, v_cache, block_tables, context_lens, validate=False)
         return torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens)
+
+
+def ln_linear(ops, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
+    """``ops.ln_linear`` where the ops have one (a fused LayerNorm + linear, maybe writing the KV cache),
+    else layer_norm then linear. Returns (y, whether the KV cache was written)."""
+    fused = getattr(ops, "ln_linear", None)
+    if fused is not None:
+        return fused(x, ln_w, ln_b, eps, w, b, activation=activation, kv=kv)
+    return ops.linear(ops.layer_norm(x, ln_w, ln_b, eps), w, b, activation=activation), False
 
 
 class TorchOps:
@@ -318,23 +350,26 @@ class GPT2:
     def _embed(self, input_ids, positions):
         return self.w.wte[input_ids] + self.w.wpe[positions]
 
-    def _blocks(self, x, attend):
+    def _blocks(self, x, attend, kv_for=None):
+        """The layer stack. ``attend(i, q, k, v, written)`` writes layer i's k, v to the cache unless
+        ``written`` and returns the attention output; ``kv_for(i)`` (k_cache, v_cache, slots), when given,
+        lets the qkv projection write the cache itself where the ops fuse that."""
         c, ops = self.config, self.ops
         T, H, D = x.shape[0], c.n_head, c.head_dim
+        eps = c.layer_norm_epsilon
         for i, L in enumerate(self.w.layers):
-            h = ops.layer_norm(x, L.ln1_w, L.ln1_b, c.layer_norm_epsilon)
-            qkv = ops.linear(h, L.w_qkv, L.b_qkv).view(T, 3, H, D)
-            a = attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2])
+            qkv, written = ln_linear(ops, x, L.ln1_w, L.ln1_b, eps, L.w_qkv, L.b_qkv,
+                                     kv=kv_for(i) if kv_for is not None else None)
+            qkv = qkv.view(T, 3, H, D)
+            a = attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2], written)
             x = ops.linear(a.reshape(T, H * D), L.w_o, L.b_o, residual=x)
-            h = ops.layer_norm(x, L.ln2_w, L.ln2_b, c.layer_norm_epsilon)
-            f = ops.linear(h, L.w_fc, L.b_fc, activation="gelu_tanh")
+            f, _ = ln_linear(ops, x, L.ln2_w, L.ln2_b, eps, L.w_fc, L.b_fc, activation="gelu_tanh")
             x = ops.linear(f, L.w_proj, L.b_proj, residual=x)
         return x
 
     def _logits(self, x):
         c = self.config
-        h = self.ops.layer_norm(x, self.w.lnf_w, self.w.lnf_b, c.layer_norm_epsilon)
-        return self.ops.linear(h, self.w.lm_head)
+        return ln_linear(self.ops, x, self.w.lnf_w, self.w.lnf_b, c.layer_norm_epsilon, self.w.lm_head)[0]
 
     # -- entry points -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -369,8 +404,8 @@ class GPT2:
         max_seqlen = max(seq_lens)
         ops = self.ops
 
-        def attend(i, q, k, v):
-            if kv_cache is not None:
+        def attend(i, q, k, v, written=False):
+            if kv_cache is not None and not written:
                 ops.write_kv(k, v, kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping)
             return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
 
@@ -389,12 +424,16 @@ class GPT2:
         B = input_ids.shape[0]
         ops = self.ops
 
-        def attend(i, q, k, v):
+        def attend(i, q, k, v, written=False):
             kc, vc = kv_cache.k_caches[i], kv_cache.v_caches[i]
-            ops.write_kv(k, v, kc, vc, slot_mapping)
+            if not written:
+                ops.write_kv(k, v, kc, vc, slot_mapping)
             return ops.attn_decode(q, kc, vc, block_tables, context_lens)
 
-        x = self._blocks(self._embed(input_ids.reshape(B), positions.reshape(B)), attend)
+        def kv_for(i):
+            return kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping
+
+        x = self._blocks(self._embed(input_ids.reshape(B), positions.reshape(B)), attend, kv_for)
         return self._logits(x)
 
     @torch.inference_mode()

@@ -1,0 +1,588 @@
+"""Skinny GEMM for decode: y = act(LN(x) @ W + bias) + residual, with the KV-cache write fused.
+
+The decode step of a GPT-2-sized model is a chain of launches that each read a few MB of weights for one
+to a few rows of activations: there the kernels are bound by latency and launch count, not by FLOPs. This
+kernel takes those rows and folds into one launch what the decode step otherwise spends extra kernels on:
+
+- ``ln=(weight, bias, eps)``: a LayerNorm of each row of x over K before the product (the row statistics
+  are computed by every program from x, which is a few KB and sits in L2; float32, shifted sums as in
+  ``layer_norm``). GPT-2's ln_1 / ln_2 / ln_f go into the qkv, MLP-in and LM-head products.
+- ``kv=(k_cache, v_cache, slot_mapping)``: with N = 3·C (a fused qkv projection, C = heads·head_dim), the
+  columns [C, 2C) and [2C, 3C) of each row are also written to the paged caches (num_blocks, block_size,
+  heads, head_dim) at that row's slot (slot < 0: nothing written), which is what ``write_kv`` does.
+- bias, GELU (tanh form, as x·sigmoid(2z)) and a residual add in the epilogue, as in ``gemm``.
+
+Two inner loops, chosen by BLOCK_M. BLOCK_M = 1 (one row per program, the M = 1 decode): no tensor cores;
+each program multiplies its x slice into a BLOCK_K × BLOCK_N tile of W in float32 registers and reduces
+over K once at the end, so fp32 is exact fp32 and LN's output is never rounded. BLOCK_M ≥ 16: ``tl.dot``
+on row tiles (a few rows: batched decode); a normalised x tile is rounded to the input dtype before the
+dot (as the unfused LN's output is); fp32 uses ``input_precision="ieee"`` (the kernel is memory bound;
+the "ieee" tolerance holds for every dtype).
+
+Split-K (``SPLIT_K > 1``) as in ``gemm``: each program stores its float32 partial tile to a workspace and
+takes a ticket from a per-tile counter; the last one sums the partials in slice order (deterministic),
+runs the epilogue and resets the counter. One launch. Counters and workspace are per device: two split-K
+launches must not run concurrently on different streams.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tritune import kernels as K
+from tritune.harness import strategies as S
+from tritune.references import gemv as ref
+
+
+@triton.jit
+def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
+                 M, N, K, C_KV, eps,
+                 s_xm, s_xk, s_wk, s_wn, s_ym, s_yn, s_rm, s_rn,
+                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_LN: tl.constexpr,
+                 HAS_LN_W: tl.constexpr, HAS_LN_B: tl.constexpr, HAS_KV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 LN_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_lo = pid_k * tiles_per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + tiles_per_split * BLOCK_K)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)
+    if INT64:
+        cols = offs_n.to(tl.int64)
+        s_wk = s_wk + pid_n.to(tl.int64) * 0  # widen a stride the JIT specialised to the constant 1
+    else:
+        cols = offs_n
+    x_rows = X + rows[:, None] * s_xm
+
+    if HAS_LN:  # row statistics over all of K (every program: x is tiny and L2-resident)
+        offs_l = tl.arange(0, LN_BLOCK)
+        lmask = mask_m[:, None] & (offs_l < K)[None, :]
+        first = tl.load(x_rows + offs_l[None, :] * s_xk, mask=lmask, other=0.0).to(tl.float32)
+        shift = tl.sum(first, axis=1) / tl.minimum(K, LN_BLOCK)
+        xc = tl.where(lmask, first - shift[:, None], 0.0)
+        s1 = tl.sum(xc, axis=1)
+        s2 = tl.sum(xc * xc, axis=1)
+        for start in range(LN_BLOCK, K, LN_BLOCK):
+            kk = start + offs_l
+            lmask = mask_m[:, None] & (kk < K)[None, :]
+            xv = tl.load(x_rows + kk[None, :] * s_xk, mask=lmask, other=0.0).to(tl.float32)
+            xc = tl.where(lmask, xv - shift[:, None], 0.0)
+            s1 += tl.sum(xc, axis=1)
+            s2 += tl.sum(xc * xc, axis=1)
+        m1 = s1 / K  # x − mean as (x − shift) − m1: x − shift is exact for x near the shift
+        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - m1 * m1, 0.0) + eps)
+
+    if BLOCK_M == 1:
+        # one row: float32 products into a BLOCK_K x BLOCK_N register tile, reduced over K at the end
+        x_row = X + pid_m.to(tl.int64) * s_xm
+        if HAS_LN:
+            shift1 = tl.sum(shift, axis=0)
+            m1_1 = tl.sum(m1, axis=0)
+            rstd1 = tl.sum(rstd, axis=0)
+        acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            kk = k + offs_k
+            if EVEN_K:
+                xv = tl.load(x_row + kk * s_xk).to(tl.float32)
+                wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+            else:
+                in_k = kk < k_hi
+                xv = tl.load(x_row + kk * s_xk, mask=in_k, other=0.0).to(tl.float32)
+                wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn,
+                             mask=in_k[:, None] & mask_n[None, :], other=0.0)
+            if HAS_LN:
+                xv = ((xv - shift1) - m1_1) * rstd1
+                if HAS_LN_W:
+                    xv = xv * tl.load(LnW + kk, mask=kk < K, other=0.0).to(tl.float32)
+                if HAS_LN_B:
+                    xv = xv + tl.load(LnB + kk, mask=kk < K, other=0.0).to(tl.float32)
+                if not EVEN_K:
+                    xv = tl.where(kk < k_hi, xv, 0.0)
+            acc2 += xv[:, None] * wv.to(tl.float32)
+        acc = tl.sum(acc2, axis=0)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            kk = k + offs_k
+            in_k = kk < k_hi
+            if EVEN_K:
+                xv = tl.load(x_rows + kk[None, :] * s_xk, mask=mask_m[:, None], other=0.0)
+                wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+            else:
+                xv = tl.load(x_rows + kk[None, :] * s_xk, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+                wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn,
+                             mask=in_k[:, None] & mask_n[None, :], other=0.0)
+            if HAS_LN:
+                xf = ((xv.to(tl.float32) - shift[:, None]) - m1[:, None]) * rstd[:, None]
+                if HAS_LN_W:
+                    xf = xf * tl.load(LnW + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+                if HAS_LN_B:
+                    xf = xf + tl.load(LnB + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+                xf = tl.where(mask_m[:, None] & in_k[None, :], xf, 0.0)
+                xv = xf.to(W.dtype.element_ty)
+            acc = tl.dot(xv, wv, acc, input_precision="ieee")
+
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        slab = M * N
+        if INT64:
+            slab = slab.to(tl.int64)
+        w_tile = Work + rows[:, None] * N + cols[None, :]
+        tl.store(w_tile + pid_k * slab, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        tile = pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(Locks + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on arrival order
+                acc += tl.load(w_tile + s * slab, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(Locks + tile, 0)
+            _epilogue(acc, rows, cols, mask_m, mask_n, mask, Y, Bias, R, KC, VC, Slots, C_KV,
+                      s_ym, s_yn, s_rm, s_rn, HAS_BIAS, ACT, HAS_RES, HAS_KV)
+    else:
+        _epilogue(acc, rows, cols, mask_m, mask_n, mask, Y, Bias, R, KC, VC, Slots, C_KV,
+                  s_ym, s_yn, s_rm, s_rn, HAS_BIAS, ACT, HAS_RES, HAS_KV)
+
+
+@triton.jit
+def _epilogue(acc, rows, cols, mask_m, mask_n, mask, Y, Bias, R, KC, VC, Slots, C_KV,
+              s_ym, s_yn, s_rm, s_rn,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_KV: tl.constexpr):
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(Bias + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACT:  # tanh GELU as x·sigmoid(2z): no tanh, no overflow
+        z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+        y = y / (1.0 + tl.exp(-2.0 * z))
+    if HAS_RES:
+        y += tl.load(R + rows[:, None] * s_rm + cols[None, :] * s_rn, mask=mask, other=0.0).to(tl.float32)
+    out = y.to(Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * s_ym + cols[None, :] * s_yn, out, mask=mask)
+    if HAS_KV:  # columns [C, 2C) are K, [2C, 3C) are V: each row's slot in the (slots, C) caches
+        slot = tl.load(Slots + rows, mask=mask_m, other=-1).to(tl.int64)
+        live = mask & (slot >= 0)[:, None]
+        at = slot[:, None] * C_KV + cols[None, :]
+        is_v = cols >= 2 * C_KV
+        tl.store(KC + at - C_KV, out, mask=live & ((cols >= C_KV) & ~is_v)[None, :])
+        tl.store(VC + at - 2 * C_KV, out, mask=live & is_v[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    M: int
+    N: int
+    K: int
+    trans_w: bool = False        # W is a column-major view (a tied embedding (N, K) read as its .t())
+    bias: bool = False
+    act: str | None = None       # None or "gelu_tanh"
+    residual: bool = False
+    ln: bool = False             # LayerNorm (weight and bias) of x over K first
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACTIVATIONS = (None, "gelu_tanh")
+INT32_LIMIT = 2**31
+SMEM_BUDGET = 200 * 1024
+_ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+_locks = K.Counters(minimum=1024)
+_workspace = K.Workspace()
+_PLANS = K.PlanCache()
+_meta = K.tensor_meta
+
+
+class _Plan:
+    __slots__ = ("out_shape", "m", "n", "k", "grid", "ints", "kws", "work_numel", "locks", "cfg", "cfg_key",
+                 "empty", "c_kv")
+
+
+def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, out=None,
+         config: dict | None = None):
+    """y = act(LN(x) @ w + bias) + residual for x (M, K) (or (..., K)), w (K, N) (any strides).
+
+    ln: None or (weight (K,) or None, bias (K,) or None, eps). kv: None or (k_cache, v_cache, slot_mapping):
+    with N = 3·C, columns C..2C and 2C..3C of row m also go to k_cache / v_cache (num_blocks, block_size,
+    heads, head_dim; heads·head_dim = C, contiguous) at flat slot slot_mapping[m] (< 0: skipped).
+    Returns y (..., N) in x's dtype (into ``out`` when given).
+    """
+    if ln is not None and (not isinstance(ln, (tuple, list)) or len(ln) != 3):
+        raise TypeError("ln: expected (weight or None, bias or None, eps)")
+    if kv is not None and (not isinstance(kv, (tuple, list)) or len(kv) != 3):
+        raise TypeError("kv: expected (k_cache, v_cache, slot_mapping)")
+    ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
+    kc, vc, slots = kv if kv is not None else (None, None, None)
+    try:
+        key = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, _meta(bias), _meta(residual),
+               _meta(out), activation, ln is not None, _meta(ln_w), _meta(ln_b), _meta(kc), _meta(vc),
+               _meta(slots), None if config is None else tuple(config.items()), INT32_LIMIT)
+    except (AttributeError, TypeError, ValueError):
+        key = None
+    plan = _PLANS.get_or_make(key, lambda: _make_plan(x, w, bias, activation, residual, ln, kv, out, config))
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
+    if plan.empty:
+        return out
+    if plan.work_numel:
+        work, locks = _workspace(x.device, plan.work_numel), plan.locks
+    else:
+        work = locks = out
+    r_arg = out if residual is None else residual
+    args = (x, w, out, out if bias is None else bias, r_arg, out if ln_w is None else ln_w,
+            out if ln_b is None else ln_b, out if kc is None else kc, out if vc is None else vc,
+            out if slots is None else slots, work, locks, plan.m, plan.n, plan.k, plan.c_kv, float(eps),
+            *plan.ints)
+    _gemv_kernel[plan.grid](*args, **plan.kws)
+    return out
+
+
+def _check_vec(name, t, n, dtype, device):
+    K.check_tensor(name, t, ndim=1)
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: dtype {t.dtype} differs from x's {dtype}")
+    if t.shape[0] != n:
+        raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but x is on {device}")
+
+
+def _span(t: torch.Tensor) -> int:
+    return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+
+
+def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
+    K.check_tensor("x", x, dtypes=DTYPES)
+    if x.device.type != K.kernel_device():
+        K.check_device("x", x)
+    if x.dim() == 0:
+        raise ValueError("x: expected at least 1 dim (..., K), got a scalar")
+    K.check_tensor("w", w, ndim=2, dtypes=DTYPES)
+    if w.dtype != x.dtype:
+        raise TypeError(f"w: dtype {w.dtype} differs from x's {x.dtype}")
+    if w.device != x.device:
+        raise ValueError(f"w: on {w.device}, but x is on {x.device}")
+    kdim, n = w.shape
+    if x.shape[-1] != kdim:
+        raise ValueError(f"x, w: inner sizes differ: x is {tuple(x.shape)} (K={x.shape[-1]}), "
+                         f"w is {tuple(w.shape)} (K={kdim})")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if bias is not None:
+        _check_vec("bias", bias, n, x.dtype, x.device)
+    m = math.prod(x.shape[:-1])
+    out_shape = (*x.shape[:-1], n)
+    try:
+        x2 = x.view(m, kdim)
+    except RuntimeError:
+        raise ValueError(f"x: its strides {x.stride()} do not flatten to ({m}, {kdim}) rows") from None
+    r2 = None
+    if residual is not None:
+        K.check_tensor("residual", residual)
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual: dtype {residual.dtype} differs from x's {x.dtype}")
+        if tuple(residual.shape) not in (out_shape, (m, n)):
+            raise ValueError(f"residual: expected shape {out_shape} or {(m, n)}, got {tuple(residual.shape)}")
+        if residual.device != x.device:
+            raise ValueError(f"residual: on {residual.device}, but x is on {x.device}")
+        try:
+            r2 = residual.view(m, n)
+        except RuntimeError:
+            raise ValueError(f"residual: its strides {residual.stride()} do not flatten to ({m}, {n})") from None
+    if ln is not None:
+        ln_w, ln_b, eps = ln
+        for name, t in (("ln weight", ln_w), ("ln bias", ln_b)):
+            if t is not None:
+                _check_vec(name, t, kdim, x.dtype, x.device)
+                if t.stride(0) != 1:
+                    raise ValueError(f"{name}: expected unit stride, got {t.stride(0)}")
+        if not isinstance(eps, (int, float)) or not eps >= 0 or math.isinf(eps):
+            raise ValueError(f"ln eps: expected a finite number >= 0, got {eps!r}")
+    c_kv = 0
+    if kv is not None:
+        kc, vc, slots = kv
+        for name, t in (("k_cache", kc), ("v_cache", vc)):
+            K.check_tensor(name, t, ndim=4)
+            if t.dtype != x.dtype:
+                raise TypeError(f"{name}: dtype {t.dtype} differs from x's {x.dtype}")
+            if t.device != x.device:
+                raise ValueError(f"{name}: on {t.device}, but x is on {x.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous (num_blocks, block_size, heads, head_dim) cache")
+        if kc.shape != vc.shape:
+            raise ValueError(f"v_cache: shape {tuple(vc.shape)} differs from k_cache's {tuple(kc.shape)}")
+        c_kv = kc.shape[2] * kc.shape[3]
+        if n != 3 * c_kv:
+            raise ValueError(f"kv: w has N={n} columns, expected 3 x heads x head_dim = {3 * c_kv} (q, k, v)")
+        K.check_tensor("slot_mapping", slots, ndim=1, dtypes=(torch.int32, torch.int64))
+        if slots.shape[0] != m:
+            raise ValueError(f"slot_mapping: expected {m} slots (one per row of x), got {slots.shape[0]}")
+        if slots.device != x.device:
+            raise ValueError(f"slot_mapping: on {slots.device}, but x is on {x.device}")
+    if out is not None:
+        K.check_out(out, out_shape, x.dtype, x.device)
+
+    p = _Plan()
+    p.out_shape, p.m, p.n, p.k, p.c_kv = out_shape, m, n, kdim, c_kv
+    p.cfg = p.cfg_key = None
+    p.empty = m == 0 or n == 0
+    if p.empty:
+        return p
+    if out is None:
+        s_ym, s_yn = n, 1
+    else:
+        try:
+            s_ym, s_yn = out.view(m, n).stride()
+        except RuntimeError:
+            raise ValueError(f"out: its strides {out.stride()} do not flatten to ({m}, {n})") from None
+    problem = Problem(m, n, kdim, trans_w=w.stride(1) != 1, bias=bias is not None, act=activation,
+                      residual=residual is not None, ln=ln is not None)
+    cfg = SPEC.config_for(problem, x.dtype, config)
+    if config is None:
+        p.cfg, p.cfg_key = cfg, (SPEC.name, K.bucket_key(bucket(problem)), x.dtype)
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    p.work_numel = split * m * n if split > 1 else 0
+    p.locks = _locks(x.device, tiles) if split > 1 else None
+    p.grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    int64 = _span(w) >= INT32_LIMIT or split * m * n >= INT32_LIMIT or m * n >= INT32_LIMIT
+    p.ints = (x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), s_ym, s_yn,
+              r2.stride(0) if r2 is not None else 0, r2.stride(1) if r2 is not None else 0)
+    p.kws = dict(HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
+                 HAS_LN=ln is not None, HAS_LN_W=ln is not None and ln[0] is not None,
+                 HAS_LN_B=ln is not None and ln[1] is not None, HAS_KV=kv is not None,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                 LN_BLOCK=min(triton.next_power_of_2(kdim), max(64, 8192 // max(bm, 1))),
+                 EVEN_K=kdim % bk == 0, INT64=int64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------
+SPACE = K.Space(params={
+    "BLOCK_M": [1, 16, 32, 64],
+    "BLOCK_N": [16, 32, 64, 128, 256],
+    "BLOCK_K": [16, 32, 64, 128, 256],
+    "SPLIT_K": [1, 2, 4, 8, 16],
+    "num_warps": [1, 2, 4, 8],
+    "num_stages": [1, 2, 3, 4],
+})
+
+
+def _constraint(c, p: Problem, dtype) -> str | None:
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    threads = 32 * c["num_warps"]
+    if bn > max(16, triton.next_power_of_2(p.N)):
+        return "BLOCK_N larger than N"
+    if bk > max(16, triton.next_power_of_2(p.K)):
+        return "BLOCK_K larger than K"
+    if bm > max(16, triton.next_power_of_2(p.M)):
+        return "BLOCK_M larger than M"
+    if bm == 1:
+        if bk * bn > 64 * threads:
+            return f"{bk * bn // threads} float32 products per thread"
+        if bk * bn < 2 * threads:
+            return "idle threads"
+        if p.M > 16:
+            return "one row per program for many rows"
+    else:
+        if (bm + bn) * bk * _ELEM[dtype] * max(1, c["num_stages"]) > SMEM_BUDGET:
+            return "shared memory for the pipeline"
+        if bm * bn > 128 * threads:
+            return f"{bm * bn // threads} accumulator registers per thread"
+        if bm * bn < 4 * threads:
+            return "idle warps"
+    if c["SPLIT_K"] > triton.cdiv(p.K, bk):
+        return "more K slices than K tiles"
+    return None
+
+
+SPACE.constraint = _constraint
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms() -> int:
+    if K.kernel_device() == "cpu":
+        return 132
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def default_config(p: Problem, dtype) -> dict:
+    """One row: BLOCK_M 1, 4 warps, a 64 x 64 tile of W (its unit-stride dim the 64); more rows: 16-row dot
+    tiles. Split-K while the programs fill fewer than two waves and each slice keeps two K tiles."""
+    if p.M == 1:
+        bm, bn, bk, warps, stages = 1, 64, 64, 4, 3
+    else:
+        bm = min(64, max(16, triton.next_power_of_2(p.M)))
+        bn, bk, warps, stages = 64, 64 if _ELEM[dtype] == 4 else 128, 4, 3
+    bn = min(bn, max(16, triton.next_power_of_2(p.N)))
+    bk = min(bk, max(16, triton.next_power_of_2(p.K)))
+    if bm == 1:
+        while bk * bn < 2 * 32 * warps and warps > 1:
+            warps //= 2
+    else:
+        while bm * bn < 4 * 32 * warps and warps > 1:
+            warps //= 2
+    tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
+    k_tiles = triton.cdiv(p.K, bk)
+    split = 1
+    while split < 16 and tiles * split * 2 <= 2 * _num_sms() and k_tiles >= 4 * split:
+        split *= 2
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
+           "num_stages": stages}
+    why = SPACE.constraint(cfg, p, dtype)
+    assert why is None, f"gemv: default {cfg} invalid for {p}: {why}"
+    return cfg
+
+
+def bucket(p: Problem) -> dict:
+    return {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K, "ln": int(p.ln)}
+
+
+def cost(p: Problem, dtype) -> K.Cost:
+    e = _ELEM[dtype]
+    elems = (p.M * p.K + p.K * p.N + p.M * p.N + (p.N if p.bias else 0) + (p.M * p.N if p.residual else 0)
+             + (2 * p.K if p.ln else 0))
+    return K.Cost(flops=2.0 * p.M * p.N * p.K, bytes=float(e * elems))
+
+
+def problem_of(x, w, bias=None, *, activation=None, residual=None, ln=None, **_) -> Problem:
+    return Problem(math.prod(x.shape[:-1]), w.shape[-1], x.shape[-1], trans_w=w.stride(1) != 1,
+                   bias=bias is not None, act=activation, residual=residual is not None, ln=ln is not None)
+
+
+def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
+    # x with a mean and spread per row (what LN removes); W scaled by 1/sqrt(K)
+    x = S.with_layout(S.randn((p.M, p.K), dtype, device, seed, scale=2.0, shift=0.5 if p.ln else 0.0), layout)
+    if p.trans_w:
+        w = S.with_layout(S.randn((p.N, p.K), dtype, device, seed + 1, scale=1.0 / math.sqrt(p.K)), layout).t()
+    else:
+        w = S.with_layout(S.randn((p.K, p.N), dtype, device, seed + 1, scale=1.0 / math.sqrt(p.K)), layout)
+    bias = S.randn((p.N,), dtype, device, seed + 2, scale=0.5) if p.bias else None
+    res = S.randn((p.M, p.N), dtype, device, seed + 3) if p.residual else None
+    ln = None
+    if p.ln:
+        ln = (S.randn((p.K,), dtype, device, seed + 4, scale=0.2, shift=1.0),
+              S.randn((p.K,), dtype, device, seed + 5, scale=0.1), 1e-5)
+    return K.Case(args=(x, w, bias), kwargs={"activation": p.act, "residual": res, "ln": ln},
+                  out=torch.empty((p.M, p.N), dtype=dtype, device=device))
+
+
+def problems(max_elems: int):
+    """M up to 16 (the decode rows this kernel is for; any M is correct), N and K up to sqrt(max_elems)."""
+    from hypothesis import strategies as st
+
+    d = max(2, round(math.sqrt(max_elems)))
+
+    @st.composite
+    def draw(dr):
+        return Problem(dr(S.sizes(16)), dr(S.sizes(d)), dr(S.sizes(d)), trans_w=dr(st.booleans()),
+                       bias=dr(st.booleans()), act=dr(st.sampled_from(ACTIVATIONS)), residual=dr(st.booleans()),
+                       ln=dr(st.booleans()))
+
+    return draw()
+
+
+def _vendor(c: K.Case):
+    """PyTorch as a model runs these ops: F.layer_norm, then cuBLAS (addmm) and the epilogue op by op."""
+    x, w, bias = c.args
+    act, res, ln = c.kwargs["activation"], c.kwargs["residual"], c.kwargs["ln"]
+
+    def run():
+        h = x if ln is None else torch.nn.functional.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
+        y = torch.addmm(bias, h, w) if bias is not None else torch.mm(h, w)
+        if act == "gelu_tanh":
+            y = torch.nn.functional.gelu(y, approximate="tanh")
+        if res is not None:
+            y += res
+        return y
+
+    return run
+
+
+def _gemm_peer(c: K.Case):
+    """tritune's own path before this kernel: the layer_norm kernel, then the gemm kernel."""
+    from tritune.kernels.gemm import gemm
+    from tritune.kernels.layer_norm import layer_norm
+
+    x, w, bias = c.args
+    act, res, ln = c.kwargs["activation"], c.kwargs["residual"], c.kwargs["ln"]
+
+    def run():
+        h = x if ln is None else layer_norm(x, ln[0], ln[1], ln[2])
+        return gemm(h, w, bias, activation=act, residual=res)
+
+    return run
+
+
+def _bad_inputs(device):
+    x = torch.randn(2, 8, device=device)
+    w = torch.randn(8, 6, device=device)
+    kc = torch.zeros(3, 4, 1, 2, device=device)
+    slots = torch.zeros(2, dtype=torch.int32, device=device)
+    return [
+        ("inner sizes differ", lambda: gemv(x, torch.randn(7, 6, device=device)), ValueError),
+        ("dtype mismatch", lambda: gemv(x, w.half()), TypeError),
+        ("integer x", lambda: gemv(x.to(torch.int32), w), TypeError),
+        ("x on the wrong device", lambda: gemv(x.to("meta"), w), ValueError),
+        ("bias of the wrong length", lambda: gemv(x, w, torch.randn(5, device=device)), ValueError),
+        ("unknown activation", lambda: gemv(x, w, activation="relu"), ValueError),
+        ("ln not a triple", lambda: gemv(x, w, ln=(None, None)), TypeError),
+        ("ln weight of the wrong length", lambda: gemv(x, w, ln=(torch.randn(7, device=device), None, 1e-5)),
+         ValueError),
+        ("ln eps negative", lambda: gemv(x, w, ln=(None, None, -1.0)), ValueError),
+        ("kv with N not 3 x heads x head_dim", lambda: gemv(x, torch.randn(8, 5, device=device), kv=(kc, kc, slots)),
+         ValueError),
+        ("kv slots of the wrong length", lambda: gemv(x, w, kv=(kc, kc, slots[:1])), ValueError),
+        ("kv cache of another dtype", lambda: gemv(x, w, kv=(kc.half(), kc.half(), slots)), TypeError),
+        ("kv slots of a float dtype", lambda: gemv(x, w, kv=(kc, kc, slots.float())), TypeError),
+        ("residual of the wrong shape", lambda: gemv(x, w, residual=torch.randn(2, 5, device=device)), ValueError),
+        ("out of the wrong shape", lambda: gemv(x, w, out=torch.empty(2, 5, device=device)), ValueError),
+    ]
+
+
+def _gpt2(m: int) -> list[Problem]:
+    """GPT-2 small's decode linears with what they fuse: ln_1 + c_attn, attn c_proj + residual,
+    ln_2 + c_fc + GELU, mlp c_proj + residual, ln_f + the tied LM head."""
+    return [Problem(m, 2304, 768, bias=True, ln=True),
+            Problem(m, 768, 768, bias=True, residual=True),
+            Problem(m, 3072, 768, bias=True, act="gelu_tanh", ln=True),
+            Problem(m, 768, 3072, bias=True, residual=True),
+            Problem(m, 50257, 768, trans_w=True, ln=True)]
+
+
+SPEC = K.register(K.KernelSpec(
+    name="gemv",
+    description="skinny GEMM for decode: LayerNorm prologue, bias / GELU / residual epilogue, KV-cache write",
+    run=gemv,
+    reference=ref.gemv,
+    make_inputs=make_inputs,
+    problems=problems,
+    space=SPACE,
+    default_config=default_config,
+    bucket=bucket,
+    cost=cost,
+    problem_of=problem_of,
+    standard_problems=[p for m in (1, 4, 8) for p in _gpt2(m)]
+    + [Problem(1, 4096, 4096), Problem(1, 28672, 8192), Problem(8, 28672, 8192)],
+    small_problems=[Problem(1, 96, 80, bias=True, act="gelu_tanh", ln=True),
+                    Problem(5, 33, 47, trans_w=True, residual=True)],
+    layouts=("contiguous", "sliced"),
+    vendor=_vendor,
+    vendor_name="torch (F.layer_norm + cuBLAS)",
+    peers={"tritune_ln_gemm": _gemm_peer},
+    bad_inputs=_bad_inputs,
+    interpreter_skip={torch.bfloat16: "tl.dot on bf16 operands returns garbage and fp32->bf16 casts truncate "
+                                      "under the Triton interpreter (triton 3.9; triton-lang/triton#11584)"},
+))

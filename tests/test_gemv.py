@@ -1,0 +1,130 @@
+"""gemv beyond the spec-generated tests: the KV-cache write, LayerNorm statistics on rows far from zero
+mean, split-K counters and determinism, and the decode step that uses it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.kernels import gemv as G
+
+DEV = dev.device()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if not dev.interpreted() else [])
+ONE_ROW = {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 1, "num_stages": 2}
+DOT = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 1, "num_warps": 1, "num_stages": 2}
+
+
+def _kv_case(m, heads, hd, dtype, seed=0, block_size=4, num_blocks=7):
+    c = heads * hd
+    case = G.make_inputs(G.Problem(m, 3 * c, 40, bias=True, ln=True), dtype, DEV, seed)
+    kc = torch.randn(num_blocks, block_size, heads, hd, device=DEV).to(dtype)
+    vc = torch.randn(num_blocks, block_size, heads, hd, device=DEV).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:m].to(torch.int32)
+    if m > 1:
+        slots[1] = -1  # a padding row: writes nothing
+    return case, kc, vc, slots.to(DEV)
+
+
+@pytest.mark.parametrize("config", [None, ONE_ROW, DOT], ids=["default", "one-row", "dot"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_write_lands_in_each_rows_slot_and_nowhere_else(config, dtype):
+    m = 3 if config is not ONE_ROW else 1
+    case, kc, vc, slots = _kv_case(m, heads=2, hd=5, dtype=dtype)
+    k0, v0 = kc.clone(), vc.clone()
+    cmp.poison(case.out)
+    y = G.gemv(*case.args, out=case.out, config=config, kv=(kc, vc, slots), **case.kwargs)
+    cmp.check(y, G.ref.gemv(*case.args, **case.kwargs), dtype, "ieee")
+    c = 10
+    fk, fv, f0k, f0v = kc.view(-1, c), vc.view(-1, c), k0.view(-1, c), v0.view(-1, c)
+    live = [int(s) for s in slots.tolist() if s >= 0]
+    for row, s in enumerate(slots.tolist()):
+        if s >= 0:  # exactly the values of y's k and v columns
+            assert torch.equal(fk[s], y[row, c:2 * c]) and torch.equal(fv[s], y[row, 2 * c:])
+    others = [i for i in range(fk.shape[0]) if i not in live]
+    assert torch.equal(fk[others], f0k[others]) and torch.equal(fv[others], f0v[others])
+
+
+@pytest.mark.parametrize("config", [ONE_ROW, DOT, {**DOT, "BLOCK_K": 64, "SPLIT_K": 1}], ids=["one-row", "dot", "dot-wide"])
+def test_layer_norm_of_rows_far_from_zero_mean(config):
+    """fp32 rows with |mean| ≫ std over several LN chunks: shifted sums keep the variance (plain
+    E[x²] − E[x]² would lose it) and the result holds the fp32 tolerance."""
+    m, k, n = 2, 300, 24
+    x = (1000.0 + torch.randn(m, k, generator=torch.Generator().manual_seed(1))).to(DEV)
+    w = (torch.randn(k, n, generator=torch.Generator().manual_seed(2)) / k ** 0.5).to(DEV)
+    ln = (torch.rand(k, device=DEV) + 0.5, torch.randn(k, device=DEV) * 0.1, 1e-5)
+    if config["BLOCK_M"] == 1:
+        x = x[:1]
+    y = G.gemv(x, w, ln=ln, config=config)
+    cmp.check(y, G.ref.gemv(x, w, ln=ln), torch.float32, "ieee")
+
+
+def test_ln_without_weight_or_bias():
+    case = G.make_inputs(G.Problem(3, 20, 33, ln=True), torch.float32, DEV, 5)
+    x, w, _ = case.args
+    for lw, lb in ((None, None), (case.kwargs["ln"][0], None), (None, case.kwargs["ln"][1])):
+        y = G.gemv(x, w, ln=(lw, lb, 1e-5))
+        cmp.check(y, G.ref.gemv(x, w, ln=(lw, lb, 1e-5)), torch.float32, "ieee")
+
+
+@pytest.mark.parametrize("config", [ONE_ROW, {**DOT, "SPLIT_K": 4}], ids=["one-row", "dot"])
+def test_split_k_is_deterministic_and_resets_its_counters(config):
+    m = 1 if config["BLOCK_M"] == 1 else 5
+    case = G.make_inputs(G.Problem(m, 70, 100, bias=True, act="gelu_tanh", residual=True, ln=True),
+                         torch.float32, DEV, 3)
+    ys = [G.gemv(*case.args, config=config, **case.kwargs) for _ in range(3)]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    cmp.check(ys[0], G.ref.gemv(*case.args, **case.kwargs), torch.float32, "ieee")
+    for buf in G._locks.buffers.values():
+        assert int(buf.abs().sum()) == 0
+
+
+def test_batched_leading_dims_and_strided_rows():
+    x = torch.randn(2, 3, 50, device=DEV)[:, :, 5:45]       # rows with a stride, leading dims flattened
+    w = torch.randn(40, 30, device=DEV) / 40 ** 0.5
+    y = G.gemv(x, w)
+    assert y.shape == (2, 3, 30)
+    cmp.check(y, G.ref.gemv(x, w), torch.float32, "ieee")
+
+
+def test_decode_on_gemv_matches_the_unfused_ops():
+    """The GPT-2 decode step with its linears on gemv (LN and the KV write fused) gives the logits and the
+    cache contents of the same step with gemv switched off (layer_norm + gemm + write_kv)."""
+    from tritune.model import gpt2 as GP
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("_engine_tests", Path(__file__).with_name("test_engine.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tiny_model = mod.tiny_model
+
+    m = tiny_model(backend="triton")
+    ops = m.ops
+    assert ops._gemv is not None
+    B, bs = 3, 4
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
+    results = []
+    for use_gemv in (True, False):
+        saved = ops._gemv
+        ops._gemv = saved if use_gemv else None
+        try:
+            cache = m.new_cache(64, bs)
+            # each sequence owns blocks [4i, 4i + 4): slot = 16 i + position
+            for i, p in enumerate(prompts):
+                m.prefill(torch.tensor(p), [len(p)], kv_cache=cache,
+                          slot_mapping=torch.arange(len(p)) + 16 * i)
+            pos = torch.tensor([len(p) for p in prompts], device=m.device)
+            ids = torch.tensor([11, 12, 13], device=m.device)
+            tables = torch.arange(16, dtype=torch.int32, device=m.device).view(4, 4)[:B].contiguous()
+            slots = (pos + 16 * torch.arange(B, device=m.device)).to(torch.int32)
+            logits = m.decode(ids, pos, cache, slots, tables, (pos + 1).to(torch.int32))
+            results.append((logits, cache.k.clone(), cache.v.clone()))
+        finally:
+            ops._gemv = saved
+    (l1, k1, v1), (l2, k2, v2) = results
+    cmp.check(l1, l2.double(), m.dtype, "ieee")
+    cmp.check(k1, k2.double(), m.dtype, "ieee")
+    cmp.check(v1, v2.double(), m.dtype, "ieee")
+    assert GP.TritonOps.GEMV_MAX_M >= B
