@@ -367,3 +367,27 @@ def test_cuda_graph_multi_step_engine_equals_alone():
     for p, n, r in zip(ps, news, reqs):
         assert r.output_ids == alone(m, p, n), (p, n)
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_step_out_argmax_takes_the_first_maximum_across_chunks():
+    """The step's argmax runs in several programs per row: a maximum tied across chunks must give the
+    first index (torch.argmax's), a padding row (pos -1) must stay as it is, and the tickets end at zero."""
+    from tritune.model import engine as E
+
+    dev, V, chunks, block = STEP_DEVICE, 100, 4, 32
+    logits = torch.randn(3, V, device=dev)
+    logits[0, 70] = logits[0, 40] = 9.0           # tie in chunks 2 and 1: index 40
+    logits[1, 99] = 7.0                           # the last, partial chunk
+    logits[2, 5] = 8.0                            # a padding row: nothing changes
+    ids = torch.zeros(3, dtype=torch.int32, device=dev)
+    pos = torch.tensor([3, 4, -1], dtype=torch.int32, device=dev)
+    stop = torch.tensor([10, 5, 10], dtype=torch.int32, device=dev)
+    eos = torch.full((3,), -1, dtype=torch.int32, device=dev)
+    hist = torch.zeros((3, 4), dtype=torch.int32, device=dev)
+    pv = torch.empty(3 * chunks, device=dev)
+    pi = torch.empty(3 * chunks, dtype=torch.int32, device=dev)
+    tickets = torch.zeros(3, dtype=torch.int32, device=dev)
+    E._step_out_kernel[(3, chunks)](logits, logits.stride(0), V, ids, pos, stop, eos, hist, 4, pv, pi, tickets,
+                                    CHUNKS=chunks, CHUNKS_P2=chunks, BLOCK_V=block)
+    assert ids.tolist() == [40, 99, 0] and pos.tolist() == [4, -1, -1]   # row 1 reached its stop
+    assert hist[0, 0].item() == 40 and hist[1, 1].item() == 99 and tickets.tolist() == [0, 0, 0]
