@@ -201,10 +201,10 @@ import os, time
 
 def fake_gelu(task):
     c = task.config
-    return {"ok": True, "ms": abs(c["BLOCK"] - 1024) / 1000 + c["num_warps"] / 100 + 0.5}
+    return {"ok": True, "ms": abs(c["BLOCK"] - 1024) / 1000 + c["num_warps"] / 100 + 0.5 + 0.001 * c["EVICT"]}
 
 def die_on_one(task):
-    if task.config == {"BLOCK": 512, "num_warps": 4}:
+    if task.config == {"BLOCK": 512, "num_warps": 4, "EVICT": False}:
         os._exit(7)  # what a CUDA context crash looks like from the parent
     return fake_gelu(task)
 
@@ -240,10 +240,10 @@ def test_dying_worker_is_restarted_and_the_sweep_goes_on(tmp_path, helpers):
     (row,) = rows
     st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
     dead = [t for t in st.trials if t.user_attrs.get("evaluated") and t.state == optuna.trial.TrialState.FAIL]
-    assert [t.params for t in dead] == [{"BLOCK": 512, "num_warps": 4}]
+    assert [t.params for t in dead] == [{"BLOCK": 512, "num_warps": 4, "EVICT": False}]
     assert dead[0].user_attrs["error"] == "worker died (exit code 7)"
     assert row["trials"] == row["n_valid"] and row["failed"] == 1
-    assert row["config"] == {"BLOCK": 1024, "num_warps": 1}
+    assert row["config"] == {"BLOCK": 1024, "num_warps": 1, "EVICT": False}
     assert len(row["workers"]) == 1  # one sweeping process; its evaluation worker was restarted
 
 
@@ -290,14 +290,14 @@ def test_corrupt_or_foreign_store_files_warn_and_fall_back(temp_store):
 
 
 def test_lookup_exact_then_nearest_bucket_of_the_same_dtype(temp_store):
-    store.write("gelu", [_entry("numel=1024,approximate=none", {"BLOCK": 256, "num_warps": 2}),
-                         _entry("numel=1048576,approximate=none", {"BLOCK": 2048, "num_warps": 8}),
-                         _entry("numel=4096,approximate=none", {"BLOCK": 512, "num_warps": 4}, "float16")])
+    store.write("gelu", [_entry("numel=1024,approximate=none", {"BLOCK": 256, "num_warps": 2, "EVICT": False}),
+                         _entry("numel=1048576,approximate=none", {"BLOCK": 2048, "num_warps": 8, "EVICT": True}),
+                         _entry("numel=4096,approximate=none", {"BLOCK": 512, "num_warps": 4, "EVICT": False}, "float16")])
     look = lambda b, dt=torch.float32: store.lookup("gelu", b, dt)  # noqa: E731
-    assert look("numel=1024,approximate=none") == {"BLOCK": 256, "num_warps": 2}
-    assert look("numel=4096,approximate=none") == {"BLOCK": 256, "num_warps": 2}        # 2 octaves vs 8
-    assert look("numel=262144,approximate=none") == {"BLOCK": 2048, "num_warps": 8}     # 2 octaves vs 8
-    assert look("numel=4096,approximate=none", torch.float16) == {"BLOCK": 512, "num_warps": 4}
+    assert look("numel=1024,approximate=none") == {"BLOCK": 256, "num_warps": 2, "EVICT": False}
+    assert look("numel=4096,approximate=none") == {"BLOCK": 256, "num_warps": 2, "EVICT": False}        # 2 octaves vs 8
+    assert look("numel=262144,approximate=none") == {"BLOCK": 2048, "num_warps": 8, "EVICT": True}     # 2 octaves vs 8
+    assert look("numel=4096,approximate=none", torch.float16) == {"BLOCK": 512, "num_warps": 4, "EVICT": False}
     # only neighbours: 3 octaves from the nearest entry (each field within 4x) is too far to trust
     assert look("numel=32768,approximate=none") is None
     assert look("numel=128,approximate=none") is None
@@ -367,7 +367,7 @@ def test_compare_samplers_replays_tpe_and_random_on_the_grid(tmp_path):
 
 
 def test_store_records_the_kernel_source_and_flags_stale_entries(temp_store):
-    path = store.write("gelu", [_entry("numel=4096,approximate=tanh", {"BLOCK": 1024, "num_warps": 4})])
+    path = store.write("gelu", [_entry("numel=4096,approximate=tanh", {"BLOCK": 1024, "num_warps": 4, "EVICT": False})])
     (e,) = json.loads(path.read_text())["entries"]
     assert e["source"] == store.source_hash("gelu") and len(e["source"]) == 12
     with warnings.catch_warnings():
