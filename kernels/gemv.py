@@ -373,7 +373,7 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
 SPACE = K.Space(params={
     "BLOCK_M": [1, 16, 32, 64],
     "BLOCK_N": [16, 32, 64, 128, 256],
-    "BLOCK_K": [16, 32, 64, 128, 256],
+    "BLOCK_K": [16, 32, 64, 128, 256, 512, 1024],   # up to all of a GPT-2 K in one step: one load round trip
     "SPLIT_K": [1, 2, 4, 8, 16],
     "num_warps": [1, 2, 4, 8],
     "num_stages": [1, 2, 3, 4],

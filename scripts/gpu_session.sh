@@ -25,7 +25,7 @@ run_phase() {
         [ -z "$jk" ] && continue
         tuned="$tuned $jk"
         echo "--- tune $jk (budget ${jb}s, ${jt} trials) $(date -u +%T)" | tee -a "$OUT/tune.log"
-        timeout "$jb" tritune tune $jk --dtype bf16 --trials "$jt" ${jp:+--problems "$jp"} \
+        timeout "$jb" tritune tune $jk --dtype bf16 --trials "$jt" ${jp:+--problems "$jp"} --timer "${TUNE_TIMER:-do_bench}" \
           --time-budget "$(( jb - 30 ))" --workers "${WORKERS:-1}" --storage "$OUT/studies.journal" --quiet \
           2>&1 | tee -a "$OUT/tune.log"
       done <<< "$jobs"

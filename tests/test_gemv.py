@@ -124,7 +124,9 @@ def test_decode_on_gemv_matches_the_unfused_ops():
         finally:
             ops._gemv = saved
     (l1, k1, v1), (l2, k2, v2) = results
-    cmp.check(l1, l2.double(), m.dtype, "ieee")
-    cmp.check(k1, k2.double(), m.dtype, "ieee")
-    cmp.check(v1, v2.double(), m.dtype, "ieee")
+    # the unfused side's gemm runs fp32 through tf32 tensor cores on a GPU (gemv's fp32 is exact fp32)
+    acc = "ieee" if dev.interpreted() else "tf32"
+    cmp.check(l1, l2.double(), m.dtype, acc)
+    cmp.check(k1, k2.double(), m.dtype, acc)
+    cmp.check(v1, v2.double(), m.dtype, acc)
     assert GP.TritonOps.GEMV_MAX_M >= B

@@ -138,6 +138,10 @@ def cmd_tune(args) -> int:
           f"{'grid + replayed tpe/random' if args.compare_samplers else args.sampler}", file=sys.stderr)
     common = dict(storage=storage, workers=args.workers, time_budget=args.time_budget, seed=args.seed,
                   isolation=args.isolation, timeout=args.trial_timeout, progress=not args.quiet)
+    if getattr(args, "timer", "do_bench") == "graph":
+        from tritune.harness import bench
+
+        common["evaluate"] = search.Evaluator(timer=bench.graph_ms)
     try:
         if args.compare_samplers:
             rows, path = search.compare_samplers(specs, problems, args.dtype, repeats=args.repeats,
@@ -235,6 +239,10 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--time-budget", type=float, default=None, metavar="S",
                        help="stop starting trials after S seconds (shared evenly among the studies)")
         s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--timer", choices=("do_bench", "graph"), default="do_bench",
+                       help="what a trial's time is: do_bench's median with L2 flushed (default), or the GPU time "
+                            "of the launch replayed in a CUDA graph on inputs cycled past L2 (what a decode step "
+                            "captured in a graph runs). Keep one timer per storage: a study mixes no timers")
         s.add_argument("--export", action="store_true", help="write the store from the studies afterwards "
                                                              "(with --trials 0: export only)")
         s.add_argument("--configs-dir", default=None,
