@@ -234,9 +234,18 @@ def environment() -> dict:
     }
 
 
-def write_results(rows: list[dict], results_dir: Path, name: str) -> Path:
+def write_results(rows: list[dict], results_dir: Path, name: str, merge: bool = False) -> Path:
+    """Write the rows (each stamped with its date). ``merge``: rows already in the file for other
+    (problem, dtype) pairs stay, in their order, with the new rows in place of the ones they re-measure."""
     d = Path(results_dir) / dev.gpu_slug()
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1, default=str))
+    env = environment()
+    rows = [{**r, "measured": r.get("measured", env["date"])} for r in rows]
+    if merge and path.exists():
+        old = json.loads(path.read_text()).get("rows", [])
+        new = {(r.get("problem"), r.get("dtype")): r for r in rows}
+        merged = [new.pop((r.get("problem"), r.get("dtype")), r) for r in old]
+        rows = merged + list(new.values())
+    path.write_text(json.dumps({"environment": env, "rows": rows}, indent=1, default=str))
     return path

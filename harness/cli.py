@@ -77,22 +77,28 @@ def cmd_bench(args) -> int:
         dtypes = args.dtype or [d for d in spec.dtypes if not (dev.interpreted() and d in spec.interpreter_skip)]
         rows = []
 
+        problems = spec.small_problems if args.small else None
+        if args.problems:
+            from tritune.tuning.cli import parse_problems
+
+            problems = parse_problems(spec, args.problems)
+        merge = bool(args.problems)  # a subset re-measured: its rows replace theirs, the others stay
+
         def save(row, rows=rows, spec=spec):  # after every problem: a later crash or timeout loses nothing
             rows.append(row)
             if not args.no_save:
-                bench.write_results(rows, Path(args.results_dir), spec.name)
+                bench.write_results(rows, Path(args.results_dir), spec.name, merge=merge)
 
         for dt in dtypes:
             if dt not in spec.dtypes:
                 print(f"{spec.name}: skipping dtype {dt} (supported: {spec.dtypes})")
                 continue
-            bench.bench_spec(spec, dt, problems=spec.small_problems if args.small else None,
-                             peers=not args.no_peers, on_row=save)
+            bench.bench_spec(spec, dt, problems=problems, peers=not args.no_peers, on_row=save)
         print(report.bench_table(rows), flush=True)
         print()
         all_rows += rows
         if rows and not args.no_save:
-            path = bench.write_results(rows, Path(args.results_dir), spec.name)
+            path = bench.write_results(rows, Path(args.results_dir), spec.name, merge=merge)
             print(f"wrote {path}\n")
     bad = [r for r in all_rows if "error" in r or not r.get("correct", True)]
     return 1 if bad else 0
@@ -133,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--results-dir", default="results", help="where the JSON goes (default: ./results)")
     s.add_argument("--no-save", action="store_true")
     s.add_argument("--no-peers", action="store_true")
+    s.add_argument("--problems", default=None,
+                   help='only these problems (one kernel; as for tune: "M=1,N=2304,K=768,bias=True;..."); their rows '
+                        "replace the same problems' rows in the kernel's results file, the other rows stay")
     s.add_argument("--small", action="store_true", help="the small problems the interpreter runs (a quick smoke "
                    "test on a GPU; default there: the standard problems)")
     s.set_defaults(func=cmd_bench)

@@ -67,53 +67,56 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
         cols = offs_n
     x_rows = X + rows[:, None] * s_xm
 
-    if HAS_LN:  # row statistics over all of K (every program: x is tiny and L2-resident)
-        offs_l = tl.arange(0, LN_BLOCK)
-        lmask = mask_m[:, None] & (offs_l < K)[None, :]
-        first = tl.load(x_rows + offs_l[None, :] * s_xk, mask=lmask, other=0.0).to(tl.float32)
-        shift = tl.sum(first, axis=1) / tl.minimum(K, LN_BLOCK)
-        xc = tl.where(lmask, first - shift[:, None], 0.0)
-        s1 = tl.sum(xc, axis=1)
-        s2 = tl.sum(xc * xc, axis=1)
-        for start in range(LN_BLOCK, K, LN_BLOCK):
-            kk = start + offs_l
-            lmask = mask_m[:, None] & (kk < K)[None, :]
-            xv = tl.load(x_rows + kk[None, :] * s_xk, mask=lmask, other=0.0).to(tl.float32)
-            xc = tl.where(lmask, xv - shift[:, None], 0.0)
-            s1 += tl.sum(xc, axis=1)
-            s2 += tl.sum(xc * xc, axis=1)
-        m1 = s1 / K  # x − mean as (x − shift) − m1: x − shift is exact for x near the shift
-        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - m1 * m1, 0.0) + eps)
-
     if BLOCK_M == 1:
-        # one row: float32 products into a BLOCK_K x BLOCK_N register tile, reduced over K at the end
+        # One row: float32 products into a BLOCK_K x BLOCK_N register tile, reduced over K at the end.
+        # Loads run one K step ahead of the products, and the first step's are issued before the LayerNorm
+        # statistics: the weight tile's DRAM latency overlaps them (the statistics read x from L2).
         x_row = X + pid_m.to(tl.int64) * s_xm
+        if EVEN_K:  # no masks along K (vector loads when K is W's unit-stride dim): a step past the slice
+            # reads its last tile again instead (in bounds; its values are never used)
+            kk = tl.minimum(k_lo, K - BLOCK_K) + offs_k
+            wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+            xv = tl.load(x_row + kk * s_xk)
+        else:
+            kk = k_lo + offs_k
+            in_k = kk < k_hi
+            wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=in_k[:, None] & mask_n[None, :],
+                         other=0.0)
+            xv = tl.load(x_row + kk * s_xk, mask=in_k, other=0.0)
         if HAS_LN:
+            shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
             shift1 = tl.sum(shift, axis=0)
             m1_1 = tl.sum(m1, axis=0)
             rstd1 = tl.sum(rstd, axis=0)
         acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             kk = k + offs_k
+            kn = kk + BLOCK_K
             if EVEN_K:
-                xv = tl.load(x_row + kk * s_xk).to(tl.float32)
-                wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+                kc = tl.minimum(k + BLOCK_K, k_hi - BLOCK_K) + offs_k
+                w_next = tl.load(W + kc[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+                x_next = tl.load(x_row + kc * s_xk)
             else:
-                in_k = kk < k_hi
-                xv = tl.load(x_row + kk * s_xk, mask=in_k, other=0.0).to(tl.float32)
-                wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn,
-                             mask=in_k[:, None] & mask_n[None, :], other=0.0)
+                in_n = kn < k_hi
+                w_next = tl.load(W + kn[:, None] * s_wk + cols[None, :] * s_wn,
+                                 mask=in_n[:, None] & mask_n[None, :], other=0.0)
+                x_next = tl.load(x_row + kn * s_xk, mask=in_n, other=0.0)
+            xf = xv.to(tl.float32)
             if HAS_LN:
-                xv = ((xv - shift1) - m1_1) * rstd1
+                xf = ((xf - shift1) - m1_1) * rstd1
                 if HAS_LN_W:
-                    xv = xv * tl.load(LnW + kk, mask=kk < K, other=0.0).to(tl.float32)
+                    xf = xf * tl.load(LnW + kk, mask=kk < K, other=0.0).to(tl.float32)
                 if HAS_LN_B:
-                    xv = xv + tl.load(LnB + kk, mask=kk < K, other=0.0).to(tl.float32)
+                    xf = xf + tl.load(LnB + kk, mask=kk < K, other=0.0).to(tl.float32)
                 if not EVEN_K:
-                    xv = tl.where(kk < k_hi, xv, 0.0)
-            acc2 += xv[:, None] * wv.to(tl.float32)
+                    xf = tl.where(kk < k_hi, xf, 0.0)
+            acc2 += xf[:, None] * wv.to(tl.float32)
+            wv = w_next
+            xv = x_next
         acc = tl.sum(acc2, axis=0)[None, :]
     else:
+        if HAS_LN:
+            shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             kk = k + offs_k
@@ -155,6 +158,30 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
     else:
         _epilogue(acc, rows, cols, mask_m, mask_n, mask, Y, Bias, R, KC, VC, Slots, C_KV,
                   s_ym, s_yn, s_rm, s_rn, HAS_BIAS, ACT, HAS_RES, HAS_KV)
+
+
+@triton.jit
+def _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M: tl.constexpr, LN_BLOCK: tl.constexpr):
+    """LayerNorm statistics of BLOCK_M rows over all of K, float32: (shift, m1, rstd) with mean =
+    shift + m1, from sums of x − shift (the first chunk's mean), as in ``layer_norm``: x − mean is then
+    taken as (x − shift) − m1, exact in its first step for x near the shift."""
+    offs_l = tl.arange(0, LN_BLOCK)
+    lmask = mask_m[:, None] & (offs_l < K)[None, :]
+    first = tl.load(x_rows + offs_l[None, :] * s_xk, mask=lmask, other=0.0).to(tl.float32)
+    shift = tl.sum(first, axis=1) / tl.minimum(K, LN_BLOCK)
+    xc = tl.where(lmask, first - shift[:, None], 0.0)
+    s1 = tl.sum(xc, axis=1)
+    s2 = tl.sum(xc * xc, axis=1)
+    for start in range(LN_BLOCK, K, LN_BLOCK):
+        kk = start + offs_l
+        lmask = mask_m[:, None] & (kk < K)[None, :]
+        xv = tl.load(x_rows + kk[None, :] * s_xk, mask=lmask, other=0.0).to(tl.float32)
+        xc = tl.where(lmask, xv - shift[:, None], 0.0)
+        s1 += tl.sum(xc, axis=1)
+        s2 += tl.sum(xc * xc, axis=1)
+    m1 = s1 / K
+    rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - m1 * m1, 0.0) + eps)
+    return shift, m1, rstd
 
 
 @triton.jit

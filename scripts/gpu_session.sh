@@ -52,9 +52,23 @@ run_phase() {
     serve)
       timeout "${SERVE_BUDGET:-300}" tritune serve-bench ${SERVE_ARGS:--n 512} --out "$OUT/serve.json" 2>&1 | tail -80 \
         | tee "$OUT/serve.log" ;;
+    probe)
+      timeout "${PROBE_BUDGET:-150}" python scripts/flush_probe.py --out "$OUT/flush_probe.json" 2>&1 | tee "$OUT/probe.log" ;;
     bench)
-      timeout "${BENCH_BUDGET:-300}" tritune bench ${BENCH_KERNELS:-} --dtype bf16 --results-dir "$OUT/results" \
-        2>&1 | tee "$OUT/bench.log" ;;
+      # BENCH_JOBS: a file of lines "kernel|budget s|problems" (problems empty: the standard set), each run
+      # in turn and merged into $OUT/results; without it, $BENCH_KERNELS over their standard problems
+      if [ -n "${BENCH_JOBS:-}" ]; then
+        mkdir -p "$OUT/results" && cp -r results/. "$OUT/results/"   # subsets merge into the committed rows
+        grep -v '^#' "$BENCH_JOBS" | while IFS='|' read -r bk bb bp; do
+          [ -z "$bk" ] && continue
+          echo "--- bench $bk (budget ${bb}s) $(date -u +%T)" | tee -a "$OUT/bench.log"
+          timeout "$bb" tritune bench $bk --dtype bf16 ${bp:+--problems "$bp"} --results-dir "$OUT/results" \
+            2>&1 | tee -a "$OUT/bench.log"
+        done
+      else
+        timeout "${BENCH_BUDGET:-300}" tritune bench ${BENCH_KERNELS:-} --dtype bf16 --results-dir "$OUT/results" \
+          2>&1 | tee "$OUT/bench.log"
+      fi ;;
   esac
 }
 # Each phase runs as its own process group, killed whole when the phase ends: a phase cut by its timeout
