@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,9 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_LN: tl.constexpr,
                  HAS_LN_W: tl.constexpr, HAS_LN_B: tl.constexpr, HAS_KV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 LN_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr):
+                 LN_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next launch (when it too is launched with PDL) may start now; it waits for us at its gdc_wait
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -76,12 +79,16 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
             # reads its last tile again instead (in bounds; its values are never used)
             kk = tl.minimum(k_lo, K - BLOCK_K) + offs_k
             wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+            if PDL:  # the weights are ours to read at once; x, the residual and every output wait for the
+                tl.extra.cuda.gdc_wait()  # launch before this one to finish
             xv = tl.load(x_row + kk * s_xk)
         else:
             kk = k_lo + offs_k
             in_k = kk < k_hi
             wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=in_k[:, None] & mask_n[None, :],
                          other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             xv = tl.load(x_row + kk * s_xk, mask=in_k, other=0.0)
         if HAS_LN:
             shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
@@ -115,6 +122,8 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
             xv = x_next
         acc = tl.sum(acc2, axis=0)[None, :]
     else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         if HAS_LN:
             shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -225,6 +234,8 @@ ACTIVATIONS = (None, "gelu_tanh")
 INT32_LIMIT = 2**31
 SMEM_BUDGET = 200 * 1024
 _ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+PDL = os.environ.get("TRITUNE_PDL", "1") != "0"   # module switch (the decode benchmark's A/B)
 
 _locks = K.Counters(minimum=1024)
 _workspace = K.Workspace()
@@ -392,11 +403,43 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
                  HAS_LN_B=ln is not None and ln[1] is not None, HAS_KV=kv is not None,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                  LN_BLOCK=min(triton.next_power_of_2(kdim), max(64, 8192 // max(bm, 1))),
-                 EVEN_K=kdim % bk == 0, INT64=int64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                 EVEN_K=kdim % bk == 0, INT64=int64, PDL=_pdl(x.device), num_warps=cfg["num_warps"],
+                 num_stages=cfg["num_stages"])
+    if p.kws["PDL"]:
+        p.kws["launch_pdl"] = True
     return p
 
 
+def _pdl_supported() -> bool:
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions)) and hasattr(tl.extra.cuda,
+                                                                                             "gdc_wait")
+    except Exception:  # pragma: no cover - another backend or an older triton
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _pdl(device) -> bool:
+    """Programmatic dependent launch (sm90+, a triton that has it; TRITUNE_PDL=0 turns it off): the launch
+    may begin while the one before it finishes, reading its weight tiles; it waits (gdc_wait) before it
+    reads x or the residual, or writes anything. Two gemv launches in a row (a decode step's MLP) thus
+    overlap one's tail with the next one's start and first weight loads."""
+    if PDL is False or device.type != "cuda" or not _PDL_SUPPORTED:
+        return False
+    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
 # ---------------------------------------------------------------------------------------------------
+_PDL_SUPPORTED = _pdl_supported()
+
 SPACE = K.Space(params={
     "BLOCK_M": [1, 16, 32, 64],
     "BLOCK_N": [16, 32, 64, 128, 256],

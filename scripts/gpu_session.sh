@@ -48,7 +48,13 @@ run_phase() {
         2>&1 | tail -60 | tee "$OUT/pytest.log" ;;
     decode)
       timeout "${DECODE_BUDGET:-150}" python scripts/bench_decode.py --profile --reps 2 --methods "${DECODE_METHODS:-triton-graph,engine}" \
-        --out "$OUT/decode.json" 2>&1 | tail -60 | tee "$OUT/decode.log" ;;
+        --out "$OUT/decode.json" 2>&1 | tail -60 | tee "$OUT/decode.log"
+      # DECODE_AB=1: the same again with programmatic dependent launch off (TRITUNE_PDL=0), for the A/B
+      if [ -n "${DECODE_AB:-}" ]; then
+        TRITUNE_PDL=0 timeout "${DECODE_BUDGET:-150}" python scripts/bench_decode.py --profile --reps 2 \
+          --methods "${DECODE_METHODS:-triton-graph,engine}" --out "$OUT/decode_nopdl.json" 2>&1 | tail -60 \
+          | tee "$OUT/decode_nopdl.log"
+      fi ;;
     serve)
       timeout "${SERVE_BUDGET:-300}" tritune serve-bench ${SERVE_ARGS:--n 512} --out "$OUT/serve.json" 2>&1 | tail -80 \
         | tee "$OUT/serve.log" ;;

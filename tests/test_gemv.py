@@ -130,3 +130,48 @@ def test_decode_on_gemv_matches_the_unfused_ops():
     cmp.check(k1, k2.double(), m.dtype, acc)
     cmp.check(v1, v2.double(), m.dtype, acc)
     assert GP.TritonOps.GEMV_MAX_M >= B
+
+
+@pytest.mark.skipif(dev.interpreted(), reason="programmatic dependent launch needs a CUDA GPU (sm90+)")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_chained_launches_each_read_the_one_before(graph):
+    """A chain of gemv launches where each reads the previous one's output (x, residual) and writes a buffer
+    an earlier launch read: with programmatic dependent launch a launch starts early, so any read or write
+    before its gdc_wait would show here as a wrong link in the chain."""
+    torch.manual_seed(0)
+    E, steps = 256, 24
+    ws = [torch.randn(E, E, device="cuda") / E ** 0.5 for _ in range(steps)]
+    ln = (torch.rand(E, device="cuda") + 0.5, torch.randn(E, device="cuda") * 0.1, 1e-5)
+    x0 = torch.randn(1, E, device="cuda")
+    bufs = [torch.empty(1, E, device="cuda") for _ in range(3)]
+    configs = [{"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 2, "num_stages": 2},
+               {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}]
+
+    def chain():
+        x = x0
+        for i, w in enumerate(ws):  # out cycles through 3 buffers: it overwrites what launch i-2 read
+            out = bufs[i % 3]
+            G.gemv(x, w, ln=ln if i % 2 else None, residual=x if i % 3 == 0 else None, out=out,
+                   config=configs[i % 2])
+            x = out
+        return x
+
+    want = x0.double()
+    for i, w in enumerate(ws):
+        h = G.ref.gemv(want, w, ln=ln if i % 2 else None)
+        want = h + want if i % 3 == 0 else h
+    chain()
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = chain()
+        for _ in range(3):
+            bufs[0].fill_(float("nan")), bufs[1].fill_(float("nan")), bufs[2].fill_(float("nan"))
+            g.replay()
+    else:
+        for b in bufs:
+            b.fill_(float("nan"))
+        got = chain()
+    torch.cuda.synchronize()
+    cmp.check(got, want, torch.float32, "ieee")
