@@ -17,15 +17,19 @@ run_phase() {
   case $phase in
     tune)
       [ -f .tune/studies.journal ] && [ ! -f "$OUT/studies.journal" ] && cp .tune/studies.journal "$OUT/"
-      # TUNE_JOBS: a file of lines "kernel|budget s|trials|problems" (problems empty: the standard set; '#'
-      # starts a comment); without it, $KERNELS over their standard problems with $TUNE_BUDGET and $TRIALS.
+      # TUNE_JOBS: a file of lines "kernel|budget s|trials|problems[|timer]" (problems empty: the standard
+      # set; timer do_bench or graph, default $TUNE_TIMER or do_bench; '#' starts a comment); without it,
+      # $KERNELS over their standard problems with $TUNE_BUDGET and $TRIALS.
       if [ -n "${TUNE_JOBS:-}" ]; then jobs=$(grep -v '^#' "$TUNE_JOBS"); else jobs="$KERNELS|${TUNE_BUDGET:-400}|${TRIALS:-24}|"; fi
       tuned=""
-      while IFS='|' read -r jk jb jt jp; do
+      while IFS='|' read -r jk jb jt jp jtimer; do
         [ -z "$jk" ] && continue
         tuned="$tuned $jk"
         echo "--- tune $jk (budget ${jb}s, ${jt} trials) $(date -u +%T)" | tee -a "$OUT/tune.log"
-        timeout "$jb" tritune tune $jk --dtype bf16 --trials "$jt" ${jp:+--problems "$jp"} --timer "${TUNE_TIMER:-do_bench}" \
+        # TUNE_PDL=0: gemv trials without programmatic dependent launch (a graph of one kernel replayed
+        # back to back overlaps each launch with the next: it would time a chain of the same launch, not
+        # the decode step's chain of different ones)
+        TRITUNE_PDL=${TUNE_PDL:-${TRITUNE_PDL:-1}} timeout "$jb" tritune tune $jk --dtype bf16 --trials "$jt" ${jp:+--problems "$jp"} --timer "${jtimer:-${TUNE_TIMER:-do_bench}}" \
           --time-budget "$(( jb - 30 ))" --workers "${WORKERS:-1}" --storage "$OUT/studies.journal" --quiet \
           2>&1 | tee -a "$OUT/tune.log"
       done <<< "$jobs"
