@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import itertools
 import math
 import pkgutil
@@ -322,3 +323,39 @@ def tensor_meta(t):
     """What a cached launch plan depends on for an optional tensor argument."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# Programmatic dependent launch (sm90+): a launch may start while the one before it in the stream ends
+# ---------------------------------------------------------------------------------------------------
+PDL = os.environ.get("TRITUNE_PDL", "1") != "0"   # TRITUNE_PDL=0 turns it off (the decode benchmark's A/B)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported() -> bool:
+    try:
+        import dataclasses
+
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return (any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions))
+                and hasattr(tl.extra.cuda, "gdc_wait"))
+    except Exception:  # pragma: no cover - another backend or an older triton
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch: a CUDA device of compute
+    capability 9 or more, a triton that has it (``launch_pdl``, ``tl.extra.cuda.gdc_wait``), and not
+    TRITUNE_PDL=0. A kernel launched so calls ``gdc_launch_dependents`` early (the next PDL launch may
+    start) and ``gdc_wait`` before it reads anything an earlier launch wrote or writes anything at all."""
+    device = torch.device(device)
+    if not PDL or device.type != "cuda" or not _pdl_supported():
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -235,8 +234,6 @@ INT32_LIMIT = 2**31
 SMEM_BUDGET = 200 * 1024
 _ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
-PDL = os.environ.get("TRITUNE_PDL", "1") != "0"   # module switch (the decode benchmark's A/B)
-
 _locks = K.Counters(minimum=1024)
 _workspace = K.Workspace()
 _PLANS = K.PlanCache()
@@ -403,42 +400,12 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
                  HAS_LN_B=ln is not None and ln[1] is not None, HAS_KV=kv is not None,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                  LN_BLOCK=min(triton.next_power_of_2(kdim), max(64, 8192 // max(bm, 1))),
-                 EVEN_K=kdim % bk == 0, INT64=int64, PDL=_pdl(x.device), num_warps=cfg["num_warps"],
+                 EVEN_K=kdim % bk == 0, INT64=int64, PDL=K.pdl(x.device), num_warps=cfg["num_warps"],
                  num_stages=cfg["num_stages"])
     if p.kws["PDL"]:
         p.kws["launch_pdl"] = True
     return p
 
-
-def _pdl_supported() -> bool:
-    try:
-        import dataclasses
-
-        from triton.backends.nvidia.compiler import CUDAOptions
-
-        return any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions)) and hasattr(tl.extra.cuda,
-                                                                                             "gdc_wait")
-    except Exception:  # pragma: no cover - another backend or an older triton
-        return False
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_device(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _pdl(device) -> bool:
-    """Programmatic dependent launch (sm90+, a triton that has it; TRITUNE_PDL=0 turns it off): the launch
-    may begin while the one before it finishes, reading its weight tiles; it waits (gdc_wait) before it
-    reads x or the residual, or writes anything. Two gemv launches in a row (a decode step's MLP) thus
-    overlap one's tail with the next one's start and first weight loads."""
-    if PDL is False or device.type != "cuda" or not _PDL_SUPPORTED:
-        return False
-    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# ---------------------------------------------------------------------------------------------------
-_PDL_SUPPORTED = _pdl_supported()
 
 SPACE = K.Space(params={
     "BLOCK_M": [1, 16, 32, 64],

@@ -82,7 +82,10 @@ def _paged_attention_fwd(
         stride_ob, stride_oh, stride_od,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-        GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr):
+        GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the next launch may start (and read its own weights) now;
+        tl.extra.cuda.gdc_launch_dependents()  # q, the caches and the lengths come from launches before
+        tl.extra.cuda.gdc_wait()               # this one: wait for them before any read or write
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -373,7 +376,10 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
                  *v_cache.stride(), *block_tables.stride(), *os_)
     plan.meta = dict(GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
                      PARTITION=partition, USE_DOT=use_dot, PRECISION=precision, GROUP_MERGE=group_merge,
-                     PARTS_BLOCK=parts_block, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                     PARTS_BLOCK=parts_block, PDL=K.pdl(q.device), num_warps=cfg["num_warps"],
+                     num_stages=cfg["num_stages"])
+    if plan.meta["PDL"]:
+        plan.meta["launch_pdl"] = True
     return plan
 
 

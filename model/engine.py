@@ -226,10 +226,13 @@ def forward_step(model, ops, kv, ids, positions, slots, *, seq_lens=(), cu_seqle
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte, stride_wpe, E, max_pos,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     """Row b of a decode step: x = wte[ids[b]] + wpe[pos[b]], the new token's cache slot
     bt[b, pos // block_size] * block_size + pos % block_size and context length pos + 1.
     pos < 0 marks a padding row: slot -1 (write_kv skips it), context 1, position 0."""
+    if PDL:  # the step's first gemv may start now (its weight tiles); our inputs come from the last step
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     tok = tl.load(Ids + b).to(tl.int64)
     pos = tl.load(Pos + b)
@@ -247,13 +250,16 @@ def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte
 
 @triton.jit
 def _step_out_kernel(Logits, stride_l, V, Ids, Pos, Stop, Eos, Hist, R, PartV, PartI, Tickets,
-                     CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_V: tl.constexpr):
+                     CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """Row b after a decode step, CHUNKS programs per row: the greedy token (the first maximum of its
     logits, as torch.argmax). Program c takes the maximum of chunk c and its first index; the last of the
     row's programs to finish (a ticket) takes the first chunk holding the overall maximum and finishes the
     row: for a live row (pos >= 0) the token becomes the next input and lands in the row's ring of the
     last R tokens at (pos + 1) % R, and pos advances; the row turns to padding (pos -1) once pos reaches
     stop[b] or the token is eos[b] (-1: none). The ticket is reset for the next step."""
+    if PDL:  # launched while the LM head ends: wait for its logits
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -324,6 +330,9 @@ class DecodeGraphs:
         self.part_v = torch.empty(Bm * self.out_chunks, dtype=torch.float32, device=dev)
         self.part_i = torch.empty(Bm * self.out_chunks, dtype=torch.int32, device=dev)
         self.tickets = torch.zeros(Bm, dtype=torch.int32, device=dev)
+        from tritune import kernels as K
+
+        self.pdl = {"PDL": True, "launch_pdl": True} if K.pdl(dev) else {"PDL": False}
         self._rows = [None] * Bm           # the block table each row's bt holds, and how many of its blocks
         self._row_len = [0] * Bm
         self.graphs, self.out = {}, {}
@@ -338,7 +347,7 @@ class DecodeGraphs:
         x = torch.empty((b, E), dtype=m.dtype, device=self.device)
         _step_in_kernel[(b,)](self.ids, self.pos, self.bt, wte, wpe, x, self.slots, self.ctx, self.bt.stride(0),
                               wte.stride(0), wpe.stride(0), E, self.max_pos, BLOCK_SIZE=self.block_size,
-                              BLOCK_E=triton.next_power_of_2(E), num_warps=4 if E >= 512 else 1)
+                              BLOCK_E=triton.next_power_of_2(E), num_warps=4 if E >= 512 else 1, **self.pdl)
         logits = forward_step(m, self.ops, self.kv, None, None, self.slots[:b], block_tables=self.bt[:b],
                               context_lens=self.ctx[:b], x=x)
         V = logits.shape[1]
@@ -347,7 +356,7 @@ class DecodeGraphs:
                                                CHUNKS=self.out_chunks,
                                                CHUNKS_P2=triton.next_power_of_2(self.out_chunks),
                                                BLOCK_V=self.out_block,
-                                               num_warps=8 if self.out_block >= 4096 else 4)
+                                               num_warps=8 if self.out_block >= 4096 else 4, **self.pdl)
         return logits
 
     def _capture(self):

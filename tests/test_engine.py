@@ -388,6 +388,6 @@ def test_step_out_argmax_takes_the_first_maximum_across_chunks():
     pi = torch.empty(3 * chunks, dtype=torch.int32, device=dev)
     tickets = torch.zeros(3, dtype=torch.int32, device=dev)
     E._step_out_kernel[(3, chunks)](logits, logits.stride(0), V, ids, pos, stop, eos, hist, 4, pv, pi, tickets,
-                                    CHUNKS=chunks, CHUNKS_P2=chunks, BLOCK_V=block)
+                                    CHUNKS=chunks, CHUNKS_P2=chunks, BLOCK_V=block, PDL=False)
     assert ids.tolist() == [40, 99, 0] and pos.tolist() == [4, -1, -1]   # row 1 reached its stop
     assert hist[0, 0].item() == 40 and hist[1, 1].item() == 99 and tickets.tolist() == [0, 0, 0]
