@@ -124,9 +124,17 @@ def graph_ms(fn: Callable[[], object]) -> float:
     do_bench and 91.5% here)."""
     if dev.interpreted():  # no CUDA graphs: the interpreter's own timing (tests of the tuning path)
         return median_ms(fn)
+    from tritune import kernels as K
+
     fn()
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
+    # Without programmatic dependent launch: the graph repeats one launch back to back, and with it each
+    # repeat would overlap the one before (a chain of the same kernel, not its own time).
+    saved, K.PDL = K.PDL, False
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
+    finally:
+        K.PDL = saved
 
 
 def host_us(fn: Callable[[], object], calls: int = 200) -> float:

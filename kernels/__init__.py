@@ -351,11 +351,20 @@ def _pdl_capable(index: int) -> bool:
 
 
 def pdl(device) -> bool:
-    """Whether launches on ``device`` use programmatic dependent launch: a CUDA device of compute
-    capability 9 or more, a triton that has it (``launch_pdl``, ``tl.extra.cuda.gdc_wait``), and not
-    TRITUNE_PDL=0. A kernel launched so calls ``gdc_launch_dependents`` early (the next PDL launch may
-    start) and ``gdc_wait`` before it reads anything an earlier launch wrote or writes anything at all."""
+    """Whether launches on ``device`` can use programmatic dependent launch: a CUDA device of compute
+    capability 9 or more and a triton that has it (``launch_pdl``, ``tl.extra.cuda.gdc_wait``). A kernel
+    launched so calls ``gdc_launch_dependents`` early (the next PDL launch may start) and ``gdc_wait``
+    before it reads anything an earlier launch wrote or writes anything at all."""
     device = torch.device(device)
-    if not PDL or device.type != "cuda" or not _pdl_supported():
+    if device.type != "cuda" or not _pdl_supported():
         return False
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_now() -> bool:
+    """Whether a launch made now (on a device where :func:`pdl` holds) uses it: only while a CUDA graph is
+    being captured, and not with TRITUNE_PDL=0 or ``PDL = False``. In a graph the launch attribute costs
+    nothing at replay and each launch overlaps the end of the one before; an eager launch with it took
+    ~25 us more host time through triton 3.6 (paged attention at B=1: 33 -> 58 us a call), more than a
+    decode kernel runs, so eager launches go without."""
+    return PDL and torch.cuda.is_current_stream_capturing()

@@ -241,7 +241,7 @@ _meta = K.tensor_meta
 
 
 class _Plan:
-    __slots__ = ("out_shape", "m", "n", "k", "grid", "ints", "kws", "work_numel", "locks", "cfg", "cfg_key",
+    __slots__ = ("out_shape", "m", "n", "k", "grid", "ints", "kws", "kws_pdl", "work_numel", "locks", "cfg", "cfg_key",
                  "empty", "c_kv")
 
 
@@ -280,7 +280,7 @@ def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
             out if ln_b is None else ln_b, out if kc is None else kc, out if vc is None else vc,
             out if slots is None else slots, work, locks, plan.m, plan.n, plan.k, plan.c_kv, float(eps),
             *plan.ints)
-    _gemv_kernel[plan.grid](*args, **plan.kws)
+    _gemv_kernel[plan.grid](*args, **(plan.kws_pdl if plan.kws_pdl is not None and K.pdl_now() else plan.kws))
     return out
 
 
@@ -400,10 +400,10 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
                  HAS_LN_B=ln is not None and ln[1] is not None, HAS_KV=kv is not None,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                  LN_BLOCK=min(triton.next_power_of_2(kdim), max(64, 8192 // max(bm, 1))),
-                 EVEN_K=kdim % bk == 0, INT64=int64, PDL=K.pdl(x.device), num_warps=cfg["num_warps"],
+                 EVEN_K=kdim % bk == 0, INT64=int64, PDL=False, num_warps=cfg["num_warps"],
                  num_stages=cfg["num_stages"])
-    if p.kws["PDL"]:
-        p.kws["launch_pdl"] = True
+    # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
+    p.kws_pdl = dict(p.kws, PDL=True, launch_pdl=True) if K.pdl(x.device) else None
     return p
 
 

@@ -286,8 +286,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     # host time (35-43 us of 44-54 per call, issue 6); calling the cached compiled kernel directly
     # measured no faster, so the launch stays Triton's own. Harness timings hide it (do_bench's L2 flush
     # gives the host ~80 us per call), CUDA graphs remove it.
+    meta = plan.meta_pdl if plan.meta_pdl is not None and K.pdl_now() else plan.meta
     _paged_attention_fwd[plan.grid](q, k_cache, v_cache, block_tables, context_lens, out, ws, plan.locks,
-                                    *plan.args, **plan.meta)
+                                    *plan.args, **meta)
     return out
 
 
@@ -302,6 +303,7 @@ class _Plan:
     grid: tuple = ()
     args: tuple = ()                   # scalar launch arguments after the tensors
     meta: dict = field(default_factory=dict)
+    meta_pdl: dict | None = None       # meta with programmatic dependent launch (CUDA graph capture only)
 
 
 _PLANS = K.PlanCache()
@@ -376,10 +378,9 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
                  *v_cache.stride(), *block_tables.stride(), *os_)
     plan.meta = dict(GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
                      PARTITION=partition, USE_DOT=use_dot, PRECISION=precision, GROUP_MERGE=group_merge,
-                     PARTS_BLOCK=parts_block, PDL=K.pdl(q.device), num_warps=cfg["num_warps"],
-                     num_stages=cfg["num_stages"])
-    if plan.meta["PDL"]:
-        plan.meta["launch_pdl"] = True
+                     PARTS_BLOCK=parts_block, PDL=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
+    plan.meta_pdl = dict(plan.meta, PDL=True, launch_pdl=True) if K.pdl(q.device) else None
     return plan
 
 

@@ -332,7 +332,7 @@ class DecodeGraphs:
         self.tickets = torch.zeros(Bm, dtype=torch.int32, device=dev)
         from tritune import kernels as K
 
-        self.pdl = {"PDL": True, "launch_pdl": True} if K.pdl(dev) else {"PDL": False}
+        self.pdl_ok = K.pdl(dev)
         self._rows = [None] * Bm           # the block table each row's bt holds, and how many of its blocks
         self._row_len = [0] * Bm
         self.graphs, self.out = {}, {}
@@ -341,6 +341,9 @@ class DecodeGraphs:
             self._capture()
 
     def _run(self, b):
+        from tritune import kernels as K
+
+        self.pdl = {"PDL": True, "launch_pdl": True} if self.pdl_ok and K.pdl_now() else {"PDL": False}
         m = self.model
         E = m.config.n_embd
         wte, wpe = m.w.wte, m.w.wpe
