@@ -328,7 +328,11 @@ def tensor_meta(t):
 # ---------------------------------------------------------------------------------------------------
 # Programmatic dependent launch (sm90+): a launch may start while the one before it in the stream ends
 # ---------------------------------------------------------------------------------------------------
-PDL = os.environ.get("TRITUNE_PDL", "1") != "0"   # TRITUNE_PDL=0 turns it off (the decode benchmark's A/B)
+# TRITUNE_PDL: "1" (default) every kernel that has it, "0" none, or a comma-separated list of kernels
+# (e.g. "gemv"): the decode benchmark's A/B
+_PDL_ENV = os.environ.get("TRITUNE_PDL", "1").strip()
+PDL = _PDL_ENV != "0"
+PDL_KERNELS = None if _PDL_ENV in ("0", "1", "") else frozenset(k.strip() for k in _PDL_ENV.split(","))
 
 
 @functools.lru_cache(maxsize=None)
@@ -361,10 +365,12 @@ def pdl(device) -> bool:
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_now() -> bool:
+def pdl_now(kernel: str | None = None) -> bool:
     """Whether a launch made now (on a device where :func:`pdl` holds) uses it: only while a CUDA graph is
     being captured, and not with TRITUNE_PDL=0 or ``PDL = False``. In a graph the launch attribute costs
     nothing at replay and each launch overlaps the end of the one before; an eager launch with it took
     ~25 us more host time through triton 3.6 (paged attention at B=1: 33 -> 58 us a call), more than a
     decode kernel runs, so eager launches go without."""
+    if PDL_KERNELS is not None and kernel not in PDL_KERNELS:
+        return False
     return PDL and torch.cuda.is_current_stream_capturing()

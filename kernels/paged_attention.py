@@ -83,9 +83,9 @@ def _paged_attention_fwd(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
         GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the next launch may start (and read its own weights) now;
-        tl.extra.cuda.gdc_launch_dependents()  # q, the caches and the lengths come from launches before
-        tl.extra.cuda.gdc_wait()               # this one: wait for them before any read or write
+    if PDL:  # programmatic dependent launch: q, the caches and the lengths come from launches before this
+        tl.extra.cuda.gdc_wait()               # one (wait for them before any read or write); then the next
+        tl.extra.cuda.gdc_launch_dependents()  # launch may start and read its weights: one launch ahead
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -286,7 +286,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     # host time (35-43 us of 44-54 per call, issue 6); calling the cached compiled kernel directly
     # measured no faster, so the launch stays Triton's own. Harness timings hide it (do_bench's L2 flush
     # gives the host ~80 us per call), CUDA graphs remove it.
-    meta = plan.meta_pdl if plan.meta_pdl is not None and K.pdl_now() else plan.meta
+    meta = plan.meta_pdl if plan.meta_pdl is not None and K.pdl_now("paged_attention") else plan.meta
     _paged_attention_fwd[plan.grid](q, k_cache, v_cache, block_tables, context_lens, out, ws, plan.locks,
                                     *plan.args, **meta)
     return out

@@ -231,8 +231,8 @@ def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte
     bt[b, pos // block_size] * block_size + pos % block_size and context length pos + 1.
     pos < 0 marks a padding row: slot -1 (write_kv skips it), context 1, position 0."""
     if PDL:  # the step's first gemv may start now (its weight tiles); our inputs come from the last step
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     tok = tl.load(Ids + b).to(tl.int64)
     pos = tl.load(Pos + b)
@@ -258,8 +258,8 @@ def _step_out_kernel(Logits, stride_l, V, Ids, Pos, Stop, Eos, Hist, R, PartV, P
     last R tokens at (pos + 1) % R, and pos advances; the row turns to padding (pos -1) once pos reaches
     stop[b] or the token is eos[b] (-1: none). The ticket is reset for the next step."""
     if PDL:  # launched while the LM head ends: wait for its logits
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -343,7 +343,7 @@ class DecodeGraphs:
     def _run(self, b):
         from tritune import kernels as K
 
-        self.pdl = {"PDL": True, "launch_pdl": True} if self.pdl_ok and K.pdl_now() else {"PDL": False}
+        self.pdl = {"PDL": True, "launch_pdl": True} if self.pdl_ok and K.pdl_now("engine") else {"PDL": False}
         m = self.model
         E = m.config.n_embd
         wte, wpe = m.w.wte, m.w.wpe

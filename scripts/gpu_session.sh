@@ -53,9 +53,10 @@ run_phase() {
     decode)
       timeout "${DECODE_BUDGET:-150}" python scripts/bench_decode.py --profile --reps 2 --methods "${DECODE_METHODS:-triton-graph,engine}" \
         --out "$OUT/decode.json" 2>&1 | tail -60 | tee "$OUT/decode.log"
-      # DECODE_AB=1: the same again with programmatic dependent launch off (TRITUNE_PDL=0), for the A/B
+      # DECODE_AB=1: the same again with TRITUNE_PDL=$DECODE_AB_PDL (default 0: programmatic dependent
+      # launch off; or a list of kernels, e.g. gemv), for the A/B
       if [ -n "${DECODE_AB:-}" ]; then
-        TRITUNE_PDL=0 timeout "${DECODE_BUDGET:-150}" python scripts/bench_decode.py --profile --reps 2 \
+        TRITUNE_PDL=${DECODE_AB_PDL:-0} timeout "${DECODE_BUDGET:-150}" python scripts/bench_decode.py --profile --reps 2 \
           --methods "${DECODE_METHODS:-triton-graph,engine}" --out "$OUT/decode_nopdl.json" 2>&1 | tail -60 \
           | tee "$OUT/decode_nopdl.log"
       fi ;;
