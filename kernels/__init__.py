@@ -374,3 +374,42 @@ def pdl_now(kernel: str | None = None) -> bool:
     if PDL_KERNELS is not None and kernel not in PDL_KERNELS:
         return False
     return PDL and torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Direct launch of a compiled kernel
+# ---------------------------------------------------------------------------------------------------
+# Triton's own launch binds and specialises every argument on each call (~35 us of host time for a
+# 40-argument kernel on the H100 machine's CPU, more than a decode kernel runs). What it specialises on is
+# fixed by a launcher's plan (shapes, strides, dtypes, constexprs) except the 16-byte alignment of each
+# pointer: so after a plan's first launch through triton, a launcher keeps the compiled kernel per
+# (pointer alignments, device, variant) and later launches call it directly, with the arguments, launch
+# metadata and hooks triton's launch would pass. The compiled kernel's run() signature is triton's
+# internal API, read on the sources of 3.5 to 3.9: other versions take triton's own launch.
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover
+    _knobs = None
+
+
+def _direct_launch_ok() -> bool:
+    import triton
+
+    return _knobs is not None and (3, 5) <= tuple(int(v) for v in triton.__version__.split(".")[:2]) <= (3, 9)
+
+
+DIRECT_LAUNCH = _direct_launch_ok()
+
+
+def launch_direct(kern, grid, stream, args) -> None:
+    """Launch compiled kernel ``kern`` (what ``jit_fn[grid](...)`` returned) on ``grid`` with ``args``: every
+    parameter of the jitted function in order, constexprs included."""
+    hooks = _knobs.runtime
+    kern.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kern.function,
+             kern.packed_metadata, kern.launch_metadata(grid, stream, *args), hooks.launch_enter_hook,
+             hooks.launch_exit_hook, *args)
+
+
+def keepable(kern) -> bool:
+    """Whether a value returned by a triton launch is a compiled kernel :func:`launch_direct` can run."""
+    return hasattr(kern, "run") and hasattr(kern, "packed_metadata") and not hasattr(kern, "result")

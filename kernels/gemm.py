@@ -36,10 +36,6 @@ try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
-try:  # launch hooks, passed on by a direct launch exactly as triton's own launch passes them
-    from triton import knobs as _knobs
-except ImportError:  # pragma: no cover
-    _knobs = None
 
 
 @triton.jit
@@ -326,14 +322,9 @@ class _Plan:
 
 _PLANS = K.PlanCache()
 
-# Direct launch. Triton's own launch binds and specialises every argument on each call (~35 us of host
-# time for this kernel's 40 arguments on the H100 machine's CPU, more than the kernel takes at small M).
-# What it specialises on is fixed by the plan (shapes, strides, dtypes, constexprs) except the 16-byte
-# alignment of each pointer: so after a plan's first launch through triton, the compiled kernel is kept
-# per (TMA modes, pointer alignments, device) and later launches call it directly, with the same
-# arguments, launch metadata and hooks triton's launch would pass. The compiled kernel's run() signature
-# is triton's internal API, read on the sources of 3.5 to 3.9: other versions take triton's own launch.
-DIRECT_LAUNCH = _knobs is not None and (3, 5) <= tuple(int(v) for v in triton.__version__.split(".")[:2]) <= (3, 9)
+# Direct launch (kernels.launch_direct): after a plan's first launch through triton, the compiled kernel
+# is kept per (TMA modes, pointer alignments, device) and later launches call it directly.
+DIRECT_LAUNCH = K.DIRECT_LAUNCH
 _CONSTEXPRS = ("HAS_BIAS", "ACT", "HAS_RES", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "EVEN_K",
                "A_MODE", "B_MODE", "A_3D", "A_M_CONTIG", "B_N_CONTIG", "INT64", "PRECISION", "PERSISTENT",
                "FLATTEN", "WARP_SPEC")  # _gemm_kernel's constexpr parameters, in order (checked below)
@@ -347,12 +338,6 @@ def _check_constexprs() -> None:
 
 
 _check_constexprs()
-
-
-def _launch_direct(kern, grid, stream, args) -> None:
-    hooks = _knobs.runtime
-    kern.run(grid[0], grid[1], 1, stream, kern.function, kern.packed_metadata,
-             kern.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
 
 
 _workspace = K.Workspace()
@@ -411,10 +396,10 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
     kkey = (a_mode, b_mode, align, device)
     kern = plan.kernels.get(kkey)
     if kern is not None:
-        _launch_direct(kern, plan.grid, drv.get_current_stream(device), args + plan.consts[a_mode][b_mode])
+        K.launch_direct(kern, plan.grid, drv.get_current_stream(device), args + plan.consts[a_mode][b_mode])
     else:
         kern = _gemm_kernel[plan.grid](*args, **plan.kws[a_mode][b_mode])
-        if hasattr(kern, "run") and hasattr(kern, "packed_metadata") and not hasattr(kern, "result"):
+        if K.keepable(kern):
             plan.kernels[kkey] = kern
     return out
 

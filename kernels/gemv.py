@@ -242,7 +242,8 @@ _meta = K.tensor_meta
 
 
 class _Plan:
-    __slots__ = ("out_shape", "m", "n", "k", "grid", "ints", "kws", "kws_pdl", "work_numel", "locks", "cfg", "cfg_key",
+    __slots__ = ("out_shape", "m", "n", "k", "grid", "ints", "kws", "kws_pdl", "kernels", "consts", "consts_pdl",
+                 "work_numel", "locks", "cfg", "cfg_key",
                  "empty", "c_kv")
 
 
@@ -281,8 +282,25 @@ def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
             out if ln_b is None else ln_b, out if kc is None else kc, out if vc is None else vc,
             out if slots is None else slots, work, locks, plan.m, plan.n, plan.k, plan.c_kv, float(eps),
             *plan.ints)
-    kws = plan.kws_pdl if plan.kws_pdl is not None and K.pdl_now("gemv") else plan.kws
-    _gemv_kernel[plan.grid](*args, **kws)
+    pdl = plan.kws_pdl is not None and K.pdl_now("gemv")
+    kws = plan.kws_pdl if pdl else plan.kws
+    if plan.kernels is None:
+        _gemv_kernel[plan.grid](*args, **kws)
+        return out
+    align = 0  # what triton specialises a pointer on: its 16-byte alignment
+    for t in args[:12]:
+        align = 2 * align + (t.data_ptr() % 16 == 0)
+    drv = triton.runtime.driver.active
+    device = drv.get_current_device()
+    kkey = (pdl, align, device)
+    kern = plan.kernels.get(kkey)
+    if kern is not None:
+        K.launch_direct(kern, plan.grid, drv.get_current_stream(device),
+                        args + (plan.consts_pdl if pdl else plan.consts))
+    else:
+        kern = _gemv_kernel[plan.grid](*args, **kws)
+        if K.keepable(kern):
+            plan.kernels[kkey] = kern
     return out
 
 
@@ -406,7 +424,25 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
                  num_stages=cfg["num_stages"])
     # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
     p.kws_pdl = dict(p.kws, PDL=True, launch_pdl=True) if K.pdl(x.device) else None
+    # direct launches (kernels.launch_direct) after the first: every parameter, constexprs included
+    p.kernels = {} if K.DIRECT_LAUNCH and x.device.type == "cuda" else None
+    p.consts = tuple(p.kws[c] for c in _CONSTEXPRS)
+    p.consts_pdl = tuple(p.kws_pdl[c] for c in _CONSTEXPRS) if p.kws_pdl is not None else None
     return p
+
+
+_CONSTEXPRS = ("HAS_BIAS", "ACT", "HAS_RES", "HAS_LN", "HAS_LN_W", "HAS_LN_B", "HAS_KV", "BLOCK_M", "BLOCK_N",
+               "BLOCK_K", "SPLIT_K", "LN_BLOCK", "EVEN_K", "INT64", "PDL")  # _gemv_kernel's, in order
+
+
+def _check_constexprs() -> None:
+    import inspect
+
+    names = tuple(inspect.signature(_gemv_kernel.fn).parameters)
+    assert names[25:] == _CONSTEXPRS and len(names) == 25 + len(_CONSTEXPRS), names
+
+
+_check_constexprs()
 
 
 SPACE = K.Space(params={
