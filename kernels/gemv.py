@@ -47,6 +47,8 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
                  HAS_LN_W: tl.constexpr, HAS_LN_B: tl.constexpr, HAS_KV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  LN_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next launch (when it too is launched with PDL) may start now; it waits for us at its gdc_wait
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -77,8 +79,7 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
             kk = tl.minimum(k_lo, K - BLOCK_K) + offs_k
             wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
             if PDL:  # the weights are ours to read at once; x, the residual and every output wait for the
-                tl.extra.cuda.gdc_wait()  # launch before this one to finish. Only then may the next launch
-                tl.extra.cuda.gdc_launch_dependents()  # start: one launch ahead, never a cascade of them
+                tl.extra.cuda.gdc_wait()  # launch before this one to finish
             xv = tl.load(x_row + kk * s_xk)
         else:
             kk = k_lo + offs_k
@@ -87,7 +88,6 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
                          other=0.0)
             if PDL:
                 tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
             xv = tl.load(x_row + kk * s_xk, mask=in_k, other=0.0)
         if HAS_LN:
             shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
@@ -123,7 +123,6 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
     else:
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         if HAS_LN:
             shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
