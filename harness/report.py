@@ -80,6 +80,15 @@ def _serve_table(d: dict, fmt: str) -> str:
     return text
 
 
+def _probe_table(rows: list, fmt: str) -> str:
+    """scripts/flush_probe.py: each path timed after do_bench's zero-fill flush, after a flush that leaves
+    L2 clean, and replayed in a CUDA graph."""
+    table = [[r["kernel"], r["problem"], r["who"], _fmt(r.get("zero_us")), _fmt(r.get("clean_us")),
+              _fmt(r.get("graph_us")), r.get("error", "")] for r in rows]
+    return tabulate(table, headers=["kernel", "problem", "path", "do_bench µs (zero-fill flush)",
+                                    "do_bench µs (clean flush)", "graph µs", "error"], tablefmt=fmt)
+
+
 def _efficiency_table(d: dict, fmt: str) -> str:
     rows = [[e["kernel"], e["problem"], e["dtype"], e["n_valid"], _fmt(e["grid_best_us"]),
              f"{e['tpe']['median']} ({100 * e['tpe']['median_fraction_of_grid']:.0f}%)",
@@ -129,7 +138,10 @@ def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | N
             continue
         if not isinstance(data, dict):
             continue
-        if "rows" in data:
+        if "rows" in data and data["rows"] and "who" in data["rows"][0]:  # scripts/flush_probe.py
+            parts.append(f"#### {path.parent.name} / {path.stem}: do_bench's L2 flush ({data.get('gpu', '?')})\n")
+            parts.append(_probe_table(data["rows"], fmt) + "\n")
+        elif "rows" in data:
             env = data.get("environment", {})
             parts.append(f"#### {path.parent.name} / {path.stem}  ({env.get('gpu', '?')}, triton {env.get('triton', '?')}, "
                          f"torch {env.get('torch', '?')}, {env.get('date', '?')[:10]})\n")

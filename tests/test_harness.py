@@ -90,6 +90,19 @@ def test_bench_on_interpreter_checks_and_times(tmp_path):
     path = bench.write_results(rows, tmp_path, "gelu")
     assert "gelu" in report.results_tables(tmp_path)
     assert path.exists()
+    # a subset re-measured merges: its row replaces the same problem's, the others stay, each dated
+    again = [dict(rows[0], ours_us=1.0)]
+    bench.write_results(again + [dict(rows[0], problem="other")], tmp_path, "gelu", merge=True)
+    bench.write_results([dict(rows[0], ours_us=2.0)], tmp_path, "gelu", merge=True)
+    import json
+
+    kept = json.loads(path.read_text())["rows"]
+    assert [(r["problem"], r["ours_us"]) for r in kept] == [(rows[0]["problem"], 2.0), ("other", rows[0]["ours_us"])]
+    assert all("measured" in r for r in kept)
+    # a flush-probe file (scripts/flush_probe.py) renders as its own table, not as a bench table
+    (path.parent / "flush_probe.json").write_text(json.dumps({"gpu": "x", "rows": [
+        {"kernel": "gelu", "problem": "numel=8", "who": "ours", "zero_us": 3.0, "clean_us": 2.0, "graph_us": 1.5}]}))
+    assert "clean flush" in report.results_tables(tmp_path)
 
 
 def test_cli_info_and_bench(tmp_path, capsys):
