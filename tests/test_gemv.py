@@ -175,3 +175,17 @@ def test_chained_launches_each_read_the_one_before(graph):
         got = chain()
     torch.cuda.synchronize()
     cmp.check(got, want, torch.float32, "ieee")
+
+
+@pytest.mark.parametrize("config", [ONE_ROW, {**DOT, "SPLIT_K": 2}], ids=["one-row", "dot"])
+def test_int64_offsets(monkeypatch, config):
+    """The 64-bit offset path (taken for weights or workspaces of 2^31 elements or more), forced on a small
+    problem by lowering the limit."""
+    monkeypatch.setattr(G, "INT32_LIMIT", 1)
+    m = 1 if config["BLOCK_M"] == 1 else 3
+    for trans in (False, True):
+        case = G.make_inputs(G.Problem(m, 37, 70, trans_w=trans, bias=True, residual=True, ln=True),
+                             torch.float32, DEV, 7)
+        cmp.poison(case.out)
+        got = G.gemv(*case.args, out=case.out, config=config, **case.kwargs)
+        cmp.check(got, G.ref.gemv(*case.args, **case.kwargs), torch.float32, "ieee")
