@@ -23,6 +23,18 @@ Split-K (``SPLIT_K > 1``) as in ``gemm``: each program stores its float32 partia
 takes a ticket from a per-tile counter; the last one sums the partials in slice order (deterministic),
 runs the epilogue and resets the counter. One launch. Counters and workspace are per device: two split-K
 launches must not run concurrently on different streams.
+
+Programmatic dependent launch (sm90+, only while a CUDA graph is captured: ``kernels.pdl_now``): a program
+lets the next launch start at once (``gdc_launch_dependents`` first thing), reads its first weight tile,
+then waits for the launch before it (``gdc_wait``) before it touches x, the residual, the workspace or
+any output. A decode step's run of gemv launches thus overlaps several deep (H100, GPT-2 small, batch 1:
+2984 tok/s with it, 2680 without; letting the next start only after our own wait measured 2830).
+Kernels whose inputs are all outputs of the launch before (paged attention, the engine's step kernels)
+signal only after their wait, so early launches never cascade through a whole step (every kernel
+signalling first thing measured 2497 tok/s).
+
+Host time: after a plan's first launch the compiled kernel is called directly (``kernels.launch_direct``),
+~20 us a call instead of triton's ~60.
 """
 from __future__ import annotations
 
