@@ -319,6 +319,29 @@ class Workspace:
         return t
 
 
+def span(t: torch.Tensor) -> int:
+    """1 + the largest element offset of a view: what its addressing must reach (64-bit offsets past 2^31)."""
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms() -> int:
+    """Streaming multiprocessors of the current GPU (132, an H100's, under the interpreter)."""
+    if kernel_device() == "cpu":
+        return 132
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def constexpr_params(jit_fn) -> tuple:
+    """Names of a @triton.jit function's tl.constexpr parameters, in order: the values a direct launch
+    passes after the runtime arguments (read off the signature, so they cannot drift from it)."""
+    import inspect
+
+    fn = getattr(jit_fn, "fn", jit_fn)
+    return tuple(n for n, p in inspect.signature(fn).parameters.items()
+                 if str(p.annotation).replace(" ", "").endswith("constexpr"))
+
+
 def tensor_meta(t):
     """What a cached launch plan depends on for an optional tensor argument."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)

@@ -241,14 +241,6 @@ def problem_of(a, b, bias=None, *, activation=None, residual=None, **_) -> Probl
                    residual=residual is not None, batch=a.shape[0] if a.dim() == 3 else 1)
 
 
-def _span(t: torch.Tensor) -> int:
-    """1 + the largest element offset of a view: what its addressing must reach."""
-    span = 1
-    for s, st in zip(t.shape, t.stride()):
-        span += (s - 1) * (st if st >= 0 else -st)
-    return span
-
-
 @functools.lru_cache(maxsize=None)
 def _device_type() -> str:
     return K.kernel_device()
@@ -276,11 +268,7 @@ def _tma_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms() -> int:
-    if K.kernel_device() == "cpu":
-        return 132
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+_num_sms = K.num_sms  # a module name: tests narrow the persistent grid through it
 
 
 def _smem(c: dict, dtype) -> int:
@@ -325,19 +313,7 @@ _PLANS = K.PlanCache()
 # Direct launch (kernels.launch_direct): after a plan's first launch through triton, the compiled kernel
 # is kept per (TMA modes, pointer alignments, device) and later launches call it directly.
 DIRECT_LAUNCH = K.DIRECT_LAUNCH
-_CONSTEXPRS = ("HAS_BIAS", "ACT", "HAS_RES", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "EVEN_K",
-               "A_MODE", "B_MODE", "A_3D", "A_M_CONTIG", "B_N_CONTIG", "INT64", "PRECISION", "PERSISTENT",
-               "FLATTEN", "WARP_SPEC")  # _gemm_kernel's constexpr parameters, in order (checked below)
-
-
-def _check_constexprs() -> None:
-    import inspect
-
-    names = tuple(inspect.signature(_gemm_kernel.fn).parameters)
-    assert names[21:] == _CONSTEXPRS and len(names) == 21 + len(_CONSTEXPRS), names
-
-
-_check_constexprs()
+_CONSTEXPRS = K.constexpr_params(_gemm_kernel)  # what a direct launch passes after the runtime arguments
 
 
 _workspace = K.Workspace()
@@ -498,9 +474,9 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
     # the plan holds its counters: a buffer grown later for another plan stays alive for this one (and
     # for any CUDA graph that captured it)
     p.locks = _locks(a.device, tiles) if split > 1 else None
-    int64 = (split * m * n >= INT32_LIMIT or _span(a2) >= INT32_LIMIT or _span(b) >= INT32_LIMIT
-             or m * n >= INT32_LIMIT or (c2 is not None and _span(c2) >= INT32_LIMIT)
-             or (r2 is not None and _span(r2) >= INT32_LIMIT))
+    int64 = (split * m * n >= INT32_LIMIT or K.span(a2) >= INT32_LIMIT or K.span(b) >= INT32_LIMIT
+             or m * n >= INT32_LIMIT or (c2 is not None and K.span(c2) >= INT32_LIMIT)
+             or (r2 is not None and K.span(r2) >= INT32_LIMIT))
     if cfg["PERSISTENT"]:
         p.grid = (min(tiles, _num_sms() * _ctas_per_sm(cfg, a.dtype)), 1)
     else:

@@ -38,7 +38,6 @@ Host time: after a plan's first launch the compiled kernel is called directly (`
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -325,10 +324,6 @@ def _check_vec(name, t, n, dtype, device):
         raise ValueError(f"{name}: on {t.device}, but x is on {device}")
 
 
-def _span(t: torch.Tensor) -> int:
-    return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-
-
 def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
     K.check_tensor("x", x, dtypes=DTYPES)
     if x.device.type != K.kernel_device():
@@ -423,7 +418,7 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
     p.work_numel = split * m * n if split > 1 else 0
     p.locks = _locks(x.device, tiles) if split > 1 else None
     p.grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    int64 = _span(w) >= INT32_LIMIT or split * m * n >= INT32_LIMIT or m * n >= INT32_LIMIT
+    int64 = K.span(w) >= INT32_LIMIT or split * m * n >= INT32_LIMIT or m * n >= INT32_LIMIT
     p.ints = (x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), s_ym, s_yn,
               r2.stride(0) if r2 is not None else 0, r2.stride(1) if r2 is not None else 0)
     p.kws = dict(HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
@@ -442,18 +437,7 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
     return p
 
 
-_CONSTEXPRS = ("HAS_BIAS", "ACT", "HAS_RES", "HAS_LN", "HAS_LN_W", "HAS_LN_B", "HAS_KV", "BLOCK_M", "BLOCK_N",
-               "BLOCK_K", "SPLIT_K", "LN_BLOCK", "EVEN_K", "INT64", "PDL")  # _gemv_kernel's, in order
-
-
-def _check_constexprs() -> None:
-    import inspect
-
-    names = tuple(inspect.signature(_gemv_kernel.fn).parameters)
-    assert names[25:] == _CONSTEXPRS and len(names) == 25 + len(_CONSTEXPRS), names
-
-
-_check_constexprs()
+_CONSTEXPRS = K.constexpr_params(_gemv_kernel)  # what a direct launch passes after the runtime arguments
 
 
 SPACE = K.Space(params={
@@ -497,13 +481,6 @@ def _constraint(c, p: Problem, dtype) -> str | None:
 SPACE.constraint = _constraint
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms() -> int:
-    if K.kernel_device() == "cpu":
-        return 132
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
 def default_config(p: Problem, dtype) -> dict:
     """One row: BLOCK_M 1, 4 warps, a 64 x 64 tile of W (its unit-stride dim the 64); more rows: 16-row dot
     tiles. Split-K while the programs fill fewer than two waves and each slice keeps two K tiles."""
@@ -523,7 +500,7 @@ def default_config(p: Problem, dtype) -> dict:
     tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
     k_tiles = triton.cdiv(p.K, bk)
     split = 1
-    while split < 16 and tiles * split * 2 <= 2 * _num_sms() and k_tiles >= 4 * split:
+    while split < 16 and tiles * split * 2 <= 2 * K.num_sms() and k_tiles >= 4 * split:
         split *= 2
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
            "num_stages": stages}

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tritune import kernels as K
 from tritune.model import gpt2 as G
 from tritune.model.generate import sample
 from tritune.model.kv_cache import BlockPool
@@ -330,8 +331,6 @@ class DecodeGraphs:
         self.part_v = torch.empty(Bm * self.out_chunks, dtype=torch.float32, device=dev)
         self.part_i = torch.empty(Bm * self.out_chunks, dtype=torch.int32, device=dev)
         self.tickets = torch.zeros(Bm, dtype=torch.int32, device=dev)
-        from tritune import kernels as K
-
         self.pdl_ok = K.pdl(dev)
         self._rows = [None] * Bm           # the block table each row's bt holds, and how many of its blocks
         self._row_len = [0] * Bm
@@ -341,16 +340,14 @@ class DecodeGraphs:
             self._capture()
 
     def _run(self, b):
-        from tritune import kernels as K
-
-        self.pdl = {"PDL": True, "launch_pdl": True} if self.pdl_ok and K.pdl_now("engine") else {"PDL": False}
+        pdl = {"PDL": True, "launch_pdl": True} if self.pdl_ok and K.pdl_now("engine") else {"PDL": False}
         m = self.model
         E = m.config.n_embd
         wte, wpe = m.w.wte, m.w.wpe
         x = torch.empty((b, E), dtype=m.dtype, device=self.device)
         _step_in_kernel[(b,)](self.ids, self.pos, self.bt, wte, wpe, x, self.slots, self.ctx, self.bt.stride(0),
                               wte.stride(0), wpe.stride(0), E, self.max_pos, BLOCK_SIZE=self.block_size,
-                              BLOCK_E=triton.next_power_of_2(E), num_warps=4 if E >= 512 else 1, **self.pdl)
+                              BLOCK_E=triton.next_power_of_2(E), num_warps=4 if E >= 512 else 1, **pdl)
         logits = forward_step(m, self.ops, self.kv, None, None, self.slots[:b], block_tables=self.bt[:b],
                               context_lens=self.ctx[:b], x=x)
         V = logits.shape[1]
@@ -359,7 +356,7 @@ class DecodeGraphs:
                                                CHUNKS=self.out_chunks,
                                                CHUNKS_P2=triton.next_power_of_2(self.out_chunks),
                                                BLOCK_V=self.out_block,
-                                               num_warps=8 if self.out_block >= 4096 else 4, **self.pdl)
+                                               num_warps=8 if self.out_block >= 4096 else 4, **pdl)
         return logits
 
     def _capture(self):
