@@ -64,6 +64,40 @@ def _weighted_values(p, v, USE_DOT: tl.constexpr, GROUP_PAD: tl.constexpr, PRECI
 
 
 @triton.jit
+def _kv_tile(table, k_head, v_head, n0, end, stride_tn, stride_kn, stride_kb, stride_vn, stride_vb,
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    """K and V of tokens [n0, n0 + BLOCK_N) (those before end; the rest read nothing) and their mask."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    # Table entries past the length are never read: they may hold anything.
+    block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
+    slot_in_block = offs_n % BLOCK_SIZE
+    k_ptr = k_head + (block * stride_kn + slot_in_block * stride_kb)[:, None]
+    v_ptr = v_head + (block * stride_vn + slot_in_block * stride_vb)[:, None]
+    if EVICT:  # K and V are read once a step: first out of L2, ahead of what others may reuse
+        k = tl.load(k_ptr, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_ptr, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        k = tl.load(k_ptr, mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptr, mask=mask_n[:, None], other=0.0)
+    return k, v, mask_n
+
+
+@triton.jit
+def _online_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One tile of the online softmax (log2 domain): the running max, sum and weighted values."""
+    s = _scores(q, k, USE_DOT, GROUP_PAD, PRECISION) * qk_scale
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, GROUP_PAD, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _store_out(Out, b, heads, mask_g, offs_d, acc, l_i, stride_ob, stride_oh, stride_od):
     # A length-0 sequence (only possible with validate=False) gets zeros, not 0/0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0 only when acc = 0
@@ -82,7 +116,8 @@ def _paged_attention_fwd(
         stride_ob, stride_oh, stride_od,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-        GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+        GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr,
+        PREFETCH: tl.constexpr):
     if PDL:  # programmatic dependent launch: q, the caches and the lengths come from launches before this
         tl.extra.cuda.gdc_wait()               # one (wait for them before any read or write); then the next
         tl.extra.cuda.gdc_launch_dependents()  # launch may start and read its weights: one launch ahead
@@ -113,25 +148,22 @@ def _paged_attention_fwd(
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, D), dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        # Table entries past the length are never read: they may hold anything.
-        block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
-        slot_in_block = offs_n % BLOCK_SIZE
-        # Both tiles are requested before any math, so K and V loads are in flight together.
-        k = tl.load(k_head + (block * stride_kn + slot_in_block * stride_kb)[:, None], mask=mask_n[:, None],
-                    other=0.0)
-        v = tl.load(v_head + (block * stride_vn + slot_in_block * stride_vb)[:, None], mask=mask_n[:, None],
-                    other=0.0)
-        s = _scores(q, k, USE_DOT, GROUP_PAD, PRECISION) * qk_scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, GROUP_PAD, PRECISION)
-        m_i = m_new
+    if PREFETCH:
+        # Loads one tile ahead by hand (num_stages 1: no pipeliner), so they stay plain loads that keep
+        # the EVICT hint (the pipeliner's cp.async drops it): tile i + 1 is in flight while tile i is used.
+        k, v, mask_n = _kv_tile(table, k_head, v_head, start, end, stride_tn, stride_kn, stride_kb,
+                                stride_vn, stride_vb, BLOCK_SIZE, BLOCK_N, EVICT)
+        for n0 in range(start, end, BLOCK_N):
+            k_nx, v_nx, mask_nx = _kv_tile(table, k_head, v_head, n0 + BLOCK_N, end, stride_tn, stride_kn,
+                                           stride_kb, stride_vn, stride_vb, BLOCK_SIZE, BLOCK_N, EVICT)
+            m_i, l_i, acc = _online_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, USE_DOT, GROUP_PAD, PRECISION)
+            k, v, mask_n = k_nx, v_nx, mask_nx
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            # Both tiles are requested before any math, so K and V loads are in flight together.
+            k, v, mask_n = _kv_tile(table, k_head, v_head, n0, end, stride_tn, stride_kn, stride_kb,
+                                    stride_vn, stride_vb, BLOCK_SIZE, BLOCK_N, EVICT)
+            m_i, l_i, acc = _online_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, USE_DOT, GROUP_PAD, PRECISION)
 
     if PARTITION > 0:
         # Chunks past the length do nothing; a sequence that fits one chunk is finished here.
@@ -378,7 +410,8 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
                  *v_cache.stride(), *block_tables.stride(), *os_)
     plan.meta = dict(GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
                      PARTITION=partition, USE_DOT=use_dot, PRECISION=precision, GROUP_MERGE=group_merge,
-                     PARTS_BLOCK=parts_block, PDL=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                     PARTS_BLOCK=parts_block, PDL=False, EVICT=cfg.get("EVICT", False),
+                     PREFETCH=cfg.get("PREFETCH", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
     plan.meta_pdl = dict(plan.meta, PDL=True, launch_pdl=True) if K.pdl(q.device) else None
     return plan
@@ -482,6 +515,10 @@ def _constraint(c, p: Problem, dtype) -> str | None:
             return "no tl.dot to pipeline"
     if c["BLOCK_N"] * p.D < 32 * warps:
         return "idle threads"
+    if c.get("PREFETCH") and c["num_stages"] > 1:
+        return "PREFETCH is the hand-written pipeline: num_stages 1"
+    if c.get("EVICT") and c["USE_DOT"] and c["num_stages"] > 1:
+        return "EVICT on pipelined tl.dot loads (cp.async drops the hint)"
     part = c["PARTITION"]
     if part:
         if part % c["BLOCK_N"]:
@@ -500,6 +537,8 @@ SPACE = K.Space(
         "USE_DOT": [False, True],
         "num_warps": [1, 2, 4, 8],
         "num_stages": [1, 2, 3, 4],
+        "EVICT": [False, True],
+        "PREFETCH": [False, True],
     },
     constraint=_constraint,
 )
@@ -518,7 +557,8 @@ def default_config(p: Problem, dtype) -> dict:
     group = p.Hq // p.Hkv
     use_dot = _tl_dot_ok(dtype) and (dtype != torch.float32 or group >= 4)
     if use_dot:
-        cfg = {"BLOCK_N": 64, "PARTITION": 0, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+        cfg = {"BLOCK_N": 64, "PARTITION": 0, "USE_DOT": True, "num_warps": 4, "num_stages": 3,
+               "EVICT": False, "PREFETCH": False}
         rows = max(16, triton.next_power_of_2(group))
         while (rows * cfg["BLOCK_N"] > 128 * 32 * cfg["num_warps"]
                or cfg["BLOCK_N"] * p.D > 128 * 32 * cfg["num_warps"]):
@@ -536,7 +576,7 @@ def default_config(p: Problem, dtype) -> dict:
                 cfg["num_stages"] = 1
     else:
         cfg = {"BLOCK_N": 64 if p.D <= 64 else 32, "PARTITION": 0, "USE_DOT": False, "num_warps": 4,
-               "num_stages": 1}
+               "num_stages": 1, "EVICT": False, "PREFETCH": False}
         while triton.next_power_of_2(group) * cfg["BLOCK_N"] * p.D > 64 * 32 * cfg["num_warps"]:
             if cfg["BLOCK_N"] > 8:
                 cfg["BLOCK_N"] //= 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that does a lot: install from carried wheels, then the phases named in $PHASES
-# (space-separated): tune, compare, test, bench, decode, serve. Everything lands under $OUT.
+# (space-separated): tune, compare, test, bench, decode, serve, probe, variants. Everything lands under $OUT.
 #   PHASES="tune" TUNE_BUDGET=420 bash scripts/gpu_session.sh
 # A journal carried in .tune/studies.journal is resumed (studies continue, no finished trial lost).
 set -uo pipefail
@@ -63,6 +63,9 @@ run_phase() {
     serve)
       timeout "${SERVE_BUDGET:-300}" tritune serve-bench ${SERVE_ARGS:--n 512} --out "$OUT/serve.json" 2>&1 | tail -80 \
         | tee "$OUT/serve.log" ;;
+    variants)
+      timeout "${VARIANTS_BUDGET:-300}" python scripts/probe_variants.py --out "$OUT/variants.json" \
+        ${VARIANTS_ONLY:+--only "$VARIANTS_ONLY"} 2>&1 | tee "$OUT/variants.log" ;;
     probe)
       timeout "${PROBE_BUDGET:-150}" python scripts/flush_probe.py --out "$OUT/flush_probe.json" 2>&1 | tee "$OUT/probe.log" ;;
     bench)
