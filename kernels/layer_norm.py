@@ -20,7 +20,7 @@ from tritune.references import layer_norm as ref
 @triton.jit
 def _layer_norm_fwd(X, Y, W, B, Mean, Rstd, M, N, stride_xm, stride_xn, stride_ym, eps,
                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr, EVICT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = pid * ROWS + tl.arange(0, ROWS)
     mask_m = offs_m < M
@@ -30,24 +30,22 @@ def _layer_norm_fwd(X, Y, W, B, Mean, Rstd, M, N, stride_xm, stride_xn, stride_y
         offs_n = tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         mask = mask_m[:, None] & mask_n[None, :]
-        if EVICT:  # x and y pass through once: first out of L2 (w and b, read by every row, stay)
-            x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-        else:
-            x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        # w and b are requested with x, so their (L2) latency overlaps x's and the reductions
+        if HAS_W:
+            w = tl.load(W + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if HAS_B:
+            bias = tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / N
-        rstd = 1.0 / tl.sqrt(var + eps)
+        rstd = tl.math.rsqrt(var + eps)
         y = xc * rstd[:, None]
         if HAS_W:
-            y = y * tl.load(W + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            y = y * w[None, :]
         if HAS_B:
-            y = y + tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if EVICT:
-            tl.store(y_rows + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
-        else:
-            tl.store(y_rows + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            y = y + bias[None, :]
+        tl.store(y_rows + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
         # Two passes over the row instead of three: sums of x − c and (x − c)² with the shift c = the
         # mean of the first chunk. E[(x−c)²] − E[x−c]² only cancels by (mean − c)² / var, which a shift
@@ -147,7 +145,7 @@ def _plan(x, weight, bias, eps, out, return_stats, config) -> _Plan:
     p.ints = (p.M, N, x2.stride(0), x2.stride(1), N, float(eps))
     p.kws = dict(HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=return_stats,
                  BLOCK_N=p.cfg["BLOCK_N"], ROWS=p.cfg["ROWS"], ONE_PASS=p.cfg["BLOCK_N"] >= N,
-                 EVICT=p.cfg.get("EVICT", False), num_warps=p.cfg["num_warps"])
+                 num_warps=p.cfg["num_warps"])
     return p
 
 
@@ -182,7 +180,6 @@ SPACE = K.Space(
         "BLOCK_N": [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         "ROWS": [1, 2, 4, 8, 16, 32],
         "num_warps": [1, 2, 4, 8, 16, 32],
-        "EVICT": [False, True],
     },
 )
 
@@ -200,8 +197,6 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         return "idle warps"
     if c["BLOCK_N"] < n2 and c["ROWS"] > 4:
         return "looped variant takes few rows"
-    if c.get("EVICT") and c["BLOCK_N"] < p.N:
-        return "EVICT is for the one-pass variant (the looped one reads each row twice)"
     return None
 
 
@@ -218,7 +213,7 @@ def default_config(p: Problem, dtype) -> dict:
     warps = max(1, min(16, block * rows // 512))
     while block * rows // (32 * warps) > 64:
         warps *= 2
-    return {"BLOCK_N": block, "ROWS": rows, "num_warps": warps, "EVICT": False}
+    return {"BLOCK_N": block, "ROWS": rows, "num_warps": warps}
 
 
 def bucket(p: Problem) -> dict:

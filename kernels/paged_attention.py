@@ -606,6 +606,17 @@ def default_config(p: Problem, dtype) -> dict:
     # token chunks: 18.0 us with 2 stages, 23.6 with 3; B=256 ctx 128: 51.3 vs 52.5).
     if use_dot and (cfg["PARTITION"] or p.capacity) <= 2 * cfg["BLOCK_N"]:
         cfg["num_stages"] = min(cfg["num_stages"], 2)
+    # Short chunks: the hand-pipelined loop with evict_first K/V loads (probe_variants.py, H100 bf16,
+    # zero-fill do_bench / CUDA graph): B=1 GPT-2 ctx 1024 in 64-token chunks 9.95 / 5.75 us against
+    # 10.21 / 6.33 pipelined by Triton; B=1 Llama ctx 4096 in 128-token chunks of 32-token tiles 16.99 /
+    # 12.53 against 18.43 / 13.47. Long single-pass programs stay with the pipeliner (B=64 GPT-2 ctx
+    # 1024: 92.4 / 83.4 hand-pipelined against 87.1 / 73.9).
+    if use_dot and 0 < cfg["PARTITION"] <= 256:
+        hand = dict(cfg, num_stages=1, PREFETCH=True, EVICT=True)
+        if p.D >= 128 and hand["BLOCK_N"] > 32 and hand["PARTITION"] % 32 == 0:
+            hand["BLOCK_N"] = 32
+        if _constraint(hand, p, dtype) is None:
+            cfg = hand
     return cfg
 
 

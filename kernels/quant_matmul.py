@@ -174,28 +174,10 @@ def _nibbles(b, MAGIC: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_operands(w_rows, x_cols, Sc, Zp, offs_n, mask_n, mask_m, offs_h, s_sn, s_xk, g, g_hi,
-                    GROUP: tl.constexpr, H: tl.constexpr, MAGIC: tl.constexpr, DT: tl.constexpr):
-    """Group g's packed bytes (BN, H), scales, MAGIC + zero points and x halves (H, BM), for the swapped
-    INT4 tile; g >= g_hi (the prefetch past a slice's end) reads nothing."""
-    live = g < g_hi
-    mn = mask_n & live
-    b = tl.load(w_rows + (g * H + offs_h)[None, :], mask=mn[:, None], other=0, eviction_policy="evict_first")
-    s = tl.load(Sc + offs_n * s_sn + g, mask=mn, other=0.0).to(tl.float32)
-    z = tl.load(Zp + offs_n * s_sn + g, mask=mn, other=0).to(tl.int16)
-    zf = (z | MAGIC).to(DT, bitcast=True)
-    k_lo = g * GROUP + offs_h
-    xm = (offs_h < tl.where(live, H, 0))[:, None] & mask_m[None, :]
-    x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=xm, other=0.0)
-    x_hi = tl.load(x_cols + (k_lo + H)[:, None] * s_xk, mask=xm, other=0.0)
-    return b, s, zf, x_lo, x_hi
-
-
-@triton.jit
 def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_ym,
              BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, HAS_BIAS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             MAGIC: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+             MAGIC: tl.constexpr, ASM: tl.constexpr):
     """Y tile = X tile @ dequant(W tile)ᵀ over one K slice with tl.dot (fp32 accumulator).
 
     INT4 with BLOCK_M <= 16 swaps the operands: the tile computed is Yᵀ = dequant(W) @ Xᵀ, so the
@@ -224,26 +206,7 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm
         w_cols = Wq + offs_n.to(tl.int64)[None, :] * s_wn
-    if SWAP and PREFETCH:
-        # Hand-pipelined, group by group (num_stages 1): group g + 1's bytes, scales, zero points and x
-        # halves are loaded while group g is unpacked and multiplied. Plain loads straight to registers
-        # (no shared-memory round trip before the unpack, which runs on registers anyway), and the bytes
-        # keep their evict_first hint.
-        offs_h = tl.arange(0, H)
-        per: tl.constexpr = BLOCK_K // GROUP
-        g_lo = lo * per
-        g_hi = tl.minimum(hi * per, K // GROUP)
-        b, s, zf, x_lo, x_hi = _group_operands(w_rows, x_cols, Sc, Zp, offs_n, mask_n, mask_m, offs_h, s_sn, s_xk,
-                                               g_lo, g_hi, GROUP, H, MAGIC, DT)
-        for g in range(g_lo, g_hi):
-            b_nx, s_nx, zf_nx, xl_nx, xh_nx = _group_operands(w_rows, x_cols, Sc, Zp, offs_n, mask_n, mask_m, offs_h,
-                                                              s_sn, s_xk, g + 1, g_hi, GROUP, H, MAGIC, DT)
-            q_lo, q_hi = _nibbles(b, MAGIC, DT, ASM)
-            part = tl.dot(q_lo - zf[:, None], x_lo)
-            part = tl.dot(q_hi - zf[:, None], x_hi, part)
-            acc += part * s[:, None]
-            b, s, zf, x_lo, x_hi = b_nx, s_nx, zf_nx, xl_nx, xh_nx
-    elif BITS == 4:
+    if BITS == 4:
         n_groups = K // GROUP
         offs_h = tl.arange(0, H)
         for blk in range(lo, hi):
@@ -438,8 +401,7 @@ def _make_plan(x, qw, bias, out, config) -> _Plan:
     else:
         plan.grid = (m_tiles * n_tiles, split)
         # fp16 1024.0 / bf16 128.0: zero mantissa bits below the 4 a code needs
-        meta.update(BLOCK_M=bm, MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300, ASM=_ASM,
-                    PREFETCH=cfg.get("PREFETCH", False))
+        meta.update(BLOCK_M=bm, MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300, ASM=_ASM)
     plan.meta = meta
     return plan
 
@@ -459,7 +421,6 @@ SPACE = K.Space(
         "SPLIT_K": [1, 2, 4, 8, 16],
         "num_warps": [1, 2, 4, 8],
         "num_stages": [1, 2, 3, 4],
-        "PREFETCH": [False, True],                # int4, BLOCK_M <= 16: the hand-pipelined group loop
     },
 )
 
@@ -483,11 +444,6 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         return "BLOCK_N larger than N"
     if split > -(-p.K // bk):
         return "more K slices than K blocks"
-    if c.get("PREFETCH"):
-        if p.bits != 4 or not 1 < bm <= 16:
-            return "PREFETCH is the swapped int4 tile's loop (int4, 1 < BLOCK_M <= 16)"
-        if c["num_stages"] != 1:
-            return "PREFETCH is the hand-written pipeline: num_stages 1"
     if bm == 1:
         if c["num_stages"] != 1:
             return "the GEMV path is not software-pipelined: num_stages=1"
@@ -566,7 +522,7 @@ def default_config(p: Problem, dtype) -> dict:
     while split < 4 and tiles * split < want and blocks // (2 * split) >= 4 and p.N >= 1024:
         split *= 2
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
-           "num_stages": stages, "PREFETCH": False}
+           "num_stages": stages}
     return _fit(cfg, p, dtype)
 
 

@@ -32,20 +32,16 @@ def _x(shape, dtype, seed):
 
 
 # "gemv": BLOCK_M 1 (CUDA cores); "tiled8" / "tiled": BLOCK_M 8 / 16, int4 with the operands swapped (the
-# weight is the MMA's A operand); "tiled32": BLOCK_M 32, x the A operand; "-prefetch": the swapped int4
-# tile's hand-pipelined group loop
-PATHS = ["gemv", "tiled8", "tiled", "tiled32", "tiled8-prefetch", "tiled-prefetch"]
+# weight is the MMA's A operand); "tiled32": BLOCK_M 32, x the A operand
+PATHS = ["gemv", "tiled8", "tiled", "tiled32"]
 
 
 def _config(path, bits, group, split, k):
     bk = group if bits == 4 else 32
     if path == "gemv":
-        return dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=1, num_stages=1, PREFETCH=False)
-    prefetch = path.endswith("-prefetch")
-    if prefetch and bits != 4:
-        pytest.skip("the hand-pipelined loop is the int4 swapped tile's")
-    bm = {"tiled8": 8, "tiled": 16, "tiled32": 32}[path.removesuffix("-prefetch")]
-    return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=1, num_stages=1, PREFETCH=prefetch)
+        return dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=1, num_stages=1)
+    bm = {"tiled8": 8, "tiled": 16, "tiled32": 32}[path]
+    return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=1, num_stages=1)
 
 
 # --- the kernel ---------------------------------------------------------------------------------------
