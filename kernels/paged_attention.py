@@ -314,13 +314,31 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
         _validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     # split-KV partials (acc, m, l) in one per-device float32 buffer; the kernel finds each part's offset
     ws = _workspace(q.device, plan.ws_numel) if plan.ws_numel else out
-    # One launch (the split-KV merge is in the kernel). On the H100 machine Triton's launch is most of the
-    # host time (35-43 us of 44-54 per call, issue 6); calling the cached compiled kernel directly
-    # measured no faster, so the launch stays Triton's own. Harness timings hide it (do_bench's L2 flush
-    # gives the host ~80 us per call), CUDA graphs remove it.
-    meta = plan.meta_pdl if plan.meta_pdl is not None and K.pdl_now("paged_attention") else plan.meta
-    _paged_attention_fwd[plan.grid](q, k_cache, v_cache, block_tables, context_lens, out, ws, plan.locks,
-                                    *plan.args, **meta)
+    # One launch (the split-KV merge is in the kernel). Triton's own launch is most of the host time
+    # (35-57 us a call on the H100 machine), and do_bench's L2 flush gives the host only ~80 us a call to
+    # stay ahead of the GPU: a slow host then shows in a B=1 time (48 us measured for a 5.8 us kernel).
+    # After a plan's first launch the compiled kernel is called directly (kernels.launch_direct), keyed by
+    # what triton specialises a pointer on (its 16-byte alignment) and by PDL.
+    pdl = plan.meta_pdl is not None and K.pdl_now("paged_attention")
+    meta = plan.meta_pdl if pdl else plan.meta
+    args = (q, k_cache, v_cache, block_tables, context_lens, out, ws, plan.locks, *plan.args)
+    if plan.kernels is None:
+        _paged_attention_fwd[plan.grid](*args, **meta)
+        return out
+    align = 0
+    for t in args[:8]:
+        align = 2 * align + (t.data_ptr() % 16 == 0)
+    drv = triton.runtime.driver.active
+    device = drv.get_current_device()
+    kkey = (pdl, align, device)
+    kern = plan.kernels.get(kkey)
+    if kern is not None:
+        K.launch_direct(kern, plan.grid, drv.get_current_stream(device),
+                        args + (plan.consts_pdl if pdl else plan.consts))
+    else:
+        kern = _paged_attention_fwd[plan.grid](*args, **meta)
+        if K.keepable(kern):
+            plan.kernels[kkey] = kern
     return out
 
 
@@ -336,6 +354,9 @@ class _Plan:
     args: tuple = ()                   # scalar launch arguments after the tensors
     meta: dict = field(default_factory=dict)
     meta_pdl: dict | None = None       # meta with programmatic dependent launch (CUDA graph capture only)
+    kernels: dict | None = None        # compiled kernels for direct launches, by (pdl, alignment, device)
+    consts: tuple = ()                 # the constexpr values a direct launch passes after the arguments
+    consts_pdl: tuple | None = None
 
 
 _PLANS = K.PlanCache()
@@ -414,7 +435,13 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
                      PREFETCH=cfg.get("PREFETCH", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
     plan.meta_pdl = dict(plan.meta, PDL=True, launch_pdl=True) if K.pdl(q.device) else None
+    plan.kernels = {} if K.DIRECT_LAUNCH and q.device.type == "cuda" else None
+    plan.consts = tuple(plan.meta[c] for c in _CONSTEXPRS)
+    plan.consts_pdl = tuple(plan.meta_pdl[c] for c in _CONSTEXPRS) if plan.meta_pdl is not None else None
     return plan
+
+
+_CONSTEXPRS = K.constexpr_params(_paged_attention_fwd)  # what a direct launch passes after the arguments
 
 
 def _validate_lengths(block_tables, context_lens, num_blocks, block_size):
