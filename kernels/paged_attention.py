@@ -15,6 +15,12 @@ from a per-(sequence, kv head) counter; the program that takes the last ticket m
 resets the counter (one launch, no second kernel, no zero-fill). This fills the GPU when B·Hkv programs
 alone would leave SMs idle (small batch, long context), or run in a fraction of a wave.
 
+Two tuned switches shape the tile loop: PREFETCH loads tile i + 1 by hand while tile i is used (with
+num_stages 1: plain loads instead of the pipeliner's cp.async), and EVICT marks the K/V loads
+evict_first (read once a step; the hint survives only plain loads: a compiled kernel's PTX has it at
+num_stages 1 and not from the pipeliner, scripts/probe_variants.py). The hand loop wins for short
+split-KV chunks (B=1) and loses to the pipeliner on long single-pass programs (B=64).
+
 ``write_kv`` stores new tokens' K and V into their slots (slot = block id · block_size + offset).
 """
 from __future__ import annotations
