@@ -137,6 +137,35 @@ def graph_ms(fn: Callable[[], object]) -> float:
         K.PDL = saved
 
 
+_READER: list = []
+
+
+def flush_timings(fn: Callable[[], object]) -> dict:
+    """``fn`` timed three ways (GPU only; the flush probes' table):
+    zero_us: do_bench as every table reports it (L2 flushed by a zero-fill, which leaves dirty lines);
+    clean_us: do_bench with the zero-fill followed by a read of 128 MB (L2 left holding clean lines: still
+    cold for ``fn``, but no write-back charged to it); graph_us: replayed in a CUDA graph."""
+    drv = triton.runtime.driver.active
+    zero_flush = drv.clear_cache
+    if not _READER:
+        _READER.append(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+
+    def clean_flush(cache):
+        zero_flush(cache)
+        _READER[0].max()  # the dirty lines are written back here, outside the timed call
+
+    row = {}
+    try:
+        row["zero_us"] = median_ms(fn) * 1e3
+        drv.clear_cache = clean_flush
+        row["clean_us"] = median_ms(fn) * 1e3
+        drv.clear_cache = zero_flush
+        row["graph_us"] = graph_ms(fn) * 1e3
+    finally:
+        drv.clear_cache = zero_flush
+    return row
+
+
 def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     """Host (CPU) microseconds per call of ``fn``: launches are queued without synchronising, so this is
     the launcher's own cost. do_bench hides host time only up to its L2 flush (~85 µs of GPU time on an

@@ -18,7 +18,6 @@ import argparse
 import json
 
 import torch
-import triton
 
 from tritune import kernels
 from tritune.harness import bench
@@ -38,14 +37,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    drv = triton.runtime.driver.active
-    zero_flush = drv.clear_cache
-    reader = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-
-    def clean_flush(cache):
-        zero_flush(cache)
-        reader.max()  # reads 128 MB: the dirty lines are written back here, outside the timed call
-
     rows = []
     for name, text in CASES:
         spec = kernels.get(name)
@@ -65,16 +56,9 @@ def main() -> None:
         for who, fn in fns.items():
             row = {"kernel": name, "problem": text, "who": who}
             try:
-                drv.clear_cache = zero_flush
-                row["zero_us"] = bench.median_ms(fn) * 1e3
-                drv.clear_cache = clean_flush
-                row["clean_us"] = bench.median_ms(fn) * 1e3
-                drv.clear_cache = zero_flush
-                row["graph_us"] = bench.graph_ms(fn) * 1e3
+                row.update(bench.flush_timings(fn))
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
-            finally:
-                drv.clear_cache = zero_flush
             rows.append(row)
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         del cases, fns

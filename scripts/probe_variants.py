@@ -1,9 +1,6 @@
 """Hand-picked configs of a few kernels, each checked against the reference and timed three ways on the
-same rotating inputs (GPU only; the flush_probe timers):
-  zero:  do_bench as every table reports it (L2 flushed by a zero-fill: dirty lines)
-  clean: do_bench with the zero-fill followed by a 128 MB read (L2 left holding clean lines)
-  graph: replayed in a CUDA graph
-plus, per compiled kernel, whether its PTX carries an L2 evict_first hint (is a cache hint kept through
+same rotating inputs (GPU only; harness.bench.flush_timings: zero-fill do_bench, clean-flush
+do_bench, CUDA graph), plus, per compiled kernel, whether its PTX carries an L2 evict_first hint (is a cache hint kept through
 the software pipeline?). Vendor and peers are timed alongside. Writes JSON (--out).
 
   python scripts/probe_variants.py --out $OUT/variants.json [--only paged_attention,quant_matmul]
@@ -15,7 +12,6 @@ import json
 import sys
 
 import torch
-import triton
 
 from tritune import kernels
 from tritune.harness import bench, compare
@@ -108,14 +104,6 @@ def main() -> None:
     p.add_argument("--only", default="")
     args = p.parse_args()
     only = set(filter(None, args.only.split(",")))
-    drv = triton.runtime.driver.active
-    zero_flush = drv.clear_cache
-    reader = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-
-    def clean_flush(cache):
-        zero_flush(cache)
-        reader.max()
-
     rows = []
     ptx = {}
     for name, text, configs in CASES:
@@ -155,16 +143,9 @@ def main() -> None:
         for who, (fn, err) in fns.items():
             row = {"kernel": name, "problem": text, "who": who, "rel_error": err}
             try:
-                drv.clear_cache = zero_flush
-                row["zero_us"] = bench.median_ms(fn) * 1e3
-                drv.clear_cache = clean_flush
-                row["clean_us"] = bench.median_ms(fn) * 1e3
-                drv.clear_cache = zero_flush
-                row["graph_us"] = bench.graph_ms(fn) * 1e3
+                row.update(bench.flush_timings(fn))
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
-            finally:
-                drv.clear_cache = zero_flush
             rows.append(row)
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         del cases, fns
