@@ -138,8 +138,11 @@ def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | N
             continue
         if not isinstance(data, dict):
             continue
-        if "rows" in data and data["rows"] and "who" in data["rows"][0]:  # scripts/flush_probe.py
-            parts.append(f"#### {path.parent.name} / {path.stem}: do_bench's L2 flush ({data.get('gpu', '?')})\n")
+        if "rows" in data and data["rows"] and "who" in data["rows"][0]:  # flush_probe.py, probe_variants.py
+            parts.append(f"#### {path.parent.name} / {path.stem}: timed after do_bench's zero-fill flush, after a "
+                         f"clean flush, in a CUDA graph ({data.get('gpu', '?')})\n")
+            if data.get("note"):
+                parts.append(data["note"] + "\n")
             parts.append(_probe_table(data["rows"], fmt) + "\n")
         elif "rows" in data:
             env = data.get("environment", {})
