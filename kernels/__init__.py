@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import tritune.harness  # noqa: F401  (switches on the interpreter before triton loads)
 import torch
+import triton
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -431,6 +432,30 @@ def launch_direct(kern, grid, stream, args) -> None:
     kern.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kern.function,
              kern.packed_metadata, kern.launch_metadata(grid, stream, *args), hooks.launch_enter_hook,
              hooks.launch_exit_hook, *args)
+
+
+def launch_cached(jit_fn, kernels: dict | None, grid, args: tuple, kws: dict, consts: tuple, variant, ptrs) -> None:
+    """Launch ``jit_fn`` on ``grid``: through triton the first time for each (variant, 16-byte alignment of
+    ``ptrs``, device), keeping the compiled kernel in ``kernels`` (a launch plan's dict), then directly
+    (:func:`launch_direct`, ``args + consts``). The alignment is what triton specialises a pointer on;
+    ``variant`` is whatever else picks another compiled kernel for the same plan (PDL, descriptor modes).
+    ``kernels=None``: always through triton (the interpreter, or direct launches switched off)."""
+    if kernels is None:
+        jit_fn[grid](*args, **kws)
+        return
+    align = 0
+    for t in ptrs:
+        align = 2 * align + (t.data_ptr() % 16 == 0)
+    drv = triton.runtime.driver.active
+    device = drv.get_current_device()
+    key = (variant, align, device)
+    kern = kernels.get(key)
+    if kern is not None:
+        launch_direct(kern, grid, drv.get_current_stream(device), args + consts)
+    else:
+        kern = jit_fn[grid](*args, **kws)
+        if keepable(kern):
+            kernels[key] = kern
 
 
 def keepable(kern) -> bool:

@@ -357,26 +357,10 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
         b_arg = TensorDescriptor(b, shape, strides, block)
     # every tensor goes in as it is (only its data pointer is used: the strides are in plan.ints)
     args = (a_arg, b_arg, out, out if bias is None else bias, r_arg, work, locks, *plan.ints)
-    if plan.kernels is None:
-        _gemm_kernel[plan.grid](*args, **plan.kws[a_mode][b_mode])
-        return out
-    align = 0  # what triton specialises a pointer on: its 16-byte alignment (descriptors: their modes)
-    for t in args[2:7]:
-        align = 2 * align + (t.data_ptr() % 16 == 0)
-    if not a_mode:
-        align = 2 * align + (a.data_ptr() % 16 == 0)
-    if not b_mode:
-        align = 2 * align + (b.data_ptr() % 16 == 0)
-    drv = triton.runtime.driver.active
-    device = drv.get_current_device()
-    kkey = (a_mode, b_mode, align, device)
-    kern = plan.kernels.get(kkey)
-    if kern is not None:
-        K.launch_direct(kern, plan.grid, drv.get_current_stream(device), args + plan.consts[a_mode][b_mode])
-    else:
-        kern = _gemm_kernel[plan.grid](*args, **plan.kws[a_mode][b_mode])
-        if K.keepable(kern):
-            plan.kernels[kkey] = kern
+    # descriptors (TMA modes) carry no pointer alignment: only plain operands count
+    ptrs = args[2:7] + ((a,) if not a_mode else ()) + ((b,) if not b_mode else ())
+    K.launch_cached(_gemm_kernel, plan.kernels, plan.grid, args, plan.kws[a_mode][b_mode],
+                    plan.consts[a_mode][b_mode], (a_mode, b_mode), ptrs)
     return out
 
 

@@ -294,23 +294,8 @@ def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
             *plan.ints)
     pdl = plan.kws_pdl is not None and K.pdl_now("gemv")
     kws = plan.kws_pdl if pdl else plan.kws
-    if plan.kernels is None:
-        _gemv_kernel[plan.grid](*args, **kws)
-        return out
-    align = 0  # what triton specialises a pointer on: its 16-byte alignment
-    for t in args[:12]:
-        align = 2 * align + (t.data_ptr() % 16 == 0)
-    drv = triton.runtime.driver.active
-    device = drv.get_current_device()
-    kkey = (pdl, align, device)
-    kern = plan.kernels.get(kkey)
-    if kern is not None:
-        K.launch_direct(kern, plan.grid, drv.get_current_stream(device),
-                        args + (plan.consts_pdl if pdl else plan.consts))
-    else:
-        kern = _gemv_kernel[plan.grid](*args, **kws)
-        if K.keepable(kern):
-            plan.kernels[kkey] = kern
+    K.launch_cached(_gemv_kernel, plan.kernels, plan.grid, args, kws, plan.consts_pdl if pdl else plan.consts,
+                    pdl, args[:12])
     return out
 
 

@@ -328,23 +328,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     pdl = plan.meta_pdl is not None and K.pdl_now("paged_attention")
     meta = plan.meta_pdl if pdl else plan.meta
     args = (q, k_cache, v_cache, block_tables, context_lens, out, ws, plan.locks, *plan.args)
-    if plan.kernels is None:
-        _paged_attention_fwd[plan.grid](*args, **meta)
-        return out
-    align = 0
-    for t in args[:8]:
-        align = 2 * align + (t.data_ptr() % 16 == 0)
-    drv = triton.runtime.driver.active
-    device = drv.get_current_device()
-    kkey = (pdl, align, device)
-    kern = plan.kernels.get(kkey)
-    if kern is not None:
-        K.launch_direct(kern, plan.grid, drv.get_current_stream(device),
-                        args + (plan.consts_pdl if pdl else plan.consts))
-    else:
-        kern = _paged_attention_fwd[plan.grid](*args, **meta)
-        if K.keepable(kern):
-            plan.kernels[kkey] = kern
+    K.launch_cached(_paged_attention_fwd, plan.kernels, plan.grid, args, meta,
+                    plan.consts_pdl if pdl else plan.consts, pdl, args[:8])
     return out
 
 
