@@ -871,7 +871,8 @@ SPEC = K.register(K.KernelSpec(
         Problem(8, 12, 12, 64, 1024), Problem(64, 12, 12, 64, 512), Problem(64, 12, 12, 64, 1024),
         Problem(256, 12, 12, 64, 128), Problem(256, 12, 12, 64, 1024),
         # Llama-style GQA: 32 query heads on 8 kv heads of 128
-        Problem(1, 32, 8, 128, 4096), Problem(1, 32, 8, 128, 32768), Problem(32, 32, 8, 128, 4096),
+        Problem(1, 32, 8, 128, 4096), Problem(1, 32, 8, 128, 8192), Problem(1, 32, 8, 128, 16384),
+        Problem(1, 32, 8, 128, 32768), Problem(32, 32, 8, 128, 4096),
         Problem(128, 32, 8, 128, 4096),
     ],
     small_problems=[Problem(2, 4, 2, 32, 40), Problem(3, 2, 1, 64, 70, 8, True)],

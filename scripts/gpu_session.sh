@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that does a lot: install from carried wheels, then the phases named in $PHASES
-# (space-separated): tune, compare, test, bench, decode, serve, probe, variants. Everything lands under $OUT.
+# (space-separated): tune, compare, test, bench, decode, serve, probe, variants, py. Everything lands under $OUT.
 #   PHASES="tune" TUNE_BUDGET=420 bash scripts/gpu_session.sh
 # A journal carried in .tune/studies.journal is resumed (studies continue, no finished trial lost).
 set -uo pipefail
@@ -66,6 +66,10 @@ run_phase() {
     variants)
       timeout "${VARIANTS_BUDGET:-300}" python scripts/probe_variants.py --out "$OUT/variants.json" \
         ${VARIANTS_ONLY:+--only "$VARIANTS_ONLY"} 2>&1 | tee "$OUT/variants.log" ;;
+    py)
+      # PY_SCRIPT: a probe script that takes --out (e.g. scripts/probe_s7.py), with $PY_ARGS
+      timeout "${PY_BUDGET:-300}" python "${PY_SCRIPT:?}" --out "$OUT/$(basename "${PY_SCRIPT%.py}").json" ${PY_ARGS:-} \
+        2>&1 | tee "$OUT/$(basename "${PY_SCRIPT%.py}").log" ;;
     probe)
       timeout "${PROBE_BUDGET:-150}" python scripts/flush_probe.py --out "$OUT/flush_probe.json" 2>&1 | tee "$OUT/probe.log" ;;
     bench)

@@ -1,0 +1,245 @@
+"""Seventh-session probe (GPU only): what the open targets are up against, timed three ways
+(harness.bench.flush_timings: zero-fill do_bench, clean-flush do_bench, CUDA graph) on rotating inputs.
+
+  copy     the ceiling itself at the open problems' byte counts: dst.copy_(src) moving B bytes (B/2 read,
+           B/2 written), so "% of copy bandwidth" can be read against what the copy reaches at that size
+  gemm     M=1 and M=64 c_attn (2304 x 768, bias): gemm's stored config, the gemv kernel's BLOCK_M=1 path
+           at several configs (the same epilogue), cuBLAS (addmm)
+  quant    int4 M=1 on (8192, 28672): pipelined configs of the swapped tl.dot path, and an experimental
+           copy of that path (this file) with the scales and zero points in group-major layout (G, N), so
+           that a tile's 64 scales are one 128-byte load, and/or the scale folded into the dot operand
+
+  python scripts/probe_s7.py --out $OUT/probe_s7.json [--only copy,gemm,quant]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from tritune import kernels
+from tritune.harness import bench, compare
+from tritune.kernels import gemv as gv
+from tritune.kernels import quant_matmul as qm
+from tritune.kernels.quant_matmul import _finish, _k_slice, _nibbles
+from tritune.tuning.cli import parse_problems
+
+
+@triton.jit
+def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
+            GROUP: tl.constexpr, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, SCALE_IN: tl.constexpr,
+            ASM: tl.constexpr):
+    """quant_matmul's swapped int4 tile (Yᵀ = dequant(W) · Xᵀ) with a group stride for the scales and zero
+    points, and SCALE_IN: (q − z)·s rounded to x's dtype as the dot operand (one fp32 multiply-add a
+    group fewer, the scale load feeding the dot so the pipeliner may prefetch it)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    DT: tl.constexpr = X.dtype.element_ty
+    lo, hi = _k_slice(pid_k, K, GROUP, 4, BLOCK_K, SPLIT_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
+    w_rows = Wq + offs_n.to(tl.int64)[:, None] * s_wn
+    n_groups = K // GROUP
+    offs_h = tl.arange(0, H)
+    for blk in range(lo, hi):
+        for j in tl.static_range(BLOCK_K // GROUP):
+            grp = tl.minimum(blk * (BLOCK_K // GROUP) + j, n_groups - 1)
+            k_lo = (blk * (BLOCK_K // GROUP) + j) * GROUP + offs_h
+            s = tl.load(Sc + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0.0)
+            z = tl.load(Zp + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0).to(tl.int16)
+            zf = (z | MAGIC).to(DT, bitcast=True)
+            b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0)
+            xm = (k_lo < K)[:, None] & mask_m[None, :]
+            x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=xm, other=0.0)
+            x_hi = tl.load(x_cols + (k_lo + H)[:, None] * s_xk, mask=xm, other=0.0)
+            q_lo, q_hi = _nibbles(b, MAGIC, DT, ASM)
+            if SCALE_IN:
+                sd = s.to(DT)[:, None]
+                acc = tl.dot(((q_lo - zf[:, None]) * sd).to(DT), x_lo, acc)
+                acc = tl.dot(((q_hi - zf[:, None]) * sd).to(DT), x_hi, acc)
+            else:
+                part = tl.dot(q_lo - zf[:, None], x_lo)
+                part = tl.dot(q_hi - zf[:, None], x_hi, part)
+                acc += part * s.to(tl.float32)[:, None]
+    acc = tl.trans(acc)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Sc, Work, Locks, pid_m * n_tiles + pid_n,
+            pid_k, M, N, s_ym, False, False, SPLIT_K)
+
+
+def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in):
+    m, kdim = x.shape
+    n = qw.N
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    work = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+
+    def run():
+        _swap4x[(tiles, split)](x, qw.data, sc, zp, out, work, locks, m, n, kdim, x.stride(0), x.stride(1),
+                                qw.data.stride(0), s_sn, s_sg, out.stride(0), GROUP=qw.group_size,
+                                H=qw.group_size // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                                MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300, SCALE_IN=scale_in, ASM=qm._ASM,
+                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return out
+    return run
+
+
+def timed(rows, kernel, problem, who, fn, err=None):
+    row = {"kernel": kernel, "problem": problem, "who": who, "rel_error": err}
+    try:
+        row.update(bench.flush_timings(fn))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    rows.append(row)
+    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+
+def copy_ladder(rows):
+    l2 = bench.l2_bytes()
+    for moved in (3_538_944, 16_777_216, 33_554_432, 67_108_864, 125_000_000, 201_326_592, 1 << 31):
+        half = moved // 2
+        sets = max(1, min(24, -(-4 * l2 // moved)))
+        pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(), torch.empty(half, dtype=torch.uint8,
+                                                                                              device="cuda"))
+                 for _ in range(sets)]
+        fn = bench.cycling(pairs, lambda p: (lambda: p[1].copy_(p[0])))
+        r0 = len(rows)
+        timed(rows, "copy", f"bytes={moved}", "dst.copy_(src)", fn)
+        for k in ("zero_us", "clean_us", "graph_us"):
+            if k in rows[r0]:
+                rows[r0][k.replace("_us", "_gbps")] = moved / (rows[r0][k] * 1e-6) / 1e9
+        del pairs, fn
+        torch.cuda.empty_cache()
+
+
+def gemm_small(rows):
+    spec = kernels.get("gemm")
+    gcfg = lambda bm, bn, bk, split, w, s: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                                            "num_warps": w, "num_stages": s}
+    variants = {
+        "M=1,N=2304,K=768,bias=True": [
+            gcfg(1, 32, 64, 8, 2, 4), gcfg(1, 32, 128, 4, 2, 1), gcfg(1, 16, 256, 2, 2, 1), gcfg(1, 32, 256, 2, 4, 1),
+            gcfg(1, 64, 128, 4, 4, 1), gcfg(1, 16, 128, 4, 1, 1), gcfg(1, 32, 128, 2, 2, 1), gcfg(1, 64, 64, 4, 2, 1),
+            gcfg(1, 32, 64, 4, 2, 1), gcfg(1, 16, 64, 8, 1, 1), gcfg(1, 32, 256, 1, 4, 1), gcfg(1, 64, 256, 1, 4, 1),
+            gcfg(1, 128, 64, 2, 4, 1), gcfg(1, 16, 1024, 1, 4, 1),
+        ],
+        "M=64,N=2304,K=768,bias=True": [
+            gcfg(16, 32, 128, 1, 4, 3), gcfg(16, 64, 128, 1, 4, 3), gcfg(32, 32, 128, 1, 4, 3), gcfg(64, 32, 256, 1, 4, 3),
+            gcfg(64, 64, 128, 1, 4, 3), gcfg(16, 32, 256, 1, 2, 3), gcfg(32, 64, 64, 1, 4, 4),
+        ],
+    }
+    for text, cfgs in variants.items():
+        problem = parse_problems(spec, text)[0]
+        cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
+        c0 = cases[0]
+        want = spec.reference(*c0.args, **c0.kwargs)
+        got = spec.run(*c0.args, out=c0.out, **c0.kwargs)
+        timed(rows, "gemm", text, "gemm store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
+            *c.args, out=c.out, **c.kwargs)), compare.rel_error(got, want))
+        for cfg in cfgs:
+            try:
+                compare.poison(c0.out)
+                got = gv.gemv(*c0.args, out=c0.out, config=cfg, **c0.kwargs)
+                err = compare.rel_error(got, want)
+            except Exception as e:
+                rows.append({"kernel": "gemm", "problem": text, "who": "gemv " + json.dumps(cfg), "error": str(e)[:200]})
+                continue
+            timed(rows, "gemm", text, "gemv " + json.dumps(cfg, separators=(",", ":")),
+                  bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: gv.gemv(*c.args, out=c.out, config=cfg,
+                                                                               **c.kwargs)), err)
+        timed(rows, "gemm", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
+        del cases
+        torch.cuda.empty_cache()
+
+
+def quant_int4(rows):
+    spec = kernels.get("quant_matmul")
+    text = "M=1,N=28672,K=8192,bits=4,group=128"
+    problem = parse_problems(spec, text)[0]
+    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
+    c0 = cases[0]
+    want = spec.reference(*c0.args, **c0.kwargs)
+    q = lambda bn, bk, split, w, s, bm=8: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                                          "num_warps": w, "num_stages": s}
+    stock = [None, q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(64, 256, 4, 2, 3), q(64, 256, 4, 2, 4),
+             q(64, 512, 4, 4, 2), q(128, 256, 4, 4, 2), q(128, 512, 2, 4, 2), q(32, 512, 4, 2, 2),
+             q(32, 1024, 2, 2, 2), q(64, 1024, 2, 4, 2), q(64, 256, 8, 2, 3)]
+    for cfg in stock:
+        label = "store" if cfg is None else json.dumps(cfg, separators=(",", ":"))
+        try:
+            compare.poison(c0.out)
+            got = spec.run(*c0.args, out=c0.out, config=cfg, **c0.kwargs)
+            err = compare.rel_error(got, want)
+        except Exception as e:
+            rows.append({"kernel": "quant_matmul", "problem": text, "who": label, "error": str(e)[:200]})
+            continue
+        timed(rows, "quant_matmul", text, label, bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: spec.run(
+            *c.args, out=c.out, config=cfg, **c.kwargs)), err)
+    # the experimental copy: original layout (group stride 1) against group-major, with and without SCALE_IN
+    lay = []
+    for c in cases:
+        x, qw, _ = c.args
+        lay.append((x, qw, c.out, qw.scales.t().contiguous(), qw.zeros.t().contiguous()))
+    for cfg in (q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(128, 256, 4, 4, 2), q(64, 256, 4, 4, 3)):
+        for gmajor in (False, True):
+            for scale_in in (False, True):
+                label = f"swap4x gmajor={gmajor} scale_in={scale_in} " + json.dumps(cfg, separators=(",", ":"))
+
+                def mk(t, cfg=cfg, gmajor=gmajor, scale_in=scale_in):
+                    x, qw, out, sct, zpt = t
+                    if gmajor:
+                        return swap4x(x, qw, sct, zpt, 1, qw.N, out, cfg, scale_in)
+                    return swap4x(x, qw, qw.scales, qw.zeros, qw.scales.stride(0), 1, out, cfg, scale_in)
+                try:
+                    fns = [mk(t) for t in lay]
+                    compare.poison(c0.out)
+                    got = fns[0]()
+                    err = compare.rel_error(got, want)
+                except Exception as e:
+                    rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
+                                 "error": f"{type(e).__name__}: {e}"[:300]})
+                    continue
+                timed(rows, "quant_matmul", text, label, bench.cycling(fns, lambda f: f), err)
+    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
+    for pname, peer in spec.peers.items():
+        if pname == "tinygemm":
+            try:
+                timed(rows, "quant_matmul", text, pname, bench.cycling([peer(c) for c in cases], lambda f: f))
+            except Exception as e:
+                print("tinygemm:", e)
+    del cases, lay
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default="copy,gemm,quant")
+    args = p.parse_args()
+    rows = []
+    for name in args.only.split(","):
+        try:
+            {"copy": copy_ladder, "gemm": gemm_small, "quant": quant_int4}[name](rows)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            rows.append({"section": name, "error": f"{type(e).__name__}: {e}"[:500]})
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
