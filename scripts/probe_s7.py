@@ -33,7 +33,7 @@ from tritune.tuning.cli import parse_problems
 def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
             GROUP: tl.constexpr, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, SCALE_IN: tl.constexpr,
-            ASM: tl.constexpr):
+            ASM: tl.constexpr, TILED: tl.constexpr = False):
     """quant_matmul's swapped int4 tile (Yᵀ = dequant(W) · Xᵀ) with a group stride for the scales and zero
     points, and SCALE_IN: (q − z)·s rounded to x's dtype as the dot operand (one fp32 multiply-add a
     group fewer, the scale load feeding the dot so the pipeliner may prefetch it)."""
@@ -50,8 +50,11 @@ def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg
     lo, hi = _k_slice(pid_k, K, GROUP, 4, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
-    w_rows = Wq + offs_n.to(tl.int64)[:, None] * s_wn
     n_groups = K // GROUP
+    if TILED:  # rows in BLOCK_N-row panels, each group's (BLOCK_N, H) bytes one contiguous block
+        w_rows = Wq + pid_n.to(tl.int64) * n_groups * (BLOCK_N * H) + (offs_n - pid_n * BLOCK_N)[:, None] * H
+    else:
+        w_rows = Wq + offs_n.to(tl.int64)[:, None] * s_wn
     offs_h = tl.arange(0, H)
     for blk in range(lo, hi):
         for j in tl.static_range(BLOCK_K // GROUP):
@@ -60,7 +63,10 @@ def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg
             s = tl.load(Sc + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0.0)
             z = tl.load(Zp + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0).to(tl.int16)
             zf = (z | MAGIC).to(DT, bitcast=True)
-            b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0)
+            if TILED:
+                b = tl.load(w_rows + grp * (BLOCK_N * H) + offs_h[None, :], mask=mask_n[:, None], other=0)
+            else:
+                b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0)
             xm = (k_lo < K)[:, None] & mask_m[None, :]
             x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=xm, other=0.0)
             x_hi = tl.load(x_cols + (k_lo + H)[:, None] * s_xk, mask=xm, other=0.0)
@@ -79,7 +85,15 @@ def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg
             pid_k, M, N, s_ym, False, False, SPLIT_K)
 
 
-def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in):
+def tile_panels(qw, rows):
+    """qw.data (N, K/2) -> panels of ``rows`` rows, each group's (rows, g/2) bytes contiguous."""
+    n, kb = qw.data.shape
+    g, h = qw.n_groups, qw.group_size // 2
+    assert n % rows == 0
+    return qw.data.view(n // rows, rows, g, h).permute(0, 2, 1, 3).contiguous()
+
+
+def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in, data=None):
     m, kdim = x.shape
     n = qw.N
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
@@ -88,11 +102,11 @@ def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in):
     locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
 
     def run():
-        _swap4x[(tiles, split)](x, qw.data, sc, zp, out, work, locks, m, n, kdim, x.stride(0), x.stride(1),
+        _swap4x[(tiles, split)](x, qw.data if data is None else data, sc, zp, out, work, locks, m, n, kdim, x.stride(0), x.stride(1),
                                 qw.data.stride(0), s_sn, s_sg, out.stride(0), GROUP=qw.group_size,
                                 H=qw.group_size // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                                 MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300, SCALE_IN=scale_in, ASM=qm._ASM,
-                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                TILED=data is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out
     return run
 
@@ -224,6 +238,75 @@ def quant_int4(rows):
     torch.cuda.empty_cache()
 
 
+@triton.jit
+def _read_words(X, Out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Each program sums ITERS * BLOCK int32 words (a read-only stream: the read roofline)."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * (BLOCK * ITERS)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for i in tl.range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(X + offs, mask=offs < n, other=0)
+    tl.store(Out + pid, tl.sum(acc))
+
+
+def read_ladder(rows):
+    l2 = bench.l2_bytes()
+    for nbytes in (3_538_944, 16_777_216, 33_554_432, 67_108_864, 125_000_000, 201_326_592):
+        words = nbytes // 4
+        sets = max(1, min(24, -(-4 * l2 // nbytes)))
+        bufs = [torch.randint(0, 1 << 20, (words,), dtype=torch.int32, device="cuda") for _ in range(sets)]
+        for block, iters, warps, stages in ((2048, 4, 8, 2), (1024, 8, 4, 3), (4096, 2, 8, 1), (1024, 2, 4, 1)):
+            grid = triton.cdiv(words, block * iters)
+            out = torch.empty(grid, dtype=torch.int32, device="cuda")
+            fn = bench.cycling(bufs, lambda b, block=block, iters=iters, warps=warps, stages=stages, grid=grid, out=out:
+                               (lambda: _read_words[(grid,)](b, out, words, BLOCK=block, ITERS=iters,
+                                                             num_warps=warps, num_stages=stages)))
+            r0 = len(rows)
+            timed(rows, "read", f"bytes={nbytes}", f"read BLOCK={block} ITERS={iters} w={warps} s={stages}", fn)
+            for k in ("zero_us", "clean_us", "graph_us"):
+                if k in rows[r0]:
+                    rows[r0][k.replace("_us", "_gbps")] = nbytes / (rows[r0][k] * 1e-6) / 1e9
+        del bufs
+        torch.cuda.empty_cache()
+
+
+def quant_tiled(rows):
+    spec = kernels.get("quant_matmul")
+    text = "M=1,N=28672,K=8192,bits=4,group=128"
+    problem = parse_problems(spec, text)[0]
+    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
+    c0 = cases[0]
+    x, qw, _ = c0.args
+    want = spec.reference(*c0.args, **c0.kwargs)
+    timed(rows, "quant_matmul", text, "store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
+        *c.args, out=c.out, **c.kwargs)))
+    sct, zpt = qw.scales.t().contiguous(), qw.zeros.t().contiguous()
+    panels = {}
+    q = lambda bn, bk, split, w, s: {"BLOCK_M": 8, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                                     "num_warps": w, "num_stages": s}
+    for cfg in (q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(64, 512, 4, 4, 2), q(32, 512, 4, 2, 2),
+                q(128, 256, 4, 4, 2), q(64, 256, 4, 4, 3), q(64, 256, 2, 2, 2), q(64, 512, 1, 4, 2),
+                q(32, 256, 8, 2, 2), q(128, 512, 2, 8, 2)):
+        bn = cfg["BLOCK_N"]
+        if bn not in panels:
+            panels[bn] = tile_panels(qw, bn)
+        for tiled, scale_in in ((True, False), (True, True), (False, False)):
+            label = f"swap4x gmajor tiled={tiled} scale_in={scale_in} " + json.dumps(cfg, separators=(",", ":"))
+            try:
+                fn = swap4x(x, qw, sct, zpt, 1, qw.N, c0.out, cfg, scale_in, panels[bn] if tiled else None)
+                compare.poison(c0.out)
+                err = compare.rel_error(fn(), want)
+            except Exception as e:
+                rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
+                             "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            timed(rows, "quant_matmul", text, label, fn, err)
+    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
+    del cases, panels
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -232,7 +315,7 @@ def main() -> None:
     rows = []
     for name in args.only.split(","):
         try:
-            {"copy": copy_ladder, "gemm": gemm_small, "quant": quant_int4}[name](rows)
+            {"copy": copy_ladder, "gemm": gemm_small, "quant": quant_int4, "read": read_ladder, "quant2": quant_tiled}[name](rows)
         except Exception as e:
             import traceback
             traceback.print_exc()
