@@ -6,7 +6,10 @@ INT8 symmetric per output channel (w = q · s[n]), or INT4 asymmetric per group 
 holds k = j·g + i in its low nibble and k = j·g + g/2 + i in its high one. A (rows × g/2) block of
 bytes of one group thus gives two code blocks whose activations are two *contiguous* slices of x
 (the group's first and second halves): no interleaving, 16-byte vector loads, and each half is a
-tl.dot operand of depth g/2 >= 16 as it is.
+tl.dot operand of depth g/2 >= 16 as it is. The bytes are stored in panels of PANEL_ROWS = 64 rows
+(references.quant): a group's (64 × g/2) bytes are one contiguous block, and the scales and zero
+points are group-major, so a 64-row tile reads each group's codes, scales and zero points as three
+contiguous runs (M = 1 on (8192, 28672), H100: 54.8 -> 49.9 µs in a CUDA graph against row-major rows).
 
 Accumulation is fp32 and the weight never leaves exact arithmetic: codes become floats by the
 magic-number trick (OR the code into the mantissa of 2^23, or of 1024/128 in fp16/bf16, then subtract
@@ -83,16 +86,27 @@ def _k_slice(pid_k, K, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _qmm_gemv(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_ym,
-              BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _w_rows(Wq, offs_n, K, s_wn, BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr):
+    """Where row n of the weight starts: int8 row-major (stride s_wn); int4 in panels of PANEL rows, each
+    group's (PANEL, H) bytes one contiguous block (group j of row n at this + j · PANEL · H)."""
+    n64 = offs_n.to(tl.int64)
+    if BITS == 4:
+        return Wq + (n64 // PANEL) * ((K // GROUP) * PANEL * H) + (n64 % PANEL) * H
+    else:
+        return Wq + n64 * s_wn
+
+
+@triton.jit
+def _qmm_gemv(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
+              BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] · w[n, k] for one row m, BLOCK_N columns n and one K slice, on CUDA cores."""
     m = tl.program_id(0)          # rows fastest: programs of one strip share its bytes through L2
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    w_rows = Wq + offs_n.to(tl.int64)[:, None] * s_wn
+    w_rows = _w_rows(Wq, offs_n, K, s_wn, BITS, GROUP, H, PANEL)[:, None]
     x_row = X + m.to(tl.int64) * s_xm
     lo, hi = _k_slice(pid_k, K, GROUP, BITS, BLOCK_K, SPLIT_K)
     if BITS == 4:
@@ -104,12 +118,12 @@ def _qmm_gemv(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_
                 # a group past K (the last block's tail) reads the last group again with x = 0
                 grp = tl.minimum(blk * (BLOCK_K // GROUP) + j, n_groups - 1)
                 k_lo = (blk * (BLOCK_K // GROUP) + j) * GROUP + offs_h
-                b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
+                b = tl.load(w_rows + (grp * (PANEL * H) + offs_h)[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
                 x_lo = tl.load(x_row + k_lo * s_xk, mask=k_lo < K, other=0.0).to(tl.float32)
                 x_hi = tl.load(x_row + (k_lo + H) * s_xk, mask=k_lo < K, other=0.0).to(tl.float32)
-                s = tl.load(Sc + offs_n * s_sn + grp, mask=mask_n, other=0.0).to(tl.float32)
+                s = tl.load(Sc + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0.0).to(tl.float32)
                 # 2^23 + z: subtracting it from 2^23 + q (the code ORed into 2^23's mantissa) is q − z
-                zb = tl.load(Zp + offs_n * s_sn + grp, mask=mask_n, other=0).to(tl.float32) + 8388608.0
+                zb = tl.load(Zp + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0).to(tl.float32) + 8388608.0
                 w_lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - zb[:, None]
                 w_hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zb[:, None]
                 acc += (w_lo * x_lo[None, :] + w_hi * x_hi[None, :]) * s[:, None]
@@ -174,8 +188,8 @@ def _nibbles(b, MAGIC: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_ym,
-             BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
+             BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr, HAS_BIAS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
              MAGIC: tl.constexpr, ASM: tl.constexpr):
     """Y tile = X tile @ dequant(W tile)ᵀ over one K slice with tl.dot (fp32 accumulator).
@@ -201,11 +215,11 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)    # Yᵀ tile
         x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
-        w_rows = Wq + offs_n.to(tl.int64)[:, None] * s_wn
+        w_rows = _w_rows(Wq, offs_n, K, s_wn, BITS, GROUP, H, PANEL)[:, None]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm
-        w_cols = Wq + offs_n.to(tl.int64)[None, :] * s_wn
+        w_cols = _w_rows(Wq, offs_n, K, s_wn, BITS, GROUP, H, PANEL)[None, :]
     if BITS == 4:
         n_groups = K // GROUP
         offs_h = tl.arange(0, H)
@@ -214,8 +228,8 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
                 # a group past K (the last block's tail) reads the last group again with x = 0
                 grp = tl.minimum(blk * (BLOCK_K // GROUP) + j, n_groups - 1)
                 k_lo = (blk * (BLOCK_K // GROUP) + j) * GROUP + offs_h
-                s = tl.load(Sc + offs_n * s_sn + grp, mask=mask_n, other=0.0).to(tl.float32)
-                z = tl.load(Zp + offs_n * s_sn + grp, mask=mask_n, other=0).to(tl.int16)
+                s = tl.load(Sc + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0.0).to(tl.float32)
+                z = tl.load(Zp + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0).to(tl.int16)
                 zf = (z | MAGIC).to(DT, bitcast=True)  # MAGIC + z
                 # the unpack runs in the dot-operand layout (Triton hoists the layout change above
                 # elementwise ops, asm included): bytes go through shared memory, not 16-bit codes.
@@ -224,7 +238,7 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
                 # kernels' data out of L2 (the hint survives only unpipelined loads, num_stages 1:
                 # Triton's cp.async path drops it).
                 if SWAP:
-                    b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0,
+                    b = tl.load(w_rows + (grp * (PANEL * H) + offs_h)[None, :], mask=mask_n[:, None], other=0,
                                 eviction_policy="evict_first")  # (BN, H)
                     xm = (k_lo < K)[:, None] & mask_m[None, :]
                     x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=xm, other=0.0)         # (H, BM)
@@ -234,7 +248,7 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
                     part = tl.dot(q_hi - zf[:, None], x_hi, part)
                     acc += part * s[:, None]
                 else:
-                    b = tl.load(w_cols + (grp * H + offs_h)[:, None], mask=mask_n[None, :], other=0,
+                    b = tl.load(w_cols + (grp * (PANEL * H) + offs_h)[:, None], mask=mask_n[None, :], other=0,
                                 eviction_policy="evict_first")  # (H, BN)
                     xm = mask_m[:, None] & (k_lo < K)[None, :]
                     x_lo = tl.load(x_rows + k_lo[None, :] * s_xk, mask=xm, other=0.0)         # (BM, H)
@@ -390,9 +404,11 @@ def _make_plan(x, qw, bias, out, config) -> _Plan:
     plan.work_numel = split * m * n if split > 1 else 0
     # the plan holds its counters: a buffer grown later for another plan stays alive for this one
     plan.locks = _locks(x.device, m_tiles * n_tiles) if split > 1 else None
-    plan.ints = (m, n, kdim, x2.stride(0), x2.stride(1), qw.data.stride(0),
-                 qw.scales.stride(0) if qw.bits == 4 else 1, n)
-    meta = dict(BITS=qw.bits, GROUP=qw.group_size if qw.bits == 4 else 2, H=qw.group_size // 2 if qw.bits == 4 else 1,
+    int4 = qw.bits == 4
+    plan.ints = (m, n, kdim, x2.stride(0), x2.stride(1), 0 if int4 else qw.data.stride(0),
+                 qw.scales.stride(0) if int4 else 1, qw.scales.stride(1) if int4 else 0, n)
+    meta = dict(BITS=qw.bits, GROUP=qw.group_size if int4 else 2, H=qw.group_size // 2 if int4 else 1,
+                PANEL=Q.PANEL_ROWS if int4 else 1,
                 HAS_BIAS=bias is not None,
                 BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     plan.gemv = bm == 1
@@ -478,10 +494,10 @@ def default_config(p: Problem, dtype) -> dict:
     """From H100 sweeps (bf16, (K, N) = (8192, 28672) and GPT-2/4096 shapes):
     - int8, M <= 2: the GEMV kernel (BLOCK_N 32, BLOCK_K 256): 100 µs at M = 1 on the large shape;
     - int4, M <= 2 on small weights (N·K <= 2^24): the GEMV kernel (BLOCK_N 32, BLOCK_K 128);
-    - int4 otherwise up to M = 16: the swapped tl.dot path, split-K 4 on the large shape. M <= 8:
-      8 x 64 x 256 tiles, 4 warps, 3 stages (M = 1: 56.5 µs in a CUDA graph, 69.6 under do_bench, the
-      best graph time measured: 8 x 64 x 512 split 2 57.1, 8 x 64 x 128 66.5; 8 x 128 tiles 81.5). M <= 16: 16 x 32 x 512, 2 warps, 2 stages
-      (M = 16: 78.5 µs, graph 71.0; 16 x 32 x 256 84.1, 16 x 64 x 256 116.1); 256 deep below K = 2048;
+    - int4 otherwise up to M = 16: the swapped tl.dot path. M <= 8: 8 x 64 x 256 tiles, 2 warps, 2 stages,
+      split-K 2 on the large shape (weights in panels; figures at the branch). M <= 16: 16 x 32 x 512,
+      2 warps, 2 stages (row-major weights, M = 16: 78.5 µs, graph 71.0; 16 x 32 x 256 84.1, 16 x 64 x 256
+      116.1); 256 deep below K = 2048;
     - int8 up to M = 16: tl.dot tiles with BLOCK_M 16; 64 beyond (both formats);
     - split-K (at most 4 slices of >= 4 blocks, N >= 1024) only while the tiles leave the SMs short:
       deeper splits measured slower on every shape tried.
@@ -494,14 +510,17 @@ def default_config(p: Problem, dtype) -> dict:
         tiles = p.M * -(-p.N // bn)
         want = 8 * sms
     elif p.bits == 4 and p.M <= 16:
-        # operands swapped; many small CTAs (7 of 4 warps fit an SM at BLOCK_N 64) hide DRAM latency
+        # operands swapped; many small CTAs hide DRAM latency
         if p.M <= 8:
-            bm, bn, bk, warps, stages = 8, 64, 256, 4, 3
+            # panels (2026-11-23, H100, M = 1 on (8192, 28672), CUDA graph): 8 x 64 x 256, 2 warps, 2
+            # stages, split 2: 49.9 µs; split 4 51.4; 8 x 32 x 256 split 8 50.8; 8 x 128 x 256 split 4 51.4
+            bm, bn, bk, warps, stages = 8, 64, 256, 2, 2
+            want = 6 * sms
         else:
             bm, bn, warps = 16, 32, 2
             bk, stages = (512, 2) if p.K >= 2048 else (256, 3)
+            want = 16 * sms
         tiles = -(-p.N // bn)
-        want = 16 * sms
     elif p.M <= 16:
         bm, bn, bk, warps, stages = 16, 64, 256, 4, 3
         tiles = -(-p.N // bn)
@@ -686,7 +705,8 @@ def _bad_inputs(device):
         ("x on the wrong device", lambda: quant_matmul(x.to("meta"), q4), ValueError),
         ("qw not a QuantizedWeight", lambda: quant_matmul(x, w), TypeError),
         ("K not a multiple of the group", lambda: quant_matmul(x, replace(q4, K=48)), ValueError),
-        ("packed int4 of the wrong shape", lambda: quant_matmul(x, replace(q4, data=q4.data[:, :16].contiguous())), ValueError),
+        ("packed int4 of the wrong shape", lambda: quant_matmul(x, replace(q4, data=q4.data[:, :1].contiguous())), ValueError),
+        ("packed int4 row-major, not in panels", lambda: quant_matmul(x, replace(q4, data=Q.from_panels(q4.data, 12))), ValueError),
         ("packed int4 of the wrong dtype", lambda: quant_matmul(x, replace(q4, data=q4.data.to(torch.int8))), TypeError),
         ("int8 codes of the wrong shape", lambda: quant_matmul(x, replace(q8, data=q8.data[:6].contiguous())), ValueError),
         ("int8 scales of the wrong dtype", lambda: quant_matmul(x, replace(q8, scales=q8.scales.half())), TypeError),

@@ -20,15 +20,24 @@ INT4 (``bits=4``), asymmetric per group of ``group_size`` consecutive k (32, 64 
   are 3.7 MB next to 117 MB of codes); codes are computed from the stored (rounded) scale, so the
   weight a kernel reconstructs is exactly ``dequantize()``, and (q − z) · s is exact in float32.
 
-INT4 packing (``data``: uint8, shape (N, K // 2)): two codes per byte, split by half-groups. In group
-``j`` (columns ``j*g .. j*g + g - 1``, h = g/2) byte ``data[n, j*h + i]`` holds::
+INT4 packing: two codes per byte, split by half-groups. In group ``j`` (columns ``j*g .. j*g + g - 1``,
+h = g/2) byte ``i`` of row ``n``'s group holds::
 
     low nibble  = q[n, j*g + i]          (first half of the group)
     high nibble = q[n, j*g + h + i]      (second half of the group),   0 <= i < h
 
-Why: a kernel that loads a (rows × h) block of bytes of one group gets two (rows × h) code blocks whose
-activations are two *contiguous* slices of x (x[j*g : j*g+h] and x[j*g+h : (j+1)*g]); nothing needs
-interleaving, x loads stay 16-byte vectors, and each half feeds a tl.dot of depth h >= 16 directly.
+``pack_int4`` gives these bytes row-major, (N, K // 2): byte i of group j of row n at [n, j*h + i].
+A QuantizedWeight stores them in *panels* of R = PANEL_ROWS rows (``to_panels``): ``data`` is uint8 of
+shape (ceil(N / R), K // g, R, h), byte i of group j of row n at [n // R, j, n % R, i] (rows past N are
+zero padding). Scales and zero points are (N, K // g) views of group-major (K // g, N) storage.
+
+Why half-groups: a kernel that loads a (rows × h) block of bytes of one group gets two (rows × h) code
+blocks whose activations are two *contiguous* slices of x (x[j*g : j*g+h] and x[j*g+h : (j+1)*g]);
+nothing needs interleaving, x loads stay 16-byte vectors, and each half feeds a tl.dot of depth h >= 16
+directly. Why panels: a kernel tile of R rows reads one contiguous R·h-byte block per group (4 KiB at
+g = 128) instead of R pieces of h bytes a row apart, and its R scales (zero points) are one contiguous
+load. H100, M = 1 on (8192, 28672), the same tile and config: 54.8 -> 49.9 µs in a CUDA graph
+(scripts/probe_s7.py, 2026-11-23); group-major scales alone gave about 1 µs of that.
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ import torch
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_QMAX = 127
 INT4_QMAX = 15
+PANEL_ROWS = 64  # int4 rows per panel (module docstring)
 
 
 @dataclass
@@ -48,9 +58,9 @@ class QuantizedWeight:
     N: int                               # output features
     K: int                               # input features
     group_size: int                      # int4: 32 | 64 | 128; int8: K (one group per output channel)
-    data: torch.Tensor                   # int8 (N, K) | uint8 (N, K // 2) packed as the module says
-    scales: torch.Tensor                 # float32 (N,) | bfloat16 (N, K // group_size)
-    zeros: torch.Tensor | None = None    # int4 only: uint8 (N, K // group_size), values 0..15
+    data: torch.Tensor                   # int8 (N, K) | uint8 (ceil(N/R), K // g, R, g // 2): int4 panels
+    scales: torch.Tensor                 # float32 (N,) | bfloat16 (N, K // g), group-major storage
+    zeros: torch.Tensor | None = None    # int4 only: uint8 (N, K // g), values 0..15, group-major storage
 
     # -- structure ----------------------------------------------------------------------------
     @property
@@ -95,12 +105,12 @@ class QuantizedWeight:
         else:
             if self.group_size not in INT4_GROUP_SIZES:
                 raise ValueError(f"qw: int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
-            _expect(self.data, "qw.data", (self.N, self.K // 2), torch.uint8)
-            _expect(self.scales, "qw.scales", (self.N, self.n_groups), torch.bfloat16)
+            _expect(self.data, "qw.data", panel_shape(self.N, self.K, self.group_size), torch.uint8)
+            _expect(self.scales, "qw.scales", (self.N, self.n_groups), torch.bfloat16, either_major=True)
             if not isinstance(self.zeros, torch.Tensor):
                 raise TypeError("qw.zeros: int4 needs a uint8 tensor of zero points, got "
                                 f"{type(self.zeros).__name__}")
-            _expect(self.zeros, "qw.zeros", (self.N, self.n_groups), torch.uint8)
+            _expect(self.zeros, "qw.zeros", (self.N, self.n_groups), torch.uint8, either_major=True)
         for t, name in ((self.scales, "scales"), (self.zeros, "zeros")):
             if t is not None and t.device != self.data.device:
                 raise ValueError(f"qw.{name}: on {t.device}, but qw.data is on {self.data.device}")
@@ -108,7 +118,7 @@ class QuantizedWeight:
     # -- values -------------------------------------------------------------------------------
     def codes(self) -> torch.Tensor:
         """The integer codes, (N, K): int8 in [-127, 127] or uint8 in [0, 15] (unpacked)."""
-        return self.data if self.bits == 8 else unpack_int4(self.data, self.group_size)
+        return self.data if self.bits == 8 else unpack_int4(from_panels(self.data, self.N), self.group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized weight (N, K) in ``dtype``.
@@ -118,20 +128,46 @@ class QuantizedWeight:
         """
         if self.bits == 8:
             return self.data.to(dtype) * self.scales.to(dtype)[:, None]
-        q = unpack_int4(self.data, self.group_size).to(dtype).view(self.N, self.n_groups, self.group_size)
+        q = self.codes().to(dtype).view(self.N, self.n_groups, self.group_size)
         z = self.zeros.to(dtype)[:, :, None]
         s = self.scales.to(dtype)[:, :, None]
         return ((q - z) * s).reshape(self.N, self.K)
 
 
-def _expect(t: torch.Tensor, name: str, shape: tuple, dtype: torch.dtype) -> None:
+def _expect(t: torch.Tensor, name: str, shape: tuple, dtype: torch.dtype, either_major: bool = False) -> None:
     if t.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got "
                         f"{str(t.dtype).replace('torch.', '')}")
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
+    if either_major:  # (N, G): row-major, or a transposed view of (G, N) storage
+        if not (t.is_contiguous() or t.t().is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous tensor or a transposed view of one")
+    elif not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def panel_shape(N: int, K: int, group_size: int, rows: int = PANEL_ROWS) -> tuple:
+    """Shape of int4 ``data`` in panels: (ceil(N / rows), K // group_size, rows, group_size // 2)."""
+    return (-(-N // rows), K // group_size, rows, group_size // 2)
+
+
+def to_panels(packed: torch.Tensor, group_size: int, rows: int = PANEL_ROWS) -> torch.Tensor:
+    """Row-major packed bytes (N, K // 2) -> panels (ceil(N / rows), K // g, rows, g // 2), zero-padded."""
+    N, half = packed.shape
+    h = group_size // 2
+    if half % h:
+        raise ValueError(f"packed: {half} bytes per row is not a whole number of groups of {group_size}")
+    P = -(-N // rows)
+    if P * rows != N:
+        packed = torch.cat((packed, packed.new_zeros(P * rows - N, half)))
+    return packed.view(P, rows, half // h, h).permute(0, 2, 1, 3).contiguous()
+
+
+def from_panels(panels: torch.Tensor, N: int) -> torch.Tensor:
+    """Inverse of :func:`to_panels`: (P, G, rows, h) -> row-major (N, G·h)."""
+    P, G, rows, h = panels.shape
+    return panels.permute(0, 2, 1, 3).reshape(P * rows, G * h)[:N]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -201,8 +237,10 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
     s = scale.to(torch.float32)
     zero = torch.clamp(torch.round(-lo / s), 0, INT4_QMAX)
     q = torch.clamp(torch.round(wg / s[:, :, None]) + zero[:, :, None], 0, INT4_QMAX).to(torch.uint8)
-    data = pack_int4(q.view(N, K), group_size)
-    return QuantizedWeight(4, N, K, group_size, data, scale.contiguous(), zero.to(torch.uint8).contiguous())
+    data = to_panels(pack_int4(q.view(N, K), group_size), group_size)
+    # (N, G) views of group-major storage: a tile's scales for one group are one contiguous load
+    return QuantizedWeight(4, N, K, group_size, data, scale.t().contiguous().t(),
+                           zero.to(torch.uint8).t().contiguous().t())
 
 
 def quantize(w: torch.Tensor, bits: int, group_size: int = 128) -> QuantizedWeight:

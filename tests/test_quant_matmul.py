@@ -143,6 +143,25 @@ def test_int4_pack_round_trip_and_layout(group):
     assert int(packed[2, j * h + i]) == int(q[2, j * group + i]) | (int(q[2, j * group + h + i]) << 4)
 
 
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 130])
+def test_int4_panels_layout(n):
+    """The stored layout: byte i of group j of row n at data[n // R, j, n % R, i]; rows past N are zero;
+    scales and zero points are (N, G) views of group-major storage; from_panels inverts to_panels."""
+    group, R = 32, Q.PANEL_ROWS
+    w = _weight(n, 3 * group, 21 + n, "cpu")
+    qw = Q.quantize_int4(w, group)
+    qw.validate()
+    rowmajor = Q.pack_int4(qw.codes(), group)
+    assert qw.data.shape == (-(-n // R), 3, R, group // 2)
+    assert torch.equal(Q.from_panels(qw.data, n), rowmajor)
+    r, j, i = n - 1, 2, 5
+    assert int(qw.data[r // R, j, r % R, i]) == int(rowmajor[r, j * group // 2 + i])
+    if n % R:
+        assert int(qw.data[-1, :, n % R:].abs().max()) == 0
+    assert qw.scales.shape == (n, 3) and qw.scales.t().is_contiguous()
+    assert qw.zeros.shape == (n, 3) and qw.zeros.t().is_contiguous()
+
+
 @pytest.mark.parametrize("bits,group", FORMATS, ids=[f"int{b}-g{g}" for b, g in FORMATS])
 def test_quantize_round_trip_bounds(bits, group):
     """Every weight within half a step of its reconstruction (a hair more at int4's clamped ends: the
@@ -181,7 +200,8 @@ def test_quantization_error_reported(record_property, capsys):
 
 def test_quantized_weight_to_and_nbytes():
     qw = Q.quantize_int4(_weight(8, 128, 17, "cpu"), 64)
-    assert qw.nbytes() == 8 * 64 + 8 * 2 * 2 + 8 * 2
+    # bytes as stored: the 8 rows fill one panel of PANEL_ROWS (zero-padded), scales bf16, zero points u8
+    assert qw.nbytes() == Q.PANEL_ROWS * 64 + 8 * 2 * 2 + 8 * 2
     moved = qw.to("cpu")
     moved.validate()
     assert torch.equal(moved.dequantize(), qw.dequantize())
@@ -212,8 +232,8 @@ def test_kernel_bad_inputs_name_the_argument():
     x = _x((3, 64), torch.float16, 19)
     with pytest.raises(ValueError, match="qw: K=48 is not a multiple of group_size=32"):
         QM.quant_matmul(x, replace(q4, K=48))
-    with pytest.raises(ValueError, match=r"qw.data: expected shape \(12, 32\)"):
-        QM.quant_matmul(x, replace(q4, data=q4.data[:, :16].contiguous()))
+    with pytest.raises(ValueError, match=r"qw.data: expected shape \(1, 2, 64, 16\)"):
+        QM.quant_matmul(x, replace(q4, data=q4.data[:, :1].contiguous()))
     with pytest.raises(TypeError, match="qw.data: expected dtype uint8"):
         QM.quant_matmul(x, replace(q4, data=q4.data.view(torch.int8)))
     with pytest.raises(TypeError, match="x: dtype float32"):
