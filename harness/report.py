@@ -81,12 +81,18 @@ def _serve_table(d: dict, fmt: str) -> str:
 
 
 def _probe_table(rows: list, fmt: str) -> str:
-    """scripts/flush_probe.py: each path timed after do_bench's zero-fill flush, after a flush that leaves
-    L2 clean, and replayed in a CUDA graph."""
+    """scripts/flush_probe.py, probe_variants.py, probe_s7.py: each path timed after do_bench's zero-fill
+    flush, after a flush that leaves L2 clean, and replayed in a CUDA graph (GB/s where the probe gave it:
+    the copy and read ladders)."""
+    rows = [r for r in rows if "who" in r]
+    gbps = any("zero_gbps" in r for r in rows)
     table = [[r["kernel"], r["problem"], r["who"], _fmt(r.get("zero_us")), _fmt(r.get("clean_us")),
-              _fmt(r.get("graph_us")), r.get("error", "")] for r in rows]
-    return tabulate(table, headers=["kernel", "problem", "path", "do_bench µs (zero-fill flush)",
-                                    "do_bench µs (clean flush)", "graph µs", "error"], tablefmt=fmt)
+              _fmt(r.get("graph_us"))]
+             + ([_fmt(r.get("zero_gbps"), 0), _fmt(r.get("graph_gbps"), 0)] if gbps else [])
+             + [r.get("error", "")] for r in rows]
+    headers = ["kernel", "problem", "path", "do_bench µs (zero-fill flush)", "do_bench µs (clean flush)", "graph µs"]
+    headers += ["GB/s (do_bench)", "GB/s (graph)"] if gbps else []
+    return tabulate(table, headers=headers + ["error"], tablefmt=fmt)
 
 
 def _efficiency_table(d: dict, fmt: str) -> str:

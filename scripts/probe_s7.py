@@ -33,7 +33,7 @@ from tritune.tuning.cli import parse_problems
 def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
             GROUP: tl.constexpr, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, SCALE_IN: tl.constexpr,
-            ASM: tl.constexpr, TILED: tl.constexpr = False):
+            ASM: tl.constexpr, TILED: tl.constexpr = False, SC_PANEL: tl.constexpr = 0, PANEL: tl.constexpr = 0):
     """quant_matmul's swapped int4 tile (Yᵀ = dequant(W) · Xᵀ) with a group stride for the scales and zero
     points, and SCALE_IN: (q − z)·s rounded to x's dtype as the dot operand (one fp32 multiply-add a
     group fewer, the scale load feeding the dot so the pipeliner may prefetch it)."""
@@ -51,8 +51,10 @@ def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
     n_groups = K // GROUP
-    if TILED:  # rows in BLOCK_N-row panels, each group's (BLOCK_N, H) bytes one contiguous block
-        w_rows = Wq + pid_n.to(tl.int64) * n_groups * (BLOCK_N * H) + (offs_n - pid_n * BLOCK_N)[:, None] * H
+    R: tl.constexpr = BLOCK_N if PANEL == 0 else PANEL
+    if TILED:  # rows in R-row panels, each group's (R, H) bytes one contiguous block
+        n64 = offs_n.to(tl.int64)
+        w_rows = Wq + ((n64 // R) * (n_groups * R * H) + (n64 % R) * H)[:, None]
     else:
         w_rows = Wq + offs_n.to(tl.int64)[:, None] * s_wn
     offs_h = tl.arange(0, H)
@@ -60,11 +62,15 @@ def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg
         for j in tl.static_range(BLOCK_K // GROUP):
             grp = tl.minimum(blk * (BLOCK_K // GROUP) + j, n_groups - 1)
             k_lo = (blk * (BLOCK_K // GROUP) + j) * GROUP + offs_h
-            s = tl.load(Sc + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0.0)
-            z = tl.load(Zp + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0).to(tl.int16)
+            if SC_PANEL > 0:  # scales and zero points in panels too: (N/P, G, P), a panel's run sequential
+                sz_off = (offs_n // SC_PANEL) * (n_groups * SC_PANEL) + grp * SC_PANEL + offs_n % SC_PANEL
+            else:
+                sz_off = offs_n * s_sn + grp * s_sg
+            s = tl.load(Sc + sz_off, mask=mask_n, other=0.0)
+            z = tl.load(Zp + sz_off, mask=mask_n, other=0).to(tl.int16)
             zf = (z | MAGIC).to(DT, bitcast=True)
             if TILED:
-                b = tl.load(w_rows + grp * (BLOCK_N * H) + offs_h[None, :], mask=mask_n[:, None], other=0)
+                b = tl.load(w_rows + grp * (R * H) + offs_h[None, :], mask=mask_n[:, None], other=0)
             else:
                 b = tl.load(w_rows + (grp * H + offs_h)[None, :], mask=mask_n[:, None], other=0)
             xm = (k_lo < K)[:, None] & mask_m[None, :]
@@ -93,7 +99,7 @@ def tile_panels(qw, rows):
     return qw.data.view(n // rows, rows, g, h).permute(0, 2, 1, 3).contiguous()
 
 
-def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in, data=None):
+def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in, data=None, sc_panel=0, panel=0):
     m, kdim = x.shape
     n = qw.N
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
@@ -106,7 +112,7 @@ def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in, data=None):
                                 qw.data.stride(0), s_sn, s_sg, out.stride(0), GROUP=qw.group_size,
                                 H=qw.group_size // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                                 MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300, SCALE_IN=scale_in, ASM=qm._ASM,
-                                TILED=data is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                TILED=data is not None, SC_PANEL=sc_panel, PANEL=panel, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out
     return run
 
@@ -334,6 +340,48 @@ def quant_configs(rows):
     torch.cuda.empty_cache()
 
 
+def sz_panels(t, rows=64):
+    """(N, G) scales or zero points -> (N/rows, G, rows) contiguous (N a multiple of rows)."""
+    n, g = t.shape
+    return t.reshape(n // rows, rows, g).permute(0, 2, 1).contiguous()
+
+
+def quant_scpanel(rows):
+    """Codes in 64-row panels (as committed) with the scales and zero points group-major (committed) or in
+    the same panels (SC_PANEL: each panel's scales one sequential 8 KB run over the groups)."""
+    spec = kernels.get("quant_matmul")
+    text = "M=1,N=28672,K=8192,bits=4,group=128"
+    problem = parse_problems(spec, text)[0]
+    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
+    c0 = cases[0]
+    x, qw, _ = c0.args
+    want = spec.reference(*c0.args, **c0.kwargs)
+    timed(rows, "quant_matmul", text, "store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
+        *c.args, out=c.out, **c.kwargs)))
+    scp, zpp = sz_panels(qw.scales), sz_panels(qw.zeros)
+    q = lambda bn, bk, split, w, s: {"BLOCK_M": 8, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                                     "num_warps": w, "num_stages": s}
+    for cfg in (q(32, 256, 2, 2, 2), q(16, 256, 2, 1, 2), q(64, 256, 2, 4, 2), q(32, 256, 2, 2, 1), q(64, 256, 4, 2, 2)):
+        for mode in ("gmajor", "scpanel"):
+            label = f"swap4x panels sz={mode} " + json.dumps(cfg, separators=(",", ":"))
+            try:
+                if mode == "gmajor":
+                    fn = swap4x(x, qw, qw.scales, qw.zeros, qw.scales.stride(0), qw.scales.stride(1), c0.out, cfg,
+                                False, qw.data, panel=64)
+                else:
+                    fn = swap4x(x, qw, scp, zpp, 0, 0, c0.out, cfg, False, qw.data, sc_panel=64, panel=64)
+                compare.poison(c0.out)
+                err = compare.rel_error(fn(), want)
+            except Exception as e:
+                rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
+                             "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            timed(rows, "quant_matmul", text, label, fn, err)
+    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
+    del cases
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -343,7 +391,7 @@ def main() -> None:
     for name in args.only.split(","):
         try:
             {"copy": copy_ladder, "gemm": gemm_small, "quant": quant_int4, "read": read_ladder, "quant2": quant_tiled,
-             "quant3": quant_configs}[name](rows)
+             "quant3": quant_configs, "quant4": quant_scpanel}[name](rows)
         except Exception as e:
             import traceback
             traceback.print_exc()
