@@ -123,3 +123,29 @@ def test_rel_error_infinities_must_match_the_reference():
     assert cmp.rel_error(torch.tensor([1.0, 0.0, 2.0]), r) == math.inf             # finite where -inf expected
     assert cmp.rel_error(torch.tensor([1.0, -math.inf, math.inf]), r) == math.inf  # inf where finite expected
     assert cmp.rel_error(torch.tensor([math.nan, -math.inf, 2.0]), r) == math.inf  # NaN never passes
+
+
+def test_time_rounds_alternates_and_takes_medians(monkeypatch):
+    """Short problems: ours, the vendor and each peer in three alternating rounds, each path's median; a
+    failing peer is reported and dropped; long problems and the interpreter: one round."""
+    from tritune.harness import bench
+
+    seq = {"ours": [0.05, 0.20, 0.06], "vendor": [0.07, 0.07, 0.30], "bad": []}
+    order = []
+
+    def fake_median_ms(fn):
+        order.append(fn)
+        if fn == "bad":
+            raise RuntimeError("peer down")
+        return seq[fn][sum(1 for o in order if o == fn) - 1]
+
+    monkeypatch.setattr(bench, "median_ms", fake_median_ms)
+    monkeypatch.setattr(bench.dev, "interpreted", lambda: False)
+    out, rounds = bench.time_rounds({"ours": "ours", "vendor": "vendor", "bad": "bad"})
+    assert rounds == 3
+    assert order == ["ours", "vendor", "bad", "ours", "vendor", "ours", "vendor"]
+    assert out["ours"] == 0.06 and out["vendor"] == 0.07 and "peer down" in out["bad"]
+    seq["ours"] = [0.5]
+    order.clear()
+    out, rounds = bench.time_rounds({"ours": "ours"})
+    assert rounds == 1 and out == {"ours": 0.5}
