@@ -2,6 +2,8 @@
 # Nsight Compute on a few kernels (GPU machine with hardware counters): reports land in $OUT as text.
 set -uo pipefail
 : "${OUT:?}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
 python -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || exit 1
 which ncu || ls /opt/nvidia/nsight-compute/*/ncu
 NCU=$(which ncu 2>/dev/null || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
