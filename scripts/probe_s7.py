@@ -117,6 +117,81 @@ def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in, data=None, sc_panel=0,
     return run
 
 
+@triton.jit
+def _group_operands(Wq, Sc, Zp, x_cols, offs_n, mask_n, mask_m, offs_h, grp, K, n_groups, s_sn, s_sg, s_xk,
+                    GROUP: tl.constexpr, H: tl.constexpr, R: tl.constexpr):
+    """One group's operands for the swapped tile: codes (BN, H) from the 64-row panels, scale and zero
+    point per row (group-major), and the group's two halves of x (H, BM)."""
+    n64 = offs_n.to(tl.int64)
+    b = tl.load(Wq + ((n64 // R) * (n_groups * R * H) + (n64 % R) * H + grp * (R * H))[:, None] + offs_h[None, :],
+                mask=mask_n[:, None], other=0)
+    s = tl.load(Sc + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0.0)
+    z = tl.load(Zp + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0)
+    k_lo = grp * GROUP + offs_h
+    xm = (k_lo < K)[:, None] & mask_m[None, :]
+    x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=xm, other=0.0)
+    x_hi = tl.load(x_cols + (k_lo + H)[:, None] * s_xk, mask=xm, other=0.0)
+    return b, s, z, x_lo, x_hi
+
+
+@triton.jit
+def _swap4p(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_sn, s_sg, s_ym,
+            GROUP: tl.constexpr, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, R: tl.constexpr):
+    """The swapped int4 tile on the committed layout (64-row panels, group-major scales), one group an
+    iteration, the next group's operands loaded into registers before this group's math (a software
+    pipeline by hand: Triton does not pipeline these loads, whose bytes reach the dot through inline asm)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    DT: tl.constexpr = X.dtype.element_ty
+    lo, hi = _k_slice(pid_k, K, GROUP, 4, GROUP, SPLIT_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
+    n_groups = K // GROUP
+    offs_h = tl.arange(0, H)
+    b, s, z, x_lo, x_hi = _group_operands(Wq, Sc, Zp, x_cols, offs_n, mask_n, mask_m, offs_h, lo, K, n_groups,
+                                          s_sn, s_sg, s_xk, GROUP, H, R)
+    for grp in range(lo, hi):
+        nxt = tl.minimum(grp + 1, hi - 1)
+        b2, s2, z2, xl2, xh2 = _group_operands(Wq, Sc, Zp, x_cols, offs_n, mask_n, mask_m, offs_h, nxt, K,
+                                               n_groups, s_sn, s_sg, s_xk, GROUP, H, R)
+        zf = (z.to(tl.int16) | MAGIC).to(DT, bitcast=True)
+        q_lo, q_hi = _nibbles(b, MAGIC, DT, ASM)
+        part = tl.dot(q_lo - zf[:, None], x_lo)
+        part = tl.dot(q_hi - zf[:, None], x_hi, part)
+        acc += part * s.to(tl.float32)[:, None]
+        b, s, z, x_lo, x_hi = b2, s2, z2, xl2, xh2
+    acc = tl.trans(acc)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Sc, Work, Locks, pid_m * n_tiles + pid_n,
+            pid_k, M, N, s_ym, False, False, SPLIT_K)
+
+
+def swap4p(x, qw, out, cfg):
+    m, kdim = x.shape
+    n = qw.N
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    work = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+
+    def run():
+        _swap4p[(tiles, split)](x, qw.data, qw.scales, qw.zeros, out, work, locks, m, n, kdim, x.stride(0),
+                                x.stride(1), qw.scales.stride(0), qw.scales.stride(1), out.stride(0),
+                                GROUP=qw.group_size, H=qw.group_size // 2, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split,
+                                MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300, ASM=qm._ASM, R=64,
+                                num_warps=cfg["num_warps"], num_stages=1)
+        return out
+    return run
+
+
 def timed(rows, kernel, problem, who, fn, err=None):
     row = {"kernel": kernel, "problem": problem, "who": who, "rel_error": err}
     try:
@@ -382,6 +457,35 @@ def quant_scpanel(rows):
     torch.cuda.empty_cache()
 
 
+def quant_prefetch(rows):
+    """The hand-prefetched swapped tile (_swap4p) on the committed layout, against the store."""
+    spec = kernels.get("quant_matmul")
+    text = "M=1,N=28672,K=8192,bits=4,group=128"
+    problem = parse_problems(spec, text)[0]
+    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
+    c0 = cases[0]
+    x, qw, _ = c0.args
+    want = spec.reference(*c0.args, **c0.kwargs)
+    timed(rows, "quant_matmul", text, "store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
+        *c.args, out=c.out, **c.kwargs)))
+    q = lambda bn, split, w: {"BLOCK_M": 8, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": w}
+    for cfg in (q(32, 2, 2), q(32, 4, 2), q(64, 2, 2), q(64, 2, 4), q(64, 4, 4), q(32, 1, 2), q(16, 2, 1),
+                q(64, 1, 4), q(128, 2, 4), q(32, 8, 2)):
+        label = "swap4p prefetch " + json.dumps(cfg, separators=(",", ":"))
+        try:
+            fn = swap4p(x, qw, c0.out, cfg)
+            compare.poison(c0.out)
+            err = compare.rel_error(fn(), want)
+        except Exception as e:
+            rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
+                         "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        timed(rows, "quant_matmul", text, label, fn, err)
+    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
+    del cases
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -391,7 +495,7 @@ def main() -> None:
     for name in args.only.split(","):
         try:
             {"copy": copy_ladder, "gemm": gemm_small, "quant": quant_int4, "read": read_ladder, "quant2": quant_tiled,
-             "quant3": quant_configs, "quant4": quant_scpanel}[name](rows)
+             "quant3": quant_configs, "quant4": quant_scpanel, "quant5": quant_prefetch}[name](rows)
         except Exception as e:
             import traceback
             traceback.print_exc()
