@@ -135,8 +135,12 @@ def tuning_table(configs_dir: Path, fmt: str = "github") -> str:
 
 
 def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | None = None) -> str:
-    """One section per GPU slug and results file, in a stable order; then the tuned-config store."""
-    parts = []
+    """The open issues' targets against the results; one section per GPU slug and results file, in a
+    stable order; then the tuned-config store."""
+    from tritune.harness import targets
+
+    parts = ["#### The open issues' targets, from the rows below (`harness/targets.py`)\n",
+             targets.table(Path(results_dir), fmt) + "\n"]
     for path in sorted(Path(results_dir).glob("*/*.json")):
         try:
             data = json.loads(path.read_text())

@@ -149,3 +149,21 @@ def test_time_rounds_alternates_and_takes_medians(monkeypatch):
     order.clear()
     out, rounds = bench.time_rounds({"ours": "ours"})
     assert rounds == 1 and out == {"ours": 0.5}
+
+
+def test_targets_evaluate_each_geomean_and_missing():
+    from tritune.harness import targets as T
+
+    rows = [{"problem": "M=1 N=8 K=4 bits=4", "dtype": "bfloat16", "vs_vendor": 2.0},
+            {"problem": "M=2 N=8 K=4 bits=4", "dtype": "bfloat16", "vs_vendor": 0.5},
+            {"problem": "M=2 N=8 K=4 bits=4", "dtype": "float16", "vs_vendor": 9.0}]
+    geo = T.Target(0, "g", "k", (), "vs_vendor", "geomean", 1.0, also=((("M", "1"),), (("M", "2"),)))
+    ev = T.evaluate(geo, rows)
+    assert ev["rows"] == 2 and abs(ev["value"] - 1.0) < 1e-12 and ev["met"]
+    each = T.Target(0, "e", "k", (), "vs_vendor", "each", 1.0, also=((("M", "1"),), (("M", "2"),)))
+    ev = T.evaluate(each, rows)
+    assert ev["value"] == 0.5 and not ev["met"] and ev["worst"].startswith("M=2")
+    gone = T.Target(0, "m", "k", (("M", "3"),), "vs_vendor", "each", 1.0)
+    ev = T.evaluate(gone, rows)
+    assert ev["value"] is None and not ev["met"] and "M=3" in ev["missing"]
+    assert T.parse_label("M=1 N=2 bias=True") == {"M": "1", "N": "2", "bias": "True"}
