@@ -167,3 +167,11 @@ def test_targets_evaluate_each_geomean_and_missing():
     ev = T.evaluate(gone, rows)
     assert ev["value"] is None and not ev["met"] and "M=3" in ev["missing"]
     assert T.parse_label("M=1 N=2 bias=True") == {"M": "1", "N": "2", "bias": "True"}
+
+
+def test_targets_use_the_median_of_a_rows_runs():
+    from tritune.harness import targets as T
+
+    rows = [{"problem": "M=1", "dtype": "bfloat16", "vs_vendor": 3.02, "vs_vendor_runs": [2.9, 2.94, 3.02]}]
+    ev = T.evaluate(T.Target(0, "r", "k", (("M", "1"),), "vs_vendor", "each", 3.0), rows)
+    assert ev["value"] == 2.94 and not ev["met"] and ev["runs"] == 3
