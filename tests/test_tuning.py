@@ -175,6 +175,28 @@ class _Interrupt:
         return quadratic(task)
 
 
+def test_trials_timed_on_other_kernel_code_are_not_reused_or_exported(tmp_path, monkeypatch):
+    """A study continued after the kernel's jitted code changed: its old trials stay (the sampler may
+    learn from them) but none is reused as a repeat, counted, or reported as the best; the default is
+    timed again on the new code."""
+    spec = toy_spec(SMALL, _odd, default={"a": 7, "b": 1})
+    monkeypatch.setattr(search, "code_version", lambda kernel: "v1")
+    row, storage = _tune(spec, tmp_path, quadratic, trials=6)
+    assert row["trials"] == 6 and row["stale_trials"] == 0
+    assert row["default_us"] == pytest.approx(1000.0 * (1 + 16 + 16))
+
+    def slower(task):  # the new code: every config 1 ms slower
+        return {"ok": True, "ms": quadratic(task)["ms"] + 1.0}
+
+    monkeypatch.setattr(search, "code_version", lambda kernel: "v2")
+    row, storage = _tune(spec, tmp_path, slower, trials=3)
+    assert row["trials"] == 3 and row["stale_trials"] >= 6
+    assert row["default_us"] == pytest.approx(1000.0 * (2 + 16 + 16))  # timed again, not the v1 value
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    v2 = [t for t in st.trials if (t.user_attrs.get("evaluated") or {}).get("source") == "v2"]
+    assert len(v2) == 3 and row["best_us"] == min(t.value for t in v2)
+
+
 def test_interrupted_sweep_resumes_without_losing_trials(tmp_path):
     spec = toy_spec(GRID, _odd)
     with pytest.raises(KeyboardInterrupt):

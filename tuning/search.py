@@ -546,6 +546,37 @@ def _evaluated(trials) -> list:
     return [t for t in trials if t.user_attrs.get("evaluated") and t.state.is_finished()]
 
 
+def code_version(kernel: str) -> str | None:
+    """The kernel's jitted-code hash (``store.source_hash``): each evaluated trial records it."""
+    from tritune.tuning import store
+
+    return store.source_hash(kernel)
+
+
+def _trial_source(t, by_number: dict) -> str | None:
+    """The code version a trial was timed on: its own record, or (a repeat of an earlier config) that
+    trial's. Trials from before versions were recorded have none."""
+    for _ in range(8):
+        ev = t.user_attrs.get("evaluated")
+        if isinstance(ev, dict):
+            return ev.get("source")
+        prev = t.user_attrs.get("duplicate_of")
+        if prev is None or prev not in by_number:
+            return None
+        t = by_number[prev]
+    return None
+
+
+def current_trials(trials, version: str | None) -> list:
+    """The trials timed on this version of the kernel's code (all of them when the version is unknown).
+    A study continued after the kernel changed keeps its old trials for the sampler, but none of them is
+    reused as a result, exported or counted: they measured other code."""
+    if version is None:
+        return list(trials)
+    by_number = {t.number: t for t in trials}
+    return [t for t in trials if _trial_source(t, by_number) == version]
+
+
 def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe", deadline: float | None = None,
               stop_at_us: float | None = None, seed: int = 0, seed_default: bool = True,
               progress: Callable | None = None, stall: int = STALL) -> None:
@@ -564,8 +595,11 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
     if seed_default:
         _ensure_default(study, job)
     free_streak = 0
+    version = code_version(spec.name)
     while True:
-        ts = study.get_trials(deepcopy=False)
+        all_ts = study.get_trials(deepcopy=False)
+        keep = {t.number for t in current_trials(all_ts, version)}
+        ts = [t for t in all_ts if t.number in keep or not t.state.is_finished()]
         done: dict[str, Any] = {}
         for t in _evaluated(ts):
             k = config_key(t.params, params)
@@ -611,7 +645,8 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
             t0 = time.time()
             res = runner(Task(spec.name, job.problem, job.dtype, config, tseed, spec=spec))
             outcome["evaluated"] = True
-            facts = {"seed": tseed, "worker": _worker_id(), "seconds": round(time.time() - t0, 3)}
+            facts = {"seed": tseed, "worker": _worker_id(), "seconds": round(time.time() - t0, 3),
+                     "source": version}
             if "rel_error" in res:
                 facts["rel_error"] = float(res["rel_error"])
             trial.set_user_attr("evaluated", facts)  # one journal write per evaluated trial
@@ -636,9 +671,12 @@ def _ensure_default(study, job: Job) -> None:
             study.set_user_attr("default_error", "default config invalid: " +
                                 job.spec.space.why_invalid(default, job.problem, job.dtype))
         return
-    for t in study.get_trials(deepcopy=False):
+    all_ts = study.get_trials(deepcopy=False)
+    current = {t.number for t in current_trials(all_ts, code_version(job.spec.name))}
+    for t in all_ts:
         if t.user_attrs.get("default") and (t.state in (TrialState.WAITING, TrialState.RUNNING)
-                                            or t.user_attrs.get("evaluated") or "duplicate_of" in t.user_attrs):
+                                            or (t.number in current and (t.user_attrs.get("evaluated")
+                                                                         or "duplicate_of" in t.user_attrs))):
             return
     study.enqueue_trial(default, user_attrs={"default": True})
 
@@ -659,7 +697,12 @@ def study_stats(study) -> dict:
     from optuna.trial import TrialState
 
     a = study.user_attrs
-    ts = study.get_trials(deepcopy=False)
+    all_ts = study.get_trials(deepcopy=False)
+    try:
+        version = code_version(a.get("kernel")) if a.get("kernel") else None
+    except Exception:
+        version = None
+    ts = current_trials(all_ts, version)
     evaluated = _evaluated(ts)
     failed = [t for t in evaluated if t.state == TrialState.FAIL]
     complete = [t for t in ts if t.state == TrialState.COMPLETE and t.value is not None]
@@ -684,7 +727,8 @@ def study_stats(study) -> dict:
         "study": study.study_name, "kernel": a.get("kernel"), "bucket": a.get("bucket"), "dtype": a.get("dtype"),
         "slug": a.get("slug"), "problem": a.get("problem_label"), "problem_fields": a.get("problem"),
         "n_valid": a.get("n_valid"),
-        "trials": len(evaluated), "failed": len(failed), "free": len(ts) - len(evaluated),
+        "trials": len(evaluated), "failed": len(failed), "free": len(all_ts) - len(_evaluated(all_ts)),
+        "stale_trials": len(_evaluated(all_ts)) - len(evaluated),
         "best_us": best.value if best else None, "config": dict(best.params) if best else None,
         "best_trial": best.number if best else None,
         "default_us": default_us, "default_config": default_cfg, "default_error": default_error,
