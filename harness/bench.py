@@ -202,6 +202,32 @@ def time_rounds(paths: dict) -> tuple[dict, int]:
     return out, rounds
 
 
+def peer_calls(spec, cases) -> tuple[dict, dict]:
+    """({peer name: a function cycling through its calls on ``cases``}, {peer name: why it could not be
+    set up}). A peer that answers None for a case (it does not support it) is left out silently."""
+    calls, errors = {}, {}
+    for name, peer in spec.peers.items():
+        try:
+            fns = [peer(c) for c in cases]
+            if all(f is not None for f in fns):
+                calls[name] = cycling(fns, lambda f: f)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"[:200]
+    return calls, errors
+
+
+def flush_row(fn: Callable[[], object], **fields) -> dict:
+    """``fields`` plus :func:`flush_timings` of ``fn`` (or the error that stopped it), printed as it is
+    measured: one row of the flush and variant probes."""
+    row = dict(fields)
+    try:
+        row.update(flush_timings(fn))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return row
+
+
 def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     """Host (CPU) microseconds per call of ``fn``: launches are queued without synchronising, so this is
     the launcher's own cost. do_bench hides host time only up to its L2 flush (~85 µs of GPU time on an
@@ -259,14 +285,9 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
                 except Exception as e:  # the vendor path may not support a case; say so
                     row["vendor_error"] = f"{type(e).__name__}: {e}"[:200]
             if peers:
-                for name, peer in spec.peers.items():
-                    try:
-                        fns = [peer(c) for c in cases]
-                        if any(f is None for f in fns):
-                            continue
-                        paths[name] = cycling(fns, lambda f: f)
-                    except Exception as e:
-                        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+                calls, errors = peer_calls(spec, cases)
+                paths.update(calls)
+                row.update({f"{name}_error": why for name, why in errors.items()})
             times, rounds = time_rounds(paths)
             ms = times.pop("ours")
             row["ours_us"] = ms * 1e3

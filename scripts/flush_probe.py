@@ -46,21 +46,12 @@ def main() -> None:
         fns = {"ours": bench.cycling(cases, lambda c: lambda c=c: spec.run(*c.args, out=c.out, config=cfg, **c.kwargs))}
         if spec.vendor is not None:
             fns[spec.vendor_name] = bench.cycling(cases, spec.vendor)
-        for pname, peer in spec.peers.items():
-            try:
-                pf = [peer(c) for c in cases]
-                if all(f is not None for f in pf):
-                    fns[pname] = bench.cycling(pf, lambda f: f)
-            except Exception as e:  # a peer that is not installed
-                print(f"{name}: peer {pname}: {type(e).__name__}: {e}")
+        calls, errors = bench.peer_calls(spec, cases)
+        fns.update(calls)
+        for pname, why in errors.items():  # a peer that is not installed
+            print(f"{name}: peer {pname}: {why}")
         for who, fn in fns.items():
-            row = {"kernel": name, "problem": text, "who": who}
-            try:
-                row.update(bench.flush_timings(fn))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:200]
-            rows.append(row)
-            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            rows.append(bench.flush_row(fn, kernel=name, problem=text, who=who))
         del cases, fns
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

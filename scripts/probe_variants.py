@@ -133,21 +133,12 @@ def main() -> None:
                                                                                       **c.kwargs)), err)
         if spec.vendor is not None:
             fns[spec.vendor_name] = (bench.cycling(cases, spec.vendor), None)
-        for pname, peer in spec.peers.items():
-            try:
-                pf = [peer(c) for c in cases]
-                if all(f is not None for f in pf):
-                    fns[pname] = (bench.cycling(pf, lambda f: f), None)
-            except Exception as e:
-                print(f"{name}: peer {pname}: {type(e).__name__}: {e}")
+        calls, errors = bench.peer_calls(spec, cases)
+        fns.update({pname: (fn, None) for pname, fn in calls.items()})
+        for pname, why in errors.items():
+            print(f"{name}: peer {pname}: {why}")
         for who, (fn, err) in fns.items():
-            row = {"kernel": name, "problem": text, "who": who, "rel_error": err}
-            try:
-                row.update(bench.flush_timings(fn))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:200]
-            rows.append(row)
-            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            rows.append(bench.flush_row(fn, kernel=name, problem=text, who=who, rel_error=err))
         del cases, fns
         torch.cuda.empty_cache()
         try:
