@@ -1,13 +1,24 @@
 """Seventh-session probe (GPU only): what the open targets are up against, timed three ways
-(harness.bench.flush_timings: zero-fill do_bench, clean-flush do_bench, CUDA graph) on rotating inputs.
+(harness.bench.flush_row: zero-fill do_bench, clean-flush do_bench, CUDA graph) on rotating inputs.
+Sections (--only, comma-separated):
 
-  copy     the ceiling itself at the open problems' byte counts: dst.copy_(src) moving B bytes (B/2 read,
-           B/2 written), so "% of copy bandwidth" can be read against what the copy reaches at that size
-  gemm     M=1 and M=64 c_attn (2304 x 768, bias): gemm's stored config, the gemv kernel's BLOCK_M=1 path
-           at several configs (the same epilogue), cuBLAS (addmm)
-  quant    int4 M=1 on (8192, 28672): pipelined configs of the swapped tl.dot path, and an experimental
-           copy of that path (this file) with the scales and zero points in group-major layout (G, N), so
-           that a tile's 64 scales are one 128-byte load, and/or the scale folded into the dot operand
+  copy     the ceiling at the open problems' byte counts: dst.copy_(src) moving B bytes (B/2 read, B/2
+           written), so "% of copy bandwidth" can be read against what the copy reaches at that size
+  read     a read-only Triton kernel over the same byte counts (the read ceiling)
+  gemm     M=1 and M=64 c_attn (2304 x 768, bias): gemm's stored config, gemv kernel configs (the same
+           epilogue), cuBLAS (addmm)
+  int4 M=1 on (8192, 28672), each against the stored config and bf16 F.linear:
+  quant    stock configs; an experimental copy of the swapped tl.dot tile (_swap4x) on row-major codes,
+           scales row- or group-major, the scale folded into the dot operand or not
+  quant2   _swap4x on codes in panels of BLOCK_N rows against row-major codes (group-major scales)
+  quant3   stock configs the tuner's TPE did not reach
+  quant4   the committed 64-row panels with scales and zero points in the same panels
+  quant5   the next group's operands loaded by hand before this group's math (_swap4p)
+  quant6   register caps (maxnreg)
+
+The experimental variants run on the first input set (the int4 weight is larger than 2x L2: one set).
+Sections quant and quant2 ran before the panel layout was committed; they rebuild row-major codes from
+the panels (references.quant.from_panels), so they measure the same thing today.
 
   python scripts/probe_s7.py --out $OUT/probe_s7.json [--only copy,gemm,quant]
 """
@@ -26,8 +37,10 @@ from tritune.harness import bench, compare
 from tritune.kernels import gemv as gv
 from tritune.kernels import quant_matmul as qm
 from tritune.kernels.quant_matmul import _finish, _k_slice, _nibbles
+from tritune.references import quant as Q
 from tritune.tuning.cli import parse_problems
 
+INT4_M1 = "M=1,N=28672,K=8192,bits=4,group=128"
 
 @triton.jit
 def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
@@ -90,32 +103,6 @@ def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg
     _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Sc, Work, Locks, pid_m * n_tiles + pid_n,
             pid_k, M, N, s_ym, False, False, SPLIT_K)
 
-
-def tile_panels(qw, rows):
-    """qw.data (N, K/2) -> panels of ``rows`` rows, each group's (rows, g/2) bytes contiguous."""
-    n, kb = qw.data.shape
-    g, h = qw.n_groups, qw.group_size // 2
-    assert n % rows == 0
-    return qw.data.view(n // rows, rows, g, h).permute(0, 2, 1, 3).contiguous()
-
-
-def swap4x(x, qw, sc, zp, s_sn, s_sg, out, cfg, scale_in, data=None, sc_panel=0, panel=0, maxnreg=None):
-    m, kdim = x.shape
-    n = qw.N
-    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    work = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
-    locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
-
-    def run():
-        _swap4x[(tiles, split)](x, qw.data if data is None else data, sc, zp, out, work, locks, m, n, kdim, x.stride(0), x.stride(1),
-                                qw.data.stride(0), s_sn, s_sg, out.stride(0), GROUP=qw.group_size,
-                                H=qw.group_size // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                                MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300, SCALE_IN=scale_in, ASM=qm._ASM,
-                                TILED=data is not None, SC_PANEL=sc_panel, PANEL=panel, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                                **({} if maxnreg is None else {"maxnreg": maxnreg}))
-        return out
-    return run
 
 
 @triton.jit
@@ -193,132 +180,6 @@ def swap4p(x, qw, out, cfg):
     return run
 
 
-def timed(rows, kernel, problem, who, fn, err=None):
-    row = {"kernel": kernel, "problem": problem, "who": who, "rel_error": err}
-    try:
-        row.update(bench.flush_timings(fn))
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:300]
-    rows.append(row)
-    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-
-
-def copy_ladder(rows):
-    l2 = bench.l2_bytes()
-    for moved in (3_538_944, 16_777_216, 33_554_432, 67_108_864, 125_000_000, 201_326_592, 1 << 31):
-        half = moved // 2
-        sets = max(1, min(24, -(-4 * l2 // moved)))
-        pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(), torch.empty(half, dtype=torch.uint8,
-                                                                                              device="cuda"))
-                 for _ in range(sets)]
-        fn = bench.cycling(pairs, lambda p: (lambda: p[1].copy_(p[0])))
-        r0 = len(rows)
-        timed(rows, "copy", f"bytes={moved}", "dst.copy_(src)", fn)
-        for k in ("zero_us", "clean_us", "graph_us"):
-            if k in rows[r0]:
-                rows[r0][k.replace("_us", "_gbps")] = moved / (rows[r0][k] * 1e-6) / 1e9
-        del pairs, fn
-        torch.cuda.empty_cache()
-
-
-def gemm_small(rows):
-    spec = kernels.get("gemm")
-    gcfg = lambda bm, bn, bk, split, w, s: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                                            "num_warps": w, "num_stages": s}
-    variants = {
-        "M=1,N=2304,K=768,bias=True": [
-            gcfg(1, 32, 64, 8, 2, 4), gcfg(1, 32, 128, 4, 2, 1), gcfg(1, 16, 256, 2, 2, 1), gcfg(1, 32, 256, 2, 4, 1),
-            gcfg(1, 64, 128, 4, 4, 1), gcfg(1, 16, 128, 4, 1, 1), gcfg(1, 32, 128, 2, 2, 1), gcfg(1, 64, 64, 4, 2, 1),
-            gcfg(1, 32, 64, 4, 2, 1), gcfg(1, 16, 64, 8, 1, 1), gcfg(1, 32, 256, 1, 4, 1), gcfg(1, 64, 256, 1, 4, 1),
-            gcfg(1, 128, 64, 2, 4, 1), gcfg(1, 16, 1024, 1, 4, 1),
-        ],
-        "M=64,N=2304,K=768,bias=True": [
-            gcfg(16, 32, 128, 1, 4, 3), gcfg(16, 64, 128, 1, 4, 3), gcfg(32, 32, 128, 1, 4, 3), gcfg(64, 32, 256, 1, 4, 3),
-            gcfg(64, 64, 128, 1, 4, 3), gcfg(16, 32, 256, 1, 2, 3), gcfg(32, 64, 64, 1, 4, 4),
-        ],
-    }
-    for text, cfgs in variants.items():
-        problem = parse_problems(spec, text)[0]
-        cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
-        c0 = cases[0]
-        want = spec.reference(*c0.args, **c0.kwargs)
-        got = spec.run(*c0.args, out=c0.out, **c0.kwargs)
-        timed(rows, "gemm", text, "gemm store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
-            *c.args, out=c.out, **c.kwargs)), compare.rel_error(got, want))
-        for cfg in cfgs:
-            try:
-                compare.poison(c0.out)
-                got = gv.gemv(*c0.args, out=c0.out, config=cfg, **c0.kwargs)
-                err = compare.rel_error(got, want)
-            except Exception as e:
-                rows.append({"kernel": "gemm", "problem": text, "who": "gemv " + json.dumps(cfg), "error": str(e)[:200]})
-                continue
-            timed(rows, "gemm", text, "gemv " + json.dumps(cfg, separators=(",", ":")),
-                  bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: gv.gemv(*c.args, out=c.out, config=cfg,
-                                                                               **c.kwargs)), err)
-        timed(rows, "gemm", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
-        del cases
-        torch.cuda.empty_cache()
-
-
-def quant_int4(rows):
-    spec = kernels.get("quant_matmul")
-    text = "M=1,N=28672,K=8192,bits=4,group=128"
-    problem = parse_problems(spec, text)[0]
-    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
-    c0 = cases[0]
-    want = spec.reference(*c0.args, **c0.kwargs)
-    q = lambda bn, bk, split, w, s, bm=8: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                                          "num_warps": w, "num_stages": s}
-    stock = [None, q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(64, 256, 4, 2, 3), q(64, 256, 4, 2, 4),
-             q(64, 512, 4, 4, 2), q(128, 256, 4, 4, 2), q(128, 512, 2, 4, 2), q(32, 512, 4, 2, 2),
-             q(32, 1024, 2, 2, 2), q(64, 1024, 2, 4, 2), q(64, 256, 8, 2, 3)]
-    for cfg in stock:
-        label = "store" if cfg is None else json.dumps(cfg, separators=(",", ":"))
-        try:
-            compare.poison(c0.out)
-            got = spec.run(*c0.args, out=c0.out, config=cfg, **c0.kwargs)
-            err = compare.rel_error(got, want)
-        except Exception as e:
-            rows.append({"kernel": "quant_matmul", "problem": text, "who": label, "error": str(e)[:200]})
-            continue
-        timed(rows, "quant_matmul", text, label, bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: spec.run(
-            *c.args, out=c.out, config=cfg, **c.kwargs)), err)
-    # the experimental copy: original layout (group stride 1) against group-major, with and without SCALE_IN
-    lay = []
-    for c in cases:
-        x, qw, _ = c.args
-        lay.append((x, qw, c.out, qw.scales.t().contiguous(), qw.zeros.t().contiguous()))
-    for cfg in (q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(128, 256, 4, 4, 2), q(64, 256, 4, 4, 3)):
-        for gmajor in (False, True):
-            for scale_in in (False, True):
-                label = f"swap4x gmajor={gmajor} scale_in={scale_in} " + json.dumps(cfg, separators=(",", ":"))
-
-                def mk(t, cfg=cfg, gmajor=gmajor, scale_in=scale_in):
-                    x, qw, out, sct, zpt = t
-                    if gmajor:
-                        return swap4x(x, qw, sct, zpt, 1, qw.N, out, cfg, scale_in)
-                    return swap4x(x, qw, qw.scales, qw.zeros, qw.scales.stride(0), 1, out, cfg, scale_in)
-                try:
-                    fns = [mk(t) for t in lay]
-                    compare.poison(c0.out)
-                    got = fns[0]()
-                    err = compare.rel_error(got, want)
-                except Exception as e:
-                    rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
-                                 "error": f"{type(e).__name__}: {e}"[:300]})
-                    continue
-                timed(rows, "quant_matmul", text, label, bench.cycling(fns, lambda f: f), err)
-    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
-    for pname, peer in spec.peers.items():
-        if pname == "tinygemm":
-            try:
-                timed(rows, "quant_matmul", text, pname, bench.cycling([peer(c) for c in cases], lambda f: f))
-            except Exception as e:
-                print("tinygemm:", e)
-    del cases, lay
-    torch.cuda.empty_cache()
-
 
 @triton.jit
 def _read_words(X, Out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -330,6 +191,105 @@ def _read_words(X, Out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         acc += tl.load(X + offs, mask=offs < n, other=0)
     tl.store(Out + pid, tl.sum(acc))
+
+
+def swap4x(x, qw, out, cfg, *, data, sc, zp, panel=None, scale_in=False, sc_panel=0, maxnreg=None):
+    """A launch of _swap4x. data: row-major codes (N, K/2) (panel None) or panels of ``panel`` rows (0:
+    BLOCK_N rows); sc, zp: (N, G) with any strides, or (sc_panel > 0) in panels of that many rows."""
+    m, kdim = x.shape
+    n = qw.N
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    work = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    s_sn, s_sg = (0, 0) if sc_panel else sc.stride()
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+
+    def run():
+        _swap4x[(tiles, split)](x, data, sc, zp, out, work, locks, m, n, kdim, x.stride(0), x.stride(1),
+                                data.stride(0), s_sn, s_sg, out.stride(0), GROUP=qw.group_size,
+                                H=qw.group_size // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                                MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300, SCALE_IN=scale_in, ASM=qm._ASM,
+                                TILED=panel is not None, SC_PANEL=sc_panel, PANEL=panel or 0,
+                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
+        return out
+    return run
+
+
+def row_major(qw):
+    """The weight as it was stored before the panels: codes (N, K/2), scales and zero points (N, G)."""
+    return Q.from_panels(qw.data, qw.N), qw.scales.contiguous(), qw.zeros.contiguous()
+
+
+def sz_panels(t, rows=64):
+    """(N, G) scales or zero points -> (N/rows, G, rows) contiguous (N a multiple of rows)."""
+    n, g = t.shape
+    return t.reshape(n // rows, rows, g).permute(0, 2, 1).contiguous()
+
+
+def timed(rows, kernel, problem, who, fn, err=None, nbytes=None):
+    """One probe row; with ``nbytes``, the GB/s each timing gives."""
+    row = bench.flush_row(fn, kernel=kernel, problem=problem, who=who, rel_error=err)
+    if nbytes:
+        for k in ("zero_us", "clean_us", "graph_us"):
+            if k in row:
+                row[k.replace("_us", "_gbps")] = nbytes / (row[k] * 1e-6) / 1e9
+    rows.append(row)
+
+
+def variant(rows, kernel, problem, label, fn, out, want):
+    """Check ``fn`` (its first call) against the reference, then time it; a failure is a row too."""
+    try:
+        compare.poison(out)
+        err = compare.rel_error(fn(), want)
+    except Exception as e:
+        rows.append({"kernel": kernel, "problem": problem, "who": label, "error": f"{type(e).__name__}: {e}"[:300]})
+        return
+    timed(rows, kernel, problem, label, fn, err)
+
+
+def config_label(cfg) -> str:
+    return "store" if cfg is None else json.dumps(cfg, separators=(",", ":"))
+
+
+def int4_section(rows, variants):
+    """The int4 M=1 problem: the stored config, ``variants(spec, stock, x, qw, out)``'s (label, fn) pairs
+    (``stock(cfg)``: quant_matmul with that config), then bf16 F.linear and tinygemm, each checked and
+    timed."""
+    spec = kernels.get("quant_matmul")
+    problem = parse_problems(spec, INT4_M1)[0]
+    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
+    c0 = cases[0]
+    x, qw, _ = c0.args
+    want = spec.reference(*c0.args, **c0.kwargs)
+
+    def stock(cfg):
+        return bench.cycling(cases, lambda c: lambda c=c: spec.run(*c.args, out=c.out, config=cfg, **c.kwargs))
+
+    timed(rows, "quant_matmul", INT4_M1, "store", stock(None))
+    for label, fn in variants(spec, stock, x, qw, c0.out):
+        variant(rows, "quant_matmul", INT4_M1, label, fn, c0.out, want)
+    timed(rows, "quant_matmul", INT4_M1, spec.vendor_name, bench.cycling(cases, spec.vendor))
+    calls, _ = bench.peer_calls(spec, cases)
+    if "tinygemm" in calls:
+        timed(rows, "quant_matmul", INT4_M1, "tinygemm", calls["tinygemm"])
+
+
+def q(bn, bk, split, w, s, bm=8):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": w, "num_stages": s}
+
+
+def copy_ladder(rows):
+    l2 = bench.l2_bytes()
+    for moved in (3_538_944, 16_777_216, 33_554_432, 67_108_864, 125_000_000, 201_326_592, 1 << 31):
+        half = moved // 2
+        sets = max(1, min(24, -(-4 * l2 // moved)))
+        pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(),
+                  torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(sets)]
+        timed(rows, "copy", f"bytes={moved}", "dst.copy_(src)",
+              bench.cycling(pairs, lambda p: (lambda: p[1].copy_(p[0]))), nbytes=moved)
+        del pairs
+        torch.cuda.empty_cache()
 
 
 def read_ladder(rows):
@@ -344,181 +304,127 @@ def read_ladder(rows):
             fn = bench.cycling(bufs, lambda b, block=block, iters=iters, warps=warps, stages=stages, grid=grid, out=out:
                                (lambda: _read_words[(grid,)](b, out, words, BLOCK=block, ITERS=iters,
                                                              num_warps=warps, num_stages=stages)))
-            r0 = len(rows)
-            timed(rows, "read", f"bytes={nbytes}", f"read BLOCK={block} ITERS={iters} w={warps} s={stages}", fn)
-            for k in ("zero_us", "clean_us", "graph_us"):
-                if k in rows[r0]:
-                    rows[r0][k.replace("_us", "_gbps")] = nbytes / (rows[r0][k] * 1e-6) / 1e9
+            timed(rows, "read", f"bytes={nbytes}", f"read BLOCK={block} ITERS={iters} w={warps} s={stages}", fn,
+                  nbytes=nbytes)
         del bufs
         torch.cuda.empty_cache()
 
 
+def gemm_small(rows):
+    spec = kernels.get("gemm")
+    gcfg = lambda bm, bn, bk, split, w, s: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                                            "num_warps": w, "num_stages": s}
+    configs = {
+        "M=1,N=2304,K=768,bias=True": [
+            gcfg(1, 32, 64, 8, 2, 4), gcfg(1, 32, 128, 4, 2, 1), gcfg(1, 16, 256, 2, 2, 1), gcfg(1, 32, 256, 2, 4, 1),
+            gcfg(1, 64, 128, 4, 4, 1), gcfg(1, 16, 128, 4, 1, 1), gcfg(1, 32, 128, 2, 2, 1), gcfg(1, 64, 64, 4, 2, 1),
+            gcfg(1, 32, 64, 4, 2, 1), gcfg(1, 16, 64, 8, 1, 1), gcfg(1, 32, 256, 1, 4, 1), gcfg(1, 64, 256, 1, 4, 1),
+            gcfg(1, 128, 64, 2, 4, 1), gcfg(1, 16, 1024, 1, 4, 1),
+        ],
+        "M=64,N=2304,K=768,bias=True": [
+            gcfg(16, 32, 128, 1, 4, 3), gcfg(16, 64, 128, 1, 4, 3), gcfg(32, 32, 128, 1, 4, 3), gcfg(64, 32, 256, 1, 4, 3),
+            gcfg(64, 64, 128, 1, 4, 3), gcfg(16, 32, 256, 1, 2, 3), gcfg(32, 64, 64, 1, 4, 4),
+        ],
+    }
+    for text, cfgs in configs.items():
+        problem = parse_problems(spec, text)[0]
+        cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
+        c0 = cases[0]
+        want = spec.reference(*c0.args, **c0.kwargs)
+        variant(rows, "gemm", text, "gemm store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
+            *c.args, out=c.out, **c.kwargs)), c0.out, want)
+        for cfg in cfgs:
+            variant(rows, "gemm", text, "gemv " + config_label(cfg),
+                    bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: gv.gemv(*c.args, out=c.out, config=cfg,
+                                                                                 **c.kwargs)), c0.out, want)
+        timed(rows, "gemm", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
+        del cases
+        torch.cuda.empty_cache()
+
+
+def quant_int4(rows):
+    def variants(spec, stock, x, qw, out):
+        for cfg in (q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(64, 256, 4, 2, 3), q(64, 256, 4, 2, 4),
+                    q(64, 512, 4, 4, 2), q(128, 256, 4, 4, 2), q(128, 512, 2, 4, 2), q(32, 512, 4, 2, 2),
+                    q(32, 1024, 2, 2, 2), q(64, 1024, 2, 4, 2), q(64, 256, 8, 2, 3)):
+            yield config_label(cfg), stock(cfg)
+        data, sc, zp = row_major(qw)
+        sct, zpt = sc.t().contiguous().t(), zp.t().contiguous().t()  # group-major storage, (N, G) views
+        for cfg in (q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(128, 256, 4, 4, 2), q(64, 256, 4, 4, 3)):
+            for gmajor in (False, True):
+                for scale_in in (False, True):
+                    yield (f"swap4x gmajor={gmajor} scale_in={scale_in} " + config_label(cfg),
+                           swap4x(x, qw, out, cfg, data=data, sc=sct if gmajor else sc, zp=zpt if gmajor else zp,
+                                  scale_in=scale_in))
+    int4_section(rows, variants)
+    torch.cuda.empty_cache()
+
+
 def quant_tiled(rows):
-    spec = kernels.get("quant_matmul")
-    text = "M=1,N=28672,K=8192,bits=4,group=128"
-    problem = parse_problems(spec, text)[0]
-    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
-    c0 = cases[0]
-    x, qw, _ = c0.args
-    want = spec.reference(*c0.args, **c0.kwargs)
-    timed(rows, "quant_matmul", text, "store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
-        *c.args, out=c.out, **c.kwargs)))
-    sct, zpt = qw.scales.t().contiguous(), qw.zeros.t().contiguous()
-    panels = {}
-    q = lambda bn, bk, split, w, s: {"BLOCK_M": 8, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                                     "num_warps": w, "num_stages": s}
-    for cfg in (q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(64, 512, 4, 4, 2), q(32, 512, 4, 2, 2),
-                q(128, 256, 4, 4, 2), q(64, 256, 4, 4, 3), q(64, 256, 2, 2, 2), q(64, 512, 1, 4, 2),
-                q(32, 256, 8, 2, 2), q(128, 512, 2, 8, 2)):
-        bn = cfg["BLOCK_N"]
-        if bn not in panels:
-            panels[bn] = tile_panels(qw, bn)
-        for tiled, scale_in in ((True, False), (True, True), (False, False)):
-            label = f"swap4x gmajor tiled={tiled} scale_in={scale_in} " + json.dumps(cfg, separators=(",", ":"))
-            try:
-                fn = swap4x(x, qw, sct, zpt, 1, qw.N, c0.out, cfg, scale_in, panels[bn] if tiled else None)
-                compare.poison(c0.out)
-                err = compare.rel_error(fn(), want)
-            except Exception as e:
-                rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
-                             "error": f"{type(e).__name__}: {e}"[:300]})
-                continue
-            timed(rows, "quant_matmul", text, label, fn, err)
-    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
-    del cases, panels
+    def variants(spec, stock, x, qw, out):
+        data = Q.from_panels(qw.data, qw.N)
+        panels = {}
+        for cfg in (q(64, 256, 4, 2, 2), q(64, 512, 2, 4, 2), q(64, 512, 4, 4, 2), q(32, 512, 4, 2, 2),
+                    q(128, 256, 4, 4, 2), q(64, 256, 4, 4, 3), q(64, 256, 2, 2, 2), q(64, 512, 1, 4, 2),
+                    q(32, 256, 8, 2, 2), q(128, 512, 2, 8, 2)):
+            bn = cfg["BLOCK_N"]
+            if bn not in panels:
+                panels[bn] = Q.to_panels(data, qw.group_size, bn)
+            for tiled, scale_in in ((True, False), (True, True), (False, False)):
+                yield (f"swap4x gmajor tiled={tiled} scale_in={scale_in} " + config_label(cfg),
+                       swap4x(x, qw, out, cfg, data=panels[bn] if tiled else data, sc=qw.scales, zp=qw.zeros,
+                              panel=0 if tiled else None, scale_in=scale_in))
+    int4_section(rows, variants)
     torch.cuda.empty_cache()
 
 
 def quant_configs(rows):
-    """Configs of the panel-layout kernel the tuner's TPE did not reach (it settled on 32-row tiles)."""
-    spec = kernels.get("quant_matmul")
-    text = "M=1,N=28672,K=8192,bits=4,group=128"
-    problem = parse_problems(spec, text)[0]
-    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
-    c0 = cases[0]
-    want = spec.reference(*c0.args, **c0.kwargs)
-    q = lambda bn, bk, split, w, s: {"BLOCK_M": 8, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                                     "num_warps": w, "num_stages": s}
-    for cfg in (None, q(16, 256, 1, 1, 2), q(16, 256, 2, 1, 2), q(16, 256, 1, 1, 3), q(16, 512, 1, 1, 2),
-                q(16, 128, 2, 1, 3), q(64, 256, 2, 2, 2), q(64, 256, 2, 4, 2), q(32, 512, 2, 2, 2),
-                q(32, 256, 2, 1, 2), q(32, 256, 1, 2, 2), q(64, 256, 1, 2, 2), q(128, 256, 2, 4, 2)):
-        label = "store" if cfg is None else json.dumps(cfg, separators=(",", ":"))
-        try:
-            compare.poison(c0.out)
-            err = compare.rel_error(spec.run(*c0.args, out=c0.out, config=cfg, **c0.kwargs), want)
-        except Exception as e:
-            rows.append({"kernel": "quant_matmul", "problem": text, "who": label, "error": str(e)[:200]})
-            continue
-        timed(rows, "quant_matmul", text, label, bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: spec.run(
-            *c.args, out=c.out, config=cfg, **c.kwargs)), err)
-    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
-    del cases
+    def variants(spec, stock, x, qw, out):
+        for cfg in (q(16, 256, 1, 1, 2), q(16, 256, 2, 1, 2), q(16, 256, 1, 1, 3), q(16, 512, 1, 1, 2),
+                    q(16, 128, 2, 1, 3), q(64, 256, 2, 2, 2), q(64, 256, 2, 4, 2), q(32, 512, 2, 2, 2),
+                    q(32, 256, 2, 1, 2), q(32, 256, 1, 2, 2), q(64, 256, 1, 2, 2), q(128, 256, 2, 4, 2)):
+            yield config_label(cfg), stock(cfg)
+    int4_section(rows, variants)
     torch.cuda.empty_cache()
 
 
-def sz_panels(t, rows=64):
-    """(N, G) scales or zero points -> (N/rows, G, rows) contiguous (N a multiple of rows)."""
-    n, g = t.shape
-    return t.reshape(n // rows, rows, g).permute(0, 2, 1).contiguous()
-
-
 def quant_scpanel(rows):
-    """Codes in 64-row panels (as committed) with the scales and zero points group-major (committed) or in
-    the same panels (SC_PANEL: each panel's scales one sequential 8 KB run over the groups)."""
-    spec = kernels.get("quant_matmul")
-    text = "M=1,N=28672,K=8192,bits=4,group=128"
-    problem = parse_problems(spec, text)[0]
-    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
-    c0 = cases[0]
-    x, qw, _ = c0.args
-    want = spec.reference(*c0.args, **c0.kwargs)
-    timed(rows, "quant_matmul", text, "store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
-        *c.args, out=c.out, **c.kwargs)))
-    scp, zpp = sz_panels(qw.scales), sz_panels(qw.zeros)
-    q = lambda bn, bk, split, w, s: {"BLOCK_M": 8, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                                     "num_warps": w, "num_stages": s}
-    for cfg in (q(32, 256, 2, 2, 2), q(16, 256, 2, 1, 2), q(64, 256, 2, 4, 2), q(32, 256, 2, 2, 1), q(64, 256, 4, 2, 2)):
-        for mode in ("gmajor", "scpanel"):
-            label = f"swap4x panels sz={mode} " + json.dumps(cfg, separators=(",", ":"))
-            try:
-                if mode == "gmajor":
-                    fn = swap4x(x, qw, qw.scales, qw.zeros, qw.scales.stride(0), qw.scales.stride(1), c0.out, cfg,
-                                False, qw.data, panel=64)
-                else:
-                    fn = swap4x(x, qw, scp, zpp, 0, 0, c0.out, cfg, False, qw.data, sc_panel=64, panel=64)
-                compare.poison(c0.out)
-                err = compare.rel_error(fn(), want)
-            except Exception as e:
-                rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
-                             "error": f"{type(e).__name__}: {e}"[:300]})
-                continue
-            timed(rows, "quant_matmul", text, label, fn, err)
-    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
-    del cases
+    def variants(spec, stock, x, qw, out):
+        scp, zpp = sz_panels(qw.scales), sz_panels(qw.zeros)
+        for cfg in (q(32, 256, 2, 2, 2), q(16, 256, 2, 1, 2), q(64, 256, 2, 4, 2), q(32, 256, 2, 2, 1),
+                    q(64, 256, 4, 2, 2)):
+            yield ("swap4x panels sz=gmajor " + config_label(cfg),
+                   swap4x(x, qw, out, cfg, data=qw.data, sc=qw.scales, zp=qw.zeros, panel=Q.PANEL_ROWS))
+            yield ("swap4x panels sz=scpanel " + config_label(cfg),
+                   swap4x(x, qw, out, cfg, data=qw.data, sc=scp, zp=zpp, panel=Q.PANEL_ROWS, sc_panel=Q.PANEL_ROWS))
+    int4_section(rows, variants)
     torch.cuda.empty_cache()
 
 
 def quant_prefetch(rows):
-    """The hand-prefetched swapped tile (_swap4p) on the committed layout, against the store."""
-    spec = kernels.get("quant_matmul")
-    text = "M=1,N=28672,K=8192,bits=4,group=128"
-    problem = parse_problems(spec, text)[0]
-    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
-    c0 = cases[0]
-    x, qw, _ = c0.args
-    want = spec.reference(*c0.args, **c0.kwargs)
-    timed(rows, "quant_matmul", text, "store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
-        *c.args, out=c.out, **c.kwargs)))
-    q = lambda bn, split, w: {"BLOCK_M": 8, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": w}
-    for cfg in (q(32, 2, 2), q(32, 4, 2), q(64, 2, 2), q(64, 2, 4), q(64, 4, 4), q(32, 1, 2), q(16, 2, 1),
-                q(64, 1, 4), q(128, 2, 4), q(32, 8, 2)):
-        label = "swap4p prefetch " + json.dumps(cfg, separators=(",", ":"))
-        try:
-            fn = swap4p(x, qw, c0.out, cfg)
-            compare.poison(c0.out)
-            err = compare.rel_error(fn(), want)
-        except Exception as e:
-            rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
-                         "error": f"{type(e).__name__}: {e}"[:300]})
-            continue
-        timed(rows, "quant_matmul", text, label, fn, err)
-    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
-    del cases
+    def variants(spec, stock, x, qw, out):
+        p = lambda bn, split, w: {"BLOCK_M": 8, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": w}
+        for cfg in (p(32, 2, 2), p(32, 4, 2), p(64, 2, 2), p(64, 2, 4), p(64, 4, 4), p(32, 1, 2), p(16, 2, 1),
+                    p(64, 1, 4), p(128, 2, 4), p(32, 8, 2)):
+            yield "swap4p prefetch " + config_label(cfg), swap4p(x, qw, out, cfg)
+    int4_section(rows, variants)
     torch.cuda.empty_cache()
 
 
 def quant_maxnreg(rows):
-    """The committed layout through the experimental tile with a register cap (maxnreg): ncu found 64
-    registers a thread holding occupancy at 50% (39% achieved), the loads' latency hidden by occupancy only."""
-    spec = kernels.get("quant_matmul")
-    text = "M=1,N=28672,K=8192,bits=4,group=128"
-    problem = parse_problems(spec, text)[0]
-    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
-    c0 = cases[0]
-    x, qw, _ = c0.args
-    want = spec.reference(*c0.args, **c0.kwargs)
-    timed(rows, "quant_matmul", text, "store", bench.cycling(cases, lambda c: lambda c=c: spec.run(
-        *c.args, out=c.out, **c.kwargs)))
-    q = lambda bn, bk, split, w, s: {"BLOCK_M": 8, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                                     "num_warps": w, "num_stages": s}
-    for cfg, regs in ((q(32, 256, 2, 2, 2), None), (q(32, 256, 2, 2, 2), 56), (q(32, 256, 2, 2, 2), 48),
-                      (q(32, 256, 2, 2, 2), 40), (q(32, 256, 2, 2, 2), 32), (q(64, 256, 2, 4, 2), None),
-                      (q(64, 256, 2, 4, 2), 48), (q(64, 256, 2, 4, 2), 40), (q(32, 128, 2, 2, 2), 40),
-                      (q(32, 256, 4, 2, 2), 40)):
-        label = f"swap4x panels maxnreg={regs} " + json.dumps(cfg, separators=(",", ":"))
-        try:
-            fn = swap4x(x, qw, qw.scales, qw.zeros, qw.scales.stride(0), qw.scales.stride(1), c0.out, cfg, False,
-                        qw.data, panel=64, maxnreg=regs)
-            compare.poison(c0.out)
-            err = compare.rel_error(fn(), want)
-        except Exception as e:
-            rows.append({"kernel": "quant_matmul", "problem": text, "who": label,
-                         "error": f"{type(e).__name__}: {e}"[:300]})
-            continue
-        timed(rows, "quant_matmul", text, label, fn, err)
-    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
-    del cases
+    def variants(spec, stock, x, qw, out):
+        for cfg, regs in ((q(32, 256, 2, 2, 2), None), (q(32, 256, 2, 2, 2), 56), (q(32, 256, 2, 2, 2), 48),
+                          (q(32, 256, 2, 2, 2), 40), (q(32, 256, 2, 2, 2), 32), (q(64, 256, 2, 4, 2), None),
+                          (q(64, 256, 2, 4, 2), 48), (q(64, 256, 2, 4, 2), 40), (q(32, 128, 2, 2, 2), 40),
+                          (q(32, 256, 4, 2, 2), 40)):
+            yield (f"swap4x panels maxnreg={regs} " + config_label(cfg),
+                   swap4x(x, qw, out, cfg, data=qw.data, sc=qw.scales, zp=qw.zeros, panel=Q.PANEL_ROWS, maxnreg=regs))
+    int4_section(rows, variants)
     torch.cuda.empty_cache()
+
+
+SECTIONS = {"copy": copy_ladder, "read": read_ladder, "gemm": gemm_small, "quant": quant_int4, "quant2": quant_tiled,
+            "quant3": quant_configs, "quant4": quant_scpanel, "quant5": quant_prefetch, "quant6": quant_maxnreg}
 
 
 def main() -> None:
@@ -529,8 +435,7 @@ def main() -> None:
     rows = []
     for name in args.only.split(","):
         try:
-            {"copy": copy_ladder, "gemm": gemm_small, "quant": quant_int4, "read": read_ladder, "quant2": quant_tiled,
-             "quant3": quant_configs, "quant4": quant_scpanel, "quant5": quant_prefetch, "quant6": quant_maxnreg}[name](rows)
+            SECTIONS[name](rows)
         except Exception as e:
             import traceback
             traceback.print_exc()
