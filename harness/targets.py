@@ -1,7 +1,7 @@
 """The open issues' benchmark targets, checked against the committed results (never typed by hand).
 
-Each target names a GPU, a results file (kernel), the rows it covers (a subset of a row's problem
-fields) and how the rows combine (each row, the minimum, or the geometric mean) against a threshold.
+Each target names a GPU, a results file (kernel), the problems it covers (the kernels' own Problem
+objects: a row is a problem's when its label is the bench's label of it) and how the rows combine (each row, the minimum, or the geometric mean) against a threshold.
 ``tritune report`` renders the table at the top of the README's results; a target whose rows are missing
 says so instead of passing.
 """
@@ -12,6 +12,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 H100 = "nvidia-h100-80gb-hbm3"
 
@@ -21,75 +22,71 @@ class Target:
     issue: int
     what: str
     kernel: str
-    match: tuple          # ((field, value), ...) every covered row has
+    problems: Callable    # () -> the kernel's Problem objects the target covers (rows match by label)
     metric: str           # a row key: vs_vendor, pct_copy_bw, ...
-    combine: str          # "each" (the worst row is shown), "geomean"
+    combine: str          # "each" (the lowest row is shown), "geomean"
     threshold: float
-    also: tuple = ()      # alternative matches (rows covered by any of them)
     gpu: str = H100
 
 
-def _gpt2(m_values, lm_head: bool = True):
-    shapes = [("2304", "768", "True", "None", "False"), ("768", "768", "True", "None", "True"),
-              ("3072", "768", "True", "gelu_tanh", "False"), ("768", "3072", "True", "None", "True")]
-    out = []
-    for m in m_values:
-        for n, k, bias, act, res in shapes:
-            out.append((("M", str(m)), ("N", n), ("K", k), ("bias", bias), ("act", act), ("residual", res)))
-        if lm_head:
-            out.append((("M", str(m)), ("N", "50257"), ("K", "768"), ("trans_b", "True")))
-    return tuple(out)
+def _gemm(*m_values, lm_head: bool = True):
+    """GPT-2 small's linears as gemm's standard problems define them (kernels.gemm._gpt2)."""
+    def problems():
+        from tritune.kernels import gemm
+
+        return [p for m in m_values for p in gemm._gpt2(m) if lm_head or not p.trans_b]
+    return problems
 
 
-def _pa(b, hq, hkv, d, ctx):
-    return (("B", str(b)), ("Hq", str(hq)), ("Hkv", str(hkv)), ("D", str(d)), ("ctx", str(ctx)))
+def _of(kernel: str, *fields_list):
+    """Problems of ``kernel``'s Problem class from positional fields."""
+    def problems():
+        from tritune import kernels
 
-
-def _qm(m, bits):
-    return (("M", str(m)), ("N", "28672"), ("K", "8192"), ("bits", str(bits)))
+        cls = type(kernels.get(kernel).standard_problems[0])
+        return [cls(*f) for f in fields_list]
+    return problems
 
 
 TARGETS = [
-    Target(4, "GPT-2 linears at M >= 512, fused epilogue, geomean vs cuBLAS + torch epilogue", "gemm", (), "vs_vendor",
-           "geomean", 1.0, also=_gpt2([512, 8192])),
-    Target(4, "the same without the LM head (x @ wte.T, where cuBLAS is slow on the transposed operand)", "gemm", (),
-           "vs_vendor", "geomean", 1.0, also=_gpt2([512, 8192], lm_head=False)),
-    Target(4, "8192^3 plain vs cuBLAS", "gemm", (("M", "8192"), ("N", "8192"), ("K", "8192")), "vs_vendor", "each", 0.9),
-    Target(4, "GPT-2 linears at M <= 64, each vs cuBLAS", "gemm", (), "vs_vendor", "each", 1.0,
-           also=_gpt2([1, 8, 64])),
-    Target(6, "large batch, % of copy bandwidth: B=128 Llama ctx 4096, B=256 GPT-2 ctx 1024", "paged_attention", (),
-           "pct_copy_bw", "each", 85.0, also=(_pa(128, 32, 8, 128, 4096), _pa(256, 12, 12, 64, 1024))),
+    Target(4, "GPT-2 linears at M >= 512, fused epilogue, geomean vs cuBLAS + torch epilogue", "gemm",
+           _gemm(512, 8192), "vs_vendor", "geomean", 1.0),
+    Target(4, "the same without the LM head (x @ wte.T, where cuBLAS is slow on the transposed operand)", "gemm",
+           _gemm(512, 8192, lm_head=False), "vs_vendor", "geomean", 1.0),
+    Target(4, "8192^3 plain vs cuBLAS", "gemm", _of("gemm", (8192, 8192, 8192)), "vs_vendor", "each", 0.9),
+    Target(4, "GPT-2 linears at M <= 64, each vs cuBLAS", "gemm", _gemm(1, 8, 64), "vs_vendor", "each", 1.0),
+    Target(6, "large batch, % of copy bandwidth: B=128 Llama ctx 4096, B=256 GPT-2 ctx 1024", "paged_attention",
+           _of("paged_attention", (128, 32, 8, 128, 4096), (256, 12, 12, 64, 1024)), "pct_copy_bw", "each", 85.0),
     Target(6, "B=64 GPT-2 ctx 1024 (the issue's SDPA reference point), % of copy bandwidth", "paged_attention",
-           _pa(64, 12, 12, 64, 1024), "pct_copy_bw", "each", 85.0),
-    Target(6, "B=1 Llama, ctx >= 4096, % of copy bandwidth", "paged_attention", (), "pct_copy_bw", "each", 50.0,
-           also=tuple(_pa(1, 32, 8, 128, c) for c in (4096, 8192, 16384, 32768))),
-    Target(7, "int4 M=1 on (8192, 28672) vs bf16 F.linear", "quant_matmul", _qm(1, 4), "vs_vendor", "each", 3.0),
-    Target(7, "int4 M=16 on (8192, 28672) vs bf16 F.linear", "quant_matmul", _qm(16, 4), "vs_vendor", "each", 2.0),
-    Target(7, "int8 M=1 on (8192, 28672) vs bf16 F.linear", "quant_matmul", _qm(1, 8), "vs_vendor", "each", 1.7),
-    Target(7, "never slower than bf16 at M <= 64 on (8192, 28672)", "quant_matmul", (), "vs_vendor", "each", 1.0,
-           also=tuple(_qm(m, b) for b in (4, 8) for m in (1, 16, 64))),
+           _of("paged_attention", (64, 12, 12, 64, 1024)), "pct_copy_bw", "each", 85.0),
+    Target(6, "B=1 Llama, ctx >= 4096, % of copy bandwidth", "paged_attention",
+           _of("paged_attention", *[(1, 32, 8, 128, c) for c in (4096, 8192, 16384, 32768)]), "pct_copy_bw",
+           "each", 50.0),
+    Target(7, "int4 M=1 on (8192, 28672) vs bf16 F.linear", "quant_matmul",
+           _of("quant_matmul", (1, 28672, 8192, 4, 128)), "vs_vendor", "each", 3.0),
+    Target(7, "int4 M=16 on (8192, 28672) vs bf16 F.linear", "quant_matmul",
+           _of("quant_matmul", (16, 28672, 8192, 4, 128)), "vs_vendor", "each", 2.0),
+    Target(7, "int8 M=1 on (8192, 28672) vs bf16 F.linear", "quant_matmul",
+           _of("quant_matmul", (1, 28672, 8192, 8, 128)), "vs_vendor", "each", 1.7),
+    Target(7, "never slower than bf16 at M <= 64 on (8192, 28672)", "quant_matmul",
+           _of("quant_matmul", *[(m, 28672, 8192, b, 128) for b in (4, 8) for m in (1, 16, 64)]), "vs_vendor",
+           "each", 1.0),
 ]
 
 
-def parse_label(label: str) -> dict:
-    """'M=1 N=2304 bias=True' -> {'M': '1', 'N': '2304', 'bias': 'True'}."""
-    return dict(part.split("=", 1) for part in label.split() if "=" in part)
-
-
-def _covers(fields: dict, match: tuple) -> bool:
-    return all(fields.get(k) == v for k, v in match)
-
-
 def evaluate(target: Target, rows: list[dict]) -> dict:
-    """{'value', 'met', 'rows', 'worst'} for the target over the results rows (bf16 rows only)."""
-    matches = target.also or (target.match,)
+    """{'value', 'met', 'rows', 'worst', 'runs'} of the target over the results rows (bf16 rows; a row is
+    a problem's when its label is ``bench.problem_label`` of it, as the bench writes it)."""
+    from tritune.harness.bench import problem_label
+
+    by_label = {r.get("problem"): r for r in rows
+                if r.get("dtype") == "bfloat16" and isinstance(r.get(target.metric), (int, float))}
     picked = []
-    for m in matches:
-        hit = [r for r in rows if r.get("dtype") == "bfloat16" and _covers(parse_label(r.get("problem", "")), m)
-               and isinstance(r.get(target.metric), (int, float))]
-        if not hit:
-            return {"value": None, "met": False, "rows": len(picked), "missing": " ".join(f"{k}={v}" for k, v in m)}
-        picked.append(hit[-1])
+    for p in target.problems():
+        r = by_label.get(problem_label(p))
+        if r is None:
+            return {"value": None, "met": False, "rows": len(picked), "missing": problem_label(p)}
+        picked.append(r)
     # a row that carries several measurements of the metric (``<metric>_runs``) counts by their median
     vals = [statistics.median(r[f"{target.metric}_runs"]) if r.get(f"{target.metric}_runs") else r[target.metric]
             for r in picked]

@@ -152,26 +152,48 @@ def test_time_rounds_alternates_and_takes_medians(monkeypatch):
 
 
 def test_targets_evaluate_each_geomean_and_missing():
+    from dataclasses import dataclass
+
     from tritune.harness import targets as T
 
-    rows = [{"problem": "M=1 N=8 K=4 bits=4", "dtype": "bfloat16", "vs_vendor": 2.0},
-            {"problem": "M=2 N=8 K=4 bits=4", "dtype": "bfloat16", "vs_vendor": 0.5},
-            {"problem": "M=2 N=8 K=4 bits=4", "dtype": "float16", "vs_vendor": 9.0}]
-    geo = T.Target(0, "g", "k", (), "vs_vendor", "geomean", 1.0, also=((("M", "1"),), (("M", "2"),)))
+    @dataclass(frozen=True)
+    class P:
+        M: int
+
+    rows = [{"problem": "M=1", "dtype": "bfloat16", "vs_vendor": 2.0},
+            {"problem": "M=2", "dtype": "bfloat16", "vs_vendor": 0.5},
+            {"problem": "M=2", "dtype": "float16", "vs_vendor": 9.0}]
+    geo = T.Target(0, "g", "k", lambda: [P(1), P(2)], "vs_vendor", "geomean", 1.0)
     ev = T.evaluate(geo, rows)
     assert ev["rows"] == 2 and abs(ev["value"] - 1.0) < 1e-12 and ev["met"]
-    each = T.Target(0, "e", "k", (), "vs_vendor", "each", 1.0, also=((("M", "1"),), (("M", "2"),)))
+    each = T.Target(0, "e", "k", lambda: [P(1), P(2)], "vs_vendor", "each", 1.0)
     ev = T.evaluate(each, rows)
     assert ev["value"] == 0.5 and not ev["met"] and ev["worst"].startswith("M=2")
-    gone = T.Target(0, "m", "k", (("M", "3"),), "vs_vendor", "each", 1.0)
+    gone = T.Target(0, "m", "k", lambda: [P(3)], "vs_vendor", "each", 1.0)
     ev = T.evaluate(gone, rows)
     assert ev["value"] is None and not ev["met"] and "M=3" in ev["missing"]
-    assert T.parse_label("M=1 N=2 bias=True") == {"M": "1", "N": "2", "bias": "True"}
 
 
 def test_targets_use_the_median_of_a_rows_runs():
+    from dataclasses import dataclass
+
     from tritune.harness import targets as T
 
+    @dataclass(frozen=True)
+    class P:
+        M: int
+
     rows = [{"problem": "M=1", "dtype": "bfloat16", "vs_vendor": 3.02, "vs_vendor_runs": [2.9, 2.94, 3.02]}]
-    ev = T.evaluate(T.Target(0, "r", "k", (("M", "1"),), "vs_vendor", "each", 3.0), rows)
+    ev = T.evaluate(T.Target(0, "r", "k", lambda: [P(1)], "vs_vendor", "each", 3.0), rows)
     assert ev["value"] == 2.94 and not ev["met"] and ev["runs"] == 3
+
+
+def test_targets_cover_rows_the_bench_wrote():
+    """Every target's problems exist among its kernel's standard problems (so a bench of the standard
+    set fills it)."""
+    from tritune import kernels
+    from tritune.harness import targets as T
+
+    for t in T.TARGETS:
+        std = set(kernels.get(t.kernel).standard_problems)
+        assert t.problems() and all(p in std for p in t.problems()), t.what
