@@ -698,11 +698,7 @@ def study_stats(study) -> dict:
 
     a = study.user_attrs
     all_ts = study.get_trials(deepcopy=False)
-    try:
-        version = code_version(a.get("kernel")) if a.get("kernel") else None
-    except Exception:
-        version = None
-    ts = current_trials(all_ts, version)
+    ts = current_trials(all_ts, code_version(a["kernel"]) if a.get("kernel") else None)
     evaluated = _evaluated(ts)
     failed = [t for t in evaluated if t.state == TrialState.FAIL]
     complete = [t for t in ts if t.state == TrialState.COMPLETE and t.value is not None]
