@@ -252,12 +252,12 @@ def config_label(cfg) -> str:
     return "store" if cfg is None else json.dumps(cfg, separators=(",", ":"))
 
 
-def int4_section(rows, variants):
-    """The int4 M=1 problem: the stored config, ``variants(spec, stock, x, qw, out)``'s (label, fn) pairs
+def int4_section(rows, variants, text=INT4_M1):
+    """An int4 problem (``text``, the M=1 one by default): the stored config, ``variants(spec, stock, x, qw, out)``'s (label, fn) pairs
     (``stock(cfg)``: quant_matmul with that config), then bf16 F.linear and tinygemm, each checked and
     timed."""
     spec = kernels.get("quant_matmul")
-    problem = parse_problems(spec, INT4_M1)[0]
+    problem = parse_problems(spec, text)[0]
     cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
     c0 = cases[0]
     x, qw, _ = c0.args
@@ -266,13 +266,13 @@ def int4_section(rows, variants):
     def stock(cfg):
         return bench.cycling(cases, lambda c: lambda c=c: spec.run(*c.args, out=c.out, config=cfg, **c.kwargs))
 
-    timed(rows, "quant_matmul", INT4_M1, "store", stock(None))
+    timed(rows, "quant_matmul", text, "store", stock(None))
     for label, fn in variants(spec, stock, x, qw, c0.out):
-        variant(rows, "quant_matmul", INT4_M1, label, fn, c0.out, want)
-    timed(rows, "quant_matmul", INT4_M1, spec.vendor_name, bench.cycling(cases, spec.vendor))
+        variant(rows, "quant_matmul", text, label, fn, c0.out, want)
+    timed(rows, "quant_matmul", text, spec.vendor_name, bench.cycling(cases, spec.vendor))
     calls, _ = bench.peer_calls(spec, cases)
     if "tinygemm" in calls:
-        timed(rows, "quant_matmul", INT4_M1, "tinygemm", calls["tinygemm"])
+        timed(rows, "quant_matmul", text, "tinygemm", calls["tinygemm"])
 
 
 def q(bn, bk, split, w, s, bm=8):

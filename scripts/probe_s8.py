@@ -1,0 +1,203 @@
+"""Eighth-session probe (GPU; the check runs under the interpreter too): the INT4 swapped tile with its
+weight operands read through TMA descriptors, so Triton's pipeliner stages them in shared memory
+num_stages groups ahead (the pointer loads of quant_matmul's _qmm_dot are not pipelined: their bytes
+reach the dot through inline asm, and their latency is hidden by occupancy alone).
+
+  _swap4t   one program per (BLOCK_N rows, K slice), one loop over groups; codes through a descriptor
+            of the panels as (P·G·64, g/2) bytes, scales and zero points through descriptors of their
+            group-major (G, N) storage; x through pointers (X_TMA: a descriptor of x too)
+
+Sections (--only): tma (M=1 and M=16 on (8192, 28672) against the store, bf16 F.linear, tinygemm).
+
+  python scripts/probe_s8.py --out $OUT/probe_s8.json [--only tma]
+  python scripts/probe_s8.py --check      # interpreter: the variant against the reference, small shapes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from tritune.kernels import quant_matmul as qm
+from tritune.kernels.quant_matmul import _finish, _nibbles
+from tritune.references import quant as Q
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+
+@triton.jit
+def _swap4t(X, Xd, Wd, Sd, Zd, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym,
+            GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
+            X_TMA: tl.constexpr, SZ_TMA: tl.constexpr, PF_SZ: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    n0 = pid_n * BLOCK_N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    DT: tl.constexpr = X.dtype.element_ty
+    n_groups = K // GROUP
+    per = tl.cdiv(n_groups, SPLIT_K)
+    g_lo = pid_k * per
+    g_hi = tl.minimum(n_groups, g_lo + per)
+    # row of the (P·G·PANEL, H) byte view where group g of this tile starts: (p·G + g)·PANEL + r0
+    row0 = (n0 // PANEL) * n_groups * PANEL + n0 % PANEL
+    offs_h = tl.arange(0, H)
+    x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    sz_ptr = offs_n[:, None] + g_lo * N
+    live = mask_n[:, None] & (tl.zeros((BLOCK_N, 1), tl.int32) + g_lo < g_hi)  # an empty K slice (SPLIT_K not dividing the groups) reads nothing
+    s_nx = tl.load(Sc + sz_ptr, mask=live, other=0.0)
+    z_nx = tl.load(Zp + sz_ptr, mask=live, other=0)
+    for grp in range(g_lo, g_hi):
+        b = Wd.load([row0 + grp * PANEL, 0])                         # (BN, H) uint8
+        if SZ_TMA:
+            s = tl.trans(Sd.load([grp, n0]).to(tl.float32))         # (BN, 1); past N: zero-filled
+            z = tl.trans(Zd.load([grp, n0]).to(tl.int16))
+        elif PF_SZ:  # this group's scales and zero points were loaded a group ahead
+            s = s_nx.to(tl.float32)
+            z = z_nx.to(tl.int16)
+            sz_ptr += tl.where(grp + 1 < g_hi, N, 0)
+            s_nx = tl.load(Sc + sz_ptr, mask=mask_n[:, None], other=0.0)
+            z_nx = tl.load(Zp + sz_ptr, mask=mask_n[:, None], other=0)
+        else:
+            s = tl.load(Sc + offs_n[:, None] + grp * N, mask=mask_n[:, None], other=0.0).to(tl.float32)
+            z = tl.load(Zp + offs_n[:, None] + grp * N, mask=mask_n[:, None], other=0).to(tl.int16)
+        zf = (z | MAGIC).to(DT, bitcast=True)
+        k_lo = grp * GROUP
+        if X_TMA:
+            x_lo = Xd.load([pid_m * BLOCK_M, k_lo]).T                 # rows past M: zero-filled
+            x_hi = Xd.load([pid_m * BLOCK_M, k_lo + H]).T
+        else:
+            x_lo = tl.load(x_cols + (k_lo + offs_h)[:, None] * s_xk, mask=mask_m[None, :], other=0.0)
+            x_hi = tl.load(x_cols + (k_lo + H + offs_h)[:, None] * s_xk, mask=mask_m[None, :], other=0.0)
+        q_lo, q_hi = _nibbles(b, MAGIC, DT, ASM)
+        part = tl.dot(q_lo - zf, x_lo)
+        part = tl.dot(q_hi - zf, x_hi, part)
+        acc += part * s
+    acc = tl.trans(acc)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Y, Work, Locks, pid_m * n_tiles + pid_n,
+            pid_k, M, N, s_ym, False, False, SPLIT_K)
+
+
+def swap4t(x, qw, out, cfg, *, x_tma=False, sz_tma=False, pf_sz=True):
+    """A launch of _swap4t (descriptors built here, outside the timed call)."""
+    m, kdim = x.shape
+    n, g = qw.N, qw.group_size
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    assert Q.PANEL_ROWS % bn == 0, "a tile must lie in one panel"
+    h = g // 2
+    data2d = qw.data.view(-1, h)
+    wd = TensorDescriptor(data2d, list(data2d.shape), [h, 1], [bn, h])
+    sc = qw.scales.t()    # (G, N) contiguous storage
+    zp = qw.zeros.t()
+    assert sc.is_contiguous() and zp.is_contiguous()
+    sd = TensorDescriptor(sc, list(sc.shape), [n, 1], [1, bn])
+    zd = TensorDescriptor(zp, list(zp.shape), [n, 1], [1, bn])
+    xd = TensorDescriptor(x, [m, kdim], [x.stride(0), 1], [bm, h]) if x_tma else wd
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    work = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+
+    def run():
+        _swap4t[(tiles, split)](x, xd, wd, sd, zd, sc, zp, out, work, locks, m, n, kdim, x.stride(0), x.stride(1),
+                                out.stride(0), GROUP=g, H=h, PANEL=Q.PANEL_ROWS, BLOCK_M=bm, BLOCK_N=bn,
+                                SPLIT_K=split, MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300,
+                                ASM=qm._ASM, X_TMA=x_tma, SZ_TMA=sz_tma, PF_SZ=pf_sz, num_warps=cfg["num_warps"],
+                                num_stages=cfg["num_stages"])
+        return out
+    return run
+
+
+def t(bm, bn, split, w, s):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": w, "num_stages": s}
+
+
+def check() -> None:
+    """Interpreter: fp16 (the interpreter's bf16 dot is broken), odd M and N, split or not."""
+    from tritune.harness import compare
+    from tritune.references import quant_matmul as ref
+    torch.manual_seed(0)
+    worst = 0.0
+    for m, n, kdim, g, cfg, x_tma, sz in ((1, 64, 256, 128, t(8, 32, 1, 2, 2), False, "pf"),
+                                          (3, 96, 512, 64, t(8, 32, 2, 2, 3), True, "tma"),
+                                          (5, 80, 384, 128, t(16, 64, 3, 2, 2), False, "ptr"),
+                                          (2, 80, 384, 128, t(8, 32, 4, 2, 2), True, "pf"),
+                                          (16, 128, 256, 32, t(16, 32, 2, 2, 2), True, "pf")):
+        w = torch.randn(n, kdim) / kdim ** 0.5
+        qw = Q.quantize(w, 4, g)
+        x = torch.randn(m, kdim, dtype=torch.float16)
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        got = swap4t(x, qw, out, cfg, x_tma=x_tma, sz_tma=sz == "tma", pf_sz=sz == "pf")()
+        err = compare.rel_error(got, ref.quant_matmul(x, qw))
+        worst = max(worst, err)
+        print(m, n, kdim, g, cfg, x_tma, sz, f"{err:.2e}")
+    print("worst", worst)
+    assert worst < 2e-3, worst
+
+
+def tma_section(rows):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from probe_s7 import int4_section, config_label, INT4_M1
+
+    modes = {"xtma+pf": (True, False, True), "ptr+pf": (False, False, True), "xtma+ptr": (True, False, False),
+             "xtma+sztma": (True, True, False)}
+
+    def m1(spec, stock, x, qw, out):
+        for i, cfg in enumerate((t(8, 32, 2, 2, 3), t(8, 64, 2, 4, 3), t(8, 32, 2, 2, 2), t(8, 64, 2, 2, 3),
+                                 t(8, 32, 2, 2, 4), t(8, 32, 1, 2, 3), t(8, 32, 4, 2, 3), t(8, 64, 1, 4, 3),
+                                 t(8, 64, 4, 4, 3), t(8, 32, 2, 1, 3), t(8, 32, 2, 2, 1))):
+            for mode, (x_tma, sz_tma, pf) in modes.items():
+                if mode == "xtma+pf" or i < 2:
+                    yield f"swap4t {mode} " + config_label(cfg), swap4t(x, qw, out, cfg, x_tma=x_tma, sz_tma=sz_tma, pf_sz=pf)
+
+    def m16(spec, stock, x, qw, out):
+        for cfg in (t(16, 32, 1, 2, 3), t(16, 32, 2, 2, 3), t(16, 64, 1, 4, 3), t(16, 64, 2, 4, 3),
+                    t(16, 32, 2, 2, 4), t(16, 64, 2, 2, 3)):
+            yield "swap4t xtma+pf " + config_label(cfg), swap4t(x, qw, out, cfg, x_tma=True, pf_sz=True)
+
+    int4_section(rows, m1)
+    torch.cuda.empty_cache()
+    int4_section(rows, m16, INT4_M1.replace("M=1,", "M=16,"))
+    torch.cuda.empty_cache()
+
+
+SECTIONS = {"tma": tma_section}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    p.add_argument("--only", default="tma")
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args()
+    if args.check:
+        return check()
+    rows = []
+    for name in args.only.split(","):
+        try:
+            SECTIONS[name](rows)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            rows.append({"section": name, "error": f"{type(e).__name__}: {e}"[:500]})
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
