@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tritune.kernels import quant_matmul as qm
-from tritune.kernels.quant_matmul import _finish, _nibbles
+from tritune.kernels.quant_matmul import _finish, _nibbles, _w_rows
 from tritune.references import quant as Q
 
 try:
@@ -94,6 +94,85 @@ def _swap4t(X, Xd, Wd, Sd, Zd, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym
             pid_k, M, N, s_ym, False, False, SPLIT_K)
 
 
+@triton.jit
+def _swap4w(X, Wq, SZ, Sc, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym,
+            GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
+            PF_S: tl.constexpr):
+    """The swapped tile, one group an iteration, codes and x through pointers (cp.async-pipelined by
+    num_stages), scale and zero point of (row, group) packed in one int32 word (bf16 scale bits | zero
+    << 16), group-major (G, N): a 4-byte load the pipeliner takes (2-byte scales and 1-byte zero points
+    are too narrow for cp.async and wait in the loop). The scale's copy in the accumulator's layout is
+    a load of its own (Triton rematerialises the load per layout); PF_S loads it a group ahead by hand."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    DT: tl.constexpr = X.dtype.element_ty
+    n_groups = K // GROUP
+    per = tl.cdiv(n_groups, SPLIT_K)
+    g_lo = pid_k * per
+    g_hi = tl.minimum(n_groups, g_lo + per)
+    offs_h = tl.arange(0, H)
+    x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
+    w_rows = _w_rows(Wq, offs_n, K, 0, 4, GROUP, H, PANEL)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    s_ptr = Sc + offs_n[:, None] + g_lo * N
+    live = mask_n[:, None] & (tl.zeros((BLOCK_N, 1), tl.int32) + g_lo < g_hi)
+    s_nx = tl.load(s_ptr, mask=live, other=0.0)
+    for grp in range(g_lo, g_hi):
+        w = tl.load(SZ + offs_n[:, None] + grp * N, mask=mask_n[:, None], other=0)   # (BN, 1) int32
+        if PF_S:
+            s = s_nx.to(tl.float32)
+            s_ptr += tl.where(grp + 1 < g_hi, N, 0)
+            s_nx = tl.load(s_ptr, mask=mask_n[:, None], other=0.0)
+        else:
+            s = (w & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        zf = (((w >> 16) & 15) | MAGIC).to(tl.int16).to(DT, bitcast=True)
+        b = tl.load(w_rows + (grp * (PANEL * H) + offs_h)[None, :], mask=mask_n[:, None], other=0)
+        k_lo = grp * GROUP + offs_h
+        x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=mask_m[None, :], other=0.0)
+        x_hi = tl.load(x_cols + (k_lo + H)[:, None] * s_xk, mask=mask_m[None, :], other=0.0)
+        q_lo, q_hi = _nibbles(b, MAGIC, DT, ASM)
+        part = tl.dot(q_lo - zf, x_lo)
+        part = tl.dot(q_hi - zf, x_hi, part)
+        acc += part * s
+    acc = tl.trans(acc)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Y, Work, Locks, pid_m * n_tiles + pid_n,
+            pid_k, M, N, s_ym, False, False, SPLIT_K)
+
+
+def sz_words(qw):
+    """(G, N) int32: the bf16 scale's bits | zero point << 16."""
+    s = qw.scales.t().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return (s | (qw.zeros.t().to(torch.int32) << 16)).contiguous()
+
+
+def swap4w(x, qw, out, cfg, *, pf_s=False):
+    m, kdim = x.shape
+    n, g = qw.N, qw.group_size
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    sz = sz_words(qw)
+    sc = qw.scales.t().contiguous()
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    work = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+
+    def run():
+        _swap4w[(tiles, split)](x, qw.data, sz, sc, out, work, locks, m, n, kdim, x.stride(0), x.stride(1),
+                                out.stride(0), GROUP=g, H=g // 2, PANEL=Q.PANEL_ROWS, BLOCK_M=bm, BLOCK_N=bn,
+                                SPLIT_K=split, MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300,
+                                ASM=qm._ASM, PF_S=pf_s, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return out
+    return run
+
+
 def swap4t(x, qw, out, cfg, *, x_tma=False, sz_tma=False, pf_sz=True):
     """A launch of _swap4t (descriptors built here, outside the timed call)."""
     m, kdim = x.shape
@@ -146,30 +225,38 @@ def check() -> None:
         err = compare.rel_error(got, ref.quant_matmul(x, qw))
         worst = max(worst, err)
         print(m, n, kdim, g, cfg, x_tma, sz, f"{err:.2e}")
+    for m, n, kdim, g, cfg, pf in ((1, 64, 256, 128, t(8, 32, 1, 2, 2), False), (3, 96, 512, 64, t(8, 32, 2, 2, 3), True),
+                                   (5, 80, 384, 128, t(16, 64, 3, 2, 2), True), (2, 80, 384, 32, t(8, 32, 4, 2, 2), True)):
+        w = torch.randn(n, kdim) / kdim ** 0.5
+        qw = Q.quantize(w, 4, g)
+        x = torch.randn(m, kdim, dtype=torch.float16)
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        err = compare.rel_error(swap4w(x, qw, out, cfg, pf_s=pf)(), ref.quant_matmul(x, qw))
+        worst = max(worst, err)
+        print("swap4w", m, n, kdim, g, cfg, pf, f"{err:.2e}")
     print("worst", worst)
     assert worst < 2e-3, worst
 
 
 def tma_section(rows):
+    """Run 2 (H100, M=1, graph µs): store 48.4; swap4t xtma+ptr 8x32 split 2 stages 3 51.9 (the best of
+    11 configs), ptr+ptr 48.7; M=16: store 68.4, swap4t xtma+ptr 16x32 split 2 stages 3 64.1."""
     sys.path.insert(0, os.path.dirname(__file__))
     from probe_s7 import int4_section, config_label, INT4_M1
 
-    # run 1 (H100): xtma+pf 96.2 µs in a graph, ptr+pf 92.7, xtma+ptr 51.9 (store 48.3); xtma+sztma
-    # (scales and zero points through (1, BLOCK_N) TMA boxes) failed with a misaligned address
-    modes = {"xtma+ptr": (True, False, False), "ptr+ptr": (False, False, False)}
-
     def m1(spec, stock, x, qw, out):
-        for i, cfg in enumerate((t(8, 32, 2, 2, 3), t(8, 64, 2, 4, 3), t(8, 32, 2, 2, 2), t(8, 64, 2, 2, 3),
-                                 t(8, 32, 2, 2, 4), t(8, 32, 1, 2, 3), t(8, 32, 4, 2, 3), t(8, 64, 1, 4, 3),
-                                 t(8, 64, 4, 4, 3), t(8, 32, 2, 1, 3), t(8, 32, 2, 2, 1))):
-            for mode, (x_tma, sz_tma, pf) in modes.items():
-                if mode == "xtma+ptr" or i < 4:
-                    yield f"swap4t {mode} " + config_label(cfg), swap4t(x, qw, out, cfg, x_tma=x_tma, sz_tma=sz_tma, pf_sz=pf)
+        yield "swap4t ptr+ptr " + config_label(t(8, 32, 2, 2, 3)), swap4t(x, qw, out, t(8, 32, 2, 2, 3))
+        for cfg in (t(8, 32, 2, 2, 3), t(8, 32, 2, 2, 4), t(8, 32, 2, 2, 5), t(8, 64, 2, 4, 3), t(8, 64, 2, 4, 4),
+                    t(8, 32, 1, 2, 4), t(8, 32, 4, 2, 4), t(8, 64, 4, 4, 4), t(8, 64, 2, 2, 4), t(8, 32, 2, 1, 4),
+                    t(8, 16, 2, 1, 4), t(8, 64, 1, 4, 4), t(8, 32, 2, 2, 2)):
+            for pf in (True, False):
+                yield f"swap4w pf_s={pf} " + config_label(cfg), swap4w(x, qw, out, cfg, pf_s=pf)
 
     def m16(spec, stock, x, qw, out):
-        for cfg in (t(16, 32, 1, 2, 3), t(16, 32, 2, 2, 3), t(16, 64, 1, 4, 3), t(16, 64, 2, 4, 3),
-                    t(16, 32, 2, 2, 4), t(16, 64, 2, 2, 3)):
-            yield "swap4t xtma+ptr " + config_label(cfg), swap4t(x, qw, out, cfg, x_tma=True, pf_sz=False)
+        yield "swap4t xtma+ptr " + config_label(t(16, 32, 2, 2, 3)), swap4t(x, qw, out, t(16, 32, 2, 2, 3), x_tma=True)
+        for cfg in (t(16, 32, 2, 2, 3), t(16, 32, 2, 2, 4), t(16, 64, 2, 4, 3), t(16, 64, 2, 4, 4),
+                    t(16, 32, 1, 2, 4), t(16, 32, 4, 2, 4), t(16, 64, 1, 4, 4)):
+            yield "swap4w pf_s=True " + config_label(cfg), swap4w(x, qw, out, cfg, pf_s=True)
 
     int4_section(rows, m1)
     torch.cuda.empty_cache()
