@@ -264,7 +264,65 @@ def tma_section(rows):
     torch.cuda.empty_cache()
 
 
-SECTIONS = {"tma": tma_section}
+def w_configs(rows):
+    """_swap4w (no hand prefetch) beyond run 3's configs: wider tiles without split-K."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from probe_s7 import int4_section, config_label
+
+    def m1(spec, stock, x, qw, out):
+        for cfg in (t(8, 32, 1, 2, 4), t(8, 64, 1, 2, 4), t(8, 64, 1, 2, 3), t(8, 64, 1, 4, 3), t(8, 128, 1, 4, 3),
+                    t(8, 128, 1, 4, 4), t(8, 32, 1, 2, 3), t(8, 32, 1, 2, 5), t(8, 32, 1, 1, 4), t(8, 64, 1, 2, 5)):
+            yield "swap4w pf_s=False " + config_label(cfg), swap4w(x, qw, out, cfg)
+    int4_section(rows, m1)
+    torch.cuda.empty_cache()
+
+
+@triton.jit
+def _read_hint(X, Out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, HINT: tl.constexpr):
+    """Each program sums ITERS * BLOCK int32 words; HINT 0 none, 1 evict_first (L1 and L2 policy), 2
+    evict_last, 3 the .cs (streaming) cache modifier."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * (BLOCK * ITERS)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for i in tl.range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        if HINT == 1:
+            acc += tl.load(X + offs, mask=offs < n, other=0, eviction_policy="evict_first")
+        elif HINT == 2:
+            acc += tl.load(X + offs, mask=offs < n, other=0, eviction_policy="evict_last")
+        elif HINT == 3:
+            acc += tl.load(X + offs, mask=offs < n, other=0, cache_modifier=".cs")
+        else:
+            acc += tl.load(X + offs, mask=offs < n, other=0)
+    tl.store(Out + pid, tl.sum(acc))
+
+
+def read_hints(rows):
+    """Does an L2 eviction hint on a streamed read change what do_bench's dirty flush costs it? (The
+    zero-filled 256 MB flush leaves L2 full of dirty lines; a read that evicts them writes them back.)"""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from probe_s7 import timed
+    from tritune.harness import bench
+    l2 = bench.l2_bytes()
+    for nbytes in (16_777_216, 125_000_000):
+        words = nbytes // 4
+        sets = max(1, min(24, -(-4 * l2 // nbytes)))
+        bufs = [torch.randint(0, 1 << 20, (words,), dtype=torch.int32, device="cuda") for _ in range(sets)]
+        for hint in (0, 1, 2, 3):
+            for block, iters, warps, stages in ((1024, 2, 4, 1), (2048, 4, 8, 2)):
+                grid = triton.cdiv(words, block * iters)
+                out = torch.empty(grid, dtype=torch.int32, device="cuda")
+                fn = bench.cycling(bufs, lambda b, block=block, iters=iters, warps=warps, stages=stages, grid=grid,
+                                   out=out, hint=hint: (lambda: _read_hint[(grid,)](
+                                       b, out, words, BLOCK=block, ITERS=iters, HINT=hint, num_warps=warps,
+                                       num_stages=stages)))
+                timed(rows, "read", f"bytes={nbytes}", f"read hint={hint} BLOCK={block} ITERS={iters} w={warps} s={stages}",
+                      fn, nbytes=nbytes)
+        del bufs
+        torch.cuda.empty_cache()
+
+
+SECTIONS = {"tma": tma_section, "hints": read_hints, "w2": w_configs}
 
 
 def main() -> None:
