@@ -97,9 +97,26 @@ def _w_rows(Wq, offs_n, K, s_wn, BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.
 
 
 @triton.jit
+def _group_sz(Sc, Zp, off, mask, SZW: tl.constexpr):
+    """Scale (fp32) and zero point (int32) of the (row, group)s at ``off``. SZW: both from one 32-bit
+    word (references.quant.pack_scale_zero: zero point in byte 0, bf16 scale in the high half), read
+    through the zero points' pointer (the words' first byte) with ``off`` in words; a 4-byte load, which
+    the pipeliner stages with cp.async. Else two loads (2 and 1 bytes: waited on in the loop)."""
+    if SZW:
+        w = tl.load(Zp.to(tl.pointer_type(tl.int32), bitcast=True) + off, mask=mask, other=0)
+        s = (w & -65536).to(tl.float32, bitcast=True)
+        z = w & 255
+    else:
+        s = tl.load(Sc + off, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Zp + off, mask=mask, other=0).to(tl.int32)
+    return s, z
+
+
+@triton.jit
 def _qmm_gemv(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
               BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+              SZW: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] · w[n, k] for one row m, BLOCK_N columns n and one K slice, on CUDA cores."""
     m = tl.program_id(0)          # rows fastest: programs of one strip share its bytes through L2
     pid_n = tl.program_id(1)
@@ -121,9 +138,9 @@ def _qmm_gemv(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_
                 b = tl.load(w_rows + (grp * (PANEL * H) + offs_h)[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
                 x_lo = tl.load(x_row + k_lo * s_xk, mask=k_lo < K, other=0.0).to(tl.float32)
                 x_hi = tl.load(x_row + (k_lo + H) * s_xk, mask=k_lo < K, other=0.0).to(tl.float32)
-                s = tl.load(Sc + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0.0).to(tl.float32)
+                s, z = _group_sz(Sc, Zp, offs_n * s_sn + grp * s_sg, mask_n, SZW)
                 # 2^23 + z: subtracting it from 2^23 + q (the code ORed into 2^23's mantissa) is q − z
-                zb = tl.load(Zp + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0).to(tl.float32) + 8388608.0
+                zb = z.to(tl.float32) + 8388608.0
                 w_lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - zb[:, None]
                 w_hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zb[:, None]
                 acc += (w_lo * x_lo[None, :] + w_hi * x_hi[None, :]) * s[:, None]
@@ -191,7 +208,7 @@ def _nibbles(b, MAGIC: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
 def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
              BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr, HAS_BIAS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             MAGIC: tl.constexpr, ASM: tl.constexpr):
+             MAGIC: tl.constexpr, ASM: tl.constexpr, SZW: tl.constexpr):
     """Y tile = X tile @ dequant(W tile)ᵀ over one K slice with tl.dot (fp32 accumulator).
 
     INT4 with BLOCK_M <= 16 swaps the operands: the tile computed is Yᵀ = dequant(W) @ Xᵀ, so the
@@ -228,9 +245,8 @@ def _qmm_dot(X, Wq, Sc, Zp, Bias, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_s
                 # a group past K (the last block's tail) reads the last group again with x = 0
                 grp = tl.minimum(blk * (BLOCK_K // GROUP) + j, n_groups - 1)
                 k_lo = (blk * (BLOCK_K // GROUP) + j) * GROUP + offs_h
-                s = tl.load(Sc + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0.0).to(tl.float32)
-                z = tl.load(Zp + offs_n * s_sn + grp * s_sg, mask=mask_n, other=0).to(tl.int16)
-                zf = (z | MAGIC).to(DT, bitcast=True)  # MAGIC + z
+                s, z = _group_sz(Sc, Zp, offs_n * s_sn + grp * s_sg, mask_n, SZW)
+                zf = (z.to(tl.int16) | MAGIC).to(DT, bitcast=True)  # MAGIC + z
                 # the unpack runs in the dot-operand layout (Triton hoists the layout change above
                 # elementwise ops, asm included): bytes go through shared memory, not 16-bit codes.
                 # (MAGIC + q) − (MAGIC + z) is q − z exactly; the scale multiplies the group's sum.
@@ -335,7 +351,9 @@ def quant_matmul(x, qw, bias=None, *, out=None, config: dict | None = None):
     try:
         key = (x.shape, x.stride(), x.dtype, x.device, type(qw), qw.bits, qw.N, qw.K, qw.group_size,
                _meta(qw.data), _meta(qw.scales), _meta(qw.zeros), _meta(bias), _meta(out),
-               None if config is None else tuple(config.items()))
+               None if config is None else tuple(config.items()),
+               # scales 2 bytes past the zero points (with the strides above): pack_scale_zero's words
+               None if qw.zeros is None else qw.scales.data_ptr() - qw.zeros.data_ptr())
     except (AttributeError, TypeError):
         key = None
     plan = _PLANS.get_or_make(key, lambda: _make_plan(x, qw, bias, out, config))
@@ -405,12 +423,17 @@ def _make_plan(x, qw, bias, out, config) -> _Plan:
     # the plan holds its counters: a buffer grown later for another plan stays alive for this one
     plan.locks = _locks(x.device, m_tiles * n_tiles) if split > 1 else None
     int4 = qw.bits == 4
-    plan.ints = (m, n, kdim, x2.stride(0), x2.stride(1), 0 if int4 else qw.data.stride(0),
-                 qw.scales.stride(0) if int4 else 1, qw.scales.stride(1) if int4 else 0, n)
+    szw = int4 and Q.sz_words(qw) is not None
+    if szw:  # offsets in (G, N) words
+        s_sn, s_sg = 1, n
+    else:
+        s_sn, s_sg = (qw.scales.stride(0), qw.scales.stride(1)) if int4 else (1, 0)
+    plan.ints = (m, n, kdim, x2.stride(0), x2.stride(1), 0 if int4 else qw.data.stride(0), s_sn, s_sg, n)
     meta = dict(BITS=qw.bits, GROUP=qw.group_size if int4 else 2, H=qw.group_size // 2 if int4 else 1,
                 PANEL=Q.PANEL_ROWS if int4 else 1,
                 HAS_BIAS=bias is not None,
-                BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SZW=szw, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
     plan.gemv = bm == 1
     if plan.gemv:
         plan.grid = (m, n_tiles, split)

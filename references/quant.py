@@ -20,6 +20,15 @@ INT4 (``bits=4``), asymmetric per group of ``group_size`` consecutive k (32, 64 
   are 3.7 MB next to 117 MB of codes); codes are computed from the stored (rounded) scale, so the
   weight a kernel reconstructs is exactly ``dequantize()``, and (q − z) · s is exact in float32.
 
+  Scale and zero point of one (row, group) share a 32-bit word (``pack_scale_zero``): byte 0 the zero
+  point, byte 1 zero, bytes 2-3 the bf16 scale, so the word masked to its high half is the scale as a
+  float32 and masked to its low byte the zero point. The words are group-major, (K // g, N) int32, and
+  ``scales`` and ``zeros`` are (N, K // g) strided views into them. Why: a kernel's per-group load of a
+  tile's scales and zero points is then one 4-byte load per row, which Triton's software pipeliner
+  stages with cp.async (it takes loads of 4 bytes and more a thread); a 2-byte scale and a 1-byte zero
+  point were plain loads waited on inside the loop (H100, INT4 M = 1 on (8192, 28672), one group an
+  iteration at 4 stages: 48.4 -> 45.3-46.0 µs in a CUDA graph; scripts/probe_s8.py).
+
 INT4 packing: two codes per byte, split by half-groups. In group ``j`` (columns ``j*g .. j*g + g - 1``,
 h = g/2) byte ``i`` of row ``n``'s group holds::
 
@@ -29,7 +38,7 @@ h = g/2) byte ``i`` of row ``n``'s group holds::
 ``pack_int4`` gives these bytes row-major, (N, K // 2): byte i of group j of row n at [n, j*h + i].
 A QuantizedWeight stores them in *panels* of R = PANEL_ROWS rows (``to_panels``): ``data`` is uint8 of
 shape (ceil(N / R), K // g, R, h), byte i of group j of row n at [n // R, j, n % R, i] (rows past N are
-zero padding). Scales and zero points are (N, K // g) views of group-major (K // g, N) storage.
+zero padding). Scales and zero points are (N, K // g) views of group-major (K // g, N) 32-bit words.
 
 Why half-groups: a kernel that loads a (rows × h) block of bytes of one group gets two (rows × h) code
 blocks whose activations are two *contiguous* slices of x (x[j*g : j*g+h] and x[j*g+h : (j+1)*g]);
@@ -75,9 +84,16 @@ class QuantizedWeight:
         return [t for t in (self.data, self.scales, self.zeros) if t is not None]
 
     def nbytes(self) -> int:
+        words = sz_words(self)
+        if words is not None:
+            return self.data.numel() + 4 * words.numel()
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def to(self, device) -> "QuantizedWeight":
+        words = sz_words(self)
+        if words is not None:  # keep scales and zero points views of one set of words
+            scales, zeros = scale_zero_views(words.to(device))
+            return replace(self, data=self.data.to(device), scales=scales, zeros=zeros)
         return replace(self, data=self.data.to(device), scales=self.scales.to(device),
                        zeros=None if self.zeros is None else self.zeros.to(device))
 
@@ -106,11 +122,12 @@ class QuantizedWeight:
             if self.group_size not in INT4_GROUP_SIZES:
                 raise ValueError(f"qw: int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
             _expect(self.data, "qw.data", panel_shape(self.N, self.K, self.group_size), torch.uint8)
-            _expect(self.scales, "qw.scales", (self.N, self.n_groups), torch.bfloat16, either_major=True)
             if not isinstance(self.zeros, torch.Tensor):
                 raise TypeError("qw.zeros: int4 needs a uint8 tensor of zero points, got "
                                 f"{type(self.zeros).__name__}")
-            _expect(self.zeros, "qw.zeros", (self.N, self.n_groups), torch.uint8, either_major=True)
+            words = sz_words(self) is not None  # packed words: neither view is dense, both are fine
+            _expect(self.scales, "qw.scales", (self.N, self.n_groups), torch.bfloat16, either_major=True, words=words)
+            _expect(self.zeros, "qw.zeros", (self.N, self.n_groups), torch.uint8, either_major=True, words=words)
         for t, name in ((self.scales, "scales"), (self.zeros, "zeros")):
             if t is not None and t.device != self.data.device:
                 raise ValueError(f"qw.{name}: on {t.device}, but qw.data is on {self.data.device}")
@@ -134,15 +151,19 @@ class QuantizedWeight:
         return ((q - z) * s).reshape(self.N, self.K)
 
 
-def _expect(t: torch.Tensor, name: str, shape: tuple, dtype: torch.dtype, either_major: bool = False) -> None:
+def _expect(t: torch.Tensor, name: str, shape: tuple, dtype: torch.dtype, either_major: bool = False,
+            words: bool = False) -> None:
     if t.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got "
                         f"{str(t.dtype).replace('torch.', '')}")
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if words:  # a view into pack_scale_zero's words (checked by sz_words)
+        return
     if either_major:  # (N, G): row-major, or a transposed view of (G, N) storage
         if not (t.is_contiguous() or t.t().is_contiguous()):
-            raise ValueError(f"{name}: expected a contiguous tensor or a transposed view of one")
+            raise ValueError(f"{name}: expected a contiguous tensor, a transposed view of one, or a view "
+                             "into pack_scale_zero's words")
     elif not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
 
@@ -168,6 +189,38 @@ def from_panels(panels: torch.Tensor, N: int) -> torch.Tensor:
     """Inverse of :func:`to_panels`: (P, G, rows, h) -> row-major (N, G·h)."""
     P, G, rows, h = panels.shape
     return panels.permute(0, 2, 1, 3).reshape(P * rows, G * h)[:N]
+
+
+def pack_scale_zero(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """(N, G) bf16 scales and uint8 zero points -> (G, N) int32 words: zero | bf16 bits << 16."""
+    if scales.dtype != torch.bfloat16 or zeros.dtype != torch.uint8 or scales.shape != zeros.shape:
+        raise TypeError("pack_scale_zero: expected bf16 scales and uint8 zero points of one (N, G) shape")
+    bits = scales.t().contiguous().view(torch.int16).to(torch.int32)
+    return ((bits << 16) | zeros.t().to(torch.int32)).contiguous()
+
+
+def scale_zero_views(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G, N) int32 words -> ((N, G) bf16 scales, (N, G) uint8 zero points), views into the words."""
+    G, N = words.shape
+    scales = words.view(torch.bfloat16).view(G, N, 2)[:, :, 1].t()
+    zeros = words.view(torch.uint8).view(G, N, 4)[:, :, 0].t()
+    return scales, zeros
+
+
+def sz_words(qw: "QuantizedWeight") -> torch.Tensor | None:
+    """The (G, N) int32 words that ``qw``'s scales and zero points are views into, or None when they
+    are tensors of their own."""
+    s, z = qw.scales, qw.zeros
+    if qw.bits != 4 or not isinstance(s, torch.Tensor) or not isinstance(z, torch.Tensor):
+        return None
+    if s.dtype != torch.bfloat16 or z.dtype != torch.uint8 or s.dim() != 2 or s.shape != z.shape:
+        return None
+    N, G = z.shape
+    if (z.stride() != (4, 4 * N) or s.stride() != (2, 2 * N) or s.data_ptr() != z.data_ptr() + 2
+            or z.storage_offset() % 4 or s.untyped_storage().data_ptr() != z.untyped_storage().data_ptr()):
+        return None
+    return torch.empty(0, dtype=torch.int32, device=z.device).set_(
+        z.untyped_storage(), z.storage_offset() // 4, (G, N), (N, 1))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -238,9 +291,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
     zero = torch.clamp(torch.round(-lo / s), 0, INT4_QMAX)
     q = torch.clamp(torch.round(wg / s[:, :, None]) + zero[:, :, None], 0, INT4_QMAX).to(torch.uint8)
     data = to_panels(pack_int4(q.view(N, K), group_size), group_size)
-    # (N, G) views of group-major storage: a tile's scales for one group are one contiguous load
-    return QuantizedWeight(4, N, K, group_size, data, scale.t().contiguous().t(),
-                           zero.to(torch.uint8).t().contiguous().t())
+    # (N, G) views of group-major words: a tile's scales and zero points for one group are one load
+    scales, zeros = scale_zero_views(pack_scale_zero(scale, zero.to(torch.uint8)))
+    return QuantizedWeight(4, N, K, group_size, data, scales, zeros)
 
 
 def quantize(w: torch.Tensor, bits: int, group_size: int = 128) -> QuantizedWeight:

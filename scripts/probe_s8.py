@@ -313,6 +313,30 @@ def evict_configs(rows):
     torch.cuda.empty_cache()
 
 
+def szw_configs(rows):
+    """quant_matmul itself after the change (scales and zero points in 4-byte words, references.quant):
+    one group an iteration (BLOCK_K = g) at 3-5 stages against the old two-group tiles."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from probe_s7 import int4_section, config_label, q, INT4_M1
+
+    def m1(spec, stock, x, qw, out):
+        for cfg in (q(32, 128, 1, 2, 4), q(32, 128, 1, 1, 4), q(64, 128, 1, 2, 5), q(64, 128, 1, 2, 4),
+                    q(32, 128, 2, 2, 4), q(64, 128, 1, 4, 4), q(128, 128, 1, 4, 4), q(32, 256, 1, 2, 3),
+                    q(32, 256, 2, 2, 2), q(64, 256, 2, 2, 2), q(32, 128, 1, 1, 5), q(64, 128, 2, 2, 4)):
+            yield "stock " + config_label(cfg), stock(cfg)
+        yield "swap4w " + config_label(t(8, 64, 1, 2, 5)), swap4w(x, qw, out, t(8, 64, 1, 2, 5))
+
+    def m16(spec, stock, x, qw, out):
+        for cfg in (q(32, 128, 1, 2, 4, 16), q(32, 128, 2, 2, 4, 16), q(64, 128, 1, 4, 4, 16), q(32, 128, 1, 2, 3, 16),
+                    q(64, 128, 1, 2, 4, 16), q(32, 128, 1, 1, 4, 16), q(32, 512, 1, 2, 2, 16)):
+            yield "stock " + config_label(cfg), stock(cfg)
+
+    int4_section(rows, m1)
+    torch.cuda.empty_cache()
+    int4_section(rows, m16, INT4_M1.replace("M=1,", "M=16,"))
+    torch.cuda.empty_cache()
+
+
 @triton.jit
 def _read_hint(X, Out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, HINT: tl.constexpr):
     """Each program sums ITERS * BLOCK int32 words; HINT 0 none, 1 evict_first (L1 and L2 policy), 2
@@ -358,7 +382,7 @@ def read_hints(rows):
         torch.cuda.empty_cache()
 
 
-SECTIONS = {"tma": tma_section, "hints": read_hints, "w2": w_configs, "evict": evict_configs}
+SECTIONS = {"tma": tma_section, "hints": read_hints, "w2": w_configs, "evict": evict_configs, "szw": szw_configs}
 
 
 def main() -> None:

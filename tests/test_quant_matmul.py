@@ -146,7 +146,8 @@ def test_int4_pack_round_trip_and_layout(group):
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 130])
 def test_int4_panels_layout(n):
     """The stored layout: byte i of group j of row n at data[n // R, j, n % R, i]; rows past N are zero;
-    scales and zero points are (N, G) views of group-major storage; from_panels inverts to_panels."""
+    scales and zero points are (N, G) views of group-major 32-bit words (zero point in byte 0, the bf16
+    scale in the high half); from_panels inverts to_panels."""
     group, R = 32, Q.PANEL_ROWS
     w = _weight(n, 3 * group, 21 + n, "cpu")
     qw = Q.quantize_int4(w, group)
@@ -158,8 +159,32 @@ def test_int4_panels_layout(n):
     assert int(qw.data[r // R, j, r % R, i]) == int(rowmajor[r, j * group // 2 + i])
     if n % R:
         assert int(qw.data[-1, :, n % R:].abs().max()) == 0
-    assert qw.scales.shape == (n, 3) and qw.scales.t().is_contiguous()
-    assert qw.zeros.shape == (n, 3) and qw.zeros.t().is_contiguous()
+    assert qw.scales.shape == (n, 3) and qw.zeros.shape == (n, 3)
+    words = Q.sz_words(qw)
+    assert words is not None and words.shape == (3, n) and words.is_contiguous()
+    assert torch.equal((words & 0xFF).t(), qw.zeros.to(torch.int32))
+    assert torch.equal((words & -65536).view(torch.float32).t(), qw.scales.float())
+    assert int((words & 0xFF00).abs().max()) == 0
+    assert torch.equal(Q.pack_scale_zero(qw.scales.contiguous(), qw.zeros.contiguous()), words)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_int4_scale_zero_layouts_agree(path):
+    """Scales and zero points as views of packed words (the kernel's one 4-byte load), as group-major
+    tensors of their own, or row-major: the same output, bit for bit, and it matches the reference."""
+    m, n, group = (19 if path == "tiled32" else 3), 37, 64
+    qw = Q.quantize_int4(_weight(n, 3 * group, 6), group)
+    x = _x((m, 3 * group), torch.float16, 7)
+    cfg = _config(path, 4, group, 2, 3 * group)
+    outs = []
+    for scales, zeros in ((qw.scales, qw.zeros), (qw.scales.t().contiguous().t(), qw.zeros.t().contiguous().t()),
+                          (qw.scales.contiguous(), qw.zeros.contiguous())):
+        q = replace(qw, scales=scales, zeros=zeros)
+        assert (Q.sz_words(q) is not None) == (scales is qw.scales)
+        out = cmp.poisoned_like(torch.empty(m, n, dtype=torch.float16, device=DEV))
+        outs.append(QM.quant_matmul(x, q, out=out, config=cfg))
+    cmp.check(outs[0], ref.quant_matmul(x, qw), torch.float16, what=f"int4 words {path}")
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("bits,group", FORMATS, ids=[f"int{b}-g{g}" for b, g in FORMATS])
@@ -200,10 +225,12 @@ def test_quantization_error_reported(record_property, capsys):
 
 def test_quantized_weight_to_and_nbytes():
     qw = Q.quantize_int4(_weight(8, 128, 17, "cpu"), 64)
-    # bytes as stored: the 8 rows fill one panel of PANEL_ROWS (zero-padded), scales bf16, zero points u8
-    assert qw.nbytes() == Q.PANEL_ROWS * 64 + 8 * 2 * 2 + 8 * 2
+    # bytes as stored: the 8 rows fill one panel of PANEL_ROWS (zero-padded), a 4-byte word per scale
+    # and zero point
+    assert qw.nbytes() == Q.PANEL_ROWS * 64 + 8 * 2 * 4
     moved = qw.to("cpu")
     moved.validate()
+    assert Q.sz_words(moved) is not None  # still views of one set of words
     assert torch.equal(moved.dequantize(), qw.dequantize())
 
 
