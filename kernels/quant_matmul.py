@@ -517,10 +517,8 @@ def default_config(p: Problem, dtype) -> dict:
     """From H100 sweeps (bf16, (K, N) = (8192, 28672) and GPT-2/4096 shapes):
     - int8, M <= 2: the GEMV kernel (BLOCK_N 32, BLOCK_K 256): 100 µs at M = 1 on the large shape;
     - int4, M <= 2 on small weights (N·K <= 2^24): the GEMV kernel (BLOCK_N 32, BLOCK_K 128);
-    - int4 otherwise up to M = 16: the swapped tl.dot path. M <= 8: 8 x 64 x 256 tiles, 2 warps, 2 stages,
-      split-K 2 on the large shape (weights in panels; figures at the branch). M <= 16: 16 x 32 x 512,
-      2 warps, 2 stages (row-major weights, M = 16: 78.5 µs, graph 71.0; 16 x 32 x 256 84.1, 16 x 64 x 256
-      116.1); 256 deep below K = 2048;
+    - int4 otherwise up to M = 16: the swapped tl.dot path, one group an iteration in 4 stages: 8 x 32
+      tiles with 2 warps at M <= 8, 16 x 32 with 1 warp up to 16 (figures at the branch);
     - int8 up to M = 16: tl.dot tiles with BLOCK_M 16; 64 beyond (both formats);
     - split-K (at most 4 slices of >= 4 blocks, N >= 1024) only while the tiles leave the SMs short:
       deeper splits measured slower on every shape tried.
@@ -533,16 +531,14 @@ def default_config(p: Problem, dtype) -> dict:
         tiles = p.M * -(-p.N // bn)
         want = 8 * sms
     elif p.bits == 4 and p.M <= 16:
-        # operands swapped; many small CTAs hide DRAM latency
-        if p.M <= 8:
-            # panels (2026-11-23, H100, M = 1 on (8192, 28672), CUDA graph): 8 x 64 x 256, 2 warps, 2
-            # stages, split 2: 49.9 µs; split 4 51.4; 8 x 32 x 256 split 8 50.8; 8 x 128 x 256 split 4 51.4
-            bm, bn, bk, warps, stages = 8, 64, 256, 2, 2
-            want = 6 * sms
-        else:
-            bm, bn, warps = 16, 32, 2
-            bk, stages = (512, 2) if p.K >= 2048 else (256, 3)
-            want = 16 * sms
+        # operands swapped; one group an iteration, 4 stages (scales and zero points in 4-byte words:
+        # the pipeliner stages all of a group's loads). H100, (8192, 28672), bf16, do_bench / graph µs
+        # (scripts/probe_s8.py, 2026-11-23): M = 1 8 x 32 x 128, 2 warps, no split: 58.0 / 46.6 (two-group
+        # tiles 8 x 32 x 256 split 2, 2 stages, the panels' best: 59.5 / 47.5); M = 16 16 x 32 x 128, 1
+        # warp: 59.3 / 51.8 (16 x 32 x 512, 2 stages: 65.5 / 58.4)
+        bm, bn, bk, stages = (8, 32, 128, 4) if p.M <= 8 else (16, 32, 128, 4)
+        warps = 2 if p.M <= 8 else 1
+        want = 6 * sms
         tiles = -(-p.N // bn)
     elif p.M <= 16:
         bm, bn, bk, warps, stages = 16, 64, 256, 4, 3
