@@ -162,6 +162,70 @@ def _swap4w(X, Wq, SZ, Sc, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym,
             pid_k, M, N, s_ym, False, False, SPLIT_K)
 
 
+@triton.jit
+def _swap4z(X, Wq, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym,
+            GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
+    """quant_matmul's swapped tile on the 4-byte words (SZW), the zero point folded out of the weight:
+    Σ_k (q − z) x = Σ_k (MAGIC + q) x − (MAGIC + z) Σ_k x, so the unpacked codes go into the MMA as
+    they are (no subtract per pair of weights) and each group adds one (BLOCK_M,) sum of x."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    DT: tl.constexpr = X.dtype.element_ty
+    MAGIC_F: tl.constexpr = 1024.0 if MAGIC == 0x6400 else 128.0
+    n_groups = K // GROUP
+    per = tl.cdiv(n_groups, SPLIT_K)
+    g_lo = pid_k * per
+    g_hi = tl.minimum(n_groups, g_lo + per)
+    offs_h = tl.arange(0, H)
+    x_cols = X + offs_m.to(tl.int64)[None, :] * s_xm
+    w_rows = _w_rows(Wq, offs_n, K, 0, 4, GROUP, H, PANEL)[:, None]
+    Wd = Zp.to(tl.pointer_type(tl.int32), bitcast=True)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for grp in range(g_lo, g_hi):
+        w = tl.load(Wd + offs_n + grp * N, mask=mask_n, other=0)
+        s = (w & -65536).to(tl.float32, bitcast=True)
+        zm = (w & 255).to(tl.float32) + MAGIC_F
+        b = tl.load(w_rows + (grp * (PANEL * H) + offs_h)[None, :], mask=mask_n[:, None], other=0)
+        k_lo = grp * GROUP + offs_h
+        x_lo = tl.load(x_cols + k_lo[:, None] * s_xk, mask=mask_m[None, :], other=0.0)
+        x_hi = tl.load(x_cols + (k_lo + H)[:, None] * s_xk, mask=mask_m[None, :], other=0.0)
+        q_lo, q_hi = _nibbles(b, MAGIC, DT, ASM)
+        part = tl.dot(q_lo, x_lo)
+        part = tl.dot(q_hi, x_hi, part)
+        sx = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=0)   # (BLOCK_M,)
+        acc += (part - zm[:, None] * sx[None, :]) * s[:, None]
+    acc = tl.trans(acc)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Y, Work, Locks, pid_m * n_tiles + pid_n,
+            pid_k, M, N, s_ym, False, False, SPLIT_K)
+
+
+def swap4z(x, qw, out, cfg):
+    m, kdim = x.shape
+    n, g = qw.N, qw.group_size
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    assert Q.sz_words(qw) is not None
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    work = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+
+    def run():
+        _swap4z[(tiles, split)](x, qw.data, qw.zeros, out, work, locks, m, n, kdim, x.stride(0), x.stride(1),
+                                out.stride(0), GROUP=g, H=g // 2, PANEL=Q.PANEL_ROWS, BLOCK_M=bm, BLOCK_N=bn,
+                                SPLIT_K=split, MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300,
+                                ASM=qm._ASM, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return out
+    return run
+
+
 def sz_words(qw):
     """(G, N) int32: the bf16 scale's bits | zero point << 16."""
     s = qw.scales.t().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
@@ -196,9 +260,8 @@ def swap4t(x, qw, out, cfg, *, x_tma=False, sz_tma=False, pf_sz=True):
     h = g // 2
     data2d = qw.data.view(-1, h)
     wd = TensorDescriptor(data2d, list(data2d.shape), [h, 1], [bn, h])
-    sc = qw.scales.t()    # (G, N) contiguous storage
-    zp = qw.zeros.t()
-    assert sc.is_contiguous() and zp.is_contiguous()
+    sc = qw.scales.t().contiguous()    # (G, N) storage of their own (the weight's are 4-byte words now)
+    zp = qw.zeros.t().contiguous()
     sd = TensorDescriptor(sc, list(sc.shape), [n, 1], [1, bn])
     zd = TensorDescriptor(zp, list(zp.shape), [n, 1], [1, bn])
     xd = TensorDescriptor(x, [m, kdim], [x.stride(0), 1], [bm, h]) if x_tma else wd
@@ -250,6 +313,15 @@ def check() -> None:
                                 ref.quant_matmul(x, qw))
         worst = max(worst, err)
         print("swap4w", m, n, kdim, g, cfg, pf, f"{err:.2e}")
+    for m, n, kdim, g, cfg in ((1, 64, 256, 128, t(8, 32, 1, 2, 2)), (3, 96, 512, 64, t(8, 32, 2, 2, 3)),
+                               (5, 80, 384, 32, t(16, 64, 3, 2, 2))):
+        w = torch.randn(n, kdim) / kdim ** 0.5
+        qw = Q.quantize(w, 4, g)
+        x = torch.randn(m, kdim, dtype=torch.float16)
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        err = compare.rel_error(swap4z(x, qw, out, cfg)(), ref.quant_matmul(x, qw))
+        worst = max(worst, err)
+        print("swap4z", m, n, kdim, g, cfg, f"{err:.2e}")
     print("worst", worst)
     assert worst < 2e-3, worst
 
@@ -337,6 +409,30 @@ def szw_configs(rows):
     torch.cuda.empty_cache()
 
 
+def zfold(rows):
+    """_swap4z (the zero point folded into a sum of x) against quant_matmul's stored config and the
+    same tiles (one group an iteration)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from probe_s7 import int4_section, config_label, q, INT4_M1
+
+    def m1(spec, stock, x, qw, out):
+        for cfg in (q(32, 128, 2, 1, 3), q(32, 128, 1, 2, 4), q(64, 128, 1, 2, 4)):
+            yield "stock " + config_label(cfg), stock(cfg)
+        for cfg in (t(8, 32, 2, 1, 3), t(8, 32, 1, 2, 4), t(8, 64, 1, 2, 4), t(8, 32, 1, 1, 4), t(8, 64, 2, 2, 3),
+                    t(8, 64, 1, 4, 4), t(8, 128, 1, 4, 4)):
+            yield "swap4z " + config_label(cfg), swap4z(x, qw, out, cfg)
+
+    def m16(spec, stock, x, qw, out):
+        yield "stock " + config_label(q(32, 128, 1, 1, 4, 16)), stock(q(32, 128, 1, 1, 4, 16))
+        for cfg in (t(16, 32, 1, 1, 4), t(16, 32, 2, 1, 3), t(16, 64, 1, 2, 4)):
+            yield "swap4z " + config_label(cfg), swap4z(x, qw, out, cfg)
+
+    int4_section(rows, m1)
+    torch.cuda.empty_cache()
+    int4_section(rows, m16, INT4_M1.replace("M=1,", "M=16,"))
+    torch.cuda.empty_cache()
+
+
 @triton.jit
 def _read_hint(X, Out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, HINT: tl.constexpr):
     """Each program sums ITERS * BLOCK int32 words; HINT 0 none, 1 evict_first (L1 and L2 policy), 2
@@ -382,7 +478,7 @@ def read_hints(rows):
         torch.cuda.empty_cache()
 
 
-SECTIONS = {"tma": tma_section, "hints": read_hints, "w2": w_configs, "evict": evict_configs, "szw": szw_configs}
+SECTIONS = {"tma": tma_section, "hints": read_hints, "w2": w_configs, "evict": evict_configs, "szw": szw_configs, "zfold": zfold}
 
 
 def main() -> None:
