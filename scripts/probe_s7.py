@@ -427,21 +427,27 @@ SECTIONS = {"copy": copy_ladder, "read": read_ladder, "gemm": gemm_small, "quant
             "quant3": quant_configs, "quant4": quant_scpanel, "quant5": quant_prefetch, "quant6": quant_maxnreg}
 
 
+def run_sections(sections: dict, names: str, out: str) -> None:
+    """Run the comma-separated ``names`` of ``sections`` in turn (a section's error is a row of its own),
+    rewriting ``out`` after each: a call cut short keeps what it measured."""
+    rows = []
+    for name in names.split(","):
+        try:
+            sections[name](rows)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            rows.append({"section": name, "error": f"{type(e).__name__}: {e}"[:500]})
+        with open(out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="copy,gemm,quant")
     args = p.parse_args()
-    rows = []
-    for name in args.only.split(","):
-        try:
-            SECTIONS[name](rows)
-        except Exception as e:
-            import traceback
-            traceback.print_exc()
-            rows.append({"section": name, "error": f"{type(e).__name__}: {e}"[:500]})
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    run_sections(SECTIONS, args.only, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Sections (--only): tma (M=1 and M=16 on (8192, 28672) against the store, bf16 F.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -489,16 +488,9 @@ def main() -> None:
     args = p.parse_args()
     if args.check:
         return check()
-    rows = []
-    for name in args.only.split(","):
-        try:
-            SECTIONS[name](rows)
-        except Exception as e:
-            import traceback
-            traceback.print_exc()
-            rows.append({"section": name, "error": f"{type(e).__name__}: {e}"[:500]})
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    sys.path.insert(0, os.path.dirname(__file__))
+    from probe_s7 import run_sections
+    run_sections(SECTIONS, args.only, args.out)
 
 
 if __name__ == "__main__":
