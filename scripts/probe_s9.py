@@ -1,0 +1,180 @@
+"""Ninth-session probe (GPU): GPT-2 c_attn at M = 64 (K=768, N=2304, bias), the last #4 row under cuBLAS.
+
+Sections (--only, comma-separated):
+
+  names  the kernels cuBLAS (torch.addmm) and gemm launch for the problem, with their mean GPU time
+         (torch.profiler, no flush): what tile and split cuBLAS picks
+  grid   gemm over a structured grid of configs the space did not hold or the tuner did not reach:
+         BLOCK_M 16/32/64, BLOCK_N 16-128, split-K 1-6 (3 and 6 added), num_stages up to 6 (every K step
+         in flight); programs between 60 and 300. Phase 1 times each in a CUDA graph (GPU time only);
+         phase 2 times the 16 fastest three ways (zero-fill do_bench, clean do_bench, graph) between
+         cuBLAS rows, then re-times the front runners with TMA and other warp counts.
+
+  python scripts/probe_s9.py --out $OUT/probe_s9.json [--only names,grid] [--problem M=64,N=2304,K=768,bias=True]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from tritune import kernels
+from tritune.harness import bench, compare
+from tritune.kernels import gemm as G
+from tritune.tuning.cli import parse_problems
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from probe_s7 import config_label, run_sections, timed, variant  # noqa: E402
+
+PROBLEM = ["M=64,N=2304,K=768,bias=True"]
+
+
+def _setup():
+    spec = kernels.get("gemm")
+    problem = parse_problems(spec, PROBLEM[0])[0]
+    cases = bench.rotation(spec, problem, torch.bfloat16, "cuda", 0)
+    return spec, problem, cases
+
+
+def names(rows):
+    from torch.profiler import ProfilerActivity, profile
+
+    spec, problem, cases = _setup()
+    c = cases[0]
+    paths = {"cuBLAS addmm": spec.vendor(c), "gemm store": lambda: spec.run(*c.args, out=c.out, **c.kwargs)}
+    for who, fn in paths.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA" or getattr(ev, "self_device_time_total", 0):
+                row = {"kernel": "gemm", "problem": PROBLEM[0], "who": who, "name": ev.key[:300],
+                       "count": ev.count, "mean_us": ev.self_device_time_total / max(1, ev.count)}
+                print(row, flush=True)
+                rows.append(row)
+
+
+def _widen():
+    """num_stages 6 and split-K 3 and 6 in the space (this process only)."""
+    p = G.SPACE.params
+    p["num_stages"] = sorted(set(p["num_stages"]) | {6})
+    p["SPLIT_K"] = sorted(set(p["SPLIT_K"]) | {3, 6})
+
+
+def candidates(M, N, K):
+    out = []
+    for bm in (64, 32, 16):
+        for bn in (16, 32, 64, 128):
+            for split in (1, 2, 3, 4, 6):
+                progs = -(-M // bm) * -(-N // bn) * split
+                if not 60 <= progs <= 300:
+                    continue
+                for bk in (64, 128, 256):
+                    kt = -(-K // bk)
+                    if kt % split or kt // split < 1:
+                        continue
+                    per = kt // split
+                    stages = sorted({s for s in (2, 3, 4, min(per + 1, 6)) if 2 <= s <= 6 and s <= per + 1})
+                    for s in stages:
+                        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8 if split == 1 and bm < M else 1,
+                               "SPLIT_K": split, "num_warps": 4, "num_stages": s, "TMA": False, "PERSISTENT": False}
+                        if G.SPACE.constraint(cfg, parse_problems(kernels.get("gemm"), PROBLEM[0])[0], torch.bfloat16):
+                            continue
+                        out.append(cfg)
+    return out
+
+
+def _compile(args):
+    """Pool worker: launch each config once (Triton compiles it into the on-disk cache)."""
+    text, cfgs = args
+    PROBLEM[0] = text
+    _widen()
+    spec = kernels.get("gemm")
+    problem = parse_problems(spec, text)[0]
+    c = spec.make_inputs(problem, torch.bfloat16, "cuda", 0)
+    for cfg in cfgs:
+        try:
+            G.gemm(*c.args, out=c.out, config=cfg, **c.kwargs)
+        except Exception:
+            pass
+    torch.cuda.synchronize()
+    return len(cfgs)
+
+
+def precompile(cfgs, workers=8):
+    import multiprocessing as mp
+
+    chunks = [(PROBLEM[0], cfgs[i::workers]) for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        pool.map(_compile, chunks)
+
+
+def grid(rows):
+    _widen()
+    spec, problem, cases = _setup()
+    c0 = cases[0]
+    want = spec.reference(*c0.args, **c0.kwargs)
+
+    def call(cfg):
+        return bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: G.gemm(*c.args, out=c.out, config=cfg, **c.kwargs))
+
+    cfgs = candidates(problem.M, problem.N, problem.K)
+    store = spec.config_for(problem, torch.bfloat16)
+    if store not in cfgs:
+        cfgs.insert(0, store)
+    print(f"{len(cfgs)} configs", flush=True)
+    precompile(cfgs)
+    g = []
+    for cfg in cfgs:
+        try:
+            compare.poison(c0.out)
+            err = compare.rel_error(G.gemm(*c0.args, out=c0.out, config=cfg, **c0.kwargs), want)
+            ms = bench.graph_ms(call(cfg))
+        except Exception as e:
+            rows.append({"kernel": "gemm", "problem": PROBLEM[0], "who": config_label(cfg), "phase": 1,
+                         "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        row = {"kernel": "gemm", "problem": PROBLEM[0], "who": config_label(cfg), "phase": 1,
+               "rel_error": err, "graph_us": ms * 1e3}
+        print(row, flush=True)
+        rows.append(row)
+        g.append((ms, cfg))
+    g.sort(key=lambda t: t[0])
+    vendor = bench.cycling(cases, spec.vendor)
+    timed(rows, "gemm", PROBLEM[0], spec.vendor_name, vendor)
+    timed(rows, "gemm", PROBLEM[0], "store " + config_label(store), call(store))
+    top = [cfg for _, cfg in g[:16]]
+    for i, cfg in enumerate(top):
+        timed(rows, "gemm", PROBLEM[0], config_label(cfg), call(cfg))
+        if i % 6 == 5:
+            timed(rows, "gemm", PROBLEM[0], spec.vendor_name, vendor)
+    # the front runners with TMA descriptors and other warp counts
+    for cfg in top[:5]:
+        for change in ({"TMA": True}, {"num_warps": 2}, {"num_warps": 8}, {"TMA": True, "num_warps": 8}):
+            v = dict(cfg, **change)
+            if G.SPACE.constraint(v, problem, torch.bfloat16):
+                continue
+            variant(rows, "gemm", PROBLEM[0], config_label(v), call(v), c0.out, want)
+    timed(rows, "gemm", PROBLEM[0], spec.vendor_name, vendor)
+
+
+SECTIONS = {"names": names, "grid": grid}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default="names,grid")
+    p.add_argument("--problem", default=PROBLEM[0])
+    args = p.parse_args()
+    PROBLEM[0] = args.problem
+    run_sections(SECTIONS, args.only, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
