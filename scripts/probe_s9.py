@@ -163,7 +163,66 @@ def grid(rows):
     timed(rows, "gemm", PROBLEM[0], spec.vendor_name, vendor)
 
 
-SECTIONS = {"names": names, "grid": grid}
+AB = [
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 6,
+     "TMA": False, "PERSISTENT": False},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4,
+     "TMA": True, "PERSISTENT": False},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 6,
+     "TMA": True, "PERSISTENT": False},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 6,
+     "TMA": False, "PERSISTENT": False},
+]
+AB_ROUNDS = 9
+
+
+def ab(rows):
+    """cuBLAS, the stored config and the AB configs, AB_ROUNDS interleaved rounds of do_bench (zero-fill
+    flush) each, then 3 rounds of graph timing: per path the median and each round's ratio to cuBLAS."""
+    import statistics
+
+    _widen()
+    spec, problem, cases = _setup()
+    store = spec.config_for(problem, torch.bfloat16)
+    paths = {spec.vendor_name: bench.cycling(cases, spec.vendor),
+             "store " + config_label(store): bench.cycling(cases, lambda c: lambda c=c: spec.run(
+                 *c.args, out=c.out, **c.kwargs))}
+    if problem.M > 16:
+        for cfg in AB:
+            if cfg != store and not G.SPACE.constraint(cfg, problem, torch.bfloat16):
+                paths[config_label(cfg)] = bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: G.gemm(
+                    *c.args, out=c.out, config=cfg, **c.kwargs))
+    zero = {k: [] for k in paths}
+    graph = {k: [] for k in paths}
+    for _ in range(AB_ROUNDS):
+        for k, fn in paths.items():
+            zero[k].append(bench.median_ms(fn) * 1e3)
+    for _ in range(3):
+        for k, fn in paths.items():
+            graph[k].append(bench.graph_ms(fn) * 1e3)
+    v = spec.vendor_name
+    for k in paths:
+        ratios = [zv / zk for zv, zk in zip(zero[v], zero[k])]
+        row = {"kernel": "gemm", "problem": PROBLEM[0], "who": k, "section": "ab",
+               "zero_us": statistics.median(zero[k]), "zero_rounds": zero[k],
+               "graph_us": statistics.median(graph[k]), "graph_rounds": graph[k],
+               "vs_vendor_zero": statistics.median(zero[v]) / statistics.median(zero[k]),
+               "vs_vendor_paired": ratios, "vs_vendor_graph": statistics.median(graph[v]) / statistics.median(graph[k])}
+        print({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items() if "rounds" not in a
+               and a != "vs_vendor_paired"}, flush=True)
+        rows.append(row)
+
+
+def ab_all(rows):
+    """ab over each GPT-2 c_attn-like problem at M <= 64 (PROBLEMS_AB)."""
+    for text in PROBLEMS_AB:
+        PROBLEM[0] = text
+        ab(rows)
+
+
+PROBLEMS_AB = ["M=64,N=2304,K=768,bias=True", "M=1,N=2304,K=768,bias=True", "M=8,N=2304,K=768,bias=True"]
+
+SECTIONS = {"names": names, "grid": grid, "ab": ab, "ab_all": ab_all}
 
 
 def main() -> None:
