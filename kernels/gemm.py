@@ -40,16 +40,24 @@ except ImportError:  # pragma: no cover
 
 @triton.jit
 def _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
-                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr):
-    """acc (fp32) -> act(acc + bias) + residual -> C, rounded once."""
+                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                    bias_v=None, res_v=None, PRE_EPI: tl.constexpr = 0):
+    """acc (fp32) -> act(acc + bias) + residual -> C, rounded once. PRE_EPI >= 1: the bias was loaded
+    before the main loop (``bias_v``); 2: the residual tile too (``res_v``)."""
     if HAS_BIAS:
-        acc += tl.load(Bias + cols * s_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if PRE_EPI >= 1:
+            acc += bias_v.to(tl.float32)[None, :]
+        else:
+            acc += tl.load(Bias + cols * s_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if ACT == 1:  # gelu_tanh: x·sigmoid(2z); exp overflow to inf gives x/inf = -0, never NaN
         z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
         acc = acc / (1.0 + tl.exp(-2.0 * z))
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_RES:
-        acc += tl.load(R + rows[:, None] * s_rm + cols[None, :] * s_rn, mask=mask, other=0.0).to(tl.float32)
+        if PRE_EPI == 2:
+            acc += res_v.to(tl.float32)
+        else:
+            acc += tl.load(R + rows[:, None] * s_rm + cols[None, :] * s_rn, mask=mask, other=0.0).to(tl.float32)
     tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_cn, acc.to(C.dtype.element_ty), mask=mask)
 
 
@@ -72,8 +80,10 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr,
                A_3D: tl.constexpr, A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """One BLOCK_M x BLOCK_N tile of C over K slice pid_k of SPLIT_K."""
+               PRECISION: tl.constexpr, PRE_EPI: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of C over K slice pid_k of SPLIT_K. PRE_EPI (whole-K tiles only): the
+    epilogue's bias (1), and its residual tile (2), are loaded before the main loop, so their latency
+    hides under it instead of following it."""
     # this program's K slice: whole BLOCK_K tiles, the last slice cut at K
     tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_lo = pid_k * tiles_per_split * BLOCK_K
@@ -121,6 +131,13 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
     if B_MODE == 0:
         b_ptrs = B + kk[:, None] * s_bk + b_n[None, :] * s_bn
 
+    bias_v = None
+    res_v = None
+    if PRE_EPI >= 1 and HAS_BIAS:
+        bias_v = tl.load(Bias + cols * s_bias, mask=mask_n, other=0.0)
+    if PRE_EPI == 2 and HAS_RES:
+        res_v = tl.load(R + rows[:, None] * s_rm + cols[None, :] * s_rn, mask=mask_m[:, None] & mask_n[None, :],
+                        other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if A_MODE == 1:
@@ -153,7 +170,7 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
 
     if SPLIT_K == 1:
         _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
-                        HAS_BIAS, ACT, HAS_RES)
+                        HAS_BIAS, ACT, HAS_RES, bias_v, res_v, PRE_EPI)
     else:
         mask = mask_m[:, None] & mask_n[None, :]
         w_tile = W + rows[:, None] * N + cols[None, :]
@@ -181,7 +198,7 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
                  A_MODE: tl.constexpr, B_MODE: tl.constexpr, A_3D: tl.constexpr,
                  A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
                  PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                 WARP_SPEC: tl.constexpr):
+                 WARP_SPEC: tl.constexpr, PRE_EPI: tl.constexpr):
     """C[m, n] = act(sum_k A[m, k] B[k, n] + bias[n]) + R[m, n].
 
     Grid (tiles, SPLIT_K): one tile and K slice per program; or, PERSISTENT, a fixed grid whose
@@ -199,13 +216,13 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
             _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, 0, num_pid_n,
                        s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
                        HAS_BIAS, ACT, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, 1, EVEN_K, A_MODE, B_MODE,
-                       A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION)
+                       A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION, 0)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, tl.program_id(1), num_pid_n,
                    s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
                    HAS_BIAS, ACT, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, A_MODE, B_MODE,
-                   A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION)
+                   A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION, PRE_EPI)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -232,6 +249,10 @@ SMEM_PER_SM = 228 * 1024
 # tile's epilogue); WARP_SPEC asks for automatic warp specialisation (loads and MMAs in separate warps).
 FLATTEN = True
 WARP_SPEC = False
+# Epilogue operands loaded before the main loop (PRE_EPI, one-tile programs without split-K): the bias
+# always, the residual tile while it is at most RES_PREFETCH_PER_THREAD elements a thread (registers).
+PREFETCH_EPILOGUE = True
+RES_PREFETCH_PER_THREAD = 32
 
 
 def problem_of(a, b, bias=None, *, activation=None, residual=None, **_) -> Problem:
@@ -331,7 +352,7 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
     try:
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, _meta(bias),
                _meta(residual), _meta(out), activation, None if config is None else tuple(config.items()),
-               INT32_LIMIT, FLATTEN, WARP_SPEC, _num_sms)
+               INT32_LIMIT, FLATTEN, WARP_SPEC, PREFETCH_EPILOGUE, _num_sms)
     except (AttributeError, TypeError):
         key = None
     plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config))
@@ -461,6 +482,9 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
     int64 = (split * m * n >= INT32_LIMIT or K.span(a2) >= INT32_LIMIT or K.span(b) >= INT32_LIMIT
              or m * n >= INT32_LIMIT or (c2 is not None and K.span(c2) >= INT32_LIMIT)
              or (r2 is not None and K.span(r2) >= INT32_LIMIT))
+    pre_epi = 0
+    if PREFETCH_EPILOGUE and not cfg["PERSISTENT"] and split == 1:
+        pre_epi = 2 if bm * bn <= RES_PREFETCH_PER_THREAD * 32 * cfg["num_warps"] else 1
     if cfg["PERSISTENT"]:
         p.grid = (min(tiles, _num_sms() * _ctas_per_sm(cfg, a.dtype)), 1)
     else:
@@ -473,7 +497,7 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
                 EVEN_K=kdim % bk == 0, A_3D=a_3d, A_M_CONTIG=s_ak != 1, B_N_CONTIG=b.stride(0) != 1,
                 INT64=int64, PRECISION="tf32" if a.dtype == torch.float32 else "ieee",
-                PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC,
+                PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC, PRE_EPI=pre_epi,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     p.kws = [[dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)] for am in range(3)]
     p.consts = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws]

@@ -176,11 +176,33 @@ AB = [
 AB_ROUNDS = 9
 
 
-def ab(rows):
-    """cuBLAS, the stored config and the AB configs, AB_ROUNDS interleaved rounds of do_bench (zero-fill
-    flush) each, then 3 rounds of graph timing: per path the median and each round's ratio to cuBLAS."""
+def _rounds(rows, paths, vendor, section, rounds=None):
+    """Interleaved rounds of do_bench (zero-fill flush) over ``paths``, then 3 rounds of graph timing:
+    per path the median and each round's ratio to ``vendor``."""
     import statistics
 
+    zero = {k: [] for k in paths}
+    graph = {k: [] for k in paths}
+    for _ in range(rounds or AB_ROUNDS):
+        for k, fn in paths.items():
+            zero[k].append(bench.median_ms(fn) * 1e3)
+    for _ in range(3):
+        for k, fn in paths.items():
+            graph[k].append(bench.graph_ms(fn) * 1e3)
+    for k in paths:
+        row = {"kernel": "gemm", "problem": PROBLEM[0], "who": k, "section": section,
+               "zero_us": statistics.median(zero[k]), "zero_rounds": zero[k],
+               "graph_us": statistics.median(graph[k]), "graph_rounds": graph[k],
+               "vs_vendor_zero": statistics.median(zero[vendor]) / statistics.median(zero[k]),
+               "vs_vendor_paired": [zv / zk for zv, zk in zip(zero[vendor], zero[k])],
+               "vs_vendor_graph": statistics.median(graph[vendor]) / statistics.median(graph[k])}
+        print({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items() if "rounds" not in a
+               and a != "vs_vendor_paired"}, flush=True)
+        rows.append(row)
+
+
+def ab(rows):
+    """cuBLAS, the stored config and the AB configs, AB_ROUNDS interleaved rounds."""
     _widen()
     spec, problem, cases = _setup()
     store = spec.config_for(problem, torch.bfloat16)
@@ -192,25 +214,47 @@ def ab(rows):
             if cfg != store and not G.SPACE.constraint(cfg, problem, torch.bfloat16):
                 paths[config_label(cfg)] = bench.cycling(cases, lambda c, cfg=cfg: lambda c=c: G.gemm(
                     *c.args, out=c.out, config=cfg, **c.kwargs))
-    zero = {k: [] for k in paths}
-    graph = {k: [] for k in paths}
-    for _ in range(AB_ROUNDS):
-        for k, fn in paths.items():
-            zero[k].append(bench.median_ms(fn) * 1e3)
-    for _ in range(3):
-        for k, fn in paths.items():
-            graph[k].append(bench.graph_ms(fn) * 1e3)
-    v = spec.vendor_name
-    for k in paths:
-        ratios = [zv / zk for zv, zk in zip(zero[v], zero[k])]
-        row = {"kernel": "gemm", "problem": PROBLEM[0], "who": k, "section": "ab",
-               "zero_us": statistics.median(zero[k]), "zero_rounds": zero[k],
-               "graph_us": statistics.median(graph[k]), "graph_rounds": graph[k],
-               "vs_vendor_zero": statistics.median(zero[v]) / statistics.median(zero[k]),
-               "vs_vendor_paired": ratios, "vs_vendor_graph": statistics.median(graph[v]) / statistics.median(graph[k])}
-        print({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items() if "rounds" not in a
-               and a != "vs_vendor_paired"}, flush=True)
-        rows.append(row)
+    _rounds(rows, paths, spec.vendor_name, "ab")
+
+
+def stored_config(problem, dtype=torch.bfloat16):
+    """The committed store's entry for the problem's bucket, stale or not (None if there is none)."""
+    from tritune.harness import device as dev
+    from tritune.kernels import bucket_key
+    from tritune.tuning import store
+
+    key = bucket_key(G.bucket(problem))
+    for e in store.entries("gemm", dev.gpu_slug()):
+        if e["bucket"] == key and e["dtype"] == str(dtype).split(".")[-1]:
+            return dict(e["config"])
+    return None
+
+
+def pre(rows):
+    """The epilogue prefetch (PRE_EPI) on and off at the stored config (and the AB configs at M > 16),
+    against cuBLAS, over PROBLEMS_PRE."""
+    _widen()
+    for text in PROBLEMS_PRE:
+        PROBLEM[0] = text
+        spec, problem, cases = _setup()
+        cfgs = [stored_config(problem) or G.default_config(problem, torch.bfloat16)]
+        if problem.M > 16:
+            cfgs += [c for c in AB[:2] if c != cfgs[0] and not G.SPACE.constraint(c, problem, torch.bfloat16)]
+        paths = {spec.vendor_name: bench.cycling(cases, spec.vendor)}
+        for cfg in cfgs:
+            for on in (True, False):
+                def make(c, cfg=cfg, on=on):
+                    def call():
+                        G.PREFETCH_EPILOGUE = on
+                        return G.gemm(*c.args, out=c.out, config=cfg, **c.kwargs)
+                    return call
+                paths[f"pre={on} " + config_label(cfg)] = bench.cycling(cases, make)
+        _rounds(rows, paths, spec.vendor_name, "pre", rounds=7)
+        G.PREFETCH_EPILOGUE = True
+
+
+PROBLEMS_PRE = ["M=64,N=2304,K=768,bias=True", "M=1,N=2304,K=768,bias=True", "M=8,N=2304,K=768,bias=True",
+                "M=64,N=768,K=768,bias=True,residual=True", "M=64,N=3072,K=768,bias=True,act=gelu_tanh"]
 
 
 def ab_all(rows):
@@ -222,7 +266,7 @@ def ab_all(rows):
 
 PROBLEMS_AB = ["M=64,N=2304,K=768,bias=True", "M=1,N=2304,K=768,bias=True", "M=8,N=2304,K=768,bias=True"]
 
-SECTIONS = {"names": names, "grid": grid, "ab": ab, "ab_all": ab_all}
+SECTIONS = {"names": names, "grid": grid, "ab": ab, "ab_all": ab_all, "pre": pre}
 
 
 def main() -> None:

@@ -217,6 +217,41 @@ def test_repeated_launches_with_new_data(extra, dtype):
         cmp.check(r, ref, dtype, G.SPEC.accumulation(dtype), what=f"in place, seed {seed}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prefetch,per_thread", [(True, 32), (True, 0), (False, 32)],
+                         ids=["bias+residual", "bias", "off"])
+def test_epilogue_prefetch(monkeypatch, prefetch, per_thread, dtype):
+    # PRE_EPI: bias (and a small residual tile) loaded before the main loop; every mode gives the same
+    # C, in place too (each program reads its residual tile before it writes that tile)
+    monkeypatch.setattr(G, "PREFETCH_EPILOGUE", prefetch)
+    monkeypatch.setattr(G, "RES_PREFETCH_PER_THREAD", per_thread)
+    p = G.Problem(37, 45, 70, bias=True, act="gelu_tanh", residual=True)
+    cfg = dict(G.default_config(p, dtype), BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=2,
+               PERSISTENT=False)
+    a, b, bias = G.make_inputs(p, dtype, DEV, 3).args
+    r = G.make_inputs(p, dtype, DEV, 3).kwargs["residual"]
+    ref = G.ref.gemm(a, b, bias, activation="gelu_tanh", residual=r)
+    plan = G._make_plan(a, b, bias, "gelu_tanh", r, None, cfg)
+    assert plan.kws[0][0]["PRE_EPI"] == (0 if not prefetch else 2 if per_thread else 1)
+    cmp.check(G.gemm(a, b, bias, activation="gelu_tanh", residual=r, config=cfg), ref, dtype,
+              G.SPEC.accumulation(dtype))
+    G.gemm(a, b, bias, activation="gelu_tanh", residual=r, out=r, config=cfg)
+    cmp.check(r, ref, dtype, G.SPEC.accumulation(dtype), what="in place")
+
+
+def test_epilogue_prefetch_only_whole_tiles():
+    # split-K's epilogue runs in the last program of a tile, and persistent programs take many tiles:
+    # neither prefetches
+    p = G.Problem(37, 45, 70, bias=True, residual=True)
+    a, b, bias = G.make_inputs(p, torch.float32, DEV, 0).args
+    r = G.make_inputs(p, torch.float32, DEV, 0).kwargs["residual"]
+    base = dict(G.default_config(p, torch.float32), BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=2, GROUP_M=1)
+    for extra, want in (({"SPLIT_K": 2}, 0), ({"PERSISTENT": True, "SPLIT_K": 1}, 0), ({"SPLIT_K": 1}, 2)):
+        cfg = dict(base, **extra)
+        assert G.SPACE.why_invalid(cfg, p, torch.float32) is None
+        assert G._make_plan(a, b, bias, None, r, None, cfg).kws[0][0]["PRE_EPI"] == want, extra
+
+
 @pytest.mark.parametrize("label,thunk_args,exc,match", [
     ("inner", lambda d: ((torch.randn(4, 8, device=d), torch.randn(7, 5, device=d)), {}), ValueError, "inner sizes"),
     ("dtype", lambda d: ((torch.randn(4, 8, device=d), torch.randn(8, 5, device=d).half()), {}), TypeError, "b: dtype"),
