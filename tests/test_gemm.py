@@ -239,17 +239,23 @@ def test_epilogue_prefetch(monkeypatch, prefetch, per_thread, dtype):
     cmp.check(r, ref, dtype, G.SPEC.accumulation(dtype), what="in place")
 
 
-def test_epilogue_prefetch_only_whole_tiles():
-    # split-K's epilogue runs in the last program of a tile, and persistent programs take many tiles:
-    # neither prefetches
+@pytest.mark.parametrize("sms", [132, 2], ids=["program per tile", "programs take several tiles"])
+def test_epilogue_prefetch_only_whole_tiles(monkeypatch, sms):
+    # split-K's epilogue runs in the last program of a tile: no prefetch. A persistent grid prefetches
+    # only with a program per tile (a program that takes several tiles compiles as it did without it).
+    monkeypatch.setattr(G, "_num_sms", lambda: sms)
     p = G.Problem(37, 45, 70, bias=True, residual=True)
     a, b, bias = G.make_inputs(p, torch.float32, DEV, 0).args
     r = G.make_inputs(p, torch.float32, DEV, 0).kwargs["residual"]
-    base = dict(G.default_config(p, torch.float32), BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=2, GROUP_M=1)
-    for extra, want in (({"SPLIT_K": 2}, 0), ({"PERSISTENT": True, "SPLIT_K": 1}, 0), ({"SPLIT_K": 1}, 2)):
+    ref = G.ref.gemm(a, b, bias, residual=r)
+    base = dict(G.default_config(p, torch.float32), BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=2, GROUP_M=1,
+                TMA=False)
+    for extra, want in (({"SPLIT_K": 2}, 0), ({"PERSISTENT": True, "SPLIT_K": 1}, 2 if sms > 2 else 0),
+                        ({"SPLIT_K": 1}, 2)):
         cfg = dict(base, **extra)
         assert G.SPACE.why_invalid(cfg, p, torch.float32) is None
         assert G._make_plan(a, b, bias, None, r, None, cfg).kws[0][0]["PRE_EPI"] == want, extra
+        cmp.check(G.gemm(a, b, bias, residual=r, config=cfg), ref, torch.float32, "tf32", what=str(extra))
 
 
 @pytest.mark.parametrize("label,thunk_args,exc,match", [

@@ -295,6 +295,19 @@ def _entry(bucket, config, dtype="float32"):
     return {"bucket": bucket, "dtype": dtype, "config": config, "time_us": 1.0, "default_us": 2.0}
 
 
+def test_the_stored_config_is_timed_again_second(tmp_path, temp_store):
+    """After a code edit the stored winner is stale (not looked up), but the study times it again as its
+    second trial: the likeliest winner is not left to the sampler to find."""
+    spec = toy_spec(SMALL, _odd, default={"a": 7, "b": 1})
+    store.write("toy", [_entry("n=64", {"a": 11, "b": 5})])
+    row, storage = _tune(spec, tmp_path, quadratic, trials=2)
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    first, second = [t for t in st.trials if t.user_attrs.get("evaluated")][:2]
+    assert first.user_attrs.get("default") and first.params == {"a": 7, "b": 1}
+    assert second.user_attrs.get("previous") and second.params == {"a": 11, "b": 5}
+    assert row["config"] == {"a": 11, "b": 5} and row["trials"] == 2
+
+
 def test_corrupt_or_foreign_store_files_warn_and_fall_back(temp_store):
     spec = K.get("gelu")
     p = gelu_mod.Problem(4096)

@@ -21,7 +21,8 @@ valid point has been evaluated, and a sampler that keeps proposing free trials i
 valid point at random (``forced``) so a converged TPE cannot spin. Samplers: TPE (seeded, the default),
 random, and grid: every valid point once, in a seeded random order (enqueued trials). The heuristic
 default config is enqueued as the first trial of every study: its time is the baseline (``default_us``)
-and the tuned result can only improve on it.
+and the tuned result can only improve on it; the store's entry for the bucket (stale or not: the winner
+on the kernel's code before an edit) is enqueued second.
 
 Candidates are evaluated in a worker process (``spawn``) that is restarted when it dies, so a config that
 corrupts the CUDA context (illegal address) costs one failed trial, not the sweep. Studies live in Optuna
@@ -594,6 +595,7 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
     inflight_window = (getattr(runner, "timeout", None) or 3600.0) + 120.0
     if seed_default:
         _ensure_default(study, job)
+        _ensure_previous(study, job)
     free_streak = 0
     version = code_version(spec.name)
     while True:
@@ -679,6 +681,32 @@ def _ensure_default(study, job: Job) -> None:
                                                                          or "duplicate_of" in t.user_attrs))):
             return
     study.enqueue_trial(default, user_attrs={"default": True})
+
+
+def _ensure_previous(study, job: Job) -> None:
+    """Enqueue the store's entry for the job's bucket (once), stale or not: after an edit to the kernel's
+    code, the config that won on the code before is the likeliest winner still, so the study times it
+    again on the current code rather than hoping its sampler finds it."""
+    from optuna.trial import TrialState
+
+    from tritune.tuning import store
+
+    try:
+        es = store.entries(job.spec.name, job.slug)
+    except Exception:  # an unreadable store is reported where it is loaded
+        return
+    prev = next((dict(e["config"]) for e in es if e["bucket"] == job.bucket and e["dtype"] == dtype_name(job.dtype)),
+                None)
+    if prev is None or prev == job.spec.default_config(job.problem, job.dtype):
+        return
+    if job.spec.space.why_invalid(prev, job.problem, job.dtype):
+        return
+    all_ts = study.get_trials(deepcopy=False)
+    current = {t.number for t in current_trials(all_ts, code_version(job.spec.name))}
+    for t in all_ts:
+        if t.user_attrs.get("previous") and (t.state in (TrialState.WAITING, TrialState.RUNNING) or t.number in current):
+            return
+    study.enqueue_trial(prev, user_attrs={"previous": True})
 
 
 def _record_default(study) -> None:
