@@ -126,7 +126,7 @@ def test_rel_error_infinities_must_match_the_reference():
 
 
 def test_time_rounds_alternates_and_takes_medians(monkeypatch):
-    """Short problems: ours, the vendor and each peer in three alternating rounds, each path's median; a
+    """Short problems: ours, the vendor and each peer in alternating rounds (three here), each path's median; a
     failing peer is reported and dropped; long problems and the interpreter: one round."""
     from tritune.harness import bench
 
@@ -139,6 +139,8 @@ def test_time_rounds_alternates_and_takes_medians(monkeypatch):
             raise RuntimeError("peer down")
         return seq[fn][sum(1 for o in order if o == fn) - 1]
 
+    assert bench.ROUNDS_SHORT % 2 == 1  # an odd count: each path's median is one of its rounds
+    monkeypatch.setattr(bench, "ROUNDS_SHORT", 3)
     monkeypatch.setattr(bench, "median_ms", fake_median_ms)
     monkeypatch.setattr(bench.dev, "interpreted", lambda: False)
     out, rounds = bench.time_rounds({"ours": "ours", "vendor": "vendor", "bad": "bad"})
