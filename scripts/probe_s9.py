@@ -68,7 +68,7 @@ def _widen():
 
 def candidates(M, N, K):
     out = []
-    for bm in (64, 32, 16):
+    for bm in (64, 32, 16) if M > 16 else (16,):
         for bn in (16, 32, 64, 128):
             for split in (1, 2, 3, 4, 6):
                 progs = -(-M // bm) * -(-N // bn) * split
@@ -80,12 +80,17 @@ def candidates(M, N, K):
                         continue
                     per = kt // split
                     stages = sorted({s for s in (2, 3, 4, min(per + 1, 6)) if 2 <= s <= 6 and s <= per + 1})
+                    # small M (one 16-row tile): 2 and 4 warps, pointers and TMA descriptors
+                    variants = [(w, t) for w in (2, 4) for t in (False, True)] if M <= 16 else [(4, False)]
                     for s in stages:
-                        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8 if split == 1 and bm < M else 1,
-                               "SPLIT_K": split, "num_warps": 4, "num_stages": s, "TMA": False, "PERSISTENT": False}
-                        if G.SPACE.constraint(cfg, parse_problems(kernels.get("gemm"), PROBLEM[0])[0], torch.bfloat16):
-                            continue
-                        out.append(cfg)
+                        for warps, tma in variants:
+                            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                                   "GROUP_M": 8 if split == 1 and bm < M else 1, "SPLIT_K": split, "num_warps": warps,
+                                   "num_stages": s, "TMA": tma, "PERSISTENT": False}
+                            if G.SPACE.constraint(cfg, parse_problems(kernels.get("gemm"), PROBLEM[0])[0],
+                                                  torch.bfloat16):
+                                continue
+                            out.append(cfg)
     return out
 
 
@@ -153,8 +158,8 @@ def grid(rows):
         timed(rows, "gemm", PROBLEM[0], config_label(cfg), call(cfg))
         if i % 6 == 5:
             timed(rows, "gemm", PROBLEM[0], spec.vendor_name, vendor)
-    # the front runners with TMA descriptors and other warp counts
-    for cfg in top[:5]:
+    # the front runners with TMA descriptors and other warp counts (small M: already in the grid)
+    for cfg in top[:5] if problem.M > 16 else []:
         for change in ({"TMA": True}, {"num_warps": 2}, {"num_warps": 8}, {"TMA": True, "num_warps": 8}):
             v = dict(cfg, **change)
             if G.SPACE.constraint(v, problem, torch.bfloat16):
@@ -266,7 +271,14 @@ def ab_all(rows):
 
 PROBLEMS_AB = ["M=64,N=2304,K=768,bias=True", "M=1,N=2304,K=768,bias=True", "M=8,N=2304,K=768,bias=True"]
 
-SECTIONS = {"names": names, "grid": grid, "ab": ab, "ab_all": ab_all, "pre": pre}
+def grid_small(rows):
+    """grid over the c_attn rows at M = 1 and 8 (one 16-row tile: warps and TMA varied too)."""
+    for text in ("M=1,N=2304,K=768,bias=True", "M=8,N=2304,K=768,bias=True"):
+        PROBLEM[0] = text
+        grid(rows)
+
+
+SECTIONS = {"names": names, "grid": grid, "grid_small": grid_small, "ab": ab, "ab_all": ab_all, "pre": pre}
 
 
 def main() -> None:
