@@ -19,7 +19,8 @@ run_phase() {
       [ -f .tune/studies.journal ] && [ ! -f "$OUT/studies.journal" ] && cp .tune/studies.journal "$OUT/"
       # TUNE_JOBS: a file of lines "kernel|budget s|trials|problems[|timer]" (problems empty: the standard
       # set; timer do_bench or graph, default $TUNE_TIMER or do_bench; '#' starts a comment); without it,
-      # $KERNELS over their standard problems with $TUNE_BUDGET and $TRIALS.
+      # $KERNELS over their standard problems with $TUNE_BUDGET and $TRIALS. TUNE_ARGS: more tritune tune
+      # options for every job (e.g. --seed-configs FILE).
       if [ -n "${TUNE_JOBS:-}" ]; then jobs=$(grep -v '^#' "$TUNE_JOBS"); else jobs="$KERNELS|${TUNE_BUDGET:-400}|${TRIALS:-24}|"; fi
       tuned=""
       while IFS='|' read -r jk jb jt jp jtimer; do
@@ -30,7 +31,7 @@ run_phase() {
         # back to back overlaps each launch with the next: it would time a chain of the same launch, not
         # the decode step's chain of different ones)
         TRITUNE_PDL=${TUNE_PDL:-${TRITUNE_PDL:-1}} timeout "$jb" tritune tune $jk --dtype bf16 --trials "$jt" ${jp:+--problems "$jp"} --timer "${jtimer:-${TUNE_TIMER:-do_bench}}" \
-          --time-budget "$(( jb - 30 ))" --workers "${WORKERS:-1}" --storage "$OUT/studies.journal" --quiet \
+          --time-budget "$(( jb - 30 ))" --workers "${WORKERS:-1}" --storage "$OUT/studies.journal" --quiet ${TUNE_ARGS:-} \
           2>&1 | tee -a "$OUT/tune.log"
       done <<< "$jobs"
       KERNELS=$(echo $tuned | tr ' ' '\n' | sort -u | tr '\n' ' ')

@@ -308,6 +308,21 @@ def test_the_stored_config_is_timed_again_second(tmp_path, temp_store):
     assert row["config"] == {"a": 11, "b": 5} and row["trials"] == 2
 
 
+def test_seed_configs_are_evaluated_first_once(tmp_path):
+    """--seed-configs: each valid (partial) config is timed before the sampler's proposals, once per code
+    version (a resumed study does not enqueue it again); invalid ones are skipped."""
+    spec = toy_spec(SMALL, _odd, default={"a": 7, "b": 1})
+    seeds = [{"a": 11}, {"a": 12, "b": 5}, {"a": 11, "b": 5}]  # 11+1 even; 12+5 odd: invalid
+    row, storage = _tune(spec, tmp_path, quadratic, trials=3, seed_configs=seeds)
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    ev = [t for t in st.trials if t.user_attrs.get("evaluated")]
+    assert [t.params for t in ev[:3]] == [{"a": 7, "b": 1}, {"a": 11, "b": 1}, {"a": 11, "b": 5}]
+    assert row["config"] == {"a": 11, "b": 5}
+    row, storage = _tune(spec, tmp_path, quadratic, trials=5, seed_configs=seeds)
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    assert sum(1 for t in st.trials if t.user_attrs.get("seeded")) == 2
+
+
 def test_corrupt_or_foreign_store_files_warn_and_fall_back(temp_store):
     spec = K.get("gelu")
     p = gelu_mod.Problem(4096)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
+from pathlib import Path
 
 from tritune.harness.report import _fmt  # one number format for every table
 
@@ -150,7 +152,13 @@ def cmd_tune(args) -> int:
             if path:
                 print(f"\nwrote {path}")
             return 0
-        rows = search.tune(specs, problems, args.dtype, trials=args.trials, sampler=args.sampler, **common)
+        seeds = None
+        if getattr(args, "seed_configs", None):
+            seeds = json.loads(Path(args.seed_configs).read_text())
+            if not isinstance(seeds, list) or not all(isinstance(x, dict) for x in seeds):
+                raise SystemExit(f"--seed-configs: {args.seed_configs} must hold a JSON list of config objects")
+        rows = search.tune(specs, problems, args.dtype, trials=args.trials, sampler=args.sampler,
+                           seed_configs=seeds, **common)
     except KeyboardInterrupt:
         print(f"\ntune: interrupted; finished trials are kept in {storage}: run the same command to resume",
               file=sys.stderr)
@@ -239,6 +247,9 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--time-budget", type=float, default=None, metavar="S",
                        help="stop starting trials after S seconds (shared evenly among the studies)")
         s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--seed-configs", metavar="FILE", default=None,
+                       help="a JSON list of (partial) configs every study evaluates first, e.g. a probe's "
+                            "front runners (completed from the default; invalid ones skipped)")
         s.add_argument("--timer", choices=("do_bench", "graph"), default="do_bench",
                        help="what a trial's time is: do_bench's median with L2 flushed (default), or the GPU time "
                             "of the launch replayed in a CUDA graph on inputs cycled past L2 (what a decode step "

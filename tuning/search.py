@@ -709,6 +709,29 @@ def _ensure_previous(study, job: Job) -> None:
     study.enqueue_trial(prev, user_attrs={"previous": True})
 
 
+def _enqueue_seeds(study, job: Job, configs: list[dict]) -> int:
+    """Enqueue each of ``configs`` (completed from the default) that is valid for the job and not yet
+    waiting, running or timed on the current code; returns how many were enqueued."""
+    from optuna.trial import TrialState
+
+    params = job.spec.space.params
+    default = job.spec.default_config(job.problem, job.dtype)
+    all_ts = study.get_trials(deepcopy=False)
+    current = {t.number for t in current_trials(all_ts, code_version(job.spec.name))}
+    have = {t.user_attrs.get("seeded") for t in all_ts
+            if t.state in (TrialState.WAITING, TrialState.RUNNING) or t.number in current}
+    n = 0
+    for cfg in configs:
+        full = dict(default, **cfg)
+        key = config_key(full, params)
+        if key in have or job.spec.space.why_invalid(full, job.problem, job.dtype):
+            continue
+        study.enqueue_trial(full, user_attrs={"seeded": key})
+        have.add(key)
+        n += 1
+    return n
+
+
 def _record_default(study) -> None:
     s = study_stats(study)
     if s.get("default_us") is not None and study.user_attrs.get("default_us") != s["default_us"]:
@@ -909,8 +932,13 @@ def visible_gpus() -> list[str]:
 def tune(kernels_, problems=None, dtypes=None, *, trials: int = 40, sampler: str = "tpe", storage=None,
          workers: int = 1, time_budget: float | None = None, seed: int = 0, evaluate: Callable | None = None,
          isolation: str = "auto", timeout: float = TASK_TIMEOUT, progress: bool = True, slug: str | None = None,
-         seed_default: bool = True, stop_at: dict | None = None, log=None) -> list[dict]:
+         seed_default: bool = True, stop_at: dict | None = None, log=None,
+         seed_configs: list[dict] | None = None) -> list[dict]:
     """Tune kernels (names, 'all' or specs); returns one :func:`study_stats` row per study of the plan.
+
+    ``seed_configs``: (partial) configs each study evaluates before its sampler proposes (completed from
+    the heuristic default; skipped where invalid): the front runners of a probe, timed and verified by the
+    same evaluation as every other trial.
 
     ``evaluate(task) -> {"ok", "ms" | "error"}`` replaces the real evaluation (it must be picklable
     when evaluations run in worker processes). KeyboardInterrupt propagates after the workers stop; the
@@ -924,6 +952,13 @@ def tune(kernels_, problems=None, dtypes=None, *, trials: int = 40, sampler: str
     specs = resolve_specs(kernels_)
     jobs = plan(specs, problems, dtypes, slug, log)
     storage_obj = open_storage(storage)
+    if seed_configs and trials > 0:
+        for job in jobs:  # after the default and the stored config (each enqueued once)
+            study = open_study(storage_obj, job)
+            if seed_default:
+                _ensure_default(study, job)
+                _ensure_previous(study, job)
+            _enqueue_seeds(study, job, seed_configs)
     deadline = time.time() + time_budget if time_budget else None
     if trials > 0 and jobs:
         if workers <= 1:
