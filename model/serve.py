@@ -155,8 +155,67 @@ def _sync():
 # ---------------------------------------------------------------------------------------------------
 # Runs
 # ---------------------------------------------------------------------------------------------------
+class CompileLog:
+    """Triton JIT compilations (kernel-cache misses: a compile, or a load from the on-disk cache) while
+    active: a timed run that meets one is timing a compile, so runs report ``jit_compiles`` (and the
+    first few kernels' names and constexprs) and a warm-up that misses a variant shows here."""
+
+    def __init__(self):
+        self.events = []
+        self._saved = None
+
+    def _hook(self, *args, **kwargs):
+        fn = kwargs.get("fn")
+        name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0]
+        comp = kwargs.get("compile") if isinstance(kwargs.get("compile"), dict) else {}
+        names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
+
+        def label(k):  # constants are keyed by (argument index,) paths
+            i = k[0] if isinstance(k, tuple) and k and isinstance(k[0], int) else None
+            return names[i] if i is not None and i < len(names) else str(k)
+
+        self.events.append({"kernel": name.rsplit(".", 1)[-1], "num_warps": comp.get("num_warps"),
+                            "constexprs": {label(k): v for k, v in (comp.get("constants") or {}).items()
+                                           if isinstance(v, (int, float, bool, str))}})
+        return False  # never skip the compile
+
+    def __enter__(self):
+        try:
+            import triton
+
+            knobs = triton.knobs.runtime
+            self._saved = knobs.jit_cache_hook
+            knobs.jit_cache_hook = self._hook
+        except Exception:  # a Triton without the hook: nothing is logged
+            self._saved = False
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not False:
+            import triton
+
+            triton.knobs.runtime.jit_cache_hook = self._saved
+
+    def summary(self, limit: int = 12) -> dict:
+        from collections import Counter
+
+        return {"count": len(self.events), "by_kernel": dict(Counter(e["kernel"] for e in self.events)),
+                "first": self.events[:limit]}
+
+
 def run_engine(engine, items) -> dict:
-    """Serve ``items`` (arrivals relative to the start); metrics of the run."""
+    """Serve ``items`` (arrivals relative to the start); metrics of the run (``jit_compiles``: the
+    kernel variants first met inside the timed run; zero after a complete warm-up)."""
+    with CompileLog() as log:
+        r = _run_engine(engine, items)
+    r["jit_compiles"] = log.summary()
+    if log.events:
+        _print(f"warning: {len(log.events)} kernel variant(s) compiled inside the timed run "
+               f"({r['jit_compiles']['by_kernel']}): the warm-up missed them, the run's time includes them")
+    return r
+
+
+def _run_engine(engine, items) -> dict:
     from tritune.model.scheduler import SamplingParams
 
     pending = sorted(range(len(items)), key=lambda i: items[i].arrival)
@@ -461,7 +520,9 @@ def run(args) -> int:
             r["setup_s"] = time.perf_counter() - t0
             r["engine"] = eng.describe()
             if args.decode_tokens:
-                r["batch1_decode"] = decode_rate(eng, 64, args.decode_tokens, config.vocab_size)
+                with CompileLog() as log:
+                    r["batch1_decode"] = decode_rate(eng, 64, args.decode_tokens, config.vocab_size)
+                r["batch1_decode"]["jit_compiles"] = log.summary()
                 _print(f"[{mode}] batch-1 decode: {r['batch1_decode']['decode_tok_s']:.0f} tok/s "
                        f"(GPU {r['batch1_decode'].get('gpu_ms_per_token', float('nan')):.3f} ms/token; host us/token "
                        f"{ {k: round(v, 1) for k, v in r['batch1_decode']['host_us_per_token'].items()} })")

@@ -391,3 +391,29 @@ def test_step_out_argmax_takes_the_first_maximum_across_chunks():
                                     CHUNKS=chunks, CHUNKS_P2=chunks, BLOCK_V=block, PDL=False)
     assert ids.tolist() == [40, 99, 0] and pos.tolist() == [4, -1, -1]   # row 1 reached its stop
     assert hist[0, 0].item() == 40 and hist[1, 1].item() == 99 and tickets.tolist() == [0, 0, 0]
+
+
+def test_compile_log_names_each_jit_compile_and_restores_the_hook():
+    """serve-bench's CompileLog: a Triton JIT cache miss inside a timed run is recorded (kernel, constexprs
+    by name) and the run says so; the previous hook is back afterwards."""
+    import triton
+
+    from tritune.model.serve import CompileLog
+
+    class _JF:
+        arg_names = ["X", "N", "MODE"]
+
+    class _Info:
+        name = "tritune.kernels.x._k"
+        jit_function = _JF()
+
+    before = triton.knobs.runtime.jit_cache_hook
+    with CompileLog() as log:
+        skip = triton.knobs.runtime.jit_cache_hook(key=1, repr="_k[...]", fn=_Info(), is_manual_warmup=False,
+                                                   compile={"constants": {(1,): 16, (2,): "ieee"}, "num_warps": 4},
+                                                   already_compiled=False)
+        assert skip is False  # never skips the compile
+    assert triton.knobs.runtime.jit_cache_hook is before
+    s = log.summary()
+    assert s["count"] == 1 and s["by_kernel"] == {"_k": 1}
+    assert s["first"][0]["constexprs"] == {"N": 16, "MODE": "ieee"} and s["first"][0]["num_warps"] == 4
