@@ -671,8 +671,9 @@ class Engine:
         a variant first met mid-run stalls that step for a compile (around a second each on the H100
         machine's host). So: eager prefill forwards over a ladder of total token counts (16, 17, 32, 33,
         ... up to the step budget, multiples of 16 and not), packed as sequences of the whole context and
-        of 256 tokens; then B sequences of L tokens for B and L powers of two (and L + 1), the buckets
-        prefill attention picks its configs by; without CUDA graphs, decode forwards at every batch size
+        of 256 tokens; then B sequences of L tokens for B and L powers of two (and B − 1, L + 1: the same
+        buckets, the other divisibility of the counts Triton specialises on), the buckets prefill attention
+        picks its configs by; without CUDA graphs, decode forwards at every batch size
         of the same ladder. Every slot is -1: nothing is written to the cache. serve-bench reports any
         variant still compiled inside a timed run (``jit_compiles``).
         """
@@ -690,15 +691,16 @@ class Engine:
                 lens = [cap] * (T // cap) + ([T % cap] if T % cap else [])
                 self._eager([[0] * k for k in lens], [[-1] * k for k in lens], [], [], [], [], [])
         # Prefill attention picks its config by (sequences, longest sequence) buckets and specialises on
-        # its token counts: B sequences of L tokens for every power of two of each, L also one past it
-        # (serve-bench on the H100 met three variable-length attention variants inside its timed run
-        # without this: ~1 s of compiling each, in a 4 s run).
+        # its counts (tokens, sequences x heads: divisible by 16 or not): B sequences of L tokens for every
+        # power of two of each, B - 1 and L + 1 too (serve-bench on the H100 met three variable-length
+        # attention variants inside its timed run without this, one with B only: ~1 s of compiling each).
         L = 16
         while L <= c.n_positions:
             for n in sorted({L, min(L + 1, c.n_positions)}):
                 B = 1
                 while B * n <= budget and B <= self.max_num_seqs:
-                    self._eager([[0] * n] * B, [[-1] * n] * B, [], [], [], [], [])
+                    for b in sorted({B, max(1, B - 1)}):  # B - 1: same bucket, other divisibility of B·heads
+                        self._eager([[0] * n] * b, [[-1] * n] * b, [], [], [], [], [])
                     B *= 2
             L *= 2
         if self.graphs is None:
