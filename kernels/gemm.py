@@ -355,7 +355,7 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
     try:
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, _meta(bias),
                _meta(residual), _meta(out), activation, None if config is None else tuple(config.items()),
-               INT32_LIMIT, FLATTEN, WARP_SPEC, PREFETCH_EPILOGUE, _num_sms)
+               INT32_LIMIT, FLATTEN, WARP_SPEC, PREFETCH_EPILOGUE, RES_PREFETCH_PER_THREAD, _num_sms)
     except (AttributeError, TypeError):
         key = None
     plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config))
@@ -386,6 +386,18 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
     K.launch_cached(_gemm_kernel, plan.kernels, plan.grid, args, plan.kws[a_mode][b_mode],
                     plan.consts[a_mode][b_mode], (a_mode, b_mode), ptrs)
     return out
+
+
+def launch_shape(cfg: dict, m: int, n: int, dtype, sms: int) -> tuple[tuple[int, int], int]:
+    """(grid, PRE_EPI) of a launch of ``cfg`` on an (m, n) output with ``sms`` SMs (also what
+    scripts/restamp_gemm.py compiles a stored entry's launch with)."""
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    split = cfg["SPLIT_K"]
+    grid = (min(tiles, sms * _ctas_per_sm(cfg, dtype)), 1) if cfg["PERSISTENT"] else (tiles, split)
+    pre_epi = 0
+    if PREFETCH_EPILOGUE and split == 1 and tiles <= grid[0]:  # one tile a program, all of K
+        pre_epi = 2 if cfg["BLOCK_M"] * cfg["BLOCK_N"] <= RES_PREFETCH_PER_THREAD * 32 * cfg["num_warps"] else 1
+    return grid, pre_epi
 
 
 def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
@@ -485,13 +497,7 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
     int64 = (split * m * n >= INT32_LIMIT or K.span(a2) >= INT32_LIMIT or K.span(b) >= INT32_LIMIT
              or m * n >= INT32_LIMIT or (c2 is not None and K.span(c2) >= INT32_LIMIT)
              or (r2 is not None and K.span(r2) >= INT32_LIMIT))
-    if cfg["PERSISTENT"]:
-        p.grid = (min(tiles, _num_sms() * _ctas_per_sm(cfg, a.dtype)), 1)
-    else:
-        p.grid = (tiles, split)
-    pre_epi = 0
-    if PREFETCH_EPILOGUE and split == 1 and tiles <= p.grid[0]:  # one tile a program, all of K
-        pre_epi = 2 if bm * bn <= RES_PREFETCH_PER_THREAD * 32 * cfg["num_warps"] else 1
+    p.grid, pre_epi = launch_shape(cfg, m, n, a.dtype, _num_sms())
     p.ints = (m, n, kdim, a.shape[1] if a_3d else m,
               s_a0, s_am, s_ak, b.stride(0), b.stride(1), s_cm, s_cn,
               bias.stride(0) if bias is not None else 0,

@@ -18,8 +18,6 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import triton  # noqa: E402
-
 import ptx_same  # noqa: E402
 from tritune.kernels import gemm as G  # noqa: E402
 from tritune.tuning import store  # noqa: E402
@@ -37,11 +35,7 @@ def problem_of(text: str) -> G.Problem:
 
 def launch_consts(p: G.Problem, cfg: dict) -> tuple[dict, int]:
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
-    grid = min(tiles, SMS * G._ctas_per_sm(cfg, None)) if cfg["PERSISTENT"] else tiles
-    pre = 0
-    if cfg["SPLIT_K"] == 1 and tiles <= grid:
-        pre = 2 if bm * bn <= G.RES_PREFETCH_PER_THREAD * 32 * cfg["num_warps"] else 1
+    _, pre = G.launch_shape(cfg, p.M, p.N, None, SMS)
     a_strides = (1, p.M) if p.trans_a else (p.K, 1)
     b_strides = (1, p.K) if p.trans_b else (p.N, 1)
     a_tma = G._tma_layout(p.M, p.K, *a_strides, 2, bm, bk) if cfg["TMA"] else None
