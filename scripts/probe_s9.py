@@ -224,15 +224,10 @@ def ab(rows):
 
 def stored_config(problem, dtype=torch.bfloat16):
     """The committed store's entry for the problem's bucket, stale or not (None if there is none)."""
-    from tritune.harness import device as dev
     from tritune.kernels import bucket_key
     from tritune.tuning import store
 
-    key = bucket_key(G.bucket(problem))
-    for e in store.entries("gemm", dev.gpu_slug()):
-        if e["bucket"] == key and e["dtype"] == str(dtype).split(".")[-1]:
-            return dict(e["config"])
-    return None
+    return store.entry_config("gemm", bucket_key(G.bucket(problem)), dtype)
 
 
 def pre(rows):

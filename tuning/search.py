@@ -687,38 +687,27 @@ def _ensure_previous(study, job: Job) -> None:
     """Enqueue the store's entry for the job's bucket (once), stale or not: after an edit to the kernel's
     code, the config that won on the code before is the likeliest winner still, so the study times it
     again on the current code rather than hoping its sampler finds it."""
-    from optuna.trial import TrialState
-
     from tritune.tuning import store
 
     try:
-        es = store.entries(job.spec.name, job.slug)
+        prev = store.entry_config(job.spec.name, job.bucket, job.dtype, job.slug)
     except Exception:  # an unreadable store is reported where it is loaded
         return
-    prev = next((dict(e["config"]) for e in es if e["bucket"] == job.bucket and e["dtype"] == dtype_name(job.dtype)),
-                None)
-    if prev is None or prev == job.spec.default_config(job.problem, job.dtype):
-        return
-    if job.spec.space.why_invalid(prev, job.problem, job.dtype):
-        return
-    all_ts = study.get_trials(deepcopy=False)
-    current = {t.number for t in current_trials(all_ts, code_version(job.spec.name))}
-    for t in all_ts:
-        if t.user_attrs.get("previous") and (t.state in (TrialState.WAITING, TrialState.RUNNING) or t.number in current):
-            return
-    study.enqueue_trial(prev, user_attrs={"previous": True})
+    if prev is not None and prev != job.spec.default_config(job.problem, job.dtype):
+        _enqueue_seeds(study, job, [prev], attr="previous")
 
 
-def _enqueue_seeds(study, job: Job, configs: list[dict]) -> int:
+def _enqueue_seeds(study, job: Job, configs: list[dict], attr: str = "seeded") -> int:
     """Enqueue each of ``configs`` (completed from the default) that is valid for the job and not yet
-    waiting, running or timed on the current code; returns how many were enqueued."""
+    waiting, running or timed on the current code under ``attr`` (the trial's user attribute, holding
+    the config's key); returns how many were enqueued."""
     from optuna.trial import TrialState
 
     params = job.spec.space.params
     default = job.spec.default_config(job.problem, job.dtype)
     all_ts = study.get_trials(deepcopy=False)
     current = {t.number for t in current_trials(all_ts, code_version(job.spec.name))}
-    have = {t.user_attrs.get("seeded") for t in all_ts
+    have = {t.user_attrs.get(attr) for t in all_ts
             if t.state in (TrialState.WAITING, TrialState.RUNNING) or t.number in current}
     n = 0
     for cfg in configs:
@@ -726,7 +715,7 @@ def _enqueue_seeds(study, job: Job, configs: list[dict]) -> int:
         key = config_key(full, params)
         if key in have or job.spec.space.why_invalid(full, job.problem, job.dtype):
             continue
-        study.enqueue_trial(full, user_attrs={"seeded": key})
+        study.enqueue_trial(full, user_attrs={attr: key})
         have.add(key)
         n += 1
     return n

@@ -183,6 +183,15 @@ def lookup(kernel: str, bucket: str, dtype) -> dict | None:
     return dict(best["config"])
 
 
+def entry_config(kernel: str, bucket: str, dtype, slug: str | None = None) -> dict | None:
+    """The stored config of exactly this bucket and dtype, stale or not (``lookup`` skips stale entries
+    and falls back to neighbours): the winner on the kernel's code when it was tuned."""
+    for e in entries(kernel, slug):
+        if e["bucket"] == bucket and e["dtype"] == dtype_name(dtype):
+            return dict(e["config"])
+    return None
+
+
 def files_for(slug: str | None = None) -> dict[str, Path]:
     d = config_root() / (slug or dev.gpu_slug())
     return {p.stem: p for p in sorted(d.glob("*.json"))} if d.is_dir() else {}
