@@ -43,6 +43,28 @@ from tritune.tuning.cli import parse_problems
 INT4_M1 = "M=1,N=28672,K=8192,bits=4,group=128"
 
 @triton.jit
+def _swap_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The swapped int4 tile's program: (pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n), M tiles
+    fastest (the programs of one weight panel run together)."""
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_m, pid_n, tl.program_id(1), offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
+def _swap_store(acc, pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n, Y, Work, Locks, M, N, s_ym,
+                BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The (BLOCK_N, BLOCK_M) accumulator transposed and stored through quant_matmul's _finish (split-K
+    partials included; no bias, no per-channel scale)."""
+    _finish(tl.trans(acc), offs_m, offs_n, mask_m, mask_n, Y, Y, Y, Work, Locks,
+            pid_m * tl.cdiv(N, BLOCK_N) + pid_n, pid_k, M, N, s_ym, False, False, SPLIT_K)
+
+
+@triton.jit
 def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg, s_ym,
             GROUP: tl.constexpr, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, SCALE_IN: tl.constexpr,
@@ -50,15 +72,7 @@ def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg
     """quant_matmul's swapped int4 tile (Yᵀ = dequant(W) · Xᵀ) with a group stride for the scales and zero
     points, and SCALE_IN: (q − z)·s rounded to x's dtype as the dot operand (one fp32 multiply-add a
     group fewer, the scale load feeding the dot so the pipeliner may prefetch it)."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % m_tiles
-    pid_n = pid // m_tiles
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n = _swap_tile(M, N, BLOCK_M, BLOCK_N)
     DT: tl.constexpr = X.dtype.element_ty
     lo, hi = _k_slice(pid_k, K, GROUP, 4, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -98,10 +112,8 @@ def _swap4x(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_wn, s_sn, s_sg
                 part = tl.dot(q_lo - zf[:, None], x_lo)
                 part = tl.dot(q_hi - zf[:, None], x_hi, part)
                 acc += part * s.to(tl.float32)[:, None]
-    acc = tl.trans(acc)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Sc, Work, Locks, pid_m * n_tiles + pid_n,
-            pid_k, M, N, s_ym, False, False, SPLIT_K)
+    _swap_store(acc, pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n, Y, Work, Locks, M, N, s_ym, BLOCK_N,
+                SPLIT_K)
 
 
 
@@ -129,15 +141,7 @@ def _swap4p(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_sn, s_sg, s_ym
     """The swapped int4 tile on the committed layout (64-row panels, group-major scales), one group an
     iteration, the next group's operands loaded into registers before this group's math (a software
     pipeline by hand: Triton does not pipeline these loads, whose bytes reach the dot through inline asm)."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % m_tiles
-    pid_n = pid // m_tiles
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n = _swap_tile(M, N, BLOCK_M, BLOCK_N)
     DT: tl.constexpr = X.dtype.element_ty
     lo, hi = _k_slice(pid_k, K, GROUP, 4, GROUP, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -156,13 +160,15 @@ def _swap4p(X, Wq, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_sn, s_sg, s_ym
         part = tl.dot(q_hi - zf[:, None], x_hi, part)
         acc += part * s.to(tl.float32)[:, None]
         b, s, z, x_lo, x_hi = b2, s2, z2, xl2, xh2
-    acc = tl.trans(acc)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Sc, Work, Locks, pid_m * n_tiles + pid_n,
-            pid_k, M, N, s_ym, False, False, SPLIT_K)
+    _swap_store(acc, pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n, Y, Work, Locks, M, N, s_ym, BLOCK_N,
+                SPLIT_K)
 
 
 def swap4p(x, qw, out, cfg):
+    """A launch of _swap4p. It reads the scales and zero points with one pair of strides: the layout of
+    the seventh session (separate tensors of equal strides). On the eighth session's 4-byte words (bf16
+    and uint8 views of different strides) it reads wrong zero points; rebuild them with
+    ``qw.scales.contiguous()`` and ``qw.zeros.contiguous()`` first."""
     m, kdim = x.shape
     n = qw.N
     bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]

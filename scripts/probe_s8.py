@@ -23,8 +23,12 @@ import triton
 import triton.language as tl
 
 from tritune.kernels import quant_matmul as qm
-from tritune.kernels.quant_matmul import _finish, _nibbles, _w_rows
+from tritune.kernels.quant_matmul import _nibbles, _w_rows
 from tritune.references import quant as Q
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_s7 import (INT4_M1, _swap_store, _swap_tile, config_label, int4_section, q,  # noqa: E402
+                      run_sections, timed)
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -37,16 +41,8 @@ def _swap4t(X, Xd, Wd, Sd, Zd, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym
             GROUP: tl.constexpr, H: tl.constexpr, PANEL: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
             X_TMA: tl.constexpr, SZ_TMA: tl.constexpr, PF_SZ: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % m_tiles
-    pid_n = pid // m_tiles
+    pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n = _swap_tile(M, N, BLOCK_M, BLOCK_N)
     n0 = pid_n * BLOCK_N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     DT: tl.constexpr = X.dtype.element_ty
     n_groups = K // GROUP
     per = tl.cdiv(n_groups, SPLIT_K)
@@ -87,10 +83,8 @@ def _swap4t(X, Xd, Wd, Sd, Zd, Sc, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym
         part = tl.dot(q_lo - zf, x_lo)
         part = tl.dot(q_hi - zf, x_hi, part)
         acc += part * s
-    acc = tl.trans(acc)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Y, Work, Locks, pid_m * n_tiles + pid_n,
-            pid_k, M, N, s_ym, False, False, SPLIT_K)
+    _swap_store(acc, pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n, Y, Work, Locks, M, N, s_ym, BLOCK_N,
+                SPLIT_K)
 
 
 @triton.jit
@@ -105,15 +99,7 @@ def _swap4w(X, Wq, SZ, Sc, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym,
     a load of its own (Triton rematerialises the load per layout); PF_S loads it a group ahead by hand.
     EVICT: the codes' loads carry an L2 evict_first policy (kept by plain loads only: at num_stages > 1
     they become cp.async, which drops it); PF_B: the codes loaded a group ahead by hand (num_stages 1)."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % m_tiles
-    pid_n = pid // m_tiles
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n = _swap_tile(M, N, BLOCK_M, BLOCK_N)
     DT: tl.constexpr = X.dtype.element_ty
     n_groups = K // GROUP
     per = tl.cdiv(n_groups, SPLIT_K)
@@ -155,10 +141,8 @@ def _swap4w(X, Wq, SZ, Sc, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym,
         part = tl.dot(q_lo - zf, x_lo)
         part = tl.dot(q_hi - zf, x_hi, part)
         acc += part * s
-    acc = tl.trans(acc)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Y, Work, Locks, pid_m * n_tiles + pid_n,
-            pid_k, M, N, s_ym, False, False, SPLIT_K)
+    _swap_store(acc, pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n, Y, Work, Locks, M, N, s_ym, BLOCK_N,
+                SPLIT_K)
 
 
 @triton.jit
@@ -168,15 +152,7 @@ def _swap4z(X, Wq, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym,
     """quant_matmul's swapped tile on the 4-byte words (SZW), the zero point folded out of the weight:
     Σ_k (q − z) x = Σ_k (MAGIC + q) x − (MAGIC + z) Σ_k x, so the unpacked codes go into the MMA as
     they are (no subtract per pair of weights) and each group adds one (BLOCK_M,) sum of x."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % m_tiles
-    pid_n = pid // m_tiles
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n = _swap_tile(M, N, BLOCK_M, BLOCK_N)
     DT: tl.constexpr = X.dtype.element_ty
     MAGIC_F: tl.constexpr = 1024.0 if MAGIC == 0x6400 else 128.0
     n_groups = K // GROUP
@@ -201,10 +177,8 @@ def _swap4z(X, Wq, Zp, Y, Work, Locks, M, N, K, s_xm, s_xk, s_ym,
         part = tl.dot(q_hi, x_hi, part)
         sx = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=0)   # (BLOCK_M,)
         acc += (part - zm[:, None] * sx[None, :]) * s[:, None]
-    acc = tl.trans(acc)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    _finish(acc, offs_m, offs_n, mask_m, mask_n, Y, Y, Y, Work, Locks, pid_m * n_tiles + pid_n,
-            pid_k, M, N, s_ym, False, False, SPLIT_K)
+    _swap_store(acc, pid_m, pid_n, pid_k, offs_m, offs_n, mask_m, mask_n, Y, Work, Locks, M, N, s_ym, BLOCK_N,
+                SPLIT_K)
 
 
 def swap4z(x, qw, out, cfg):
@@ -328,8 +302,6 @@ def check() -> None:
 def tma_section(rows):
     """Run 2 (H100, M=1, graph µs): store 48.4; swap4t xtma+ptr 8x32 split 2 stages 3 51.9 (the best of
     11 configs), ptr+ptr 48.7; M=16: store 68.4, swap4t xtma+ptr 16x32 split 2 stages 3 64.1."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from probe_s7 import int4_section, config_label, INT4_M1
 
     def m1(spec, stock, x, qw, out):
         yield "swap4t ptr+ptr " + config_label(t(8, 32, 2, 2, 3)), swap4t(x, qw, out, t(8, 32, 2, 2, 3))
@@ -353,8 +325,6 @@ def tma_section(rows):
 
 def w_configs(rows):
     """_swap4w (no hand prefetch) beyond run 3's configs: wider tiles without split-K."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from probe_s7 import int4_section, config_label
 
     def m1(spec, stock, x, qw, out):
         for cfg in (t(8, 32, 1, 2, 4), t(8, 64, 1, 2, 4), t(8, 64, 1, 2, 3), t(8, 64, 1, 4, 3), t(8, 128, 1, 4, 3),
@@ -368,8 +338,6 @@ def evict_configs(rows):
     """Run 4 found an L2 evict_first hint cuts do_bench's dirty-flush cost of a 125 MB read (53.5 -> 48.4
     µs; clean flush and graph unchanged). Stored kernel and _swap4w at num_stages 1, where the code
     loads stay plain loads that keep the hint (the stored kernel's loads carry it already)."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from probe_s7 import int4_section, config_label, q
 
     def m1(spec, stock, x, qw, out):
         for cfg in (q(32, 256, 2, 2, 1), q(32, 512, 2, 2, 1), q(64, 256, 2, 2, 1), q(64, 512, 2, 4, 1),
@@ -387,8 +355,6 @@ def evict_configs(rows):
 def szw_configs(rows):
     """quant_matmul itself after the change (scales and zero points in 4-byte words, references.quant):
     one group an iteration (BLOCK_K = g) at 3-5 stages against the old two-group tiles."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from probe_s7 import int4_section, config_label, q, INT4_M1
 
     def m1(spec, stock, x, qw, out):
         for cfg in (q(32, 128, 1, 2, 4), q(32, 128, 1, 1, 4), q(64, 128, 1, 2, 5), q(64, 128, 1, 2, 4),
@@ -411,8 +377,6 @@ def szw_configs(rows):
 def zfold(rows):
     """_swap4z (the zero point folded into a sum of x) against quant_matmul's stored config and the
     same tiles (one group an iteration)."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from probe_s7 import int4_section, config_label, q, INT4_M1
 
     def m1(spec, stock, x, qw, out):
         for cfg in (q(32, 128, 2, 1, 3), q(32, 128, 1, 2, 4), q(64, 128, 1, 2, 4)):
@@ -455,8 +419,6 @@ def _read_hint(X, Out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, HINT: tl.con
 def read_hints(rows):
     """Does an L2 eviction hint on a streamed read change what do_bench's dirty flush costs it? (The
     zero-filled 256 MB flush leaves L2 full of dirty lines; a read that evicts them writes them back.)"""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from probe_s7 import timed
     from tritune.harness import bench
     l2 = bench.l2_bytes()
     for nbytes in (16_777_216, 125_000_000):
@@ -488,8 +450,6 @@ def main() -> None:
     args = p.parse_args()
     if args.check:
         return check()
-    sys.path.insert(0, os.path.dirname(__file__))
-    from probe_s7 import run_sections
     run_sections(SECTIONS, args.only, args.out)
 
 
