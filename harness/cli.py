@@ -118,12 +118,7 @@ def cmd_test(args) -> int:
 def cmd_report(args) -> int:
     from tritune.harness import report
 
-    if args.readme:
-        changed = report.update_readme(Path(args.readme), Path(args.results_dir))
-        print(f"{args.readme}: {'updated' if changed else 'unchanged'}")
-    else:
-        print(report.results_tables(Path(args.results_dir)))
-    return 0
+    return report.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,9 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("pytest_args", nargs=argparse.REMAINDER)
     s.set_defaults(func=cmd_test)
 
-    s = sub.add_parser("report", help="tables from results JSON; --readme rewrites the README's tables")
-    s.add_argument("--results-dir", default="results")
-    s.add_argument("--readme", default=None)
+    s = sub.add_parser("report", help="docs/results.md and the README's headline table from results/*/*.json")
+    from tritune.harness import report
+
+    report.add_arguments(s)
     s.set_defaults(func=cmd_report)
 
     for name, modname in PLUGINS.items():

@@ -1,8 +1,15 @@
-"""Tables (tabulate) from benchmark rows and results files; README tables regenerated from JSON."""
+"""Tables (tabulate) from benchmark rows and results files.
+
+``tritune report`` writes docs/results.md (every table, from results/<gpu-slug>/*.json and the tuned
+store) and rewrites the README's headline table between its markers: nothing in either is typed by hand.
+"""
 from __future__ import annotations
 
 import json
+import math
 import re
+import statistics
+import sys
 from pathlib import Path
 
 from tabulate import tabulate
@@ -80,21 +87,6 @@ def _serve_table(d: dict, fmt: str) -> str:
     return text
 
 
-def _probe_table(rows: list, fmt: str) -> str:
-    """scripts/flush_probe.py, probe_variants.py, probe_s7.py: each path timed after do_bench's zero-fill
-    flush, after a flush that leaves L2 clean, and replayed in a CUDA graph (GB/s where the probe gave it:
-    the copy and read ladders)."""
-    rows = [r for r in rows if "who" in r]
-    gbps = any("zero_gbps" in r for r in rows)
-    table = [[r["kernel"], r["problem"], r["who"], _fmt(r.get("zero_us")), _fmt(r.get("clean_us")),
-              _fmt(r.get("graph_us"))]
-             + ([_fmt(r.get("zero_gbps"), 0), _fmt(r.get("graph_gbps"), 0)] if gbps else [])
-             + [r.get("error", "")] for r in rows]
-    headers = ["kernel", "problem", "path", "do_bench µs (zero-fill flush)", "do_bench µs (clean flush)", "graph µs"]
-    headers += ["GB/s (do_bench)", "GB/s (graph)"] if gbps else []
-    return tabulate(table, headers=headers + ["error"], tablefmt=fmt)
-
-
 def _efficiency_table(d: dict, fmt: str) -> str:
     rows = [[e["kernel"], e["problem"], e["dtype"], e["n_valid"], _fmt(e["grid_best_us"]),
              f"{e['tpe']['median']} ({100 * e['tpe']['median_fraction_of_grid']:.0f}%)",
@@ -134,60 +126,195 @@ def tuning_table(configs_dir: Path, fmt: str = "github") -> str:
                     tablefmt=fmt, disable_numparse=True)
 
 
-def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | None = None) -> str:
-    """The open issues' targets against the results; one section per GPU slug and results file, in a
-    stable order; then the tuned-config store."""
-    from tritune.harness import targets
+def _gpu_label(data: dict, slug: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100'; the slug when the file does not name its GPU."""
+    name = (data.get("environment") or {}).get("gpu") or data.get("gpu") or slug
+    return name.replace("NVIDIA ", "").split()[0]
 
-    parts = ["#### The open issues' targets, from the rows below (`harness/targets.py`)\n",
-             targets.table(Path(results_dir), fmt) + "\n"]
+
+def _gpu_dirs(results_dir: Path) -> list[Path]:
+    """GPU result folders (the interpreter's hold no times worth a headline)."""
+    return [d for d in sorted(Path(results_dir).iterdir()) if d.is_dir() and d.name != "triton-interpreter"]
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _span(vals: list[float], fmt: str) -> str:
+    lo, hi = min(vals), max(vals)
+    return fmt.format(lo) if len(vals) == 1 or fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+_MODE = {"triton-graphs": "bf16", "triton-int4": "int4 weights", "triton-int8": "int8 weights"}
+
+
+def headline_rows(results_dir: Path) -> tuple[list[str], list[list[str]]]:
+    """One row per kernel: the vendor path and, per GPU, the geometric mean of ours-vs-vendor over the
+    kernel's bf16 rows (their range) and the median % of the hardware limit (copy bandwidth or matmul peak,
+    whichever bounds the problem; their range); then batch-1 decode and serving throughput."""
+    gpus = _gpu_dirs(results_dir)
+    labels, kernels = {}, {}
+    for g in gpus:
+        for path in sorted(g.glob("*.json")):
+            data = _load(path)
+            if isinstance(data, dict) and data.get("rows"):
+                labels.setdefault(g.name, _gpu_label(data, g.name))
+                kernels.setdefault(path.stem, {})[g.name] = data["rows"]
+            elif isinstance(data, dict):
+                labels.setdefault(g.name, _gpu_label(data, g.name))
+    head = ["kernel", "vendor path"]
+    for g in gpus:
+        head += [f"{labels.get(g.name, g.name)} vs vendor", f"{labels.get(g.name, g.name)} % of limit"]
+    table = []
+    for name, by_gpu in sorted(kernels.items()):
+        vendors = [r.get("vendor") for rows in by_gpu.values() for r in rows if r.get("vendor")]
+        line = [name, max(set(vendors), key=vendors.count) if vendors else "none"]
+        for g in gpus:
+            rows = [r for r in by_gpu.get(g.name, []) if r.get("dtype") == "bfloat16" and "error" not in r
+                    and r.get("correct", True)]
+            ratios = [r["vs_vendor"] for r in rows if isinstance(r.get("vs_vendor"), (int, float)) and r["vs_vendor"] > 0]
+            pcts = [r["pct_roofline"] for r in rows if isinstance(r.get("pct_roofline"), (int, float))]
+            geo = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+            line += [f"{geo:.2f}x ({_span(ratios, '{:.2f}')})" if ratios else "",
+                     f"{statistics.median(pcts):.0f}% ({_span(pcts, '{:.0f}')})" if pcts else ""]
+        table.append(line)
+    decode, serve = ["GPT-2 small batch-1 decode, tok/s", ""], ["serving, output tok/s", ""]
+    hf_rates = []
+    for g in gpus:
+        d, s = _load(g / "decode.json") or {}, _load(g / "serve.json") or {}
+        d, s = (d if isinstance(d, dict) else {}), (s if isinstance(s, dict) else {})
+        best = d.get("results", {}).get("engine") or d.get("results", {}).get("triton-graph") or {}
+        decode += [_fmt(best.get("decode_tok_s"), 0), ""]
+        out = {m: (v.get("run") or {}).get("output_tok_s") for m, v in s.get("modes", {}).items() if isinstance(v, dict)}
+        serve += [", ".join(f"{_fmt(v, 0)} ({_MODE.get(m, m)})" for m, v in out.items() if v), ""]
+        if s.get("workload"):
+            serve[0] = f"serving {s['workload'].get('requests', '?')} requests, output tok/s"
+        if (s.get("transformers") or {}).get("output_tok_s"):
+            hf_rates.append(f"{_fmt(s['transformers']['output_tok_s'], 0)} ({labels.get(g.name, g.name)})")
+    if hf_rates:
+        serve[1] = "transformers, static batch: " + ", ".join(hf_rates)
+    return head, table + [decode, serve]
+
+
+def headline_table(results_dir: Path, fmt: str = "github") -> str:
+    head, rows = headline_rows(Path(results_dir))
+    return tabulate(rows, headers=head, tablefmt=fmt, disable_numparse=True)
+
+
+def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | None = None) -> str:
+    """Every results file's table, one section per GPU slug and file in a stable order; then the
+    tuned-config store."""
+    parts = []
     for path in sorted(Path(results_dir).glob("*/*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except ValueError:
-            continue
+        data = _load(path)
         if not isinstance(data, dict):
             continue
-        if "rows" in data and data["rows"] and "who" in data["rows"][0]:  # flush_probe.py, probe_variants.py
-            parts.append(f"#### {path.parent.name} / {path.stem}: timed after do_bench's zero-fill flush, after a "
-                         f"clean flush, in a CUDA graph ({data.get('gpu', '?')})\n")
-            if data.get("note"):
-                parts.append(data["note"] + "\n")
-            parts.append(_probe_table(data["rows"], fmt) + "\n")
-        elif "rows" in data:
+        if "rows" in data:
             env = data.get("environment", {})
-            parts.append(f"#### {path.parent.name} / {path.stem}  ({env.get('gpu', '?')}, triton {env.get('triton', '?')}, "
+            parts.append(f"### {path.parent.name} / {path.stem}  ({env.get('gpu', '?')}, triton {env.get('triton', '?')}, "
                          f"torch {env.get('torch', '?')}, {env.get('date', '?')[:10]})\n")
             parts.append(bench_table(data["rows"], fmt) + "\n")
         elif data.get("benchmark") == "gpt2 single-request decode":
-            parts.append(f"#### {path.parent.name} / {path.stem}: GPT-2 ({data.get('model', {}).get('n_layer', '?')} layers, "
+            parts.append(f"### {path.parent.name} / {path.stem}: GPT-2 ({data.get('model', {}).get('n_layer', '?')} layers, "
                          f"{data.get('model', {}).get('weights', '')} weights) batch {data.get('batch')}, prompt "
-                         f"{data.get('prompt_tokens')}, {data.get('new_tokens')} new tokens, {data.get('dtype')}\n")
+                         f"{data.get('prompt_tokens')}, {data.get('new_tokens')} new tokens, {data.get('dtype')}, "
+                         f"{data.get('date', '?')}\n")
             parts.append(_decode_table(data, fmt) + "\n")
         elif "modes" in data and "workload" in data:
-            parts.append(f"#### {path.parent.name} / {path.stem}: serving ({data.get('model', '')}, {data.get('dtype', '')})\n")
+            parts.append(f"### {path.parent.name} / {path.stem}: serving ({data.get('model', '')}, {data.get('dtype', '')})\n")
             parts.append(_serve_table(data, fmt) + "\n")
         elif "experiments" in data:
             env = data.get("environment", {})
-            parts.append(f"#### {path.parent.name} / {path.stem}: search efficiency ({env.get('gpu', '?')})\n")
+            parts.append(f"### {path.parent.name} / {path.stem}: search efficiency ({env.get('gpu', '?')})\n")
             parts.append(_efficiency_table(data, fmt) + "\n")
     if configs_dir is None:
         from tritune.tuning import store
 
         configs_dir = store.PACKAGE_CONFIGS
     if Path(configs_dir).is_dir():
-        parts.append("#### Tuned configs in the store (`tuning/configs/`): tuned vs heuristic default, timed in the sweep\n")
+        parts.append("### Tuned configs in the store (`tuning/configs/`): tuned vs heuristic default, timed in the sweep\n")
         parts.append(tuning_table(Path(configs_dir), fmt) + "\n")
     return "\n".join(parts)
 
 
+RESULTS_INTRO = """# Results
+
+Generated by `tritune report` from `results/<gpu-slug>/*.json` and `tuning/configs/`; never edit by hand.
+How each number is taken, and how far to trust it: [measuring.md](measuring.md).
+
+Columns of the kernel tables: `ours µs` is the median of `triton.testing.do_bench` (L2 flushed before each
+call, warm-up excluded, inputs rotated when they fit in L2): the number the ratios use. `host µs` is the
+launcher's CPU time per call. `graph µs` is the GPU time of the same rotating calls replayed from a CUDA
+graph (no host time, no write-back of the flush's dirty lines), as the engine runs its decode step.
+`% roofline` is against the copy bandwidth or the matmul peak measured on that GPU, whichever bounds the
+problem. `vendor` is the path PyTorch takes by default (named in each file's rows); peers have their own
+columns. Rows under 100 µs are timed in alternating rounds (`rounds` in the JSON); rows measured before a
+column existed leave it blank.
+
+## Headline (bf16)
+
+Per kernel and GPU: the geometric mean of ours vs the vendor path over the kernel's rows (their range),
+and the median % of the hardware limit (their range).
+
+"""
+
+
+def write_results_md(results_dir: Path, path: Path) -> bool:
+    """docs/results.md: the headline table, then every table. True when the file changed."""
+    text = RESULTS_INTRO + headline_table(results_dir) + "\n\n## All results\n\n" + results_tables(results_dir)
+    path = Path(path)
+    old = path.read_text() if path.exists() else None
+    if old != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return old != text
+
+
+BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
+
+
 def update_readme(readme: Path, results_dir: Path) -> bool:
-    """Replace the text between the results markers of the README with tables from the JSON."""
-    text = readme.read_text()
-    begin, end = "<!-- results:begin -->", "<!-- results:end -->"
-    if begin not in text or end not in text:
-        raise ValueError(f"{readme}: no {begin} ... {end} markers")
-    new = re.sub(re.escape(begin) + ".*?" + re.escape(end),
-                 lambda m: f"{begin}\n{results_tables(results_dir)}\n{end}", text, flags=re.S)
-    readme.write_text(new)
+    """Replace the text between the README's headline markers with the headline table. True when changed."""
+    text = Path(readme).read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme}: no {BEGIN} ... {END} markers")
+    new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END),
+                 lambda m: f"{BEGIN}\n{headline_table(results_dir)}\n{END}", text, flags=re.S)
+    Path(readme).write_text(new)
     return new != text
+
+
+def add_arguments(s) -> None:
+    s.add_argument("--results-dir", default="results", help="where the JSON is (default: ./results)")
+    s.add_argument("--docs", default="docs/results.md", help="the full tables go here (default: docs/results.md)")
+    s.add_argument("--readme", default="README.md",
+                   help="its headline table (between the headline markers) is rewritten; skipped when the file "
+                        "does not exist (default: README.md)")
+    s.add_argument("--print", action="store_true", dest="print_only", help="print every table; write nothing")
+
+
+def run(args) -> int:
+    results = Path(args.results_dir)
+    if not results.is_dir():
+        print(f"error: --results-dir {results}: no such folder (run from the repository, or name it)", file=sys.stderr)
+        return 2
+    if args.print_only:
+        print(headline_table(results) + "\n\n" + results_tables(results))
+        return 0
+    changed = write_results_md(results, Path(args.docs))
+    print(f"{args.docs}: {'updated' if changed else 'unchanged'}")
+    readme = Path(args.readme)
+    if readme.exists():
+        try:
+            changed = update_readme(readme, results)
+        except ValueError as e:
+            print(f"error: --readme {e}", file=sys.stderr)
+            return 2
+        print(f"{readme}: {'updated' if changed else 'unchanged'}")
+    else:
+        print(f"{readme}: not found, skipped")
+    return 0

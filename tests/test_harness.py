@@ -99,10 +99,16 @@ def test_bench_on_interpreter_checks_and_times(tmp_path):
     kept = json.loads(path.read_text())["rows"]
     assert [(r["problem"], r["ours_us"]) for r in kept] == [(rows[0]["problem"], 2.0), ("other", rows[0]["ours_us"])]
     assert all("measured" in r for r in kept)
-    # a flush-probe file (scripts/flush_probe.py) renders as its own table, not as a bench table
-    (path.parent / "flush_probe.json").write_text(json.dumps({"gpu": "x", "rows": [
-        {"kernel": "gelu", "problem": "numel=8", "who": "ours", "zero_us": 3.0, "clean_us": 2.0, "graph_us": 1.5}]}))
-    assert "clean flush" in report.results_tables(tmp_path)
+    # `tritune report`: docs/results.md in full, the README's headline table between its markers only
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.BEGIN}\nOLD TABLE\n{report.END}\nrest\n")
+    from argparse import Namespace
+
+    args = Namespace(results_dir=str(tmp_path), docs=str(tmp_path / "r.md"), readme=str(readme), print_only=False)
+    assert report.run(args) == 0 and "gelu" in (tmp_path / "r.md").read_text()
+    text = readme.read_text()
+    assert "OLD TABLE" not in text and "vendor path" in text and text.startswith("intro") and text.endswith("rest\n")
+    assert report.run(args) == 0 and readme.read_text() == text  # a second run changes nothing
 
 
 def test_cli_info_and_bench(tmp_path, capsys):
@@ -151,51 +157,3 @@ def test_time_rounds_alternates_and_takes_medians(monkeypatch):
     order.clear()
     out, rounds = bench.time_rounds({"ours": "ours"})
     assert rounds == 1 and out == {"ours": 0.5}
-
-
-def test_targets_evaluate_each_geomean_and_missing():
-    from dataclasses import dataclass
-
-    from tritune.harness import targets as T
-
-    @dataclass(frozen=True)
-    class P:
-        M: int
-
-    rows = [{"problem": "M=1", "dtype": "bfloat16", "vs_vendor": 2.0},
-            {"problem": "M=2", "dtype": "bfloat16", "vs_vendor": 0.5},
-            {"problem": "M=2", "dtype": "float16", "vs_vendor": 9.0}]
-    geo = T.Target(0, "g", "k", lambda: [P(1), P(2)], "vs_vendor", "geomean", 1.0)
-    ev = T.evaluate(geo, rows)
-    assert ev["rows"] == 2 and abs(ev["value"] - 1.0) < 1e-12 and ev["met"]
-    each = T.Target(0, "e", "k", lambda: [P(1), P(2)], "vs_vendor", "each", 1.0)
-    ev = T.evaluate(each, rows)
-    assert ev["value"] == 0.5 and not ev["met"] and ev["worst"].startswith("M=2")
-    gone = T.Target(0, "m", "k", lambda: [P(3)], "vs_vendor", "each", 1.0)
-    ev = T.evaluate(gone, rows)
-    assert ev["value"] is None and not ev["met"] and "M=3" in ev["missing"]
-
-
-def test_targets_use_the_median_of_a_rows_runs():
-    from dataclasses import dataclass
-
-    from tritune.harness import targets as T
-
-    @dataclass(frozen=True)
-    class P:
-        M: int
-
-    rows = [{"problem": "M=1", "dtype": "bfloat16", "vs_vendor": 3.02, "vs_vendor_runs": [2.9, 2.94, 3.02]}]
-    ev = T.evaluate(T.Target(0, "r", "k", lambda: [P(1)], "vs_vendor", "each", 3.0), rows)
-    assert ev["value"] == 2.94 and not ev["met"] and ev["runs"] == 3
-
-
-def test_targets_cover_rows_the_bench_wrote():
-    """Every target's problems exist among its kernel's standard problems (so a bench of the standard
-    set fills it)."""
-    from tritune import kernels
-    from tritune.harness import targets as T
-
-    for t in T.TARGETS:
-        std = set(kernels.get(t.kernel).standard_problems)
-        assert t.problems() and all(p in std for p in t.problems()), t.what

@@ -1,9 +1,9 @@
-"""The open issues' benchmark targets, checked against the committed results (never typed by hand).
+"""Finished issues' benchmark targets (#4 gemm, #6 paged attention, #7 quant_matmul), checked against the
+committed results: `python lab/targets.py [results]` prints the table (H100, bf16).
 
 Each target names a GPU, a results file (kernel), the problems it covers (the kernels' own Problem
 objects: a row is a problem's when its label is the bench's label of it) and how the rows combine (each row, the minimum, or the geometric mean) against a threshold.
-``tritune report`` renders the table at the top of the README's results; a target whose rows are missing
-says so instead of passing.
+A target whose rows are missing says so instead of passing.
 """
 from __future__ import annotations
 
@@ -123,3 +123,9 @@ def table(results_dir: Path, fmt: str = "github") -> str:
         out.append([f"#{t.issue}", t.what, need, shown, ev["rows"], "met" if ev["met"] else "not met", note])
     return tabulate(out, headers=["issue", "target (H100, bf16, do_bench)", "needs", "measured", "rows",
                                   "status", "note"], tablefmt=fmt, disable_numparse=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(table(Path(sys.argv[1] if len(sys.argv) > 1 else "results")))
