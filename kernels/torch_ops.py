@@ -1,0 +1,197 @@
+"""Every built-in kernel as a PyTorch custom op: ``torch.ops.tritune.<name>``.
+
+Each op is a thin layer over the kernel's launcher (which keeps its validation, the tuned-config lookup,
+its launch-plan cache, PDL and split-K counters) plus a fake implementation that gives the output's
+shape, dtype and strides from the inputs' metadata alone, so ``torch.compile`` traces through the op
+(symbolic shapes included) without running it, and CUDA graphs capture the launch the op makes.
+
+Why ``torch.library.custom_op`` and not ``triton_op`` + ``wrap_triton``: a ``triton_op`` body must be
+traceable down to its ``wrap_triton(kernel)[grid](...)`` calls, but the launchers call compiled kernels
+directly (``kernels.launch_cached``), key plans on concrete strides and keep per-device workspaces;
+tracing that symbolically would mean a second launcher per kernel. The opaque op keeps one launcher.
+
+Schemas flatten the launchers' Python-object arguments: gemv's ``ln`` tuple is (ln_weight, ln_bias,
+ln_eps) with ``ln_eps`` None for no LayerNorm; its ``kv`` tuple is (k_cache, v_cache, slot_mapping), which
+the op declares mutated; quant_matmul's ``QuantizedWeight`` travels as its tensors and ints. An explicit
+``config`` is a launcher argument only (the op takes the tuned or default config), and so are
+``out=``, ``return_lse`` and ``return_stats``.
+
+This module is imported by kernel discovery like any other in ``kernels/`` (it registers no spec): the
+registrations cost ~1 ms each, once a process, and need nothing but torch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tritune.kernels import attention as _attention
+from tritune.kernels import gelu as _gelu
+from tritune.kernels import gemm as _gemm
+from tritune.kernels import gemv as _gemv
+from tritune.kernels import layer_norm as _layer_norm
+from tritune.kernels import paged_attention as _paged
+from tritune.kernels import quant_matmul as _qmm
+from tritune.references import quant as _quant
+
+Tensor = torch.Tensor
+_NS = "tritune"
+
+
+def _rows_times(x: Tensor, n) -> tuple:
+    return (*x.shape[:-1], n)
+
+
+def _inner(a_name: str, a: Tensor, b_name: str, k) -> None:
+    # the one shape rule a fake must enforce: otherwise a mismatch would surface only when the graph runs
+    torch._check(a.dim() >= 1, lambda: f"{a_name}: expected at least 1 dim (..., K)")
+    torch._check(a.shape[-1] == k, lambda: f"{a_name}, {b_name}: inner sizes differ ({a.shape[-1]} vs {k})")
+
+
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_NS}::layer_norm", mutates_args=())
+def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+               eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last dim (tritune.kernels.layer_norm.layer_norm)."""
+    return _layer_norm.layer_norm(x, weight, bias, eps)
+
+
+@layer_norm.register_fake
+def _(x, weight=None, bias=None, eps=1e-5):
+    return x.new_empty(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_NS}::gemm", mutates_args=())
+def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+         residual: Optional[Tensor] = None) -> Tensor:
+    """act(a @ b + bias) + residual; a (..., K), b (K, N) (tritune.kernels.gemm.gemm)."""
+    return _gemm.gemm(a, b, bias, activation=activation, residual=residual)
+
+
+@gemm.register_fake
+def _(a, b, bias=None, activation=None, residual=None):
+    _inner("a", a, "b", b.shape[0])
+    return a.new_empty(_rows_times(a, b.shape[1]))
+
+
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_NS}::gelu", mutates_args=())
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU, exact ("none") or "tanh" (tritune.kernels.gelu.gelu)."""
+    return _gelu.gelu(x, approximate)
+
+
+@gelu.register_fake
+def _(x, approximate="none"):
+    return x.new_empty(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_NS}::gemv", mutates_args=("k_cache", "v_cache"))
+def gemv(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+         residual: Optional[Tensor] = None, ln_weight: Optional[Tensor] = None, ln_bias: Optional[Tensor] = None,
+         ln_eps: Optional[float] = None, k_cache: Optional[Tensor] = None, v_cache: Optional[Tensor] = None,
+         slot_mapping: Optional[Tensor] = None) -> Tensor:
+    """act(LN(x) @ w + bias) + residual for a few rows (tritune.kernels.gemv.gemv). LayerNorm when
+    ``ln_eps`` is not None; with k_cache, v_cache and slot_mapping the qkv output's k and v columns are
+    also written to the caches (which the op mutates)."""
+    ln = None if ln_eps is None else (ln_weight, ln_bias, ln_eps)
+    kv = None if k_cache is None and v_cache is None and slot_mapping is None else (k_cache, v_cache, slot_mapping)
+    return _gemv.gemv(x, w, bias, activation=activation, residual=residual, ln=ln, kv=kv)
+
+
+@gemv.register_fake
+def _(x, w, bias=None, activation=None, residual=None, ln_weight=None, ln_bias=None, ln_eps=None,
+      k_cache=None, v_cache=None, slot_mapping=None):
+    _inner("x", x, "w", w.shape[0])
+    return x.new_empty(_rows_times(x, w.shape[1]))
+
+
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_NS}::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    """Attention over (B, H, T, D) tensors; causal is bottom-right aligned (query i sees keys
+    j <= i + Tk - Tq) (tritune.kernels.attention.attention)."""
+    return _attention.attention(q, k, v, causal=causal, scale=scale)
+
+
+@attention.register_fake
+def _(q, k, v, causal=False, scale=None):
+    torch._check(q.dim() == 4, lambda: f"q: expected 4 dims (B, H, T, D), got {q.dim()}")
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{_NS}::attention_varlen", mutates_args=())
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, causal: bool = False, scale: Optional[float] = None,
+                     validate: bool = True) -> Tensor:
+    """Attention over packed sequences (tritune.kernels.attention.attention_varlen); ``validate`` reads
+    cu_seqlens back to the host (skipped in a CUDA-graph capture)."""
+    return _attention.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       causal=causal, scale=scale, validate=validate)
+
+
+@attention_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None, validate=True):
+    torch._check(q.dim() == 3, lambda: f"q: expected 3 dims (total_q, H, D), got {q.dim()}")
+    return q.new_empty(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_NS}::paged_attention", mutates_args=())
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+                    scale: Optional[float] = None, validate: bool = True) -> Tensor:
+    """Decode attention over a paged KV cache (tritune.kernels.paged_attention.paged_attention)."""
+    return _paged.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale, validate=validate)
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, block_tables, context_lens, scale=None, validate=True):
+    torch._check(q.dim() == 3, lambda: f"q: expected 3 dims (B, Hq, D), got {q.dim()}")
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{_NS}::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+             validate: bool = True) -> None:
+    """Store new tokens' K and V in their cache slots, in place (tritune.kernels.paged_attention.write_kv)."""
+    _paged.write_kv(k, v, k_cache, v_cache, slot_mapping, validate=validate)
+
+
+@write_kv.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping, validate=True):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_NS}::quant_matmul", mutates_args=())
+def quant_matmul(x: Tensor, data: Tensor, scales: Tensor, zeros: Optional[Tensor], bits: int, n: int, k: int,
+                 group_size: int, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ dequant(W)ᵀ (+ bias) with W = QuantizedWeight(bits, n, k, group_size, data, scales, zeros)
+    (tritune.kernels.quant_matmul.quant_matmul). ``scales`` may be pack_scale_zero's (G, N) int32 words
+    (``zeros`` None): int4 scales and zero points that are views into one tensor travel as that tensor,
+    since an op's inputs are separate tensors to torch (opcheck and AOT clone them one by one)."""
+    if scales.dtype == torch.int32 and zeros is None:
+        scales, zeros = _quant.scale_zero_views(scales)
+    qw = _quant.QuantizedWeight(bits, n, k, group_size, data, scales, zeros)
+    return _qmm.quant_matmul(x, qw, bias)
+
+
+@quant_matmul.register_fake
+def _(x, data, scales, zeros, bits, n, k, group_size, bias=None):
+    _inner("x", x, "qw", k)
+    return x.new_empty(_rows_times(x, n))
+
+
+def quant_linear(x: Tensor, qw, bias: Optional[Tensor] = None) -> Tensor:
+    """``torch.ops.tritune.quant_matmul`` on a QuantizedWeight (its fields unpacked)."""
+    words = _quant.sz_words(qw)
+    scales, zeros = (qw.scales, qw.zeros) if words is None else (words, None)
+    return torch.ops.tritune.quant_matmul(x, qw.data, scales, zeros, qw.bits, qw.N, qw.K, qw.group_size, bias)
+
+
+# every op by name: what the tests iterate
+OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "attention": attention,
+       "attention_varlen": attention_varlen, "paged_attention": paged_attention, "write_kv": write_kv,
+       "quant_matmul": quant_matmul}

@@ -1,0 +1,248 @@
+"""torch.ops.tritune.*: every kernel as a custom op (opcheck: schema, fake tensors, dynamic shapes), its
+results held to the float64 references, and torch.compile(fullgraph=True) of a GPT-2 built on the ops
+with no graph break and no recompilation across sequence lengths.
+
+CPU runs use the aot_eager backend (the graph is what dynamo captures; the ops run through the
+interpreter); the GPU tests compile with inductor, with and without CUDA graphs (reduce-overhead).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tritune import kernels as K
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.harness import strategies as S
+from tritune.kernels import paged_attention as pa
+from tritune.kernels import quant_matmul as qmm
+from tritune.kernels import torch_ops
+from tritune.references import attention as ref_attn
+from tritune.references import gelu as ref_gelu
+from tritune.references import gemm as ref_gemm
+from tritune.references import gemv as ref_gemv
+from tritune.references import layer_norm as ref_ln
+from tritune.references import paged_attention as ref_pa
+from tritune.references import quant as Q
+from tritune.references import quant_matmul as ref_qmm
+
+DEVICE = dev.device()
+OPS = torch.ops.tritune
+FP = [torch.float32, torch.float16]  # no bf16 on the CPU: the interpreter's bf16 tl.dot is wrong
+
+
+def _r(shape, dtype, seed, scale=1.0):
+    return S.randn(shape, dtype, DEVICE, seed, scale=scale)
+
+
+def _case(name, dtype):
+    """(args, kwargs, float64 reference, accumulation) for one small problem of the op."""
+    acc = "tf32" if dtype == torch.float32 and name in ("gemm", "gemv") and not dev.interpreted() else "ieee"
+    if name == "layer_norm":
+        x, w, b = _r((3, 5, 40), dtype, 0), _r((40,), dtype, 1), _r((40,), dtype, 2)
+        return (x, w, b, 1e-5), {}, ref_ln.layer_norm(x, w, b, 1e-5), acc
+    if name == "gemm":
+        a = _r((2, 7, 48), dtype, 0)
+        b = _r((40, 48), dtype, 1, 1 / math.sqrt(48)).t()  # a transposed view, as a Linear weight is
+        bias, res = _r((40,), dtype, 2), _r((2, 7, 40), dtype, 3)
+        return ((a, b, bias, "gelu_tanh", res), {},
+                ref_gemm.gemm(a, b, bias, activation="gelu_tanh", residual=res), acc)
+    if name == "gelu":
+        x = _r((6, 33), dtype, 0, 3.0)
+        return (x, "tanh"), {}, ref_gelu.gelu(x, "tanh"), acc
+    if name == "gemv":
+        x, w = _r((3, 64), dtype, 0, 2.0), _r((64, 24), dtype, 1, 1 / 8)
+        bias, lw, lb = _r((24,), dtype, 2), _r((64,), dtype, 3, 0.2), _r((64,), dtype, 4, 0.1)
+        want = ref_gemv.gemv(x, w, bias, activation="gelu_tanh", ln=(lw, lb, 1e-5))
+        return (x, w, bias, "gelu_tanh", None, lw, lb, 1e-5), {}, want, acc
+    if name == "attention":
+        q, k, v = _r((2, 2, 9, 32), dtype, 0), _r((2, 2, 13, 32), dtype, 1), _r((2, 2, 13, 32), dtype, 2)
+        return (q, k, v, True, 0.2), {}, ref_attn.attention(q, k, v, causal=True, scale=0.2), acc
+    if name == "attention_varlen":
+        lens = [5, 0, 8]
+        cu = torch.tensor([0, 5, 5, 13], dtype=torch.int32, device=DEVICE)
+        q, k, v = (_r((13, 2, 32), dtype, s) for s in range(3))
+        return ((q, k, v, cu, cu, max(lens), max(lens), True), {},
+                ref_attn.attention_varlen(q, k, v, cu, cu, 8, 8, causal=True), acc)
+    if name == "paged_attention":
+        c = pa.make_inputs(pa.Problem(2, 4, 2, 32, 19, 8), dtype, DEVICE, 0)
+        return (*c.args, c.kwargs["scale"], False), {}, ref_pa.paged_attention(*c.args, **c.kwargs), acc
+    if name == "quant_matmul":
+        c = qmm.make_inputs(qmm.Problem(3, 24, 64, 4, 32, True), torch.float16, DEVICE, 0)
+        x, qw, b = c.args
+        words = Q.sz_words(qw)
+        assert words is not None  # the packed form, which the op takes as one tensor
+        return ((x, qw.data, words, None, qw.bits, qw.N, qw.K, qw.group_size, b), {},
+                ref_qmm.quant_matmul(x, qw, b), acc)
+    raise KeyError(name)
+
+
+PURE = ["layer_norm", "gemm", "gelu", "gemv", "attention", "attention_varlen", "paged_attention", "quant_matmul"]
+
+
+def test_every_kernel_is_an_op():
+    names = {s.name for s in K.all_specs()}
+    assert names <= set(torch_ops.OPS), f"kernels without an op: {sorted(names - set(torch_ops.OPS))}"
+    for name in torch_ops.OPS:
+        assert hasattr(OPS, name)
+
+
+@pytest.mark.parametrize("dtype", FP, ids=str)
+@pytest.mark.parametrize("name", PURE)
+def test_opcheck(name, dtype):
+    if name == "quant_matmul" and dtype == torch.float32:
+        pytest.skip("quant_matmul takes fp16/bf16 activations")
+    args, kwargs, _, _ = _case(name, dtype)
+    torch.library.opcheck(getattr(OPS, name).default, args, kwargs)
+
+
+@pytest.mark.parametrize("dtype", FP, ids=str)
+@pytest.mark.parametrize("name", PURE)
+def test_matches_reference(name, dtype):
+    if name == "quant_matmul" and dtype == torch.float32:
+        pytest.skip("quant_matmul takes fp16/bf16 activations")
+    args, kwargs, want, acc = _case(name, dtype)
+    got = getattr(OPS, name)(*args, **kwargs)
+    out_dtype = got.dtype
+    cmp.check(got, want, out_dtype, acc, what=name)
+
+
+def _kv_case(dtype):
+    k, v = _r((5, 2, 32), dtype, 0), _r((5, 2, 32), dtype, 1)
+    kc, vc = _r((4, 8, 2, 32), dtype, 2), _r((4, 8, 2, 32), dtype, 3)
+    slots = torch.tensor([3, 17, -1, 8, 30], dtype=torch.int32, device=DEVICE)
+    return k, v, kc, vc, slots
+
+
+@pytest.mark.parametrize("dtype", FP, ids=str)
+def test_write_kv_mutates_caches(dtype):
+    k, v, kc, vc, slots = _kv_case(dtype)
+    torch.library.opcheck(OPS.write_kv.default, (k, v, kc.clone(), vc.clone(), slots, True))
+    want_k, want_v = ref_pa.write_kv(k, v, kc, vc, slots)
+    assert OPS.write_kv(k, v, kc, vc, slots) is None
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_gemv_writes_kv_through_the_op():
+    """gemv's fused KV-cache write: the op declares the caches mutated; opcheck checks the declaration."""
+    dtype = torch.float32
+    C, H, D = 64, 2, 32
+    x, w, b = _r((2, C), dtype, 0), _r((C, 3 * C), dtype, 1, 1 / 8), _r((3 * C,), dtype, 2)
+    kc, vc = torch.zeros(3, 4, H, D, dtype=dtype, device=DEVICE), torch.zeros(3, 4, H, D, dtype=dtype, device=DEVICE)
+    slots = torch.tensor([5, 9], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(OPS.gemv.default, (x, w, b, None, None, None, None, None, kc.clone(), vc.clone(), slots))
+    y = OPS.gemv(x, w, b, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    cmp.check(y, ref_gemm.gemm(x, w, b), dtype)
+    flat_k = kc.view(-1, H * D)
+    assert torch.equal(flat_k[5], y[0, C:2 * C]) and torch.equal(flat_k[9], y[1, C:2 * C])
+    assert torch.equal(vc.view(-1, H * D)[9], y[1, 2 * C:])
+
+
+def test_bad_input_names_the_argument():
+    a, b = _r((4, 8), torch.float32, 0), _r((9, 5), torch.float32, 1)
+    with pytest.raises(ValueError, match="inner sizes"):
+        OPS.gemm(a, b)
+    with pytest.raises(ValueError, match="activation"):
+        OPS.gemm(a, _r((8, 5), torch.float32, 1), None, "relu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.compile over a GPT-2 written on the ops
+# ---------------------------------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self, C, H, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        p = lambda *s, scale=1.0: torch.nn.Parameter(torch.randn(*s, generator=g) * scale, requires_grad=False)
+        self.H = H
+        self.ln1_w, self.ln1_b, self.ln2_w, self.ln2_b = p(C, scale=0.2), p(C, scale=0.1), p(C, scale=0.2), p(C, scale=0.1)
+        self.w_qkv, self.b_qkv = p(C, 3 * C, scale=C ** -0.5), p(3 * C, scale=0.1)
+        self.w_o, self.b_o = p(C, C, scale=C ** -0.5), p(C, scale=0.1)
+        self.w_fc, self.b_fc = p(C, 4 * C, scale=C ** -0.5), p(4 * C, scale=0.1)
+        self.w_pr, self.b_pr = p(4 * C, C, scale=(4 * C) ** -0.5), p(C, scale=0.1)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = OPS.layer_norm(x, self.ln1_w, self.ln1_b, 1e-5)
+        qkv = OPS.gemm(h, self.w_qkv, self.b_qkv)
+        q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2) for t in qkv.split(C, dim=2))
+        a = OPS.attention(q, k, v, True, None).transpose(1, 2).reshape(B, T, C)
+        x = OPS.gemm(a, self.w_o, self.b_o, None, x)
+        h = OPS.layer_norm(x, self.ln2_w, self.ln2_b, 1e-5)
+        f = OPS.gemm(h, self.w_fc, self.b_fc, "gelu_tanh")
+        return OPS.gemm(f, self.w_pr, self.b_pr, None, x)
+
+
+class TinyGPT2(torch.nn.Module):
+    def __init__(self, vocab=96, C=64, H=2, layers=2, ctx=64):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.wte = torch.nn.Parameter(torch.randn(vocab, C, generator=g) * 0.5, requires_grad=False)
+        self.wpe = torch.nn.Parameter(torch.randn(ctx, C, generator=g) * 0.1, requires_grad=False)
+        self.blocks = torch.nn.ModuleList(Block(C, H, 10 + i) for i in range(layers))
+        self.lnf_w = torch.nn.Parameter(torch.ones(C), requires_grad=False)
+        self.lnf_b = torch.nn.Parameter(torch.zeros(C), requires_grad=False)
+
+    def forward(self, ids):
+        x = F.embedding(ids, self.wte) + self.wpe[: ids.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return OPS.gemm(OPS.layer_norm(x, self.lnf_w, self.lnf_b, 1e-5), self.wte.t())
+
+
+def _compile_and_check(model, inputs, dtype, backend, mode=None):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend) if mode is None else None
+    compiled = torch.compile(model, backend=counter or backend, mode=mode, fullgraph=True, dynamic=True)
+    for x in inputs:
+        got = compiled(x)
+        want = model(x)
+        cmp.check(got, want.double(), dtype, "tf32" if dtype == torch.float32 and not dev.interpreted() else "ieee",
+                  what=f"compiled vs eager {tuple(x.shape)}")
+    if counter is not None:
+        assert counter.frame_count == 1, f"{counter.frame_count} compiles for {len(inputs)} sequence lengths"
+    return compiled
+
+
+def test_compile_block_fullgraph_no_recompile():
+    model = Block(64, 2, 0).to(DEVICE)
+    xs = [_r((2, t, 64), torch.float32, t) for t in (5, 11, 17)]
+    _compile_and_check(model, xs, torch.float32, "aot_eager")
+
+
+def test_compile_gpt2_fullgraph_no_recompile():
+    model = TinyGPT2().to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 96, (2, t), generator=g).to(DEVICE) for t in (3, 9, 16)]
+    _compile_and_check(model, ids, torch.float32, "aot_eager")
+
+
+def test_explain_reports_no_graph_break():
+    model = TinyGPT2().to(DEVICE)
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(model)(torch.randint(0, 96, (1, 6)).to(DEVICE))
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_compile_gpt2_inductor_gpu(mode, dtype):
+    model = TinyGPT2(vocab=512, C=256, H=4, layers=2, ctx=512).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 512, (4, t), generator=g).to(DEVICE) for t in (7, 64, 200, 333)]
+    _compile_and_check(model, ids, dtype, "inductor", mode)
+    if mode is None:  # the counter checks recompilation with inductor too
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+        for x in ids:
+            compiled(x)
+        assert counter.frame_count == 1
