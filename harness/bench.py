@@ -170,7 +170,7 @@ def flush_timings(fn: Callable[[], object]) -> dict:
 # each peer, then again), each path's time the median of its rounds: a one-off (a slow host moment, a clock
 # step) in one path's single do_bench moved a 9 µs row by 30% (H100, gemm M=1: 12.1 against 9.1 µs in
 # the call before), and at that size such noise decides a ratio. Five rounds: do_bench's median of a ~9 µs
-# kernel is bimodal between calls (H100: 8.5-8.7 or 9.1-9.3 µs, cuBLAS and ours alike; probe_s9), so
+# kernel is bimodal between calls (H100: 8.5-8.7 or 9.1-9.3 µs, cuBLAS and ours alike; lab/probes/gemm_c_attn_small_m.py), so
 # three rounds could take two from the slow mode for one path and two from the fast for the other.
 SHORT_MS = 0.1
 ROUNDS_SHORT = 5

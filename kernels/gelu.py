@@ -172,7 +172,7 @@ SPACE = K.Space(
 def default_config(p: Problem, dtype) -> dict:
     """32 elements per thread in 2-warp programs: of the 31 valid points, the one whose worst case over the
     standard problems is best on an H100 (within 0.1% of the best at 6M, 134M and 268M elements for the
-    exact form, 1.4-2.8% for the tanh form; scripts/probe_gelu.py). The 4096 x 8-warp default of before
+    exact form, 1.4-2.8% for the tanh form; lab/probes/gelu_configs.py). The 4096 x 8-warp default of before
     ran the exact form 4% slower at 268M. Tuned entries in the store refine it per bucket."""
     block = min(2048, max(128, triton.next_power_of_2(p.numel)))
     return {"BLOCK": block, "num_warps": max(1, min(2, block // 512)), "EVICT": False}
