@@ -25,6 +25,15 @@ from tritune.tuning import cli as tcli
 from tritune.tuning import search, store
 
 
+@pytest.fixture(autouse=True)
+def _own_user_store(tmp_path_factory, monkeypatch):
+    """No test reads or writes the user store of the machine it runs on."""
+    monkeypatch.setenv("TRITUNE_CONFIG_DIR", str(tmp_path_factory.mktemp("user-store")))
+    store.clear_cache()
+    yield
+    store.clear_cache()
+
+
 # ---------------------------------------------------------------------------------------------------
 # A toy kernel spec: a 16x16 space, half of it invalid (odd a+b), torch "launches"
 # ---------------------------------------------------------------------------------------------------
@@ -284,10 +293,13 @@ def test_two_workers_share_one_study(tmp_path, helpers, monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture
 def temp_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITUNE_CONFIGS", str(tmp_path / "configs"))
+    """An empty packaged store and an empty user store (yielded: this GPU's folder in the user store)."""
+    monkeypatch.setenv("TRITUNE_CONFIGS", str(tmp_path / "packaged"))
+    monkeypatch.setenv("TRITUNE_CONFIG_DIR", str(tmp_path / "configs"))
     store.clear_cache()
     yield tmp_path / "configs" / dev.gpu_slug()
     monkeypatch.delenv("TRITUNE_CONFIGS")
+    monkeypatch.delenv("TRITUNE_CONFIG_DIR")
     store.clear_cache()
 
 

@@ -73,12 +73,25 @@ class Task:
     config: dict
     seed: int
     spec: Any = None        # the spec itself for in-process evaluation; None across processes (by name)
+    module: str | None = None   # the module that registers the spec: a worker process imports it first
+    verify: bool = True     # False: time only (re-timing configs the sweep verified)
+
+    def __post_init__(self):
+        if self.module is None and self.spec is not None:
+            self.module = getattr(self.spec.run, "__module__", None)
 
     def spec_or_lookup(self):
         if self.spec is not None:
             return self.spec
+        import importlib
+
         from tritune import kernels
 
+        if self.kernel not in kernels.REGISTRY and self.module and self.module != "__main__":
+            try:  # a plugin's or a test's kernel: registered when its module is imported
+                importlib.import_module(self.module)
+            except ImportError:
+                pass
         return kernels.get(self.kernel)
 
 
@@ -161,23 +174,25 @@ class Evaluator:
         if why:
             return {"ok": False, "error": f"invalid config: {why}"}
         device = dev.device()
-        case = spec.make_inputs(problem, dtype, device, task.seed)
-        for o in _as_list(case.out):
-            cmp.poison(o)
-        got = spec.run(*case.args, out=case.out, config=config, **case.kwargs)
-        if not dev.interpreted():
-            torch.cuda.synchronize()  # surface asynchronous launch errors inside this trial
-        ref = spec.reference(*case.args, **case.kwargs)
-        got_l, ref_l = _as_list(got), _as_list(ref)
-        if len(got_l) != len(ref_l):
-            return {"ok": False, "error": f"wrong answer: {len(got_l)} outputs, reference has {len(ref_l)}"}
-        worst = 0.0
-        for i, (o, r) in enumerate(zip(got_l, ref_l)):
-            c = cmp.compare(o, r, dtype, spec.accumulation(dtype), what=f"out[{i}]" if len(got_l) > 1 else "out")
-            if not c.ok:
-                return {"ok": False, "error": f"wrong answer: {c}"}
-            worst = max(worst, c.error)
-        del case, got, ref, got_l, ref_l
+        worst = None
+        if task.verify:
+            worst = 0.0
+            case = spec.make_inputs(problem, dtype, device, task.seed)
+            for o in _as_list(case.out):
+                cmp.poison(o)
+            got = spec.run(*case.args, out=case.out, config=config, **case.kwargs)
+            if not dev.interpreted():
+                torch.cuda.synchronize()  # surface asynchronous launch errors inside this trial
+            ref = spec.reference(*case.args, **case.kwargs)
+            got_l, ref_l = _as_list(got), _as_list(ref)
+            if len(got_l) != len(ref_l):
+                return {"ok": False, "error": f"wrong answer: {len(got_l)} outputs, reference has {len(ref_l)}"}
+            for i, (o, r) in enumerate(zip(got_l, ref_l)):
+                c = cmp.compare(o, r, dtype, spec.accumulation(dtype), what=f"out[{i}]" if len(got_l) > 1 else "out")
+                if not c.ok:
+                    return {"ok": False, "error": f"wrong answer: {c}"}
+                worst = max(worst, c.error)
+            del case, got, ref, got_l, ref_l
         key = (spec.name, repr(problem), str(dtype))
         if self._rotation_key != key:
             self._rotation = None
@@ -188,7 +203,7 @@ class Evaluator:
         ms = float((self.timer or bench.median_ms)(fn))
         if not (ms > 0 and math.isfinite(ms)):
             return {"ok": False, "error": f"timer returned {ms!r}"}
-        return {"ok": True, "ms": ms, "rel_error": worst}
+        return {"ok": True, "ms": ms, **({} if worst is None else {"rel_error": worst})}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -343,11 +358,9 @@ class TableRunner:
 
 def make_runner(evaluate: Callable | None, isolation: str = "auto", env: dict | None = None,
                 timeout: float = TASK_TIMEOUT):
-    from tritune.harness import device as dev
-
     evaluate = evaluate if evaluate is not None else Evaluator()
-    if isolation == "auto":
-        isolation = "inline" if dev.interpreted() else "process"
+    if isolation == "auto":  # everywhere, the interpreter included: a config that faults is one failed trial
+        isolation = "process"
     if isolation == "inline":
         return InlineRunner(evaluate)
     if isolation == "process":
@@ -387,7 +400,9 @@ def open_storage(url=None):
 
 
 def dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    from tritune.tuning.store import dtype_name as name
+
+    return name(dtype)
 
 
 def study_name(kernel: str, bucket: str, dtype, slug: str) -> str:
@@ -544,7 +559,88 @@ def _worker_id() -> str:
 
 
 def _evaluated(trials) -> list:
-    return [t for t in trials if t.user_attrs.get("evaluated") and t.state.is_finished()]
+    """Trials whose evaluation finished: complete, or failed with the evaluation's reason. A trial that
+    failed without one was abandoned (its process died after timing it, before telling the storage): it
+    does not count, and it is retried."""
+    from optuna.trial import TrialState
+
+    return [t for t in trials if t.user_attrs.get("evaluated") and t.state.is_finished()
+            and (t.state != TrialState.FAIL or "error" in t.user_attrs)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trials of dead processes: failed, then retried once
+# ---------------------------------------------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child its parent has not waited for yet is a zombie: dead all the same
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _is_dead(t, now: float, window: float) -> bool:
+    """A RUNNING trial whose process is gone: its owner (host:pid) is on this host and not alive, or it
+    started longer ago than any evaluation may take (another host's, or one killed before it said who
+    owns it)."""
+    owner = t.user_attrs.get("owner")
+    if isinstance(owner, str) and ":" in owner:
+        host, _, pid = owner.rpartition(":")
+        if host == socket.gethostname() and pid.isdigit():
+            return int(pid) != os.getpid() and not _pid_alive(int(pid))
+    start = t.datetime_start.timestamp() if t.datetime_start is not None else now
+    return now - start > window
+
+
+_CARRIED = ("default", "previous", "seeded", "warm", "forced")
+
+
+def reap(study, window: float) -> int:
+    """Fail the RUNNING trials of dead processes (a ``kill -9``, a crash, a lost machine) and enqueue
+    each abandoned trial's config once again, with its role (default, seeded, ...): after a kill the
+    study still reaches its trial count, and no finished evaluation is repeated. ``window``: seconds
+    after which a trial of an unknown or remote process counts as dead. Returns how many were failed.
+    RDB storages also fail trials whose heartbeat stopped (Optuna's ``fail_stale_trials``)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # experimental since Optuna 2.9
+            optuna.storages.fail_stale_trials(study)
+    except Exception:  # a storage without heartbeats, or a race with another worker: ours below suffices
+        pass
+    storage = study._storage
+    now = time.time()
+    n = 0
+    ts = study.get_trials(deepcopy=False)
+    for t in ts:
+        if t.state != TrialState.RUNNING or not _is_dead(t, now, window):
+            continue
+        try:
+            storage.set_trial_user_attr(t._trial_id, "abandoned", f"process gone ({t.user_attrs.get('owner', '?')})")
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            n += 1
+        except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError):
+            pass  # it finished after all, or another worker reaped it first
+    if n:
+        ts = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in ts}
+    for t in ts:
+        abandoned = (t.state == TrialState.FAIL and "error" not in t.user_attrs and "duplicate_of" not in t.user_attrs
+                     and "invalid" not in t.user_attrs and "retry_of" not in t.user_attrs and t.params)
+        if abandoned and t.number not in retried:
+            attrs = {k: t.user_attrs[k] for k in _CARRIED if k in t.user_attrs}
+            study.enqueue_trial(dict(t.params), user_attrs={**attrs, "retry_of": t.number},
+                                skip_if_exists=False)
+            retried.add(t.number)
+    return n
 
 
 def code_version(kernel: str) -> str | None:
@@ -597,8 +693,9 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
         _ensure_default(study, job)
         _ensure_previous(study, job)
     free_streak = 0
-    version = code_version(spec.name)
+    version = code_version(spec)
     while True:
+        reap(study, inflight_window)
         all_ts = study.get_trials(deepcopy=False)
         keep = {t.number for t in current_trials(all_ts, version)}
         ts = [t for t in all_ts if t.number in keep or not t.state.is_finished()]
@@ -643,6 +740,10 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
                     return prev.value
                 trial.set_user_attr("error", prev.user_attrs.get("error", "failed"))
                 raise TrialFailed(prev.user_attrs.get("error", "failed"))
+            if _surplus(study, trial.number, trials, version, inflight_window):
+                trial.set_user_attr("surplus", True)  # another worker started the last trial first
+                raise optuna.TrialPruned("the study's trial count is reached")
+            trial.set_user_attr("owner", _worker_id())  # who to ask whether this trial is still alive
             tseed = _seed(seed, job.name, trial.number, "inputs")
             t0 = time.time()
             res = runner(Task(spec.name, job.problem, job.dtype, config, tseed, spec=spec))
@@ -660,6 +761,19 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
         study.optimize(objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
         free_streak = 0 if outcome["evaluated"] else free_streak + 1
     _record_default(study)
+
+
+def _surplus(study, number: int, trials: int, version, window: float) -> bool:
+    """Whether trial ``number`` would go past the count: the evaluated trials and the live running ones
+    created before it (lower numbers) already make ``trials``. Trials are numbered in the order the
+    storage created them, so workers starting at once agree on which of them runs: the count is met
+    exactly, not overshot."""
+    from optuna.trial import TrialState
+
+    ts = study.get_trials(deepcopy=False)
+    now = time.time()
+    ahead = sum(1 for t in ts if t.number < number and t.state == TrialState.RUNNING and not _is_dead(t, now, window))
+    return len(_evaluated(current_trials(ts, version))) + ahead >= trials
 
 
 def _ensure_default(study, job: Job) -> None:

@@ -1,4 +1,10 @@
-"""Tuned configs per GPU type: ``tuning/configs/<gpu-slug>/<kernel>.json``.
+"""Tuned configs per GPU type: ``<store>/<gpu-slug>/<kernel>.json``, in two layers.
+
+- the packaged store, ``tuning/configs/`` (``TRITUNE_CONFIGS`` swaps it for another directory): what the
+  project measured and committed;
+- the user store, ``$TRITUNE_CONFIG_DIR`` or ``<user cache dir>/tritune/configs`` (``~/.cache/...``):
+  where ``tritune tune --export`` writes, so a reinstall loses nothing. Its entries win over the packaged
+  ones of the same (bucket, dtype).
 
 A file holds, for each (bucket, dtype), the winning config, its median time, the default config's
 time, the trials it took, and the date, triton and torch versions of the sweep. Files are validated on
@@ -9,6 +15,9 @@ Lookup: exact bucket, else the nearest neighbouring bucket of the same dtype (lo
 numeric fields, each within 4x; non-numeric fields must match), else ``None`` (the caller uses the
 heuristic default). Entries tuned against other code of the kernel (stale) are skipped. Files are read
 once per process; launchers cache the result per (kernel, bucket, dtype), so the hot path does no I/O.
+
+The store never imports ``tritune.kernels`` (the kernels import the store): a kernel is named by its
+spec or by its name in the registry of the already-imported kernels package.
 """
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ import functools
 import json
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -25,15 +35,43 @@ from tritune.harness import device as dev
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
 FORMAT = 1
+TUNE_COMMAND = "tritune tune all --budget 30m --export"
 
 
-def config_root() -> Path:
-    """``TRITUNE_CONFIGS`` (a directory holding ``<slug>/<kernel>.json``) overrides the packaged store."""
-    return Path(os.environ.get("TRITUNE_CONFIGS", PACKAGE_CONFIGS))
+def package_root() -> Path:
+    """The packaged store; ``TRITUNE_CONFIGS`` (a directory holding ``<slug>/<kernel>.json``) replaces it."""
+    return Path(os.environ.get("TRITUNE_CONFIGS") or PACKAGE_CONFIGS)
+
+
+config_root = package_root  # the name older scripts use
+
+
+def user_root() -> Path:
+    """The user store: ``$TRITUNE_CONFIG_DIR``, else ``configs/`` in tritune's user cache directory."""
+    d = os.environ.get("TRITUNE_CONFIG_DIR")
+    return Path(d).expanduser() if d else dev.cache_dir() / "configs"
+
+
+def layers() -> list[tuple[str, Path]]:
+    """(name, root) of each store, lowest priority first."""
+    out = [("packaged", package_root())]
+    user = user_root()
+    if user.resolve() != out[0][1].resolve():
+        out.append(("user", user))
+    return out
 
 
 def dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    """The store's dtype key: a torch dtype (``torch.float32`` -> ``"float32"``) or a key string as is
+    (e.g. ``"tfloat32"``, fp32 tuned with tf32 dots allowed)."""
+    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+
+
+def torch_dtype(name: str):
+    """The torch dtype a store key runs in (``"tfloat32"`` is float32 data)."""
+    name = dtype_name(name)
+    dt = getattr(torch, name[1:] if name.startswith("tfloat") else name, None)
+    return dt if isinstance(dt, torch.dtype) else None
 
 
 def parse_bucket(key: str) -> dict:
@@ -93,21 +131,38 @@ def validate(data, kernel: str, slug: str | None = None) -> list[dict]:
     return entries
 
 
+def _spec(kernel):
+    """A spec from a spec or a kernel name; None when no kernel of that name is registered. The registry
+    is read from the kernels package only if something already imported it (no import cycle)."""
+    if not isinstance(kernel, str):
+        return kernel
+    kernels = sys.modules.get("tritune.kernels")
+    return None if kernels is None else getattr(kernels, "REGISTRY", {}).get(kernel)
+
+
+def kernel_name(kernel) -> str:
+    return kernel if isinstance(kernel, str) else kernel.name
+
+
+def source_hash(kernel) -> str | None:
+    """sha256 (12 hex digits) of the source of the ``@triton.jit`` functions in the kernel's module (the
+    kernel named by its spec, or by its registered name): an entry records the code it was timed on, so a
+    config tuned for another version of the kernel is known as stale. Only the jitted code counts (not
+    the launcher's docstrings or validation), so editing the Python around a kernel does not throw its
+    tuned configs away."""
+    spec = _spec(kernel)
+    run = getattr(spec, "run", None)
+    mod = getattr(run, "__module__", None)
+    return None if mod is None else module_hash(mod)
+
+
 @functools.lru_cache(maxsize=None)
-def source_hash(kernel: str) -> str | None:
-    """sha256 (12 hex digits) of the source of the ``@triton.jit`` functions in the kernel's module: an
-    entry records the code it was timed on, so a config tuned for another version of the kernel is known
-    as stale. Only the jitted code counts (not the launcher's docstrings or validation), so editing the
-    Python around a kernel does not throw its tuned configs away."""
+def module_hash(modname: str) -> str | None:
     import hashlib
     import inspect
-    import sys
 
-    from tritune import kernels
-
-    try:
-        mod = sys.modules[kernels.get(kernel).run.__module__]
-    except (KeyError, AttributeError):
+    mod = sys.modules.get(modname)
+    if mod is None:
         return None
     srcs = []
     for name, obj in sorted(vars(mod).items()):
@@ -122,7 +177,7 @@ def source_hash(kernel: str) -> str | None:
     return hashlib.sha256("\n".join(srcs).encode()).hexdigest()[:12]
 
 
-def stale(kernel: str, es) -> list[dict]:
+def stale(kernel, es) -> list[dict]:
     """Entries tuned against another version of the kernel's jitted code (entries that record none are
     not judged). Lookup skips them: a config timed on other code is neither verified nor known fast
     (a gemm sweep found such entries 1.1-13x slower than the current defaults)."""
@@ -130,8 +185,48 @@ def stale(kernel: str, es) -> list[dict]:
     return [e for e in es if h is not None and e.get("source") not in (None, h)]
 
 
-def path_for(kernel: str, slug: str | None = None, root: Path | None = None) -> Path:
-    return (root or config_root()) / (slug or dev.gpu_slug()) / f"{kernel}.json"
+def bucket_key_of(spec, problem) -> str:
+    return ",".join(f"{k}={v}" for k, v in spec.bucket(problem).items())
+
+
+def problem_of_entry(spec, e: dict):
+    """The problem an entry was tuned on, where it can be known: its recorded fields, else one of the
+    spec's standard or small problems in the entry's bucket; None otherwise."""
+    import dataclasses
+
+    probs = list(getattr(spec, "standard_problems", []) or []) + list(getattr(spec, "small_problems", []) or [])
+    fields = e.get("problem_fields")
+    if isinstance(fields, dict) and probs and dataclasses.is_dataclass(probs[0]):
+        try:
+            return type(probs[0])(**fields)
+        except TypeError:
+            pass
+    for p in probs:
+        try:
+            if bucket_key_of(spec, p) == e.get("bucket"):
+                return p
+        except Exception:
+            continue
+    return None
+
+
+def why_invalid(spec, e: dict) -> str | None:
+    """Why a stored entry's config is no point of the kernel's space (an unknown or mistyped key, a block
+    of 3, zero warps, a broken constraint), via ``spec.space.why_invalid``; None when it is valid (or the
+    constraint cannot be judged without the problem). Launchers never use such an entry."""
+    dtype = torch_dtype(e.get("dtype", ""))
+    problem = problem_of_entry(spec, e)
+    try:
+        return spec.space.why_invalid(dict(e["config"]), problem, dtype)
+    except Exception as exc:  # a constraint that needs the problem: the keys and choices passed
+        if problem is None:
+            return None
+        return f"constraint check failed: {type(exc).__name__}: {exc}"
+
+
+def path_for(kernel, slug: str | None = None, root: Path | None = None) -> Path:
+    """Where ``write`` puts a kernel's file: under ``root``, default the user store."""
+    return Path(root or user_root()) / (slug or dev.gpu_slug()) / f"{kernel_name(kernel)}.json"
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,9 +249,42 @@ def _load(path: str, kernel: str, slug: str) -> tuple:
     return es
 
 
-def entries(kernel: str, slug: str | None = None) -> tuple:
+def layered(kernel, slug: str | None = None) -> list[tuple[dict, str, Path, bool]]:
+    """Every stored entry of a kernel for a GPU type, as (entry, store name, file, overridden): the
+    packaged store's first, then the user store's; an entry is overridden when a higher store holds the
+    same (bucket, dtype)."""
+    name = kernel_name(kernel)
     slug = slug or dev.gpu_slug()
-    return _load(str(path_for(kernel, slug)), kernel, slug)
+    rows = []
+    for layer, root in layers():
+        p = root / slug / f"{name}.json"
+        rows += [(e, layer, p) for e in _load(str(p), name, slug)]
+    top = {}
+    for i, (e, _, _) in enumerate(rows):
+        top[(e["bucket"], e["dtype"])] = i
+    return [(e, layer, p, top[(e["bucket"], e["dtype"])] != i) for i, (e, layer, p) in enumerate(rows)]
+
+
+def entries(kernel, slug: str | None = None) -> tuple:
+    """The effective entries of a kernel (user store over packaged store)."""
+    if slug is None:
+        _warn_if_untuned()
+    return tuple(e for e, _, _, over in layered(kernel, slug) if not over)
+
+
+_WARNED_UNTUNED = []
+
+
+def _warn_if_untuned() -> None:
+    """One warning per process on a GPU that no store has configs for: name the command that tunes it."""
+    if _WARNED_UNTUNED or dev.interpreted():
+        return
+    _WARNED_UNTUNED.append(True)
+    slug = dev.gpu_slug()
+    if not any(files_for(slug, layer=name) for name, _ in layers()):
+        warnings.warn(f"tritune: no tuned configs for this GPU ({slug}) in the packaged store or the user store "
+                      f"({user_root() / slug}): kernels use heuristic defaults; `{TUNE_COMMAND}` tunes this GPU",
+                      stacklevel=4)
 
 
 # Nearest-bucket fallback only between neighbours: each numeric field within a factor of 4, and at most
@@ -165,10 +293,11 @@ MAX_FIELD_LOG2 = 2.0
 MAX_DISTANCE = 3.0
 
 
-def lookup(kernel: str, bucket: str, dtype) -> dict | None:
+def lookup(kernel, bucket: str, dtype, slug: str | None = None) -> dict | None:
     """The stored config for the exact bucket, else the nearest neighbouring bucket of this dtype (see
-    MAX_FIELD_LOG2, MAX_DISTANCE), else None. Stale entries (tuned on other kernel code) are skipped."""
-    es = [e for e in entries(kernel) if e["dtype"] == dtype_name(dtype)]
+    MAX_FIELD_LOG2, MAX_DISTANCE), else None. ``kernel`` is a spec or a registered name; ``dtype`` a torch
+    dtype or a key string such as ``"tfloat32"``. Stale entries (tuned on other kernel code) are skipped."""
+    es = [e for e in entries(kernel, slug) if e["dtype"] == dtype_name(dtype)]
     old = {id(e) for e in stale(kernel, es)}
     es = [e for e in es if id(e) not in old]
     if not es:
@@ -183,7 +312,7 @@ def lookup(kernel: str, bucket: str, dtype) -> dict | None:
     return dict(best["config"])
 
 
-def entry_config(kernel: str, bucket: str, dtype, slug: str | None = None) -> dict | None:
+def entry_config(kernel, bucket: str, dtype, slug: str | None = None) -> dict | None:
     """The stored config of exactly this bucket and dtype, stale or not (``lookup`` skips stale entries
     and falls back to neighbours): the winner on the kernel's code when it was tuned."""
     for e in entries(kernel, slug):
@@ -192,23 +321,42 @@ def entry_config(kernel: str, bucket: str, dtype, slug: str | None = None) -> di
     return None
 
 
-def files_for(slug: str | None = None) -> dict[str, Path]:
-    d = config_root() / (slug or dev.gpu_slug())
-    return {p.stem: p for p in sorted(d.glob("*.json"))} if d.is_dir() else {}
+def files_for(slug: str | None = None, layer: str | None = None) -> dict[str, Path]:
+    """kernel -> the file that holds its configs for a GPU type (the user store's where both have one);
+    ``layer`` ('packaged' or 'user'): that store's files only."""
+    out = {}
+    for name, root in layers():
+        if layer is not None and name != layer:
+            continue
+        d = root / (slug or dev.gpu_slug())
+        if d.is_dir():
+            out.update({p.stem: p for p in sorted(d.glob("*.json"))})
+    return dict(sorted(out.items()))
 
 
-def write(kernel: str, new_entries: list[dict], slug: str | None = None, root: Path | None = None) -> Path:
-    """Merge entries (replacing same bucket+dtype) into the store file and write it."""
+def slugs() -> list[str]:
+    """The GPU types any store holds configs for."""
+    out = set()
+    for _, root in layers():
+        if root.is_dir():
+            out |= {d.name for d in root.iterdir() if d.is_dir() and any(d.glob("*.json"))}
+    return sorted(out)
+
+
+def write(kernel, new_entries: list[dict], slug: str | None = None, root: Path | None = None) -> Path:
+    """Merge entries (replacing same bucket+dtype) into the kernel's file under ``root`` (default: the
+    user store) and write it."""
     import datetime
 
     import triton
 
+    name = kernel_name(kernel)
     slug = slug or dev.gpu_slug()
-    path = path_for(kernel, slug, root)
+    path = path_for(name, slug, root)
     old = []
     if path.exists():
         try:
-            old = validate(json.loads(path.read_text()), kernel, slug)
+            old = validate(json.loads(path.read_text()), name, slug)
         except (OSError, ValueError) as e:
             warnings.warn(f"tritune: replacing unreadable tuned-config file {path}: {e}")
     keyed = {(e["bucket"], e["dtype"]): e for e in old}
@@ -217,7 +365,7 @@ def write(kernel: str, new_entries: list[dict], slug: str | None = None, root: P
         keyed[(e["bucket"], e["dtype"])] = {**e, "source": e.get("source", src)}
     data = {
         "format": FORMAT,
-        "kernel": kernel,
+        "kernel": name,
         "gpu": slug,
         "gpu_name": dev.gpu_name(),
         "triton": triton.__version__,
@@ -226,14 +374,16 @@ def write(kernel: str, new_entries: list[dict], slug: str | None = None, root: P
         "entries": sorted(keyed.values(), key=lambda e: (e["dtype"], e["bucket"])),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
     clear_cache()
     return path
 
 
 def clear_cache() -> None:
     _load.cache_clear()
-    source_hash.cache_clear()
-    from tritune import kernels
-
-    kernels.clear_config_cache()
+    module_hash.cache_clear()
+    kernels = sys.modules.get("tritune.kernels")
+    if kernels is not None:
+        kernels.clear_config_cache()
