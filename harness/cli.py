@@ -13,6 +13,7 @@ PLUGINS = {
     "configs": "tritune.tuning.cli",
     "generate": "tritune.model.cli",
     "serve-bench": "tritune.model.serve",
+    "serve": "tritune.model.server",
 }
 
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
