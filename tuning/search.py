@@ -390,8 +390,11 @@ def open_storage(url=None):
         kw = {}
         if url.startswith("sqlite"):
             kw["engine_kwargs"] = {"connect_args": {"timeout": 120}}
-        # heartbeats let a later run mark trials of a killed process as failed instead of running forever
-        return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=300, **kw)
+        # heartbeats fail the trials of a process on another machine that stopped beating (this
+        # machine's dead processes are found at once by their pid: see reap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # heartbeat_interval is experimental in Optuna
+            return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=300, **kw)
     path = Path(url).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     from optuna.storages.journal import JournalFileBackend

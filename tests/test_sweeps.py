@@ -1,0 +1,150 @@
+"""Sweeps that survive kills and faults, for real: a sweep process killed with SIGKILL in the middle of a
+trial (journal and sqlite storage; one process, and one of two workers sharing a study), and a config that
+really segfaults the process that launches it. Each case takes seconds: fake objectives that sleep, a
+spec over plain torch (tests/tritune_sweep_helpers.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from tritune.tuning import search, store
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))  # worker processes (spawn) inherit it and import the helpers by name
+import tritune_sweep_helpers as h  # noqa: E402
+
+CHILD = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import tritune_sweep_helpers as h
+from tritune.tuning import search
+search.tune([h.TOY], [h.Problem(64)], [torch.float32], trials={trials}, storage={storage!r}, evaluate=h.slow,
+            isolation="inline", progress=False)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _own_user_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITUNE_CONFIG_DIR", str(tmp_path / "user-store"))
+    store.clear_cache()
+    yield
+    store.clear_cache()
+
+
+def _marks(d: Path) -> list[str]:
+    return sorted(os.listdir(d), key=lambda m: int(m.split("-")[1]))
+
+
+def _wait_for(d: Path, n: int, proc=None, timeout: float = 120.0) -> list[str]:
+    t0 = time.time()
+    while len(os.listdir(d)) < n:
+        assert proc is None or proc.poll() is None, f"the sweep ended early (exit code {proc.returncode})"
+        assert time.time() - t0 < timeout, f"no {n} evaluations within {timeout:.0f} s"
+        time.sleep(0.02)
+    return _marks(d)
+
+
+def _study(storage: str):
+    st = search.open_storage(storage)
+    (name,) = [n for n in optuna.get_all_study_names(st) if n.startswith("sweep_toy:")]
+    return optuna.load_study(study_name=name, storage=st)
+
+
+def check_completed_exactly(storage: str, trials: int, before: dict | None = None) -> None:
+    """The study has exactly ``trials`` evaluated trials, each config evaluated once; every abandoned
+    (killed) trial was retried once with the same config; values measured before the kill are kept."""
+    st = _study(storage)
+    ts = st.get_trials(deepcopy=False)
+    ev = search._evaluated(ts)
+    assert len(ev) == trials
+    configs = [tuple(sorted(t.params.items())) for t in ev]
+    assert len(set(configs)) == trials, "a config was evaluated twice"
+    abandoned = [t for t in ts if t.user_attrs.get("abandoned")]
+    assert abandoned, "the killed trial was not found"
+    for t in abandoned:
+        assert t.state == TrialState.FAIL and "error" not in t.user_attrs
+        (retry,) = [r for r in ts if r.user_attrs.get("retry_of") == t.number]
+        assert retry.params == t.params and retry in ev
+    assert not [t for t in ts if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    for number, value in (before or {}).items():
+        assert ts[number].value == value
+
+
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_a_sweep_killed_mid_trial_completes_its_count_on_rerun(tmp_path, kind):
+    storage = str(tmp_path / "s.journal") if kind == "journal" else f"sqlite:///{tmp_path / 's.db'}"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    code = CHILD.format(tests=str(TESTS), trials=10, storage=storage)
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "TRITUNE_TEST_MARKS": str(marks)})
+    try:
+        _wait_for(marks, 4, proc)  # the fourth evaluation has started: kill in the middle of it
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = _study(storage)
+    running = [t for t in st.trials if t.state == TrialState.RUNNING]
+    assert len(running) == 1 and running[0].user_attrs["owner"].endswith(f":{proc.pid}")
+    before = {t.number: t.value for t in search._evaluated(st.trials)}
+    assert len(before) == 3
+    (row,) = search.tune([h.TOY], [h.Problem(64)], [torch.float32], trials=10, storage=storage,
+                         evaluate=h.quick, isolation="inline", progress=False)
+    assert row["trials"] == 10
+    check_completed_exactly(storage, 10, before)
+    n = len(_study(storage).trials)
+    (row,) = search.tune([h.TOY], [h.Problem(64)], [torch.float32], trials=10, storage=storage,
+                         evaluate=h.quick, isolation="inline", progress=False)  # nothing left to do
+    assert row["trials"] == 10 and len(_study(storage).trials) == n
+
+
+def two_workers_one_killed(storage: str, marks: Path, trials: int = 12) -> None:
+    """Two worker processes sweep one study; one is killed with SIGKILL in the middle of a trial; the
+    other finishes the study, the killed trial retried: exactly ``trials`` evaluated trials."""
+    rows = []
+    t = threading.Thread(target=lambda: rows.extend(search.tune(
+        [h.TOY], [h.Problem(64)], [torch.float32], trials=trials, storage=storage, workers=2, evaluate=h.slow,
+        isolation="inline", progress=False, log=lambda m: None)))
+    t.start()
+    try:
+        victim = int(_wait_for(marks, 3)[-1].split("-")[0])  # its evaluation has just started
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        t.join(180)
+    assert not t.is_alive()
+    (row,) = rows
+    assert row["trials"] == trials
+    check_completed_exactly(storage, trials)
+    killed = [t for t in _study(storage).trials if t.user_attrs.get("abandoned")]
+    assert [t.user_attrs["owner"].rpartition(":")[2] for t in killed] == [str(victim)]
+
+
+def test_two_workers_on_a_journal_one_killed(tmp_path, monkeypatch):
+    (tmp_path / "marks").mkdir()
+    monkeypatch.setenv("TRITUNE_TEST_MARKS", str(tmp_path / "marks"))
+    two_workers_one_killed(str(tmp_path / "s.journal"), tmp_path / "marks")
+
+
+def test_a_config_that_segfaults_is_one_failed_trial(tmp_path):
+    """The default isolation (a worker process, on the interpreter too): the faulting config kills its
+    worker, which is restarted; the sweep evaluates every point and exports the best."""
+    storage = str(tmp_path / "s.journal")
+    (row,) = search.tune([h.FAULTY], [h.Problem(64)], [torch.float32], trials=100, sampler="grid",
+                         storage=storage, progress=False, log=lambda m: None)
+    assert row["trials"] == row["n_valid"] == 8 and row["failed"] == 1
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    (bad,) = [t for t in search._evaluated(st.trials) if t.state == TrialState.FAIL]
+    assert bad.params == {"a": 3, "b": 2}
+    assert bad.user_attrs["error"] == f"worker died (exit code {-signal.SIGSEGV})"
+    assert row["config"] is not None
