@@ -14,6 +14,8 @@ PLUGINS = {
     "generate": "tritune.model.cli",
     "serve-bench": "tritune.model.serve",
     "serve": "tritune.model.server",
+    "quantize": "tritune.model.quantize",
+    "eval": "tritune.model.eval",
 }
 
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",

