@@ -2,7 +2,8 @@
 
     tritune tune layer_norm --dtype bf16 --trials 40                  # TPE over the standard problems
     tritune tune gelu --problems "numel=6291456;numel=6291456,approximate=tanh" --sampler grid
-    tritune tune all --trials 0 --export                              # write tuning/configs/<slug>/*.json
+    tritune tune all --trials 0 --export                              # write the user store from the studies
+    tritune tune all --budget 30m --export                            # a new GPU type in one command
     tritune tune layer_norm --compare-samplers --dtype bf16           # search-efficiency experiment
     tritune configs                                                   # what is stored for this GPU
 
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from tritune.harness.report import _fmt  # one number format for every table
+from tritune.tuning._args import parse_dtype, parse_duration
 
 
 def _problem_class(spec):
@@ -115,61 +117,120 @@ def results_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+class UsageError(Exception):
+    """A user error: the CLI prints its message on one line and exits 2."""
+
+
+def _fail(msg: str) -> int:
+    print(f"tune: {msg}", file=sys.stderr)
+    return 2
+
+
+def _read_seed_configs(path: str, specs) -> list[dict]:
+    from tritune.tuning import search
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"--seed-configs {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        seeds = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--seed-configs {path}: not JSON: {e}") from None
+    try:
+        search.check_seed_configs(specs, seeds)
+    except ValueError as e:
+        raise UsageError(f"--seed-configs {path}: {e}") from None
+    return seeds
+
+
 def cmd_tune(args) -> int:
+    try:
+        return _tune(args)
+    except UsageError as e:
+        return _fail(str(e))
+
+
+def _tune(args) -> int:
     from tritune.harness import device as dev
     from tritune.tuning import search
 
-    names = args.kernels
-    specs = search.resolve_specs(names)
+    if args.trials is not None and args.trials < 0:
+        raise UsageError(f"--trials {args.trials}: expected a whole number >= 0")
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: expected at least 1")
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_duration(args.budget)
+        except ValueError as e:
+            raise UsageError(f"--budget: {e}") from None
+        if args.compare_samplers or args.workers > 1:
+            raise UsageError("--budget runs one worker and no sampler comparison")
+    try:
+        specs = search.resolve_specs(args.kernels)
+    except KeyError as e:
+        raise UsageError(e.args[0] if e.args else str(e)) from None
     problems = None
     if args.problems:
         if len(specs) != 1:
-            print("tune: --problems needs exactly one kernel (problems are in that kernel's fields)", file=sys.stderr)
-            return 2
+            raise UsageError("--problems needs exactly one kernel (problems are in that kernel's fields)")
         try:
             problems = parse_problems(specs[0], args.problems)
         except ValueError as e:
-            print(f"tune: {e}", file=sys.stderr)
-            return 2
+            raise UsageError(str(e)) from None
+    seeds = _read_seed_configs(args.seed_configs, specs) if args.seed_configs else None
     storage = args.storage or search.default_storage()
+    try:
+        search.open_storage(storage)
+    except search.StorageError as e:
+        raise UsageError(f"--storage: {e}") from None
+    trials = args.trials if args.trials is not None else (None if budget else 40)
     slug = dev.gpu_slug()
     if dev.interpreted():
         print("note: no CUDA GPU; tuning through the Triton interpreter on small problems "
               "(times are the interpreter's, not a GPU's)", file=sys.stderr)
     print(f"tune: storage {storage}, GPU slug {slug}, sampler "
           f"{'grid + replayed tpe/random' if args.compare_samplers else args.sampler}", file=sys.stderr)
-    common = dict(storage=storage, workers=args.workers, time_budget=args.time_budget, seed=args.seed,
-                  isolation=args.isolation, timeout=args.trial_timeout, progress=not args.quiet)
+    common = dict(storage=storage, seed=args.seed, isolation=args.isolation, timeout=args.trial_timeout,
+                  progress=not args.quiet)
     if getattr(args, "timer", "do_bench") == "graph":
         from tritune.harness import bench
 
         common["evaluate"] = search.Evaluator(timer=bench.graph_ms)
+    t0 = __import__("time").time()
     try:
         if args.compare_samplers:
-            rows, path = search.compare_samplers(specs, problems, args.dtype, repeats=args.repeats,
-                                                 threshold=args.threshold, results_dir=args.results_dir, **common)
+            rows, path = search.compare_samplers(specs, problems, args.dtype, repeats=args.repeats, workers=args.workers,
+                                                 time_budget=args.time_budget, threshold=args.threshold,
+                                                 results_dir=args.results_dir, **common)
             print(efficiency_table(rows))
             if path:
                 print(f"\nwrote {path}")
             return 0
-        seeds = None
-        if getattr(args, "seed_configs", None):
-            seeds = json.loads(Path(args.seed_configs).read_text())
-            if not isinstance(seeds, list) or not all(isinstance(x, dict) for x in seeds):
-                raise SystemExit(f"--seed-configs: {args.seed_configs} must hold a JSON list of config objects")
-        rows = search.tune(specs, problems, args.dtype, trials=args.trials, sampler=args.sampler,
-                           seed_configs=seeds, **common)
+        if budget is not None:
+            from tritune.tuning import budget as tb
+
+            if seeds:
+                raise UsageError("--seed-configs and --budget: give one (--budget seeds the nearest GPU's winners)")
+            rows, _ = tb.tune_budget(specs, budget, trials=trials, dtypes=args.dtype, problems=problems,
+                                     warm_from=args.warm_from, rounds=args.retime_rounds, slug=slug, **common)
+            print(tb.summary_table(rows))
+            print(f"\nwall time {(__import__('time').time() - t0) / 60:.1f} min (budget {budget / 60:.1f} min)")
+        else:
+            rows = search.tune(specs, problems, args.dtype, trials=trials, sampler=args.sampler, workers=args.workers,
+                               time_budget=args.time_budget, seed_configs=seeds, **common)
+            print(results_table(rows))
     except KeyboardInterrupt:
         print(f"\ntune: interrupted; finished trials are kept in {storage}: run the same command to resume",
               file=sys.stderr)
         rows = search.tune(specs, problems, args.dtype, trials=0, storage=storage, progress=False)
         print(results_table(rows))
         return 130
-    print(results_table(rows))
     if args.export:
         print()
         search.export(storage, [s.name for s in specs], slug=slug, root=args.configs_dir)
-    missing = [r for r in rows if args.trials > 0 and r.get("trials") and r.get("best_us") is None]
+    missing = [r for r in rows if (trials is None or trials > 0) and r.get("trials") and r.get("best_us") is None]
     return 1 if missing else 0
 
 
@@ -197,36 +258,54 @@ def cmd_configs(args) -> int:
 
     from tabulate import tabulate
 
+    from tritune import kernels
     from tritune.harness import device as dev
     from tritune.tuning import store
 
-    if args.configs_dir:
-        os.environ["TRITUNE_CONFIGS"] = args.configs_dir
+    if args.configs_dir:  # the user store to show (and layer over the packaged one)
+        os.environ["TRITUNE_CONFIG_DIR"] = args.configs_dir
         store.clear_cache()
     slug = args.slug or dev.gpu_slug()
     files = store.files_for(slug)
     if args.kernels:
         files = {k: v for k, v in files.items() if k in args.kernels}
+    roots = ", ".join(f"{name} {root / slug}" for name, root in store.layers())
     if not files:
-        print(f"no tuned configs for {slug} under {store.config_root() / slug}")
+        print(f"no tuned configs for {slug} (looked in: {roots})")
         return 0
     table = []
-    for kernel, path in files.items():
-        es = store.entries(kernel, slug)
-        old = {id(e) for e in store.stale(kernel, es)}
-        for e in es:
+    n_bad = 0
+    for kernel in files:
+        try:
+            spec = kernels.get(kernel)
+        except KeyError:
+            spec = None
+        rows = store.layered(kernel, slug)
+        old = {id(e) for e in store.stale(spec or kernel, [e for e, *_ in rows])}
+        for e, layer, path, overridden in rows:
             t, d = e.get("time_us"), e.get("default_us")
+            why = store.why_invalid(spec, e) if spec is not None else "no registered kernel of this name"
+            if why:
+                status = f"INVALID: {why} (never used: the heuristic default runs)"
+                n_bad += 1
+            elif overridden:
+                status = "overridden by the user store"
+            elif id(e) in old:
+                status = "stale: kernel changed since (skipped)"
+            else:
+                status = "active"
             table.append([kernel, e["bucket"], e["dtype"], _cfg(e["config"]), _fmt(t), _fmt(d),
                           f"{d / t:.2f}x" if isinstance(t, (int, float)) and isinstance(d, (int, float)) and t else "",
-                          _fmt(e.get("trials")), "stale: kernel changed since (skipped)" if id(e) in old else ""])
-    print(f"tuned configs for {slug} ({store.config_root() / slug}):")
+                          _fmt(e.get("trials")), layer, status])
+    print(f"tuned configs for {slug} ({roots}):")
     print(tabulate(table, headers=["kernel", "bucket", "dtype", "config", "µs", "default µs", "speedup", "trials",
-                                   ""], disable_numparse=True))
+                                   "store", "status"], disable_numparse=True))
+    if n_bad:
+        print(f"\n{n_bad} invalid entries: fix or delete them in the files above, or re-tune")
     return 0
 
 
 def add_parser(subparsers, name: str) -> None:
-    from tritune.harness.cli import parse_dtype
     from tritune.tuning import search
 
     if name == "tune":
@@ -236,13 +315,23 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--problems", help='e.g. "M=8192,N=768;M=64,N=768" (default: the kernel\'s standard '
                                           "problems on a GPU, its small problems on the interpreter)")
         s.add_argument("--dtype", action="append", type=parse_dtype, help="repeatable; default: each supported")
-        s.add_argument("--trials", type=int, default=40,
-                       help="evaluated trials per study, counting those already in the storage (default 40); "
-                            "constraint-pruned and duplicate proposals are free")
+        s.add_argument("--trials", type=int, default=None,
+                       help="evaluated trials per study, counting those already in the storage (default 40; with "
+                            "--budget: as many as the budget allows); constraint-pruned and duplicate proposals "
+                            "are free")
+        s.add_argument("--budget", default=None, metavar="DURATION",
+                       help="tune within this wall time (e.g. 30m, 1h, 90s): every study gets its share, warm-"
+                            "started from the nearest stored GPU type's winners; the front runners are re-timed "
+                            "side by side before --export; a summary table at the end")
+        s.add_argument("--warm-from", default=None, metavar="SLUG",
+                       help="with --budget: the GPU type whose stored winners seed the studies (default: the "
+                            "nearest stored one, e.g. an H200 from the H100)")
+        s.add_argument("--retime-rounds", type=int, default=5, metavar="N",
+                       help="with --budget: interleaved rounds of the side-by-side re-timing (default 5)")
         s.add_argument("--sampler", choices=search.SAMPLERS, default="tpe")
         s.add_argument("--storage", default=None,
-                       help="Optuna storage: a journal file path or an RDB URL (sqlite:///x.db, postgresql://...); "
-                            "default $TRITUNE_STUDIES or ~/.cache/tritune/tuning-studies.journal")
+                       help=search.STORAGE_HELP + "; default $TRITUNE_STUDIES or ~/.cache/tritune/tuning-studies.journal. "
+                            "Several processes or machines on one storage share its studies")
         s.add_argument("--workers", type=int, default=1, help="worker processes, one per visible GPU (default 1)")
         s.add_argument("--time-budget", type=float, default=None, metavar="S",
                        help="stop starting trials after S seconds (shared evenly among the studies)")
@@ -257,9 +346,11 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--export", action="store_true", help="write the store from the studies afterwards "
                                                              "(with --trials 0: export only)")
         s.add_argument("--configs-dir", default=None,
-                       help="export under DIR/<slug>/ instead of the packaged tuning/configs/")
+                       help="export under DIR/<slug>/ instead of the user store ($TRITUNE_CONFIG_DIR or "
+                            "~/.cache/tritune/configs)")
         s.add_argument("--isolation", choices=("auto", "process", "inline"), default="auto",
-                       help="evaluate in a restartable worker process (auto: on a GPU) or in this process")
+                       help="evaluate in a restartable worker process (auto, the default: a config that crashes "
+                            "is one failed trial) or in this process")
         s.add_argument("--trial-timeout", type=float, default=search.TASK_TIMEOUT, metavar="S",
                        help=f"kill the worker after S seconds on one trial (default {search.TASK_TIMEOUT:.0f})")
         s.add_argument("--compare-samplers", action="store_true",
@@ -269,13 +360,15 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--threshold", type=float, default=0.03)
         s.add_argument("--results-dir", default="results", help="--compare-samplers writes "
                                                                 "<dir>/<slug>/tuning_efficiency.json")
-        s.add_argument("--quiet", action="store_true", help="no progress line")
+        s.add_argument("--quiet", action="store_true", help="no progress bars (none either when stderr is not a "
+                                                                "terminal)")
         s.set_defaults(func=cmd_tune)
     elif name == "configs":
         s = subparsers.add_parser("configs", help="list the tuned configs stored for this GPU")
         s.add_argument("kernels", nargs="*", help="kernel names (default: all stored)")
         s.add_argument("--slug", default=None, help="another GPU type's slug")
-        s.add_argument("--configs-dir", default=None, help="a store root other than the packaged one")
+        s.add_argument("--configs-dir", default=None, help="the user store to show over the packaged one "
+                                                           "(default $TRITUNE_CONFIG_DIR or ~/.cache/tritune/configs)")
         s.set_defaults(func=cmd_configs)
     else:
         raise ValueError(f"tritune.tuning.cli provides 'tune' and 'configs', not {name!r}")

@@ -75,10 +75,15 @@ class Task:
     spec: Any = None        # the spec itself for in-process evaluation; None across processes (by name)
     module: str | None = None   # the module that registers the spec: a worker process imports it first
     verify: bool = True     # False: time only (re-timing configs the sweep verified)
+    fp32_precision: str | None = None  # torch.get_float32_matmul_precision() of the process that asked
 
     def __post_init__(self):
         if self.module is None and self.spec is not None:
             self.module = getattr(self.spec.run, "__module__", None)
+        if self.fp32_precision is None:
+            import torch
+
+            self.fp32_precision = torch.get_float32_matmul_precision()
 
     def spec_or_lookup(self):
         if self.spec is not None:
@@ -170,6 +175,8 @@ class Evaluator:
 
         spec = task.spec_or_lookup()
         problem, dtype, config = task.problem, task.dtype, dict(task.config)
+        if task.fp32_precision and torch.get_float32_matmul_precision() != task.fp32_precision:
+            torch.set_float32_matmul_precision(task.fp32_precision)  # a worker follows its parent's setting
         why = spec.space.why_invalid(config, problem, dtype)
         if why:
             return {"ok": False, "error": f"invalid config: {why}"}
@@ -377,8 +384,17 @@ def default_storage() -> str:
     return os.environ.get("TRITUNE_STUDIES") or str(dev.cache_dir() / "tuning-studies.journal")
 
 
+class StorageError(ValueError):
+    """A storage that cannot be opened: the message names it and says why, in one line."""
+
+
+STORAGE_HELP = ("Optuna storage: a journal file (e.g. ./studies.journal), or an RDB URL: sqlite:///studies.db, "
+                "postgresql+psycopg2://USER@127.0.0.1:5432/DB (pip install 'tritune[postgres]')")
+
+
 def open_storage(url=None):
-    """A journal file (any path), or any Optuna RDB URL (``sqlite:///...``, ``postgresql://...``)."""
+    """A journal file (any path), or any Optuna RDB URL (``sqlite:///...``, ``postgresql://...``); a
+    storage that cannot be opened raises :class:`StorageError` naming it and the reason."""
     import optuna
 
     if url is None:
@@ -392,20 +408,58 @@ def open_storage(url=None):
             kw["engine_kwargs"] = {"connect_args": {"timeout": 120}}
         # heartbeats fail the trials of a process on another machine that stopped beating (this
         # machine's dead processes are found at once by their pid: see reap)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # heartbeat_interval is experimental in Optuna
-            return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=300, **kw)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # heartbeat_interval is experimental in Optuna
+                return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=300, **kw)
+        except ModuleNotFoundError as e:
+            hint = " (pip install 'tritune[postgres]')" if url.startswith("postgres") else ""
+            raise StorageError(f"storage {url}: the database driver is not installed: {e}{hint}") from None
+        except Exception as e:  # SQLAlchemy's errors: bad URL, unknown dialect, no server, no such directory
+            first = (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])[0]
+            raise StorageError(f"storage {url}: cannot open it: {first[:300]}") from None
     path = Path(url).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise StorageError(f"storage {url}: is a directory; give a journal file path inside it, "
+                           f"e.g. {path / 'studies.journal'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise StorageError(f"storage {url}: cannot write a journal file there: {e.strerror or e}") from None
     from optuna.storages.journal import JournalFileBackend
 
     return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+
+
+def check_seed_configs(specs, configs) -> None:
+    """ValueError for a seed config that is not a JSON object, or names a parameter no kernel being tuned
+    has (a typo would otherwise be skipped without a word)."""
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+        raise ValueError("seed configs must be a JSON list of config objects, e.g. [{\"BLOCK\": 1024}]")
+    known = set().union(*(s.space.params for s in specs)) if specs else set()
+    for i, c in enumerate(configs):
+        bad = sorted(set(c) - known)
+        if bad:
+            names = ", ".join(s.name for s in specs)
+            raise ValueError(f"seed config {i} {c}: unknown parameter {bad[0]!r} for {names} "
+                             f"(parameters: {', '.join(sorted(known))})")
 
 
 def dtype_name(dtype) -> str:
     from tritune.tuning.store import dtype_name as name
 
     return name(dtype)
+
+
+def store_key(dtype) -> str:
+    """The store's (and a study's) dtype key: fp32 under tf32 precision is "tfloat32" where the kernels
+    package keys it so (``kernels.store_dtype``), the dtype's name otherwise."""
+    from tritune import kernels
+
+    fn = getattr(kernels, "store_dtype", None)
+    return fn(dtype) if fn is not None else dtype_name(dtype)
 
 
 def study_name(kernel: str, bucket: str, dtype, slug: str) -> str:
@@ -450,15 +504,17 @@ class Job:
     bucket: str = ""
     name: str = ""
     skipped: list = field(default_factory=list)   # further problems of the same bucket
+    key: str = ""           # the store's dtype key (fp32 under tf32 precision: "tfloat32")
 
     def __post_init__(self):
         from tritune import kernels
 
         self.bucket = self.bucket or kernels.bucket_key(self.spec.bucket(self.problem))
-        self.name = self.name or study_name(self.spec.name, self.bucket, self.dtype, self.slug)
+        self.key = self.key or store_key(self.dtype)
+        self.name = self.name or study_name(self.spec.name, self.bucket, self.key, self.slug)
 
     def label(self) -> str:
-        return f"{self.spec.name} {self.bucket} {dtype_name(self.dtype)}"
+        return f"{self.spec.name} {self.bucket} {self.key}"
 
 
 def resolve_specs(kernels_) -> list:
@@ -538,7 +594,7 @@ def open_study(storage, job: Job, sampler=None):
     if attrs.get("kernel") != job.spec.name:
         default = job.spec.default_config(job.problem, job.dtype)
         for k, v in {
-            "tritune": 1, "kernel": job.spec.name, "bucket": job.bucket, "dtype": dtype_name(job.dtype),
+            "tritune": 1, "kernel": job.spec.name, "bucket": job.bucket, "dtype": job.key,
             "slug": job.slug, "problem": _problem_dict(job.problem), "problem_label": _problem_label(job.problem),
             "default_config": default,
             "n_valid": len(job.spec.space.points(job.problem, job.dtype)),
@@ -714,7 +770,8 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
         best = min((t.value for t in ts if t.state == TrialState.COMPLETE and t.value is not None),
                    default=None)
         if progress is not None:
-            progress(job, n_eval, trials, sum(t.state == TrialState.FAIL for t in _evaluated(ts)), best)
+            progress(job, n_eval, min(trials, len(valid)), sum(t.state == TrialState.FAIL for t in _evaluated(ts)),
+                     best, deadline)
         if n_eval + len(running) >= trials or len(set(done) & set(valid)) >= len(valid):
             break
         if deadline is not None and now >= deadline:
@@ -807,7 +864,7 @@ def _ensure_previous(study, job: Job) -> None:
     from tritune.tuning import store
 
     try:
-        prev = store.entry_config(job.spec.name, job.bucket, job.dtype, job.slug)
+        prev = store.entry_config(job.spec.name, job.bucket, job.key, job.slug)
     except Exception:  # an unreadable store is reported where it is loaded
         return
     if prev is not None and prev != job.spec.default_config(job.problem, job.dtype):
@@ -937,11 +994,19 @@ def export(storage=None, kernels_=None, slug: str | None = None, root: Path | st
                 continue
         except KeyError:
             pass
-        e = {"bucket": a["bucket"], "dtype": a["dtype"], "config": s["config"], "time_us": round(s["best_us"], 3),
-             "default_us": None if s["default_us"] is None else round(s["default_us"], 3),
+        config, best_us, default_us = s["config"], s["best_us"], s["default_us"]
+        r = a.get("retimed")  # the side-by-side re-timing of the front runners decides, where it is current
+        retimed = isinstance(r, dict) and r.get("best_trial") == s["best_trial"] and r.get("config")
+        if retimed:
+            config, best_us, default_us = r["config"], r["time_us"], r.get("default_us", default_us)
+        e = {"bucket": a["bucket"], "dtype": a["dtype"], "config": config, "time_us": round(best_us, 3),
+             "default_us": None if default_us is None else round(default_us, 3),
              "default_config": s["default_config"],
-             "speedup": None if s["speedup"] is None else round(s["speedup"], 4),
-             "trials": s["trials"], "failed": s["failed"], "problem": s["problem"], "study": st.study_name}
+             "speedup": None if not default_us else round(default_us / best_us, 4),
+             "trials": s["trials"], "failed": s["failed"], "problem": s["problem"],
+             "problem_fields": s["problem_fields"], "study": st.study_name}
+        if retimed:
+            e["retimed"] = {k: r[k] for k in ("winner", "times_us", "rounds") if k in r}
         by_kernel[a["kernel"]].append(e)
     paths = []
     for k, entries in sorted(by_kernel.items()):
@@ -955,36 +1020,37 @@ def export(storage=None, kernels_=None, slug: str | None = None, root: Path | st
 # The sweep: one process, or N processes on N GPUs sharing the storage
 # ---------------------------------------------------------------------------------------------------
 class Progress:
-    """One line on stderr: rewritten in place on a terminal, every 10 trials otherwise."""
+    """A tqdm bar per study on stderr (trials evaluated of the study's count, ETA, best time); nothing
+    when disabled or when stderr is not a terminal."""
 
     def __init__(self, n_jobs: int, stream=None, enabled: bool = True, prefix: str = ""):
         self.stream = stream or sys.stderr
-        self.n_jobs, self.enabled, self.prefix = n_jobs, enabled, prefix
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.t0 = time.time()
+        self.n_jobs, self.prefix = n_jobs, prefix
+        self.enabled = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.index = 0
-        self._last = None
-        self._last_n = None
+        self.bar = None
 
-    def __call__(self, job, n, target, failed, best) -> None:
+    def __call__(self, job, n, target, failed, best, deadline=None) -> None:
         if not self.enabled:
             return
-        shown = f"{target}" if target < 10**8 else "all"
-        line = (f"{self.prefix}[{self.index + 1}/{self.n_jobs}] {job.label()}: {n}/{shown} trials, {failed} failed, "
-                f"best {'-' if best is None else f'{best:.2f}'} µs, {time.time() - self.t0:.0f} s")
-        if self.tty:
-            self.stream.write("\r" + line[:160].ljust(min(160, max(len(line), len(self._last or "")))))
-            self.stream.flush()
-        elif self._last is None or (n != self._last_n and (n % 10 == 0 or n >= target)):
-            print(line, file=self.stream, flush=True)
-        self._last, self._last_n = line, n
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=target, initial=n, desc=f"{self.prefix}[{self.index + 1}/{self.n_jobs}] {job.label()}",
+                            unit="trial", file=self.stream, dynamic_ncols=True, leave=True)
+        if self.bar.total != target:
+            self.bar.total = target
+        self.bar.update(n - self.bar.n)
+        post = f"best {'-' if best is None else f'{best:.2f}'} µs, {failed} failed"
+        if deadline is not None:
+            post += f", ends by {time.strftime('%H:%M:%S', time.localtime(deadline))}"
+        self.bar.set_postfix_str(post)
 
     def next_job(self) -> None:
-        if self.enabled and self.tty and self._last:
-            self.stream.write("\n")
+        if self.bar is not None:
+            self.bar.close()
+        self.bar = None
         self.index += 1
-        self._last = None
-        self._last_n = None
 
 
 def _sweep(jobs: list[Job], *, storage, sampler: str, trials: int, deadline: float | None, seed: int,
@@ -1039,12 +1105,13 @@ def tune(kernels_, problems=None, dtypes=None, *, trials: int = 40, sampler: str
          workers: int = 1, time_budget: float | None = None, seed: int = 0, evaluate: Callable | None = None,
          isolation: str = "auto", timeout: float = TASK_TIMEOUT, progress: bool = True, slug: str | None = None,
          seed_default: bool = True, stop_at: dict | None = None, log=None,
-         seed_configs: list[dict] | None = None) -> list[dict]:
+         seed_configs: list[dict] | None = None, warm: Callable | None = None) -> list[dict]:
     """Tune kernels (names, 'all' or specs); returns one :func:`study_stats` row per study of the plan.
 
     ``seed_configs``: (partial) configs each study evaluates before its sampler proposes (completed from
     the heuristic default; skipped where invalid): the front runners of a probe, timed and verified by the
-    same evaluation as every other trial.
+    same evaluation as every other trial. ``warm(job) -> [config]``: configs enqueued after those
+    (under the ``warm`` attribute): another GPU's winners for the bucket (see ``tuning/budget.py``).
 
     ``evaluate(task) -> {"ok", "ms" | "error"}`` replaces the real evaluation (it must be picklable
     when evaluations run in worker processes). KeyboardInterrupt propagates after the workers stop; the
@@ -1054,17 +1121,28 @@ def tune(kernels_, problems=None, dtypes=None, *, trials: int = 40, sampler: str
 
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler: expected one of {SAMPLERS}, got {sampler!r}")
+    if not isinstance(trials, int) or trials < 0:
+        raise ValueError(f"trials: expected a whole number >= 0, got {trials!r}")
     log = log or (lambda msg: print(msg, file=sys.stderr))
     specs = resolve_specs(kernels_)
     jobs = plan(specs, problems, dtypes, slug, log)
     storage_obj = open_storage(storage)
-    if seed_configs and trials > 0:
+    if seed_configs is not None:
+        check_seed_configs(specs, seed_configs)
+    if (seed_configs or warm) and trials > 0:
         for job in jobs:  # after the default and the stored config (each enqueued once)
             study = open_study(storage_obj, job)
             if seed_default:
                 _ensure_default(study, job)
                 _ensure_previous(study, job)
-            _enqueue_seeds(study, job, seed_configs)
+            if seed_configs:
+                mine = [c for c in seed_configs if set(c) <= set(job.spec.space.params)]
+                if len(mine) < len(seed_configs):
+                    log(f"{job.label()}: {len(seed_configs) - len(mine)} seed config(s) with another kernel's "
+                        "parameters skipped")
+                _enqueue_seeds(study, job, mine)
+            if warm is not None:
+                _enqueue_seeds(study, job, warm(job), attr="warm")
     deadline = time.time() + time_budget if time_budget else None
     if trials > 0 and jobs:
         if workers <= 1:
@@ -1085,7 +1163,7 @@ def tune(kernels_, problems=None, dtypes=None, *, trials: int = 40, sampler: str
             st = optuna.load_study(study_name=job.name, storage=storage_obj)
         except KeyError:
             rows.append({"study": job.name, "kernel": job.spec.name, "bucket": job.bucket,
-                         "dtype": dtype_name(job.dtype), "trials": 0, "failed": 0, "best_us": None,
+                         "dtype": job.key, "trials": 0, "failed": 0, "best_us": None,
                          "default_us": None, "speedup": None, "config": None})
             continue
         rows.append(study_stats(st))
@@ -1122,14 +1200,18 @@ def _run_workers(jobs, storage, storage_obj, *, workers, sampler, trials, deadli
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         procs.append(p)
         log(f"tune: worker {w} (pid {p.pid})" + (f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if env else ""))
-    t0 = time.time()
-    tty = sys.stderr.isatty()
-    shown = (None, 0.0)
+    bar = None
+    if progress and sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        total = sum(min(trials, len(j.spec.space.points(j.problem, j.dtype))) for j in jobs)
+        bar = tqdm(total=total, desc=f"tune: {workers} workers, {len(jobs)} studies", unit="trial",
+                   file=sys.stderr, dynamic_ncols=True)
     try:
         while any(p.is_alive() for p in procs):
             for p in procs:
                 p.join(timeout=2.0 / len(procs))
-            if not progress:
+            if bar is None:
                 continue
             n = failed = 0
             for j in jobs:
@@ -1140,14 +1222,8 @@ def _run_workers(jobs, storage, storage_obj, *, workers, sampler, trials, deadli
                 ev = _evaluated(st.get_trials(deepcopy=False))
                 n += len(ev)
                 failed += sum(t.state.name == "FAIL" for t in ev)
-            line = (f"tune: {workers} workers, {len(jobs)} studies: {n} trials evaluated ({failed} failed), "
-                    f"{time.time() - t0:.0f} s")
-            if tty:
-                sys.stderr.write("\r" + line)
-                sys.stderr.flush()
-            elif n != shown[0] and time.time() - shown[1] >= 10:
-                print(line, file=sys.stderr, flush=True)
-                shown = (n, time.time())
+            bar.update(min(n, bar.total) - bar.n)
+            bar.set_postfix_str(f"{failed} failed")
     except KeyboardInterrupt:
         for p in procs:
             p.join(10.0)
@@ -1155,8 +1231,8 @@ def _run_workers(jobs, storage, storage_obj, *, workers, sampler, trials, deadli
                 p.terminate()
         raise
     finally:
-        if progress and tty:
-            sys.stderr.write("\n")
+        if bar is not None:
+            bar.close()
     bad = [p.exitcode for p in procs if p.exitcode]
     if bad:
         log(f"tune: {len(bad)} worker(s) exited with codes {bad}; their finished trials are kept")
