@@ -439,6 +439,16 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--naive-requests", type=int, default=2, help="0: skip the naive baseline")
     s.add_argument("--naive-tokens", type=int, default=64)
     s.add_argument("--out", default=None, help="write the results as JSON here")
+    h = s.add_argument_group("over HTTP (--url: any OpenAI-compatible server; see model/http_bench.py)")
+    h.add_argument("--url", default=None, help="drive the server at this URL (e.g. http://127.0.0.1:8000) "
+                   "instead of an engine in this process")
+    h.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at most (default 256)")
+    h.add_argument("--served-model", default=None, help="the model name to send (default: the first of "
+                   "/v1/models)")
+    h.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
+    h.add_argument("--vocab-size", type=int, default=None, help="for drawn prompts (default: the server's "
+                   "vocab_size in /v1/models, else 50257)")
+    h.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default 600)")
     s.set_defaults(func=run)
 
 
@@ -447,6 +457,10 @@ def _print(*a):
 
 
 def run(args) -> int:
+    if getattr(args, "url", None):
+        from tritune.model.http_bench import run_url
+
+        return run_url(args)
     import torch
 
     from tritune.model.engine import Engine

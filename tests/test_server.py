@@ -1,0 +1,431 @@
+"""``tritune serve`` on a real socket: uvicorn in a thread (the CLI in a subprocess once) on a free port of
+127.0.0.1, driven with the official ``openai`` client and ``httpx``. The packaged checkpoint, torch backend,
+fp32 on the CPU. Every greedy output is checked against the same request through an in-process Engine."""
+import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from tritune.model.cli import default_model_dir  # noqa: E402
+from tritune.model.engine import Engine  # noqa: E402
+from tritune.model.gpt2 import GPT2  # noqa: E402
+from tritune.model.scheduler import SamplingParams  # noqa: E402
+from tritune.model.server import TextOut, create_app  # noqa: E402
+from tritune.model.tokenizer import Tokenizer  # noqa: E402
+
+NAME = "tiny"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+pytestmark = pytest.mark.skipif(default_model_dir() is None, reason="no packaged checkpoint (model/default/)")
+
+
+class ThreadServer:
+    """uvicorn serving ``app`` in a thread, on a socket bound here (so the port is known and free)."""
+
+    def __init__(self, app):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            assert time.time() - t0 < 30 and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return GPT2.from_pretrained(default_model_dir(), backend="torch", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    return Tokenizer.from_dir(model.directory)
+
+
+@pytest.fixture(scope="module")
+def served(model, tok):
+    engine = Engine(model, num_blocks=600, block_size=16, max_num_seqs=64, cuda_graphs=False, tokenizer=tok)
+    app = create_app(engine, tok, NAME, chat_template=CHAT_TEMPLATE, max_queue=64)
+    ts = ThreadServer(app)
+    ts.state = app.state.server
+    ts.engine = engine
+    yield ts
+    ts.close()
+
+
+@pytest.fixture(scope="module")
+def ref(model, tok):
+    """The same requests through an Engine in-process: (token ids, text, finish reason) per prompt."""
+    engine = Engine(model, num_blocks=600, block_size=16, max_num_seqs=64, cuda_graphs=False, tokenizer=tok)
+    eos = model.config.eos_token_id
+
+    def run(prompts, max_tokens, stop=(), ignore_eos=False):
+        ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
+        out = engine.generate(ids, [SamplingParams(max_new_tokens=m, stop=tuple(stop), ignore_eos=ignore_eos)
+                                    for m in mts])
+        res = []
+        for c in out:
+            toks = c.token_ids
+            text = tok.decode(toks[:-1] if toks and toks[-1] == eos and not ignore_eos else toks)
+            hit = [i for i in (text.find(s) for s in stop) if i >= 0]
+            res.append((toks, text[:min(hit)] if hit else text, "stop" if hit else c.finish_reason))
+        return res
+
+    return run
+
+
+@pytest.fixture()
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_idle(served, timeout=10.0) -> dict:
+    """/health once nothing is in flight (aborts land at the engine's next step)."""
+    t0 = time.time()
+    while True:
+        h = httpx.get(served.url + "/health").json()
+        if h["in_flight"] == 0 and h["running"] == 0 and h["waiting"] == 0:
+            return h
+        assert time.time() - t0 < timeout, h
+        time.sleep(0.05)
+
+
+def metric(served, name) -> float:
+    for line in httpx.get(served.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def sse(lines):
+    """The JSON events of an SSE body, and whether it ended with [DONE]."""
+    events, done = [], False
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        assert not done, "data after [DONE]"
+        if line == "data: [DONE]":
+            done = True
+        else:
+            events.append(json.loads(line[len("data: "):]))
+    return events, done
+
+
+# ---------------------------------------------------------------------------------------------------
+def test_models_health_metrics(served, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    h = wait_idle(served)
+    assert h["status"] == "ok" and h["kv_blocks_used"] == 0 and h["kv_blocks_total"] == 600
+    text = httpx.get(served.url + "/metrics").text
+    for name in ("tritune_requests_total", "tritune_prompt_tokens_total", "tritune_generation_tokens_total",
+                 "tritune_requests_waiting", "tritune_kv_blocks_used", "tritune_time_to_first_token_seconds_bucket",
+                 "tritune_time_per_output_token_seconds_bucket"):
+        assert name in text, name
+
+
+def test_completions_equal_the_engine(served, client, ref, tok):
+    prompt = "Once upon a time"
+    (ids, text, finish), = ref([prompt], 24)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == text and r.choices[0].finish_reason == finish
+    assert r.usage.prompt_tokens == len(tok.encode(prompt)) and r.usage.completion_tokens == len(ids)
+    # a list of prompts (text, then token ids) answers one choice per prompt, in order
+    prompts = ["The king said", "In the morning"]
+    want = ref(prompts, 10)
+    r = client.completions.create(model=NAME, prompt=prompts, max_tokens=10, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [w[1] for w in want]
+    r = client.completions.create(model=NAME, prompt=[tok.encode(p) for p in prompts], max_tokens=10,
+                                  temperature=0, extra_body={"return_token_ids": True})
+    assert [c.text for c in r.choices] == [w[1] for w in want]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [w[0] for w in want]
+
+
+def test_streaming_chunks_usage_and_done(served, client, ref):
+    prompt = "The queen"
+    (ids, text, finish), = ref([prompt], 30)
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 30, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events, done = sse(r.iter_lines())
+    assert done
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == len(ids)
+    for c in chunks:
+        assert c["object"] == "text_completion" and c["model"] == NAME and c["usage"] is None
+        assert c["id"] == last["id"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == ids
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == finish
+    # the official client, streaming
+    got = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=30, temperature=0, stream=True))
+    assert got == text
+
+
+def test_stop_strings_cut_the_text(served, client, ref):
+    prompt = "Once upon a time"
+    (_, text, _), = ref([prompt], 40, ignore_eos=True)
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    assert stop.strip(), text
+    (_, want, finish), = ref([prompt], 40, stop=[stop], ignore_eos=True)
+    assert finish == "stop" and want == text[:text.find(stop)]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "zzzz"],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0, stop=stop,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_idle(served)
+
+
+def test_text_out_holds_back_a_stop_string_split_across_tokens(tok):
+    ids = tok.encode("one two three four five six")
+    out = TextOut(tok, stops=["four fi"])
+    pieces = [out.feed([t]) for t in ids]
+    assert "".join(pieces) + out.finish() == "one two three "
+    assert all("fo" not in p for p in pieces) and out.stopped
+
+
+def test_64_concurrent_streams_equal_the_engine(served, ref):
+    g = torch.Generator().manual_seed(7)
+    n = 64
+    prompts = [torch.randint(1, 8000, (int(k),), generator=g).tolist() for k in torch.randint(2, 40, (n,), generator=g)]
+    max_tokens = [int(m) for m in torch.randint(4, 20, (n,), generator=g)]
+    want = ref(prompts, max_tokens)
+    steps0 = httpx.get(served.url + "/health").json()["steps"]
+
+    async def one(c, p, m):
+        text, ids = "", []
+        stream = await c.completions.create(model=NAME, prompt=p, max_tokens=m, temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True})
+        async for ch in stream:
+            text += ch.choices[0].text
+            ids += ch.choices[0].model_extra["token_ids"]
+        return ids, text
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as c:
+            return await asyncio.gather(*(one(c, p, m) for p, m in zip(prompts, max_tokens)))
+
+    got = asyncio.run(main())
+    for i, ((ids, text), (wids, wtext, _)) in enumerate(zip(got, want)):
+        assert ids == wids, i
+        assert text == wtext, i
+    # batched across HTTP requests: far fewer engine steps than the requests' tokens one at a time
+    steps = httpx.get(served.url + "/health").json()["steps"] - steps0
+    assert steps < sum(len(w[0]) for w in want) / 4, steps
+    assert wait_idle(served)["kv_blocks_used"] == 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(served):
+    aborts = metric(served, 'tritune_requests_total{finish_reason="abort"}')
+    body = {"model": NAME, "prompt": "It was", "max_tokens": 250, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    got = 0
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()      # held: a dropped line iterator closes the connection
+        for line in lines:
+            if line.startswith("data: {"):
+                got += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                break
+        assert httpx.get(served.url + "/health").json()["kv_blocks_used"] > 0
+    assert 0 < got < 250
+    h = wait_idle(served)
+    assert h["kv_blocks_used"] == 0
+    assert metric(served, 'tritune_requests_total{finish_reason="abort"}') == aborts + 1
+    # a whole (non-streaming) request whose client gives up is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    assert wait_idle(served)["kv_blocks_used"] == 0
+    assert metric(served, 'tritune_requests_total{finish_reason="abort"}') == aborts + 2
+
+
+BAD = [
+    (b'{"prompt": "x",', None),
+    (b'{"prompt": "x", "temperature": NaN}', None),
+    (b"[1, 2]", None),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -3}, "top_k"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 256}, "max_tokens"),
+    ({"prompt": "word " * 300, "max_tokens": 4}, "prompt"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "stop": ""}, "stop"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [5, 99999]}, "prompt"),
+    ({"prompt": [[5], "x"]}, "prompt"),
+]
+
+
+def test_bad_requests_answer_400_and_disturb_nothing(served, ref):
+    (ids, text, _), = ref(["The old man"], 120, ignore_eos=True)
+    body = {"model": NAME, "prompt": "The old man", "max_tokens": 120, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    got = ""
+    with httpx.Client(base_url=served.url, timeout=60) as h, \
+            httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for bad, param in BAD:      # while the good stream is running
+            resp = h.post("/v1/completions", content=bad if isinstance(bad, bytes) else json.dumps(bad),
+                          headers={"content-type": "application/json"})
+            assert resp.status_code == 400, (bad, resp.text)
+            err = resp.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            assert err["param"] == param, (bad, err)
+            assert err["message"], bad
+        over = h.post("/v1/completions", json={"prompt": "word " * 300, "max_tokens": 4}).json()["error"]
+        assert over["code"] == "context_length_exceeded"
+        r404 = h.post("/v1/completions", json={"model": "gpt-5", "prompt": "x"})
+        assert r404.status_code == 404 and r404.json()["error"]["code"] == "model_not_found"
+        events, done = sse(lines)
+    got = "".join(e["choices"][0]["text"] for e in events)
+    assert done and got == text
+    assert wait_idle(served)["kv_blocks_used"] == 0
+
+
+def test_full_queue_answers_429_with_retry_after(served):
+    st = served.state
+    bound = st.max_pending
+    st.max_pending = 1
+    body = {"model": NAME, "prompt": "It was", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    try:
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()      # held: a dropped line iterator closes the connection
+            next(lines)
+            resp = httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": "x"})
+            assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+            assert resp.json()["error"]["code"] == "queue_full"
+    finally:
+        st.max_pending = bound
+    wait_idle(served)
+    assert httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2},
+                      timeout=60).status_code == 200
+
+
+def test_api_key_checked_on_every_request(served):
+    st = served.state
+    st.api_key = "sekret"
+    try:
+        for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                             ("POST", "/v1/completions")):
+            r = httpx.request(method, served.url + path, json={"prompt": "x"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            r = httpx.request(method, served.url + path, json={"prompt": "x"},
+                              headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401, path
+        c = openai.OpenAI(base_url=served.url + "/v1", api_key="sekret", max_retries=0)
+        assert c.completions.create(model=NAME, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=served.url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        st.api_key = None
+
+
+def test_chat_completions_with_a_template_and_refused_without(served, client, ref):
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    (ids, text, finish), = ref(["user: Tell me a story\nassistant:"], 12)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == finish
+    st = served.state
+    saved, st.chat_template = st.chat_template, None
+    try:
+        r = httpx.post(served.url + "/v1/chat/completions", json={"model": NAME, "messages": msgs})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_missing"
+    finally:
+        st.chat_template = saved
+
+
+def test_serve_bench_url_drives_the_server(served, tmp_path):
+    from tritune.harness.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["serve-bench", "--url", served.url, "-n", "16", "--prompt-len", "4:24", "--output-len", "4:16",
+               "--rate", "200", "--max-concurrency", "8", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    run = res["run"]
+    assert run["errors"] == 0 and run["requests"] == 16 and run["completed"] == 16
+    assert run["output_tokens"] == res["workload"]["output_tokens"]
+    assert run["output_tok_s"] > 0 and run["ttft_ms"]["p50"] > 0 and run["itl_ms"]["p99"] is not None
+    assert wait_idle(served)["kv_blocks_used"] == 0
+
+
+def test_cli_serve_in_a_subprocess():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, TRITUNE_API_KEY="k2")
+    p = subprocess.Popen([sys.executable, "-m", "tritune.harness.cli", "serve", "--port", str(port),
+                          "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    auth = {"Authorization": "Bearer k2"}
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                if httpx.get(url + "/health", headers=auth).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert p.poll() is None, p.stdout.read().decode()
+            assert time.time() - t0 < 60, "tritune serve did not come up"
+            time.sleep(0.2)
+        assert httpx.get(url + "/health").status_code == 401
+        r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
+                       json={"model": "tritune-default", "prompt": "Once", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        r = httpx.post(url + "/v1/chat/completions", headers=auth, json={"messages": [{"role": "user",
+                                                                                         "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_missing"
+    finally:
+        p.terminate()
+        p.wait(20)
