@@ -1,0 +1,261 @@
+"""The contract every registered kernel must pass, as a pytest test class made from its spec.
+
+For each dtype: draw a problem, a layout, a seed and a valid config from the kernel's space; build random
+inputs; poison the output with NaN; launch; compare with the float64 reference under the dtype's tolerance
+and check every element was written. Drawing the config as well as the problem tests every point the tuner
+may pick, not only the default. Then the spec's own promises: the heuristic default is valid for any
+problem, cached launch plans read each call's data, bad inputs are refused with a message, an explicit
+invalid config is refused, and (on a GPU) the standard problems at full size match.
+
+Budgets: the reference-match test runs at most ``examples`` hypothesis examples and stops launching once
+``budget`` seconds are spent (a failure found before then is still shrunk in full); the ``slow``-marked
+``test_matches_reference_deep`` runs the larger count with no time limit. Defaults: 12 examples and 120 s
+through the interpreter, 40 examples and 20 s per (kernel, dtype) on a GPU; ``TRITUNE_EXAMPLES`` and
+``TRITUNE_TEST_BUDGET`` override them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tritune import kernels
+from tritune.harness import compare as cmp
+from tritune.harness import device as dev
+from tritune.harness import strategies as S
+from tritune.testing import pytest_plugin
+
+# Interpreter problems stay small: every program instance runs in Python.
+MAX_ELEMS = S.cap(cpu=1 << 14, gpu=1 << 24)
+DEEP_EXAMPLES = S.cap(cpu=40, gpu=300)
+
+
+def _env_number(name: str, default, kind=float):
+    v = os.environ.get(name)
+    try:
+        return kind(v) if v not in (None, "") else default
+    except ValueError:
+        raise ValueError(f"{name}={v!r}: expected a number") from None
+
+
+def default_examples() -> int:
+    return _env_number("TRITUNE_EXAMPLES", S.cap(cpu=12, gpu=40), int)
+
+
+def default_budget() -> float:
+    return _env_number("TRITUNE_TEST_BUDGET", S.cap(cpu=120.0, gpu=20.0))
+
+
+def _settings(examples: int) -> settings:
+    # derandomized through the interpreter (CI sees the same examples each run); on a GPU fresh examples
+    # each run, a failing one replayed first from hypothesis's database
+    return settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck),
+                    derandomize=dev.interpreted(), print_blob=True)
+
+
+def budgeted(fn, budget: float | None, at_least: int = 2):
+    """``fn`` that stops doing anything once ``budget`` seconds have passed since its first call (after at
+    least ``at_least`` runs). Hypothesis keeps drawing examples, which cost microseconds; the ones past the
+    budget launch nothing. After a failure the budget is off, so shrinking replays every example."""
+    state = {"t0": None, "runs": 0, "failed": False}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        now = time.monotonic()
+        if state["t0"] is None:
+            state["t0"] = now
+        if (budget is not None and not state["failed"] and state["runs"] >= at_least
+                and now - state["t0"] > budget):
+            return
+        state["runs"] += 1
+        try:
+            fn(*args, **kwargs)
+        except BaseException:
+            state["failed"] = True
+            raise
+
+    wrapper.state = state
+    return wrapper
+
+
+def _skip_if_interpreted(spec, dtype):
+    if dev.interpreted() and dtype in spec.interpreter_skip:
+        pytest.skip(f"GPU only: {spec.interpreter_skip[dtype]}")
+
+
+def _dtype_id(d) -> str:
+    return str(d).split(".")[-1]
+
+
+def poison_out(case) -> None:
+    outs = case.out if isinstance(case.out, (tuple, list)) else [case.out]
+    for o in outs:
+        if isinstance(o, torch.Tensor):
+            cmp.poison(o)
+
+
+def check_matches_reference(spec, dtype, examples: int, budget: float | None) -> None:
+    """The reference match over drawn problems, layouts, seeds and config points (None: the launcher's
+    own choice: tuned store or heuristic default)."""
+    _skip_if_interpreted(spec, dtype)
+
+    def prop(problem, layout, seed, data):
+        points = spec.space.points(problem, dtype)
+        assert points, f"{spec.name}: no valid config for {problem}"
+        default = spec.default_config(problem, dtype)
+        why = spec.space.why_invalid(default, problem, dtype)
+        assert why is None, f"{spec.name}: default config {default} invalid for {problem}: {why}"
+        config = data.draw(st.sampled_from([None] + points), label="config")
+        case = spec.make_inputs(problem, dtype, dev.device(), seed, layout)
+        poison_out(case)
+        got = spec.run(*case.args, out=case.out, config=config, **case.kwargs)
+        ref = spec.reference(*case.args, **case.kwargs)
+        cmp.check(got, ref, dtype, spec.accumulation(dtype), what=f"{spec.name} {problem} {layout} cfg={config}")
+
+    test = given(problem=spec.problems(MAX_ELEMS), layout=st.sampled_from(spec.layouts),
+                 seed=st.integers(0, 2**31 - 1), data=st.data())(budgeted(prop, budget))
+    _settings(examples)(test)()
+
+
+def check_cached_launch_plans(spec) -> None:
+    """Launchers cache a plan per metadata: same-shaped calls with other data (and other outputs), in turn
+    and again, must each match their own reference (a plan that kept a pointer, a copy or a workspace of the
+    first call would not)."""
+    usable = [d for d in spec.dtypes if d not in spec.interpreter_skip or not dev.interpreted()]
+    if not usable:
+        pytest.skip(f"{spec.name}: every dtype is GPU only")
+    dtype = usable[0]
+    acc = spec.accumulation(dtype)
+    for problem in spec.small_problems[:2]:
+        cases = [spec.make_inputs(problem, dtype, dev.device(), seed) for seed in (11, 12)]
+        for case in cases + cases:
+            poison_out(case)
+            got = spec.run(*case.args, out=case.out, **case.kwargs)
+            cmp.check(got, spec.reference(*case.args, **case.kwargs), dtype, acc, what=f"{spec.name} {problem}")
+        got = spec.run(*cases[0].args, **cases[0].kwargs)  # a fresh output this time, same plan
+        cmp.check(got, spec.reference(*cases[0].args, **cases[0].kwargs), dtype, acc)
+        kernels.clear_config_cache()  # a store written meanwhile: plans must look their config up again
+        got = spec.run(*cases[1].args, **cases[1].kwargs)
+        cmp.check(got, spec.reference(*cases[1].args, **cases[1].kwargs), dtype, acc)
+
+
+def check_default_config_valid(spec, examples: int = 150) -> None:
+    """No launch, so problems of GPU size are cheap: the heuristic default must be a valid point of the
+    space for every problem the strategy can draw (a missing default is a crash on a valid input)."""
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck),
+              derandomize=dev.interpreted())
+    @given(problem=spec.problems(1 << 26), dtype=st.sampled_from(spec.dtypes))
+    def prop(problem, dtype):
+        default = spec.default_config(problem, dtype)
+        assert spec.space.why_invalid(default, problem, dtype) is None, (problem, dtype, default)
+
+    prop()
+
+
+def check_bad_inputs(spec) -> None:
+    if spec.bad_inputs is None:
+        pytest.skip(f"{spec.name} declares no bad inputs")
+    for label, thunk, exc in spec.bad_inputs(dev.device()):
+        with pytest.raises(exc) as info:
+            thunk()
+        assert str(info.value), f"{spec.name}: {label}: empty error message"
+
+
+def check_spec_complete(spec) -> None:
+    """Every standard and small problem has a valid default config, a bucket and a positive cost."""
+    assert spec.small_problems, f"{spec.name}: no small problems (the interpreter's benchmark and tuning set)"
+    for problem in spec.standard_problems + spec.small_problems:
+        for dtype in spec.dtypes:
+            cfg = spec.default_config(problem, dtype)
+            assert spec.space.why_invalid(cfg, problem, dtype) is None, (problem, cfg)
+            assert kernels.bucket_key(spec.bucket(problem))
+            c = spec.cost(problem, dtype)
+            assert c.bytes > 0 and c.flops >= 0, (problem, dtype, c)
+
+
+def check_invalid_config_rejected(spec) -> None:
+    problem = spec.small_problems[0]
+    dtype = spec.dtypes[0]
+    case = spec.make_inputs(problem, dtype, dev.device(), 0)
+    bad = dict(spec.default_config(problem, dtype), not_a_parameter=1)
+    with pytest.raises(ValueError, match="not_a_parameter"):
+        spec.run(*case.args, out=case.out, config=bad, **case.kwargs)
+
+
+def check_standard_problems(spec, dtype) -> None:
+    """The benchmark problems themselves, at full size, with the default (or tuned) config."""
+    if dev.interpreted():
+        pytest.skip("needs a CUDA GPU (this machine runs kernels through the Triton interpreter)")
+    for problem in spec.standard_problems:
+        case = spec.make_inputs(problem, dtype, "cuda", 1234)
+        poison_out(case)
+        got = spec.run(*case.args, out=case.out, **case.kwargs)
+        ref = spec.reference(*case.args, **case.kwargs)
+        cmp.check(got, ref, dtype, spec.accumulation(dtype), what=f"{spec.name} {problem}")
+        del case, got, ref
+        torch.cuda.empty_cache()
+
+
+def _mark(name: str):
+    pytest_plugin.register_marker(name)
+    return getattr(pytest.mark, name)
+
+
+def contract_tests(spec, *, examples: int | None = None, budget: float | None = None) -> type:
+    """A pytest test class holding the whole contract for ``spec`` (a registered kernel's name or a
+    :class:`~tritune.kernels.KernelSpec`). Assign it to a name starting with ``Test``::
+
+        TestMyRMSNorm = contract_tests("my_rmsnorm")
+
+    ``examples``: hypothesis examples per dtype for the reference match; ``budget``: seconds per dtype after
+    which it stops launching (None: the defaults above). The class is marked with the kernel's name (``-m``).
+    """
+    if isinstance(spec, str):
+        spec = kernels.get(spec)
+    if not isinstance(spec, kernels.KernelSpec):
+        raise TypeError(f"spec: expected a kernel name or a KernelSpec, got {type(spec).__name__}")
+    examples = default_examples() if examples is None else int(examples)
+    budget = default_budget() if budget is None else budget
+    dtypes = pytest.mark.parametrize("dtype", list(spec.dtypes), ids=[_dtype_id(d) for d in spec.dtypes])
+
+    class Contract:
+        __test__ = True
+
+        @dtypes
+        def test_matches_reference(self, dtype):
+            check_matches_reference(spec, dtype, examples, budget)
+
+        @pytest.mark.slow
+        @dtypes
+        def test_matches_reference_deep(self, dtype):
+            check_matches_reference(spec, dtype, max(DEEP_EXAMPLES, examples), None)
+
+        def test_cached_launch_plans_read_each_calls_data(self):
+            check_cached_launch_plans(spec)
+
+        def test_default_config_valid_for_any_problem(self):
+            check_default_config_valid(spec)
+
+        def test_bad_inputs_raise_clear_errors(self):
+            check_bad_inputs(spec)
+
+        def test_spec_is_complete(self):
+            check_spec_complete(spec)
+
+        def test_explicit_invalid_config_is_rejected(self):
+            check_invalid_config_rejected(spec)
+
+        @pytest.mark.gpu
+        @dtypes
+        def test_standard_problems_on_gpu(self, dtype):
+            check_standard_problems(spec, dtype)
+
+    Contract.__name__ = Contract.__qualname__ = f"Test_{spec.name}"
+    Contract.spec = spec
+    Contract.pytestmark = [_mark(spec.name), _mark("tritune_contract")]
+    return Contract

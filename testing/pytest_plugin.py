@@ -1,0 +1,56 @@
+"""pytest plugin (entry point ``pytest11``): ``--tritune-kernel NAME`` and one marker per kernel.
+
+Loaded in every pytest session of an environment where tritune is installed, so it imports nothing but
+pytest until a tritune test asks for more: no torch, no triton, no interpreter switch for projects that
+merely share the environment.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+_CONFIG = None  # the session's config: contract_tests() registers its kernel's marker through it
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("tritune")
+    g.addoption("--tritune-kernel", action="append", default=[], metavar="NAME",
+                help="run tritune's contract tests for this registered kernel (repeatable; 'all': every one)")
+
+
+def pytest_load_initial_conftests(early_config, parser, args):
+    # --tritune-kernel with nothing else to collect: the shipped suite is the test file. Appended here
+    # (before the arguments are parsed) so it counts as a path given on the command line.
+    if any(a == "--tritune-kernel" or a.startswith("--tritune-kernel=") for a in args):
+        args.append(str(suite_path()))
+
+
+def pytest_configure(config):
+    global _CONFIG
+    _CONFIG = config
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped, with the reason, on the interpreter)")
+    config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
+
+
+def pytest_unconfigure(config):
+    global _CONFIG
+    if _CONFIG is config:
+        _CONFIG = None
+
+
+def selected_kernels() -> list[str]:
+    """The kernels --tritune-kernel asked for ([] when it was not given)."""
+    if _CONFIG is None:
+        return []
+    return list(_CONFIG.getoption("tritune_kernel", default=None) or [])
+
+
+def register_marker(name: str) -> None:
+    """Register the kernel's marker before a test class is marked with it (no unknown-marker warning,
+    and ``--strict-markers`` accepts it)."""
+    if _CONFIG is not None and not any(m.split(":")[0].strip() == name for m in _CONFIG.getini("markers")):
+        _CONFIG.addinivalue_line("markers", f"{name}: tritune's tests of the {name} kernel")
+
+
+def suite_path() -> Path:
+    return Path(__file__).with_name("suite.py")
+
