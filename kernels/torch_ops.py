@@ -108,6 +108,32 @@ def _(x, w, bias=None, activation=None, residual=None, ln_weight=None, ln_bias=N
     return x.new_empty(_rows_times(x, w.shape[1]))
 
 
+GEMV_MAX_M = 8  # rows up to which `linear` takes the gemv kernel (the engine's threshold)
+
+
+@torch.library.custom_op(f"{_NS}::linear", mutates_args=())
+def linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+           residual: Optional[Tensor] = None, ln_weight: Optional[Tensor] = None, ln_bias: Optional[Tensor] = None,
+           ln_eps: Optional[float] = None) -> Tensor:
+    """act(LN(x) @ w + bias) + residual as the engine runs it: gemv with the LayerNorm fused at <= 8 rows
+    (decode), else layer_norm then gemm. The choice is made here, when the op runs, not in the caller:
+    a branch on the row count in traced code would be a guard, and torch.compile would recompile when
+    a sequence length crosses it."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= GEMV_MAX_M:
+        ln = None if ln_eps is None else (ln_weight, ln_bias, ln_eps)
+        return _gemv.gemv(x, w, bias, activation=activation, residual=residual, ln=ln)
+    if ln_eps is not None:
+        x = _layer_norm.layer_norm(x, ln_weight, ln_bias, ln_eps)
+    return _gemm.gemm(x, w, bias, activation=activation, residual=residual)
+
+
+@linear.register_fake
+def _(x, w, bias=None, activation=None, residual=None, ln_weight=None, ln_bias=None, ln_eps=None):
+    _inner("x", x, "w", w.shape[0])
+    return x.new_empty(_rows_times(x, w.shape[1]))
+
+
 # ---------------------------------------------------------------------------------------------------
 @torch.library.custom_op(f"{_NS}::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
@@ -192,6 +218,6 @@ def quant_linear(x: Tensor, qw, bias: Optional[Tensor] = None) -> Tensor:
 
 
 # every op by name: what the tests iterate
-OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "attention": attention,
+OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "linear": linear, "attention": attention,
        "attention_varlen": attention_varlen, "paged_attention": paged_attention, "write_kv": write_kv,
        "quant_matmul": quant_matmul}

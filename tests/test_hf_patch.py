@@ -1,0 +1,171 @@
+"""tritune.patch on a Hugging Face GPT2LMHeadModel: logits and generate (DynamicCache, StaticCache, a
+left-padded batch) against the unpatched model run in float64, refusals by option name, and
+torch.compile(fullgraph=True) of the patched model with no recompilation across sequence lengths.
+
+CPU: a tiny random GPT-2 written with save_pretrained and read back with from_pretrained, fp32.
+GPU: the GPT-2 small config, random init, bf16.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tritune.harness import compare as cmp  # noqa: E402
+from tritune.harness import device as dev  # noqa: E402
+from tritune.model import hf_patch  # noqa: E402
+
+DEVICE = dev.device()
+TINY = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(**TINY)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # biases and LayerNorm affine are zeros/ones at init: make them count
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("tiny_gpt2")
+    model.save_pretrained(path)
+    return path
+
+
+def _load(path, dtype=torch.float32, **kw):
+    m = transformers.GPT2LMHeadModel.from_pretrained(path, dtype=dtype, **kw).to(DEVICE).eval()
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    """(patched fp32 model, unpatched float64 reference)."""
+    return hf_patch.patch(_load(tiny_dir)), _load(tiny_dir, torch.float64)
+
+
+def _ids(b, t, seed, vocab=TINY["vocab_size"]):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (b, t), generator=g).to(DEVICE)
+
+
+@torch.no_grad()
+def test_logits_match_unpatched(pair):
+    model, ref = pair
+    ids = _ids(2, 11, 0)
+    cmp.check(model(ids).logits, ref(ids).logits, torch.float32, what="prefill logits")
+
+
+def test_patch_swaps_modules_in_place(tiny_dir):
+    m = _load(tiny_dir)
+    assert hf_patch.patch(m) is m and hf_patch.patch(m) is m  # idempotent
+    assert m.transformer.h[0].forward.__func__ is hf_patch._block_forward
+    assert m.transformer.ln_f.forward.__func__ is hf_patch._ln_forward
+    assert m.lm_head.forward.__func__ is hf_patch._head_forward
+    assert m.lm_head.weight.data_ptr() == m.transformer.wte.weight.data_ptr()  # ties kept, nothing copied
+
+
+def _generate(model, ids, **kw):
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@torch.no_grad()
+def test_generate_matches_unpatched(pair, cache):
+    """Prefill and four decode steps: the static cache's steps go through paged_attention over a
+    block table of the valid keys; the dynamic cache's through causal attention."""
+    model, ref = pair
+    ids = _ids(3, 6, 1)
+    kw = {} if cache == "dynamic" else {"cache_implementation": "static"}
+    seq, logits = _generate(model, ids, **kw)
+    want_seq, want = _generate(ref, ids, **kw)
+    assert torch.equal(seq, want_seq)
+    cmp.check(logits, want, torch.float32, what=f"generate logits ({cache} cache)")
+
+
+@torch.no_grad()
+def test_generate_left_padded_batch(pair):
+    """A padding mask: the prefill takes the model's sdpa, each decode step paged attention over the
+    keys the mask leaves (holes at the start of the shorter row)."""
+    model, ref = pair
+    ids = _ids(2, 7, 2)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    seq, logits = _generate(model, ids, attention_mask=mask)
+    want_seq, want = _generate(ref, ids, attention_mask=mask)
+    assert torch.equal(seq, want_seq)
+    cmp.check(logits, want, torch.float32, what="padded generate logits")
+
+
+@pytest.mark.parametrize("option,value", [("scale_attn_by_inverse_layer_idx", True),
+                                          ("reorder_and_upcast_attn", True),
+                                          ("add_cross_attention", True),
+                                          ("activation_function", "relu")])
+def test_unsupported_options_refused_by_name(option, value):
+    cfg = transformers.GPT2Config(**TINY, **{option: value})
+    model = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(ValueError, match=option):
+        hf_patch.patch(model)
+
+
+def test_bad_model_type():
+    with pytest.raises(TypeError, match="model"):
+        hf_patch.patch(torch.nn.Linear(2, 2))
+
+
+@torch.no_grad()
+def test_compile_fullgraph_no_recompile(pair):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, ref = pair
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for i, t in enumerate((4, 9, 15)):
+        ids = _ids(2, t, t)
+        cmp.check(compiled(ids, use_cache=False).logits, ref(ids).logits, torch.float32, what=f"compiled T={t}")
+        if i == 0:  # dynamo may restart its analysis of the first call (counted as a frame): no more after it
+            first = counter.frame_count
+    assert counter.frame_count == first, f"recompiled: {counter.frame_count - first} more graphs after T=4"
+
+
+# ---------------------------------------------------------------------------------------------------
+def _small(dtype):
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(DEVICE, dtype).eval()
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpt2_small_bf16_logits_gpu():
+    ref = _small(torch.float64)
+    model = hf_patch.patch(copy.deepcopy(ref).to(torch.bfloat16))
+    ids = _ids(4, 256, 0, 50257)
+    cmp.check(model(ids).logits, ref(ids).logits, torch.bfloat16, what="bf16 prefill logits")
+    kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              cache_implementation="static")
+    out = model.generate(ids[:, :32], **kw)
+    want = ref(out.sequences).logits[:, 31:-1]
+    cmp.check(torch.stack(out.logits, 1), want, torch.bfloat16, what="bf16 static-cache generate logits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@torch.no_grad()
+def test_gpt2_small_compiled_gpu(mode):
+    ref = _small(torch.float64)
+    model = hf_patch.patch(copy.deepcopy(ref).to(torch.bfloat16))
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, mode=mode)
+    for t in (17, 128, 300):
+        ids = _ids(2, t, t, 50257)
+        for _ in range(2 if mode else 1):  # reduce-overhead records on the second call
+            got = compiled(ids, use_cache=False).logits
+        cmp.check(got, ref(ids).logits, torch.bfloat16, what=f"compiled {mode} T={t}")
