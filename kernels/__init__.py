@@ -19,6 +19,13 @@ import tritune.harness  # noqa: F401  (switches on the interpreter before triton
 import torch
 import triton
 
+from tritune.harness import device as _dev
+
+if _dev.interpreted():  # the interpreter's bf16 arithmetic is wrong: computed in fp32 and rounded instead
+    from tritune.kernels import _interpret_bf16
+
+    _interpret_bf16.apply()
+
 
 # ---------------------------------------------------------------------------------------------------
 # Problems, cases, costs, spaces
@@ -62,7 +69,8 @@ class Space:
     params: dict[str, list]
     constraint: Callable[[dict, Any, torch.dtype], str | None] = lambda c, p, d: None
 
-    def why_invalid(self, config: dict, problem, dtype) -> str | None:
+    def why_malformed(self, config: dict) -> str | None:
+        """What makes ``config`` no point of the space for any problem (unknown, missing or unlisted values)."""
         for k, v in config.items():
             if k not in self.params:
                 return f"unknown parameter {k!r}"
@@ -71,7 +79,10 @@ class Space:
         missing = set(self.params) - set(config)
         if missing:
             return f"missing parameters {sorted(missing)}"
-        return self.constraint(config, problem, dtype)
+        return None
+
+    def why_invalid(self, config: dict, problem, dtype) -> str | None:
+        return self.why_malformed(config) or self.constraint(config, problem, dtype)
 
     def points(self, problem=None, dtype=None) -> list[dict]:
         """Every valid point (all points when no problem is given)."""
@@ -115,6 +126,8 @@ class KernelSpec:
 
     def config_for(self, problem, dtype, config: dict | None = None) -> dict:
         """explicit > tuned store > heuristic default, validated against the space."""
+        if dtype == torch.bfloat16 and _dev.interpreted():
+            _interpret_bf16.require(self.name)  # computes bf16 right, or says clearly that it cannot
         if config is not None:
             why = self.space.why_invalid(config, problem, dtype)
             if why:
@@ -122,11 +135,15 @@ class KernelSpec:
             return config
         return _lookup(self, bucket_key(self.bucket(problem)), dtype, problem)
 
+    def config_key(self, problem, dtype) -> tuple:
+        """The config cache's key of a tuned/default config: (kernel, bucket, store dtype key)."""
+        return self.name, bucket_key(self.bucket(problem)), store_dtype(dtype)
+
     def config_and_key(self, problem, dtype, config: dict | None = None) -> tuple[dict, tuple | None]:
         """:meth:`config_for`, and the config cache's key when the config came from it (None for an
         explicit one): a cached launch plan holding that config is stale once the cache drops it."""
         cfg = self.config_for(problem, dtype, config)
-        return cfg, None if config is not None else (self.name, bucket_key(self.bucket(problem)), dtype)
+        return cfg, None if config is not None else self.config_key(problem, dtype)
 
 
 class PlanCache(dict):
@@ -170,22 +187,75 @@ def bucket_key(bucket: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in bucket.items())
 
 
+# ---------------------------------------------------------------------------------------------------
+# fp32 follows torch.get_float32_matmul_precision(), as torch's own matmul does
+# ---------------------------------------------------------------------------------------------------
+def fp32_precision() -> str:
+    """``input_precision`` of an fp32 ``tl.dot`` now: "ieee" (IEEE fp32 products) under torch's
+    "highest" (its default), "tf32" (tf32 tensor cores allowed) under "high" and "medium"."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def precision_key(dtype):
+    """What a launch plan of ``dtype`` inputs depends on through the precision setting (it can change
+    between calls): the setting for float32, None otherwise. Cheap: plan-cache keys call it per launch."""
+    return torch.get_float32_matmul_precision() if dtype is torch.float32 else None
+
+
+def fp32_accumulation(dtype) -> str:
+    """The tolerance key (harness.compare) of a kernel whose fp32 dots follow the precision setting:
+    "tf32" for fp32 while tf32 is allowed, else "ieee"."""
+    return "tf32" if dtype == torch.float32 and fp32_precision() == "tf32" else "ieee"
+
+
+def store_dtype(dtype) -> str:
+    """The tuned store's dtype key: "float32" for IEEE fp32 dots, "tfloat32" for fp32 with tf32 allowed
+    (a config timed on tf32 tensor cores says little about IEEE fp32, which runs on the FMA units);
+    "bfloat16", "float16" as they are."""
+    name = str(dtype).replace("torch.", "")
+    if name == "float32" and fp32_precision() == "tf32":
+        return "tfloat32"
+    return name
+
+
 def _lookup(spec: KernelSpec, key: str, dtype, problem) -> dict:
-    # The hot path: one dict lookup after the first launch of a (kernel, bucket, dtype).
+    # The hot path: one dict lookup after the first launch of a (kernel, bucket, precision).
+    sd = store_dtype(dtype)
     cache = _CONFIG_CACHE
-    hit = cache.get((spec.name, key, dtype))
+    hit = cache.get((spec.name, key, sd))
     if hit is not None:
         return hit
     from tritune.tuning import store
 
-    cfg = store.lookup(spec.name, key, dtype)
-    if cfg is None or spec.space.why_invalid(cfg, problem, dtype) is not None:
+    cfg = store.lookup(spec.name, key, sd)
+    if cfg is not None:
+        why = spec.space.why_invalid(cfg, problem, dtype)
+        if why is not None:
+            # this bucket's own entry, or any entry that is no point of the space, is reported; a
+            # neighbouring bucket's sound config that does not fit this problem is just not used
+            if spec.space.why_malformed(cfg) or store.entry_config(spec.name, key, sd) == cfg:
+                _report_invalid(spec.name, key, sd, cfg, why)
+            cfg = None
+    if cfg is None:
         cfg = spec.default_config(problem, dtype)
-    cache[(spec.name, key, dtype)] = cfg
+    cache[(spec.name, key, sd)] = cfg
     return cfg
 
 
 _CONFIG_CACHE: dict = {}
+_REPORTED: set = set()  # (kernel, bucket, dtype) whose invalid stored config was already reported
+
+
+def _report_invalid(kernel: str, bucket: str, dtype: str, cfg: dict, why: str) -> None:
+    """A stored config that is no valid point of the space for this problem (a hand edit, a space that
+    shrank, a neighbouring bucket's config that does not fit): never launched, said once per process."""
+    import warnings
+
+    if (kernel, bucket, dtype) in _REPORTED:
+        return
+    _REPORTED.add((kernel, bucket, dtype))
+    warnings.warn(f"tritune: the tuned config stored for kernel {kernel!r}, bucket {bucket}, dtype {dtype} is "
+                  f"invalid ({why}): {cfg}; using the heuristic default instead", stacklevel=4)
 
 
 def clear_config_cache() -> None:
@@ -212,8 +282,17 @@ def _discover() -> None:
             importlib.import_module(f"{__name__}.{mod.name}")
 
 
+def _load_plugins() -> None:
+    # kernels of other packages (entry points) and TRITUNE_PLUGINS: here, so every process that looks a
+    # kernel up has them (tuning workers included)
+    from tritune.harness import plugins
+
+    plugins.load()
+
+
 def all_specs() -> list[KernelSpec]:
     _discover()
+    _load_plugins()
     return [REGISTRY[k] for k in sorted(REGISTRY)]
 
 
@@ -226,6 +305,8 @@ def get(name: str) -> KernelSpec:
                 raise
     if name not in REGISTRY:
         _discover()
+    if name not in REGISTRY:
+        _load_plugins()
     try:
         return REGISTRY[name]
     except KeyError:
@@ -271,6 +352,29 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device) -> None:
         raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
     if out.device != device:
         raise ValueError(f"out: expected device {device}, got {out.device}")
+
+
+def check_no_alias(out, inputs, in_place: str | None = None) -> None:
+    """Refuse an ``out`` whose memory overlaps an input's: a kernel that writes one tile while another
+    program still reads it returns a silently wrong result (``gemm(x, w, out=x)``). ``inputs`` is
+    ((name, tensor or None), ...). ``in_place`` names the one input ``out`` may be exactly (same data
+    pointer, shape and strides: each element read by the program that writes it, before it writes it),
+    the documented in-place case such as ``out=residual``. Byte ranges are compared (conservative: two
+    interleaved views of one buffer count as overlapping). Called per launch, only when ``out`` is given."""
+    if out.numel() == 0:
+        return
+    o0 = out.data_ptr()
+    o1 = o0 + span(out) * out.element_size()
+    for name, t in inputs:
+        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        t0 = t.data_ptr()
+        if t0 < o1 and o0 < t0 + span(t) * t.element_size():
+            if name == in_place and t0 == o0 and t.shape == out.shape and t.stride() == out.stride():
+                continue
+            also = f", or {name} itself (in place)" if name == in_place else ""
+            raise ValueError(f"out: overlaps {name} in memory: the kernel would read values it has already "
+                             f"overwritten; pass an output that shares no memory with the inputs{also}")
 
 
 class Counters:
@@ -397,7 +501,25 @@ def pdl_now(kernel: str | None = None) -> bool:
     decode kernel runs, so eager launches go without."""
     if PDL_KERNELS is not None and kernel not in PDL_KERNELS:
         return False
-    return PDL and torch.cuda.is_current_stream_capturing()
+    return PDL and (_PDL_FORCED.get() or torch.cuda.is_current_stream_capturing())
+
+
+import contextlib as _contextlib  # noqa: E402
+import contextvars as _contextvars  # noqa: E402
+
+_PDL_FORCED = _contextvars.ContextVar("tritune_pdl_forced", default=False)
+
+
+@_contextlib.contextmanager
+def pdl_forced():
+    """Eager launches take the variant :func:`pdl_now` gives inside a capture (PDL where it applies): the
+    warm-up before a CUDA-graph capture compiles, loads and runs exactly the kernels the capture records
+    (a compile or module load inside a capture invalidates it and can lose the CUDA context)."""
+    token = _PDL_FORCED.set(True)
+    try:
+        yield
+    finally:
+        _PDL_FORCED.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ One program owns BLOCK_M query rows of one head and streams the keys and values 
 blocks with an online softmax: running row max m_i, running denominator l_i and output accumulator acc,
 all float32; no Tq × Tk matrix ever reaches memory. Scores are kept in base 2 (scale · log2 e folded in,
 exp2 instead of exp). Both dots run in the input dtype with float32 accumulation; P is cast to the input
-dtype before the P·V dot.
+dtype before the P·V dot. fp32 dots follow ``torch.get_float32_matmul_precision()``: IEEE fp32 under
+"highest" (torch's default), tf32 tensor cores under "high"/"medium".
 
 The key loop is split in two: blocks every row of the tile sees in full run without a single mask,
 then the few blocks on the causal diagonal or past the end of the keys run masked. Fully masked blocks
@@ -280,11 +281,11 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
     scale = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     return _Plan(
         out_shape=(), grid=(num_m * num_bh,), cfg=cfg,
-        cfg_key=None if config is not None else (spec.name, K.bucket_key(spec.bucket(p)), dtype),
+        cfg_key=None if config is not None else spec.config_key(p, dtype),
         scalars=(p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, abs(scale) * LOG2E),
         # scale < 0: the kernel negates q and takes |scale| (negating fp16/bf16/fp32 is exact)
         meta=dict(D=p.D, VARLEN=varlen, CAUSAL=p.causal, STORE_LSE=store_lse, HEADS_INNER=bool(cfg["HEADS_INNER"]),
-                  D_CONTIG=d_contig, IEEE=dtype == torch.float32, NEG_SCALE=scale < 0,
+                  D_CONTIG=d_contig, IEEE=dtype == torch.float32 and K.fp32_precision() == "ieee", NEG_SCALE=scale < 0,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
@@ -336,12 +337,15 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
                v.shape, v.stride(), v.dtype, v.device,
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
-               causal, scale, type(scale), return_lse, None if config is None else tuple(config.items()))
+               causal, scale, type(scale), return_lse, None if config is None else tuple(config.items()),
+               K.precision_key(q.dtype))
     except (AttributeError, TypeError):  # not tensors: the checks will say
         key = None
     plan = _PLANS.get_or_make(key, lambda: _dense_plan(q, k, v, causal, scale, return_lse, out, config))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    else:
+        K.check_no_alias(out, (("q", q), ("k", k), ("v", v)))
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.grid:
         _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, q, q, *plan.strides, *plan.scalars,
@@ -407,6 +411,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         out = torch.empty((total_q, Hq, D), dtype=q.dtype, device=q.device)
     else:
         K.check_out(out, (total_q, Hq, D), q.dtype, q.device)
+        K.check_no_alias(out, (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                               ("cu_seqlens_k", cu_seqlens_k)))
     lse = torch.empty((total_q, Hq), dtype=torch.float32, device=q.device) if return_lse else None
     B = cu_seqlens_q.shape[0] - 1
     if B > 0 and max_seqlen_q > 0 and total_q > 0:
@@ -730,10 +736,8 @@ _COMMON = dict(
     bucket=bucket,
     cost=cost,
     dtypes=DTYPES,
-    accumulation=lambda dt: "ieee",  # fp32 dots run with input_precision="ieee"; fp16/bf16 are exact products
+    accumulation=K.fp32_accumulation,  # fp32 dots follow torch.get_float32_matmul_precision()
     bad_inputs=_bad_inputs,
-    interpreter_skip={torch.bfloat16: "tl.dot on bf16 operands returns garbage under the Triton interpreter "
-                                      "(triton 3.9); bf16 is not supported by the interpreter (triton-lang/triton#11584)"},
 )
 
 _GPT2 = [Problem(b, 12, 12, t, t, 64, c) for (b, t) in ((8, 1024), (16, 1024), (1, 4096)) for c in (True, False)]

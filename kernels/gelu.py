@@ -133,7 +133,8 @@ def _plan(x, approximate, out, config) -> _Plan:
 
 
 def gelu(x, approximate: str = "none", *, out=None, config: dict | None = None):
-    """GELU of ``x`` (any shape up to 4-D for strided views, any shape when contiguous)."""
+    """GELU of ``x`` (any shape up to 4-D for strided views, any shape when contiguous). ``out`` may be
+    ``x`` itself (in place); any other overlap with x is refused."""
     try:  # the hot path: one dict lookup; anything odd takes _plan, which names the bad argument
         key = (x.shape, x.stride(), x.dtype, x.device, approximate, K.tensor_meta(out),
                None if config is None else tuple(config.items()))
@@ -142,6 +143,8 @@ def gelu(x, approximate: str = "none", *, out=None, config: dict | None = None):
     plan = _PLANS.get_or_make(key, lambda: _plan(x, approximate, out, config))
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:  # elementwise: out=x in place is safe (each element read by the program that writes it)
+        K.check_no_alias(out, (("x", x),), "x")
     if plan.n == 0:
         return out
     if plan.copy:

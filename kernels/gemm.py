@@ -2,8 +2,9 @@
 
 A (..., K) with its leading dims flattened into M, B (K, N); either may be a transposed or strided view
 (both strides go to the kernel; nothing is copied). fp16/bf16 accumulate in fp32 on tensor cores; fp32
-goes through tf32 tensor cores on the GPU (``input_precision="tf32"``, 10-bit mantissa operands: the
-"tf32" tolerance), exact fp32 under the interpreter. The epilogue runs in fp32 on the accumulator and
+follows ``torch.get_float32_matmul_precision()`` as torch's matmul does: "highest" (torch's default)
+IEEE fp32 products, "high"/"medium" tf32 tensor cores on the GPU (``input_precision="tf32"``, 10-bit
+mantissa operands: the "tf32" tolerance; exact fp32 under the interpreter). The epilogue runs in fp32 on the accumulator and
 the output is rounded once to the input dtype. activation "gelu_tanh" is evaluated as x·sigmoid(2z),
 z = √(2/π)(x + 0.044715x³): the same function as x/2·(1 + tanh z) with no tanh and no overflow.
 
@@ -347,7 +348,8 @@ _meta = K.tensor_meta
 def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: dict | None = None):
     """C = act(a @ b + bias) + residual. a (..., K), b (K, N), bias (N,), residual (..., N) or (M, N).
 
-    Returns C of shape a.shape[:-1] + (N,) in a's dtype (written into ``out`` when given).
+    Returns C of shape a.shape[:-1] + (N,) in a's dtype (written into ``out`` when given). ``out`` may be
+    ``residual`` itself (the residual stream updated in place); any other overlap with an input is refused.
     """
     # Hot path: one dict lookup on everything the plan depends on (validation included: a hit means the
     # same shapes, strides, dtypes and devices passed the checks before). Anything odd (not tensors,
@@ -355,13 +357,16 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
     try:
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, _meta(bias),
                _meta(residual), _meta(out), activation, None if config is None else tuple(config.items()),
-               INT32_LIMIT, FLATTEN, WARP_SPEC, PREFETCH_EPILOGUE, RES_PREFETCH_PER_THREAD, _num_sms)
+               INT32_LIMIT, FLATTEN, WARP_SPEC, PREFETCH_EPILOGUE, RES_PREFETCH_PER_THREAD, _num_sms,
+               K.precision_key(a.dtype))
     except (AttributeError, TypeError):
         key = None
     plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config))
 
     if out is None:
         out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)
+    else:  # out=residual (the residual stream updated in place) is the one overlap allowed
+        K.check_no_alias(out, (("a", a), ("b", b), ("bias", bias), ("residual", residual)), "residual")
     if plan.empty:
         return out
     if plan.a_copy:  # > 3 dims that do not merge into rows: one copy
@@ -480,7 +485,7 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
                       act=activation, residual=residual is not None)
     cfg = _config(problem, a.dtype, config)
     if config is None:  # from the store or the defaults: re-checked per launch against the config cache
-        p.cfg, p.cfg_key = cfg, (SPEC.name, K.bucket_key(bucket(problem)), a.dtype)
+        p.cfg, p.cfg_key = cfg, SPEC.config_key(problem, a.dtype)
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
 
     e = a.element_size()
@@ -505,7 +510,7 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
     base = dict(HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
                 EVEN_K=kdim % bk == 0, A_3D=a_3d, A_M_CONTIG=s_ak != 1, B_N_CONTIG=b.stride(0) != 1,
-                INT64=int64, PRECISION="tf32" if a.dtype == torch.float32 else "ieee",
+                INT64=int64, PRECISION=K.fp32_precision() if a.dtype == torch.float32 else "ieee",
                 PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC, PRE_EPI=pre_epi,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     p.kws = [[dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)] for am in range(3)]
@@ -848,12 +853,9 @@ SPEC = K.register(K.KernelSpec(
     small_problems=[Problem(64, 96, 80, bias=True, act="gelu_tanh"),
                     Problem(5, 33, 47, trans_b=True, residual=True)],
     layouts=("contiguous", "sliced"),
-    accumulation=lambda dt: "tf32" if dt == torch.float32 else "ieee",
+    accumulation=K.fp32_accumulation,
     vendor=_vendor,
     vendor_name="cuBLAS+torch",
     peers={"flag_gems": _flag_gems},
     bad_inputs=_bad_inputs,
-    interpreter_skip={torch.bfloat16: "tl.dot on bf16 operands returns garbage under the Triton interpreter "
-                                      "(triton 3.9); bf16 is not supported by the interpreter "
-                                      "(triton-lang/triton#11584)"},
 ))

@@ -264,7 +264,7 @@ def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
     ln: None or (weight (K,) or None, bias (K,) or None, eps). kv: None or (k_cache, v_cache, slot_mapping):
     with N = 3·C, columns C..2C and 2C..3C of row m also go to k_cache / v_cache (num_blocks, block_size,
     heads, head_dim; heads·head_dim = C, contiguous) at flat slot slot_mapping[m] (< 0: skipped).
-    Returns y (..., N) in x's dtype (into ``out`` when given).
+    Returns y (..., N) in x's dtype (into ``out`` when given; ``out`` may be ``residual`` itself, in place).
     """
     if ln is not None and (not isinstance(ln, (tuple, list)) or len(ln) != 3):
         raise TypeError("ln: expected (weight or None, bias or None, eps)")
@@ -281,6 +281,10 @@ def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
     plan = _PLANS.get_or_make(key, lambda: _make_plan(x, w, bias, activation, residual, ln, kv, out, config))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
+    else:  # out=residual (the residual stream updated in place) is the one overlap allowed
+        K.check_no_alias(out, (("x", x), ("w", w), ("bias", bias), ("residual", residual), ("ln weight", ln_w),
+                               ("ln bias", ln_b), ("k_cache", kc), ("v_cache", vc), ("slot_mapping", slots)),
+                         "residual")
     if plan.empty:
         return out
     if plan.work_numel:
@@ -397,7 +401,7 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
                       residual=residual is not None, ln=ln is not None)
     cfg = SPEC.config_for(problem, x.dtype, config)
     if config is None:
-        p.cfg, p.cfg_key = cfg, (SPEC.name, K.bucket_key(bucket(problem)), x.dtype)
+        p.cfg, p.cfg_key = cfg, SPEC.config_key(problem, x.dtype)
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     p.work_numel = split * m * n if split > 1 else 0
@@ -631,6 +635,4 @@ SPEC = K.register(K.KernelSpec(
     vendor_name="torch (F.layer_norm + cuBLAS)",
     peers={"tritune_ln_gemm": _gemm_peer},
     bad_inputs=_bad_inputs,
-    interpreter_skip={torch.bfloat16: "tl.dot on bf16 operands returns garbage and fp32->bf16 casts truncate "
-                                      "under the Triton interpreter (triton 3.9; triton-lang/triton#11584)"},
 ))

@@ -160,6 +160,8 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, out=None, return
     plan = _PLANS.get_or_make(key, lambda: _plan(x, weight, bias, eps, out, return_stats, config))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
+    else:
+        K.check_no_alias(out, (("x", x), ("weight", weight), ("bias", bias)))
     if plan.M == 0:
         return (out, torch.empty(plan.stats_shape, dtype=torch.float32, device=x.device),
                 torch.empty(plan.stats_shape, dtype=torch.float32, device=x.device)) if return_stats else out

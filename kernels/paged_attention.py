@@ -307,13 +307,16 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
                block_tables.shape, block_tables.stride(), block_tables.dtype, block_tables.device,
                context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.device,
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
-               scale, None if config is None else tuple(sorted(config.items())))
+               scale, None if config is None else tuple(sorted(config.items())), K.precision_key(q.dtype))
     except (AttributeError, TypeError):  # not tensors: the checks will say
         key = None
     plan = _PLANS.get_or_make(key, lambda: _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out,
                                                  config), keep=lambda plan: plan.B)
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    else:
+        K.check_no_alias(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                               ("context_lens", context_lens)))
     if not plan.B:
         return out
     if validate and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # no host sync in a capture
@@ -396,14 +399,14 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
     problem = Problem(B, Hq, Hkv, D, max_blocks * block_size, block_size)
     cfg = SPEC.config_for(problem, q.dtype, config)
     if config is None:
-        plan.cfg_key = (SPEC.name, K.bucket_key(bucket(problem)), q.dtype)
+        plan.cfg_key = SPEC.config_key(problem, q.dtype)
     plan.cfg = cfg
     group = Hq // Hkv
     use_dot = cfg["USE_DOT"]
     group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     partition = cfg["PARTITION"]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
+    precision = K.fp32_precision() if q.dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
     num_parts = triton.cdiv(max_blocks * block_size, partition) if partition else 1
     group_merge = triton.next_power_of_2(group)
     parts_block = 1
@@ -507,7 +510,13 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = True):
 
 # ---------------------------------------------------------------------------------------------------
 def _tl_dot_ok(dtype) -> bool:
-    return not (dev.interpreted() and dtype == torch.bfloat16)
+    """tl.dot computes right here: on a GPU always; under the interpreter bf16 only once tritune's fix of
+    its bf16 arithmetic (kernels/_interpret_bf16.py) checks out."""
+    if not (dev.interpreted() and dtype == torch.bfloat16):
+        return True
+    from tritune.kernels import _interpret_bf16
+
+    return _interpret_bf16.check() is None
 
 
 def _constraint(c, p: Problem, dtype) -> str | None:
@@ -881,4 +890,5 @@ SPEC = K.register(K.KernelSpec(
     vendor_name="SDPA (contiguous KV)",
     peers={"flex": _flex},
     bad_inputs=_bad_inputs,
+    accumulation=K.fp32_accumulation,  # fp32 scores and P·V follow torch.get_float32_matmul_precision()
 ))

@@ -359,6 +359,9 @@ def quant_matmul(x, qw, bias=None, *, out=None, config: dict | None = None):
     plan = _PLANS.get_or_make(key, lambda: _make_plan(x, qw, bias, out, config))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
+    else:
+        K.check_no_alias(out, (("x", x), ("bias", bias), ("qw.data", qw.data), ("qw.scales", qw.scales),
+                               ("qw.zeros", qw.zeros)))
     if plan.empty:
         return out
     # every tensor goes in as it is (only its data pointer is used: the strides are in plan.ints)
@@ -415,7 +418,7 @@ def _make_plan(x, qw, bias, out, config) -> _Plan:
     problem = Problem(m, n, kdim, qw.bits, qw.group_size if qw.bits == 4 else 128, bias is not None)
     cfg = SPEC.config_for(problem, x.dtype, config)
     if config is None:  # the lookup's cache entry: a cleared cache (a store written) invalidates the plan
-        plan.cfg, plan.cfg_key = cfg, (SPEC.name, K.bucket_key(bucket(problem)), x.dtype)
+        plan.cfg, plan.cfg_key = cfg, SPEC.config_key(problem, x.dtype)
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     m_tiles = m if bm == 1 else triton.cdiv(m, bm)
     n_tiles = triton.cdiv(n, bn)
@@ -766,7 +769,4 @@ SPEC = K.register(K.KernelSpec(
     vendor_name="F.linear(dequant W)",
     peers={"tinygemm": _tinygemm, "int8pack": _int8pack, "gemlite": _gemlite},
     bad_inputs=_bad_inputs,
-    interpreter_skip={torch.bfloat16: "tl.dot on bf16 operands returns garbage under the Triton interpreter "
-                                      "(triton 3.9); bf16 is not supported by the interpreter "
-                                      "(triton-lang/triton#11584)"},
 ))
