@@ -443,3 +443,163 @@ def test_store_records_the_kernel_source_and_flags_stale_entries(temp_store):
         es = store.entries("gelu")
     assert len(es) == 1 and store.stale("gelu", es) == list(es)  # kept in the file, flagged,
     assert store.lookup("gelu", "numel=4096,approximate=tanh", torch.float32) is None  # and not used
+
+
+# ---------------------------------------------------------------------------------------------------
+# User errors of the tuning CLI: one line on stderr, exit 2, no traceback
+# ---------------------------------------------------------------------------------------------------
+def _cli_error(capsys, argv, *words):
+    from tritune.tuning.cli import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def test_tune_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    ok = str(tmp_path / "s.journal")
+    base = ["tune", "gelu", "--problems", "numel=1021", "--dtype", "fp32", "--quiet"]
+    (tmp_path / "afile").write_text("")
+    _cli_error(capsys, base + ["--storage", str(tmp_path / "afile" / "x.journal")], "--storage", "cannot write")
+    _cli_error(capsys, base + ["--storage", str(tmp_path)], "--storage", "is a directory")
+    _cli_error(capsys, base + ["--storage", f"sqlite:///{tmp_path}/no/such/dir/x.db"], "--storage", "cannot open")
+    _cli_error(capsys, base + ["--storage", "nosuchdb://x/y"], "--storage")
+    _cli_error(capsys, base + ["--storage", ok, "--trials", "-1"], "--trials -1")
+    _cli_error(capsys, base + ["--storage", ok, "--budget", "30 parsecs"], "--budget")
+    seeds = tmp_path / "seeds.json"
+    _cli_error(capsys, base + ["--storage", ok, "--seed-configs", str(tmp_path / "missing.json")], "cannot read")
+    seeds.write_text("[{\"BLOCK\": 1024,")
+    _cli_error(capsys, base + ["--storage", ok, "--seed-configs", str(seeds)], "not JSON")
+    seeds.write_text("{\"BLOCK\": 1024}")
+    _cli_error(capsys, base + ["--storage", ok, "--seed-configs", str(seeds)], "JSON list of config objects")
+    seeds.write_text("[{\"BLOK\": 1024}]")
+    _cli_error(capsys, base + ["--storage", ok, "--seed-configs", str(seeds)], "'BLOK'", "BLOCK")
+    _cli_error(capsys, ["tune", "no_such_kernel", "--storage", ok], "no_such_kernel")
+
+
+def test_parse_duration():
+    from tritune.tuning._args import parse_duration
+
+    assert parse_duration("30m") == 1800 and parse_duration("1h30m") == 5400 and parse_duration("45") == 45
+    assert parse_duration("90s") == 90 and parse_duration("0.5h") == 1800
+    for bad in ("", "m", "30 parsecs", "-5m", "0"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stores: packaged and user, what `tritune configs` shows
+# ---------------------------------------------------------------------------------------------------
+def _store_file(root, kernel, entries, slug=None):
+    slug = slug or dev.gpu_slug()
+    d = root / slug
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{kernel}.json").write_text(json.dumps({"format": 1, "kernel": kernel, "gpu": slug, "entries": entries}))
+
+
+def test_user_store_is_layered_over_the_packaged_store(temp_store, tmp_path):
+    good = {"BLOCK": 256, "num_warps": 2, "EVICT": False}
+    better = {"BLOCK": 512, "num_warps": 4, "EVICT": False}
+    _store_file(tmp_path / "packaged", "gelu", [_entry("numel=1024,approximate=none", good),
+                                                _entry("numel=4096,approximate=none", good)])
+    store.clear_cache()
+    assert store.lookup("gelu", "numel=4096,approximate=none", torch.float32) == good
+    path = store.write("gelu", [_entry("numel=4096,approximate=none", better)])  # the user store by default
+    assert path.parent == temp_store
+    assert store.lookup("gelu", "numel=4096,approximate=none", torch.float32) == better
+    assert store.lookup("gelu", "numel=1024,approximate=none", "float32") == good  # a key string works too
+    rows = store.layered("gelu")
+    assert [(e["bucket"], layer, over) for e, layer, _, over in rows] == [
+        ("numel=1024,approximate=none", "packaged", False), ("numel=4096,approximate=none", "packaged", True),
+        ("numel=4096,approximate=none", "user", False)]
+    assert json.loads((tmp_path / "packaged" / dev.gpu_slug() / "gelu.json").read_text())["entries"][1]["config"] == good
+
+
+def test_configs_shows_the_store_and_marks_invalid_entries(temp_store, tmp_path, capsys):
+    from tritune.tuning.cli import main
+
+    ok = {"BLOCK": 256, "num_warps": 2, "EVICT": False}
+    _store_file(tmp_path / "packaged", "gelu", [
+        _entry("numel=1024,approximate=none", ok),
+        _entry("numel=4096,approximate=none", {"BLOCK": 3, "num_warps": 2, "EVICT": False}),
+        _entry("numel=4096,approximate=tanh", {"BLOCK": 256, "num_warps": 0, "EVICT": False}),
+        _entry("numel=16384,approximate=none", {"BLOCK": 256, "num_wraps": 2, "EVICT": False})])
+    store.write("gelu", [_entry("numel=65536,approximate=none", ok)])
+    store.clear_cache()
+    assert main(["configs", "gelu"]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[1]: ln for ln in out.splitlines() if ln.startswith("gelu ")}
+    assert "packaged" in lines["numel=1024,approximate=none"] and "active" in lines["numel=1024,approximate=none"]
+    assert "user" in lines["numel=65536,approximate=none"]
+    assert "INVALID: BLOCK=3 not among" in lines["numel=4096,approximate=none"]
+    assert "INVALID: num_warps=0 not among" in lines["numel=4096,approximate=tanh"]
+    assert "INVALID: unknown parameter 'num_wraps'" in lines["numel=16384,approximate=none"]
+    assert "3 invalid entries" in out
+
+
+def test_a_gpu_without_tuned_configs_warns_once_naming_the_command(temp_store, monkeypatch):
+    monkeypatch.setattr(dev, "interpreted", lambda: False)
+    monkeypatch.setattr(store, "_WARNED_UNTUNED", [])
+    with pytest.warns(UserWarning, match="tritune tune all --budget 30m") as rec:
+        store.entries("gelu")
+        store.entries("layer_norm")
+    assert len([w for w in rec if "no tuned configs" in str(w.message)]) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# --budget: warm start from the nearest GPU type, side-by-side re-timing, export of the re-timed winner
+# ---------------------------------------------------------------------------------------------------
+def test_nearest_gpu_type():
+    from tritune.tuning.budget import nearest_slug
+
+    have = ["nvidia-h100-80gb-hbm3", "nvidia-a100-sxm4-80gb", "amd-instinct-mi300x", "nvidia-h200"]
+    assert nearest_slug("nvidia-h200", have) == "nvidia-h100-80gb-hbm3"
+    assert nearest_slug("nvidia-h100-nvl", have) == "nvidia-h100-80gb-hbm3"
+    assert nearest_slug("nvidia-a10g", have) == "nvidia-a100-sxm4-80gb"
+    assert nearest_slug("amd-instinct-mi325x", have) == "amd-instinct-mi300x"
+    assert nearest_slug("triton-interpreter", have) is None
+
+
+class _Noisy:
+    """In the sweep every config the sampler proposes looks 10x faster than the warm seeds (noise, a
+    lucky clock); re-timed side by side, it is slower than the seed (9, 5), which wins."""
+
+    def __call__(self, task):
+        c = task.config
+        ms = quadratic(task)["ms"]
+        if (c["a"], c["b"]) not in ((7, 1), (9, 5), (8, 4)):
+            ms = 0.5 + 0.001 * ms if task.verify else 100.0 + ms
+        return {"ok": True, "ms": ms}
+
+
+def test_budget_warm_starts_from_the_nearest_gpu_and_retimes_before_export(tmp_path, temp_store):
+    from tritune.tuning import budget as tb
+
+    spec = toy_spec(SMALL, _odd, default={"a": 7, "b": 1})
+    # the packaged store knows this kernel on an H100; we tune an H200
+    _store_file(tmp_path / "packaged", "toy", [_entry("n=64", {"a": 9, "b": 5}), _entry("n=32", {"a": 8, "b": 4})],
+                slug="nvidia-h100-80gb-hbm3")
+    store.clear_cache()
+    storage = str(tmp_path / "s.journal")
+    rows, near = tb.tune_budget([spec], 30.0, storage=storage, trials=6, problems=[ToyProblem(64)],
+                                dtypes=[torch.float32], slug="nvidia-h200", evaluate=_Noisy(), isolation="inline",
+                                progress=False, log=lambda m: None)
+    assert near == "nvidia-h100-80gb-hbm3"
+    st = optuna.load_study(study_name=rows[0]["study"], storage=search.open_storage(storage))
+    ev = [t for t in st.trials if t.user_attrs.get("evaluated")]
+    assert [t.params for t in ev[:3]] == [{"a": 7, "b": 1}, {"a": 9, "b": 5}, {"a": 8, "b": 4}]
+    assert all(t.user_attrs.get("warm") for t in ev[1:3])
+    (row,) = rows
+    rt = row["retimed"]
+    assert rt["winner"] == "seed" and rt["config"] == {"a": 9, "b": 5}  # not the sweep's lucky (11, 5)
+    assert set(rt["times_us"]) == {"tuned", "seed", "default"} and rt["rounds"] == 5
+    assert row["best_us"] < 1000.0 and rt["times_us"]["tuned"] > 100_000.0
+    (path,) = search.export(storage, [spec], slug="nvidia-h200", log=lambda m: None)
+    (e,) = json.loads(path.read_text())["entries"]
+    assert e["config"] == {"a": 9, "b": 5} and e["time_us"] == pytest.approx(5000.0)
+    assert e["retimed"]["winner"] == "seed" and e["default_us"] == pytest.approx(1000.0 * (1 + 16 + 16))
+    assert "winner" in tb.summary_table(rows) and "geomean" in tb.summary_table(rows)
