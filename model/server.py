@@ -15,6 +15,7 @@ A client that disconnects aborts its requests at the engine's next step, which f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -101,6 +102,17 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The engine to the caller's thread for a while: the loop thread stops after its step, and
+        starts again afterwards (requests submitted meanwhile wait in the inbox)."""
+        loop = self._loop
+        self.stop()
+        try:
+            yield self.engine
+        finally:
+            self.start(loop)
 
     @property
     def alive(self) -> bool:
