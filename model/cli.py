@@ -1,4 +1,8 @@
-"""``tritune generate``: stream a GPT-2 completion to the terminal, then a line of timings."""
+"""``tritune generate``: stream a GPT-2 completion to the terminal, then a line of timings.
+
+It runs through the serving engine at batch 1 (:func:`tritune.model.generate.stream`), so the context
+limit, stop rules and sampling are the engine's; a request that does not fit is one line naming the
+flags that fix it (``--max-new-tokens``, ``--truncate``), exit status 2."""
 from __future__ import annotations
 
 import sys
@@ -16,7 +20,7 @@ def default_model_dir() -> Path | None:
 def add_parser(subparsers, name: str) -> None:
     if name != "generate":
         return
-    from tritune.harness.cli import parse_dtype
+    from tritune.tuning._args import parse_dtype
 
     s = subparsers.add_parser("generate", help="generate text with GPT-2 on tritune kernels (streams)")
     s.add_argument("prompt", help="the prompt text")
@@ -65,6 +69,7 @@ def run(args) -> int:
 
     from tritune.model.generate import stream
     from tritune.model.gpt2 import GPT2
+    from tritune.model.scheduler import ContextLimitError
     from tritune.model.tokenizer import Tokenizer
 
     model_path = args.model
@@ -93,8 +98,11 @@ def run(args) -> int:
         g = stream(model, args.prompt, tokenizer=tok, max_new_tokens=args.max_new_tokens,
                    temperature=temperature, top_k=top_k, top_p=top_p, seed=args.seed,
                    stop=args.stop, truncate=args.truncate)
+    except ContextLimitError as e:
+        print(f"tritune generate: {e.describe(lambda n: f'--max-new-tokens {n}', '--truncate')}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, NotADirectoryError, ValueError, TypeError) as e:
-        print(f"tritune generate: {e}", file=sys.stderr)
+        print(f"tritune generate: {_flags(str(e))}", file=sys.stderr)
         return 2
     if g.result.truncated:
         print(f"note: prompt truncated: dropped its first {g.result.truncated} tokens", file=sys.stderr)
@@ -110,3 +118,10 @@ def run(args) -> int:
     print(f"[{backend}, {str(dtype).replace('torch.', '')}, {model.device}] {r.timings}; "
           f"stopped: {r.finish_reason}", file=sys.stderr)
     return 0
+
+
+def _flags(msg: str) -> str:
+    """A library message in the command line's terms: argument names become the flags that set them."""
+    for name in ("max_new_tokens", "temperature", "top_k", "top_p"):
+        msg = msg.replace(f"{name}:", f"--{name.replace('_', '-')}:", 1)
+    return msg

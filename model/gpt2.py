@@ -21,15 +21,15 @@ Two entry points, both over *packed* tokens so the continuous-batching engine ca
 A KV cache is anything with per-layer lists ``k_caches`` / ``v_caches`` of (num_blocks, block_size, H, D)
 tensors (:class:`PagedKVCache` here, or the engine's block pool).
 
-Backends: ``"triton"`` runs each step on its tritune kernel when that kernel's module imports, else on
-the PyTorch op of the ``"torch"`` backend (:func:`backend_report` says which). ``"torch"`` runs plain
+Backends: ``"triton"`` runs each step on its tritune kernel (an attention kernel that does not take the
+model's head dim leaves that step on PyTorch; :func:`backend_report` says which). ``"torch"`` runs plain
 PyTorch ops (F.layer_norm, addmm, F.gelu, F.scaled_dot_product_attention) in the model's dtype: the
 float64 ``tritune.references`` are the kernels' judges, far too slow to run a model on.
 """
 from __future__ import annotations
 
+import copy
 import functools
-import importlib
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -102,81 +102,45 @@ def torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The triton backend: each step on its kernel when the kernel's module imports
+# The triton backend: each step on its kernel
 # ---------------------------------------------------------------------------------------------------
-def _kernel(module: str, *names: str):
-    """(functions, None) from tritune.kernels.<module>, or (None, why not)."""
-    try:
-        mod = importlib.import_module(f"tritune.kernels.{module}")
-    except ImportError as e:
-        if getattr(e, "name", None) == f"tritune.kernels.{module}":
-            return None, "kernel not landed"
-        return None, f"kernel import failed: {type(e).__name__}: {e}"
-    missing = [n for n in names if not hasattr(mod, n)]
-    if missing:
-        return None, f"tritune.kernels.{module} has no {', '.join(missing)}"
-    return tuple(getattr(mod, n) for n in names), None
-
-
-def _head_dims(fns) -> tuple | None:
-    """The head dims the module of a kernel function accepts (its HEAD_DIMS), None when it says nothing."""
-    return getattr(importlib.import_module(fns[0].__module__), "HEAD_DIMS", None)
-
-
 class TritonOps:
-    """The implementation of each step for the triton backend, chosen once per head dim (kernels import
-    or not; an attention kernel that does not take the model's head dim leaves that step on PyTorch)."""
+    """The implementation of each step for the triton backend, chosen once per head dim: an attention
+    kernel that does not take the model's head dim leaves that step on PyTorch (and ``steps`` says so)."""
 
     def __init__(self, head_dim: int | None = None):
-        self.steps: dict[str, str] = {}
-        ln, why = _kernel("layer_norm", "layer_norm")
-        self._ln = ln[0] if ln else None
-        self.steps["layernorm"] = ("kernel tritune.kernels.layer_norm" if self._ln
-                                   else f"reference F.layer_norm ({why})")
+        from tritune.kernels import attention, paged_attention
+        from tritune.kernels.gemm import gemm
+        from tritune.kernels.gemv import gemv
+        from tritune.kernels.layer_norm import layer_norm
 
-        g, why_g = _kernel("gemm", "gemm")
-        self._gemm = g[0] if g else None
-        ge, why_ge = _kernel("gelu", "gelu")
-        self._gelu = ge[0] if ge else None
-        self.steps["linear"] = ("kernel tritune.kernels.gemm (bias, residual fused; fp32 through tf32 on a GPU)"
-                                if self._gemm
-                                else f"reference torch.addmm ({why_g})")
-        if self._gemm:
-            self.steps["gelu"] = "fused into the gemm epilogue (activation='gelu_tanh')"
-        elif self._gelu:
-            self.steps["gelu"] = f"kernel tritune.kernels.gelu, after torch.addmm (gemm: {why_g})"
-        else:
-            self.steps["gelu"] = f"reference F.gelu ({why_ge})"
+        self._ln, self._gemm, self._gemv = layer_norm, gemm, gemv
+        self.steps: dict[str, str] = {
+            "layernorm": "kernel tritune.kernels.layer_norm",
+            "linear": "kernel tritune.kernels.gemm (bias, residual fused; fp32 through tf32 on a GPU)",
+            "gelu": "fused into the gemm epilogue (activation='gelu_tanh')",
+        }
 
-        def head_dim_ok(fns, why):
-            dims = _head_dims(fns) if fns else None
-            if fns and head_dim is not None and dims is not None and head_dim not in dims:
-                return None, f"head dim {head_dim} not in the kernel's {tuple(dims)}"
-            return fns, why
+        def takes(module):
+            return head_dim is None or head_dim in module.HEAD_DIMS
 
-        a, why_a = head_dim_ok(*_kernel("attention", "attention_varlen"))
-        self._varlen = a[0] if a else None
-        self._attn = None
-        if self._varlen:
-            self.steps["attention prefill"] = "kernel tritune.kernels.attention.attention_varlen"
-        else:
-            a1, why_1 = head_dim_ok(*_kernel("attention", "attention"))
-            self._attn = a1[0] if a1 else None
-            self.steps["attention prefill"] = (
-                f"kernel tritune.kernels.attention.attention, one call per sequence ({why_a})" if self._attn
-                else f"reference F.scaled_dot_product_attention ({why_a})")
-
-        gv, why_gv = _kernel("gemv", "gemv")
-        self._gemv = gv[0] if gv else None
+        self._varlen = attention.attention_varlen if takes(attention) else None
+        self.steps["attention prefill"] = (
+            "kernel tritune.kernels.attention.attention_varlen" if self._varlen else
+            f"reference F.scaled_dot_product_attention (head dim {head_dim} not in the kernel's "
+            f"{tuple(attention.HEAD_DIMS)})")
         self.steps["decode linears"] = (
             f"kernel tritune.kernels.gemv at <= {self.GEMV_MAX_M} rows (ln_1 / ln_2 / ln_f and the KV-cache write "
-            "fused in)" if self._gemv else f"as linear ({why_gv})")
-
-        p, why_p = head_dim_ok(*_kernel("paged_attention", "paged_attention", "write_kv"))
-        self._paged, self._write_kv = p if p else (None, None)
+            "fused in)")
+        ok = takes(paged_attention)
+        self._paged, self._write_kv = (paged_attention.paged_attention, paged_attention.write_kv) if ok else (None, None)
+        # the decode step without a host sync (the torch write_kv masks padding slots on the host): a CUDA
+        # graph can hold it
+        self.capturable = ok
         self.steps["attention decode"] = (
-            "kernel tritune.kernels.paged_attention (write_kv + paged_attention)" if p
-            else f"reference: index_put into the cache + SDPA over gathered blocks ({why_p})")
+            "kernel tritune.kernels.paged_attention (write_kv + paged_attention)" if ok else
+            f"reference: index_put into the cache + SDPA over gathered blocks (head dim {head_dim} not in the "
+            f"kernel's {tuple(paged_attention.HEAD_DIMS)})")
 
     # Rows up to which the linears of a step run on the gemv kernel (decode of a few sequences), with the
     # LayerNorm before them and the KV-cache write after the qkv projection fused in.
@@ -188,7 +152,7 @@ class TritonOps:
 
     # -- steps --------------------------------------------------------------------------------------
     def layer_norm(self, x, w, b, eps):
-        return self._ln(x, w, b, eps) if self._ln else torch_layer_norm(x, w, b, eps)
+        return self._ln(x, w, b, eps)
 
     def ln_linear(self, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
         """linear(layer_norm(x)), and with ``kv`` (k_cache, v_cache, slots) the qkv output's k and v written
@@ -200,26 +164,11 @@ class TritonOps:
     def linear(self, x, w, b=None, activation=None, residual=None):
         if self._gemv_rows(x, w):
             return self._gemv(x, w, b, activation=activation, residual=residual)
-        if self._gemm:
-            return self._gemm(x, w, b, activation=activation, residual=residual)
-        if activation == "gelu_tanh" and self._gelu:
-            y = self._gelu(torch_linear(x, w, b), approximate="tanh")
-            return y if residual is None else y + residual
-        return torch_linear(x, w, b, activation, residual)
+        return self._gemm(x, w, b, activation=activation, residual=residual)
 
     def attn_prefill(self, q, k, v, seq_lens, cu_seqlens, max_seqlen):
         if self._varlen:
             return self._varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
-        if self._attn:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            s = 0
-            for n in seq_lens:
-                e = s + n
-                o = self._attn(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
-                               v[s:e].transpose(0, 1)[None], causal=True)
-                out[s:e] = o[0].transpose(0, 1)
-                s = e
-            return out
         return torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
@@ -244,6 +193,7 @@ def ln_linear(ops, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
 
 
 class TorchOps:
+    capturable = False      # write_kv masks padding slots on the host
     steps = {s: "plain PyTorch in the model dtype" for s in
              ("layernorm", "linear", "gelu", "attention prefill", "attention decode")}
     layer_norm = staticmethod(torch_layer_norm)
@@ -309,7 +259,7 @@ class PagedKVCache:
 # ---------------------------------------------------------------------------------------------------
 class GPT2:
     def __init__(self, config: GPT2Config, weights: W.GPT2Weights, *, backend: str = "triton",
-                 directory: Path | None = None):
+                 directory: Path | None = None, ops=None):
         head = weights.lm_head
         if isinstance(head, torch.Tensor) and head.dim() == 2 and head.is_contiguous() and head.shape[1] > 1:
             # The LM head as the (E, V) transpose of a (V, E) tensor (K contiguous; the tied wte itself, or a
@@ -321,9 +271,25 @@ class GPT2:
             weights = replace(weights, lm_head=weights.wte.t() if tied else head.t().contiguous().t())
         self.config, self.w, self.directory = config, weights, directory
         self.backend = backend
-        self.ops = ops_for(backend, config.head_dim)
+        # ops: the backend's, unless the caller swaps in its own (quantized linears, the engine's write_kv)
+        self.ops = ops_for(backend, config.head_dim) if ops is None else ops
         self.dtype = weights.wte.dtype
         self.device = weights.wte.device
+
+    def with_ops(self, ops) -> "GPT2":
+        """The same model (weights shared) running on ``ops``: this one is left as it is."""
+        m = copy.copy(self)
+        m.ops = ops
+        return m
+
+    def with_weights(self, weights: W.GPT2Weights, ops=None) -> "GPT2":
+        """The same architecture on other weights (e.g. quantized ones: any object with the fields of
+        GPT2Weights), with ``ops`` that run them (default: this model's)."""
+        m = copy.copy(self)
+        m.w = weights
+        if ops is not None:
+            m.ops = ops
+        return m
 
     @classmethod
     def from_pretrained(cls, model, *, backend: str = "triton", dtype: torch.dtype = torch.float32,
@@ -347,10 +313,10 @@ class GPT2:
                             self.dtype, self.device)
 
     # -- the shared layer stack ---------------------------------------------------------------------
-    def _embed(self, input_ids, positions):
+    def embed(self, input_ids, positions):
         return self.w.wte[input_ids] + self.w.wpe[positions]
 
-    def _blocks(self, x, attend, kv_for=None):
+    def blocks(self, x, attend, kv_for=None):
         """The layer stack. ``attend(i, q, k, v, written)`` writes layer i's k, v to the cache unless
         ``written`` and returns the attention output; ``kv_for(i)`` (k_cache, v_cache, slots), when given,
         lets the qkv projection write the cache itself where the ops fuse that."""
@@ -367,7 +333,7 @@ class GPT2:
             x = ops.linear(f, L.w_proj, L.b_proj, residual=x)
         return x
 
-    def _logits(self, x):
+    def logits(self, x):
         c = self.config
         return ln_linear(self.ops, x, self.w.lnf_w, self.w.lnf_b, c.layer_norm_epsilon, self.w.lm_head)[0]
 
@@ -409,19 +375,20 @@ class GPT2:
                 ops.write_kv(k, v, kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping)
             return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
 
-        x = self._blocks(self._embed(input_ids, positions), attend)
+        x = self.blocks(self.embed(input_ids, positions), attend)
         if not all_logits:
             x = x[torch.tensor(cu[1:], device=self.device) - 1]
-        return self._logits(x)
+        return self.logits(x)
 
     @torch.inference_mode()
-    def decode(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens):
+    def decode(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens, *, x=None):
         """One new token per sequence: input_ids, positions, slot_mapping (B,), block_tables (B, max_blocks)
         int32, context_lens (B,) int32 (tokens to attend to, the new one included). Returns logits (B, V).
+        ``x`` (B, E): the tokens already embedded (then input_ids and positions are not read).
 
         All on the model's device; nothing here syncs with the host (the engine may capture it in a graph).
         """
-        B = input_ids.shape[0]
+        B = slot_mapping.shape[0]
         ops = self.ops
 
         def attend(i, q, k, v, written=False):
@@ -433,8 +400,10 @@ class GPT2:
         def kv_for(i):
             return kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping
 
-        x = self._blocks(self._embed(input_ids.reshape(B), positions.reshape(B)), attend, kv_for)
-        return self._logits(x)
+        if x is None:
+            x = self.embed(input_ids.reshape(B), positions.reshape(B))
+        x = self.blocks(x, attend, kv_for)
+        return self.logits(x)
 
     @torch.inference_mode()
     def forward(self, sequences) -> list[torch.Tensor]:

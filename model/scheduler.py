@@ -28,6 +28,31 @@ from tritune.model.kv_cache import BlockPool, BlockTable
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
+class ContextLimitError(ValueError):
+    """A request that does not fit the model's context: prompt + max_new_tokens > n_positions (the one
+    rule of the engine, ``tritune generate`` and the server). It keeps the numbers, so each front end
+    names the fix in its own terms (:meth:`describe`: ``max_new_tokens=`` / ``truncate=True`` here,
+    ``--max-new-tokens`` / ``--truncate`` on the command line)."""
+
+    def __init__(self, prompt_len: int, max_new_tokens: int, n_positions: int, truncate: bool = False):
+        self.prompt_len, self.max_new_tokens, self.n_positions = prompt_len, max_new_tokens, n_positions
+        self.truncate = truncate
+        super().__init__(self.describe())
+
+    def describe(self, max_new=lambda n: f"max_new_tokens={n}", truncate: str = "truncate=True") -> str:
+        P, N, C = self.prompt_len, self.max_new_tokens, self.n_positions
+        if self.truncate and N >= C:
+            return (f"{max_new(N)} leaves no room for the prompt in the model's context of {C} tokens "
+                    f"(n_positions); the most is {max_new(C - 1)}")
+        what = (f"the prompt of {P} tokens is longer than the model's context of {C} tokens (n_positions)"
+                if P > C else
+                f"the prompt of {P} tokens + {max_new(N)} exceeds the model's context of {C} tokens (n_positions)")
+        fixes = ([f"lower it to {max_new(C - P)}"] if P < C else []) + ["shorten the prompt"]
+        if not self.truncate and N < C:
+            fixes.append(f"pass {truncate} to keep the prompt's last {C - N} tokens")
+        return f"{what}; " + ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
@@ -167,15 +192,9 @@ class Scheduler:
         max_new, ctx = sampling.max_new_tokens, self.n_positions
         truncated = 0
         if len(prompt_ids) + max_new > ctx:
-            if not truncate:
-                what = (f"prompt of {len(prompt_ids)} tokens is longer than the context ({ctx})"
-                        if len(prompt_ids) > ctx else
-                        f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new} exceeds the context ({ctx})")
-                raise ValueError(f"{what}; shorten it, lower max_new_tokens, or pass truncate=True "
-                                 "to drop prompt tokens from the left")
+            if not truncate or max_new >= ctx:
+                raise ContextLimitError(len(prompt_ids), max_new, ctx, truncate)
             keep = ctx - max_new
-            if keep < 1:
-                raise ValueError(f"max_new_tokens={max_new} leaves no room for the prompt in the context ({ctx})")
             truncated, prompt_ids = len(prompt_ids) - keep, prompt_ids[-keep:]
         # The last sampled token is never fed back, so a sequence holds at most prompt + max_new - 1 tokens.
         need = math.ceil((len(prompt_ids) + max_new - 1) / self.pool.block_size)
@@ -217,6 +236,10 @@ class Scheduler:
         req.state, req.finish_reason, req.finish_time = FINISHED, reason, self.clock()
         del self.requests[req.id]
         self._emit(req, None)
+
+    def abandon_step(self) -> None:
+        """The step scheduled last will not hand its tokens back (it failed): scheduling may go on."""
+        self._pending = False
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -12,10 +12,11 @@ import torch
 from tritune.model import weights as W
 from tritune.model.config import GPT2Config
 from tritune.model import gpt2 as G
-from tritune.model.engine import DecodeGraphs, Engine, forward_step, quantize_weights
-from tritune.model.generate import generate as generate_alone
+from tritune.model.engine import Engine
 from tritune.model.gpt2 import GPT2
-from tritune.model.scheduler import SamplingParams
+from tritune.model.quant import quantize_weights
+from tritune.model.runner import forward_step
+from tritune.model.scheduler import ContextLimitError, SamplingParams
 
 VOCAB = 101
 
@@ -54,9 +55,22 @@ def prompts(n, seed=1, lo=1, hi=30):
     return [torch.randint(0, VOCAB - 1, (k,), generator=g).tolist() for k in lens]
 
 
+@torch.inference_mode()
 def alone(model, p, max_new):
-    """The same request through the single-request path (generate.py), an independent implementation."""
-    return generate_alone(model, p, max_new_tokens=max_new, eos_token_id=None).tokens
+    """The same request alone, greedy, through the model's own prefill and decode over a private cache
+    (blocks in order): an implementation independent of the engine's scheduler, runner and graphs."""
+    dev = model.device
+    cache = model.new_cache(len(p) + max_new, 4)
+    table = torch.arange(cache.num_blocks, dtype=torch.int32, device=dev)[None, :]
+    logits = model.prefill(torch.tensor(p, device=dev), [len(p)], kv_cache=cache,
+                           slot_mapping=torch.arange(len(p), device=dev))
+    out = [int(logits[0].argmax())]
+    for n in range(len(p), len(p) + max_new - 1):
+        pos = torch.tensor([n], device=dev)
+        logits = model.decode(torch.tensor([out[-1]], device=dev), pos, cache, pos, table,
+                              torch.tensor([n + 1], dtype=torch.int32, device=dev))
+        out.append(int(logits[0].argmax()))
+    return out
 
 
 def test_tiny_model_outputs_vary(model):
@@ -119,7 +133,7 @@ def test_bad_requests_rejected_without_disturbing_others(model):
         eng.add_request([], sp)
     with pytest.raises(ValueError, match="context"):
         eng.add_request(list(range(97)), sp)                       # n_positions is 96
-    with pytest.raises(ValueError, match="exceeds the context"):
+    with pytest.raises(ContextLimitError, match="exceeds the model's context"):
         eng.add_request([1] * 90, SamplingParams(max_new_tokens=10))
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.add_request([1, 2], SamplingParams(max_new_tokens=0))
@@ -191,7 +205,7 @@ def test_quantized_engine_runs_the_dequantized_weights(model, quant):
     pos = torch.arange(T)
     slots = torch.arange(T)
     want = dense.prefill(ids, [T], all_logits=True)
-    got = forward_step(eng.model, eng.ops, eng.pool, ids, pos, slots, seq_lens=[T],
+    got = forward_step(eng.model, eng.pool, ids, pos, slots, seq_lens=[T],
                        cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert any(quant in n for n in eng.notes)
@@ -262,12 +276,10 @@ def step_model():
 
 
 def device_step_engine(model, buckets=(1, 2, 4, 8), **kw):
-    """An engine whose decode runs through DecodeGraphs without capture (the CPU has no CUDA graphs): the
-    device-side step (embedding, slots, argmax, feedback, stop/EOS) and the multi-step host logic."""
-    eng = Engine(model, cuda_graphs=False, **kw)
-    eng.graphs = DecodeGraphs(eng.model, G.TorchOps, eng.pool, eng.max_blocks, list(buckets),
-                              hist=max(16, eng.decode_steps), capture=False)
-    return eng
+    """An engine whose decode runs the device-side step without capture (cuda_graphs="eager"; the CPU has
+    no CUDA graphs): embedding, slots, argmax, feedback, stop/EOS, and the multi-step host logic."""
+    kw.setdefault("prefill_batching", False)
+    return Engine(model, cuda_graphs="eager", graph_buckets=buckets, **kw)
 
 
 @pytest.mark.parametrize("decode_steps", [1, 5, 16])
@@ -330,7 +342,7 @@ def test_cuda_graph_decode_matches_eager_and_padding_writes_nothing():
     while eng.has_unfinished():
         out = eng.scheduler.schedule()
         before = eng.pool.cache.clone()
-        eager = eng._eager([], [], out.decode_ids, out.decode_positions, out.decode_slots, out.context_lens,
+        eager = eng.runner.eager([], [], out.decode_ids, out.decode_positions, out.decode_slots, out.context_lens,
                            out.decode_tables)
         torch.cuda.synchronize()
         after_eager = eng.pool.cache.clone()
@@ -372,7 +384,7 @@ def test_cuda_graph_multi_step_engine_equals_alone():
 def test_step_out_argmax_takes_the_first_maximum_across_chunks():
     """The step's argmax runs in several programs per row: a maximum tied across chunks must give the
     first index (torch.argmax's), a padding row (pos -1) must stay as it is, and the tickets end at zero."""
-    from tritune.model import engine as E
+    from tritune.model import graphs as E
 
     dev, V, chunks, block = STEP_DEVICE, 100, 4, 32
     logits = torch.randn(3, V, device=dev)

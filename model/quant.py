@@ -1,0 +1,107 @@
+"""Weight-only quantization as a load-time swap: a model whose linears hold
+:class:`~tritune.references.quant.QuantizedWeight` and whose ops run them; nothing downstream branches on it.
+
+``quantize_model(model, "int4", group_size=128)`` rounds every linear (qkv, attention out, MLP in/out and
+the tied lm_head) to nearest; ``with_quantized_weights(model, weights)`` takes weights quantized elsewhere
+(GPTQ, AWQ: any GPT2Weights whose linears are QuantizedWeight). Embeddings and LayerNorms stay dense.
+fp16/bf16 activations run ``tritune.kernels.quant_matmul.quant_linear``; fp32 dequantizes to fp32 and
+runs a dense matmul (the kernel takes half-precision activations only).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from tritune.kernels.quant_matmul import quant_linear
+from tritune.references import quant as Q
+
+QUANT_MODES = (None, "int8", "int4")
+LINEARS = ("w_qkv", "w_o", "w_fc", "w_proj")
+
+
+class QuantOps:
+    """A model's ops, with a linear whose weight is a QuantizedWeight run weight-only quantized."""
+
+    def __init__(self, base, mode: str):
+        self.base, self.quant = base, mode
+        self.layer_norm, self.attn_prefill = base.layer_norm, base.attn_prefill
+        self.write_kv, self.attn_decode = base.write_kv, base.attn_decode
+        self.steps = dict(getattr(base, "steps", {}))
+        self.capturable = getattr(base, "capturable", False)
+        self.steps["linear"] = (f"{mode}: kernel tritune.kernels.quant_matmul.quant_linear for fp16/bf16 "
+                                "activations (fp32: dequantize + dense matmul)")
+
+    def linear(self, x, w, b=None, activation=None, residual=None):
+        if not isinstance(w, Q.QuantizedWeight):
+            return self.base.linear(x, w, b, activation=activation, residual=residual)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x.dtype in (torch.float16, torch.bfloat16):   # the kernel's dtypes
+            y = quant_linear(x2, w, b)
+        else:
+            wd = w.dequantize(torch.float32).to(x.dtype).t()
+            y = torch.mm(x2, wd) if b is None else torch.addmm(b, x2, wd)
+        if activation == "gelu_tanh":
+            y = F.gelu(y, approximate="tanh")
+        if residual is not None:
+            y = y + residual.reshape(y.shape)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def check_mode(quant) -> None:
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
+
+
+def quantize_weights(w, quant: str, group_size: int = 128):
+    """A copy of GPT2Weights with every linear weight rounded to nearest (embeddings and norms kept).
+
+    Our projections are stored (K, N) for gemm; the quantizers take the nn.Linear (N, K) layout, hence .t().
+    """
+    check_mode(quant)
+    bits = {"int8": 8, "int4": 4}[quant]
+    if bits == 4 and group_size not in Q.INT4_GROUP_SIZES:
+        raise ValueError(f"group_size: expected one of {Q.INT4_GROUP_SIZES}, got {group_size!r}")
+
+    def q(t):
+        K = t.shape[0]
+        g = group_size
+        if bits == 4 and K % g:   # a narrow model: the largest supported group that divides K
+            g = next((s for s in sorted(Q.INT4_GROUP_SIZES, reverse=True) if s <= group_size and K % s == 0), None)
+            if g is None:
+                raise ValueError(f"int4: K={K} is not a multiple of any group size in {Q.INT4_GROUP_SIZES}")
+        return Q.quantize(t.t().contiguous(), bits, g)
+
+    layers = [replace(L, **{k: q(getattr(L, k)) for k in LINEARS}) for L in w.layers]
+    return replace(w, layers=layers, lm_head=q(w.lm_head))
+
+
+def mode_of(weights) -> str | None:
+    """"int8" or "int4" when the weights' linears are quantized, None when they are dense."""
+    qws = [getattr(L, k) for L in weights.layers for k in LINEARS] + [weights.lm_head]
+    bits = {qw.bits for qw in qws if isinstance(qw, Q.QuantizedWeight)}
+    if not bits:
+        return None
+    if len(bits) > 1:
+        raise ValueError(f"weights: linears of mixed bit widths {sorted(bits)}")
+    return f"int{bits.pop()}"
+
+
+def with_quantized_weights(model, weights):
+    """``model`` (a GPT2) on ``weights`` (GPT2Weights whose linears are QuantizedWeight, from any
+    quantizer), with ops that run them. The caller's model is left as it is."""
+    mode = mode_of(weights)
+    if mode is None:
+        raise ValueError("weights: no linear is a QuantizedWeight")
+    base = model.ops.base if isinstance(model.ops, QuantOps) else model.ops
+    return model.with_weights(weights, ops=QuantOps(base, mode))
+
+
+def quantize_model(model, quant: str, group_size: int = 128):
+    """``model`` with every linear weight-only quantized (round to nearest; see :func:`quantize_weights`)."""
+    return with_quantized_weights(model, quantize_weights(model.w, quant, group_size))
+
+
+def is_quantized(model) -> bool:
+    return isinstance(model.ops, QuantOps)

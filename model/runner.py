@@ -1,0 +1,347 @@
+"""The model side of an engine step: the forward over a step's packed tokens, the fast decode paths (CUDA
+graphs of the whole decode step, or ``torch.compile``), and the warm-up that compiles every kernel variant
+a serving run meets.
+
+Without a fast decode path, prefills and decodes share a *single* forward over their packed tokens:
+LayerNorm and every linear are per token, so they run once over all rows; only attention splits (varlen
+causal attention over the prefill rows, paged attention over the decode rows), and ``write_kv`` stores
+every new K/V at once. With CUDA graphs (or ``torch.compile``) the decode rows go through the captured
+graph of their batch-size bucket (:class:`~tritune.model.graphs.DecodeGraphs`) and the prefill rows
+through an eager forward of their own: a graph cannot hold the prefills' shapes, which change every step.
+"""
+from __future__ import annotations
+
+import time
+
+import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+import numpy as np
+import torch
+
+from tritune.model import gpt2 as G
+from tritune.model.graphs import DecodeGraphs
+from tritune.model.quant import is_quantized
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The forward of one step
+# ---------------------------------------------------------------------------------------------------
+def forward_step(model, kv, ids, positions, slots, *, seq_lens=(), cu_seqlens=None, block_tables=None,
+                 context_lens=None, logit_rows=None):
+    """One forward of ``model`` (on its ops) over packed tokens: ``sum(seq_lens)`` prefill rows first,
+    then one row per decode.
+
+    ids, positions, slots (T,) on the device; cu_seqlens (P+1,) int32 of the prefills; block_tables
+    (Td, max_blocks) and context_lens (Td,) int32 of the decodes. Returns the logits of ``logit_rows``
+    (all rows when None). Nothing here syncs with the host when there are no prefills.
+    """
+    ops = model.ops
+    Tp = int(sum(seq_lens))
+    T = slots.shape[0]
+    max_seqlen = max(seq_lens) if Tp else 0
+
+    def attend(i, q, k, v, written=False):
+        kc, vc = kv.k_caches[i], kv.v_caches[i]
+        if not written:
+            ops.write_kv(k, v, kc, vc, slots)
+        if Tp == T:
+            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+        if Tp == 0:
+            return ops.attn_decode(q, kc, vc, block_tables, context_lens)
+        return torch.cat((ops.attn_prefill(q[:Tp], k[:Tp], v[:Tp], seq_lens, cu_seqlens, max_seqlen),
+                          ops.attn_decode(q[Tp:], kc, vc, block_tables, context_lens)))
+
+    kv_for = (lambda i: (kv.k_caches[i], kv.v_caches[i], slots)) if Tp == 0 else None
+    x = model.blocks(model.embed(ids, positions), attend, kv_for)
+    if logit_rows is not None:
+        x = x[logit_rows]
+    return model.logits(x)
+
+
+def _index_write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """write_kv for the torch backend without the boolean mask of gpt2.torch_write_kv (a host sync and a
+    graph break): the runner only calls it with real slots (no padding rows outside the device step)."""
+    idx = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v)
+
+
+class IndexWriteOps:
+    """A model's ops with :func:`_index_write_kv` as write_kv (everything else theirs)."""
+
+    write_kv = staticmethod(_index_write_kv)
+
+    def __init__(self, base):
+        self.base = base
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The torch backend's decode under torch.compile
+# ---------------------------------------------------------------------------------------------------
+# The decode step of the torch backend in pieces. A piece takes tensors only, so one compile serves every
+# layer (regional compilation: a layer's compile, not the whole model's, which took minutes); the cache
+# write stays outside (an in-place write into a compiled graph's input).
+def _layer_in(x, ln_w, ln_b, w_qkv, b_qkv, eps: float, n_head: int):
+    T, E = x.shape
+    return G.torch_linear(G.torch_layer_norm(x, ln_w, ln_b, eps), w_qkv, b_qkv).view(T, 3, n_head, E // n_head)
+
+
+def _layer_out(x, qkv, k_cache, v_cache, block_tables, context_lens, w_o, b_o, ln_w, ln_b, w_fc, b_fc,
+               w_proj, b_proj, eps: float):
+    T, E = x.shape
+    a = G.torch_attn_decode(qkv[:, 0], k_cache, v_cache, block_tables, context_lens)
+    x = G.torch_linear(a.reshape(T, E), w_o, b_o, residual=x)
+    f = G.torch_linear(G.torch_layer_norm(x, ln_w, ln_b, eps), w_fc, b_fc, activation="gelu_tanh")
+    return G.torch_linear(f, w_proj, b_proj, residual=x)
+
+
+def _head(x, ln_w, ln_b, lm_head, eps: float):
+    return G.torch_linear(G.torch_layer_norm(x, ln_w, ln_b, eps), lm_head)
+
+
+class CompiledDecode:
+    """GPT2's decode forward on the torch ops, its layer and head compiled (dynamic shapes)."""
+
+    def __init__(self, model, kv):
+        self.model, self.kv = model, kv
+        self.layer_in = torch.compile(_layer_in, dynamic=True)
+        self.layer_out = torch.compile(_layer_out, dynamic=True)
+        self.head = torch.compile(_head, dynamic=True)
+
+    def __call__(self, ids, pos, slots, block_tables, context_lens):
+        from torch.fx.experimental import _config as fx_config
+
+        m, kv = self.model, self.kv
+        c = m.config
+        eps = c.layer_norm_epsilon
+        x = m.embed(ids, pos)
+        # no duck sizing: a batch that happens to equal another dim (3, the head count, ...) on the first
+        # call would tie the two and force a recompile at the next batch size
+        with fx_config.patch(use_duck_shape=False):
+            for i, L in enumerate(m.w.layers):
+                kc, vc = kv.k_caches[i], kv.v_caches[i]
+                qkv = self.layer_in(x, L.ln1_w, L.ln1_b, L.w_qkv, L.b_qkv, eps, c.n_head)
+                _index_write_kv(qkv[:, 1], qkv[:, 2], kc, vc, slots)
+                x = self.layer_out(x, qkv, kc, vc, block_tables, context_lens, L.w_o, L.b_o, L.ln2_w, L.ln2_b,
+                                   L.w_fc, L.b_fc, L.w_proj, L.b_proj, eps)
+            return self.head(x, m.w.lnf_w, m.w.lnf_b, m.w.lm_head, eps)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The runner
+# ---------------------------------------------------------------------------------------------------
+def _tables_array(context_lens, tables, min_blocks: int = 1) -> np.ndarray:
+    """(B, 1 + max blocks) int32: each row's context length, then its block ids (zero-padded)."""
+    mb = max(min_blocks, max(len(t.blocks) for t in tables))
+    h32 = np.zeros((len(tables), mb + 1), np.int32)
+    h32[:, 0] = context_lens
+    for i, t in enumerate(tables):
+        h32[i, 1:1 + len(t.blocks)] = t.blocks
+    return h32
+
+
+class ModelRunner:
+    """Runs a model's steps over a KV block pool.
+
+    ``cuda_graphs``: True captures the decode step per batch bucket (CUDA and the triton backend only;
+    otherwise off, said in ``notes``); ``"eager"`` runs that same device-side step without capturing it
+    (any device and backend: the host logic of the graph path, testable on the CPU); False: none.
+    ``compile``: torch.compile the torch backend's decode forward instead.
+    """
+
+    def __init__(self, model, pool, *, max_num_seqs: int, cuda_graphs=True, compile: bool = False,
+                 graph_buckets=GRAPH_BUCKETS, hist: int = 16):
+        if cuda_graphs not in (True, False, "eager"):
+            raise ValueError(f"cuda_graphs: expected True, False or 'eager', got {cuda_graphs!r}")
+        if cuda_graphs and compile:
+            raise ValueError("cuda_graphs and compile: pick one fast decode path")
+        self.config = model.config
+        self.device = torch.device(model.device)
+        self.pool = pool
+        self.max_blocks = -(-self.config.n_positions // pool.block_size)
+        self.notes: list[str] = []
+        # eager forwards only write real slots, so the torch backend skips its masked write (a host sync)
+        self.model = model.with_ops(IndexWriteOps(model.ops)) if model.backend == "torch" else model
+        buckets = [b for b in graph_buckets if b < max_num_seqs] + [min(
+            max_num_seqs, next((b for b in graph_buckets if b >= max_num_seqs), max_num_seqs))]
+        buckets = sorted(set(buckets))
+        self.graphs = None
+        self.compiled = None
+        if cuda_graphs == "eager":
+            # the model's own ops: padding rows (slot -1) go through write_kv, which must skip them
+            self.graphs = DecodeGraphs(model.with_ops(model.ops), pool, self.max_blocks, buckets, hist=hist,
+                                       capture=False)
+            self.notes.append(f"device-side decode step at batch {buckets}, run eagerly (no capture)")
+        elif cuda_graphs:
+            if self.device.type != "cuda":
+                self.notes.append("cuda_graphs off: no CUDA device")
+            elif model.backend != "triton":
+                self.notes.append("cuda_graphs off: the torch backend's write_kv masks padding rows on the "
+                                  "host; use backend='triton' (or compile=True)")
+            elif not getattr(model.ops, "capturable", False):
+                self.notes.append("cuda_graphs off: the decode step syncs with the host (no paged-attention "
+                                  f"kernel for head dim {self.config.head_dim})")
+            else:
+                self.graphs = DecodeGraphs(model.with_ops(model.ops), pool, self.max_blocks, buckets, hist=hist)
+                self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
+                                  f"(captured in {self.graphs.capture_s:.1f} s)")
+        if compile:
+            if model.backend != "torch" or is_quantized(model):
+                self.notes.append("compile off: it compiles the torch backend's ops (backend='torch', no quant)")
+            else:
+                self.compiled = CompiledDecode(self.model, pool)
+                self.notes.append("decode forward's layer and head under torch.compile(dynamic=True), one compile "
+                                  "for all layers; KV write and prefill eager")
+
+    @property
+    def fast(self) -> bool:
+        """Whether decodes have a path of their own (a prefill then costs a forward of its own)."""
+        return self.graphs is not None or self.compiled is not None
+
+    def graph_batch(self, B: int) -> bool:
+        """Whether B decode rows fit a bucket of the device-side step."""
+        return self.graphs is not None and self.graphs.bucket(B) is not None
+
+    # -------------------------------------------------------------------------------------- forwards
+    def forward(self, out) -> tuple[torch.Tensor, str]:
+        """The logits of a scheduled step (prefills' last tokens, then decodes), and the path it took:
+        "eager" (one forward), "mixed" (one forward of prefills and decodes), "graph" or "compile" (the
+        decodes on their fast path, prefills eager beside them)."""
+        Td = len(out.decode)
+        fast = None
+        if Td and self.graph_batch(Td):
+            fast = "graph"
+        elif Td and self.compiled is not None:
+            fast = "compile"
+        if fast is None:
+            logits = self.eager(out.prefill_ids, out.prefill_slots, out.decode_ids, out.decode_positions,
+                                out.decode_slots, out.context_lens, out.decode_tables)
+            return logits, "mixed" if out.prefill and Td else "eager"
+        parts = []
+        if out.prefill:
+            parts.append(self.eager(out.prefill_ids, out.prefill_slots, [], [], [], [], []))
+        if fast == "graph":
+            pos = out.decode_positions
+            self.graphs.load(out.decode_ids, pos, [p + 1 for p in pos], [-1] * Td, out.decode_tables)
+            parts.append(self.graphs.run(Td, 1))
+        else:
+            parts.append(self._compiled_decode(out.decode_ids, out.decode_positions, out.decode_slots,
+                                               out.context_lens, out.decode_tables)[:Td])
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), fast
+
+    def graph_decode(self, ids, positions, stops, eos, tables, steps: int, gpu_timing: bool = False):
+        """``steps`` greedy decode steps of these rows on the device-side step, one host sync at the end.
+        Returns (tokens per step per row, host seconds {load, launch, wait}, GPU seconds or None)."""
+        g = self.graphs
+        t0 = time.perf_counter()
+        g.load(ids, positions, stops, eos, tables)
+        t1 = time.perf_counter()
+        if gpu_timing:
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev[0].record()
+        g.run(len(ids), steps)
+        if gpu_timing:
+            ev[1].record()
+        t2 = time.perf_counter()
+        rows = g.tokens(positions, steps)                       # the one sync
+        t3 = time.perf_counter()
+        gpu_s = ev[0].elapsed_time(ev[1]) / 1e3 if gpu_timing else None
+        return rows, {"load_s": t1 - t0, "launch_s": t2 - t1, "wait_s": t3 - t2}, gpu_s
+
+    def _compiled_decode(self, ids, positions, slots, context_lens, tables):
+        """The compiled decode on the batch padded to at least 2 rows (a copy of row 0, which writes the
+        same K/V to the same slot) and the block tables to at least 2 columns, so one dynamic compile covers
+        every step (a dim of size 1 would be specialised and compiled again)."""
+        dev = self.device
+        B = max(2, len(ids))
+        ids, positions, slots = list(ids), list(positions), list(slots)
+        context_lens, tables = list(context_lens), list(tables)
+        while len(ids) < B:
+            ids.append(ids[0]), positions.append(positions[0]), slots.append(slots[0])
+            context_lens.append(context_lens[0]), tables.append(tables[0])
+        h = torch.tensor(np.concatenate([np.asarray(ids, np.int64), np.asarray(positions, np.int64),
+                                         np.asarray(slots, np.int64)]))
+        d = h.to(dev, non_blocking=True)
+        d32 = torch.from_numpy(_tables_array(context_lens, tables, 2)).to(dev, non_blocking=True)
+        return self.compiled(d[:B], d[B:2 * B], d[2 * B:], d32[:, 1:], d32[:, 0].contiguous())
+
+    def eager(self, prefill_ids, prefill_slots, decode_ids, decode_positions, decode_slots, context_lens, tables):
+        """Prefills and decodes in one forward (see :func:`forward_step`); logits in the same order."""
+        dev = self.device
+        seq_lens = [len(s) for s in prefill_ids]
+        Tp, Td = sum(seq_lens), len(decode_ids)
+        ids = np.fromiter((t for s in prefill_ids for t in s), np.int64, Tp)
+        pos = np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens]) if seq_lens else np.zeros(0, np.int64)
+        slots = np.fromiter((t for s in prefill_slots for t in s), np.int64, Tp)
+        cu = np.zeros(len(seq_lens) + 1, np.int64)
+        np.cumsum(seq_lens, out=cu[1:])
+        rows = np.concatenate([cu[1:] - 1, Tp + np.arange(Td)])
+        h64 = torch.from_numpy(np.concatenate([ids, np.asarray(decode_ids, np.int64), pos,
+                                               np.asarray(decode_positions, np.int64), slots,
+                                               np.asarray(decode_slots, np.int64), rows]))
+        T = Tp + Td
+        d64 = h64.to(dev, non_blocking=True)
+        kw = {}
+        if Tp:
+            kw["seq_lens"] = seq_lens
+            kw["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True)
+        if Td:
+            d32 = torch.from_numpy(_tables_array(context_lens, tables)).to(dev, non_blocking=True)
+            kw["block_tables"], kw["context_lens"] = d32[:, 1:], d32[:, 0].contiguous()
+        logit_rows = None if Tp == 0 else d64[3 * T:]
+        return forward_step(self.model, self.pool, d64[:T], d64[T:2 * T], d64[2 * T:3 * T],
+                            logit_rows=logit_rows, **kw)
+
+    # -------------------------------------------------------------------------------------- warm-up
+    @torch.inference_mode()
+    def warm_up(self, max_batch_tokens: int, max_num_seqs: int) -> float:
+        """Compile the kernel variants a serving run meets, before it runs (seconds taken).
+
+        The triton backend's kernels compile on first use of each variant, and their launch configs
+        depend on the step's sizes (total prefill tokens, longest sequence, rows of logits, decode batch):
+        a variant first met mid-run stalls that step for a compile (around a second each on the H100
+        machine's host). So: eager prefill forwards over a ladder of total token counts (16, 17, 32, 33,
+        ... up to the step budget, multiples of 16 and not), packed as sequences of the whole context and
+        of 256 tokens; then B sequences of L tokens for B and L powers of two (and B − 1, L + 1: the same
+        buckets, the other divisibility of the counts Triton specialises on), the buckets prefill attention
+        picks its configs by; without a device-side decode step, decode forwards at every batch size
+        of the same ladder. Every slot is -1: nothing is written to the cache. serve-bench reports any
+        variant still compiled inside a timed run (``jit_compiles``).
+        """
+        t0 = time.perf_counter()
+        if self.model.backend != "triton":
+            return 0.0
+        c = self.config
+        budget = max_batch_tokens
+        sizes, n = [], 16
+        while n <= budget:
+            sizes += [n, n + 1] if n + 1 <= budget else [n]
+            n *= 2
+        for cap in sorted({c.n_positions, min(256, c.n_positions)}):
+            for T in sizes:
+                lens = [cap] * (T // cap) + ([T % cap] if T % cap else [])
+                self.eager([[0] * k for k in lens], [[-1] * k for k in lens], [], [], [], [], [])
+        # Prefill attention picks its config by (sequences, longest sequence) buckets and specialises on
+        # its counts (tokens, sequences x heads: divisible by 16 or not): B sequences of L tokens for every
+        # power of two of each, B - 1 and L + 1 too (serve-bench on the H100 met three variable-length
+        # attention variants inside its timed run without this, one with B only: ~1 s of compiling each).
+        L = 16
+        while L <= c.n_positions:
+            for n in sorted({L, min(L + 1, c.n_positions)}):
+                B = 1
+                while B * n <= budget and B <= max_num_seqs:
+                    for b in sorted({B, max(1, B - 1)}):  # B - 1: same bucket, other divisibility of B·heads
+                        self.eager([[0] * n] * b, [[-1] * n] * b, [], [], [], [], [])
+                    B *= 2
+            L *= 2
+        if self.graphs is None:
+            table = type("Table", (), {"blocks": [0]})()
+            for B in [b for b in [1, 2, 3] + sizes if b <= max_num_seqs]:
+                self.eager([], [], [0] * B, [0] * B, [-1] * B, [1] * B, [table] * B)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0

@@ -1,0 +1,68 @@
+"""Picking the next token: argument checks, one row's draw (temperature, top-k, top-p), and the engine's
+per-step sampler (greedy rows by one argmax; each sampled request with its own seeded generator)."""
+from __future__ import annotations
+
+import torch
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature: expected a number >= 0 (0 is greedy), got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k: expected an int >= 0 (0 disables it), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token per row of ``logits`` (B, V) -> (B,) int64. temperature 0 is greedy (argmax).
+
+    Top-k keeps the k largest logits; top-p then keeps the smallest set of most likely tokens whose
+    probability reaches p (the most likely token always survives). Sampling draws from ``generator``, so
+    a seeded generator gives the same tokens for the same logits.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    V = logits.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens before it already reach top_p
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        drop[..., 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class Sampler:
+    """The tokens of one step's rows: one argmax for all, then a draw for each sampled request from its
+    own generator (seeded at its first draw, kept until :meth:`release`), so a seeded request gets the
+    same tokens whichever requests share its steps."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.generators: dict = {}
+
+    def __call__(self, requests, logits: torch.Tensor) -> list[int]:
+        toks = logits.argmax(dim=-1).tolist()
+        for i, r in enumerate(requests):
+            s = r.sampling
+            if s.temperature == 0:
+                continue
+            gen = self.generators.get(r.id)
+            if gen is None and s.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(s.seed))
+                self.generators[r.id] = gen
+            toks[i] = int(sample(logits[i:i + 1], s.temperature, s.top_k, s.top_p, gen)[0])
+        return toks
+
+    def release(self, request_id) -> None:
+        self.generators.pop(request_id, None)
