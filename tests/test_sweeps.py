@@ -22,6 +22,7 @@ from tritune.tuning import search, store
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # worker processes (spawn) inherit it and import the helpers by name
 import tritune_sweep_helpers as h  # noqa: E402
+from tritune_sweep_helpers import _study, _wait_for, check_completed_exactly, two_workers_one_killed  # noqa: E402
 
 CHILD = """
 import sys, torch
@@ -39,45 +40,6 @@ def _own_user_store(tmp_path, monkeypatch):
     store.clear_cache()
     yield
     store.clear_cache()
-
-
-def _marks(d: Path) -> list[str]:
-    return sorted(os.listdir(d), key=lambda m: int(m.split("-")[1]))
-
-
-def _wait_for(d: Path, n: int, proc=None, timeout: float = 120.0) -> list[str]:
-    t0 = time.time()
-    while len(os.listdir(d)) < n:
-        assert proc is None or proc.poll() is None, f"the sweep ended early (exit code {proc.returncode})"
-        assert time.time() - t0 < timeout, f"no {n} evaluations within {timeout:.0f} s"
-        time.sleep(0.02)
-    return _marks(d)
-
-
-def _study(storage: str):
-    st = search.open_storage(storage)
-    (name,) = [n for n in optuna.get_all_study_names(st) if n.startswith("sweep_toy:")]
-    return optuna.load_study(study_name=name, storage=st)
-
-
-def check_completed_exactly(storage: str, trials: int, before: dict | None = None) -> None:
-    """The study has exactly ``trials`` evaluated trials, each config evaluated once; every abandoned
-    (killed) trial was retried once with the same config; values measured before the kill are kept."""
-    st = _study(storage)
-    ts = st.get_trials(deepcopy=False)
-    ev = search._evaluated(ts)
-    assert len(ev) == trials
-    configs = [tuple(sorted(t.params.items())) for t in ev]
-    assert len(set(configs)) == trials, "a config was evaluated twice"
-    abandoned = [t for t in ts if t.user_attrs.get("abandoned")]
-    assert abandoned, "the killed trial was not found"
-    for t in abandoned:
-        assert t.state == TrialState.FAIL and "error" not in t.user_attrs
-        (retry,) = [r for r in ts if r.user_attrs.get("retry_of") == t.number]
-        assert retry.params == t.params and retry in ev
-    assert not [t for t in ts if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-    for number, value in (before or {}).items():
-        assert ts[number].value == value
 
 
 @pytest.mark.parametrize("kind", ["journal", "sqlite"])
@@ -107,27 +69,6 @@ def test_a_sweep_killed_mid_trial_completes_its_count_on_rerun(tmp_path, kind):
     (row,) = search.tune([h.TOY], [h.Problem(64)], [torch.float32], trials=10, storage=storage,
                          evaluate=h.quick, isolation="inline", progress=False)  # nothing left to do
     assert row["trials"] == 10 and len(_study(storage).trials) == n
-
-
-def two_workers_one_killed(storage: str, marks: Path, trials: int = 12) -> None:
-    """Two worker processes sweep one study; one is killed with SIGKILL in the middle of a trial; the
-    other finishes the study, the killed trial retried: exactly ``trials`` evaluated trials."""
-    rows = []
-    t = threading.Thread(target=lambda: rows.extend(search.tune(
-        [h.TOY], [h.Problem(64)], [torch.float32], trials=trials, storage=storage, workers=2, evaluate=h.slow,
-        isolation="inline", progress=False, log=lambda m: None)))
-    t.start()
-    try:
-        victim = int(_wait_for(marks, 3)[-1].split("-")[0])  # its evaluation has just started
-        os.kill(victim, signal.SIGKILL)
-    finally:
-        t.join(180)
-    assert not t.is_alive()
-    (row,) = rows
-    assert row["trials"] == trials
-    check_completed_exactly(storage, trials)
-    killed = [t for t in _study(storage).trials if t.user_attrs.get("abandoned")]
-    assert [t.user_attrs["owner"].rpartition(":")[2] for t in killed] == [str(victim)]
 
 
 def test_two_workers_on_a_journal_one_killed(tmp_path, monkeypatch):
