@@ -1,34 +1,87 @@
-"""The ``tritune`` command: info, bench, test, report, and the commands other subpackages plug in."""
+"""The ``tritune`` command: info, bench, test, report, plot, and the commands other subpackages plug in.
+
+Global option (before or after the command, except after ``test``, whose arguments are pytest's):
+``--plugin MODULE`` (repeatable) loads a module that registers kernels (also: ``TRITUNE_PLUGINS``, and the
+entry-point group ``tritune.kernels`` of installed packages); every command then sees its kernels, and so
+do the processes a command spawns.
+
+User errors (an unknown kernel, dtype or plugin, a path that cannot be used) print one line on stderr and
+exit with status 2; no traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
-# Commands that live beside the code they drive. Each module defines add_arguments(parser) and
-# run(args) -> int; a module that has not landed yet simply leaves its commands out.
-PLUGINS = {
+from tritune.tuning._args import DTYPES, parse_dtype  # noqa: F401  (parse_dtype: for callers of this module)
+
+# Commands that live beside the code they drive: each module defines add_parser(subparsers, name), which
+# adds the command and sets its func(args) -> int.
+COMMANDS = {
     "tune": "tritune.tuning.cli",
     "configs": "tritune.tuning.cli",
     "generate": "tritune.model.cli",
     "serve-bench": "tritune.model.serve",
     "serve": "tritune.model.server",
-    "quantize": "tritune.model.quantize",
     "eval": "tritune.model.eval",
+    "quantize": "tritune.model.quantize",
 }
-
-DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-          "bf16": "bfloat16", "bfloat16": "bfloat16"}
+PLUGINS = COMMANDS  # the older name
 
 
-def parse_dtype(s: str):
-    import torch
+class UsageError(Exception):
+    """A user's mistake: the CLI prints the message on one line and exits 2."""
 
-    try:
-        return getattr(torch, DTYPES[s.lower()])
-    except KeyError:
-        raise argparse.ArgumentTypeError(f"unknown dtype {s!r}; expected one of {sorted(DTYPES)}") from None
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage stays under --help)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def resolve_kernels(names) -> list:
+    """Specs for kernel names ('all' or none: every registered kernel); an unknown name is a UsageError
+    listing the registered ones."""
+    from tritune import kernels
+
+    if not names or list(names) == ["all"]:
+        return kernels.all_specs()
+    out = []
+    for n in names:
+        try:
+            out.append(kernels.get(n))
+        except KeyError as e:
+            raise UsageError(e.args[0]) from None
+    return out
+
+
+def writable_dir(text: str) -> Path:
+    """An argparse type: a folder that exists or can be made (a file in the way, or no permission, is an
+    error at parse time rather than a traceback after the work)."""
+    p = Path(text).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+        if not os.access(p, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r}: no permission to write there")
+        return p
+    parent = next((a for a in p.absolute().parents if a.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: no permission to create it under {parent}")
+    return p
+
+
+def existing_dir(text: str) -> Path:
+    p = Path(text).expanduser()
+    if not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such folder")
+    return p
 
 
 def cmd_info(args) -> int:
@@ -38,6 +91,8 @@ def cmd_info(args) -> int:
 
     from tritune import kernels
     from tritune.harness import device as dev
+    from tritune.model import gpt2
+    from tritune.tuning import store
 
     rows = [["GPU", dev.gpu_name()], ["GPU slug", dev.gpu_slug()],
             ["Triton interpreter", "yes (no CUDA GPU: kernels run on the CPU, small problems only)"
@@ -46,32 +101,25 @@ def cmd_info(args) -> int:
             ["python", sys.version.split()[0]]]
     print(tabulate(rows, tablefmt="plain"))
     print()
-    try:
-        from tritune.tuning import store
-
-        files = store.files_for(dev.gpu_slug())
-    except ImportError:
-        files = {}
+    files = store.files_for(dev.gpu_slug())
     table = []
     for spec in kernels.all_specs():
         f = files.get(spec.name)
-        table.append([spec.name, spec.description, str(f) if f else "none (heuristic defaults)"])
+        where = getattr(spec.run, "__module__", "") or ""
+        origin = "" if where.startswith("tritune.") else f" [{where}]"  # a plugin's kernel says where from
+        table.append([spec.name + origin, spec.description, str(f) if f else "none (heuristic defaults)"])
     print(tabulate(table, headers=["kernel", "what", f"tuned configs for {dev.gpu_slug()}"]))
-    try:
-        from tritune.model import gpt2
-
-        print()
-        print(gpt2.backend_report())
-    except (ImportError, AttributeError):
-        pass
+    print()
+    print(gpt2.backend_report())
     return 0
 
 
 def cmd_bench(args) -> int:
-    from tritune import kernels
     from tritune.harness import bench, device as dev, report
 
-    specs = [kernels.get(n) for n in args.kernels] if args.kernels else kernels.all_specs()
+    specs = resolve_kernels(args.kernels)
+    if args.problems and len(specs) != 1:
+        raise UsageError("--problems needs exactly one kernel (problems are in that kernel's fields)")
     if dev.interpreted():
         print("note: no CUDA GPU; running through the Triton interpreter on small problems "
               "(times are the interpreter's, not a GPU's)\n", flush=True)
@@ -84,7 +132,10 @@ def cmd_bench(args) -> int:
         if args.problems:
             from tritune.tuning.cli import parse_problems
 
-            problems = parse_problems(spec, args.problems)
+            try:
+                problems = parse_problems(spec, args.problems)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         merge = bool(args.problems)  # a subset re-measured: its rows replace theirs, the others stay
 
         def save(row, rows=rows, spec=spec):  # after every problem: a later crash or timeout loses nothing
@@ -108,25 +159,65 @@ def cmd_bench(args) -> int:
 
 
 def cmd_test(args) -> int:
+    """pytest with the arguments given. With no path: ./tests in a checkout of tritune, else the shipped
+    contract suite of every registered kernel (a pip install: built-in and plugin kernels; ``-m NAME``
+    picks one)."""
     import pytest
 
+    from tritune.testing import pytest_plugin
+
     extra = list(args.pytest_args)
-    if not any(not a.startswith("-") for a in extra):
+    if not _has_path(extra):
         here = Path.cwd() / "tests"
-        if here.is_dir():
-            extra.insert(0, str(here))
+        if (here / "test_kernels.py").is_file() and (Path.cwd() / "kernels" / "__init__.py").is_file():
+            extra.insert(0, str(here))  # a checkout of tritune: its own suite
+        else:
+            # the shipped suite; rootdir here, so nothing (.pytest_cache) is written into site-packages
+            extra[:0] = [str(pytest_plugin.suite_path()), "--rootdir", str(Path.cwd()),
+                         "--import-mode=importlib", "-p", "no:cacheprovider"]
     return pytest.main(extra)
+
+
+def _has_path(args: list[str]) -> bool:
+    """Whether pytest arguments name something to collect (a word that is neither an option nor an option's
+    value; the options that take a value are the common ones)."""
+    takes_value = {"-m", "-k", "-p", "-n", "-c", "-o", "-W", "--maxfail", "--rootdir", "--durations",
+                   "--tritune-kernel", "--dist", "--tb", "--junitxml", "--basetemp", "--confcutdir",
+                   "--deselect", "--ignore", "--import-mode", "--log-level", "-r"}
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in takes_value:
+            skip = True
+            continue
+        if a.startswith("-"):
+            continue
+        return True
+    return False
 
 
 def cmd_report(args) -> int:
     from tritune.harness import report
 
+    if not Path(args.results_dir).is_dir():
+        raise UsageError(f"--results-dir {args.results_dir!r}: no such folder")
     return report.run(args)
 
 
+def cmd_plot(args) -> int:
+    from tritune.harness import plot
+
+    return plot.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tritune", description="Triton kernel tuning and correctness harness")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="tritune", description="Triton kernel tuning and correctness harness")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE (a module name or a .py path) that registers kernels; repeatable "
+                        "(also: TRITUNE_PLUGINS=a,b and the entry-point group tritune.kernels)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("info", help="GPU, versions, interpreter or not, tuned-config files that apply")
     s.set_defaults(func=cmd_info)
@@ -134,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="benchmark registered kernels against the vendor path and peers")
     s.add_argument("kernels", nargs="*", help="kernel names (default: all)")
     s.add_argument("--dtype", action="append", type=parse_dtype, help="repeatable; default: each supported")
-    s.add_argument("--results-dir", default="results", help="where the JSON goes (default: ./results)")
+    s.add_argument("--results-dir", default="results", type=writable_dir,
+                   help="where the JSON goes (default: ./results)")
     s.add_argument("--no-save", action="store_true")
     s.add_argument("--no-peers", action="store_true")
     s.add_argument("--problems", default=None,
@@ -144,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "test on a GPU; default there: the standard problems)")
     s.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("test", help="run the test suite (arguments pass through to pytest)")
+    s = sub.add_parser("test", help="run the tests (arguments pass through to pytest; no path: ./tests in a "
+                                    "checkout, else the contract tests of every registered kernel, -m NAME for one)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER)
     s.set_defaults(func=cmd_test)
 
@@ -154,25 +247,65 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_arguments(s)
     s.set_defaults(func=cmd_report)
 
-    for name, modname in PLUGINS.items():
-        try:
-            mod = importlib.import_module(modname)
-        except ImportError as e:
-            if not modname.startswith(getattr(e, "name", None) or "\0"):
-                raise  # a real import error inside a landed module
-            continue
-        adder = getattr(mod, "add_parser", None)
-        if adder is not None:
-            adder(sub, name)
+    s = sub.add_parser("plot", help="PNG pictures: a roofline per GPU from results/, a tuning study's history "
+                                    "(needs the plot extra: matplotlib)")
+    from tritune.harness import plot
+
+    plot.add_arguments(s)
+    s.set_defaults(func=cmd_plot)
+
+    for name, modname in COMMANDS.items():
+        importlib.import_module(modname).add_parser(sub, name)
     return p
 
 
+def _split_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``--plugin X`` / ``--plugin=X`` taken out of argv, anywhere up to a ``test`` command (every argument
+    after ``test`` is pytest's)."""
+    plugins, rest, i, command = [], [], 0, None
+    while i < len(argv):
+        a = argv[i]
+        if command is None and not a.startswith("-"):
+            command = a
+            if a == "test":
+                rest += argv[i:]
+                break
+        if a == "--plugin":
+            if i + 1 >= len(argv):
+                raise UsageError("--plugin: expected a module name or a .py path")
+            plugins.append(argv[i + 1])
+            i += 2
+            continue
+        if a.startswith("--plugin="):
+            plugins.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+        i += 1
+    return plugins, rest
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["test"]:  # everything after `test` belongs to pytest, flags included
-        return cmd_test(argparse.Namespace(pytest_args=argv[1:]))
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    from tritune.harness import plugins
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        names, argv = _split_plugins(argv)
+        if names:
+            plugins.add(names)  # exported in TRITUNE_PLUGINS: spawned tuning workers load them too
+        if argv[:1] == ["test"]:  # everything after `test` belongs to pytest, flags included
+            return cmd_test(argparse.Namespace(pytest_args=argv[1:]))
+        args = build_parser().parse_args(argv)
+        if getattr(args, "kernels", None) and args.command in ("bench", "tune", "configs"):
+            resolve_kernels(args.kernels)  # an unknown name: one line now, not a traceback later
+        return int(args.func(args) or 0)
+    except (UsageError, plugins.PluginError) as e:
+        print(f"tritune: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if not e.filename:  # not about a path the user gave: a real failure, with its traceback
+            raise
+        print(f"tritune: error: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -244,7 +244,7 @@ def table(result: dict) -> str:
 def add_parser(subparsers, name: str) -> None:
     if name != "eval":
         return
-    from tritune.harness.cli import parse_dtype
+    from tritune.tuning._args import parse_dtype
 
     s = subparsers.add_parser("eval", help="perplexity and memory of a GPT-2 from fp32 to int4 (RTN, GPTQ, AWQ)")
     s.add_argument("model", nargs="?", default=None,

@@ -407,7 +407,7 @@ def progression_table(res) -> str:
 def add_parser(subparsers, name: str) -> None:
     if name != "serve-bench":
         return
-    from tritune.harness.cli import parse_dtype
+    from tritune.tuning._args import parse_dtype
 
     s = subparsers.add_parser("serve-bench", help="serving throughput/latency of the engine vs transformers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -880,7 +880,7 @@ def add_parser(subparsers, name: str) -> None:
         return
     import argparse
 
-    from tritune.harness.cli import parse_dtype
+    from tritune.tuning._args import parse_dtype
 
     s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -157,3 +157,43 @@ def test_time_rounds_alternates_and_takes_medians(monkeypatch):
     order.clear()
     out, rounds = bench.time_rounds({"ours": "ours"})
     assert rounds == 1 and out == {"ours": 0.5}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["bench", "no_such_kernel"], "unknown kernel 'no_such_kernel'"),
+    (["tune", "no_such_kernel", "--trials", "1"], "unknown kernel 'no_such_kernel'"),
+    (["configs", "no_such_kernel"], "unknown kernel 'no_such_kernel'"),
+    (["bench", "gelu", "--dtype", "fp8"], "unknown dtype 'fp8'"),
+    (["bench", "gelu", "--results-dir", __file__], "is a file, not a folder"),
+    (["report", "--results-dir", "/no/such/folder"], "no such folder"),
+    (["plot", "--results-dir", "/no/such/folder"], "no such folder"),
+    (["--plugin", "no_such_plugin_module", "info"], "no module named 'no_such_plugin_module'"),
+    (["--plugin", "/no/such/plugin.py", "bench", "gelu"], "no such file"),
+    (["bench", "gelu", "--problems", "M=1"], "no field 'M'"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_cli_misuse_is_one_line_and_exit_2(argv, needle, capsys, monkeypatch):
+    from tritune.harness import cli
+
+    monkeypatch.delenv("TRITUNE_PLUGINS", raising=False)
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors (one line too: cli.Parser)
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_has_no_import_cycle_with_tuning():
+    """tuning/cli plugs into harness/cli; it must not import it back (nor must the model's commands)."""
+    import pathlib
+
+    import tritune.harness.cli as hc
+
+    root = pathlib.Path(hc.__file__).parent.parent
+    for f in [root / "tuning" / "cli.py", root / "model" / "serve.py", root / "model" / "server.py",
+              root / "model" / "eval.py"]:
+        if f.exists():
+            assert "tritune.harness.cli" not in f.read_text(), f
