@@ -354,22 +354,33 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device) -> None:
         raise ValueError(f"out: expected device {device}, got {out.device}")
 
 
-def check_no_alias(out, inputs, in_place: str | None = None) -> None:
+def extent(t) -> int:
+    """Bytes from ``t.data_ptr()`` that its view can reach (0 for None or an empty tensor): metadata
+    only, so a launch plan can hold it for :func:`check_no_alias`."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 0
+    return span(t) * t.element_size()
+
+
+def check_no_alias(out, inputs, in_place: str | None = None, extents: tuple | None = None) -> None:
     """Refuse an ``out`` whose memory overlaps an input's: a kernel that writes one tile while another
     program still reads it returns a silently wrong result (``gemm(x, w, out=x)``). ``inputs`` is
     ((name, tensor or None), ...). ``in_place`` names the one input ``out`` may be exactly (same data
     pointer, shape and strides: each element read by the program that writes it, before it writes it),
     the documented in-place case such as ``out=residual``. Byte ranges are compared (conservative: two
-    interleaved views of one buffer count as overlapping). Called per launch, only when ``out`` is given."""
-    if out.numel() == 0:
+    interleaved views of one buffer count as overlapping). Called per launch, only when ``out`` is given;
+    ``extents`` (out's, then each input's :func:`extent`) from a launch plan save working them out."""
+    if extents is None:
+        extents = (extent(out), *(extent(t) for _, t in inputs))
+    if not extents[0]:
         return
     o0 = out.data_ptr()
-    o1 = o0 + span(out) * out.element_size()
-    for name, t in inputs:
-        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+    o1 = o0 + extents[0]
+    for (name, t), ext in zip(inputs, extents[1:]):
+        if not ext:
             continue
         t0 = t.data_ptr()
-        if t0 < o1 and o0 < t0 + span(t) * t.element_size():
+        if t0 < o1 and o0 < t0 + ext:
             if name == in_place and t0 == o0 and t.shape == out.shape and t.stride() == out.stride():
                 continue
             also = f", or {name} itself (in place)" if name == in_place else ""

@@ -330,7 +330,7 @@ class _Plan:
     combination; a launch with the same combination does the per-call work only (the output
     allocation, TMA descriptors, the launch itself)."""
     __slots__ = ("out_shape", "empty", "m", "n", "k", "a_copy", "r_copy", "grid", "ints", "work_numel",
-                 "locks", "kws", "consts", "kernels", "a_tma", "b_tma", "cfg", "cfg_key")
+                 "locks", "kws", "consts", "kernels", "a_tma", "b_tma", "cfg", "cfg_key", "extents")
 
 
 _PLANS = K.PlanCache()
@@ -366,7 +366,7 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
     if out is None:
         out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)
     else:  # out=residual (the residual stream updated in place) is the one overlap allowed
-        K.check_no_alias(out, (("a", a), ("b", b), ("bias", bias), ("residual", residual)), "residual")
+        K.check_no_alias(out, (("a", a), ("b", b), ("bias", bias), ("residual", residual)), "residual", plan.extents)
     if plan.empty:
         return out
     if plan.a_copy:  # > 3 dims that do not merge into rows: one copy
@@ -447,6 +447,7 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
 
     p = _Plan()
     p.out_shape, p.m, p.n, p.k = out_shape, m, n, kdim
+    p.extents = tuple(K.extent(t) for t in (out, a, b, bias, residual))  # K.check_no_alias
     p.cfg = p.cfg_key = None
     p.empty = m == 0 or n == 0
     if p.empty:

@@ -254,7 +254,7 @@ _meta = K.tensor_meta
 class _Plan:
     __slots__ = ("out_shape", "m", "n", "k", "grid", "ints", "kws", "kws_pdl", "kernels", "consts", "consts_pdl",
                  "work_numel", "locks", "cfg", "cfg_key",
-                 "empty", "c_kv")
+                 "empty", "c_kv", "extents")
 
 
 def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, out=None,
@@ -284,7 +284,7 @@ def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
     else:  # out=residual (the residual stream updated in place) is the one overlap allowed
         K.check_no_alias(out, (("x", x), ("w", w), ("bias", bias), ("residual", residual), ("ln weight", ln_w),
                                ("ln bias", ln_b), ("k_cache", kc), ("v_cache", vc), ("slot_mapping", slots)),
-                         "residual")
+                         "residual", plan.extents)
     if plan.empty:
         return out
     if plan.work_numel:
@@ -386,6 +386,9 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
 
     p = _Plan()
     p.out_shape, p.m, p.n, p.k, p.c_kv = out_shape, m, n, kdim, c_kv
+    ln_w, ln_b, _ = ln if ln is not None else (None, None, 0.0)
+    kc, vc, slots = kv if kv is not None else (None, None, None)
+    p.extents = tuple(K.extent(t) for t in (out, x, w, bias, residual, ln_w, ln_b, kc, vc, slots))  # check_no_alias
     p.cfg = p.cfg_key = None
     p.empty = m == 0 or n == 0
     if p.empty:

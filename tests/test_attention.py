@@ -255,7 +255,7 @@ def test_launch_plan_cache():
     cmp.check(A.attention(q, k, v, causal=True, scale=1, config=cfg), want, torch.float32, what="explicit config")
     K.clear_config_cache()  # as a store reload does: the cached plan must pick the config again
     A.attention(q, k, v, causal=True, scale=1)
-    lookup = ("attention", K.bucket_key(A.bucket(p)), torch.float32)
+    lookup = A.SPEC.config_key(p, torch.float32)
     assert any(pl.cfg is K._CONFIG_CACHE[lookup] for pl in A._PLANS.values() if pl.cfg_key == lookup)
 
 

@@ -16,7 +16,7 @@ from tritune.harness import device as dev
 from tritune.kernels import gemm as G
 
 DEV = dev.device()
-DTYPES = [torch.float32, torch.float16] + ([] if dev.interpreted() else [torch.bfloat16])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _check(p: G.Problem, dtype, config=None, layout="contiguous", seed=0):
@@ -85,11 +85,11 @@ def test_residual_of_flat_shape_and_in_place():
     b = torch.randn(16, 8, device=DEV)
     r = torch.randn(6, 8, device=DEV)
     ref = G.ref.gemm(a, b, residual=r)
-    cmp.check(G.gemm(a, b, residual=r), ref, torch.float32, "tf32")
+    cmp.check(G.gemm(a, b, residual=r), ref, torch.float32, G.SPEC.accumulation(torch.float32))
     # residual stream updated in place: out aliases residual (each element read before it is written)
     x = r.view(2, 3, 8).clone()
     G.gemm(a, b, residual=x, out=x)
-    cmp.check(x, ref, torch.float32, "tf32")
+    cmp.check(x, ref, torch.float32, G.SPEC.accumulation(torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -117,7 +117,7 @@ def test_split_k_empty_slices_counters_and_determinism():
     assert int(G._locks.buffers[case.args[0].device][:tiles].abs().sum()) == 0, "split-K counters not reset"
     again = G.gemm(*case.args, config=cfg, **case.kwargs)
     assert torch.equal(first, again), "split-K is not deterministic"
-    cmp.check(first, G.ref.gemm(*case.args, **case.kwargs), torch.float32, "tf32")
+    cmp.check(first, G.ref.gemm(*case.args, **case.kwargs), torch.float32, G.SPEC.accumulation(torch.float32))
     # and TMA descriptors with split-K (aligned sizes)
     _check(G.Problem(16, 32, 256, trans_b=True), torch.float32, {"SPLIT_K": 4, "GROUP_M": 1, "TMA": True,
                                                                "BLOCK_K": 32})
@@ -163,7 +163,7 @@ def test_empty_m_and_out_argument():
     assert G.gemm(a, b, out=out) is out
     # a 1-D A is one row: (K,) @ (K, N) -> (N,)
     v = torch.randn(8, device=DEV)
-    cmp.check(G.gemm(v, b), G.ref.gemm(v, b), torch.float32, "tf32")
+    cmp.check(G.gemm(v, b), G.ref.gemm(v, b), torch.float32, G.SPEC.accumulation(torch.float32))
 
 
 def test_launch_plans_are_reused_only_where_they_apply():
@@ -176,7 +176,7 @@ def test_launch_plans_are_reused_only_where_they_apply():
     for seed in (0, 1, 2):  # on a GPU the later launches skip triton's binding (direct launch)
         case = G.make_inputs(p, torch.float32, DEV, seed)
         got = G.gemm(*case.args, config=cfg, **case.kwargs)
-        cmp.check(got, G.ref.gemm(*case.args, **case.kwargs), torch.float32, "tf32", what=f"seed {seed}")
+        cmp.check(got, G.ref.gemm(*case.args, **case.kwargs), torch.float32, G.SPEC.accumulation(torch.float32), what=f"seed {seed}")
     assert len(G._PLANS) == 1
     if DEV == "cuda":
         assert len(next(iter(G._PLANS.values())).kernels) == 1
@@ -185,7 +185,7 @@ def test_launch_plans_are_reused_only_where_they_apply():
     a_off = buf[1:].view_as(a).copy_(a)  # same shape and strides, base 4 bytes past 16-byte alignment
     assert a_off.data_ptr() % 16 and a_off.stride() == a.stride()
     for x in (a, a_off, a):
-        cmp.check(G.gemm(x, b, bias, config=cfg), G.ref.gemm(x, b, bias), torch.float32, "tf32")
+        cmp.check(G.gemm(x, b, bias, config=cfg), G.ref.gemm(x, b, bias), torch.float32, G.SPEC.accumulation(torch.float32))
     assert len(G._PLANS) == 2  # one more plan (no residual), shared by both alignments
     with pytest.raises(ValueError, match="activation"):
         G.gemm(a, b, bias, activation="relu", config=cfg)
@@ -195,7 +195,7 @@ def test_launch_plans_are_reused_only_where_they_apply():
     G.gemm(a, b, bias)
     from tritune import kernels as K
     K.clear_config_cache()
-    cmp.check(G.gemm(a, b, bias), G.ref.gemm(a, b, bias), torch.float32, "tf32")
+    cmp.check(G.gemm(a, b, bias), G.ref.gemm(a, b, bias), torch.float32, G.SPEC.accumulation(torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -255,7 +255,7 @@ def test_epilogue_prefetch_only_whole_tiles(monkeypatch, sms):
         cfg = dict(base, **extra)
         assert G.SPACE.why_invalid(cfg, p, torch.float32) is None
         assert G._make_plan(a, b, bias, None, r, None, cfg).kws[0][0]["PRE_EPI"] == want, extra
-        cmp.check(G.gemm(a, b, bias, residual=r, config=cfg), ref, torch.float32, "tf32", what=str(extra))
+        cmp.check(G.gemm(a, b, bias, residual=r, config=cfg), ref, torch.float32, G.SPEC.accumulation(torch.float32), what=str(extra))
 
 
 @pytest.mark.parametrize("label,thunk_args,exc,match", [

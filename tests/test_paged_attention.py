@@ -59,8 +59,6 @@ def test_lengths_around_block_boundaries(bs, ctx_of, split):
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1), (3, 1), (2, 1)], ids=lambda x: str(x))
 @pytest.mark.parametrize("use_dot", [False, True], ids=["bcast", "dot"])
 def test_gqa_mixed_lengths_split_and_single(dtype, hq, hkv, use_dot):
-    if use_dot and not pa._tl_dot_ok(dtype):
-        pytest.skip("GPU only: tl.dot on bf16 operands returns garbage under the Triton interpreter (triton 3.9)")
     problem = P(4, hq, hkv, 32, 90, 16, mixed=True)
     _check(problem, dtype, _cfg(16, 0, use_dot), seed=hq * 10 + hkv, layout="strided")
     _check(problem, dtype, _cfg(16, 32, use_dot), seed=hq * 10 + hkv + 1)
@@ -73,8 +71,6 @@ def test_hand_prefetch_and_evict(dtype, use_dot, evict):
     """The hand-pipelined loop (tile i + 1 loaded while tile i is used) over mixed lengths and garbage
     slots: its last prefetch is past the end and must read nothing; split and single pass; the EVICT
     hint on and off (a cache hint: the interpreter ignores it, the GPU runs it)."""
-    if use_dot and not pa._tl_dot_ok(dtype):
-        pytest.skip("GPU only: tl.dot on bf16 operands returns garbage under the Triton interpreter (triton 3.9)")
     problem = P(3, 4, 2, 32, 77, 8, mixed=True)
     _check(problem, dtype, _cfg(16, 0, use_dot, evict=evict, prefetch=True), seed=7, layout="strided")
     _check(problem, dtype, _cfg(16, 32, use_dot, evict=evict, prefetch=True), seed=8)
