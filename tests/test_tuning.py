@@ -576,7 +576,7 @@ class _Noisy:
         return {"ok": True, "ms": ms}
 
 
-def test_budget_warm_starts_from_the_nearest_gpu_and_retimes_before_export(tmp_path, temp_store):
+def test_budget_warm_starts_from_the_nearest_gpu_and_retimes_before_export(tmp_path, temp_store, monkeypatch):
     from tritune.tuning import budget as tb
 
     spec = toy_spec(SMALL, _odd, default={"a": 7, "b": 1})
@@ -599,6 +599,12 @@ def test_budget_warm_starts_from_the_nearest_gpu_and_retimes_before_export(tmp_p
     assert set(rt["times_us"]) == {"tuned", "seed", "default"} and rt["rounds"] == 5
     assert row["best_us"] < 1000.0 and rt["times_us"]["tuned"] > 100_000.0
     (path,) = search.export(storage, [spec], slug="nvidia-h200", log=lambda m: None)
+    # a config in two roles (the tuned best is the default) is timed once and reported under both
+    job = search.plan([spec], [ToyProblem(64)], [torch.float32], "nvidia-h200")[0]
+    default = tb.front_runners(st)["default"]
+    monkeypatch.setattr(tb, "front_runners", lambda study: {"tuned": default, "default": default})
+    again = tb.retime(st, job, search.InlineRunner(_Noisy()), rounds=3)
+    assert again["winner"] == "tuned+default" and again["times_us"]["tuned"] == again["times_us"]["default"]
     (e,) = json.loads(path.read_text())["entries"]
     assert e["config"] == {"a": 9, "b": 5} and e["time_us"] == pytest.approx(5000.0)
     assert e["retimed"]["winner"] == "seed" and e["default_us"] == pytest.approx(1000.0 * (1 + 16 + 16))

@@ -92,10 +92,13 @@ def front_runners(study) -> dict[str, tuple[dict, float]]:
 def retime(study, job, runner, rounds: int = RETIME_ROUNDS) -> dict | None:
     """Time the front runners side by side in ``rounds`` interleaved rounds (the order rotated each round);
     store and return {"winner", "config", "time_us", "default_us", "times_us", "rounds", "best_trial"}."""
-    cands = {}
+    cands: dict[str, tuple[dict, list]] = {}   # first role of each distinct config -> (config, times)
+    alias: dict[str, str] = {}                  # every role -> the role its config is timed under
     for role, (cfg, _) in front_runners(study).items():
-        if cfg not in [c for c, _ in cands.values()]:
+        same = next((r for r, (c, _) in cands.items() if c == cfg), None)
+        if same is None:
             cands[role] = (cfg, [])
+        alias[role] = same or role
     if not cands:
         return None
     roles = list(cands)
@@ -109,12 +112,10 @@ def retime(study, job, runner, rounds: int = RETIME_ROUNDS) -> dict | None:
     if not med:
         return None
     winner = min(med, key=med.get)
-    default_cfg = job.spec.default_config(job.problem, job.dtype)
-    default_us = next((med[r] for r, (c, _) in cands.items() if c == default_cfg and r in med), None)
-    out = {"winner": winner, "config": cands[winner][0], "time_us": round(med[winner], 3),
-           "default_us": None if default_us is None else round(default_us, 3),
-           "times_us": {r: round(v, 3) for r, v in med.items()}, "rounds": rounds,
-           "best_trial": search.study_stats(study)["best_trial"]}
+    times_us = {role: round(med[a], 3) for role, a in alias.items() if a in med}
+    out = {"winner": "+".join(r for r, a in alias.items() if a == winner), "config": cands[winner][0],
+           "time_us": round(med[winner], 3), "default_us": times_us.get("default"),
+           "times_us": times_us, "rounds": rounds, "best_trial": search.study_stats(study)["best_trial"]}
     study.set_user_attr("retimed", out)
     return out
 
