@@ -29,7 +29,9 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tritune.model import gpt2 as G  # noqa: E402
 from tritune.model.config import GPT2Config, UnsupportedModelError  # noqa: E402
-from tritune.model.generate import check_sampling, generate, sample, stream  # noqa: E402
+from tritune.model.generate import engine_for, generate, stream  # noqa: E402
+from tritune.model.sampling import check_sampling, sample  # noqa: E402
+from tritune.model.scheduler import ContextLimitError  # noqa: E402
 from tritune.model.tokenizer import Tokenizer  # noqa: E402
 
 GPU = not dev.interpreted() and torch.cuda.is_available()
@@ -258,15 +260,16 @@ def test_graph_decode_equals_plain_loop(checkpoints, backend):
     n_pos = m.config.n_positions
     for kw in (dict(), dict(temperature=0.8, top_k=40, seed=7), dict(temperature=1.0, top_p=0.9, seed=8)):
         for prompt in ([3, 1, 4], list(range(n_pos - 5))):
-            a = generate(m, prompt, max_new_tokens=20, eos_token_id=None, cuda_graph=False, **kw)
-            b = generate(m, prompt, max_new_tokens=20, eos_token_id=None, cuda_graph=True, **kw)
+            n = min(20, n_pos - len(prompt))       # the second prompt runs up to the full context
+            a = generate(m, prompt, max_new_tokens=n, eos_token_id=None, cuda_graph=False, **kw)
+            b = generate(m, prompt, max_new_tokens=n, eos_token_id=None, cuda_graph=True, **kw)
             assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), kw
     free = generate(m, [9, 8, 7], max_new_tokens=16, eos_token_id=None, cuda_graph=True).tokens
     eos = free[5]
     r = generate(m, [9, 8, 7], max_new_tokens=16, eos_token_id=eos, cuda_graph=True)
     assert r.tokens == free[:free.index(eos) + 1] and r.finish_reason == "eos"
     if GPU and backend == "triton":
-        assert m.ops._paged is not None and any(d.graphs for d in m._decoders.values())
+        assert engine_for(m).graphs is not None and engine_for(m).graphs.graphs   # captured, not eager
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -337,48 +340,54 @@ def test_prompt_longer_than_context(checkpoints):
     m = load(checkpoints["odd"][0], "torch")
     P = m.config.n_positions
     long = [(7 * i) % m.config.vocab_size for i in range(P + 5)]
-    with pytest.raises(ValueError, match="n_positions"):
+    with pytest.raises(ContextLimitError, match="n_positions"):
         generate(m, long, max_new_tokens=3)
     r = generate(m, long, max_new_tokens=3, truncate=True, eos_token_id=None)
-    assert r.truncated == len(long) - (P - 2) and r.prompt_ids == long[-(P - 2):]
-    assert r.tokens == generate(m, long[-(P - 2):], max_new_tokens=3, eos_token_id=None).tokens
+    assert r.truncated == len(long) - (P - 3) and r.prompt_ids == long[-(P - 3):]   # room for the 3 new tokens
+    assert r.tokens == generate(m, long[-(P - 3):], max_new_tokens=3, eos_token_id=None).tokens
     assert r.finish_reason == "length"
     with pytest.raises(ValueError, match="empty"):
         generate(m, [], max_new_tokens=3)
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="vocabulary"):
         generate(m, [m.config.vocab_size], max_new_tokens=3)
 
 
-def test_context_fills_up(checkpoints):
+def test_context_limit_is_the_engines(checkpoints):
+    """prompt + max_new_tokens must fit n_positions: generate() refuses what the engine refuses, with the
+    same error, instead of stopping early; at the limit it runs to max_new_tokens."""
+    from tritune.model.engine import Engine
+    from tritune.model.scheduler import SamplingParams
+
     m = load(checkpoints["odd"][0], "torch")
     P = m.config.n_positions
-    r = generate(m, list(range(P - 3)), max_new_tokens=50, eos_token_id=None)
-    assert r.finish_reason == "context" and len(r.tokens) == 4   # positions P-3 .. P-1 fed back, + 1
+    with pytest.raises(ContextLimitError, match="lower it to max_new_tokens=3") as alone:
+        generate(m, list(range(P - 3)), max_new_tokens=50)
+    with pytest.raises(ContextLimitError) as engine:
+        Engine(m, num_blocks=64, cuda_graphs=False).add_request(list(range(P - 3)), SamplingParams(max_new_tokens=50))
+    assert str(alone.value) == str(engine.value)
+    with pytest.raises(ContextLimitError, match="leaves no room"):
+        generate(m, [1, 2], max_new_tokens=P, truncate=True)
+    r = generate(m, list(range(P - 3)), max_new_tokens=3, eos_token_id=None)
+    assert r.finish_reason == "length" and len(r.tokens) == 3
 
 
 def test_streaming_yields_as_produced(checkpoints):
+    """Each token is yielded as soon as the engine's step that made it returns: the first after the
+    prefill step alone, the next after one decode step (the torch backend steps one token at a time)."""
     m = load(checkpoints["odd"][0], "torch")
-    calls = []
-    real = m.decode
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    m.decode = counting
-    try:
-        g = stream(m, [1, 2], max_new_tokens=5, eos_token_id=None)
-        it = iter(g)
-        first = next(it)
-        assert len(calls) == 0 and g.result.tokens == [first.token]   # no decode step ran yet
-        second = next(it)
-        assert len(calls) == 1 and second.token == g.result.tokens[1]
-        rest = list(it)
-        assert len(calls) == 4 and [e.token for e in rest] == g.result.tokens[2:]
-        with pytest.raises(RuntimeError):
-            iter(g)
-    finally:
-        del m.decode
+    g = stream(m, [1, 2], max_new_tokens=5, eos_token_id=None)
+    steps = g.engine.stats
+    s0 = steps["steps"]
+    it = iter(g)
+    first = next(it)
+    assert g.result.tokens == [first.token] and steps["steps"] - s0 == 1
+    second = next(it)
+    assert steps["steps"] - s0 == 2 and second.token == g.result.tokens[1]
+    rest = list(it)
+    assert steps["steps"] - s0 == 5 and [e.token for e in rest] == g.result.tokens[2:]
+    with pytest.raises(RuntimeError):
+        iter(g)
+    assert not g.engine.has_unfinished()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -444,6 +453,26 @@ def test_cli_generate(text_model, capsys):
     rc = main(["generate", "hi", "--model", str(text_model / "nope"), "--backend", "torch"])
     out, err = capsys.readouterr()
     assert rc == 2 and "nope" in err
+
+
+def test_cli_generate_context_limit(text_model, capsys):
+    """The engine's context rule, in the command line's terms: one line naming the flags, exit 2."""
+    from tritune.harness.cli import main
+
+    base = ["generate", "hello world", "--model", str(text_model), "--backend", "torch", "--dtype", "fp32"]
+    rc = main(base + ["--max-new-tokens", "300"])           # the context is 64
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--max-new-tokens 300 exceeds the model's context of 64" in err and "lower it to --max-new-tokens" in err
+    rc = main(base[:1] + ["hello world, " * 40] + base[2:] + ["--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "--truncate" in err and "truncate=True" not in err
+    rc = main(base[:1] + ["hello world, " * 40] + base[2:] + ["--max-new-tokens", "8", "--truncate"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "prompt truncated" in err and "stopped: length" in err
+    rc = main(base + ["--max-new-tokens", "64", "--truncate"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "--max-new-tokens 64 leaves no room" in err and "--max-new-tokens 63" in err
 
 
 # ---------------------------------------------------------------------------------------------------
