@@ -135,6 +135,29 @@ def test_compile_fullgraph_no_recompile(pair):
     assert counter.frame_count == first, f"recompiled: {counter.frame_count - first} more graphs after T=4"
 
 
+@torch.no_grad()
+def test_compiled_forward_static_cache_generate(tiny_dir, pair):
+    """HF's static-cache recipe (the forward under torch.compile, fullgraph): the prefill (sdpa: the
+    mask is materialized while tracing) and the decode steps (paged_attention over the mask's keys)
+    compile once each and match the float64 model."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _, ref = pair
+    model = hf_patch.patch(_load(tiny_dir))
+    model.generation_config.disable_compile = True
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model.forward = torch.compile(model.forward, backend=counter, fullgraph=True)
+    kw = {"cache_implementation": "static"}
+    seq, logits = _generate(model, _ids(2, 6, 5), **kw)
+    want_seq, want = _generate(ref, _ids(2, 6, 5), **kw)
+    assert torch.equal(seq, want_seq)
+    cmp.check(logits, want, torch.float32, what="compiled static-cache generate logits")
+    first = counter.frame_count
+    _generate(model, _ids(2, 6, 6), **kw)
+    assert counter.frame_count == first
+
+
 # ---------------------------------------------------------------------------------------------------
 def _small(dtype):
     torch.manual_seed(0)
