@@ -175,7 +175,24 @@ def cmd_test(args) -> int:
             # the shipped suite; rootdir here, so nothing (.pytest_cache) is written into site-packages
             extra[:0] = [str(pytest_plugin.suite_path()), "--rootdir", str(Path.cwd()),
                          "--import-mode=importlib", "-p", "no:cacheprovider"]
-    return pytest.main(extra)
+    return pytest.main(_not_slow(extra))
+
+
+def _not_slow(args: list[str]) -> list[str]:
+    """Slow tests stay out unless asked for: ``-m gemm`` runs as ``-m "(gemm) and not slow"``; a marker
+    expression that names ``slow`` is left as it is."""
+    out, i, marked = [], 0, False
+    while i < len(args):
+        a = args[i]
+        if a == "-m" and i + 1 < len(args):
+            expr = args[i + 1]
+            out += ["-m", expr if "slow" in expr else f"({expr}) and not slow"]
+            marked = True
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out if marked else out + ["-m", "not slow"]
 
 
 def _has_path(args: list[str]) -> bool:
