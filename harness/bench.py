@@ -137,35 +137,6 @@ def graph_ms(fn: Callable[[], object]) -> float:
         K.PDL = saved
 
 
-_READER: list = []
-
-
-def flush_timings(fn: Callable[[], object]) -> dict:
-    """``fn`` timed three ways (GPU only; the flush probes' table):
-    zero_us: do_bench as every table reports it (L2 flushed by a zero-fill, which leaves dirty lines);
-    clean_us: do_bench with the zero-fill followed by a read of 128 MB (L2 left holding clean lines: still
-    cold for ``fn``, but no write-back charged to it); graph_us: replayed in a CUDA graph."""
-    drv = triton.runtime.driver.active
-    zero_flush = drv.clear_cache
-    if not _READER:
-        _READER.append(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-
-    def clean_flush(cache):
-        zero_flush(cache)
-        _READER[0].max()  # the dirty lines are written back here, outside the timed call
-
-    row = {}
-    try:
-        row["zero_us"] = median_ms(fn) * 1e3
-        drv.clear_cache = clean_flush
-        row["clean_us"] = median_ms(fn) * 1e3
-        drv.clear_cache = zero_flush
-        row["graph_us"] = graph_ms(fn) * 1e3
-    finally:
-        drv.clear_cache = zero_flush
-    return row
-
-
 # Short problems (median under SHORT_MS) are timed in ROUNDS_SHORT alternating rounds (ours, the vendor,
 # each peer, then again), each path's time the median of its rounds: a one-off (a slow host moment, a clock
 # step) in one path's single do_bench moved a 9 µs row by 30% (H100, gemm M=1: 12.1 against 9.1 µs in
@@ -218,18 +189,6 @@ def peer_calls(spec, cases) -> tuple[dict, dict]:
     return calls, errors
 
 
-def flush_row(fn: Callable[[], object], **fields) -> dict:
-    """``fields`` plus :func:`flush_timings` of ``fn`` (or the error that stopped it), printed as it is
-    measured: one row of the flush and variant probes."""
-    row = dict(fields)
-    try:
-        row.update(flush_timings(fn))
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:300]
-    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    return row
-
-
 def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     """Host (CPU) microseconds per call of ``fn``: launches are queued without synchronising, so this is
     the launcher's own cost. do_bench hides host time only up to its L2 flush (~85 µs of GPU time on an
@@ -258,7 +217,9 @@ def problem_label(problem) -> str:
 def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, config=None,
                seed: int = 0, on_row: Callable[[dict], object] | None = None) -> list[dict]:
     """Time ours, the vendor path and each available peer on each problem, after checking correctness.
-    ``on_row`` sees each row as soon as it is measured (the CLI saves as it goes)."""
+    The vendor path is what a PyTorch user gets by default (torch's own dispatch), recorded in the row by
+    what actually ran (a vendor call's ``label``, e.g. "sdpa (cudnn)"); forced alternatives (each SDPA
+    backend) are peers. ``on_row`` sees each row as soon as it is measured (the CLI saves as it goes)."""
     device = dev.device()
     if problems is None:
         problems = spec.small_problems if dev.interpreted() else spec.standard_problems
@@ -281,9 +242,13 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
             del got, ref
             ours = cycling(cases, lambda c: functools.partial(spec.run, *c.args, out=c.out, config=cfg, **c.kwargs))
             paths = {"ours": ours}
+            vendor_label = spec.vendor_name
             if spec.vendor is not None:
                 try:
-                    paths["vendor"] = cycling(cases, spec.vendor)
+                    vfns = [spec.vendor(c) for c in cases]
+                    paths["vendor"] = cycling(vfns, lambda f: f)
+                    # the path torch's default dispatch took, named by what ran (e.g. "sdpa (cudnn)")
+                    vendor_label = getattr(vfns[0], "label", None) or spec.vendor_name
                 except Exception as e:  # the vendor path may not support a case; say so
                     row["vendor_error"] = f"{type(e).__name__}: {e}"[:200]
             if peers:
@@ -310,7 +275,7 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
                     row[f"{name}_error"] = t
                     continue
                 if name == "vendor":
-                    row["vendor"] = spec.vendor_name
+                    row["vendor"] = vendor_label
                 row[f"{name}_us"] = t * 1e3
                 row[f"vs_{name}"] = t / ms
             del cases

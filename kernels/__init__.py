@@ -435,6 +435,27 @@ class Workspace:
         return t
 
 
+# aten op -> the SDPA backend it is (what torch's dispatch picked for a call)
+_SDPA_OPS = {"aten::_scaled_dot_product_cudnn_attention": "cudnn",
+             "aten::_scaled_dot_product_flash_attention": "flash",
+             "aten::_scaled_dot_product_efficient_attention": "efficient",
+             "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+             "aten::_scaled_dot_product_flash_attention_for_cpu": "cpu flash",
+             "aten::_scaled_dot_product_attention_math": "math"}
+
+
+def sdpa_backend(fn: Callable[[], object]) -> str:
+    """Which backend ``F.scaled_dot_product_attention`` ran inside ``fn()`` (one call, profiled on the
+    host: the aten op it dispatched to): "cudnn", "flash", "efficient", "math", ...; "unknown" when no
+    SDPA op shows. A vendor column is labelled with what really ran, not with what was asked for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.name for e in prof.events()}
+    return next((label for op, label in _SDPA_OPS.items() if op in names), "unknown")
+
+
 def span(t: torch.Tensor) -> int:
     """1 + the largest element offset of a view: what its addressing must reach (64-bit offsets past 2^31)."""
     return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))

@@ -628,19 +628,44 @@ def varlen_problems(max_elems: int):
 # ---------------------------------------------------------------------------------------------------
 # The vendor path and peers
 def _vendor(c: K.Case):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """What a user gets: plain ``F.scaled_dot_product_attention`` (torch's own dispatch; cuDNN for bf16 on
+    an H100), labelled with the backend that ran (``call.label``, e.g. "sdpa (cudnn)")."""
     q, k, v = c.args
-    if k.shape[1] != q.shape[1]:  # expand GQA heads outside the timed call
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     causal = c.kwargs.get("causal", False)
+    gqa = k.shape[1] != q.shape[1]
+    F = torch.nn.functional
 
     def call():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
+    call.label = f"sdpa ({K.sdpa_backend(call)})"
     return call
+
+
+def _sdpa_peer(backend: str):
+    """SDPA forced to one backend (a peer column each): GQA heads expanded outside the timed call, so a
+    backend without GQA support still runs. A backend that cannot run the case raises at set-up, and the
+    row records why."""
+    def peer(c: K.Case):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k, v = c.args
+        if q.device.type != "cuda":
+            return None
+        if k.shape[1] != q.shape[1]:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        causal = c.kwargs.get("causal", False)
+        which = getattr(SDPBackend, backend)
+
+        def call():
+            with sdpa_kernel(which):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        call()  # not available for this case (dtype, head dim, GPU): raises here, named in the row
+        return call
+
+    return peer
 
 
 _FLEX: dict = {}
@@ -755,8 +780,9 @@ SPEC = K.register(K.KernelSpec(
     small_problems=[Problem(2, 4, 2, 40, 40, 64, True), Problem(1, 2, 1, 17, 33, 80, False)],
     layouts=("contiguous", "bthd", "sliced", "transposed"),
     vendor=_vendor,
-    vendor_name="SDPA flash",
-    peers={"flex": _flex},
+    vendor_name="sdpa (torch's default dispatch)",
+    peers={"sdpa_flash": _sdpa_peer("FLASH_ATTENTION"), "sdpa_efficient": _sdpa_peer("EFFICIENT_ATTENTION"),
+           "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION"), "flex": _flex},
     **_COMMON,
 ))
 

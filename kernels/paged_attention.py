@@ -782,7 +782,11 @@ def _vendor(c: K.Case):
     except (RuntimeError, TypeError):  # no GQA support in this build: expand (reads K/V G times)
         g = q4.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), False
-    return lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=gqa)
+    def call():
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=gqa)
+
+    call.label = f"sdpa ({K.sdpa_backend(call)}), contiguous KV"  # the backend torch's dispatch ran
+    return call
 
 
 _FLEX: dict = {}
@@ -887,7 +891,7 @@ SPEC = K.register(K.KernelSpec(
     small_problems=[Problem(2, 4, 2, 32, 40), Problem(3, 2, 1, 64, 70, 8, True)],
     layouts=("contiguous", "strided"),
     vendor=_vendor,
-    vendor_name="SDPA (contiguous KV)",
+    vendor_name="sdpa (torch's default dispatch), contiguous KV",
     peers={"flex": _flex},
     bad_inputs=_bad_inputs,
     accumulation=K.fp32_accumulation,  # fp32 scores and P·V follow torch.get_float32_matmul_precision()

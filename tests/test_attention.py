@@ -364,3 +364,21 @@ def test_non_decreasing_cu_seqlens_are_accepted():
     """Repeated entries are empty sequences, not an error."""
     p = VP((4, 0, 0, 6), (6, 0, 2, 6), 4, 2, 32, False)
     _varlen(p, torch.float32, seed=14)
+
+
+def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
+    """The vendor column is plain F.scaled_dot_product_attention (torch's own dispatch), labelled with
+    the backend that really ran; forced backends are peers of their own."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    case = A.make_inputs(P(1, 4, 2, 16, 16, 32, True), torch.float32, DEV, 0)
+    call = A.SPEC.vendor(case)
+    assert call.label.startswith("sdpa (") and "unknown" not in call.label
+    q, k, v = case.args
+
+    def forced():
+        with sdpa_kernel(SDPBackend.MATH):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    assert K.sdpa_backend(forced) == "math"
+    assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(A.SPEC.peers)

@@ -1,5 +1,5 @@
 """Probe of 2026-11-23 (GPU only): what the open targets are up against, timed three ways
-(harness.bench.flush_row: zero-fill do_bench, clean-flush do_bench, CUDA graph) on rotating inputs.
+(flush_timing.flush_row: zero-fill do_bench, clean-flush do_bench, CUDA graph) on rotating inputs.
 Sections (--only, comma-separated):
 
   copy     the ceiling at the open problems' byte counts: dst.copy_(src) moving B bytes (B/2 read, B/2
@@ -34,6 +34,8 @@ import triton.language as tl
 
 from tritune import kernels
 from tritune.harness import bench, compare
+
+import flush_timing  # noqa: E402  (beside this probe)
 from tritune.kernels import gemv as gv
 from tritune.kernels import quant_matmul as qm
 from tritune.kernels.quant_matmul import _finish, _k_slice, _nibbles
@@ -235,7 +237,7 @@ def sz_panels(t, rows=64):
 
 def timed(rows, kernel, problem, who, fn, err=None, nbytes=None):
     """One probe row; with ``nbytes``, the GB/s each timing gives."""
-    row = bench.flush_row(fn, kernel=kernel, problem=problem, who=who, rel_error=err)
+    row = flush_timing.flush_row(fn, kernel=kernel, problem=problem, who=who, rel_error=err)
     if nbytes:
         for k in ("zero_us", "clean_us", "graph_us"):
             if k in row:

@@ -1,5 +1,5 @@
 """Hand-picked configs of a few kernels, each checked against the reference and timed three ways on the
-same rotating inputs (GPU only; harness.bench.flush_timings: zero-fill do_bench, clean-flush
+same rotating inputs (GPU only; flush_timing.flush_timings: zero-fill do_bench, clean-flush
 do_bench, CUDA graph), plus, per compiled kernel, whether its PTX carries an L2 evict_first hint (is a cache hint kept through
 the software pipeline?). Vendor and peers are timed alongside. Writes JSON (--out).
 
@@ -15,6 +15,8 @@ import torch
 
 from tritune import kernels
 from tritune.harness import bench, compare
+
+import flush_timing  # noqa: E402  (beside this probe)
 from tritune.tuning.cli import parse_problems
 
 
@@ -138,7 +140,7 @@ def main() -> None:
         for pname, why in errors.items():
             print(f"{name}: peer {pname}: {why}")
         for who, (fn, err) in fns.items():
-            rows.append(bench.flush_row(fn, kernel=name, problem=text, who=who, rel_error=err))
+            rows.append(flush_timing.flush_row(fn, kernel=name, problem=text, who=who, rel_error=err))
         del cases, fns
         torch.cuda.empty_cache()
         try:

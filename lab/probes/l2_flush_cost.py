@@ -21,6 +21,8 @@ import torch
 
 from tritune import kernels
 from tritune.harness import bench
+
+import flush_timing  # noqa: E402  (beside this probe)
 from tritune.tuning.cli import parse_problems
 
 CASES = [
@@ -51,7 +53,7 @@ def main() -> None:
         for pname, why in errors.items():  # a peer that is not installed
             print(f"{name}: peer {pname}: {why}")
         for who, fn in fns.items():
-            rows.append(bench.flush_row(fn, kernel=name, problem=text, who=who))
+            rows.append(flush_timing.flush_row(fn, kernel=name, problem=text, who=who))
         del cases, fns
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
