@@ -12,12 +12,16 @@ chunks' ``token_ids``, else one per chunk); overall: output and total tok/s, req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+
+
+POOL = 32      # connections per httpx client
 
 
 class Outcome:
@@ -115,12 +119,19 @@ async def bench_async(url: str, items, *, model: str, max_concurrency: int = 256
     from tritune.model.serve import percentiles
 
     sem = asyncio.Semaphore(max_concurrency)
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     endpoint = url.rstrip("/") + "/v1/completions"
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=30),
-                                 headers=_headers(api_key)) as client:
+    # Connection pools of POOL connections each: httpx's pool scans all of its connections on every
+    # request and release, which at hundreds of streams costs the client more than the server.
+    n_pools = math.ceil(max_concurrency / POOL)
+    limits = httpx.Limits(max_connections=math.ceil(max_concurrency / n_pools),
+                          max_keepalive_connections=math.ceil(max_concurrency / n_pools))
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+            limits=limits, timeout=httpx.Timeout(None, connect=30), headers=_headers(api_key)))
+            for _ in range(n_pools)]
         t0 = time.perf_counter() + 0.05
-        tasks = [asyncio.ensure_future(_one(client, endpoint, it, model, t0, sem, extra or {})) for it in items]
+        tasks = [asyncio.ensure_future(_one(clients[i % n_pools], endpoint, it, model, t0, sem, extra or {}))
+                 for i, it in enumerate(items)]
         finished, pending = await asyncio.wait(tasks, timeout=timeout)
         for t in pending:
             t.cancel()

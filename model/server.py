@@ -263,14 +263,19 @@ class Metrics:
 # Text out: incremental detokenization and stop strings
 # ---------------------------------------------------------------------------------------------------
 class TextOut:
-    """One choice's text as its tokens arrive. Decodes a short window (the tokens since the last complete
-    character, plus the previous piece for context), so a token costs O(1), not O(length); drops EOS;
-    cuts at the first stop string, holding back any tail that could begin one."""
+    """One choice's text as its tokens arrive: drops EOS; cuts at the first stop string, holding back any
+    tail that could begin one. Decodes a window of tokens that grows to WINDOW and then restarts a few
+    tokens back (context for tokenizers whose first token decodes differently), so a token costs O(1),
+    not O(length), and a delivery costs one decode: the text of the window decoded last time is its
+    emitted prefix (a window ending in an incomplete character is not taken until it completes)."""
+
+    WINDOW, CONTEXT = 64, 4
 
     def __init__(self, tokenizer, stops=(), eos: int | None = None):
         self.tok, self.stops, self.eos = tokenizer, tuple(stops), eos
         self.ids: list[int] = []
-        self.prefix = self.read = 0
+        self.prefix = 0         # the window: ids[prefix:]
+        self.done = 0           # characters of the window's text already taken
         self.pending = ""
         self.stopped = False
 
@@ -289,12 +294,14 @@ class TextOut:
         return "" if self.stopped else self._emit(self._piece(final=True), final=True)
 
     def _piece(self, final: bool) -> str:
-        done = self.tok.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
         full = self.tok.decode(self.ids[self.prefix:])
-        if len(full) <= len(done) or (full.endswith("\ufffd") and not final):
+        if len(full) <= self.done or (full.endswith("\ufffd") and not final):
             return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return full[len(done):]
+        piece, self.done = full[self.done:], len(full)
+        if len(self.ids) - self.prefix > self.WINDOW:     # restart the window a few tokens back
+            self.prefix = len(self.ids) - self.CONTEXT
+            self.done = len(self.tok.decode(self.ids[self.prefix:]))
+        return piece
 
     def _emit(self, piece: str, final: bool) -> str:
         self.pending += piece
@@ -652,6 +659,20 @@ class _Format:
         self.created = int(time.time())
         self.head = {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": self.created, "model": server.model_name}
+        # A streamed chunk is the head, the choices and the tail: only the choices are encoded per chunk.
+        self.pre = "data: " + json.dumps(self.head, separators=(",", ":"))[:-1] + ',"choices":['
+
+    def chunk(self, choices: list[str], include_usage: bool) -> str:
+        return self.pre + ",".join(choices) + ('],"usage":null}\n\n' if include_usage else "]}\n\n")
+
+    def choice_text(self, i, text, finish, ids) -> str:
+        """One streamed choice, as JSON text (the hot path: one per choice per engine step)."""
+        fin = "null" if finish is None else json.dumps(finish)
+        ids = f',"token_ids":[{",".join(map(str, ids))}]' if self.token_ids else ""
+        if self.chat:
+            delta = '{"content":%s}' % json.dumps(text) if text or not finish else "{}"
+            return f'{{"index":{i},"delta":{delta},"logprobs":null,"finish_reason":{fin}{ids}}}'
+        return f'{{"index":{i},"text":{json.dumps(text)},"logprobs":null,"finish_reason":{fin}{ids}}}'
 
     def choice(self, i, text, finish, ids, first=False):
         if self.chat:
@@ -740,9 +761,9 @@ async def _stream(server, job, outs, fmt, include_usage: bool):
                     text += outs[i].finish()
                     finish = _finish_of(outs[i], finish)
                 if text or finish or (fmt.token_ids and tokens):
-                    choices.append(fmt.choice(i, text, finish, tokens))
+                    choices.append(fmt.choice_text(i, text, finish, tokens))
             if choices:
-                yield _sse({**head, "choices": choices, **extra})
+                yield fmt.chunk(choices, include_usage)
         if include_usage:
             yield _sse({**head, "choices": [], "usage": job.usage()})
         yield "data: [DONE]\n\n"
