@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 _MARKERS = {"bfloat16": "o", "float16": "s", "float32": "^", "int4": "D"}
@@ -146,7 +147,9 @@ def study_plots(storage, out_dir, names: list[str] | None = None) -> list[Path]:
         stem = "".join(c if c.isalnum() or c in "-_=." else "_" for c in s.study_name)
         for what, draw in (("history", ov.plot_optimization_history), ("importances", ov.plot_param_importances)):
             try:
-                ax = draw(study)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    ax = draw(study)
             except (ValueError, RuntimeError) as e:  # e.g. importances of a single-valued space
                 print(f"plot: {s.study_name}: no {what}: {e}", file=sys.stderr)
                 plt.close("all")
