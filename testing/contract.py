@@ -251,6 +251,7 @@ def contract_tests(spec, *, examples: int | None = None, budget: float | None = 
             check_invalid_config_rejected(spec)
 
         @pytest.mark.gpu
+        @pytest.mark.slow  # full-size problems against a float64 reference; bench checks them too
         @dtypes
         def test_standard_problems_on_gpu(self, dtype):
             check_standard_problems(spec, dtype)

@@ -1,4 +1,14 @@
-"""Test configuration: interpreter on CPU-only machines, hypothesis profiles per machine kind."""
+"""Test configuration: interpreter on CPU-only machines, hypothesis profiles and time budgets, slow tests.
+
+A fast suite (``python -m pytest -n auto``, slow tests deselected by pyproject's addopts) and a slow one
+(``python -m pytest -n auto -m slow``) that together run every test:
+
+- every hypothesis test on a GPU stops launching once ``TRITUNE_TEST_BUDGET`` seconds (default 20) are
+  spent, after at least two examples (a failure found is still shrunk in full); the examples are drawn
+  afresh each run, so the runs together cover what one long run would. The kernels' contract tests
+  (tritune.testing.contract) budget themselves the same way, and their deep variant is marked slow.
+- the tests in SLOW below, by node id (so their files need no edit), are marked slow.
+"""
 import os
 
 import tritune.harness  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
@@ -21,12 +31,44 @@ def pytest_report_header(config):
             f"slug {dev.gpu_slug()}")
 
 
+# The expensive sweeps and compiles, from the H100 runs' durations (lab/logs/h100/gpu_tests_*.txt): each
+# is still run, by the slow suite.
+SLOW = (
+    "tests/test_engine.py::test_compiled_decode_equals_alone",            # torch.compile of the decode: 125 s
+    "tests/test_attention.py::test_every_head_dim_and_layout[float32-",   # fp32 head dims x layouts: 27-44 s each
+    "tests/test_tuning.py::test_real_gelu_sweep_through_the_cli",         # a real sweep through the CLI: 37 s
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
     if dev.interpreted():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (this machine runs kernels through the Triton interpreter)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A time budget for each hypothesis test on a GPU (through the interpreter only when
+    TRITUNE_TEST_BUDGET is set: CI keeps its fixed examples)."""
+    handle = getattr(getattr(item, "obj", None), "hypothesis", None)
+    explicit = os.environ.get("TRITUNE_TEST_BUDGET")
+    if handle is None or (dev.interpreted() and not explicit) or item.get_closest_marker("slow"):
+        yield
+        return
+    from tritune.testing.contract import budgeted, default_budget
+
+    inner = handle.inner_test
+    handle.inner_test = budgeted(inner, default_budget())  # per item: parametrized items share the function
+    try:
+        yield
+    finally:
+        handle.inner_test = inner
 
 
 def pytest_runtest_logreport(report):

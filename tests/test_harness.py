@@ -197,3 +197,27 @@ def test_cli_has_no_import_cycle_with_tuning():
               root / "model" / "eval.py"]:
         if f.exists():
             assert "tritune.harness.cli" not in f.read_text(), f
+
+
+def test_hypothesis_time_budget_stops_launching_but_still_shrinks():
+    from hypothesis import given, settings, strategies as st
+
+    from tritune.testing.contract import budgeted
+
+    ran = []
+
+    def prop(n):
+        ran.append(n)
+
+    wrapped = budgeted(prop, budget=0.0, at_least=3)
+    settings(max_examples=50, database=None)(given(st.integers(0, 100))(wrapped))()
+    assert len(ran) == 3  # after the budget, examples are drawn but launch nothing
+
+    def failing(n):
+        assert n < 50
+
+    # found within the examples the budget allows; then the budget is off, so shrinking replays every example
+    # (were it not, the replays would pass and hypothesis would call the test flaky)
+    with pytest.raises(AssertionError):
+        settings(max_examples=200, database=None, derandomize=True)(
+            given(st.integers(0, 100))(budgeted(failing, 0.0, 30)))()
