@@ -29,7 +29,7 @@ float32 scales. A checkpoint group of gc columns becomes gc / g tritune groups o
 64, 32 dividing gc) with repeated parameters, which is exact. Act-order ``g_idx`` that is not ``k // g``:
 the columns are sorted by group (each group must then be g consecutive columns, as GPTQ's act-order
 gives), and the weight carries the permutation: the activations' columns are gathered in that order
-before the kernel (:class:`ActOrderWeight`, :class:`PermutedOps`). Exact as well.
+before the kernel (:class:`ActOrderWeight`, run by :func:`quant_ops`). Exact as well.
 
 Scales: tritune's INT4 scales are bf16. The writer stores them as float16 when that is exact (every bf16
 value in fp16's normal range is), else as bf16; a foreign fp16 scale that bf16 cannot hold is rounded to
@@ -41,6 +41,7 @@ than gemm, INT8 with groups or zero points other than 128, groups that no suppor
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import warnings
@@ -60,6 +61,11 @@ COPY_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "generation_config.j
 # ---------------------------------------------------------------------------------------------------
 # Bit packing (int64 arithmetic, stored as int32 words)
 # ---------------------------------------------------------------------------------------------------
+def _check_range(v: torch.Tensor, bits: int) -> None:
+    if v.numel() and (int(v.min()) < 0 or int(v.max()) >= 1 << bits):
+        raise ValueError(f"pack: values must lie in the {bits}-bit range [0, {(1 << bits) - 1}]")
+
+
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
@@ -70,6 +76,7 @@ def pack_rows(v: torch.Tensor, bits: int) -> torch.Tensor:
     R, C = v.shape
     if R % p:
         raise ValueError(f"pack: {R} rows is not a multiple of {p}")
+    _check_range(v, bits)
     v = v.to(torch.int64).view(R // p, p, C)
     shifts = (bits * torch.arange(p, dtype=torch.int64)).view(1, p, 1)
     return _to_int32((v << shifts).sum(dim=1))
@@ -89,6 +96,7 @@ def pack_cols(v: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     R, C = v.shape
     if C % p:
         raise ValueError(f"pack: {C} columns is not a multiple of {p}")
+    _check_range(v, bits)
     v = v.to(torch.int64).view(R, C // p, p)
     if order is not None:
         v = v[:, :, list(order)]
@@ -131,19 +139,20 @@ class ActOrderWeight:
         return out
 
 
-class PermutedOps:
-    """The model's ops with linears whose weight is an :class:`ActOrderWeight` fed gathered activations."""
+@functools.lru_cache(maxsize=None)
+def _quant_ops_class():
+    from tritune.model.quant import QuantOps
 
-    def __init__(self, base):
-        self.base = base
-        for name in ("layer_norm", "attn_prefill", "write_kv", "attn_decode"):
-            setattr(self, name, getattr(base, name))
-        self.steps = dict(getattr(base, "steps", {}))
+    class PermutedOps(QuantOps):
+        """QuantOps (the load-time swap's ops) that also run :class:`ActOrderWeight` linears: the
+        activations' columns gathered in the weight's order, then the quantized linear as usual."""
 
-    def linear(self, x, w, b=None, activation=None, residual=None):
-        if isinstance(w, ActOrderWeight):
-            x, w = x.index_select(-1, w.perm), w.qw
-        return self.base.linear(x, w, b, activation=activation, residual=residual)
+        def linear(self, x, w, b=None, activation=None, residual=None):
+            if isinstance(w, ActOrderWeight):
+                x, w = x.index_select(-1, w.perm), w.qw
+            return super().linear(x, w, b, activation=activation, residual=residual)
+
+    return PermutedOps
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -185,17 +194,16 @@ def to_hf(qw: Q.QuantizedWeight, fmt: str, checkpoint_format: str = "gptq") -> d
 def from_hf(t: dict[str, torch.Tensor], qcfg: dict, N: int, K: int, name: str):
     """One linear's checkpoint tensors -> QuantizedWeight (or ActOrderWeight for a permuting g_idx)."""
     method, bits = qcfg["quant_method"], qcfg["bits"]
-    gc = qcfg.get("group_size", -1)
-    gc = K if gc in (-1, None) else int(gc)
-    if K % gc:
-        raise ValueError(f"{name}: K={K} is not a multiple of quantization_config.group_size={gc}")
-    G = K // gc
     for key in ("qweight", "qzeros", "scales"):
         if key not in t:
             raise ValueError(f"{name}.{key}: missing from the checkpoint")
     s = t["scales"]
-    if tuple(s.shape) != (G, N):
-        raise ValueError(f"{name}.scales: expected shape {(G, N)}, got {tuple(s.shape)}")
+    # The group count comes from the scales: a narrow linear (K below the configured group size) is
+    # quantized with a smaller group that divides its K, as the engine's int4 mode does.
+    if s.dim() != 2 or s.shape[1] != N or s.shape[0] < 1 or K % s.shape[0]:
+        raise ValueError(f"{name}.scales: expected shape (G, {N}) with G dividing K={K}, got {tuple(s.shape)}")
+    G = s.shape[0]
+    gc = K // G
     if method == "awq":
         codes = unpack_cols(t["qweight"], 4, AWQ_ORDER)          # (K, N)
         zeros = unpack_cols(t["qzeros"], 4, AWQ_ORDER)           # (G, N)
@@ -415,25 +423,27 @@ def load(directory, dtype: torch.dtype = torch.float32, device="cpu"):
 # ---------------------------------------------------------------------------------------------------
 # Installing quantized weights into a model
 # ---------------------------------------------------------------------------------------------------
-def quant_ops(base):
-    """``base`` ops wrapped so that QuantizedWeight linears run weight-only quantized (the engine's
-    QuantOps over quant_matmul, or its reference path) and ActOrderWeight linears gather x first."""
-    try:   # the load-time swap's home once the engine is split; the engine module until then
-        from tritune.model.quant import QuantOps, quant_linear_impl
-    except ImportError:
-        from tritune.model.engine import QuantOps, quant_linear_impl
-    qlinear, _ = quant_linear_impl()
-    return PermutedOps(QuantOps(base, qlinear))
+def mode_of(weights) -> str:
+    """"int4" or "int8": the bit width every quantized linear of ``weights`` shares."""
+    qws = [getattr(L, k) for L in weights.layers for k in HF_LINEARS] + [weights.lm_head]
+    bits = {(q.qw if isinstance(q, ActOrderWeight) else q).bits for q in qws if _is_quant(q)}
+    if len(bits) != 1:
+        raise ValueError(f"weights: expected quantized linears of one bit width, got {sorted(bits) or 'none'}")
+    return f"int{bits.pop()}"
+
+
+def quant_ops(base, mode: str):
+    """``base`` ops running QuantizedWeight linears (tritune.model.quant.QuantOps) and ActOrderWeight ones."""
+    return _quant_ops_class()(base, mode)
 
 
 def install(model, weights):
-    """A shallow copy of GPT2 ``model`` running ``weights`` (quantized linears) through :func:`quant_ops`."""
-    import copy
+    """GPT2 ``model`` on quantized ``weights``, through the load-time swap of :mod:`tritune.model.quant`
+    (its QuantOps, extended to act-order weights). The caller's model is left as it is."""
+    from tritune.model.quant import QuantOps
 
-    m = copy.copy(model)
-    m.w = weights
-    m.ops = quant_ops(model.ops)
-    return m
+    base = model.ops.base if isinstance(model.ops, QuantOps) else model.ops
+    return model.with_weights(weights, ops=quant_ops(base, mode_of(weights)))
 
 
 def load_model(directory, *, backend: str = "triton", dtype: torch.dtype = torch.float32, device=None):
