@@ -213,7 +213,12 @@ def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_
              "kv_bytes_per_token": kv_bytes_per_token(m.config, m.dtype), "build_s": round(t_build, 1)}
         if row == "bf16":
             base_ppl = ppl
-        r.update(decode_run(m, batch=decode_batch) if decode else {"peak_bytes": None, "decode_tok_s": None})
+        batches = [decode_batch] if isinstance(decode_batch, int) else list(decode_batch)
+        runs = {b: decode_run(m, batch=b) for b in batches} if decode else {}
+        r.update(runs[batches[0]] if runs else {"peak_bytes": None, "decode_tok_s": None})
+        for b in batches[1:]:
+            if b in runs:
+                r[f"batch{b}"] = {k: runs[b][k] for k in ("peak_bytes", "decode_tok_s")}
         out["rows"].append(r)
         print(f"{row}: perplexity {ppl:.3f}", file=sys.stderr, flush=True)
         del m
