@@ -13,6 +13,12 @@ decode rate. Baselines on the same workload and model: ``transformers`` ``genera
 of ``--hf-batch-size`` (left-padded, each batch runs to its longest output; timed on the first
 ``--hf-requests`` requests and extrapolated), and naive single-request inference (no KV cache: the whole
 sequence re-run for every token). Without ``--model``, GPT-2 small's config with random weights.
+
+Defaults fit the machine: on a GPU the triton-graphs mode and the workload above; without one (the triton
+kernels would run through the Triton interpreter, minutes per step at GPT-2 small's sizes) the torch mode,
+shorter prompts and outputs (16:64), a 32-token batch-1 decode and a naive baseline of one request's first
+8 tokens. Each timed phase shows a progress bar
+with an ETA (tqdm, on stderr), quiet under ``--quiet`` and when stdout is not a terminal.
 """
 from __future__ import annotations
 
@@ -24,6 +30,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# The defaults without a GPU (see the module docstring); a flag given explicitly always wins.
+GPU_DEFAULTS = {"modes": "triton-graphs", "prompt_len": (64, 512), "output_len": (64, 512), "decode_tokens": 512,
+                "naive_requests": 2, "naive_tokens": 64}
+# GPT-2 small in fp32 on a few CPU cores: a forward of 64 tokens takes 0.1 s to seconds, and the naive
+# baseline re-runs the whole sequence per token (the old defaults: over 300 s before any output)
+CPU_DEFAULTS = {"modes": "torch", "prompt_len": (16, 64), "output_len": (16, 64), "decode_tokens": 32,
+                "naive_requests": 1, "naive_tokens": 8}
 
 MODES = {
     "torch": dict(backend="torch", cuda_graphs=False),
@@ -152,6 +166,15 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def progress(total, desc: str, unit: str = "tok", show: bool = False):
+    """A tqdm bar (rate and ETA) on stderr, or a silent one: ``show`` False (``--quiet``, library calls)
+    or stdout not a terminal (a log file, a pipe: no carriage-return litter)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=not show or not sys.stdout.isatty())
+
+
 # ---------------------------------------------------------------------------------------------------
 # Runs
 # ---------------------------------------------------------------------------------------------------
@@ -203,11 +226,11 @@ class CompileLog:
                 "first": self.events[:limit]}
 
 
-def run_engine(engine, items) -> dict:
+def run_engine(engine, items, *, desc: str = "run", show_progress: bool = False) -> dict:
     """Serve ``items`` (arrivals relative to the start); metrics of the run (``jit_compiles``: the
     kernel variants first met inside the timed run; zero after a complete warm-up)."""
-    with CompileLog() as log:
-        r = _run_engine(engine, items)
+    with CompileLog() as log, progress(sum(it.output_len for it in items), desc, show=show_progress) as bar:
+        r = _run_engine(engine, items, bar)
     r["jit_compiles"] = log.summary()
     if log.events:
         _print(f"warning: {len(log.events)} kernel variant(s) compiled inside the timed run "
@@ -215,12 +238,13 @@ def run_engine(engine, items) -> dict:
     return r
 
 
-def _run_engine(engine, items) -> dict:
+def _run_engine(engine, items, bar=None) -> dict:
     from tritune.model.scheduler import SamplingParams
 
     pending = sorted(range(len(items)), key=lambda i: items[i].arrival)
     reqs = [None] * len(items)
     steps0, pre0 = engine.stats["steps"], engine.stats["preemptions"]
+    dec0 = engine.stats["decode_tokens"]
     multi0, tm0 = engine.stats["multi_steps"], dict(engine.timings)
     engine.pool.peak_used = engine.pool.num_used
     _sync()
@@ -236,6 +260,8 @@ def _run_engine(engine, items) -> dict:
             k += 1
         if engine.has_unfinished():
             engine.step()
+            if bar is not None:     # decode tokens so far (each request's first token comes with its prefill)
+                bar.update(engine.stats["decode_tokens"] - dec0 - bar.n)
         elif k < len(pending):
             time.sleep(max(0.0, items[pending[k]].arrival - (time.perf_counter() - t0)))
     _sync()
@@ -253,7 +279,8 @@ def _run_engine(engine, items) -> dict:
             "host_s": {k[:-2]: round(engine.timings[k] - tm0[k], 4) for k in tm0 if k.endswith("_s")}}
 
 
-def decode_rate(engine, prompt_len=64, new_tokens=512, vocab=50257) -> dict:
+def decode_rate(engine, prompt_len=64, new_tokens=512, vocab=50257, *, desc: str = "batch-1 decode",
+                show_progress: bool = False) -> dict:
     """One request alone: decode tokens/s after the first token, and where a token's time goes: on the
     graph path the GPU's share (CUDA events around the replays) and the host's phases of ``step()``."""
     import random
@@ -266,7 +293,10 @@ def decode_rate(engine, prompt_len=64, new_tokens=512, vocab=50257) -> dict:
     gpu0, tm0 = engine.stats["graph_gpu_s"], dict(engine.timings)
     req = engine.add_request([rnd.randrange(vocab - 1) for _ in range(prompt_len)],
                              SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    engine.run()
+    with progress(new_tokens, desc, show=show_progress) as bar:
+        while engine.has_unfinished():
+            engine.step()
+            bar.update(len(req.output_ids) - bar.n)
     engine.gpu_timing = False
     dt = req.finish_time - req.first_token_time
     n = new_tokens - 1
@@ -296,7 +326,7 @@ def warm_up(engine, vocab, max_len):
     engine.run()
 
 
-def run_hf(hf, items, batch_size, limit) -> dict:
+def run_hf(hf, items, batch_size, limit, *, show_progress: bool = False) -> dict:
     """transformers generate, static batches in arrival order, left-padded, each to its longest output."""
     import torch
 
@@ -312,6 +342,7 @@ def run_hf(hf, items, batch_size, limit) -> dict:
                     max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=pad)
     _sync()
     t0 = time.perf_counter()
+    bar = progress(sum(it.output_len for it in sub), "transformers", show=show_progress)
     for s in range(0, len(sub), batch_size):
         batch = sub[s:s + batch_size]
         L = max(len(it.prompt_ids) for it in batch)
@@ -325,6 +356,8 @@ def run_hf(hf, items, batch_size, limit) -> dict:
             hf.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new,
                         min_new_tokens=new, do_sample=False, pad_token_id=pad)
         useful += sum(it.output_len for it in batch)
+        bar.update(sum(it.output_len for it in batch))
+    bar.close()
     _sync()
     el = time.perf_counter() - t0
     out_tok_s = useful / el
@@ -335,7 +368,7 @@ def run_hf(hf, items, batch_size, limit) -> dict:
             f"timed the first {len(sub)} of {len(items)} requests; elapsed for all extrapolated at that rate"}
 
 
-def run_naive(hf, items, n, max_new) -> dict:
+def run_naive(hf, items, n, max_new, *, show_progress: bool = False) -> dict:
     """Single request, no KV cache: every token re-runs the whole sequence (HF forward, use_cache=False)."""
     import torch
 
@@ -347,7 +380,8 @@ def run_naive(hf, items, n, max_new) -> dict:
             hf(torch.tensor([(p0 * (L // len(p0) + 1))[:L]], device=dev), use_cache=False)
     _sync()
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    total = sum(min(max_new, it.output_len) for it in items[:n])
+    with torch.inference_mode(), progress(total, "naive", show=show_progress) as bar:
         for it in items[:n]:
             ids = torch.tensor([it.prompt_ids], device=dev)
             for _ in range(min(max_new, it.output_len)):
@@ -355,6 +389,7 @@ def run_naive(hf, items, n, max_new) -> dict:
                 ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
                 toks += 1
             int(ids[0, -1])
+            bar.update(min(max_new, it.output_len))
     _sync()
     el = time.perf_counter() - t0
     return {"requests": min(n, len(items)), "tokens": toks, "elapsed_s": el, "output_tok_s": toks / el,
@@ -414,14 +449,17 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--model", default=None, help="checkpoint directory or hub id (default: GPT-2 small config, "
                    "random weights)")
     s.add_argument("-n", "--num-requests", type=int, default=512)
-    s.add_argument("--prompt-len", type=parse_range, default=(64, 512), help="LO:HI, uniform (default 64:512)")
-    s.add_argument("--output-len", type=parse_range, default=(64, 512), help="LO:HI, uniform (default 64:512)")
+    s.add_argument("--prompt-len", type=parse_range, default=None, help="LO:HI, uniform (default 64:512 on a GPU, "
+                   "16:64 on the CPU)")
+    s.add_argument("--output-len", type=parse_range, default=None, help="LO:HI, uniform (default 64:512 on a GPU, "
+                   "16:64 on the CPU)")
     s.add_argument("--jsonl", default=None, help="workload file instead of the drawn lengths")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals, requests/s (default inf: "
                    "all at once)")
-    s.add_argument("--modes", default="triton-graphs",
-                   help=f"comma-separated, from {','.join(MODES)} (default triton-graphs)")
+    s.add_argument("--modes", default=None,
+                   help=f"comma-separated, from {','.join(MODES)} (default triton-graphs on a GPU, torch on the "
+                        "CPU: the triton modes run the kernels through the Triton interpreter there)")
     s.add_argument("--dtype", type=parse_dtype, default=None, help="default bf16 on a GPU, fp32 on the CPU")
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-batch-tokens", type=int, default=8192)
@@ -432,13 +470,17 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--sweep-modes", default="triton-graphs,triton-int8,triton-int4",
                    help="the modes that run the batch sweep (comma-separated)")
     s.add_argument("--sweep-requests", type=int, default=64)
-    s.add_argument("--decode-tokens", type=int, default=512, help="batch-1 decode run length (0: skip)")
+    s.add_argument("--decode-tokens", type=int, default=None, help="batch-1 decode run length (0: skip; default "
+                   "512 on a GPU, 32 on the CPU)")
     s.add_argument("--hf-batch-size", type=int, default=32)
     s.add_argument("--hf-requests", type=int, default=64, help="requests timed through transformers "
                    "(0: all; -1: skip the transformers baseline)")
-    s.add_argument("--naive-requests", type=int, default=2, help="0: skip the naive baseline")
-    s.add_argument("--naive-tokens", type=int, default=64)
+    s.add_argument("--naive-requests", type=int, default=None, help="0: skip the naive baseline (default 2 on a "
+                   "GPU, 1 on the CPU)")
+    s.add_argument("--naive-tokens", type=int, default=None, help="default 64 on a GPU, 8 on the CPU")
     s.add_argument("--out", default=None, help="write the results as JSON here")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they also stay off when stdout "
+                   "is not a terminal)")
     h = s.add_argument_group("over HTTP (--url: any OpenAI-compatible server; see model/http_bench.py)")
     h.add_argument("--url", default=None, help="drive the server at this URL (e.g. http://127.0.0.1:8000) "
                    "instead of an engine in this process")
@@ -456,15 +498,25 @@ def _print(*a):
     print(*a, flush=True)
 
 
+def fill_defaults(args, gpu: bool) -> None:
+    """Each option left unset takes the GPU's or the CPU's default (GPU_DEFAULTS, CPU_DEFAULTS)."""
+    for k, v in (GPU_DEFAULTS if gpu else CPU_DEFAULTS).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
 def run(args) -> int:
     if getattr(args, "url", None):
         from tritune.model.http_bench import run_url
 
+        fill_defaults(args, gpu=True)   # the workload a server is benchmarked with, wherever this client runs
         return run_url(args)
     import torch
 
     from tritune.model.engine import Engine
 
+    fill_defaults(args, torch.cuda.is_available())
+    show = not getattr(args, "quiet", False)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -506,11 +558,13 @@ def run(args) -> int:
 
     if need_hf and hf is not None:
         if args.naive_requests > 0:
-            res["naive"] = run_naive(hf, items, args.naive_requests, args.naive_tokens)
+            _print(f"naive baseline: {args.naive_requests} request(s), the first {args.naive_tokens} tokens each")
+            res["naive"] = run_naive(hf, items, args.naive_requests, args.naive_tokens, show_progress=show)
             _print(f"naive (no KV cache, one request): {res['naive']['output_tok_s']:.1f} tok/s")
         if args.hf_requests >= 0:
+            _print(f"transformers baseline: static batches of {args.hf_batch_size}")
             hf(torch.tensor([[1, 2, 3]], device=device))     # warm-up
-            res["transformers"] = run_hf(hf, items, args.hf_batch_size, args.hf_requests)
+            res["transformers"] = run_hf(hf, items, args.hf_batch_size, args.hf_requests, show_progress=show)
             h = res["transformers"]
             _print(f"transformers generate (static batch {h['batch_size']}, {h['requests_timed']} requests): "
                    f"{h['output_tok_s']:.1f} output tok/s")
@@ -525,22 +579,26 @@ def run(args) -> int:
         backend = opts.pop("backend")
         r = {}
         try:
+            _print(f"[{mode}] building the engine and warming up (compiles every kernel variant on the triton "
+                   "backend; CUDA graphs captured)" if backend == "triton" else f"[{mode}] building the engine")
             model = build_model(config, state, backend, dtype, device)
             t0 = time.perf_counter()
             kv = {"kv_memory_fraction": args.kv_memory_fraction} if gpu else {}
             eng = Engine(model, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                          max_num_seqs=args.max_num_seqs, **kv, **opts)
-            warm_up(eng, config.vocab_size, config.n_positions // 2)
+            # (on the CPU the workload's longest prompt: nothing compiles there, and long prompts take seconds)
+            warm_up(eng, config.vocab_size, config.n_positions // 2 if gpu else max(len(it.prompt_ids) for it in items))
             r["setup_s"] = time.perf_counter() - t0
             r["engine"] = eng.describe()
             if args.decode_tokens:
                 with CompileLog() as log:
-                    r["batch1_decode"] = decode_rate(eng, 64, args.decode_tokens, config.vocab_size)
+                    r["batch1_decode"] = decode_rate(eng, 64, args.decode_tokens, config.vocab_size,
+                                                     desc=f"[{mode}] batch-1 decode", show_progress=show)
                 r["batch1_decode"]["jit_compiles"] = log.summary()
                 _print(f"[{mode}] batch-1 decode: {r['batch1_decode']['decode_tok_s']:.0f} tok/s "
                        f"(GPU {r['batch1_decode'].get('gpu_ms_per_token', float('nan')):.3f} ms/token; host us/token "
                        f"{ {k: round(v, 1) for k, v in r['batch1_decode']['host_us_per_token'].items()} })")
-            r["run"] = run_engine(eng, items)
+            r["run"] = run_engine(eng, items, desc=f"[{mode}] run", show_progress=show)
             m = r["run"]
             _print(f"[{mode}] {m['output_tok_s']:.0f} output tok/s, {m['total_tok_s']:.0f} total tok/s, "
                    f"{m['req_s']:.2f} req/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, TPOT p50 "
@@ -550,7 +608,7 @@ def run(args) -> int:
             for b in [int(x) for x in args.batch_sweep.split(",") if x and mode in args.sweep_modes.split(",")]:
                 eng.scheduler.max_num_seqs = b
                 sub = items[:max(args.sweep_requests, 0) or len(items)]
-                sweep[b] = run_engine(eng, sub)
+                sweep[b] = run_engine(eng, sub, desc=f"[{mode}] max batch {b}", show_progress=show)
                 _print(f"[{mode}] max batch {b} ({len(sub)} requests): {sweep[b]['output_tok_s']:.0f} output tok/s")
             eng.scheduler.max_num_seqs = args.max_num_seqs
             if sweep:

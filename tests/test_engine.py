@@ -21,7 +21,8 @@ from tritune.model.scheduler import ContextLimitError, SamplingParams
 VOCAB = 101
 
 
-def tiny_model(backend="torch", n_layer=2, n_embd=64, n_head=2, n_positions=96, seed=3, device=None):
+def tiny_model(backend="torch", n_layer=2, n_embd=64, n_head=2, n_positions=96, seed=3, device=None,
+               dtype=torch.float32):
     """Random weights with a wide init, so greedy outputs vary from token to token."""
     g = torch.Generator().manual_seed(seed)
     cfg = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=VOCAB,
@@ -41,7 +42,7 @@ def tiny_model(backend="torch", n_layer=2, n_embd=64, n_head=2, n_positions=96, 
             state[h + name] = t + 1 if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") else t
     if device is None:      # the triton backend runs where the kernels do (the GPU, or the interpreter's CPU)
         device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-    return GPT2(cfg, W.to_layout(cfg, state, torch.float32, device), backend=backend)
+    return GPT2(cfg, W.to_layout(cfg, state, dtype, device), backend=backend)
 
 
 @pytest.fixture(scope="module")
@@ -429,3 +430,154 @@ def test_compile_log_names_each_jit_compile_and_restores_the_hook():
     s = log.summary()
     assert s["count"] == 1 and s["by_kernel"] == {"_k": 1}
     assert s["first"][0]["constexprs"] == {"N": 16, "MODE": "ieee"} and s["first"][0]["num_warps"] == 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# No compile inside a CUDA-graph capture
+# ---------------------------------------------------------------------------------------------------
+class _JitInfo:
+    """What triton passes its jit_cache_hook as ``fn`` (name and argument names)."""
+
+    def __init__(self, name):
+        self.name = f"tritune.kernels.fake.{name}"
+        self.jit_function = type("JF", (), {"arg_names": ["X", "N", "PDL"]})()
+
+
+def _miss(name, **consts):
+    """Triton's JIT on a kernel-cache miss: the hook first (which may veto or raise), then the compile."""
+    import triton
+
+    hook = triton.knobs.runtime.jit_cache_hook
+    if hook is not None:
+        hook(key=name, repr=f"{name}[...]", fn=_JitInfo(name), is_manual_warmup=False, already_compiled=False,
+             compile={"constants": {(i + 1,): v for i, v in enumerate(consts.values())}, "num_warps": 4})
+
+
+def _pdl_now():
+    """kernels.pdl_now() on any torch: a CPU-only build cannot ask whether a stream is capturing (no
+    stream is)."""
+    from tritune import kernels as K
+
+    try:
+        return K.pdl_now("engine")
+    except RuntimeError:
+        return False
+
+
+class _FakeStep:
+    """A decode step whose launches go through a simulated JIT cache: a variant (bucket, PDL or not, and
+    ``drift`` extra keys) compiles on first use. ``drift``: buckets whose variant changes on each call
+    (a launch that specialises on something the warm-up cannot repeat)."""
+
+    def __init__(self, drift=()):
+        self.cache, self.calls, self.drift, self.pdl_seen = set(), {}, set(drift), []
+
+    def __call__(self, b):
+        from tritune import kernels as K
+
+        pdl = _pdl_now()
+        self.pdl_seen.append(pdl)
+        self.calls[b] = self.calls.get(b, 0) + 1
+        key = (b, pdl, self.calls[b] if b in self.drift else 0)
+        if key not in self.cache:
+            _miss("_step_kernel", N=b, PDL=pdl)
+            self.cache.add(key)
+
+
+def test_no_compiles_names_the_kernel_and_restores_the_hook():
+    import triton
+
+    from tritune.model.graphs import CompileInCapture, no_compiles
+    from tritune.model.serve import CompileLog
+
+    before = triton.knobs.runtime.jit_cache_hook
+    with CompileLog() as log:
+        with pytest.raises(CompileInCapture, match=r"_gemv_kernel\[N=16, PDL=True, num_warps=4\].*capture"):
+            with no_compiles("CUDA-graph capture of the decode step"):
+                _miss("_gemv_kernel", N=16, PDL=True)
+        assert log.summary()["by_kernel"] == {"_gemv_kernel": 1}     # the outer hook saw the miss first
+        _miss("_other", N=1)                                          # outside the guard: compiles
+    assert triton.knobs.runtime.jit_cache_hook is before
+    assert log.summary()["count"] == 2
+
+
+def test_prepare_capture_warms_the_pdl_variants_and_refuses_what_would_compile():
+    """The warm-up runs what the capture records (PDL forced, as pdl_now gives inside a capture), so the
+    capture compiles nothing; without forcing, the capture would have met the PDL variants (the crash this
+    guards against); a variant that keeps changing is refused by the dry pass, before any capture."""
+    from tritune import kernels as K
+    from tritune.model.graphs import CompileInCapture, no_compiles, prepare_capture
+
+    if not K.PDL:
+        pytest.skip("TRITUNE_PDL=0: no PDL variants")
+    buckets = [1, 2, 4]
+    step = _FakeStep()
+    prepare_capture(buckets, step)
+    assert step.pdl_seen == [True] * 6 and step.calls == {1: 2, 2: 2, 4: 2}   # warm-up, then the dry pass
+    with K.pdl_forced(), no_compiles("capture"):      # the capture: pdl_now() holds inside it
+        for b in buckets:
+            step(b)
+    assert not _pdl_now()                             # forcing ends with the warm-up
+
+    old = _FakeStep()                                 # the warm-up before this guard: no PDL forced
+    for b in buckets:
+        old(b)
+    with pytest.raises(CompileInCapture, match="PDL=True"):
+        with K.pdl_forced(), no_compiles("capture"):
+            old(1)
+
+    with pytest.raises(CompileInCapture, match=r"_step_kernel\[N=2.*second warm-up pass"):
+        prepare_capture(buckets, _FakeStep(drift={2}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_graphs_stress_many_generations_and_engines_in_one_process():
+    """generate() calls and engines with CUDA graphs, one process: prompt lengths, greedy and seeded
+    sampling, bf16 / fp16 / fp32 and int4 weights (each a capture of its own); every call finishes and
+    the CUDA context stays healthy (a capture that compiled inside itself used to invalidate it)."""
+    from tritune.model.cli import default_model_dir
+    from tritune.model.generate import generate
+    from tritune.model.quant import quantize_model
+
+    models = {dt: tiny_model("triton", n_layer=2, n_embd=128, n_head=2, n_positions=256, device="cuda", dtype=dt)
+              for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    models["int4"] = quantize_model(models[torch.bfloat16], "int4", group_size=64)
+    d = default_model_dir()
+    if d is not None:
+        models["packaged bf16"] = GPT2.from_pretrained(d, backend="triton", dtype=torch.bfloat16, device="cuda")
+    samplings = [dict(), dict(temperature=0.8, top_k=20, seed=1), dict(temperature=1.0, top_p=0.9, seed=2)]
+    lens = [1, 7, 16, 33, 100, 200]
+    calls = failures = 0
+    for name, m in models.items():
+        V = m.config.vocab_size
+        for i in range(13 if name != "packaged bf16" else 8):
+            P = lens[i % len(lens)]
+            n = min(24, m.config.n_positions - P)
+            p = [(7 * k + i) % (V - 1) for k in range(P)]
+            try:
+                r = generate(m, p, max_new_tokens=n, eos_token_id=None, **samplings[i % 3])
+                assert len(r.tokens) == n and r.finish_reason == "length", (name, P, r.finish_reason)
+                if i % 3 == 0 and i < 6:          # greedy: the same tokens again (a replayed graph)
+                    assert generate(m, p, max_new_tokens=n, eos_token_id=None).tokens == r.tokens
+            except Exception as e:  # noqa: BLE001 (count, then fail with every failure named)
+                failures += 1
+                print(f"FAILED generate {name} P={P}: {type(e).__name__}: {e}")
+            calls += 1
+        for quant in ((None, "int4") if name == torch.bfloat16 else (None,)):
+            try:
+                eng = Engine(m, num_blocks=256, block_size=16, max_num_seqs=8, cuda_graphs=True, quant=quant,
+                             group_size=64)
+                assert eng.graphs is not None and eng.graphs.graphs
+                ps = [[(3 * k + j) % (V - 1) for k in range(lens[j % len(lens)])] for j in range(10)]
+                sps = [SamplingParams(max_new_tokens=20, ignore_eos=True, **samplings[j % 3]) for j in range(10)]
+                res = eng.generate(ps, sps)
+                assert all(len(c.token_ids) == 20 for c in res) and eng.pool.num_free == eng.pool.num_blocks
+                assert eng.stats["graph_steps"] > 0
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"FAILED engine {name} quant={quant}: {type(e).__name__}: {e}")
+            calls += 1
+    torch.cuda.synchronize()
+    assert torch.ones(1, device="cuda").add(1).item() == 2      # the context is alive
+    assert calls >= 50 and failures == 0, f"{failures} of {calls} calls failed"
