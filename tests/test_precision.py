@@ -148,61 +148,79 @@ TIE_GAP = 1e-3        # fp64's top-2 logit gap below which either token is a rig
 LOGITS_REL = 1e-4
 
 
-@pytest.mark.gpu
-def test_fp32_gpt2_greedy_and_logits_match_transformers(precision, tmp_path):
+def greedy_against_transformers(tmp_path, device, n_layer, n_embd, n_head, vocab, tokens):
+    """Greedy-decode ``tokens`` tokens with our fp32 model (prefill, then decode steps through the paged
+    cache) and with transformers' fp32 GPT2LMHeadModel on the same random init (std 0.1). Returns (first
+    position where the tokens differ or None, fp64's top-2 logit gap there, the largest relative error of
+    a decode step's logits against fp64, the same for a teacher-forced prefill of the whole sequence)."""
     import transformers
 
     from tritune.model import gpt2 as M
 
-    precision("highest")
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257,
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=1024, vocab_size=vocab,
                                   initializer_range=0.1)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     hf.save_pretrained(tmp_path)
-    hf = hf.to("cuda")
-    hf64 = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64).to("cuda").eval()
-    ours = M.GPT2.from_pretrained(tmp_path, backend="triton", dtype=torch.float32, device="cuda")
+    hf = hf.to(device)
+    hf64 = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64).to(device).eval()
+    ours = M.GPT2.from_pretrained(tmp_path, backend="triton", dtype=torch.float32, device=device)
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, cfg.vocab_size, (8,), generator=g).tolist()
+    prompt = torch.randint(0, vocab, (8,), generator=g).tolist()
 
     with torch.no_grad():  # transformers fp32, greedy
-        theirs = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=GREEDY_TOKENS, do_sample=False,
-                             min_new_tokens=GREEDY_TOKENS, pad_token_id=0, attention_mask=torch.ones(1, len(prompt),
-                             dtype=torch.long, device="cuda"))[0, len(prompt):].tolist()
+        ids = torch.tensor([prompt], device=device)
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
 
-    # ours, greedy: prefill, then decode steps through the paged cache (gemv, paged attention)
-    total = len(prompt) + GREEDY_TOKENS
+    total = len(prompt) + tokens
     cache = ours.new_cache(total, block_size=16)
-    blocks = cache.k_caches[0].shape[0]
-    table = torch.arange(blocks, dtype=torch.int32, device="cuda")[None]
-    logits = ours.prefill(torch.tensor(prompt, device="cuda"), [len(prompt)], kv_cache=cache,
-                          slot_mapping=torch.arange(len(prompt), device="cuda"))
+    table = torch.arange(cache.num_blocks, dtype=torch.int32, device=device)[None]
+    logits = ours.prefill(torch.tensor(prompt, device=device), [len(prompt)], kv_cache=cache,
+                          slot_mapping=torch.arange(len(prompt), device=device))
     mine, step_logits = [], []
-    for j in range(GREEDY_TOKENS):
+    for j in range(tokens):
         step_logits.append(logits[0].double())
         tok = int(logits[0].argmax())
         mine.append(tok)
         pos = len(prompt) + j
-        if j + 1 < GREEDY_TOKENS:
-            logits = ours.decode(torch.tensor([tok], device="cuda"), torch.tensor([pos], device="cuda"), cache,
-                                 torch.tensor([pos], device="cuda"), table,
-                                 torch.tensor([pos + 1], dtype=torch.int32, device="cuda"))
+        if j + 1 < tokens:
+            logits = ours.decode(torch.tensor([tok], device=device), torch.tensor([pos], device=device), cache,
+                                 torch.tensor([pos], device=device), table,
+                                 torch.tensor([pos + 1], dtype=torch.int32, device=device))
 
-    # fp64 truth along our sequence: every step's logits, and the top-2 gap where the choices differ
-    with torch.no_grad():
-        truth = hf64(torch.tensor([prompt + mine], device="cuda")).logits[0, len(prompt) - 1:-1]
+    with torch.no_grad():  # fp64 along our sequence: the truth for every step and the gap where we differ
+        truth = hf64(torch.tensor([prompt + mine], device=device)).logits[0, len(prompt) - 1:-1]
     err = max(cmp.rel_error(s, t) for s, t in zip(step_logits, truth))
-    # teacher-forced prefill of the whole sequence (gemm, varlen attention at M = 136)
-    full = ours.prefill(torch.tensor(prompt + mine, device="cuda"), [total], all_logits=True)
+    full = ours.prefill(torch.tensor(prompt + mine, device=device), [total], all_logits=True)
     err_prefill = cmp.rel_error(full[len(prompt) - 1:-1].double(), truth)
     first = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
     gap = None
     if first is not None:
         top2 = truth[first].topk(2).values
         gap = float(top2[0] - top2[1])
-    print(f"fp32 GPT-2 greedy: {GREEDY_TOKENS if first is None else first} of {GREEDY_TOKENS} tokens equal to "
+    print(f"fp32 GPT-2 {n_layer}x{n_embd} greedy: {tokens if first is None else first} of {tokens} tokens equal to "
           f"transformers'; first difference at {first} (fp64 top-2 gap {gap}); logits rel error vs fp64: "
           f"decode steps max {err:.2e}, prefill {err_prefill:.2e}")
-    assert first is None or gap <= TIE_GAP, f"greedy token {first} differs where fp64's top-2 gap is {gap:.2e}"
+    return first, gap, err, err_prefill
+
+
+def test_fp32_tiny_gpt2_greedy_matches_transformers(precision, tmp_path):
+    """The GPU test's procedure on a tiny model, through the interpreter on the CPU."""
+    precision("highest")
+    first, gap, err, err_prefill = greedy_against_transformers(tmp_path, "cpu" if dev.interpreted() else "cuda",
+                                                               n_layer=1, n_embd=64, n_head=2, vocab=128, tokens=4)
+    assert first is None or gap <= TIE_GAP
     assert err <= LOGITS_REL and err_prefill <= LOGITS_REL
+
+
+@pytest.mark.gpu
+def test_fp32_gpt2_greedy_and_logits_match_transformers(precision, tmp_path):
+    """GPT-2 small's shape (12 layers, 768 wide, 50257 tokens), random init std 0.1, 128 greedy tokens under
+    "highest": our tokens equal transformers' wherever fp64's top-2 gap exceeds 1e-3, logits within 1e-4
+    of fp64 (relative)."""
+    precision("highest")
+    first, gap, err, err_prefill = greedy_against_transformers(tmp_path, "cuda", n_layer=12, n_embd=768, n_head=12,
+                                                               vocab=50257, tokens=GREEDY_TOKENS)
+    assert first is None or gap <= TIE_GAP, f"greedy token {first} differs where fp64's top-2 gap is {gap:.2e}"
+    assert err <= LOGITS_REL and err_prefill <= LOGITS_REL, (err, err_prefill)
