@@ -5,10 +5,20 @@ H, D)``. Token ``pos`` of a sequence lives in block ``table.blocks[pos // block_
 ``pos % block_size``; its flat *slot* is ``block * block_size + offset`` (what ``write_kv`` takes; a
 negative slot means "skip"). Memory is reserved once, when the pool is built; sequences take blocks only
 as they grow, so no sequence holds room for a maximum length it may never reach.
+
+Prefix caching: a *full* block whose K/V are computed (or scheduled to be, in the step that admits it)
+is keyed by a chained hash of its tokens: hash(parent block's hash, its block_size token ids), the root
+being the pool's ``cache_salt`` (the model, dtype and quantization: K/V of another model never match).
+A request whose prompt starts with cached blocks takes them (a reference each) and computes only the
+rest. Blocks are reference counted; a cached block whose count drops to 0 stays cached and counts as
+free: ``allocate`` takes never-cached blocks first, then evicts cached ones least recently freed first.
+Only full blocks are cached, so the partial block a sequence writes into is never shared.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -18,7 +28,8 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    """Per-layer K and V cache tensors carved into blocks, and the free list.
+    """Per-layer K and V cache tensors carved into blocks, reference counts, the free list and the
+    prefix cache (``enable_caching``; ``cache_salt``: what else the K/V depend on besides the tokens).
 
     Size it with exactly one of ``num_blocks``, or ``memory``: bytes (an ``int``), or a fraction in
     (0, 1] of the free memory of ``device`` (a ``float``; CUDA only, read via ``torch.cuda.mem_get_info``).
@@ -26,7 +37,7 @@ class BlockPool:
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float16, device="cpu", *, num_blocks: int | None = None,
-                 memory: int | float | None = None):
+                 memory: int | float | None = None, enable_caching: bool = False, cache_salt: str = ""):
         for name, v in (("n_layer", n_layer), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                         ("block_size", block_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -48,41 +59,131 @@ class BlockPool:
         self.k_caches = list(self.cache[0].unbind(0))
         self.v_caches = list(self.cache[1].unbind(0))
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: allocate() hands out 0, 1, 2, ... first
-        self._allocated = [False] * num_blocks
+        self._ref = [0] * num_blocks
         self.peak_used = 0
+        # prefix cache: hash -> block, block -> hash, and the cached blocks nobody holds (LRU first)
+        self.enable_caching = bool(enable_caching)
+        self.root_hash = hashlib.blake2b(f"tritune-kv|{cache_salt}".encode(), digest_size=16).digest()
+        self._cached: dict[bytes, int] = {}
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.stats = {"hit_blocks": 0, "queried_blocks": 0, "evicted": 0}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks ``allocate`` can hand out: never-cached ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def allocate(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        if n > len(self._free):
-            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} of {self.num_blocks} are free")
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
-            self._allocated[b] = True
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} of {self.num_blocks} are free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:                           # evict the least recently freed cached block
+                b, _ = self._evictable.popitem(last=False)
+                del self._cached[self._hash_of[b]]
+                self._hash_of[b] = None
+                self.stats["evicted"] += 1
+            self._ref[b] = 1
+            blocks.append(b)
         self.peak_used = max(self.peak_used, self.num_used)
         return blocks
 
     def free(self, blocks) -> None:
-        """Return ``blocks`` to the pool. Checks every id first, so a bad call changes nothing."""
+        """Drop one reference to each of ``blocks``; a block nobody holds goes back to the pool (a cached
+        one stays cached until evicted). Checks every id first, so a bad call changes nothing."""
         blocks = list(blocks)
         seen = set()
         for b in blocks:
             if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
                 raise ValueError(f"block id {b!r} is not in this pool (ids 0..{self.num_blocks - 1})")
-            if not self._allocated[b] or b in seen:
+            if not self._ref[b] or b in seen:
                 raise ValueError(f"block {b} is not allocated (double free?)")
             seen.add(b)
+        for b in reversed(blocks):  # a sequence's last blocks are evicted first: its prefix is worth more
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._hash_of[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    # ---------------------------------------------------------------------------------- prefix cache
+    def hash_blocks(self, token_ids, start: int, end: int, parent: bytes | None = None) -> list[bytes]:
+        """Chained hashes of the full blocks ``start .. end-1`` of ``token_ids``; ``parent``: block
+        ``start - 1``'s hash (the root for block 0)."""
+        bs = self.block_size
+        h = self.root_hash if parent is None else parent
+        out = []
+        for i in range(start, end):
+            toks = token_ids[i * bs:(i + 1) * bs]
+            if len(toks) != bs:
+                raise ValueError(f"block {i} is not full ({len(toks)} of {bs} tokens)")
+            h = hashlib.blake2b(h + b"".join(int(t).to_bytes(4, "little") for t in toks), digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def match(self, hashes) -> list[int]:
+        """The cached blocks holding the longest prefix of ``hashes`` (no reference taken)."""
+        blocks = []
+        if self.enable_caching:
+            for h in hashes:
+                b = self._cached.get(h)
+                if b is None:
+                    break
+                blocks.append(b)
+            self.stats["queried_blocks"] += len(hashes)
+            self.stats["hit_blocks"] += len(blocks)
+        return blocks
+
+    def num_evictable(self, blocks) -> int:
+        """How many of ``blocks`` nobody holds (taking them uses up free blocks)."""
+        return sum(self._ref[b] == 0 for b in blocks)
+
+    def acquire(self, blocks) -> None:
+        """Take a reference to each of ``blocks`` (cached blocks a new sequence starts with)."""
         for b in blocks:
-            self._allocated[b] = False
-            self._free.append(b)
+            if self._ref[b] == 0:
+                if b not in self._evictable:
+                    raise ValueError(f"block {b} is neither held nor cached")
+                del self._evictable[b]
+            self._ref[b] += 1
+        self.peak_used = max(self.peak_used, self.num_used)
+
+    def cache_block(self, block: int, h: bytes) -> None:
+        """Key the full, held ``block`` by ``h`` (nothing when caching is off, or another block holds
+        ``h`` already: that one stays the copy others find)."""
+        if not self.enable_caching or h in self._cached or self._hash_of[block] is not None:
+            return
+        self._cached[h] = block
+        self._hash_of[block] = h
+
+    def uncache(self, blocks) -> None:
+        """Forget the hashes of ``blocks`` (their K/V were never computed: the step that would have failed)."""
+        for b in blocks:
+            h = self._hash_of[b]
+            if h is not None:
+                del self._cached[h]
+                self._hash_of[b] = None
+                if b in self._evictable:
+                    del self._evictable[b]
+                    self._free.append(b)
+
+    def reset_cache(self) -> None:
+        """Drop every cached block nobody holds (and forget the hashes of held ones)."""
+        self.uncache([b for b in range(self.num_blocks) if self._hash_of[b] is not None])
 
     def __repr__(self):
         return (f"BlockPool({self.num_blocks} blocks x {self.block_size} tokens, {self.n_layer} layers, "
@@ -118,6 +219,29 @@ class BlockTable:
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.blocks: list[int] = []
+        self.hashes: list[bytes] = []       # of the leading full blocks keyed in the prefix cache
+
+    def adopt(self, blocks, hashes) -> None:
+        """Start with cached ``blocks`` (their ``hashes``), a reference taken on each."""
+        if self.blocks:
+            raise ValueError("adopt: the table already holds blocks")
+        self.pool.acquire(blocks)
+        self.blocks, self.hashes = list(blocks), list(hashes)
+
+    def cache_full(self, token_ids, n_tokens: int) -> None:
+        """Key every full block among the first ``n_tokens`` of ``token_ids`` (their K/V computed or
+        computed in the step being scheduled) in the prefix cache."""
+        pool = self.pool
+        if not pool.enable_caching:
+            return
+        full = min(n_tokens // pool.block_size, len(self.blocks))
+        k = len(self.hashes)
+        if full <= k:
+            return
+        new = pool.hash_blocks(token_ids, k, full, self.hashes[-1] if self.hashes else None)
+        for b, h in zip(self.blocks[k:full], new):
+            pool.cache_block(b, h)
+        self.hashes += new
 
     @property
     def capacity(self) -> int:
@@ -143,9 +267,12 @@ class BlockTable:
         """Slots of positions ``start .. end-1`` (the new tokens' ``slot_mapping``)."""
         return [self.slot(p) for p in range(start, end)]
 
-    def free(self) -> None:
+    def free(self, uncache: bool = False) -> None:
+        """Release the blocks; ``uncache``: their K/V are not what their hashes say (a failed step)."""
+        if uncache:
+            self.pool.uncache(self.blocks)
         self.pool.free(self.blocks)
-        self.blocks = []
+        self.blocks, self.hashes = [], []
 
 
 def block_tables_tensor(tables, max_blocks: int | None = None, batch: int | None = None, pad: int = 0,

@@ -1,16 +1,27 @@
 """Continuous batching: which sequences run in the next step, and what they write where.
 
-Each :meth:`Scheduler.schedule` call decodes every running sequence (one token each) and then admits
-waiting requests, first come first served, while blocks, ``max_num_seqs`` and the step's token budget
-allow; a request added between steps joins at the next one. When a running sequence needs a new block
-and none is free, the newest running request is preempted: its blocks go back to the pool and it waits
-at the front of the queue, keeping the tokens it generated, to be recomputed later as one prefill of
-prompt + generated. The oldest running request is never preempted for another, so it always advances,
-and everything finishes.
+Each :meth:`Scheduler.schedule` call walks the running sequences in policy order: one decode token for
+each, or, for a sequence still prefilling in chunks, its next chunk; then it admits waiting requests in
+policy order while blocks, ``max_num_seqs`` and the step's token budget (``max_num_batched_tokens``)
+allow; a request added between steps joins at the next one.
 
-The model sees a :class:`SchedulerOutput`: prefills (all tokens of a sequence, with their cache slots)
-and decodes (each sequence's last token, its slot, its block table), then hands the sampled tokens back
-to :meth:`Scheduler.update`, which appends them, streams them, and retires finished sequences at once.
+- Policies (``policy``): ``"fcfs"`` (arrival order), ``"priority"`` (lower ``priority`` first, then
+  arrival) and ``"spf"`` (shortest prompt first, then arrival). The policy orders the queue, and the
+  running sequences: when a running sequence needs a new block and none is free, the *last* running one
+  in policy order is preempted: its blocks go back to the pool and it waits in the queue, keeping the
+  tokens it generated, to be recomputed later (prompt + generated). The first in policy order is never
+  preempted for another, so it always advances.
+- Prefix caching (``enable_prefix_caching``, on by default; see :mod:`~tritune.model.kv_cache`): an
+  admitted request starts with the cached blocks matching its tokens and computes only the rest (at
+  least its last token, whose logits it needs). A recomputed, preempted request usually finds its own.
+- Chunked prefill (``enable_chunked_prefill``): a prompt longer than what is left of the step's budget is
+  computed a chunk per step, in the same steps as the decodes (which come first: they are never held
+  up by a long prompt), and samples its first token only with its last chunk.
+
+The model sees a :class:`SchedulerOutput`: prefills (the tokens computed this step, from ``start``, with
+their cache slots; positions before ``start`` are in the cache) and decodes (each sequence's last token,
+its slot, its block table), then hands the sampled tokens back to :meth:`Scheduler.update`, which
+appends them, streams them, and retires finished sequences at once.
 """
 from __future__ import annotations
 
@@ -19,13 +30,13 @@ import itertools
 import math
 import operator
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tritune.model.kv_cache import BlockPool, BlockTable
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+POLICIES = ("fcfs", "priority", "spf")
 
 
 class ContextLimitError(ValueError):
@@ -102,6 +113,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     order: int = 0                  # arrival order: the larger, the newer
+    priority: int = 0               # policy "priority": the lower, the sooner
+    num_cached_tokens: int = 0      # prompt tokens found in the prefix cache at (the last) admission
 
     @property
     def all_ids(self) -> list[int]:
@@ -118,10 +131,14 @@ class Request:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work. Prefills first, then decodes: ``update`` takes the sampled tokens in that order."""
+    """One step's work. Prefills first, then decodes: ``update`` takes the sampled tokens of
+    :attr:`requests` (the prefills that end their sequence's prompt, then the decodes) in that order."""
     prefill: list[Request] = field(default_factory=list)
-    prefill_ids: list[list[int]] = field(default_factory=list)     # every token of the sequence, from 0
+    prefill_ids: list[list[int]] = field(default_factory=list)     # the tokens computed, from start
     prefill_slots: list[list[int]] = field(default_factory=list)   # their cache slots
+    prefill_starts: list[int] = field(default_factory=list)        # position of the first (earlier: cached)
+    prefill_tables: list[BlockTable] = field(default_factory=list)
+    prefill_sample: list[bool] = field(default_factory=list)       # the last chunk: a token is sampled
     decode: list[Request] = field(default_factory=list)
     decode_ids: list[int] = field(default_factory=list)            # each sequence's last token
     decode_positions: list[int] = field(default_factory=list)      # its position (= context_len - 1)
@@ -140,7 +157,18 @@ class SchedulerOutput:
 
     @property
     def requests(self) -> list[Request]:
+        """The sequences that get a token this step (the logits' rows): finishing prefills, then decodes."""
+        return [r for r, s in zip(self.prefill, self.prefill_sample) if s] + self.decode
+
+    @property
+    def scheduled(self) -> list[Request]:
+        """Every sequence of the step (partial prefill chunks too)."""
         return self.prefill + self.decode
+
+    @property
+    def cached_prefill(self) -> bool:
+        """Whether a prefill starts after cached tokens (its attention reads the paged cache)."""
+        return any(self.prefill_starts)
 
     def __bool__(self):
         return bool(self.prefill or self.decode)
@@ -149,20 +177,31 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: BlockPool, n_positions: int, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, eos_token_id: int | None = None,
-                 vocab_size: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 vocab_size: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 policy: str = "fcfs", enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False):
         self.pool, self.n_positions = pool, n_positions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(n_positions, 2048) if max_num_batched_tokens is None \
             else max_num_batched_tokens
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        # Prefills are not chunked: the longest (a full context, when recomputing) must fit in one step.
-        if self.max_num_batched_tokens < n_positions:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.chunked = bool(enable_chunked_prefill)
+        pool.enable_caching = bool(enable_prefix_caching)
+        if isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int) \
+                or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: expected an int >= 1, got {self.max_num_batched_tokens!r}")
+        # Unchunked, a prefill runs whole: the longest (a full context, when recomputing) must fit in one step.
+        if not self.chunked and self.max_num_batched_tokens < n_positions:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is less than the context "
-                             f"(n_positions={n_positions}); a long prompt could never be scheduled")
+                             f"(n_positions={n_positions}); a long prompt could never be scheduled "
+                             "(enable_chunked_prefill=True cuts it into chunks)")
         self.eos_token_id, self.vocab_size, self.clock = eos_token_id, vocab_size, clock
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []     # kept in arrival order: running[-1] is the newest
+        self.waiting: list[Request] = []     # in policy order: waiting[0] is admitted next
+        self.running: list[Request] = []     # in policy order: running[-1] is preempted first
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0}
         self.requests: dict[Any, Request] = {}  # unfinished, by id
         self._order = itertools.count()
         self.num_preemptions = 0
@@ -170,8 +209,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_ids, sampling: SamplingParams | None = None, *, request_id=None,
-                    stream=None, truncate: bool = False, arrival_time: float | None = None) -> Request:
-        """Validate and enqueue; raises ValueError/TypeError (and changes nothing) for a bad request."""
+                    stream=None, truncate: bool = False, arrival_time: float | None = None,
+                    priority: int = 0) -> Request:
+        """Validate and enqueue; raises ValueError/TypeError (and changes nothing) for a bad request.
+        ``priority``: for policy "priority" (the lower, the sooner)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority: expected an int, got {priority!r}")
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -210,10 +253,18 @@ class Scheduler:
             request_id = next(i for i in itertools.count(order) if i not in self.requests)
         req = Request(request_id, prompt_ids, max_new, sampling,
                       self.clock() if arrival_time is None else arrival_time, stream=stream,
-                      truncated=truncated, order=order)
+                      truncated=truncated, order=order, priority=priority)
         self.requests[request_id] = req
-        self.waiting.append(req)
+        bisect.insort(self.waiting, req, key=self._key)
         return req
+
+    def _key(self, req: Request) -> tuple:
+        """Policy order: the smaller, the sooner admitted and the later preempted."""
+        if self.policy == "priority":
+            return (req.priority, req.order)
+        if self.policy == "spf":
+            return (len(req.prompt_ids), req.order)
+        return (req.order,)
 
     def abort(self, request_id) -> Request:
         if request_id not in self.requests:
@@ -231,7 +282,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         if req.table is not None:
-            req.table.free()
+            req.table.free(uncache=reason == "error")   # a failed step: its cache contents are unknown
             req.table = None
         req.state, req.finish_reason, req.finish_time = FINISHED, reason, self.clock()
         del self.requests[req.id]
@@ -246,17 +297,28 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------------------- steps
     def schedule(self, admit: bool = True) -> SchedulerOutput:
-        """The next step's work. ``admit=False`` decodes the running sequences and admits no one (the
+        """The next step's work. ``admit=False`` runs the running sequences and admits no one (the
         engine batches prefills up when each prefill forward costs more than the decodes beside it)."""
         if self._pending:
             raise RuntimeError("schedule() called again before update() returned the last step's tokens")
         out = SchedulerOutput()
         pool = self.pool
-        # Decode: every running sequence feeds its last token, which needs a slot at position num_tokens-1.
+        budget = self.max_num_batched_tokens
+        # Decodes first: their tokens are counted before any chunk takes what is left of the budget.
+        reserved = sum(r.num_tokens - r.num_computed == 1 for r in self.running)
         for req in list(self.running):
-            if req.state != RUNNING:        # preempted for an older one, earlier in this loop
+            if req.state != RUNNING:        # preempted for an earlier one, earlier in this loop
                 continue
-            while req.table.blocks_needed(req.num_tokens) > pool.num_free:
+            left = req.num_tokens - req.num_computed
+            if left == 1:
+                reserved -= 1
+                n = 1
+            else:                           # a prompt being prefilled in chunks
+                n = min(left, budget - reserved)
+                if n <= 0:
+                    continue
+            end = req.num_computed + n
+            while req.table.blocks_needed(end) > pool.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -264,33 +326,62 @@ class Scheduler:
                     break
             if req.state != RUNNING:
                 continue
-            req.table.ensure_capacity(req.num_tokens)
-            pos = req.num_tokens - 1
-            out.decode.append(req)
-            out.decode_ids.append((req.output_ids or req.prompt_ids)[-1])
-            out.decode_positions.append(pos)
-            out.decode_slots.append(req.table.slot(pos))
-            out.decode_tables.append(req.table)
-
-        # Admit, first come first served (no skipping ahead: the head would starve). Not after a
-        # preemption: the blocks just freed belong to the request at the front, once there is room.
-        budget = self.max_num_batched_tokens - len(out.decode)
-        while admit and self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = req.num_tokens
-            if n > budget or math.ceil(n / pool.block_size) > pool.num_free:
-                break
-            self.waiting.popleft()
-            req.table = BlockTable(pool)
-            req.table.ensure_capacity(n)
-            req.state = RUNNING
-            bisect.insort(self.running, req, key=lambda r: r.order)
-            out.prefill.append(req)
-            out.prefill_ids.append(req.all_ids)
-            out.prefill_slots.append(req.table.slots(0, n))
+            req.table.ensure_capacity(end)
             budget -= n
+            if left == 1:
+                pos = req.num_tokens - 1
+                out.decode.append(req)
+                out.decode_ids.append(req.all_ids[pos])
+                out.decode_positions.append(pos)
+                out.decode_slots.append(req.table.slot(pos))
+                out.decode_tables.append(req.table)
+            else:
+                self._add_prefill(out, req, req.num_computed, end)
+            # blocks whose K/V this step computes are found by prefills later in it, and in later steps
+            req.table.cache_full(req.all_ids, end)
+
+        # Admit in policy order (no skipping ahead: the head would starve). Not after a preemption: the
+        # blocks just freed belong to the request at the front, once there is room.
+        while admit and self.waiting and not out.preempted and len(self.running) < self.max_num_seqs \
+                and budget > 0:
+            req = self.waiting[0]
+            ids = req.all_ids
+            n = len(ids)
+            bs = pool.block_size
+            hashes, hit = [], []
+            if pool.enable_caching:         # the last token is always computed: its logits are needed
+                hashes = pool.hash_blocks(ids, 0, (n - 1) // bs)
+                hit = pool.match(hashes)
+            start = len(hit) * bs
+            end = n if n - start <= budget else start + budget if self.chunked else None
+            if end is None:
+                break
+            need = math.ceil(end / bs) - len(hit) + pool.num_evictable(hit)
+            if need > pool.num_free:
+                break
+            self.waiting.pop(0)
+            req.table = BlockTable(pool)
+            req.table.adopt(hit, hashes[:len(hit)])
+            req.table.ensure_capacity(end)
+            req.num_computed = req.num_cached_tokens = start
+            req.state = RUNNING
+            bisect.insort(self.running, req, key=self._key)
+            self._add_prefill(out, req, start, end)
+            req.table.cache_full(ids, end)
+            budget -= end - start
+            self.stats["cached_tokens"] += start
+        self.stats["prefill_tokens"] += sum(map(len, out.prefill_ids))
         self._pending = bool(out)
         return out
+
+    @staticmethod
+    def _add_prefill(out: SchedulerOutput, req: Request, start: int, end: int) -> None:
+        out.prefill.append(req)
+        out.prefill_ids.append(req.all_ids[start:end])
+        out.prefill_slots.append(req.table.slots(start, end))
+        out.prefill_starts.append(start)
+        out.prefill_tables.append(req.table)
+        out.prefill_sample.append(end == req.num_tokens)
 
     def update(self, out: SchedulerOutput, next_tokens) -> list[Request]:
         """Append each sequence's sampled token (prefills first, then decodes); returns those that finished."""
@@ -300,6 +391,9 @@ class Scheduler:
         if len(next_tokens) != len(reqs):
             raise ValueError(f"got {len(next_tokens)} tokens for {len(reqs)} scheduled sequences")
         self._pending = False
+        for req, ids, start, last in zip(out.prefill, out.prefill_ids, out.prefill_starts, out.prefill_sample):
+            if not last and req.state == RUNNING:     # a chunk: its K/V are in, no token yet
+                req.num_computed = start + len(ids)
         now = self.clock()
         done = []
         for req, tok in zip(reqs, next_tokens):
@@ -352,14 +446,13 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------- internals
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        req.table.free()
+        req.table.free()        # its full blocks stay cached: the recompute will likely find them
         req.table = None
         req.num_computed = 0
         req.state = WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        # Victims go newest first, so appending each at the left keeps the queue in arrival order.
-        self.waiting.appendleft(req)
+        bisect.insort(self.waiting, req, key=self._key)
 
     def _emit(self, req: Request, tok: int | None) -> None:
         """Hand a token (None: the end) to the request's stream; a failing stream ends only its request."""

@@ -2,9 +2,10 @@
 
 The fake model's next token is a hash of the whole sequence so far, so a request's output does not
 depend on what else ran beside it, or on being preempted and recomputed: every request must end with
-exactly the tokens it gets when run alone. It also keeps a fake KV cache (slot -> (request, position,
-token)) and, at each decode, reads back every position through the block table, so a wrong slot, a
-block shared by two sequences or a stale block shows up as a mismatch.
+exactly the tokens it gets when run alone. It also keeps a fake KV cache (slot -> (position, every token
+up to it): what a real K/V depends on) and, at each prefill chunk and decode, reads back every earlier
+position through the block table, so a wrong slot, a block wrongly shared (prefix caching), a stale
+block or a chunk that skipped a position shows up as a mismatch.
 """
 import queue
 import zlib
@@ -40,40 +41,59 @@ class FakeModel:
         self.pool, self.vocab = pool, vocab
         self.cache = {}                        # slot -> (request order, position, token)
 
+    def _read_back(self, req, blocks, ctx):
+        bs = self.pool.block_size
+        for p in range(ctx):            # what attention would read
+            slot = int(blocks[p // bs]) * bs + p % bs
+            assert self.cache.get(slot) == (p, tuple(req.all_ids[:p + 1])), (req.id, p)
+
     def __call__(self, out):
         toks = []
-        for req, ids, slots in zip(out.prefill, out.prefill_ids, out.prefill_slots):
-            assert len(ids) == len(slots) == req.num_tokens and ids == req.all_ids
-            for p, (t, s) in enumerate(zip(ids, slots)):
-                self.cache[s] = (req.order, p, t)
-            toks.append(next_token(ids, self.vocab))
+        # every new K/V is written before any attention reads (as in each layer of the real forward)
+        for req, ids, slots, start in zip(out.prefill, out.prefill_ids, out.prefill_slots, out.prefill_starts):
+            assert len(ids) == len(slots) and ids == req.all_ids[start:start + len(ids)]
+            assert start == req.num_computed and start + len(ids) <= req.num_tokens
+            for p, s in enumerate(slots, start):
+                self.cache[s] = (p, tuple(req.all_ids[:p + 1]))
+        for i, req in enumerate(out.decode):
+            self.cache[out.decode_slots[i]] = (out.decode_positions[i], tuple(req.all_ids))
+        for req, ids, start, table, last in zip(out.prefill, out.prefill_ids, out.prefill_starts,
+                                                out.prefill_tables, out.prefill_sample):
+            assert table is req.table and last == (start + len(ids) == req.num_tokens)
+            self._read_back(req, table.blocks, start + len(ids))
+            if last:
+                toks.append(next_token(req.all_ids, self.vocab))
         if out.decode:
-            bs = self.pool.block_size
             tables = block_tables_tensor(out.decode_tables, max_blocks=self.pool.num_blocks)
             for i, req in enumerate(out.decode):
                 pos, ctx = out.decode_positions[i], out.context_lens[i]
                 assert out.decode_ids[i] == req.all_ids[pos] and ctx == req.num_tokens
-                self.cache[out.decode_slots[i]] = (req.order, pos, out.decode_ids[i])
-                for p in range(ctx):     # what paged attention would read
-                    slot = int(tables[i, p // bs]) * bs + p % bs
-                    assert self.cache.get(slot) == (req.order, p, req.all_ids[p]), (req.id, p)
+                self._read_back(req, tables[i], ctx)
                 toks.append(next_token(req.all_ids, self.vocab))
         return toks
 
 
-def make(num_blocks=64, block_size=4, n_positions=64, vocab=50, **kw):
+def make(num_blocks=64, block_size=4, n_positions=64, vocab=50, enable_prefix_caching=False, **kw):
+    """The scheduler without the prefix cache unless asked (these tests count blocks and prefill tokens)."""
     pool = BlockPool(1, 1, 1, block_size, torch.float32, num_blocks=num_blocks)
-    return pool, Scheduler(pool, n_positions, eos_token_id=EOS, vocab_size=vocab, **kw), FakeModel(pool, vocab)
+    return pool, Scheduler(pool, n_positions, eos_token_id=EOS, vocab_size=vocab,
+                           enable_prefix_caching=enable_prefix_caching, **kw), FakeModel(pool, vocab)
 
 
 def check_invariants(sched):
     pool = sched.pool
     held = [b for r in sched.running for b in r.table.blocks]
-    assert len(held) == len(set(held)), "a block is shared by two running sequences"
-    assert pool.num_free + len(held) == pool.num_blocks, "blocks leaked"
+    for r in sched.running:
+        assert len(set(r.table.blocks)) == len(r.table.blocks)
+    if not pool.enable_caching:
+        assert len(held) == len(set(held)), "a block is shared by two running sequences"
+    for b in set(held):
+        assert pool._ref[b] == held.count(b), f"block {b}: {pool._ref[b]} references, {held.count(b)} holders"
+    assert pool.num_free + len(set(held)) == pool.num_blocks, "blocks leaked"
     assert all(r.table is None and r.state == WAITING for r in sched.waiting)
     assert all(r.state == RUNNING and r.table.capacity >= r.num_computed for r in sched.running)
-    assert [r.order for r in sched.running] == sorted(r.order for r in sched.running)
+    assert [sched._key(r) for r in sched.running] == sorted(sched._key(r) for r in sched.running)
+    assert [sched._key(r) for r in sched.waiting] == sorted(sched._key(r) for r in sched.waiting)
     assert len(sched.running) <= sched.max_num_seqs
 
 
@@ -277,9 +297,9 @@ def test_bad_requests_raise_and_others_continue():
     bad = [
         (ValueError, "already in use", lambda: sched.add_request([1], SamplingParams(), request_id=good[0].id)),
         (ValueError, "prompt is empty", lambda: sched.add_request([], SamplingParams())),
-        (ValueError, "longer than the context", lambda: sched.add_request(prompt(33), SamplingParams())),
+        (ValueError, "longer than the model.s context", lambda: sched.add_request(prompt(33), SamplingParams())),
         (ValueError, "max_new_tokens must be an int >= 1", lambda: SamplingParams(max_new_tokens=0)),
-        (ValueError, "exceeds the context", lambda: sched.add_request(prompt(30), SamplingParams(max_new_tokens=3))),
+        (ValueError, "exceeds the model.s context", lambda: sched.add_request(prompt(30), SamplingParams(max_new_tokens=3))),
         (ValueError, "more than the whole pool", lambda: sched.add_request(prompt(30), SamplingParams(max_new_tokens=2))),
         (ValueError, "no room for the prompt", lambda: sched.add_request(prompt(3), SamplingParams(max_new_tokens=32),
                                                                          truncate=True)),
@@ -361,22 +381,27 @@ requests_st = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(reqs=requests_st, block_size=st.sampled_from([1, 2, 3, 4, 8]), num_blocks=st.integers(3, 20),
        max_num_seqs=st.integers(1, 8), extra_budget=st.integers(0, 40), vocab=st.integers(4, 30),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), caching=st.booleans(), chunk_budget=st.sampled_from([None, 1, 3, 8, 20]),
+       policy=st.sampled_from(["fcfs", "priority", "spf"]), shared=st.integers(0, 12))
 def test_random_workload_matches_run_alone_and_never_leaks(reqs, block_size, num_blocks, max_num_seqs,
-                                                           extra_budget, vocab, seed):
+                                                           extra_budget, vocab, seed, caching, chunk_budget,
+                                                           policy, shared):
+    """Any mix of arrivals, aborts and preemptions, under each policy, with and without the prefix cache
+    (prompts share their first ``shared`` tokens) and chunked prefill (a budget below the context)."""
     n_positions = 32
     pool, sched, model = make(num_blocks=num_blocks, block_size=block_size, n_positions=n_positions,
-                              vocab=vocab, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=n_positions + extra_budget)
+                              vocab=vocab, max_num_seqs=max_num_seqs, policy=policy,
+                              enable_prefix_caching=caching, enable_chunked_prefill=chunk_budget is not None,
+                              max_num_batched_tokens=chunk_budget or n_positions + extra_budget)
     accepted, aborted = [], set()
     for t in range(10_000):
         for i, (arrive, plen, max_new, ignore_eos, abort_after) in enumerate(reqs):
             if arrive == t:
-                p = [(seed + 7 * i + j) % (vocab - 1) + 1 for j in range(plen)]
+                p = [(seed + 7 * (i if j >= shared else 0) + j) % (vocab - 1) + 1 for j in range(plen)]
                 sp = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos)
                 fits = plen + max_new <= n_positions and -(-(plen + max_new - 1) // block_size) <= num_blocks
                 if fits:
-                    accepted.append((sched.add_request(p, sp), arrive, abort_after))
+                    accepted.append((sched.add_request(p, sp, priority=(i * 5) % 3), arrive, abort_after))
                 else:
                     with pytest.raises(ValueError):
                         sched.add_request(p, sp)
