@@ -101,8 +101,12 @@ class Engine:
 
     model: a :class:`tritune.model.gpt2.GPT2`. The KV pool is sized by exactly one of ``num_blocks``,
     ``kv_memory_bytes`` or ``kv_memory_fraction`` (of free GPU memory); default 0.5 on a GPU, 256 MiB on
-    the CPU. ``max_batch_tokens``: tokens per step (prefill tokens + one per decode; >= n_positions, as
-    prefills are not chunked). ``cuda_graphs``: capture the decode step per batch bucket (CUDA and the
+    the CPU. ``max_batch_tokens``: tokens per step (prefill tokens + one per decode; >= n_positions
+    unless ``enable_chunked_prefill``, which cuts long prompts into chunks run beside the decodes).
+    ``enable_prefix_caching`` (default on): full KV blocks are shared by requests with the same prefix,
+    whose prefill computes only the rest. ``policy``: "fcfs", "priority" (``add_request(...,
+    priority=)``, lower first) or "spf" (shortest prompt first). ``speculative``: a proposer
+    (:mod:`~tritune.model.spec_decode`) whose k draft tokens a step verifies in one forward. ``cuda_graphs``: capture the decode step per batch bucket (CUDA and the
     triton backend only; otherwise ignored and said in ``notes``; ``"eager"``: the same device-side step
     without capture). ``decode_steps``: on that path, a step that only decodes greedy requests runs up
     to this many steps back to back (the tokens fed back on the device), then reads all their tokens
@@ -116,7 +120,8 @@ class Engine:
                  max_batch_tokens: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool | str = True,
                  compile: bool = False, quant: str | None = None, group_size: int = 128, tokenizer=None,
                  graph_buckets=GRAPH_BUCKETS, prefill_batching: bool | None = None, prefill_min_seats: int | None = None,
-                 prefill_max_wait: int = 8, decode_steps: int = 16):
+                 prefill_max_wait: int = 8, decode_steps: int = 16, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = False, policy: str = "fcfs", speculative=None):
         Q.check_mode(quant)
         given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
                                 ("kv_memory_fraction", kv_memory_fraction)) if v is not None]
@@ -150,11 +155,15 @@ class Engine:
                 memory = float(kv_memory_fraction)
             else:
                 memory = 0.5 if self.device.type == "cuda" else CPU_KV_BYTES
+        # the prefix cache's keys include what else K/V depend on: the model, its dtype and quantization
+        salt = f"{c}|{getattr(model, 'directory', None)}|{self.dtype}|{self.quant}|{group_size}|{id(model.w)}"
         self.pool = BlockPool(c.n_layer, c.n_head, c.head_dim, block_size, self.dtype, self.device,
-                              num_blocks=num_blocks, memory=memory)
+                              num_blocks=num_blocks, memory=memory, cache_salt=salt)
         self.scheduler = Scheduler(self.pool, c.n_positions, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_batch_tokens, eos_token_id=c.eos_token_id,
-                                   vocab_size=c.vocab_size)
+                                   vocab_size=c.vocab_size, policy=policy,
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   enable_chunked_prefill=enable_chunked_prefill)
         self.max_num_seqs = max_num_seqs
         self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs, cuda_graphs=cuda_graphs,
                                   compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps))
@@ -195,7 +204,7 @@ class Engine:
         return prompt
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, *, request_id=None, stream=None,
-                    truncate: bool = False, arrival_time: float | None = None) -> Request:
+                    truncate: bool = False, arrival_time: float | None = None, priority: int = 0) -> Request:
         """Queue a request (text with a tokenizer, or token ids); it joins at the next step.
 
         ``stream``: callable(request, token) (token None at the end) or a queue (``put``). A bad request
@@ -205,7 +214,7 @@ class Engine:
         if sampling is not None and sampling.stop and self.tokenizer is None:
             raise ValueError("sampling.stop: stop strings need a tokenizer (Engine(..., tokenizer=...))")
         return self.scheduler.add_request(self._ids(prompt), sampling, request_id=request_id, stream=stream,
-                                          truncate=truncate, arrival_time=arrival_time)
+                                          truncate=truncate, arrival_time=arrival_time, priority=priority)
 
     def stream(self, prompt, sampling: SamplingParams | None = None, **kw) -> TokenStream:
         """A :class:`TokenStream` over a new request's tokens (iterating it runs the engine)."""
@@ -291,7 +300,7 @@ class Engine:
             # The step's requests cannot go on (their caches are in an unknown state): end them with the
             # error, free their blocks, and leave the engine usable for the rest.
             self.scheduler.abandon_step()
-            for req in out.requests:
+            for req in out.scheduled:
                 req.error = e
                 self.scheduler.finish(req, "error")
             raise

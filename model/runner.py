@@ -27,14 +27,40 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # ---------------------------------------------------------------------------------------------------
 # The forward of one step
 # ---------------------------------------------------------------------------------------------------
+def attn_context(model, q, k_cache, v_cache, seq_lens, cu_q, max_q, context):
+    """Prefill attention of query rows that continue sequences already (partly) in the paged cache:
+    sequence b's ``seq_lens[b]`` queries are its last positions, and it attends causally to all its
+    ``ctx_lens[b]`` tokens, gathered from the cache (``context`` = (flat slots of every context token,
+    (P+1,) int32 cu_seqlens of the contexts, the longest context, ctx_lens)): the new tokens' K/V were
+    written first. Prefix-cache hits, prefill chunks and speculative verification all take this path."""
+    idx, cu_k, max_k, ctx_lens = context
+    k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, idx)
+    v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, idx)
+    if model.backend == "triton":
+        from tritune.kernels import attention
+
+        if model.config.head_dim in attention.HEAD_DIMS:   # bottom-right causal: query i sees key j <= i + Tk - Tq
+            return attention.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, validate=False)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    sq = sk = 0
+    for n, m in zip(seq_lens, ctx_lens):
+        mask = torch.ones((n, m), dtype=torch.bool, device=q.device).tril(m - n)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[sq:sq + n].transpose(0, 1), k[sk:sk + m].transpose(0, 1), v[sk:sk + m].transpose(0, 1), attn_mask=mask)
+        out[sq:sq + n] = o.transpose(0, 1)
+        sq, sk = sq + n, sk + m
+    return out
+
+
 def forward_step(model, kv, ids, positions, slots, *, seq_lens=(), cu_seqlens=None, block_tables=None,
-                 context_lens=None, logit_rows=None):
+                 context_lens=None, logit_rows=None, context=None):
     """One forward of ``model`` (on its ops) over packed tokens: ``sum(seq_lens)`` prefill rows first,
     then one row per decode.
 
     ids, positions, slots (T,) on the device; cu_seqlens (P+1,) int32 of the prefills; block_tables
-    (Td, max_blocks) and context_lens (Td,) int32 of the decodes. Returns the logits of ``logit_rows``
-    (all rows when None). Nothing here syncs with the host when there are no prefills.
+    (Td, max_blocks) and context_lens (Td,) int32 of the decodes; ``context``: the prefills continue
+    cached sequences (see :func:`attn_context`). Returns the logits of ``logit_rows`` (all rows when
+    None). Nothing here syncs with the host when there are no prefills.
     """
     ops = model.ops
     Tp = int(sum(seq_lens))
@@ -45,6 +71,9 @@ def forward_step(model, kv, ids, positions, slots, *, seq_lens=(), cu_seqlens=No
         kc, vc = kv.k_caches[i], kv.v_caches[i]
         if not written:
             ops.write_kv(k, v, kc, vc, slots)
+        if context is not None:
+            a = attn_context(model, q[:Tp], kc, vc, seq_lens, cu_seqlens, max_seqlen, context)
+            return a if Tp == T else torch.cat((a, ops.attn_decode(q[Tp:], kc, vc, block_tables, context_lens)))
         if Tp == T:
             return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
         if Tp == 0:
@@ -212,6 +241,8 @@ class ModelRunner:
         "eager" (one forward), "mixed" (one forward of prefills and decodes), "graph" or "compile" (the
         decodes on their fast path, prefills eager beside them)."""
         Td = len(out.decode)
+        ctx = {"prefill_starts": out.prefill_starts, "prefill_tables": out.prefill_tables,
+               "sample": out.prefill_sample}
         fast = None
         if Td and self.graph_batch(Td):
             fast = "graph"
@@ -219,11 +250,11 @@ class ModelRunner:
             fast = "compile"
         if fast is None:
             logits = self.eager(out.prefill_ids, out.prefill_slots, out.decode_ids, out.decode_positions,
-                                out.decode_slots, out.context_lens, out.decode_tables)
+                                out.decode_slots, out.context_lens, out.decode_tables, **ctx)
             return logits, "mixed" if out.prefill and Td else "eager"
         parts = []
         if out.prefill:
-            parts.append(self.eager(out.prefill_ids, out.prefill_slots, [], [], [], [], []))
+            parts.append(self.eager(out.prefill_ids, out.prefill_slots, [], [], [], [], [], **ctx))
         if fast == "graph":
             pos = out.decode_positions
             self.graphs.load(out.decode_ids, pos, [p + 1 for p in pos], [-1] * Td, out.decode_tables)
@@ -269,17 +300,29 @@ class ModelRunner:
         d32 = torch.from_numpy(_tables_array(context_lens, tables, 2)).to(dev, non_blocking=True)
         return self.compiled(d[:B], d[B:2 * B], d[2 * B:], d32[:, 1:], d32[:, 0].contiguous())
 
-    def eager(self, prefill_ids, prefill_slots, decode_ids, decode_positions, decode_slots, context_lens, tables):
-        """Prefills and decodes in one forward (see :func:`forward_step`); logits in the same order."""
+    def eager(self, prefill_ids, prefill_slots, decode_ids, decode_positions, decode_slots, context_lens, tables,
+              *, prefill_starts=None, prefill_tables=None, sample=None, all_logits: bool = False):
+        """Prefills and decodes in one forward (see :func:`forward_step`); logits in the same order.
+
+        ``prefill_starts``: each prefill's first position (the tokens before it are in the cache, read
+        through ``prefill_tables``); ``sample``: which prefills get logits (their last row; default
+        all); ``all_logits``: every prefill row's logits instead (speculative verification)."""
         dev = self.device
         seq_lens = [len(s) for s in prefill_ids]
         Tp, Td = sum(seq_lens), len(decode_ids)
+        starts = prefill_starts if prefill_starts is not None else [0] * len(seq_lens)
         ids = np.fromiter((t for s in prefill_ids for t in s), np.int64, Tp)
-        pos = np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens]) if seq_lens else np.zeros(0, np.int64)
+        pos = (np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, seq_lens)])
+               if seq_lens else np.zeros(0, np.int64))
         slots = np.fromiter((t for s in prefill_slots for t in s), np.int64, Tp)
         cu = np.zeros(len(seq_lens) + 1, np.int64)
         np.cumsum(seq_lens, out=cu[1:])
-        rows = np.concatenate([cu[1:] - 1, Tp + np.arange(Td)])
+        last = np.arange(Tp) if all_logits else (cu[1:] - 1)[np.asarray(sample, bool)] if sample is not None \
+            else cu[1:] - 1
+        rows = np.concatenate([last, Tp + np.arange(Td)]).astype(np.int64)
+        empty = len(rows) == 0          # only chunks that sample nothing: the forward just writes their K/V
+        if empty:
+            rows = np.zeros(1, np.int64)
         h64 = torch.from_numpy(np.concatenate([ids, np.asarray(decode_ids, np.int64), pos,
                                                np.asarray(decode_positions, np.int64), slots,
                                                np.asarray(decode_slots, np.int64), rows]))
@@ -292,9 +335,19 @@ class ModelRunner:
         if Td:
             d32 = torch.from_numpy(_tables_array(context_lens, tables)).to(dev, non_blocking=True)
             kw["block_tables"], kw["context_lens"] = d32[:, 1:], d32[:, 0].contiguous()
+        if any(starts):
+            bs = self.pool.block_size
+            ctx_lens = [s + n for s, n in zip(starts, seq_lens)]
+            idx = np.concatenate([np.asarray(t.blocks, np.int64)[np.arange(m) // bs] * bs + np.arange(m) % bs
+                                  for t, m in zip(prefill_tables, ctx_lens)])
+            cu_k = np.zeros(len(ctx_lens) + 1, np.int32)
+            np.cumsum(ctx_lens, out=cu_k[1:])
+            kw["context"] = (torch.from_numpy(idx).to(dev, non_blocking=True),
+                             torch.from_numpy(cu_k).to(dev, non_blocking=True), max(ctx_lens), ctx_lens)
         logit_rows = None if Tp == 0 else d64[3 * T:]
-        return forward_step(self.model, self.pool, d64[:T], d64[T:2 * T], d64[2 * T:3 * T],
-                            logit_rows=logit_rows, **kw)
+        logits = forward_step(self.model, self.pool, d64[:T], d64[T:2 * T], d64[2 * T:3 * T],
+                              logit_rows=logit_rows, **kw)
+        return logits[:0] if empty else logits
 
     # -------------------------------------------------------------------------------------- warm-up
     @torch.inference_mode()
