@@ -5,9 +5,10 @@ Each :meth:`Engine.step`:
 1. ``schedule()`` picks the step's work (:mod:`~tritune.model.scheduler`): one decode token for every
    running sequence, plus whole prefills of newly admitted (or preempted, recomputed) requests while
    blocks and the token budget last.
-2. The model runner (:mod:`~tritune.model.runner`) runs it: one forward, or on the device-side decode
-   step (CUDA graphs, :mod:`~tritune.model.graphs`) up to ``decode_steps`` greedy steps back to back with
-   one host sync, when the step only decodes greedy requests.
+2. The model runner (:mod:`~tritune.model.runner`) runs it: one forward, or, when the step only decodes,
+   the device-side decode step (CUDA graphs, :mod:`~tritune.model.graphs`) up to ``decode_steps`` times
+   back to back with one host sync (greedy tokens picked on the device, sampled ones drawn there
+   between replays).
 3. Sampling (:mod:`~tritune.model.sampling`), then ``update()`` appends the tokens, streams them, and
    retires finished requests, freeing their blocks; stop strings are checked here, on the text.
 
@@ -108,9 +109,9 @@ class Engine:
     priority=)``, lower first) or "spf" (shortest prompt first). ``speculative``: a proposer
     (:mod:`~tritune.model.spec_decode`) whose k draft tokens a step verifies in one forward. ``cuda_graphs``: capture the decode step per batch bucket (CUDA and the
     triton backend only; otherwise ignored and said in ``notes``; ``"eager"``: the same device-side step
-    without capture). ``decode_steps``: on that path, a step that only decodes greedy requests runs up
-    to this many steps back to back (the tokens fed back on the device), then reads all their tokens
-    with one sync (1: one step per sync). ``compile``: torch.compile the decode forward instead (dynamic
+    without capture). ``decode_steps``: on that path, a step that only decodes runs up to this many
+    steps back to back (the tokens fed back on the device), then reads all their tokens with one sync
+    (1: one step per sync; stop strings, checked on the text, take one step per sync). ``compile``: torch.compile the decode forward instead (dynamic
     shapes). ``quant``: None, "int8" or "int4" weight-only for every linear (round to nearest; a model
     quantized beforehand, e.g. by ``tritune.model.quant.with_quantized_weights``, runs as it is).
     """
@@ -338,9 +339,9 @@ class Engine:
 
     # -------------------------------------------------------------------------------------- graph decode
     def _graph_only(self, out: SchedulerOutput) -> bool:
-        """A step of greedy decodes only, in a bucket of the device-side step: the device samples and feeds back."""
-        return (not out.prefill and self.runner.graph_batch(len(out.decode))
-                and all(r.sampling.temperature == 0 for r in out.decode))
+        """A step of decodes only, in a bucket of the device-side step: the device picks (greedy) or draws
+        (sampled rows, between replays) each token and feeds it back."""
+        return not out.prefill and self.runner.graph_batch(len(out.decode))
 
     def _num_steps(self, out: SchedulerOutput) -> int:
         """How many decode steps to run before the host looks at the tokens again."""
@@ -361,15 +362,20 @@ class Engine:
         return K
 
     def _graph_decode(self, out: SchedulerOutput) -> list[Request]:
-        """Up to ``decode_steps`` greedy decode steps with one host sync; update with every token."""
+        """Up to ``decode_steps`` decode steps with one host sync; update with every token."""
         tm = self.timings
         K = self._num_steps(out)
         reqs, pos = out.decode, out.decode_positions
         eos = self.config.eos_token_id
         stops = [p + min(K, r.max_new_tokens - len(r.output_ids)) for r, p in zip(reqs, pos)]
-        eoss = [-1 if eos is None or r.sampling.ignore_eos else eos for r in reqs]
+        # a sampled row's EOS is the drawn token's, seen by update() on the host (the device checks the greedy one)
+        eoss = [-1 if eos is None or r.sampling.ignore_eos or r.sampling.temperature else eos for r in reqs]
+        draw = None
+        if any(r.sampling.temperature for r in reqs):
+            def draw(logits):
+                return self.sampler.draw(reqs, logits)
         rows, host, gpu_s = self.runner.graph_decode(out.decode_ids, pos, stops, eoss, out.decode_tables, K,
-                                                     gpu_timing=self.gpu_timing)
+                                                     gpu_timing=self.gpu_timing, draw=draw)
         t3 = time.perf_counter()
         if gpu_s is not None:
             self.stats["graph_gpu_s"] += gpu_s

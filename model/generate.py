@@ -7,7 +7,8 @@ tokenizer is given: text that may begin a stop string is held back until it cann
 to the end and returns that result. There is no second decode loop here: the tokens come from
 :class:`~tritune.model.engine.Engine` (one per model, block size, decode path and tokenizer, built on
 first use and kept while the model lives), with its CUDA graphs of the decode step where the model can
-use them (greedy decoding then runs up to ``decode_steps`` steps per host sync).
+use them (decoding then runs up to ``decode_steps`` steps per host sync, sampled tokens drawn on the
+device between steps).
 """
 from __future__ import annotations
 

@@ -281,6 +281,14 @@ class DecodeGraphs:
                 self.out[b] = self._run(b)
         return self.out[b][:B]
 
+    def feed(self, row: int, token: torch.Tensor, position: int, step: int) -> None:
+        """After step ``step`` (0-based) of a run from the rows loaded at ``position``: row ``row``'s next
+        input and history entry become ``token`` (a (1,) device tensor, e.g. a sampled token) instead of
+        the greedy one. Stream-ordered, no host sync."""
+        self.ids[row:row + 1].copy_(token)
+        col = (position + 1 + step) % self.R
+        self.hist[row, col:col + 1].copy_(token)
+
     def tokens(self, positions, steps: int) -> list[list[int]]:
         """The tokens of the last ``steps`` steps, per step, of the rows loaded at ``positions`` (one sync).
         A row that stopped early has stale values past its stop."""

@@ -264,9 +264,11 @@ class ModelRunner:
                                                out.context_lens, out.decode_tables)[:Td])
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), fast
 
-    def graph_decode(self, ids, positions, stops, eos, tables, steps: int, gpu_timing: bool = False):
-        """``steps`` greedy decode steps of these rows on the device-side step, one host sync at the end.
-        Returns (tokens per step per row, host seconds {load, launch, wait}, GPU seconds or None)."""
+    def graph_decode(self, ids, positions, stops, eos, tables, steps: int, gpu_timing: bool = False, draw=None):
+        """``steps`` decode steps of these rows on the device-side step, one host sync at the end.
+        ``draw(logits) -> [(row, token tensor)]``: rows whose token is drawn on the device after each step
+        (sampling) instead of the greedy one the step feeds back. Returns (tokens per step per row, host
+        seconds {load, launch, wait}, GPU seconds or None)."""
         g = self.graphs
         t0 = time.perf_counter()
         g.load(ids, positions, stops, eos, tables)
@@ -274,7 +276,12 @@ class ModelRunner:
         if gpu_timing:
             ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev[0].record()
-        g.run(len(ids), steps)
+        if draw is None:
+            g.run(len(ids), steps)
+        else:
+            for k in range(steps):
+                for row, tok in draw(g.run(len(ids), 1)):
+                    g.feed(row, tok, positions[row], k)
         if gpu_timing:
             ev[1].record()
         t2 = time.perf_counter()

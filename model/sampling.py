@@ -51,7 +51,18 @@ class Sampler:
         self.generators: dict = {}
 
     def __call__(self, requests, logits: torch.Tensor) -> list[int]:
-        toks = logits.argmax(dim=-1).tolist()
+        toks = logits.argmax(dim=-1)
+        drawn = self.draw(requests, logits)
+        if drawn:
+            toks = toks.clone()
+            for i, t in drawn:
+                toks[i:i + 1] = t
+        return toks.tolist()        # the one sync
+
+    def draw(self, requests, logits: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """The sampled rows' tokens left on the device, as (row, (1,) tensor): no host sync, so the
+        device-side decode step can feed them back between replays. Greedy rows are not drawn."""
+        out = []
         for i, r in enumerate(requests):
             s = r.sampling
             if s.temperature == 0:
@@ -61,8 +72,8 @@ class Sampler:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(int(s.seed))
                 self.generators[r.id] = gen
-            toks[i] = int(sample(logits[i:i + 1], s.temperature, s.top_k, s.top_p, gen)[0])
-        return toks
+            out.append((i, sample(logits[i:i + 1], s.temperature, s.top_k, s.top_p, gen)))
+        return out
 
     def release(self, request_id) -> None:
         self.generators.pop(request_id, None)

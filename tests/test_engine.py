@@ -314,12 +314,23 @@ def test_multi_step_decode_stops_at_eos_and_falls_back(step_model):
     r = eng.generate([p], SamplingParams(max_new_tokens=20))[0]
     assert r.token_ids == free[:free.index(eos) + 1] and r.finish_reason == "stop"
 
-    eng = device_step_engine(step_model, num_blocks=200, block_size=4, decode_steps=8)
+    # sampled rows beside greedy ones: drawn on the device between steps, several steps per round trip,
+    # the same tokens as the plain path's host-side draws from the same seeds; a drawn EOS ends its row
+    ps = prompts(3, seed=13)
     sps = [SamplingParams(max_new_tokens=12, ignore_eos=True),
-           SamplingParams(max_new_tokens=12, temperature=0.9, seed=1, ignore_eos=True)]
-    res = eng.generate(prompts(2, seed=13), sps)
-    assert res[0].token_ids == alone(step_model, prompts(2, seed=13)[0], 12)
-    assert eng.stats["multi_steps"] == 0 and eng.pool.num_free == eng.pool.num_blocks
+           SamplingParams(max_new_tokens=12, temperature=0.9, seed=1, ignore_eos=True),
+           SamplingParams(max_new_tokens=12, temperature=1.0, top_k=5, top_p=0.9, seed=2)]
+    plain = Engine(step_model, num_blocks=200, block_size=4, cuda_graphs=False).generate(ps, sps)
+    eng = device_step_engine(step_model, num_blocks=200, block_size=4, decode_steps=8)
+    res = eng.generate(ps, sps)
+    assert res[0].token_ids == alone(step_model, ps[0], 12)
+    assert [r.token_ids for r in res] == [r.token_ids for r in plain]
+    assert eng.stats["multi_steps"] > 0 and eng.pool.num_free == eng.pool.num_blocks
+    drawn = plain[1].token_ids
+    m_eos = GPT2(replace(step_model.config, eos_token_id=drawn[4]), step_model.w, backend="torch")
+    r = device_step_engine(m_eos, num_blocks=200, block_size=4, decode_steps=8).generate(
+        [ps[1]], SamplingParams(max_new_tokens=12, temperature=0.9, seed=1))[0]
+    assert r.token_ids == drawn[:drawn.index(drawn[4]) + 1] and r.finish_reason == "stop"
 
     ps = prompts(3, seed=14, lo=3, hi=8)
     eng = device_step_engine(step_model, num_blocks=9, block_size=4, decode_steps=8)  # little room to reserve
