@@ -86,6 +86,7 @@ class EngineLoop:
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._dirty: list[Seq] = []
+        self._live: dict = {}       # engine thread: accepted and not ended, by id
         self._stop = False
         self._thread = None
         self._loop = None
@@ -140,20 +141,29 @@ class EngineLoop:
     # -- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
+        failures = 0
         while not self._stop:
-            if not self._inbox and not eng.has_unfinished():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            self._drain()
-            if eng.has_unfinished():
-                try:
-                    eng.step()
-                except Exception:  # noqa: BLE001 (the step's requests end with the error; the others go on)
-                    log.exception("engine step failed; the requests of that step end with an error")
-                self.steps += 1
-            self.load = engine_load(eng)
-            self._flush()
+            try:
+                if not self._inbox and not eng.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                self._drain()
+                if eng.has_unfinished():
+                    try:
+                        eng.step()
+                        failures = 0
+                    except Exception as e:  # noqa: BLE001 (the step's requests end with the error; others go on)
+                        log.exception("engine step failed; the requests of that step end with an error")
+                        failures += 1
+                        if failures >= 3:   # failing before it took any request: end them all, not hang
+                            self._fail_all(f"{type(e).__name__}: {e}")
+                    self.steps += 1
+                self.load = engine_load(eng)
+                self._flush()
+            except Exception:  # noqa: BLE001 (a thread that died would leave every request waiting forever)
+                log.exception("engine loop error")
+                time.sleep(0.01)
 
     def _drain(self) -> None:
         eng = self.engine
@@ -172,10 +182,24 @@ class EngineLoop:
                 req = eng.add_request(ids, sampling, request_id=seq.id, stream=functools.partial(self._on_token, seq))
             except (ValueError, TypeError) as e:
                 seq.finish, seq.error = "rejected", str(e)
+            except Exception as e:  # noqa: BLE001 (the engine's fault, not the request's: a 500 for it alone)
+                log.exception("add_request failed")
+                seq.finish, seq.error = "error", f"{type(e).__name__}: {e}"
             else:
                 seq.accepted, seq.n_prompt = True, len(req.prompt_ids)
+                self._live[seq.id] = seq
                 if self.metrics:
                     self.metrics.prompt_tokens.inc(seq.n_prompt)
+            self._mark(seq)
+
+    def _fail_all(self, error: str) -> None:
+        for seq in list(self._live.values()):
+            try:
+                self.engine.abort(seq.id)
+            except Exception:  # noqa: BLE001 (ending it here regardless)
+                pass
+            seq.finish, seq.error = "error", error
+            self._live.pop(seq.id, None)
             self._mark(seq)
 
     def _mark(self, seq: Seq) -> None:
@@ -186,6 +210,7 @@ class EngineLoop:
     def _on_token(self, seq: Seq, req, tok) -> None:
         """The engine's stream callback (engine thread): collect, hand over after the step."""
         if tok is None:
+            self._live.pop(seq.id, None)
             seq.finish = req.finish_reason or "stop"
             seq.error = None if req.error is None else f"{type(req.error).__name__}: {req.error}"
             seq.n_out = len(req.output_ids)
@@ -556,8 +581,10 @@ class Job:
             while left:
                 ev = await self.sink.get()
                 i, accepted, _, finish, error = ev
-                if finish == "rejected":
-                    raise APIError(400, error or "rejected by the engine", "prompt")
+                if finish is not None and accepted is None and not self.n_prompt[i]:
+                    if finish == "rejected":
+                        raise APIError(400, error or "rejected by the engine", "prompt")
+                    raise APIError(500, f"the engine could not take the request: {error}", type="server_error")
                 if accepted is not None:
                     self.n_prompt[i] = accepted
                     left -= 1
@@ -1001,5 +1028,7 @@ def run(args) -> int:
     print(f"serving {app.state.server.model_name!r} ({engine.describe()['backend']}, "
           f"{engine.describe()['dtype']}, {engine.describe()['device']}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    # On shutdown, streams still open after 10 s are cancelled (which aborts their requests).
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=10)
     return 0

@@ -325,6 +325,30 @@ def test_bad_requests_answer_400_and_disturb_nothing(served, ref):
     assert wait_idle(served)["kv_blocks_used"] == 0
 
 
+def test_an_engine_failure_answers_500_for_that_request_only(served, monkeypatch):
+    real = served.engine.add_request
+
+    def add_request(ids, *a, **kw):
+        if ids[:2] == [7, 7]:
+            raise RuntimeError("injected")
+        return real(ids, *a, **kw)
+
+    monkeypatch.setattr(served.engine, "add_request", add_request)
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": [7, 7, 7], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "injected" in r.text
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": [8, 7], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 or r.json()["choices"][0][
+        "finish_reason"] == "stop"
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"
+    # a step that keeps failing ends its requests with an error instead of leaving them waiting
+    monkeypatch.setattr(served.engine, "add_request", real)
+    monkeypatch.setattr(served.engine, "step", lambda: 1 / 0)
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": [8, 7], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert wait_idle(served)["kv_blocks_used"] == 0
+
+
 def test_full_queue_answers_429_with_retry_after(served):
     st = served.state
     bound = st.max_pending
