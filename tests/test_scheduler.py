@@ -456,3 +456,45 @@ def test_reserve_is_all_or_nothing_and_update_steps_stops_each_request():
     assert a.output_ids == [11, 13, 15] and a.finish_reason == "length"
     assert b.output_ids == [12, 14, EOS] and b.finish_reason == "stop"
     assert set(done) == {a, b} and pool.num_free == pool.num_blocks
+
+
+# ----------------------------------------------------------------------------------------------- policies
+@pytest.mark.parametrize("policy,want", [("fcfs", [0, 1, 2, 3]), ("priority", [2, 0, 3, 1]), ("spf", [3, 1, 0, 2])])
+def test_policy_orders_admission(policy, want):
+    pool, sched, model = make(max_num_seqs=1, policy=policy)
+    sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    reqs = [sched.add_request(prompt(n, i), sp, priority=pr) for i, (n, pr) in enumerate([(6, 1), (4, 3), (9, 0), (2, 2)])]
+    admitted = []
+    while sched.has_unfinished():
+        admitted += [reqs.index(r) for r in step(sched, model).prefill]
+    assert admitted == want
+    assert all((r.output_ids, r.finish_reason) == run_alone(r.prompt_ids, sp, 50) for r in reqs)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "spf"])
+def test_preemption_takes_the_last_in_policy_order(policy):
+    """Blocks run out: the running request last in policy order is preempted; the first always advances,
+    and everyone ends with the tokens they get alone."""
+    pool, sched, model = make(num_blocks=6, block_size=2, n_positions=16, policy=policy)
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    reqs = [sched.add_request(prompt(n, 5 * i), sp, priority=pr) for i, (n, pr) in enumerate([(3, 2), (2, 0), (4, 1)])]
+    first = min(reqs, key=sched._key)
+    preempted = []
+    while sched.has_unfinished():
+        out = step(sched, model)
+        for v in out.preempted:
+            assert all(sched._key(v) > sched._key(r) for r in sched.running)
+        preempted += out.preempted
+    assert preempted and first not in preempted
+    for r in reqs:
+        assert (r.output_ids, r.finish_reason) == run_alone(r.prompt_ids, sp, 50)
+    assert pool.num_free == pool.num_blocks
+
+
+def test_policy_and_priority_validated():
+    pool = BlockPool(1, 1, 1, 4, torch.float32, num_blocks=8)
+    with pytest.raises(ValueError, match="policy: expected one of"):
+        Scheduler(pool, 32, policy="lifo")
+    sched = Scheduler(pool, 32)
+    with pytest.raises(TypeError, match="priority: expected an int"):
+        sched.add_request([1, 2], priority=1.5)
