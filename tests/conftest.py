@@ -37,6 +37,9 @@ SLOW = (
     "tests/test_engine.py::test_compiled_decode_equals_alone",            # torch.compile of the decode: 125 s
     "tests/test_attention.py::test_every_head_dim_and_layout[float32-",   # fp32 head dims x layouts: 27-44 s each
     "tests/test_tuning.py::test_real_gelu_sweep_through_the_cli",         # a real sweep through the CLI: 37 s
+    "tests/test_engine.py::test_graphs_stress_many_generations_and_engines_in_one_process",  # 50 runs: 252 s cold
+    "tests/test_torch_ops.py::test_compile_gpt2_inductor_gpu[",            # inductor compiles of GPT-2: 41-71 s
+    "tests/test_sweeps.py::test_a_sweep_killed_mid_trial_completes_its_count_on_rerun[sqlite]",  # 77 s on a GPU
 )
 
 
