@@ -185,6 +185,11 @@ class Engine:
         self.prefill_min_seats = max(1, max_num_seqs // 8) if prefill_min_seats is None else prefill_min_seats
         self.prefill_max_wait = prefill_max_wait
         self._waited = 0
+        self.spec = None
+        if speculative is not None:
+            from tritune.model.spec_decode import SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder(speculative, self)
 
     @property
     def model(self):
@@ -285,7 +290,9 @@ class Engine:
         tm["schedule_s"] += t1 - t0
         before = self.stats["decode_tokens"]
         try:
-            if self._graph_only(out):
+            if self.spec is not None and self.spec.applies(self, out):
+                finished = self.spec.step(self, out)
+            elif self._graph_only(out):
                 finished = self._graph_decode(out)
             else:
                 logits, path = self.runner.forward(out)

@@ -443,6 +443,22 @@ class Scheduler:
             done += self.update(out, tokens)
         return done
 
+    def update_tokens(self, out: SchedulerOutput, tokens) -> list[Request]:
+        """:meth:`update` with several tokens for each sequence of ``out.decode`` (speculative decoding:
+        the accepted draft tokens and the one sampled after them), ``tokens[i]`` for sequence i, in order.
+        A sequence that finishes ignores its later tokens."""
+        if out.prefill:
+            raise ValueError("update_tokens: a step with prefills runs one step at a time")
+        if len(tokens) != len(out.decode):
+            raise ValueError(f"got tokens for {len(tokens)} sequences, {len(out.decode)} were scheduled")
+        done = []
+        for j in range(max(map(len, tokens), default=0)):
+            sub = SchedulerOutput(decode=[r for r, t in zip(out.decode, tokens) if len(t) > j])
+            self._pending = True
+            done += self.update(sub, [t[j] for t in tokens if len(t) > j])
+        self._pending = False
+        return done
+
     # ---------------------------------------------------------------------------------------- internals
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

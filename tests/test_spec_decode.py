@@ -1,0 +1,147 @@
+"""Speculative decoding (CPU, fp32, tiny GPT-2s): greedy outputs equal the target alone exactly with a
+draft model and with n-gram lookup, under continuous batching and preemption; rejection sampling keeps
+the target's distribution (a toy bigram target and draft on a 4-token vocabulary, the joint distribution
+of two emitted tokens against the exact one); blocks of both caches come back."""
+import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+
+import itertools
+
+import pytest
+import torch
+
+from tritune.model.engine import Engine
+from tritune.model.scheduler import SamplingParams
+from tritune.model.spec_decode import DraftModelProposer, NgramProposer, acceptance_rate, verify
+from tests.test_engine import alone, prompts, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model(n_layer=1, n_embd=32, seed=5)
+
+
+# ----------------------------------------------------------------------------------------------- verify
+def _bigram(V, seed, sharp):
+    g = torch.Generator().manual_seed(seed)
+    return (sharp * torch.randn(V, V, generator=g)).softmax(-1)
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_rejection_sampling_keeps_the_target_distribution(proposer):
+    """Target: a bigram chain T; draft: another chain Q (or a fixed point-mass guess). The first two
+    emitted tokens after token 0 must be distributed as T[0, x1] T[x1, x2]."""
+    V, k, N = 4, 2, 2500
+    T, Q = _bigram(V, 1, 1.5), _bigram(V, 2, 1.5)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V, V)
+    for _ in range(N):
+        seq = [0]
+        while len(seq) < 3:
+            if proposer == "draft":
+                d, qs = [], []
+                for _ in range(k):
+                    q = Q[(d or seq)[-1]]
+                    d.append(int(torch.multinomial(q, 1, generator=gen)))
+                    qs.append(q)
+                qs = torch.stack(qs)
+            else:
+                d, qs = [(seq[-1] + 1) % V, (seq[-1] + 2) % V], None
+            ctx = seq[-1:] + d
+            logits = torch.log(T[ctx])              # the target after each fed token
+            seq += verify(logits, d, qs, sp, gen)
+        counts[seq[1], seq[2]] += 1
+    exact = T[0][:, None] * T
+    sigma = (exact * (1 - exact) / N).sqrt()
+    # each cell within 4.5 standard deviations (a wrong acceptance or residual rule moves cells by > 0.05)
+    assert ((counts / N - exact).abs() <= 4.5 * sigma + 1e-3).all(), (counts / N, exact)
+
+
+def test_verify_greedy_accepts_the_argmax_prefix():
+    logits = torch.tensor([[0., 5, 0], [0, 0, 5], [5, 0, 0], [0, 5, 0]])
+    sp = SamplingParams()
+    assert verify(logits, [1, 2, 0], None, sp) == [1, 2, 0, 1]      # all accepted + bonus
+    assert verify(logits, [1, 0, 0], None, sp) == [1, 2]            # first mismatch replaced by the argmax
+    assert verify(logits[:1], [], None, sp) == [1]
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    p = NgramProposer(k=3, n_max=2)
+    assert p.lookup([5, 6, 7, 8, 5, 6, 9, 9, 5, 6], 3) == [9, 9, 5]
+    assert p.lookup([1, 2, 3], 3) == []
+    assert p.lookup([4, 1, 2, 4], 2) == [1, 2]
+    with pytest.raises(ValueError, match="k: expected an int >= 1"):
+        NgramProposer(k=0)
+
+
+# ----------------------------------------------------------------------------------------------- engine
+def _loopy(n, seed):
+    """Prompts that repeat themselves, so prompt lookup finds matches."""
+    return [(p * 4)[:len(p) * 3] for p in prompts(n, seed=seed, lo=3, hi=9)]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft", "self"])
+def test_greedy_speculation_equals_target_alone(model, draft, kind):
+    prop = {"ngram": lambda: NgramProposer(k=3), "draft": lambda: DraftModelProposer(draft, k=3, block_size=4),
+            "self": lambda: DraftModelProposer(model, k=4, block_size=4)}[kind]()
+    eng = Engine(model, num_blocks=128, block_size=4, cuda_graphs=False, speculative=prop)
+    ps = _loopy(5, seed=31)
+    sp = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    reqs = []
+    for p in ps:                                  # arrivals between steps: continuous batching
+        reqs.append(eng.add_request(p, sp))
+        eng.step()
+    eng.run()
+    for r, p in zip(reqs, ps):
+        assert r.output_ids == alone(model, p, 14)
+    st = eng.stats
+    assert st["spec_steps"] > 0 and st["spec_proposed"] > 0
+    if kind == "self":                            # the target drafting for itself: every draft accepted
+        assert acceptance_rate(st) == 1.0
+    assert eng.pool.num_free == eng.pool.num_blocks
+    if kind != "ngram":
+        prop._gc(None)
+        assert prop.pool.num_free == prop.pool.num_blocks
+
+
+def test_speculation_under_preemption_and_stop_conditions(model, draft):
+    """A small pool (preemption, recompute), EOS and max_new_tokens mid-draft, an abort."""
+    prop = DraftModelProposer(draft, k=4, block_size=4)
+    eng = Engine(model, num_blocks=20, block_size=4, cuda_graphs=False, speculative=prop, max_num_seqs=4)
+    ps = _loopy(6, seed=32)
+    lens = [3, 17, 9, 22, 5, 12]
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
+    eng.step()
+    eng.step()
+    eng.abort(reqs[4].id)
+    eng.run()
+    assert eng.stats["preemptions"] > 0
+    for i, (r, p, n) in enumerate(zip(reqs, ps, lens)):
+        if i != 4:
+            assert r.output_ids == alone(model, p, n)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_sampled_speculation_runs_and_is_reproducible(model, draft):
+    outs = []
+    for _ in range(2):
+        eng = Engine(model, num_blocks=64, block_size=4, cuda_graphs=False,
+                     speculative=DraftModelProposer(draft, k=3, block_size=4))
+        sps = [SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(3)]
+        res = eng.generate(_loopy(3, seed=33), sps)
+        outs.append([c.token_ids for c in res])
+        assert all(len(t) == 10 for t in outs[-1]) and eng.stats["spec_steps"] > 0
+    assert outs[0] == outs[1]
+
+
+def test_draft_model_must_share_the_vocabulary(model):
+    other = tiny_model(n_layer=1, n_embd=32)
+    other.config = type(other.config)(**{**other.config.__dict__, "vocab_size": 50}) \
+        if hasattr(other.config, "__dict__") else other.config
+    with pytest.raises(ValueError, match="share a tokenizer"):
+        Engine(model, num_blocks=16, block_size=4, cuda_graphs=False, speculative=DraftModelProposer(other))
