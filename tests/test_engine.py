@@ -592,3 +592,25 @@ def test_graphs_stress_many_generations_and_engines_in_one_process():
     torch.cuda.synchronize()
     assert torch.ones(1, device="cuda").add(1).item() == 2      # the context is alive
     assert calls >= 50 and failures == 0, f"{failures} of {calls} calls failed"
+
+
+def test_serve_bench_progress_and_cpu_defaults(monkeypatch):
+    """serve-bench's bars: shown on a terminal, off under --quiet and when stdout is not a terminal; on
+    the CPU the unset options take the CPU's defaults (the torch mode: the triton ones would run the
+    kernels through the interpreter), explicit ones stay."""
+    import argparse
+    import sys
+
+    from tritune.model import serve as S
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
+    assert S.progress(10, "run", show=True).disable
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    with S.progress(10, "run", show=True) as bar:
+        assert not bar.disable
+    assert S.progress(10, "run", show=False).disable                # --quiet
+    args = argparse.Namespace(modes=None, prompt_len=None, output_len=(5, 9), decode_tokens=None,
+                              naive_requests=None, naive_tokens=None)
+    S.fill_defaults(args, gpu=False)
+    assert args.modes == "torch" and args.prompt_len == (16, 64) and args.output_len == (5, 9)
+    assert args.decode_tokens == S.CPU_DEFAULTS["decode_tokens"] < S.GPU_DEFAULTS["decode_tokens"]
