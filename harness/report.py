@@ -265,13 +265,34 @@ and the median % of the hardware limit (their range).
 
 def write_results_md(results_dir: Path, path: Path) -> bool:
     """docs/results.md: the headline table, then every table. True when the file changed."""
-    text = RESULTS_INTRO + headline_table(results_dir) + "\n\n## All results\n\n" + results_tables(results_dir)
     path = Path(path)
+    text = (RESULTS_INTRO + headline_table(results_dir) + _plots_section(results_dir, path.parent / "img")
+            + "\n\n## All results\n\n" + results_tables(results_dir))
     old = path.read_text() if path.exists() else None
     if old != text:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return old != text
+
+
+def _plots_section(results_dir: Path, img_dir: Path) -> str:
+    """Rooflines per GPU (tritune.harness.plot), embedded as images beside docs/results.md. matplotlib is the
+    ``plot`` extra: without it the section says how to get the pictures instead."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "\n\n## Rooflines\n\n(`pip install \"tritune[plot]\"` and re-run `tritune report` for the pictures.)\n"
+    from tritune.harness import plot
+
+    paths = plot.render_all(results_dir, img_dir)
+    if not paths:
+        return ""
+    lines = ["", "", "## Rooflines", "",
+             "Each kernel's rows against the measured copy bandwidth and matmul peak (`tritune plot` draws them; "
+             "`tritune plot --storage URL` adds a study's optimization history and parameter importances, and "
+             "`optuna-dashboard URL` browses the same studies).", ""]
+    lines += [f"![{p.stem}](img/{p.name})" for p in paths]
+    return "\n".join(lines) + "\n"
 
 
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
