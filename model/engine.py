@@ -114,6 +114,8 @@ class Engine:
     (1: one step per sync; stop strings, checked on the text, take one step per sync). ``compile``: torch.compile the decode forward instead (dynamic
     shapes). ``quant``: None, "int8" or "int4" weight-only for every linear (round to nearest; a model
     quantized beforehand, e.g. by ``tritune.model.quant.with_quantized_weights``, runs as it is).
+    ``batch_invariant``: every kernel's reduction order pinned per request (:mod:`~tritune.model.invariant`):
+    a request's tokens are bitwise those it gets alone, and a token's logits the same prefilled or decoded.
     """
 
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory_bytes: int | None = None,
@@ -122,7 +124,7 @@ class Engine:
                  compile: bool = False, quant: str | None = None, group_size: int = 128, tokenizer=None,
                  graph_buckets=GRAPH_BUCKETS, prefill_batching: bool | None = None, prefill_min_seats: int | None = None,
                  prefill_max_wait: int = 8, decode_steps: int = 16, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = False, policy: str = "fcfs", speculative=None):
+                 enable_chunked_prefill: bool = False, policy: str = "fcfs", speculative=None, batch_invariant: bool = False):
         Q.check_mode(quant)
         given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
                                 ("kv_memory_fraction", kv_memory_fraction)) if v is not None]
@@ -147,6 +149,13 @@ class Engine:
         self.quant = quant or (model.ops.quant if Q.is_quantized(model) else None)
         if self.quant:
             self.notes.append(f"{self.quant} linears: {model.ops.steps['linear']}")
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant:    # pinned reduction orders (tritune.model.invariant); CUDA graphs kept
+            if compile:
+                raise ValueError("batch_invariant and compile: the compiled decode's reductions follow the batch")
+            from tritune.model import invariant
+            model = invariant.invariant_model(model)
+            self.notes.append("batch-invariant: each request's logits independent of what shares its steps")
 
         memory = None
         if num_blocks is None:
@@ -168,6 +177,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs, cuda_graphs=cuda_graphs,
                                   compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps))
+        self.runner.invariant = self.batch_invariant
         self.notes += self.runner.notes
         self.sampler = Sampler(self.device)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,
@@ -408,7 +418,8 @@ class Engine:
     def describe(self) -> dict:
         return {"backend": self.model.backend, "dtype": str(self.dtype).replace("torch.", ""),
                 "device": str(self.device), "quant": self.quant, "cuda_graphs": self.graphs is not None,
-                "compile": self.runner.compiled is not None, "num_blocks": self.pool.num_blocks,
+                "compile": self.runner.compiled is not None, "batch_invariant": self.batch_invariant,
+                "num_blocks": self.pool.num_blocks,
                 "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
                 "max_batch_tokens": self.scheduler.max_num_batched_tokens, "prefill_batching": self.prefill_batching,
                 "prefill_min_seats": self.prefill_min_seats, "prefill_max_wait": self.prefill_max_wait,

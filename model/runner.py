@@ -182,6 +182,8 @@ class ModelRunner:
     ``compile``: torch.compile the torch backend's decode forward instead.
     """
 
+    invariant = False       # batch-invariant mode (the Engine sets it; tritune.model.invariant)
+
     def __init__(self, model, pool, *, max_num_seqs: int, cuda_graphs=True, compile: bool = False,
                  graph_buckets=GRAPH_BUCKETS, hist: int = 16):
         if cuda_graphs not in (True, False, "eager"):
@@ -314,6 +316,11 @@ class ModelRunner:
         ``prefill_starts``: each prefill's first position (the tokens before it are in the cache, read
         through ``prefill_tables``); ``sample``: which prefills get logits (their last row; default
         all); ``all_logits``: every prefill row's logits instead (speculative verification)."""
+        if self.invariant:          # batch-invariant mode: every row through one attention over the cache
+            from tritune.model import invariant
+            return invariant.eager(self, prefill_ids, prefill_slots, decode_ids, decode_positions, decode_slots,
+                                   context_lens, tables, prefill_starts=prefill_starts,
+                                   prefill_tables=prefill_tables, sample=sample, all_logits=all_logits)
         dev = self.device
         seq_lens = [len(s) for s in prefill_ids]
         Tp, Td = sum(seq_lens), len(decode_ids)

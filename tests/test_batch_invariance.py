@@ -1,0 +1,231 @@
+"""Batch-invariant mode (Engine(..., batch_invariant=True), tritune.model.invariant): every request's
+logits, and so its token ids, bit for bit those it gets alone, whatever shares its steps, with
+preemption (recompute by prefill) forced; a token's logits the same prefilled or decoded.
+
+CPU: the torch backend (whose own fp32 addmm follows M: the default mode differs, checked below) and
+the triton backend through the interpreter (fp32: the interpreter's bf16 dot is wrong). GPU: 64 requests
+of random lengths, greedy and seeded sampling, bf16 / fp32 / int4, CUDA graphs on."""
+import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+
+import random
+
+import pytest
+import torch
+
+from tritune.model import invariant
+from tritune.model.engine import Engine
+from tritune.model.scheduler import SamplingParams
+from tests.test_engine import VOCAB, tiny_model
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (64 requests on the real model)")
+
+
+def requests(n, seed, lo, hi, max_new, vocab=VOCAB - 1):
+    """n prompts of random lengths in [lo, hi), half greedy, half sampled with a seed of their own."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = [rng.randrange(vocab) for _ in range(rng.randrange(lo, hi))]
+        sp = SamplingParams(max_new_tokens=rng.randrange(max_new // 2, max_new + 1), ignore_eos=True,
+                            temperature=0.0 if i % 2 else 0.8, top_k=0 if i % 4 else 20, seed=1000 + i)
+        out.append((p, sp))
+    return out
+
+
+class Recorder:
+    """The engine's sampler, keeping every logits row it is handed, per request."""
+
+    def __init__(self, base):
+        self.base, self.logits = base, {}
+
+    def __call__(self, reqs, logits):
+        for r, row in zip(reqs, logits):
+            self.logits.setdefault(r.id, []).append(row.float().cpu().clone())
+        return self.base(reqs, logits)
+
+    def release(self, request_id):
+        self.base.release(request_id)
+
+
+def run(model, reqs, record=False, **kw):
+    """Token ids (and with ``record`` the host-sampled logits rows) of each request, all in one engine."""
+    eng = Engine(model, **kw)
+    if record:
+        eng.sampler = Recorder(eng.sampler)
+    handles = [eng.add_request(p, sp) for p, sp in reqs]
+    eng.run()
+    assert all(h.finish_reason == "length" for h in handles)
+    assert eng.pool.num_free == eng.pool.num_blocks
+    logits = [eng.sampler.logits.get(h.id, []) for h in handles] if record else None
+    eng.handles = handles
+    return [h.output_ids for h in handles], logits, eng
+
+
+def check_invariant(model, reqs, batched_kw, alone_kw, record=True):
+    toks, logits, eng = run(model, reqs, record=record, batch_invariant=True, **batched_kw)
+    assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
+    alone_eng_kw = dict(alone_kw, batch_invariant=True)
+    bad = []
+    for i, r in enumerate(reqs):
+        t1, l1, _ = run(model, [r], record=record, **alone_eng_kw)
+        if t1[0] != toks[i]:
+            bad.append(i)
+        elif record and eng.handles[i].num_preemptions == 0:
+            # (a preempted request's logits rows repeat positions: its tokens are what is compared)
+            assert len(l1[0]) == len(logits[i]) and all(torch.equal(a, b) for a, b in zip(l1[0], logits[i])), i
+    assert not bad, f"requests {bad} of {len(reqs)} differ from the same request alone"
+    return toks, eng
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: torch backend
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def torch_model():
+    return tiny_model("torch", n_layer=2, n_embd=64, n_head=2, n_positions=96)
+
+
+def test_torch_cpu_matmul_follows_the_batch_so_the_mode_needs_rows():
+    """Why the torch backend computes linears row by row in this mode: a row of fp32 addmm differs
+    inside a bigger product (MKL/oneDNN pick their blocking by M). If this ever stops differing, the
+    row loop is still correct, only slower."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(37, 768, generator=g), torch.randn(768, 2304, generator=g),
+               torch.randn(2304, generator=g))
+    full = torch.addmm(b, x, w)
+    rows = torch.cat([torch.addmm(b, x[i:i + 1], w) for i in range(37)])
+    ops = invariant.TorchInvariantOps(None, 96)
+    assert torch.equal(ops.linear(x, w, b), rows)
+    assert torch.equal(ops.linear(x[5:9], w, b), rows[5:9])
+    if torch.equal(full, rows):
+        pytest.skip("this CPU's addmm is row-invariant at these sizes")
+
+
+def test_torch_backend_batched_equals_alone_with_preemption(torch_model):
+    reqs = requests(12, seed=7, lo=2, hi=40, max_new=14)
+    # 30 blocks of 4 tokens for 12 requests of up to 54 tokens: the newest keep being preempted
+    check_invariant(torch_model, reqs, dict(num_blocks=30, block_size=4, cuda_graphs=False),
+                    dict(num_blocks=40, block_size=4, cuda_graphs=False))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_torch_backend_quantized_batched_equals_alone(quant):
+    m = tiny_model("torch", n_layer=1, n_embd=64, n_head=2, n_positions=64, seed=5)
+    reqs = requests(6, seed=8, lo=2, hi=30, max_new=10)
+    check_invariant(m, reqs, dict(num_blocks=14, block_size=4, cuda_graphs=False, quant=quant, group_size=32),
+                    dict(num_blocks=16, block_size=4, cuda_graphs=False, quant=quant, group_size=32))
+
+
+def test_default_mode_is_not_invariant_on_the_torch_cpu(torch_model):
+    """The test above has teeth: without the mode, some logits row of some request differs in its bits."""
+    reqs = requests(6, seed=7, lo=2, hi=40, max_new=8)
+    _, lb, _ = run(torch_model, reqs, record=True, num_blocks=200, block_size=4, cuda_graphs=False)
+    differ = 0
+    for i, r in enumerate(reqs):
+        _, la, _ = run(torch_model, [r], record=True, num_blocks=200, block_size=4, cuda_graphs=False)
+        differ += any(not torch.equal(a, b) for a, b in zip(la[0], lb[i]))
+    if not differ:
+        pytest.skip("this CPU's kernels happened to be row-invariant for these sizes")
+
+
+def prefill_vs_decode(model, block_size=4):
+    """Logits of a sequence's last token: prefilled with all of it, decoded after a prefill of all but
+    it, and decoded token by token after a prefill of 5: the runner's eager forward in this mode, on
+    blocks 0, 1, ... of an idle engine's pool (a fresh engine each time)."""
+    seq = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]
+    slots = list(range(len(seq)))
+    table = list(range(-(-len(seq) // block_size)))
+    outs = []
+    for split in (len(seq), len(seq) - 1, 5):
+        eng = Engine(model, num_blocks=len(table) + 1, block_size=block_size, cuda_graphs=False,
+                     batch_invariant=True)
+        r = eng.runner
+        with torch.inference_mode():
+            logits = r.eager([seq[:split]], [slots[:split]], [], [], [], [], [])
+            for p in range(split, len(seq)):
+                logits = r.eager([], [], [seq[p]], [p], [slots[p]], [p + 1], [table])
+        outs.append(logits[-1].float().cpu().clone())
+    return outs
+
+
+def test_prefill_and_decode_of_a_token_give_the_same_logits(torch_model):
+    full, one, many = prefill_vs_decode(torch_model)
+    assert torch.equal(full, one) and torch.equal(full, many)
+
+
+def test_options_and_report(torch_model):
+    with pytest.raises(ValueError, match="compile"):
+        Engine(torch_model, num_blocks=8, cuda_graphs=False, compile=True, batch_invariant=True)
+    eng = Engine(torch_model, num_blocks=8, cuda_graphs=False, batch_invariant=True)
+    assert eng.describe()["batch_invariant"] and "row by row" in eng.model.backend_report()
+    mm = invariant.invariant_model(torch_model)
+    assert invariant.invariant_model(mm) is mm and mm.ops.steps["linear"].endswith("(batch-invariant)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: triton backend through the interpreter (tiny, fp32)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run; the GPU runs the tests below")
+def test_triton_backend_interpreter_batched_equals_alone():
+    m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=48, seed=4)
+    reqs = requests(4, seed=9, lo=2, hi=20, max_new=6)
+    check_invariant(m, reqs, dict(num_blocks=9, block_size=4, cuda_graphs=False),
+                    dict(num_blocks=12, block_size=4, cuda_graphs=False))
+    full, one, many = prefill_vs_decode(m)
+    assert torch.equal(full, one) and torch.equal(full, many)
+
+
+def test_pinned_configs_do_not_depend_on_rows():
+    """The configs are functions of (N, K, dtype) etc. only, and valid at every row count."""
+    from tritune.kernels import gemm as GM, layer_norm as LN, paged_attention as PA
+
+    for dt in (torch.float32, torch.bfloat16):
+        cfg = invariant.gemm_config(2304, 768, False, True, None, False, dt)
+        assert cfg["SPLIT_K"] == 1 and cfg["BLOCK_M"] == 16
+        for M in (1, 3, 16, 17, 1000, 8192):
+            assert GM.SPEC.space.why_invalid(cfg, GM.Problem(M, 2304, 768, bias=True), dt) is None
+        lc = invariant.layer_norm_config(768, dt)
+        for M in (1, 5, 4096):
+            assert lc["ROWS"] == 1 and LN.SPEC.space.why_invalid(lc, LN.Problem(M, 768), dt) is None
+        pc = invariant.paged_config(12, 12, 64, 16, 1024, dt)
+        assert pc["PARTITION"] == invariant.PARTITION_TOKENS
+        for B in (1, 7, 256):
+            assert PA.SPEC.space.why_invalid(pc, PA.Problem(B, 12, 12, 64, 1024, 16), dt) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------
+def _gpu_model(dtype):
+    from tritune.model.cli import default_model_dir
+    from tritune.model.gpt2 import GPT2
+
+    d = default_model_dir()
+    if d is None:
+        pytest.skip("no packaged model")
+    return GPT2.from_pretrained(d, backend="triton", dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "int4")])
+def test_gpu_64_requests_batched_equal_alone(dtype, quant):
+    m = _gpu_model(dtype)
+    V = m.config.vocab_size
+    reqs = requests(64, seed=11, lo=4, hi=300, max_new=48, vocab=V)
+    bs = 16
+    # blocks for ~12 sequences at full length: 64 requests keep preempting each other
+    nb = 12 * -(-(300 + 48) // bs)
+    toks, eng = check_invariant(m, reqs, dict(num_blocks=nb, block_size=bs, quant=quant, max_num_seqs=64),
+                                dict(num_blocks=-(-m.config.n_positions // bs), block_size=bs, quant=quant,
+                                     max_num_seqs=1), record=False)
+    assert eng.graphs is not None and eng.stats["graph_steps"] > 0      # CUDA graphs still used
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_prefill_and_decode_of_a_token_give_the_same_logits(dtype):
+    m = _gpu_model(dtype)
+    full, one, many = prefill_vs_decode(m, 16)
+    assert torch.equal(full, one) and torch.equal(full, many)
