@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call, phases named in $PHASES run in order; everything lands in $OUT/bundle.tgz (+ summary.txt).
+#   PHASES="cold warm" bash lab/drivers/lead_gpu.sh
+# Phases: cold, warm (the default suite, cold then warm Triton cache), slow (the slow suite), tests (TEST_ARGS),
+# paths (decode/serve before and after: .base holds the earlier tree), attn (attention bench bf16+fp16),
+# rms (the example kernel's bench), hf (lab/bench_hf_patch.py), http (lab/bench_http.py), quant
+# (lab/eval_quant.py), serving (lab/bench_serving_features.py), invariant (lab/bench_batch_invariance.py),
+# tuneall (tune all --budget $BUDGET warm-started from the H100 store, then compare_tune_all).
+set -uo pipefail
+: "${OUT:?}"
+W=$OUT/w; mkdir -p $W
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+if [ ! -f /tmp/installed ]; then
+  python -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { cat $W/install.log; exit 1; }
+  python -m pip install -q --no-deps --no-build-isolation ./examples/rms_norm >>$W/install.log 2>&1 || exit 1
+  touch /tmp/installed
+fi
+export TRITON_CACHE_DIR=/tmp/tcache
+slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
+echo "slug $slug commit $(cat .commit 2>/dev/null)" | tee $W/summary.txt
+t() { local name=$1 lim=$2; shift 2; local s=$(date +%s); timeout $lim "$@" > $W/$name.log 2>&1; local rc=$?
+      echo "$name rc=$rc wall=$(( $(date +%s) - s ))s" | tee -a $W/summary.txt; tail -4 $W/$name.log | tee -a $W/summary.txt; }
+for ph in ${PHASES:?}; do case $ph in
+  cold) rm -rf $TRITON_CACHE_DIR; TRITUNE_TEST_LOG=$W/cold_tests.log t cold ${COLD_LIM:-400} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider --durations=12 ;;
+  warm) TRITUNE_TEST_LOG=$W/warm_tests.log t warm ${WARM_LIM:-240} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider --durations=12 ;;
+  slow) TRITUNE_TEST_LOG=$W/slow_tests.log t slow ${SLOW_LIM:-400} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider -m slow --durations=12 ;;
+  tests) TRITUNE_TEST_LOG=$W/sel_tests.log t tests ${TESTS_LIM:-300} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider ${TEST_ARGS:?} ;;
+  paths)
+    cp -r model/default .base/model/ 2>/dev/null
+    python -m pip install -q --no-deps --no-build-isolation --target /tmp/base_site ./.base >$W/base_install.log 2>&1
+    python -m pip install -q --no-deps --no-build-isolation --target /tmp/new_site . >>$W/base_install.log 2>&1
+    PATH=/tmp/base_site/bin:$PATH PYTHONPATH=/tmp/base_site:$PYTHONPATH t paths_before ${PATHS_LIM:-200} python lab/bench_decode_paths.py --out $W/paths_before ${PATHS_ARGS:-}
+    PATH=/tmp/new_site/bin:$PATH PYTHONPATH=/tmp/new_site:$PYTHONPATH t paths_after ${PATHS_LIM:-200} python lab/bench_decode_paths.py --out $W/paths_after ${PATHS_ARGS:-} ;;
+  attn) mkdir -p $W/results && cp -r results/. $W/results/
+        t attn_bf16 200 tritune bench attention attention_varlen --dtype bf16 --results-dir $W/results ;;
+  attn16) t attn_fp16 200 tritune bench attention --dtype fp16 --results-dir $W/results_fp16 --no-save ;;
+  rms) t rms 120 tritune bench rms_norm --results-dir $W/results_rms ;;
+  hf) t hf 300 python lab/bench_hf_patch.py $W/hf ;;
+  http) t http 300 python lab/bench_http.py $W/http --time-limit 270 ;;
+  quant) t quant 300 python lab/eval_quant.py --out $W/eval_quant.json ;;
+  serving) t serving 300 python lab/bench_serving_features.py $W/serving ;;
+  invariant) t invariant 240 python lab/bench_batch_invariance.py $W/invariant ;;
+  tuneall) mkdir -p /tmp/pkg-h100 && ln -sf $PWD/tuning/configs/nvidia-h100-80gb-hbm3 /tmp/pkg-h100/
+    TRITUNE_CONFIGS=/tmp/pkg-h100 TRITUNE_CONFIG_DIR=$W/h200-budget t tuneall $(( ${BUDGET_MIN:-7} * 60 + 90 )) tritune tune all --budget ${BUDGET_MIN:-7}m --export --storage $W/h200-budget.journal
+    t tuneall_cmp 120 python lab/compare_tune_all.py --new $W/h200-budget/$slug --old tuning/configs/$slug --retime ;;
+  *) echo "unknown phase $ph" ;;
+esac; done
+tar -czf $OUT/bundle.tgz -C $OUT w && cp $W/summary.txt $OUT/summary.txt
