@@ -82,9 +82,9 @@ def paged_config(Hq: int, Hkv: int, D: int, block_size: int, capacity: int, dtyp
     p = PA.Problem(1, Hq, Hkv, D, capacity, block_size)
     cfg = PA.default_config(p, dtype)
     part = PARTITION_TOKENS if PARTITION_TOKENS < p.capacity else 0
-    if part % cfg["BLOCK_N"]:
-        part = 0
     cfg = dict(cfg, PARTITION=part)
+    if part % cfg["BLOCK_N"]:
+        cfg["BLOCK_N"] = math.gcd(part, cfg["BLOCK_N"])
     if PA.SPEC.space.constraint(cfg, p, dtype) is not None:     # the hand-pipelined loop needs short chunks
         cfg = dict(cfg, PREFETCH=False, EVICT=False, num_stages=2 if cfg["USE_DOT"] else 1)
     why = PA.SPEC.space.why_invalid(cfg, p, dtype)

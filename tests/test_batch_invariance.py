@@ -166,10 +166,14 @@ def test_options_and_report(torch_model):
 # CPU: triton backend through the interpreter (tiny, fp32)
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run; the GPU runs the tests below")
-def test_triton_backend_interpreter_batched_equals_alone():
+def test_triton_backend_interpreter_batched_equals_alone(monkeypatch):
+    # 16-token KV chunks: contexts past one chunk take the split-KV merge (its chunk count the row's own)
+    monkeypatch.setattr(invariant, "PARTITION_TOKENS", 16)
+    invariant.paged_config.cache_clear()
+    monkeypatch.setattr(invariant, "paged_config", invariant.paged_config.__wrapped__)
     m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=48, seed=4)
-    reqs = requests(4, seed=9, lo=2, hi=20, max_new=6)
-    check_invariant(m, reqs, dict(num_blocks=9, block_size=4, cuda_graphs=False),
+    reqs = requests(4, seed=9, lo=8, hi=20, max_new=10)
+    check_invariant(m, reqs, dict(num_blocks=10, block_size=4, cuda_graphs=False),
                     dict(num_blocks=12, block_size=4, cuda_graphs=False))
     full, one, many = prefill_vs_decode(m)
     assert torch.equal(full, one) and torch.equal(full, many)
