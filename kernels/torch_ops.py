@@ -11,9 +11,10 @@ directly (``kernels.launch_cached``), key plans on concrete strides and keep per
 tracing that symbolically would mean a second launcher per kernel. The opaque op keeps one launcher.
 
 Schemas flatten the launchers' Python-object arguments: gemv's ``ln`` tuple is (ln_weight, ln_bias,
-ln_eps) with ``ln_eps`` None for no LayerNorm; its ``kv`` tuple is (k_cache, v_cache, slot_mapping), which
-the op declares mutated; quant_matmul's ``QuantizedWeight`` travels as its tensors and ints. An explicit
-``config`` is a launcher argument only (the op takes the tuned or default config), and so are
+ln_eps) with ``ln_eps`` None for no LayerNorm; its ``kv`` tuple is (k_cache, v_cache, slot_mapping), the
+required arguments of a second op, ``gemv_kv``, which declares the caches mutated (an op's mutated
+arguments are never optional: see ``gemv_kv``); quant_matmul's ``QuantizedWeight`` travels as its
+tensors and ints. An explicit ``config`` is a launcher argument only (the op takes the tuned or default config), and so are
 ``out=``, ``return_lse`` and ``return_stats``.
 
 This module is imported by kernel discovery like any other in ``kernels/`` (it registers no spec): the
@@ -88,22 +89,42 @@ def _(x, approximate="none"):
 
 
 # ---------------------------------------------------------------------------------------------------
-@torch.library.custom_op(f"{_NS}::gemv", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op(f"{_NS}::gemv", mutates_args=())
 def gemv(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
          residual: Optional[Tensor] = None, ln_weight: Optional[Tensor] = None, ln_bias: Optional[Tensor] = None,
-         ln_eps: Optional[float] = None, k_cache: Optional[Tensor] = None, v_cache: Optional[Tensor] = None,
-         slot_mapping: Optional[Tensor] = None) -> Tensor:
-    """act(LN(x) @ w + bias) + residual for a few rows (tritune.kernels.gemv.gemv). LayerNorm when
-    ``ln_eps`` is not None; with k_cache, v_cache and slot_mapping the qkv output's k and v columns are
-    also written to the caches (which the op mutates)."""
+         ln_eps: Optional[float] = None) -> Tensor:
+    """act(LN(x) @ w + bias) + residual for a few rows (tritune.kernels.gemv.gemv); LayerNorm when
+    ``ln_eps`` is not None. The fused KV-cache write is ``gemv_kv``."""
     ln = None if ln_eps is None else (ln_weight, ln_bias, ln_eps)
-    kv = None if k_cache is None and v_cache is None and slot_mapping is None else (k_cache, v_cache, slot_mapping)
-    return _gemv.gemv(x, w, bias, activation=activation, residual=residual, ln=ln, kv=kv)
+    return _gemv.gemv(x, w, bias, activation=activation, residual=residual, ln=ln)
 
 
 @gemv.register_fake
-def _(x, w, bias=None, activation=None, residual=None, ln_weight=None, ln_bias=None, ln_eps=None,
-      k_cache=None, v_cache=None, slot_mapping=None):
+def _(x, w, bias=None, activation=None, residual=None, ln_weight=None, ln_bias=None, ln_eps=None):
+    _inner("x", x, "w", w.shape[0])
+    return x.new_empty(_rows_times(x, w.shape[1]))
+
+
+# The mutating form is its own op, its caches required arguments: a mutated argument that may be left out
+# (an Optional with a default) breaks torch <= 2.11, whose ADInplaceOrView wrapper indexes the call's
+# arguments by schema position after the dispatcher dropped the defaulted ones (IndexError: tuple index
+# out of range on every call that omits them; pytorch/pytorch#176078, fixed in 2.12). A pure ``gemv``
+# also spares torch.compile the functionalization a mutating op needs.
+@torch.library.custom_op(f"{_NS}::gemv_kv", mutates_args=("k_cache", "v_cache"))
+def gemv_kv(x: Tensor, w: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+            bias: Optional[Tensor] = None, activation: Optional[str] = None, residual: Optional[Tensor] = None,
+            ln_weight: Optional[Tensor] = None, ln_bias: Optional[Tensor] = None,
+            ln_eps: Optional[float] = None) -> Tensor:
+    """``gemv`` of a fused qkv projection (N = 3 x heads x head_dim) that also writes each row's k and v
+    columns to the paged caches at its slot (slot < 0: not written), in place."""
+    ln = None if ln_eps is None else (ln_weight, ln_bias, ln_eps)
+    return _gemv.gemv(x, w, bias, activation=activation, residual=residual, ln=ln,
+                      kv=(k_cache, v_cache, slot_mapping))
+
+
+@gemv_kv.register_fake
+def _(x, w, k_cache, v_cache, slot_mapping, bias=None, activation=None, residual=None, ln_weight=None,
+      ln_bias=None, ln_eps=None):
     _inner("x", x, "w", w.shape[0])
     return x.new_empty(_rows_times(x, w.shape[1]))
 
@@ -218,6 +239,6 @@ def quant_linear(x: Tensor, qw, bias: Optional[Tensor] = None) -> Tensor:
 
 
 # every op by name: what the tests iterate
-OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "linear": linear, "attention": attention,
-       "attention_varlen": attention_varlen, "paged_attention": paged_attention, "write_kv": write_kv,
-       "quant_matmul": quant_matmul}
+OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "gemv_kv": gemv_kv, "linear": linear,
+       "attention": attention, "attention_varlen": attention_varlen, "paged_attention": paged_attention,
+       "write_kv": write_kv, "quant_matmul": quant_matmul}

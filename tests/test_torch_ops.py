@@ -97,6 +97,31 @@ def test_every_kernel_is_an_op():
         assert hasattr(OPS, name)
 
 
+def test_mutated_arguments_are_never_defaulted():
+    # torch <= 2.11 indexes a mutating custom op's call arguments by schema position after the dispatcher
+    # dropped those left at their defaults: an omitted mutated Optional raised IndexError on every call
+    # (pytorch/pytorch#176078). The torch of a CPU run may have the fix; the schema rule holds everywhere.
+    for name in torch_ops.OPS:
+        for arg in getattr(OPS, name).default._schema.arguments:
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                assert not arg.has_default_value(), f"{name}: mutated argument {arg.name} has a default"
+
+
+@pytest.mark.parametrize("dtype", FP, ids=str)
+def test_mutating_ops_called_with_defaults_left_out(dtype):
+    """gemv_kv and write_kv called with every optional argument omitted (the call that raised IndexError)."""
+    C = 64
+    x, w = _r((2, C), dtype, 0), _r((C, 3 * C), dtype, 1, 1 / 8)
+    kc, vc = _r((3, 4, 2, 32), dtype, 2), _r((3, 4, 2, 32), dtype, 3)
+    slots = torch.tensor([5, -1], dtype=torch.int32, device=DEVICE)
+    y = OPS.gemv_kv(x, w, kc, vc, slots)
+    cmp.check(y, ref_gemm.gemm(x, w), dtype)
+    assert torch.equal(kc.view(-1, C)[5], y[0, C:2 * C])
+    k, v = _r((2, 2, 32), dtype, 4), _r((2, 2, 32), dtype, 5)
+    assert OPS.write_kv(k, v, kc, vc, slots) is None
+    assert torch.equal(kc.view(-1, C)[5], k[0].reshape(C))
+
+
 @pytest.mark.parametrize("dtype", FP, ids=str)
 @pytest.mark.parametrize("name", PURE)
 def test_opcheck(name, dtype):
@@ -134,14 +159,15 @@ def test_write_kv_mutates_caches(dtype):
 
 
 def test_gemv_writes_kv_through_the_op():
-    """gemv's fused KV-cache write: the op declares the caches mutated; opcheck checks the declaration."""
+    """gemv's fused KV-cache write (op gemv_kv): the op declares the caches mutated; opcheck checks the
+    declaration."""
     dtype = torch.float32
     C, H, D = 64, 2, 32
     x, w, b = _r((2, C), dtype, 0), _r((C, 3 * C), dtype, 1, 1 / 8), _r((3 * C,), dtype, 2)
     kc, vc = torch.zeros(3, 4, H, D, dtype=dtype, device=DEVICE), torch.zeros(3, 4, H, D, dtype=dtype, device=DEVICE)
     slots = torch.tensor([5, 9], dtype=torch.int32, device=DEVICE)
-    torch.library.opcheck(OPS.gemv.default, (x, w, b, None, None, None, None, None, kc.clone(), vc.clone(), slots))
-    y = OPS.gemv(x, w, b, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    torch.library.opcheck(OPS.gemv_kv.default, (x, w, kc.clone(), vc.clone(), slots, b))
+    y = OPS.gemv_kv(x, w, kc, vc, slots, b)
     cmp.check(y, ref_gemm.gemm(x, w, b), dtype)
     flat_k = kc.view(-1, H * D)
     assert torch.equal(flat_k[5], y[0, C:2 * C]) and torch.equal(flat_k[9], y[1, C:2 * C])
