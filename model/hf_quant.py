@@ -150,6 +150,16 @@ def _quant_ops_class():
         def linear(self, x, w, b=None, activation=None, residual=None):
             if isinstance(w, ActOrderWeight):
                 x, w = x.index_select(-1, w.perm), w.qw
+            if isinstance(w, Q.QuantizedWeight) and not x.is_cuda and x.dtype != torch.float32:
+                # off the GPU quant_matmul would run in the Triton interpreter (hours for a perplexity):
+                # the reference path, dequantized to the activations' dtype, as QuantOps does for fp32
+                wd = w.dequantize(torch.float32).to(x.dtype).t()
+                x2 = x.reshape(-1, x.shape[-1])
+                y = torch.mm(x2, wd) if b is None else torch.addmm(b, x2, wd)
+                y = y.reshape(*x.shape[:-1], y.shape[-1])
+                if activation == "gelu_tanh":
+                    y = torch.nn.functional.gelu(y, approximate="tanh")
+                return y if residual is None else y + residual.reshape(y.shape)
             return super().linear(x, w, b, activation=activation, residual=residual)
 
     return PermutedOps
