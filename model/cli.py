@@ -39,6 +39,9 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--truncate", action="store_true",
                    help="drop the prompt's first tokens when it does not fit the context")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels (the tokens a server started with --deterministic gives this "
+                        "request, whatever else it serves)")
     s.set_defaults(func=run)
 
 
@@ -90,6 +93,10 @@ def run(args) -> int:
     dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
     try:
         model = GPT2.from_pretrained(model_path, backend=backend, dtype=dtype)
+        if args.deterministic:
+            from tritune.model.invariant import invariant_model
+
+            model = invariant_model(model)
         tok = Tokenizer.from_dir(model.directory)
         sd = sampling_defaults(model.directory)
         temperature = sd["temperature"] if args.temperature is None else args.temperature

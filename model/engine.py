@@ -149,11 +149,12 @@ class Engine:
         self.quant = quant or (model.ops.quant if Q.is_quantized(model) else None)
         if self.quant:
             self.notes.append(f"{self.quant} linears: {model.ops.steps['linear']}")
-        self.batch_invariant = bool(batch_invariant)
+        from tritune.model import invariant
+        # (a model already on invariant ops, e.g. tritune generate --deterministic's, keeps the mode)
+        self.batch_invariant = bool(batch_invariant) or invariant.is_invariant(model)
         if self.batch_invariant:    # pinned reduction orders (tritune.model.invariant); CUDA graphs kept
             if compile:
                 raise ValueError("batch_invariant and compile: the compiled decode's reductions follow the batch")
-            from tritune.model import invariant
             model = invariant.invariant_model(model)
             self.notes.append("batch-invariant: each request's logits independent of what shares its steps")
 

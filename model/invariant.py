@@ -233,6 +233,16 @@ class TorchInvariantOps:
         return self.attn_rows(q, k[:, None], v[:, None], tables, ctx)
 
 
+def is_invariant(model) -> bool:
+    """Whether ``model`` runs on batch-invariant ops (maybe under another layer of ops: a quantized copy)."""
+    ops = model.ops
+    while ops is not None:
+        if isinstance(ops, (TritonInvariantOps, TorchInvariantOps)):
+            return True
+        ops = getattr(ops, "base", None)
+    return False
+
+
 def invariant_model(model):
     """``model`` (a GPT2, maybe quantized) on batch-invariant ops; the caller's model is left as it is."""
     if isinstance(model.ops, (TritonInvariantOps, TorchInvariantOps)):

@@ -951,6 +951,8 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--kv-memory-fraction", type=float, default=None, help="of free GPU memory (default 0.5)")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--no-cuda-graphs", action="store_true")
+    s.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: each request's "
+                   "tokens those it gets alone (tritune.model.invariant)")
     s.add_argument("--no-warm-up", action="store_true", help="skip compiling the kernel variants at start")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=run)
@@ -981,7 +983,7 @@ def build_engine(args):
     kv = {"kv_memory_fraction": args.kv_memory_fraction} if args.kv_memory_fraction is not None else {}
     engine = Engine(model, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                     max_num_seqs=args.max_num_seqs, cuda_graphs=not args.no_cuda_graphs, quant=args.quant,
-                    tokenizer=tok, **kv)
+                    tokenizer=tok, batch_invariant=getattr(args, "deterministic", False), **kv)
     return engine, tok, model.directory
 
 

@@ -233,3 +233,30 @@ def test_gpu_prefill_and_decode_of_a_token_give_the_same_logits(dtype):
     m = _gpu_model(dtype)
     full, one, many = prefill_vs_decode(m, 16)
     assert torch.equal(full, one) and torch.equal(full, many)
+
+
+def test_generate_cli_deterministic_matches_a_batched_engine():
+    """``tritune generate --deterministic`` (the packaged model, torch backend on the CPU) gives the tokens a
+    batch-invariant engine gives the same prompt beside others."""
+    import subprocess
+    import sys
+
+    from tritune.model.cli import default_model_dir
+    from tritune.model.gpt2 import GPT2
+    from tritune.model.tokenizer import Tokenizer
+
+    d = default_model_dir()
+    if d is None:
+        pytest.skip("no packaged model")
+    prompt = "The quick brown fox"
+    r = subprocess.run([sys.executable, "-c", "import sys; from tritune.harness.cli import main; sys.exit(main())",
+                        "generate", prompt, "--max-new-tokens", "6",
+                        "--deterministic", "--temperature", "0", "--backend", "torch", "--dtype", "fp32"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = GPT2.from_pretrained(d, backend="torch", dtype=torch.float32, device="cpu")
+    tok = Tokenizer.from_dir(m.directory)
+    eng = Engine(m, num_blocks=64, cuda_graphs=False, batch_invariant=True, tokenizer=tok)
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    res = eng.generate([prompt, "Other text that shares the steps, longer than the first one", "x"], sp)
+    assert r.stdout.rstrip("\n") == prompt + res[0].text
