@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from tritune.model import gpt2 as G
 from tritune.references import quant as RQ
 
-PARTITION_TOKENS = 256      # split-KV chunk of the decode kernel, in tokens (when the context is longer)
+PARTITION_TOKENS = 256      # split-KV chunk of paged attention, in tokens (at most a quarter of the capacity)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -81,7 +81,9 @@ def paged_config(Hq: int, Hkv: int, D: int, block_size: int, capacity: int, dtyp
 
     p = PA.Problem(1, Hq, Hkv, D, capacity, block_size)
     cfg = PA.default_config(p, dtype)
-    part = PARTITION_TOKENS if PARTITION_TOKENS < p.capacity else 0
+    # a quarter of the capacity at most: a short-context model still splits a long row's keys
+    part = min(PARTITION_TOKENS, 1 << (p.capacity.bit_length() - 3))
+    part = part if 16 <= part < p.capacity else 0
     cfg = dict(cfg, PARTITION=part)
     if part % cfg["BLOCK_N"]:
         cfg["BLOCK_N"] = math.gcd(part, cfg["BLOCK_N"])

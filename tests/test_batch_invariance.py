@@ -64,10 +64,14 @@ def run(model, reqs, record=False, **kw):
 def check_invariant(model, reqs, batched_kw, alone_kw, record=True):
     toks, logits, eng = run(model, reqs, record=record, batch_invariant=True, **batched_kw)
     assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
-    alone_eng_kw = dict(alone_kw, batch_invariant=True)
+    alone = Engine(model, batch_invariant=True, **alone_kw)     # one request at a time
+    if record:
+        alone.sampler = Recorder(alone.sampler)
     bad = []
-    for i, r in enumerate(reqs):
-        t1, l1, _ = run(model, [r], record=record, **alone_eng_kw)
+    for i, (p, sp) in enumerate(reqs):
+        h = alone.add_request(p, sp)
+        alone.run()
+        t1, l1 = [h.output_ids], [alone.sampler.logits.get(h.id, [])] if record else None
         if t1[0] != toks[i]:
             bad.append(i)
         elif record and eng.handles[i].num_preemptions == 0:
@@ -171,7 +175,7 @@ def test_triton_backend_interpreter_batched_equals_alone(monkeypatch):
     monkeypatch.setattr(invariant, "PARTITION_TOKENS", 16)
     invariant.paged_config.cache_clear()
     monkeypatch.setattr(invariant, "paged_config", invariant.paged_config.__wrapped__)
-    m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=48, seed=4)
+    m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=4)
     reqs = requests(4, seed=9, lo=8, hi=20, max_new=10)
     check_invariant(m, reqs, dict(num_blocks=10, block_size=4, cuda_graphs=False),
                     dict(num_blocks=12, block_size=4, cuda_graphs=False))
@@ -193,6 +197,7 @@ def test_pinned_configs_do_not_depend_on_rows():
             assert lc["ROWS"] == 1 and LN.SPEC.space.why_invalid(lc, LN.Problem(M, 768), dt) is None
         pc = invariant.paged_config(12, 12, 64, 16, 1024, dt)
         assert pc["PARTITION"] == invariant.PARTITION_TOKENS
+        assert invariant.paged_config(12, 12, 64, 16, 256, dt)["PARTITION"] == 64
         for B in (1, 7, 256):
             assert PA.SPEC.space.why_invalid(pc, PA.Problem(B, 12, 12, 64, 1024, 16), dt) is None
 
@@ -216,10 +221,11 @@ def _gpu_model(dtype):
 def test_gpu_64_requests_batched_equal_alone(dtype, quant):
     m = _gpu_model(dtype)
     V = m.config.vocab_size
-    reqs = requests(64, seed=11, lo=4, hi=300, max_new=48, vocab=V)
+    hi = min(300, m.config.n_positions - 48)
+    reqs = requests(64, seed=11, lo=4, hi=hi, max_new=48, vocab=V)
     bs = 16
     # blocks for ~12 sequences at full length: 64 requests keep preempting each other
-    nb = 12 * -(-(300 + 48) // bs)
+    nb = 12 * -(-(hi + 48) // bs)
     toks, eng = check_invariant(m, reqs, dict(num_blocks=nb, block_size=bs, quant=quant, max_num_seqs=64),
                                 dict(num_blocks=-(-m.config.n_positions // bs), block_size=bs, quant=quant,
                                      max_num_seqs=1), record=False)

@@ -1,0 +1,167 @@
+"""What the batch-invariant mode costs (Engine(batch_invariant=True), tritune.model.invariant), on the GPU:
+output tok/s of a serve-bench-like run in process (N requests at once, prompt and output lengths drawn
+uniformly, the packaged model, CUDA graphs) and batch-1 decode tok/s, mode off and on; and whether the
+mode holds on that run (the first K requests each run alone too, tokens compared). Target: <= 15% cost.
+
+    python lab/bench_batch_invariance.py --out DIR [--model DIR] [--dtype bf16] [-n 256] [--budget-s 180]
+
+Writes DIR/batch_invariance.json (commit, date, device, each measurement or its error). Bounded: every
+phase checks the time budget and the run stops early (saying so) once it is spent.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def workload(n, vocab, ctx, seed):
+    """serve-bench's default shape scaled to the context: prompts and outputs of ctx/16 .. ctx/2 tokens."""
+    from tritune.model.scheduler import SamplingParams
+
+    prompt = output = (max(1, ctx // 16), ctx // 2 - 1)
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab - 1) for _ in range(rng.randint(*prompt))],
+             SamplingParams(max_new_tokens=rng.randint(*output), ignore_eos=True)) for _ in range(n)]
+
+
+def engine(model, inv, max_num_seqs=256, **kw):
+    from tritune.model.engine import Engine
+
+    kw.setdefault("kv_memory_fraction", 0.4)
+    eng = Engine(model, max_num_seqs=max_num_seqs, max_batch_tokens=8192, batch_invariant=inv, **kw)
+    t0 = time.perf_counter()
+    eng.warm_up()
+    return eng, time.perf_counter() - t0
+
+
+def throughput(eng, reqs):
+    import torch
+
+    hs = [eng.add_request(p, sp) for p, sp in reqs]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.run()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    out = sum(len(h.output_ids) for h in hs)
+    return {"requests": len(hs), "output_tokens": out, "seconds": dt, "output_tok_s": out / dt,
+            "preemptions": eng.stats["preemptions"], "graph_steps": eng.stats["graph_steps"]}, [h.output_ids for h in hs]
+
+
+def batch1(model, inv, new=400, reps=3):
+    import torch
+
+    from tritune.model.engine import Engine
+    from tritune.model.scheduler import SamplingParams
+
+    eng = Engine(model, num_blocks=-(-model.config.n_positions // 16), max_num_seqs=1, batch_invariant=inv)
+    prompt = [(7 * i) % (model.config.vocab_size - 1) for i in range(16)]
+    new = min(new, model.config.n_positions - 32)
+    runs = []
+    for rep in range(reps + 1):          # the first warms up
+        h = eng.add_request(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
+        eng.step()                       # the prefill
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.run()
+        torch.cuda.synchronize()
+        if rep:
+            runs.append((len(h.output_ids) - 1) / (time.perf_counter() - t0))
+    return {"decode_tok_s_runs": runs, "decode_tok_s": sorted(runs)[len(runs) // 2]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("-n", "--num-requests", type=int, default=256)
+    ap.add_argument("--check", type=int, default=8, help="requests also run alone in the mode (tokens compared)")
+    ap.add_argument("--budget-s", type=float, default=180.0)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from tritune.model.cli import default_model_dir
+    from tritune.model.gpt2 import GPT2
+
+    if not torch.cuda.is_available():
+        print("bench_batch_invariance: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    model = GPT2.from_pretrained(args.model or default_model_dir(), backend="triton", dtype=dtype)
+    res = {"commit": commit(), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+           "dtype": args.dtype, "num_requests": args.num_requests, "results": {}}
+    reqs = workload(args.num_requests, model.config.vocab_size, model.config.n_positions, seed=0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def left():
+        return args.budget_s - (time.perf_counter() - t_start)
+
+    def save():
+        (out / "batch_invariance.json").write_text(json.dumps(res, indent=2))
+
+    toks = {}
+    for inv in (False, True):
+        key = "invariant" if inv else "default"
+        r = res["results"].setdefault(key, {})
+        try:
+            if left() < 20:
+                r["skipped"] = "time budget spent"
+                continue
+            eng, warm = engine(model, inv)
+            r["warm_up_s"] = warm
+            r["serve"], toks[key] = throughput(eng, reqs)
+            del eng
+            torch.cuda.empty_cache()
+            r["batch1"] = batch1(model, inv)
+        except Exception as e:  # recorded, the other measurements still run
+            r["error"] = f"{type(e).__name__}: {e}"
+            r["traceback"] = traceback.format_exc()[-3000:]
+        save()
+    d, i = res["results"].get("default", {}), res["results"].get("invariant", {})
+    if "serve" in d and "serve" in i:
+        res["serve_cost"] = 1 - i["serve"]["output_tok_s"] / d["serve"]["output_tok_s"]
+    if "batch1" in d and "batch1" in i:
+        res["batch1_cost"] = 1 - i["batch1"]["decode_tok_s"] / d["batch1"]["decode_tok_s"]
+    if "invariant" in toks and left() > 30:     # the mode holds on this run: the first requests alone
+        eng = engine(model, True, max_num_seqs=1, kv_memory_fraction=None,
+                     num_blocks=-(-model.config.n_positions // 16))[0]
+        same = []
+        for k, (p, sp) in enumerate(reqs[:args.check]):
+            if left() < 10:
+                break
+            h = eng.add_request(p, sp)
+            eng.run()
+            same.append(h.output_ids == toks["invariant"][k])
+        res["alone_equal"] = {"checked": len(same), "equal": sum(same)}
+        if "default" in toks:
+            res["default_vs_invariant_tokens_equal"] = sum(a == b for a, b in zip(toks["default"], toks["invariant"]))
+    res["wall_s"] = time.perf_counter() - t_start
+    save()
+    print(json.dumps({k: v for k, v in res.items() if k != "results"}, indent=2))
+    for k, r in res["results"].items():
+        print(k, {n: (v.get("output_tok_s") or v.get("decode_tok_s")) if isinstance(v, dict) else v
+                  for n, v in r.items() if n in ("serve", "batch1", "error", "skipped")})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
