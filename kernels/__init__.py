@@ -388,6 +388,43 @@ def check_no_alias(out, inputs, in_place: str | None = None, extents: tuple | No
                              f"overwritten; pass an output that shares no memory with the inputs{also}")
 
 
+def _outside_graph_pools(device, make):
+    """``make()``, a buffer kept across launches (counters, workspace), from the caching allocator's
+    ordinary pool. torch.compile's CUDA graphs (mode="reduce-overhead", cudagraph trees) run their warm-up
+    with every allocation of the warming thread routed to the graph's private pool: a buffer first sized
+    there would be memory of that pool the graph does not own (refused: "tensor(s) in the cudagraph pool
+    not tracked as outputs", and the pool may hand it out again). The allocator routes by thread, so the
+    buffer is made on a short-lived thread, on a stream of its own (work on the legacy default stream
+    would break a capture running elsewhere), finished before it is returned. Buffers grow a few times a
+    process. Inside a stream capture the buffer is made in place, as before (the capture's pool keeps it)."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return make()
+    import threading
+
+    if device.index is None:  # the caller's current device, which a new thread does not inherit
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    made: dict = {}
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    made["t"] = make()
+                stream.synchronize()
+        except BaseException as e:  # re-raised in the caller's thread
+            made["e"] = e
+
+    worker = threading.Thread(target=run, name="tritune-buffer", daemon=True)
+    worker.start()
+    worker.join()
+    if "e" in made:
+        raise made["e"]
+    return made["t"]
+
+
 class Counters:
     """Per-device int32 tile counters for split-K reductions, kept zero between launches (a kernel resets
     the ones it used). One buffer per device and owner: two launches of the same owner must not run
@@ -408,7 +445,8 @@ class Counters:
                                    "run the launch once (same shapes) before capturing it")
             if t is not None:
                 self.retired.append(t)
-            t = torch.zeros(max(n, self.minimum), dtype=torch.int32, device=device)
+            size = max(n, self.minimum)
+            t = _outside_graph_pools(device, lambda: torch.zeros(size, dtype=torch.int32, device=device))
             self.buffers[device] = t
         return t
 
@@ -429,8 +467,8 @@ class Workspace:
         if t is None or t.numel() < n:
             if t is not None:
                 self.retired.append(t)
-            t = torch.empty(max(n, 2 * t.numel() if t is not None else 0, self.minimum), dtype=torch.float32,
-                            device=device)
+            size = max(n, 2 * t.numel() if t is not None else 0, self.minimum)
+            t = _outside_graph_pools(device, lambda: torch.empty(size, dtype=torch.float32, device=device))
             self.buffers[device] = t
         return t
 

@@ -330,7 +330,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     # what triton specialises a pointer on (its 16-byte alignment) and by PDL.
     pdl = plan.meta_pdl is not None and K.pdl_now("paged_attention")
     meta = plan.meta_pdl if pdl else plan.meta
-    args = (q, k_cache, v_cache, block_tables, context_lens, out, ws, plan.locks, *plan.args)
+    locks = context_lens if plan.locks is None else plan.locks  # no split-KV: any pointer of this call
+    args = (q, k_cache, v_cache, block_tables, context_lens, out, ws, locks, *plan.args)
     K.launch_cached(_paged_attention_fwd, plan.kernels, plan.grid, args, meta,
                     plan.consts_pdl if pdl else plan.consts, pdl, args[:8])
     return out
@@ -343,7 +344,7 @@ class _Plan:
     cfg: dict | None = None
     cfg_key: tuple | None = None       # the config cache key the default/tuned config came from
     ws_numel: int = 0                  # float32 workspace elements (split-KV only)
-    locks: object = None               # split-KV chunk counters (per (sequence, kv head)); else a dummy
+    locks: object = None               # split-KV chunk counters (per (sequence, kv head)); else None
     grid: tuple = ()
     args: tuple = ()                   # scalar launch arguments after the tensors
     meta: dict = field(default_factory=dict)
@@ -418,7 +419,10 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
         while parts_block * 2 <= min(triton.next_power_of_2(num_parts), budget // (group_merge * D)):
             parts_block *= 2
     else:
-        plan.locks = context_lens  # unused
+        # unused by the kernel, and no tensor of a call is kept: a plan made in a cudagraph tree's warm-up
+        # would keep memory of the graph's pool alive that the graph does not own (torch.compile
+        # "reduce-overhead" refuses that: "tensor(s) in the cudagraph pool not tracked as outputs")
+        plan.locks = None
     os_ = (Hq * D, D, 1) if out is None else out.stride()
     plan.grid = (B, Hkv, num_parts)
     plan.args = (scale * LOG2E, num_parts, context_lens.stride(0), *q.stride(), *k_cache.stride(),

@@ -192,6 +192,67 @@ def test_gemv_writes_kv_through_the_op():
     assert torch.equal(vc.view(-1, H * D)[9], y[1, 2 * C:])
 
 
+def _plan_tensors():
+    """(kernel module, tensor) for every tensor a launch plan holds that is not one of its module's
+    persistent per-device buffers (split-K counters, workspace)."""
+    import importlib
+    import pkgutil
+
+    import tritune.kernels
+
+    found = []
+    for mod in pkgutil.iter_modules(tritune.kernels.__path__):
+        m = importlib.import_module(f"tritune.kernels.{mod.name}")
+        owned = {id(t) for c in vars(m).values() if isinstance(c, (K.Counters, K.Workspace))
+                 for t in (*c.buffers.values(), *c.retired)}
+        for plan in list(getattr(m, "_PLANS", {}).values()):
+            fields = vars(plan).values() if hasattr(plan, "__dict__") else (getattr(plan, f, None) for f in plan.__slots__)
+            found += [(mod.name, t) for t in fields if isinstance(t, torch.Tensor) and id(t) not in owned]
+    return found
+
+
+def test_launch_plans_keep_no_tensor_of_a_call():
+    """A plan outlives its call: a tensor it kept (paged_attention's held the first call's context_lens)
+    stays alive in whatever memory it came from. Made in a cudagraph tree's warm-up (torch.compile
+    "reduce-overhead"), that is the graph's pool, which refuses it: "tensor(s) in the cudagraph pool not
+    tracked as outputs" (the GPU run of HF's static-cache generate on the patched model)."""
+    for name in PURE:
+        args, kwargs, _, _ = _case(name, torch.float32 if name != "quant_matmul" else torch.float16)
+        getattr(OPS, name.replace("_rows", ""))(*args, **kwargs)
+    k, v, kc, vc, slots = _kv_case(torch.float32)
+    OPS.write_kv(k, v, kc, vc, slots)
+    held = _plan_tensors()
+    assert not held, [(m, tuple(t.shape), t.dtype) for m, t in held]
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_reduce_overhead_first_launches_inside_the_graph_warmup(monkeypatch):
+    """Plans made and per-device buffers first sized inside a cudagraph tree's warm-up (fresh counters
+    and workspace; a split-K gemv and a paged attention without split-KV, shapes no other test uses):
+    three calls (warm-up, record, replay) pass inductor's pool checks and match the float64 references."""
+    from tritune.kernels import gemv as gv
+
+    monkeypatch.setattr(gv, "_locks", K.Counters())
+    monkeypatch.setattr(gv, "_workspace", K.Workspace())
+    dtype = torch.float16
+    x, w, b = _r((3, 4032), dtype, 0), _r((4032, 72), dtype, 1, 4032 ** -0.5), _r((72,), dtype, 2)
+    c = pa.make_inputs(pa.Problem(3, 4, 2, 64, 23, 1), dtype, DEVICE, 3)
+    q, kc, vc, tables, lens = c.args
+
+    def f(x, q):
+        return OPS.gemv(x, w, b), OPS.paged_attention(q, kc, vc, tables, lens, 0.125, False)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        y, a = compiled(x, q)
+        cmp.check(y, ref_gemm.gemm(x, w, b), dtype, what="split-K gemv under reduce-overhead")
+        cmp.check(a, ref_pa.paged_attention(q, kc, vc, tables, lens, scale=0.125), dtype,
+                  what="paged attention under reduce-overhead")
+    assert gv.SPEC.config_for(gv.problem_of(x, w, b), dtype)["SPLIT_K"] > 1  # the counters were used
+
+
 def test_bad_input_names_the_argument():
     a, b = _r((4, 8), torch.float32, 0), _r((9, 5), torch.float32, 1)
     with pytest.raises(ValueError, match="inner sizes"):

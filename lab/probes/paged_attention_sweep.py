@@ -208,7 +208,8 @@ def do_host(out_path):
         ws = pa._workspace(q.device, plan.ws_numel) if plan.ws_numel else c.out
 
         def bare():
-            pa._paged_attention_fwd[plan.grid](q, kc, vc, bt, cl, c.out, ws, plan.locks, *plan.args, **plan.meta)
+            pa._paged_attention_fwd[plan.grid](q, kc, vc, bt, cl, c.out, ws, cl if plan.locks is None else plan.locks,
+                                               *plan.args, **plan.meta)
 
         def noop():
             pass
