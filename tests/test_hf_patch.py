@@ -166,18 +166,47 @@ def _small(dtype):
     return m
 
 
+def _model_bound(theirs, truth):
+    """(bound, transformers' error) for a whole model's logits against float64 ``truth``, given
+    transformers' own logits at the same precision on the same input: the project's model-level rule
+    (tests/test_model.py, ``bound``), max(the table's tolerance, 2 x transformers' error)."""
+    hf_err = cmp.rel_error(theirs, truth)
+    return max(cmp.tolerance(theirs.dtype), 2 * hf_err), hf_err
+
+
 @pytest.mark.gpu
 @torch.no_grad()
-def test_gpt2_small_bf16_logits_gpu():
+def test_gpt2_small_bf16_logits_gpu(monkeypatch):
+    """Whole-model bf16 logits against float64. Twelve layers that each store their activations in bf16
+    are no single kernel: the logits' error is set by the data type, and transformers' own bf16 model
+    shows its size on the same input (1.2e-2 for GPT-2 small at random init, 2 x 64 tokens, over the
+    bf16 table's 1e-2; the patched model measured 1.03e-2 here). So the bound is relative to it, as for
+    tritune's own model (tests/test_model.py); each kernel is held to the table alone in its own tests.
+    A real bug is an error of order 1 and fails by far: the MLP's GELU dropped (0.95 measured in
+    float64), one block's MLP lost (0.36). The first is checked at the end."""
     ref = _small(torch.float64)
-    model = hf_patch.patch(copy.deepcopy(ref).to(torch.bfloat16))
+    hf16 = copy.deepcopy(ref).to(torch.bfloat16)
+    model = hf_patch.patch(copy.deepcopy(hf16))
     ids = _ids(4, 256, 0, 50257)
-    cmp.check(model(ids).logits, ref(ids).logits, torch.bfloat16, what="bf16 prefill logits")
+    truth = ref(ids).logits
+    bound, hf_err = _model_bound(hf16(ids).logits, truth)
+    err = cmp.rel_error(model(ids).logits, truth)
+    assert err <= bound, f"bf16 prefill logits: rel error {err:.3e} (bound {bound:.1e}; transformers bf16 {hf_err:.3e})"
+
     kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
               cache_implementation="static")
     out = model.generate(ids[:, :32], **kw)
     want = ref(out.sequences).logits[:, 31:-1]
-    cmp.check(torch.stack(out.logits, 1), want, torch.bfloat16, what="bf16 static-cache generate logits")
+    bound, hf_err = _model_bound(hf16(out.sequences).logits[:, 31:-1], want)
+    err = cmp.rel_error(torch.stack(out.logits, 1), want)
+    assert err <= bound, (f"bf16 static-cache generate logits: rel error {err:.3e} (bound {bound:.1e}; "
+                          f"transformers bf16 {hf_err:.3e})")
+
+    # the bound still sees a real bug: the MLP's GELU dropped
+    ln_linear = hf_patch._ln_linear
+    monkeypatch.setattr(hf_patch, "_ln_linear", lambda x, ln, conv, activation=None: ln_linear(x, ln, conv))
+    broken = cmp.rel_error(model(ids).logits, truth)
+    assert broken > 10 * bound, f"GELU dropped: rel error {broken:.3e}, not past the bound {bound:.1e}"
 
 
 @pytest.mark.gpu
