@@ -14,8 +14,8 @@ Schemas flatten the launchers' Python-object arguments: gemv's ``ln`` tuple is (
 ln_eps) with ``ln_eps`` None for no LayerNorm; its ``kv`` tuple is (k_cache, v_cache, slot_mapping), the
 required arguments of a second op, ``gemv_kv``, which declares the caches mutated (an op's mutated
 arguments are never optional: see ``gemv_kv``); quant_matmul's ``QuantizedWeight`` travels as its
-tensors and ints. An explicit ``config`` is a launcher argument only (the op takes the tuned or default config), and so are
-``out=``, ``return_lse`` and ``return_stats``.
+tensors and ints. An explicit ``config`` is a launcher argument only (the op takes the tuned or default
+config), and so are ``out=``, ``return_lse`` and ``return_stats``.
 
 This module is imported by kernel discovery like any other in ``kernels/`` (it registers no spec): the
 registrations cost ~1 ms each, once a process, and need nothing but torch.

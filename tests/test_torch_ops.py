@@ -206,7 +206,8 @@ def _plan_tensors():
         owned = {id(t) for c in vars(m).values() if isinstance(c, (K.Counters, K.Workspace))
                  for t in (*c.buffers.values(), *c.retired)}
         for plan in list(getattr(m, "_PLANS", {}).values()):
-            fields = vars(plan).values() if hasattr(plan, "__dict__") else (getattr(plan, f, None) for f in plan.__slots__)
+            fields = (vars(plan).values() if hasattr(plan, "__dict__")
+                      else [getattr(plan, f, None) for f in plan.__slots__])
             found += [(mod.name, t) for t in fields if isinstance(t, torch.Tensor) and id(t) not in owned]
     return found
 
