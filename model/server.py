@@ -8,7 +8,10 @@ detokenize and format, and never touch the engine.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (when the checkpoint's
 ``tokenizer_config.json`` has a chat template), ``GET /v1/models``, ``GET /health`` (JSON, with the KV blocks
-in use: a leak shows there), ``GET /metrics`` (Prometheus text). Beyond OpenAI's fields: ``top_k``,
+in use: a leak shows there), ``GET /metrics`` (Prometheus text).
+Start-up: the port opens at once; a warm-up (on a GPU: compiling the kernel variants, capturing the CUDA
+graphs, minutes on a cold compile cache) runs beside it, and until it has finished ``/health`` and every
+generation answer 503 ("warming up", with Retry-After), so a client or a load balancer waits on /health. Beyond OpenAI's fields: ``top_k``,
 ``ignore_eos``, and ``return_token_ids`` (each choice, and each streamed chunk, carries its token ids).
 A client that disconnects aborts its requests at the engine's next step, which frees their KV blocks.
 """
@@ -442,9 +445,15 @@ class Server:
         # The queue bound: every seat of the running batch, plus max_queue waiting.
         self.max_pending = getattr(engine, "max_num_seqs", 256) + max_queue
         self.created = int(time.time())
+        self.warming: str | None = None     # "warming up" or "warm-up failed: ..." until the engine takes requests
         self.loop = EngineLoop(engine)
         self.metrics = Metrics(self)
         self.loop.metrics = self.metrics
+
+    def check_ready(self) -> None:
+        if self.warming is not None:
+            raise APIError(503, f"the server is not ready: {self.warming}; retry shortly (GET /health says when "
+                           "it is)", type="server_error", code="warming_up", headers={"Retry-After": "5"})
 
     # -- parsing ---------------------------------------------------------------------------------------
     def check_model(self, name) -> None:
@@ -550,6 +559,7 @@ class Server:
     # -- running ---------------------------------------------------------------------------------------
     async def start(self, prompts, samplings, t_arrival: float, prefix: str) -> "Job":
         n = len(prompts)
+        self.check_ready()
         if not self.loop.alive:
             raise APIError(503, "the engine loop is not running", type="server_error", code="engine_down")
         if self.loop.in_flight + n > self.max_pending:
@@ -653,6 +663,7 @@ async def _run_request(server: Server, request, chat: bool):
     from starlette.responses import JSONResponse
 
     t_arrival = time.perf_counter()
+    server.check_ready()    # first: nothing of a request runs beside a warm-up (a CUDA graph capture)
     raw = await request.body()
     try:
         data = json.loads(raw, parse_constant=_forbid_nan)
@@ -827,10 +838,12 @@ def _SSE(job, gen):
 # ---------------------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------------------
-def create_app(engine, tokenizer, model_name: str = "tritune", **kw):
+def create_app(engine, tokenizer, model_name: str = "tritune", *, warm_up=None, **kw):
     """The ASGI app over ``engine`` (whose loop thread starts with the app's lifespan). ``kw``: see
     :class:`Server` (chat_template, api_key, max_queue, sampling_defaults). ``app.state.server`` is the
-    :class:`Server`."""
+    :class:`Server`. ``warm_up``: None, or ``warm_up(engine)`` run on a thread of its own once the app
+    starts, before the engine loop: meanwhile the server listens and answers 503 "warming up" (uvicorn
+    opens the port only after the lifespan's start-up, so the warm-up cannot run inside it)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -842,7 +855,11 @@ def create_app(engine, tokenizer, model_name: str = "tritune", **kw):
 
     @asynccontextmanager
     async def lifespan(app):
-        server.loop.start(asyncio.get_running_loop())
+        aloop = asyncio.get_running_loop()
+        if warm_up is None:
+            server.loop.start(aloop)
+        else:
+            _start_warm_up(server, warm_up, aloop)
         try:
             yield
         finally:
@@ -903,8 +920,9 @@ def create_app(engine, tokenizer, model_name: str = "tritune", **kw):
             "max_model_len": server.config.n_positions, "vocab_size": server.config.vocab_size}]})
 
     async def health(request):
-        ok = server.loop.alive
-        body = {"status": "ok" if ok else "engine loop stopped", **server.loop.load,
+        warming = server.warming
+        ok = warming is None and server.loop.alive
+        body = {"status": "ok" if ok else warming or "engine loop stopped", **server.loop.load,
                 "in_flight": server.loop.in_flight, "steps": server.loop.steps}
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -918,6 +936,28 @@ def create_app(engine, tokenizer, model_name: str = "tritune", **kw):
                              ("/metrics", metrics, "GET")):
         app.router.add_route(path, fn, methods=[method])
     return app
+
+
+def _start_warm_up(server: Server, warm_up, aloop) -> None:
+    """Run ``warm_up(engine)`` on a thread; then start the engine loop (on the event loop's thread, where
+    the loop is started and stopped). A failed warm-up leaves the server answering 503 with the error."""
+    server.warming = "warming up"
+
+    def ready():
+        server.loop.start(aloop)
+        server.warming = None
+
+    def run():
+        try:
+            warm_up(server.engine)
+        except BaseException as e:  # reported on /health and in the log; the process stays up to say so
+            log.exception("warm-up failed")
+            server.warming = f"warm-up failed: {type(e).__name__}: {e}"
+            return
+        with contextlib.suppress(RuntimeError):  # the server shut down while warming up: its loop is closed
+            aloop.call_soon_threadsafe(ready)
+
+    threading.Thread(target=run, name="tritune-warm-up", daemon=True).start()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -987,6 +1027,15 @@ def build_engine(args):
     return engine, tok, model.directory
 
 
+def _warm_up(engine) -> None:
+    """The CLI's warm-up: every kernel variant a serving run meets compiled, the CUDA graphs captured."""
+    from tritune.model.serve import warm_up
+
+    t0 = time.perf_counter()
+    warm_up(engine, engine.config.vocab_size, engine.config.n_positions // 2)
+    print(f"warm-up: {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
     import os
     from pathlib import Path
@@ -1010,17 +1059,12 @@ def run(args) -> int:
         if defaults.get("temperature") == 0.0:      # no do_sample: the API's own defaults
             defaults = {}
         name = args.served_model_name or (str(args.model) if args.model else "tritune-default")
-        app = create_app(engine, tok, name, api_key=api_key,
+        warm = None if args.no_warm_up or engine.model.backend != "triton" else _warm_up
+        app = create_app(engine, tok, name, api_key=api_key, warm_up=warm,
                          chat_template=load_chat_template(directory), max_queue=args.max_queue,
                          sampling_defaults=defaults)
     except (FileNotFoundError, NotADirectoryError, ValueError, TypeError) as e:
         return _fail(str(e))
-    if not args.no_warm_up and engine.model.backend == "triton":
-        from tritune.model.serve import warm_up
-
-        t0 = time.perf_counter()
-        warm_up(engine, engine.config.vocab_size, engine.config.n_positions // 2)
-        print(f"warm-up: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: listening on {args.host}: reachable from other machines"
               + ("" if api_key else " without an API key"), file=sys.stderr)
@@ -1028,8 +1072,8 @@ def run(args) -> int:
     # GIL back sooner when the event loop is busy formatting chunks.
     sys.setswitchinterval(0.001)
     print(f"serving {app.state.server.model_name!r} ({engine.describe()['backend']}, "
-          f"{engine.describe()['dtype']}, {engine.describe()['device']}) on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
+          f"{engine.describe()['dtype']}, {engine.describe()['device']}) on http://{args.host}:{args.port}"
+          + (" (warming up: /health answers 503 until ready)" if warm else ""), file=sys.stderr, flush=True)
     # On shutdown, streams still open after 10 s are cancelled (which aborts their requests).
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=10)

@@ -432,17 +432,23 @@ def test_cli_serve_in_a_subprocess():
     p = subprocess.Popen([sys.executable, "-m", "tritune.harness.cli", "serve", "--port", str(port),
                           "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     auth = {"Authorization": "Bearer k2"}
+    # On a GPU the server warms up (kernel variants compiled, CUDA graphs captured) after the port opens:
+    # minutes on a cold compile cache, while /health answers 503 "warming up". On the CPU, no warm-up.
+    bound = 300 if torch.cuda.is_available() else 60
     try:
         t0 = time.time()
         while True:
             try:
-                if httpx.get(url + "/health", headers=auth).status_code == 200:
+                r = httpx.get(url + "/health", headers=auth)
+                if r.status_code == 200:
                     break
+                assert r.status_code == 503 and r.json()["status"] == "warming up", r.text
             except httpx.TransportError:
                 pass
             assert p.poll() is None, p.stdout.read().decode()
-            assert time.time() - t0 < 60, "tritune serve did not come up"
+            assert time.time() - t0 < bound, f"tritune serve did not come up in {bound} s"
             time.sleep(0.2)
+        assert r.json()["status"] == "ok"
         assert httpx.get(url + "/health").status_code == 401
         r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
                        json={"model": "tritune-default", "prompt": "Once", "max_tokens": 5, "temperature": 0})
@@ -453,6 +459,64 @@ def test_cli_serve_in_a_subprocess():
     finally:
         p.terminate()
         p.wait(20)
+
+
+def _poll_health(ts, want_status: int, timeout=30.0):
+    t0 = time.time()
+    while True:
+        r = httpx.get(ts.url + "/health")
+        if r.status_code == want_status:
+            return r
+        assert time.time() - t0 < timeout, r.text
+        time.sleep(0.02)
+
+
+def test_warm_up_beside_a_listening_server(model, tok):
+    """The port is open while the warm-up runs: /health and generation answer 503 "warming up" (with
+    Retry-After), the engine loop starts once it is done, and then requests are served."""
+    release, started = threading.Event(), threading.Event()
+
+    def warm_up(engine):
+        started.set()
+        assert release.wait(30)
+
+    engine = Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, cuda_graphs=False, tokenizer=tok)
+    app = create_app(engine, tok, NAME, warm_up=warm_up)
+    ts = ThreadServer(app)
+    try:
+        assert started.wait(10)
+        r = httpx.get(ts.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "warming up"
+        r = httpx.post(ts.url + "/v1/completions", json={"model": NAME, "prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up" and r.headers["retry-after"]
+        assert not app.state.server.loop.alive  # the warm-up has the engine to itself
+        release.set()
+        assert _poll_health(ts, 200).json()["status"] == "ok"
+        r = httpx.post(ts.url + "/v1/completions", timeout=60,
+                       json={"model": NAME, "prompt": "Once", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        release.set()
+        ts.close()
+
+
+def test_failed_warm_up_is_reported(model, tok):
+    def warm_up(engine):
+        raise RuntimeError("no kernel image for this GPU")
+
+    engine = Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, cuda_graphs=False, tokenizer=tok)
+    ts = ThreadServer(create_app(engine, tok, NAME, warm_up=warm_up))
+    try:
+        t0 = time.time()
+        while "failed" not in (status := httpx.get(ts.url + "/health").json()["status"]):
+            assert time.time() - t0 < 10, status
+            time.sleep(0.02)
+        assert status == "warm-up failed: RuntimeError: no kernel image for this GPU"
+        assert httpx.get(ts.url + "/health").status_code == 503
+        r = httpx.post(ts.url + "/v1/completions", json={"model": NAME, "prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 503 and "warm-up failed" in r.json()["error"]["message"]
+    finally:
+        ts.close()
 
 
 @pytest.mark.gpu
