@@ -439,6 +439,219 @@ def progression_table(res) -> str:
 # ---------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------
+# Feature workloads (--workload): prefix caching, chunked prefill, speculative decoding
+# ---------------------------------------------------------------------------------------------------
+WORKLOADS = ("random", "shared-prefix", "mixed", "speculative")
+
+
+def shared_prefix_items(n, prefix_len, suffix_len, output_len, vocab, seed=0) -> list[Item]:
+    """n requests: one common prefix (a system prompt) + a suffix of its own each, arriving at once."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab - 1, prefix_len).tolist()
+    return [Item(prefix + rng.integers(0, vocab - 1, int(rng.integers(suffix_len[0], suffix_len[1] + 1))).tolist(),
+                 output_len, 0.0) for _ in range(n)]
+
+
+def run_shared_prefix(make_engine, items, *, show_progress=False) -> dict:
+    """The same shared-prefix workload with the prefix cache on and off: prefill tokens computed, TTFT,
+    output tok/s."""
+    res = {}
+    for name, on in (("cache_off", False), ("cache_on", True)):
+        eng = make_engine(enable_prefix_caching=on)
+        eng.pool.reset_cache()                     # the warm-up's blocks: not part of the run
+        p0, c0 = eng.stats["prefill_tokens"], eng.scheduler.stats["cached_tokens"]
+        r = run_engine(eng, items, desc=f"shared-prefix {name}", show_progress=show_progress)
+        r["prefill_tokens_computed"] = eng.stats["prefill_tokens"] - p0
+        r["prefix_cached_tokens"] = eng.scheduler.stats["cached_tokens"] - c0
+        res[name] = r
+        del eng
+    off, on = res["cache_off"], res["cache_on"]
+    res["prefill_token_reduction"] = 1 - on["prefill_tokens_computed"] / max(1, off["prefill_tokens_computed"])
+    res["output_tok_s_speedup"] = on["output_tok_s"] / off["output_tok_s"]
+    return res
+
+
+def _itl_run(eng, n_decodes, decode_prompt, long_prompt, n_long, output_len, vocab, every, seed=0):
+    """n_decodes requests decode; after every ``every``-th step one of n_long long prompts arrives (the
+    decodes' output covers them all). Inter-token latencies of the decoding requests, split into steps
+    before any long prompt arrived (decode only) and after."""
+    import numpy as np
+
+    from tritune.model.scheduler import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    times: dict = {}
+
+    def stream(req, tok):
+        if tok is not None:
+            times.setdefault(req.id, []).append(time.perf_counter())
+
+    for _ in range(n_decodes):
+        eng.add_request(rng.integers(0, vocab - 1, decode_prompt).tolist(),
+                        SamplingParams(max_new_tokens=output_len, ignore_eos=True), stream=stream)
+    _sync()
+    steps, t_first_long, longs = 0, None, 0
+    while eng.has_unfinished():
+        if steps >= 2 * every and steps % every == 0 and longs < n_long:
+            if t_first_long is None:
+                t_first_long = time.perf_counter()
+            eng.add_request(rng.integers(0, vocab - 1, long_prompt).tolist(),
+                            SamplingParams(max_new_tokens=4, ignore_eos=True))
+            longs += 1
+        eng.step()
+        steps += 1
+    decode_only, mixed = [], []
+    for ts in times.values():
+        if len(ts) < 2 or len(ts) < output_len:     # the long prompts' own tokens are not counted
+            continue
+        for a, b in zip(ts, ts[1:]):
+            (decode_only if t_first_long is None or b < t_first_long else mixed).append(b - a)
+    return {"itl_decode_only_ms": percentiles(decode_only), "itl_with_long_prompts_ms": percentiles(mixed),
+            "long_prompts": longs, "steps": steps}
+
+
+def run_mixed(make_engine, *, n_decodes, decode_prompt, long_prompt, n_long, output_len, vocab, chunk, every) -> dict:
+    """Decodes running while long prompts arrive: P99 inter-token latency with and without chunked prefill
+    (budget ``chunk`` tokens per step), against the decode-only P50."""
+    res = {}
+    for name, kw in (("unchunked", {}), ("chunked", {"enable_chunked_prefill": True, "max_batch_tokens": chunk})):
+        eng = make_engine(prefill_batching=False, decode_steps=1, **kw)
+        res[name] = _itl_run(eng, n_decodes, decode_prompt, long_prompt, n_long, output_len, vocab, every)
+        del eng
+    for name in ("unchunked", "chunked"):
+        r = res[name]
+        p50 = r["itl_decode_only_ms"]["p50"]
+        p99 = r["itl_with_long_prompts_ms"]["p99"]
+        r["p99_over_decode_p50"] = p99 / p50 if p50 and p99 else None
+    return res
+
+
+def run_speculative(make_engine, proposers: dict, prompts, new_tokens) -> dict:
+    """Batch 1: each prompt alone, plain decode against each proposer; tok/s after the first token and
+    the acceptance rate (accepted / proposed draft tokens)."""
+    from tritune.model.scheduler import SamplingParams
+
+    res = {}
+    for name, prop in [("plain", None)] + list(proposers.items()):
+        eng = make_engine(speculative=prop() if prop else None)
+        dts, toks, out = 0.0, 0, []
+        for p in prompts:
+            req = eng.add_request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+            eng.run()
+            dts += req.finish_time - req.first_token_time
+            toks += len(req.output_ids) - 1
+            out.append(req.output_ids)
+        st = eng.stats
+        res[name] = {"decode_tok_s": toks / dts, "outputs_equal_plain": None if name == "plain" else
+                     out == res["plain"]["_out"], "_out": out}
+        if prop:
+            res[name].update(acceptance_rate=st["spec_accepted"] / max(1, st["spec_proposed"]),
+                             proposed=st["spec_proposed"], accepted=st["spec_accepted"], steps=st["spec_steps"])
+            res[name]["speedup"] = res[name]["decode_tok_s"] / res["plain"]["decode_tok_s"]
+        del eng
+    for r in res.values():
+        r.pop("_out")
+    return res
+
+
+def run_workload(args) -> int:
+    """``--workload shared-prefix | mixed | speculative``: the feature workloads on one model and mode
+    (the first of ``--modes``), each against its own baseline; JSON to ``--out``."""
+    import torch
+
+    from tritune.model import spec_decode as SD
+    from tritune.model.engine import Engine
+
+    gpu = torch.cuda.is_available()
+    fill_defaults(args, gpu)
+    device = "cuda" if gpu else "cpu"
+    dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
+    mode_name = args.modes.split(",")[0]
+    if mode_name not in MODES:
+        print(f"tritune serve-bench: unknown mode {mode_name!r}; expected one of {list(MODES)}", file=sys.stderr)
+        return 2
+    mode = MODES[mode_name]
+    try:
+        config, state, _ = load_models(args.model, dtype, device, need_hf=False)
+        draft = None
+        if args.workload == "speculative" and args.draft:
+            dconf, dstate, _ = load_models(args.draft, dtype, device, need_hf=False)
+            draft = build_model(dconf, dstate, mode["backend"], dtype, device)
+    except (OSError, ValueError) as e:
+        print(f"tritune serve-bench: {e}", file=sys.stderr)
+        return 2
+    model = build_model(config, state, mode["backend"], dtype, device)
+    V, ctx = config.vocab_size, config.n_positions
+    show = not args.quiet
+
+    def make_engine(**kw):
+        base = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                    block_size=args.block_size, cuda_graphs=mode.get("cuda_graphs", False),
+                    compile=mode.get("compile", False), quant=mode.get("quant"))
+        if gpu:
+            base["kv_memory_fraction"] = args.kv_memory_fraction
+        base.update(kw)
+        eng = Engine(model, **base)
+        warm_up(eng, V, min(512, ctx - 8))
+        return eng
+
+    from tritune.harness import device as hdev
+
+    res = {"gpu": hdev.gpu_name() if gpu else "cpu", "dtype": str(dtype).replace("torch.", ""),
+           "model": args.model or "GPT-2 small config, random weights", "mode": mode_name,
+           "workload": args.workload, "torch": torch.__version__,
+           "command": "tritune serve-bench " + " ".join(sys.argv[2:])}
+    if args.workload == "shared-prefix":
+        out_len = args.output_len[0]
+        items = shared_prefix_items(args.num_requests, args.prefix_len, args.prompt_len, out_len, V, args.seed)
+        res["shape"] = {"requests": len(items), "prefix_len": args.prefix_len, "suffix_len": list(args.prompt_len),
+                        "output_len": out_len}
+        res["results"] = run_shared_prefix(make_engine, items, show_progress=show)
+        r = res["results"]
+        _print(f"shared prefix: {r['prefill_token_reduction']:.0%} fewer prefill tokens, output tok/s "
+               f"{r['cache_off']['output_tok_s']:.0f} -> {r['cache_on']['output_tok_s']:.0f} "
+               f"({r['output_tok_s_speedup']:.2f}x)")
+    elif args.workload == "mixed":
+        long_prompt = min(args.long_prompt, ctx - 4)
+        out_len = min(args.output_len[0], ctx - 64)
+        res["shape"] = {"decodes": args.num_requests, "decode_prompt": 64, "long_prompt": long_prompt,
+                        "long_prompts": args.long_prompts, "output_len": out_len, "chunk": args.chunk}
+        res["results"] = run_mixed(make_engine, n_decodes=args.num_requests, decode_prompt=64,
+                                   long_prompt=long_prompt, n_long=args.long_prompts, output_len=out_len,
+                                   vocab=V, chunk=args.chunk, every=8)
+        for k, r in res["results"].items():
+            _print(f"mixed {k}: decode-only ITL P50 {r['itl_decode_only_ms']['p50']} ms, with long prompts P99 "
+                   f"{r['itl_with_long_prompts_ms']['p99']} ms ({r['p99_over_decode_p50']})")
+    else:
+        import numpy as np
+
+        rng = np.random.default_rng(args.seed)
+        plen = min(args.prompt_len[0], ctx // 2)
+        new = min(args.output_len[0], ctx - plen)
+        prompts = [rng.integers(0, V - 1, plen).tolist() for _ in range(args.num_requests)]
+        k = args.spec_k
+        props = {"ngram": lambda: SD.NgramProposer(k=k)}
+        if draft is not None:
+            props["draft"] = lambda: SD.DraftModelProposer(draft, k=k, block_size=args.block_size)
+        elif args.draft_layers:
+            dm = SD.early_exit_draft(model, args.draft_layers)
+            props[f"early-exit-{args.draft_layers}"] = lambda: SD.DraftModelProposer(dm, k=k, block_size=args.block_size)
+        res["shape"] = {"prompts": len(prompts), "prompt_len": plen, "new_tokens": new, "k": k,
+                        "draft": args.draft, "draft_layers": args.draft_layers}
+        res["results"] = run_speculative(make_engine, props, prompts, new)
+        for name, r in res["results"].items():
+            _print(f"speculative {name}: {r['decode_tok_s']:.0f} tok/s"
+                   + (f", acceptance {r['acceptance_rate']:.0%}, {r['speedup']:.2f}x plain, outputs equal plain: "
+                      f"{r['outputs_equal_plain']}" if name != "plain" else ""))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
 def add_parser(subparsers, name: str) -> None:
     if name != "serve-bench":
         return
@@ -481,6 +694,18 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--out", default=None, help="write the results as JSON here")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they also stay off when stdout "
                    "is not a terminal)")
+    w = s.add_argument_group("feature workloads (--workload; -n, --prompt-len and --output-len size them)")
+    w.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="shared-prefix: a common --prefix-len prefix + --prompt-len suffixes, prefix cache on vs off; "
+                   "mixed: -n decodes while --long-prompts prompts arrive, chunked (--chunk) vs not; speculative: "
+                   "-n prompts alone, plain vs n-gram and a draft (--draft or --draft-layers)")
+    w.add_argument("--prefix-len", type=int, default=192)
+    w.add_argument("--long-prompt", type=int, default=2048, help="mixed: long prompt tokens (at most the context)")
+    w.add_argument("--long-prompts", type=int, default=4)
+    w.add_argument("--chunk", type=int, default=512, help="mixed: the chunked run's token budget per step")
+    w.add_argument("--spec-k", type=int, default=4, help="speculative: draft tokens per step")
+    w.add_argument("--draft", default=None, help="speculative: draft checkpoint sharing the tokenizer")
+    w.add_argument("--draft-layers", type=int, default=None, help="speculative: draft from the target's first N layers")
     h = s.add_argument_group("over HTTP (--url: any OpenAI-compatible server; see model/http_bench.py)")
     h.add_argument("--url", default=None, help="drive the server at this URL (e.g. http://127.0.0.1:8000) "
                    "instead of an engine in this process")
@@ -511,6 +736,8 @@ def run(args) -> int:
 
         fill_defaults(args, gpu=True)   # the workload a server is benchmarked with, wherever this client runs
         return run_url(args)
+    if getattr(args, "workload", "random") != "random":
+        return run_workload(args)
     import torch
 
     from tritune.model.engine import Engine

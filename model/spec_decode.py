@@ -293,3 +293,17 @@ def _generator(sampler, req):
 
 def acceptance_rate(stats: dict) -> float:
     return stats["spec_accepted"] / stats["spec_proposed"] if stats.get("spec_proposed") else float("nan")
+
+
+def early_exit_draft(model, n_layers: int):
+    """A draft from the target itself: its first ``n_layers`` layers, then its final LayerNorm and LM head
+    (weights shared, nothing trained; same tokenizer by construction). Useful where no smaller model of
+    the family is at hand; a trained small draft accepts more."""
+    from dataclasses import replace
+
+    c = model.config
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers < c.n_layer:
+        raise ValueError(f"n_layers: expected an int in [1, {c.n_layer - 1}], got {n_layers!r}")
+    m = model.with_weights(replace(model.w, layers=model.w.layers[:n_layers]))
+    m.config = replace(c, n_layer=n_layers)
+    return m
