@@ -4,7 +4,7 @@ the target's distribution (a toy bigram target and draft on a 4-token vocabulary
 of two emitted tokens against the exact one); blocks of both caches come back."""
 import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
 
-import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -141,7 +141,25 @@ def test_sampled_speculation_runs_and_is_reproducible(model, draft):
 
 def test_draft_model_must_share_the_vocabulary(model):
     other = tiny_model(n_layer=1, n_embd=32)
-    other.config = type(other.config)(**{**other.config.__dict__, "vocab_size": 50}) \
-        if hasattr(other.config, "__dict__") else other.config
+    other.config = replace(other.config, vocab_size=50)
     with pytest.raises(ValueError, match="share a tokenizer"):
         Engine(model, num_blocks=16, block_size=4, cuda_graphs=False, speculative=DraftModelProposer(other))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_engine_with_every_feature_equals_plain():
+    """On the GPU (triton backend, fp32, CUDA graphs): prefix caching + chunked prefill + n-gram and draft
+    speculation give the tokens of the plain graph engine; speculative steps bypass the decode graph."""
+    m = tiny_model("triton", n_layer=2, n_embd=64, n_head=2, n_positions=96, device="cuda")
+    d = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=96, seed=5, device="cuda")
+    ps = [p[:40] + q for p, q in zip(_loopy(6, seed=40) * 2, prompts(12, seed=41, lo=2, hi=12))]
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = Engine(m, num_blocks=256, block_size=16, enable_prefix_caching=False)
+    want = [c.token_ids for c in plain.generate(ps, sp)]
+    for prop in (NgramProposer(k=4), DraftModelProposer(d, k=4)):
+        eng = Engine(m, num_blocks=256, block_size=16, enable_chunked_prefill=True, max_batch_tokens=32,
+                     speculative=prop)
+        assert eng.graphs is not None
+        assert [c.token_ids for c in eng.generate(ps, sp)] == want
+        assert eng.stats["spec_steps"] > 0 and eng.scheduler.stats["cached_tokens"] > 0
+        assert eng.pool.num_free == eng.pool.num_blocks
