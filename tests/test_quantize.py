@@ -82,6 +82,7 @@ def _logits(model, ids):
 
 
 def _rel(a, b) -> float:
+    a, b = a.double().cpu(), b.double().cpu()   # on a GPU one side may come back on the host
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 

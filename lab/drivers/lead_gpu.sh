@@ -40,7 +40,7 @@ for ph in ${PHASES:?}; do case $ph in
   http) t http 300 python lab/bench_http.py $W/http --time-limit 270 ;;
   quant) t quant 300 python lab/eval_quant.py --out $W/eval_quant.json ;;
   serving) t serving 300 python lab/bench_serving_features.py $W/serving ;;
-  invariant) t invariant 240 python lab/bench_batch_invariance.py $W/invariant ;;
+  invariant) t invariant 240 python lab/bench_batch_invariance.py --out $W/invariant ;;
   tuneall) mkdir -p /tmp/pkg-h100 && ln -sf $PWD/tuning/configs/nvidia-h100-80gb-hbm3 /tmp/pkg-h100/
     TRITUNE_CONFIGS=/tmp/pkg-h100 TRITUNE_CONFIG_DIR=$W/h200-budget t tuneall $(( ${BUDGET_MIN:-7} * 60 + 90 )) tritune tune all --budget ${BUDGET_MIN:-7}m --export --storage $W/h200-budget.journal
     t tuneall_cmp 120 python lab/compare_tune_all.py --new $W/h200-budget/$slug --old tuning/configs/$slug --retime ;;
