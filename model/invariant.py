@@ -18,13 +18,19 @@ reduction a row takes depends only on that row:
   length) and block tables always ``ceil(n_positions / block_size)`` wide (the kernel's merge blocking
   follows the width). So a token's logits are the same whether it was prefilled or decoded: a
   preempted request recomputed by prefill continues exactly where it was;
-- the torch backend: each linear row by row (``addmm`` at M=1), attention row by row over the row's
-  own context, F.layer_norm (row-parallel, invariant as it is);
+- the torch backend: every op row by row, each row a fresh contiguous tensor (``_fresh``): LayerNorm, the
+  linear (``addmm`` at M=1) with its GELU and residual, attention over the row's own context. A whole-batch
+  call is not invariant even for elementwise ops: on the CPU, ``F.gelu`` over (T, 4E) splits into one chunk
+  per thread, each chunk's tail computed by the scalar tanh (other bits than the vector one), so an element's
+  bits followed T and the thread count (measured: 5, 7 or 16 threads, a 99-row step). A row alone also keeps
+  the library's choice of kernel by pointer alignment (cuBLAS, CUDA LayerNorm's vectorized path) the same
+  for every row, on the GPU as on the CPU;
 - sampling: the argmax is exact; a seeded request draws from its own generator (``sampling.Sampler``).
   A sampled request without a seed draws from the global generator: not reproducible, in any mode.
 
 The boundary this pins: bitwise equality holds between runs of this mode on the same device, dtype,
-backend and tritune/triton versions (the configs are per (N, K, dtype) and the GPU's SM count). It does
+backend and tritune/triton/torch versions (the configs are per (N, K, dtype) and the GPU's SM count), and on
+the CPU the same ``torch.get_num_threads()`` (a row wider than a thread's grain is still split by threads). It does
 not make this mode equal to the default mode, nor the triton backend equal to the torch backend.
 
 CUDA graphs are kept: the decode step captures these same ops. The cost: prefill attention reads the
@@ -184,8 +190,18 @@ def _prefill_rows(seq_lens, width: int, device):
     return torch.from_numpy(tables).to(device), torch.from_numpy(ctx).to(device)
 
 
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor holding ``t``: its base from the allocator (64-byte aligned on the CPU, 512 on
+    CUDA), never a view at some offset into a bigger tensor. Library kernels pick their paths by pointer
+    alignment (cuBLAS's algorithms, CUDA LayerNorm's vectorized loads, MKL's peeled loops), so a row sliced out
+    of a batch could take another path than the same row alone."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class TorchInvariantOps:
-    """The torch backend's steps computed row by row where torch's own kernels follow the batch."""
+    """The torch backend's steps computed one row at a time, each row a fresh tensor: every library call
+    then sees the same shapes, strides and alignment whatever shares the step, so the kernel (and its
+    reduction order, its vector/scalar split, its thread chunks) follows the row alone."""
 
     capturable = False
 
@@ -198,7 +214,11 @@ class TorchInvariantOps:
 
     @staticmethod
     def layer_norm(x, w, b, eps):
-        return F.layer_norm(x, (x.shape[-1],), w, b, eps)   # one row per task: invariant
+        # per row although LayerNorm is row-parallel: CUDA's picks its vectorized path by the base
+        # pointer's alignment, and a per-row call keeps the mode free of such implementation details
+        x2 = x.reshape(-1, x.shape[-1])
+        rows = [F.layer_norm(_fresh(r), (x.shape[-1],), w, b, eps) for r in x2.split(1)]
+        return (torch.cat(rows) if rows else torch.empty_like(x2)).reshape(x.shape)
 
     def linear(self, x, w, b=None, activation=None, residual=None):
         if isinstance(w, RQ.QuantizedWeight):
@@ -206,12 +226,20 @@ class TorchInvariantOps:
             # on the torch backend the weight it multiplies by is exactly this
             w = _quant_dense(w, x.dtype, self._dense)
         x2 = x.reshape(-1, x.shape[-1])
-        rows = [torch.mm(r, w) if b is None else torch.addmm(b, r, w) for r in x2.split(1)]
+        res = residual.reshape(x2.shape[0], w.shape[1]) if residual is not None else None
+        rows = []
+        for i, r in enumerate(x2.split(1)):
+            r = _fresh(r)
+            y = torch.mm(r, w) if b is None else torch.addmm(b, r, w)
+            if activation == "gelu_tanh":
+                # per row, not over the (T, 4E) product: the CPU kernel splits a big tensor into one chunk
+                # per thread and computes each chunk's tail (past a multiple of 2 vectors) with the scalar
+                # tanh, whose bits differ from the vector one, so which elements got which followed T
+                y = F.gelu(y, approximate="tanh")
+            if res is not None:
+                y = y + res[i:i + 1]          # an add rounds the same on any path
+            rows.append(y)
         y = torch.cat(rows) if rows else x2.new_empty((0, w.shape[1]))
-        if activation == "gelu_tanh":
-            y = F.gelu(y, approximate="tanh")
-        if residual is not None:
-            y = y + residual.reshape(y.shape)
         return y.reshape(*x.shape[:-1], w.shape[1])
 
     write_kv = staticmethod(G.torch_write_kv)
@@ -224,7 +252,7 @@ class TorchInvariantOps:
             idx = torch.tensor(table[:-(-n // bs)], device=q.device)
             k = k_cache[idx].flatten(0, 1)[:n].float().permute(1, 2, 0)      # (H, D, n)
             v = v_cache[idx].flatten(0, 1)[:n].float().transpose(0, 1)       # (H, n, D)
-            p = torch.softmax(torch.bmm(q[i].float()[:, None, :], k) * scale, dim=-1)
+            p = torch.softmax(torch.bmm(_fresh(q[i]).float()[:, None, :], k) * scale, dim=-1)
             out[i] = torch.bmm(p, v)[:, 0].to(q.dtype)
         return out
 

@@ -7,6 +7,7 @@ the triton backend through the interpreter (fp32: the interpreter's bf16 dot is 
 of random lengths, greedy and seeded sampling, bf16 / fp32 / int4, CUDA graphs on."""
 import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
 
+import contextlib
 import random
 
 import pytest
@@ -105,11 +106,66 @@ def test_torch_cpu_matmul_follows_the_batch_so_the_mode_needs_rows():
         pytest.skip("this CPU's addmm is row-invariant at these sizes")
 
 
-def test_torch_backend_batched_equals_alone_with_preemption(torch_model):
+@contextlib.contextmanager
+def threads(n):
+    """torch's CPU thread count set to ``n`` (None: left as it is) for the block, then restored."""
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+# 5 threads: a whole-batch F.gelu's per-thread chunks then end off the vector width (a 2-core machine's
+# default of 2 never does), which is how a 16-core GPU host caught a logits row differing
+@pytest.mark.parametrize("n_threads", [None, 5])
+def test_torch_backend_batched_equals_alone_with_preemption(torch_model, n_threads):
     reqs = requests(12, seed=7, lo=2, hi=40, max_new=14)
     # 30 blocks of 4 tokens for 12 requests of up to 54 tokens: the newest keep being preempted
-    check_invariant(torch_model, reqs, dict(num_blocks=30, block_size=4, cuda_graphs=False),
-                    dict(num_blocks=40, block_size=4, cuda_graphs=False))
+    with threads(n_threads):
+        check_invariant(torch_model, reqs, dict(num_blocks=30, block_size=4, cuda_graphs=False),
+                        dict(num_blocks=40, block_size=4, cuda_graphs=False))
+
+
+def test_torch_cpu_gelu_follows_the_thread_chunks():
+    """Why the mode applies GELU row by row: over a (T, 4E) tensor, the CPU kernel gives each thread a
+    chunk and computes a chunk's tail with the scalar tanh, whose bits differ from the vector one."""
+    g = torch.Generator().manual_seed(0)
+    x = 3 * torch.randn(99, 256, generator=g)
+    with threads(5):
+        full = torch.nn.functional.gelu(x, approximate="tanh")
+        rows = torch.cat([torch.nn.functional.gelu(r.clone(), approximate="tanh") for r in x.split(1)])
+    if torch.equal(full, rows):
+        pytest.skip("this CPU's gelu kernel is row-invariant at 5 threads")
+
+
+@pytest.mark.parametrize("n_threads", [None, 5])
+def test_torch_ops_rows_ignore_the_batch_threads_and_alignment(n_threads):
+    """Each op of the torch backend's mode gives a row the bits it gives that row alone: inside a 99-row
+    batch, and from a view whose data starts off the allocator's alignment (4 bytes past it), since
+    libraries pick kernels by pointer alignment (cuBLAS, CUDA LayerNorm, MKL)."""
+    g = torch.Generator().manual_seed(1)
+    T, E = 99, 64
+    ops = invariant.TorchInvariantOps(None, 96)
+    w, b = torch.randn(E, 4 * E, generator=g) / 8, torch.randn(4 * E, generator=g)
+    w2, b2 = torch.randn(4 * E, E, generator=g) / 16, torch.randn(E, generator=g)
+    lw, lb = 1 + 0.1 * torch.randn(E, generator=g), 0.1 * torch.randn(E, generator=g)
+    x = 3 * torch.randn(T, E, generator=g)
+    odd = torch.empty(T * E + 1)[1:].view(T, E)          # same values, data 4 bytes off alignment
+    odd.copy_(x)
+    assert odd.data_ptr() % 16 != 0
+
+    def step(x):
+        h = ops.layer_norm(x, lw, lb, 1e-5)
+        f = ops.linear(h, w, b, activation="gelu_tanh")
+        return ops.linear(f, w2, b2, residual=x)
+
+    with threads(n_threads):
+        batched, shifted = step(x), step(odd)
+        alone = torch.cat([step(x[i:i + 1].clone()) for i in range(T)])
+    assert torch.equal(batched, alone) and torch.equal(shifted, alone)
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
