@@ -134,7 +134,9 @@ def test_example_package_cli_flow(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     import json
 
-    rows = json.loads((tmp_path / "res" / "triton-interpreter" / "rms_norm.json").read_text())["rows"]
+    from tritune.harness import device as dev
+
+    rows = json.loads((tmp_path / "res" / dev.gpu_slug() / "rms_norm.json").read_text())["rows"]
     assert rows and all(r["correct"] and r["vendor"] == "F.rms_norm" for r in rows), rows
 
 
