@@ -32,12 +32,20 @@ for ph in ${PHASES:?}; do case $ph in
     python -m pip install -q --no-deps --no-build-isolation --target /tmp/new_site . >>$W/base_install.log 2>&1
     PATH=/tmp/base_site/bin:$PATH PYTHONPATH=/tmp/base_site:$PYTHONPATH t paths_before ${PATHS_LIM:-200} python lab/bench_decode_paths.py --out $W/paths_before ${PATHS_ARGS:-}
     PATH=/tmp/new_site/bin:$PATH PYTHONPATH=/tmp/new_site:$PYTHONPATH t paths_after ${PATHS_LIM:-200} python lab/bench_decode_paths.py --out $W/paths_after ${PATHS_ARGS:-} ;;
+  basesite) cp -r model/default .base/model/ 2>/dev/null
+    python -m pip install -q --no-deps --no-build-isolation --target /tmp/base_site ./.base >$W/base_install.log 2>&1
+    python -m pip install -q --no-deps --no-build-isolation --target /tmp/new_site . >>$W/base_install.log 2>&1 ;;
+  dpaths) for v in base new; do PATH=/tmp/${v}_site/bin:$PATH PYTHONPATH=/tmp/${v}_site:$PYTHONPATH \
+      t decode_$v 120 python lab/bench_decode_paths.py --out $W/decode_$v --reps 3 --serve-n 0; done ;;
+  sbench) for v in base new; do PATH=/tmp/${v}_site/bin:$PATH PYTHONPATH=/tmp/${v}_site:$PYTHONPATH \
+      t serve_$v 150 tritune serve-bench -n 512 --modes triton-graphs --naive-requests 0 --hf-requests -1 \
+        --decode-tokens 0 --batch-sweep '' --out $W/serve_$v.json; done ;;
   attn) mkdir -p $W/results && cp -r results/. $W/results/
         t attn_bf16 200 tritune bench attention attention_varlen --dtype bf16 --results-dir $W/results ;;
   attn16) t attn_fp16 200 tritune bench attention --dtype fp16 --results-dir $W/results_fp16 --no-save ;;
   rms) t rms 120 tritune bench rms_norm --results-dir $W/results_rms ;;
-  hf) t hf 300 python lab/bench_hf_patch.py $W/hf ;;
-  http) t http 300 python lab/bench_http.py $W/http --time-limit 270 ;;
+  hf) t hf ${HF_LIM:-300} python lab/bench_hf_patch.py $W/hf ${HF_ARGS:-} ;;
+  http) t http $(( ${HTTP_LIM:-270} + 30 )) python lab/bench_http.py $W/http --time-limit ${HTTP_LIM:-270} ${HTTP_ARGS:-} ;;
   quant) t quant 300 python lab/eval_quant.py --out $W/eval_quant.json ;;
   serving) t serving 300 python lab/bench_serving_features.py $W/serving ;;
   invariant) t invariant 240 python lab/bench_batch_invariance.py --out $W/invariant ;;
