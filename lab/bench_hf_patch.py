@@ -47,7 +47,7 @@ def _model(attn="sdpa"):
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config()
-    m = transformers.GPT2LMHeadModel(cfg, attn_implementation=attn).to("cuda", torch.bfloat16).eval()
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to("cuda", torch.bfloat16).eval()
     m.generation_config.pad_token_id = 0
     m.generation_config.disable_compile = True  # no automatic compile: the compiled variants compile explicitly
     return m
