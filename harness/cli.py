@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from tritune.tuning._args import DTYPES, parse_dtype  # noqa: F401  (parse_dtype: for callers of this module)
+from tritune.tuning._args import DTYPES, UsageError, parse_dtype, writable_dir  # noqa: F401  (re-exported for callers)
 
 # Commands that live beside the code they drive: each module defines add_parser(subparsers, name), which
 # adds the command and sets its func(args) -> int.
@@ -30,10 +30,6 @@ COMMANDS = {
     "quantize": "tritune.model.quantize",
 }
 PLUGINS = COMMANDS  # the older name
-
-
-class UsageError(Exception):
-    """A user's mistake: the CLI prints the message on one line and exits 2."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -57,24 +53,6 @@ def resolve_kernels(names) -> list:
         except KeyError as e:
             raise UsageError(e.args[0]) from None
     return out
-
-
-def writable_dir(text: str) -> Path:
-    """An argparse type: a folder that exists or can be made (a file in the way, or no permission, is an
-    error at parse time rather than a traceback after the work)."""
-    p = Path(text).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
-        if not os.access(p, os.W_OK):
-            raise argparse.ArgumentTypeError(f"{text!r}: no permission to write there")
-        return p
-    parent = next((a for a in p.absolute().parents if a.exists()), None)
-    if parent is None or not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: no permission to create it under {parent}")
-    return p
 
 
 def existing_dir(text: str) -> Path:

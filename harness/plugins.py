@@ -37,8 +37,7 @@ def env_plugins() -> list[str]:
 
 def add(names) -> None:
     """Import ``names`` now, then export them in ``TRITUNE_PLUGINS`` for child processes (a name that fails
-    to import raises :class:`PluginError` and is not exported)."""
-    load()
+    to import raises :class:`PluginError` and is not exported). Entry-point plugins load with the registry."""
     have = env_plugins()
     for n in (n for n in names if n):
         key = str(Path(n).expanduser().resolve()) if _is_path(n) else n  # children may run elsewhere
@@ -50,10 +49,15 @@ def add(names) -> None:
         os.environ[ENV] = ",".join(have)
 
 
-def load() -> None:
+_REGISTER = _SPEC = None
+
+
+def load(register, spec_type) -> None:
     """Import the entry-point plugins (once; a broken one is a warning, not the end of tritune) and every
-    module in ``TRITUNE_PLUGINS`` not imported yet (a broken one raises :class:`PluginError`)."""
-    global _entry_points_done
+    module in ``TRITUNE_PLUGINS`` not imported yet (a broken one raises :class:`PluginError`). The registry
+    passes its ``register`` and ``KernelSpec`` (an entry point may name specs rather than a module)."""
+    global _entry_points_done, _REGISTER, _SPEC
+    _REGISTER, _SPEC = register, spec_type
     if not _entry_points_done:
         _entry_points_done = True
         _load_entry_points()
@@ -77,13 +81,13 @@ def _load_entry_points() -> None:
 
 
 def _register_object(obj, where: str) -> None:
-    """An entry point may name a module (which registered on import), a spec, or a list of specs."""
-    from tritune import kernels
-
+    """An entry point may name a module (which registered on import), a spec, or a list of specs. The
+    registry hands its ``register`` to :func:`load`, so this module never imports ``tritune.kernels``
+    (which imports it: no cycle)."""
     items = obj if isinstance(obj, (list, tuple)) else [obj]
     for item in items:
-        if isinstance(item, kernels.KernelSpec):
-            kernels.register(item)
+        if isinstance(item, _SPEC):
+            _REGISTER(item)
 
 
 def _is_path(name: str) -> bool:

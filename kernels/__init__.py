@@ -287,7 +287,7 @@ def _load_plugins() -> None:
     # kernel up has them (tuning workers included)
     from tritune.harness import plugins
 
-    plugins.load()
+    plugins.load(register, KernelSpec)
 
 
 def all_specs() -> list[KernelSpec]:

@@ -113,10 +113,10 @@ async def _one(client, url, item, model, t0, sem, extra) -> Outcome:
 
 async def bench_async(url: str, items, *, model: str, max_concurrency: int = 256, api_key=None,
                       timeout: float = 600.0, extra: dict | None = None) -> dict:
-    """Drive ``items`` (serve.Item: prompt_ids, output_len, arrival) against ``url``; the run's metrics."""
+    """Drive ``items`` (workload.Item: prompt_ids, output_len, arrival) against ``url``; the run's metrics."""
     import httpx
 
-    from tritune.model.serve import percentiles
+    from tritune.model.workload import percentiles
 
     sem = asyncio.Semaphore(max_concurrency)
     endpoint = url.rstrip("/") + "/v1/completions"
@@ -171,7 +171,7 @@ def _fmt(p):
 
 def run_url(args) -> int:
     """``tritune serve-bench --url``: the workload against a running server; prints and writes JSON."""
-    from tritune.model.serve import make_workload
+    from tritune.model.workload import make_workload
 
     def fail(msg):
         print(f"tritune serve-bench: {msg}", file=sys.stderr)

@@ -181,9 +181,8 @@ def to_layout(c: GPT2Config, state: dict, dtype: torch.dtype, device) -> GPT2Wei
 def load(model: str | Path, dtype: torch.dtype = torch.float32, device="cpu"):
     """(config, weights in our layout, checkpoint directory)."""
     directory = resolve(model)
-    from tritune.model import hf_quant
-
-    if hf_quant.quantization_config(directory) is not None:   # its linears hold qweight, not weight
+    cfg_file = Path(directory) / "config.json"
+    if cfg_file.exists() and "quantization_config" in json.loads(cfg_file.read_text()):   # its linears hold qweight, not weight
         raise ValueError(f"{directory}: a quantized checkpoint (quantization_config in config.json): load it "
                          "with tritune.model.hf_quant.load_model (or run `tritune eval` on it)")
     config = GPT2Config.from_file(directory / "config.json")

@@ -3,7 +3,9 @@ imports another, so neither import order makes a cycle."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from pathlib import Path
 
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
           "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -35,3 +37,25 @@ def parse_duration(s: str) -> float:
     if total <= 0:
         raise ValueError(f"{s!r}: a duration must be positive")
     return total
+
+
+class UsageError(Exception):
+    """A user's mistake: the CLI prints the message on one line and exits 2."""
+
+
+def writable_dir(text: str) -> Path:
+    """An argparse type: a folder that exists or can be made (a file in the way, or no permission, is an
+    error at parse time rather than a traceback after the work)."""
+    p = Path(text).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+        if not os.access(p, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r}: no permission to write there")
+        return p
+    parent = next((a for a in p.absolute().parents if a.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: no permission to create it under {parent}")
+    return p
