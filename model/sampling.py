@@ -22,23 +22,27 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     probability reaches p (the most likely token always survives). Sampling draws from ``generator``, so
     a seeded generator gives the same tokens for the same logits.
     """
-    logits = logits.float()
     if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
+        return logits.float().argmax(dim=-1)
+    return torch.multinomial(probs(logits, temperature, top_k, top_p), 1, generator=generator).squeeze(-1)
+
+
+def probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution :func:`sample` draws from at ``temperature`` > 0, (..., V) float32: speculative
+    decoding's acceptance rule needs it as a whole, not just one draw from it."""
+    logits = logits.float() / temperature
     V = logits.shape[-1]
     if 0 < top_k < V:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
+        p = sorted_logits.softmax(dim=-1)
         # drop a token when the tokens before it already reach top_p
-        drop = probs.cumsum(dim=-1) - probs >= top_p
+        drop = p.cumsum(dim=-1) - p >= top_p
         drop[..., 0] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
 
 
 class Sampler:

@@ -27,27 +27,12 @@ import torch
 
 from tritune.model.kv_cache import BlockPool, BlockTable
 from tritune.model.runner import ModelRunner
+from tritune.model.sampling import probs
 
 
 # ---------------------------------------------------------------------------------------------------
 # Distributions and the acceptance rule
 # ---------------------------------------------------------------------------------------------------
-def probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution :func:`tritune.model.sampling.sample` draws from, (..., V) float32."""
-    logits = logits.float() / temperature
-    V = logits.shape[-1]
-    if 0 < top_k < V:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        p = sorted_logits.softmax(dim=-1)
-        drop = p.cumsum(dim=-1) - p >= top_p
-        drop[..., 0] = False
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits.softmax(dim=-1)
-
-
 def _draw(p: torch.Tensor, generator) -> int:
     return int(torch.multinomial(p, 1, generator=generator)[0])
 
