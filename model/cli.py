@@ -17,6 +17,16 @@ def default_model_dir() -> Path | None:
     return d if (d / "config.json").is_file() else None
 
 
+def model_or_default(model):
+    """MODEL as the user gave it, else the packaged checkpoint; None, after one line on stderr, when neither
+    exists (the caller exits 2)."""
+    path = model or default_model_dir()
+    if path is None:
+        print("error: no MODEL given and no packaged checkpoint (model/default/config.json is missing)",
+              file=sys.stderr)
+    return path
+
+
 def add_parser(subparsers, name: str) -> None:
     if name != "generate":
         return

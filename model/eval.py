@@ -275,11 +275,10 @@ def add_parser(subparsers, name: str) -> None:
 
 
 def run(args) -> int:
-    from tritune.model.cli import default_model_dir
+    from tritune.model.cli import model_or_default
 
-    model = args.model or default_model_dir()
+    model = model_or_default(args.model)
     if model is None:
-        print("error: no MODEL given and no packaged checkpoint", file=sys.stderr)
         return 2
     quant = args.quant or ",".join(r for r in ROWS if torch.cuda.is_available() or r != "fp16")
     rows = [r.strip() for r in quant.split(",") if r.strip()]

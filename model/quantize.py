@@ -524,11 +524,10 @@ def add_parser(subparsers, name: str) -> None:
 
 
 def run(args) -> int:
-    from tritune.model.cli import default_model_dir
+    from tritune.model.cli import model_or_default
 
-    model = args.model or default_model_dir()
+    model = model_or_default(args.model)
     if model is None:
-        print("error: no MODEL given and no packaged checkpoint", file=sys.stderr)
         return 2
     spec = QuantSpec(method=args.method, bits=args.bits, group_size=args.group, sym=args.sym,
                      act_order=args.act_order, damp=args.damp, lm_head=not args.keep_lm_head)
