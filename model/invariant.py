@@ -313,14 +313,7 @@ def eager(runner, prefill_ids, prefill_slots, decode_ids, decode_positions, deco
         bt[Tp + i, :len(blocks)] = blocks
     pos = np.concatenate([pos, np.asarray(decode_positions, np.int64)])
     ctx = (pos + 1).astype(np.int32)
-    cu = np.zeros(len(seq_lens) + 1, np.int64)
-    np.cumsum(seq_lens, out=cu[1:])
-    last = np.arange(Tp) if all_logits else (cu[1:] - 1)[np.asarray(sample, bool)] if sample is not None \
-        else cu[1:] - 1
-    rows = np.concatenate([last, Tp + np.arange(Td)]).astype(np.int64)
-    empty = len(rows) == 0          # only chunks that sample nothing: the forward just writes their K/V
-    if empty:
-        rows = np.zeros(1, np.int64)
+    cu, rows, empty = runner.logit_rows(seq_lens, Td, sample, all_logits)
     h64 = torch.from_numpy(np.concatenate([ids, np.asarray(decode_ids, np.int64), pos, slots,
                                            np.asarray(decode_slots, np.int64), rows]))
     d64 = h64.to(dev, non_blocking=True)

@@ -309,6 +309,22 @@ class ModelRunner:
         d32 = torch.from_numpy(_tables_array(context_lens, tables, 2)).to(dev, non_blocking=True)
         return self.compiled(d[:B], d[B:2 * B], d[2 * B:], d32[:, 1:], d32[:, 0].contiguous())
 
+    @staticmethod
+    def logit_rows(seq_lens, n_decode: int, sample=None, all_logits: bool = False):
+        """(cu_seqlens, rows, empty) of an eager step: the flat rows whose logits come back (each sampled
+        prefill's last token, or every prefill token with ``all_logits``, then every decode row). A step
+        of chunks that sample nothing gets one dummy row and ``empty`` (the forward just writes K/V)."""
+        cu = np.zeros(len(seq_lens) + 1, np.int64)
+        np.cumsum(seq_lens, out=cu[1:])
+        Tp = int(cu[-1])
+        last = np.arange(Tp) if all_logits else (cu[1:] - 1)[np.asarray(sample, bool)] if sample is not None \
+            else cu[1:] - 1
+        rows = np.concatenate([last, Tp + np.arange(n_decode)]).astype(np.int64)
+        empty = len(rows) == 0
+        if empty:
+            rows = np.zeros(1, np.int64)
+        return cu, rows, empty
+
     def eager(self, prefill_ids, prefill_slots, decode_ids, decode_positions, decode_slots, context_lens, tables,
               *, prefill_starts=None, prefill_tables=None, sample=None, all_logits: bool = False):
         """Prefills and decodes in one forward (see :func:`forward_step`); logits in the same order.
@@ -329,14 +345,7 @@ class ModelRunner:
         pos = (np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, seq_lens)])
                if seq_lens else np.zeros(0, np.int64))
         slots = np.fromiter((t for s in prefill_slots for t in s), np.int64, Tp)
-        cu = np.zeros(len(seq_lens) + 1, np.int64)
-        np.cumsum(seq_lens, out=cu[1:])
-        last = np.arange(Tp) if all_logits else (cu[1:] - 1)[np.asarray(sample, bool)] if sample is not None \
-            else cu[1:] - 1
-        rows = np.concatenate([last, Tp + np.arange(Td)]).astype(np.int64)
-        empty = len(rows) == 0          # only chunks that sample nothing: the forward just writes their K/V
-        if empty:
-            rows = np.zeros(1, np.int64)
+        cu, rows, empty = self.logit_rows(seq_lens, Td, sample, all_logits)
         h64 = torch.from_numpy(np.concatenate([ids, np.asarray(decode_ids, np.int64), pos,
                                                np.asarray(decode_positions, np.int64), slots,
                                                np.asarray(decode_slots, np.int64), rows]))
