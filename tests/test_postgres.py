@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tritune.tuning import search, store
+from tritune.tuning import search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # worker processes (spawn) inherit it
-from tritune_sweep_helpers import two_workers_one_killed  # noqa: E402
+from tritune_sweep_helpers import own_user_store, two_workers_one_killed  # noqa: E402,F401 (autouse fixture)
 
 
 def _bindir() -> str | None:
@@ -112,14 +112,6 @@ def postgres_url():
                 server.kill()
                 server.wait(10)
         shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def _own_user_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITUNE_CONFIG_DIR", str(tmp_path / "user-store"))
-    store.clear_cache()
-    yield
-    store.clear_cache()
 
 
 def _fresh_db(url: str, name: str) -> str:

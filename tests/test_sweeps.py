@@ -17,12 +17,13 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-from tritune.tuning import search, store
+from tritune.tuning import search
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # worker processes (spawn) inherit it and import the helpers by name
 import tritune_sweep_helpers as h  # noqa: E402
-from tritune_sweep_helpers import _study, _wait_for, check_completed_exactly, two_workers_one_killed  # noqa: E402
+from tritune_sweep_helpers import (  # noqa: E402,F401 (own_user_store: an autouse fixture)
+    _study, _wait_for, check_completed_exactly, own_user_store, two_workers_one_killed)
 
 CHILD = """
 import sys, torch
@@ -32,14 +33,6 @@ from tritune.tuning import search
 search.tune([h.TOY], [h.Problem(64)], [torch.float32], trials={trials}, storage={storage!r}, evaluate=h.slow,
             isolation="inline", progress=False)
 """
-
-
-@pytest.fixture(autouse=True)
-def _own_user_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITUNE_CONFIG_DIR", str(tmp_path / "user-store"))
-    store.clear_cache()
-    yield
-    store.clear_cache()
 
 
 @pytest.mark.parametrize("kind", ["journal", "sqlite"])

@@ -17,16 +17,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
+import pytest
 import torch
 from optuna.trial import TrialState
 
 from tritune import kernels as K
-from tritune.tuning import search
+from tritune.tuning import search, store
 
 
 @dataclass(frozen=True)
 class Problem:
     n: int
+
+
+@pytest.fixture(autouse=True)
+def own_user_store(tmp_path, monkeypatch):
+    """A sweep test's own user config store (autouse in each module that imports it), so tuned results
+    never leak into the real one or between tests."""
+    monkeypatch.setenv("TRITUNE_CONFIG_DIR", str(tmp_path / "user-store"))
+    store.clear_cache()
+    yield
+    store.clear_cache()
 
 
 def _run(x, out=None, config=None):
