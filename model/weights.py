@@ -178,11 +178,19 @@ def to_layout(c: GPT2Config, state: dict, dtype: torch.dtype, device) -> GPT2Wei
                        lnf_b=t("ln_f.bias"), lm_head=head.t().contiguous())
 
 
+def _raw_config(directory: Path) -> dict:
+    """config.json as plain JSON, or {} when missing or malformed (GPT2Config.from_file then says why)."""
+    try:
+        data = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def load(model: str | Path, dtype: torch.dtype = torch.float32, device="cpu"):
     """(config, weights in our layout, checkpoint directory)."""
     directory = resolve(model)
-    cfg_file = Path(directory) / "config.json"
-    if cfg_file.exists() and "quantization_config" in json.loads(cfg_file.read_text()):   # its linears hold qweight, not weight
+    if "quantization_config" in _raw_config(directory):   # its linears hold qweight, not weight
         raise ValueError(f"{directory}: a quantized checkpoint (quantization_config in config.json): load it "
                          "with tritune.model.hf_quant.load_model (or run `tritune eval` on it)")
     config = GPT2Config.from_file(directory / "config.json")
