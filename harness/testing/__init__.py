@@ -12,7 +12,7 @@ config points with NaN-poisoned outputs and every element written; the heuristic
 problem; repeated launches reading each call's data; bad inputs refused with a message; an explicit invalid
 config refused; the standard problems on a GPU. Each test class carries the marker of its kernel (``-m name``).
 
-This module stays light (the pytest plugin imports it in every session): the contract, which needs torch,
+This module stays light (the pytest plugin imports it in every pytest run): the contract, which needs torch,
 triton and hypothesis, loads on first use.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """pytest plugin (entry point ``pytest11``): ``--tritune-kernel NAME`` and one marker per kernel.
 
-Loaded in every pytest session of an environment where tritune is installed, so it imports nothing but
+Loaded in every pytest run of an environment where tritune is installed, so it imports nothing but
 pytest until a tritune test asks for more: no torch, no triton, no interpreter switch for projects that
 merely share the environment.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_CONFIG = None  # the session's config: contract_tests() registers its kernel's marker through it
+_CONFIG = None  # this pytest run's config: contract_tests() registers its kernel's marker through it
 
 
 def pytest_addoption(parser):
