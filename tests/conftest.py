@@ -11,6 +11,7 @@ A fast suite (``python -m pytest -n auto``, slow tests deselected by pyproject's
   on a GPU, where 16 workers share the CPU: CLI flows in subprocesses, killed sweeps, statistical tests and
   inductor compiles (the CPU suite still runs them, in CI).
 """
+import json
 import os
 
 import tritune.harness  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
@@ -91,6 +92,53 @@ def pytest_runtest_call(item):
         yield
     finally:
         handle.inner_test = inner
+
+
+# Durations (s) of the GPU suite's long tests on an H100 under 16 workers, written by
+# `python lab/suite_durations.py LOG... --write-durations tests/gpu_durations.json --min-seconds 8`.
+DURATIONS = os.path.join(os.path.dirname(__file__), "gpu_durations.json")
+
+
+@pytest.hookimpl(trylast=True)  # after -m deselects: the order of the tests that will run
+def pytest_collection_modifyitems(config, items):
+    """On a GPU under xdist, each worker's share starts with its part of the long tests.
+
+    ``--dist worksteal`` hands worker i the i-th of W equal contiguous slices of the collection and lets idle
+    workers steal the back half of the longest queue. In file order the long tests of a file (engines, CLI
+    flows, inductor compiles) land in one or two slices, run one after the other on one worker and set the
+    wall clock. Here the known long tests are spread longest-first over the slices (each to the least
+    loaded one with room) and put at each slice's front; the short tests keep their file order behind them,
+    where stealing balances them. The order depends only on the collection and W, so every worker collects
+    the same list. ``TRITUNE_TEST_ORDER=0`` keeps the file order."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or dev.interpreted() or os.environ.get("TRITUNE_TEST_ORDER", "1") == "0":
+        return
+    try:
+        with open(DURATIONS) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        return
+    items[:] = spread_long_first(items, known, workers)
+
+
+def spread_long_first(items, known: dict, workers: int) -> list:
+    n = len(items)
+    sizes = []
+    for i in range(workers):  # xdist's split: each idle node gets len(pending) // nodes_remaining
+        sizes.append((n - sum(sizes)) // (workers - i))
+    long = sorted((it for it in items if it.nodeid in known), key=lambda it: -known[it.nodeid])
+    slices = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for it in long:
+        room = [i for i in range(workers) if len(slices[i]) < sizes[i]]
+        i = min(room, key=lambda i: (load[i], i))
+        slices[i].append(it)
+        load[i] += known[it.nodeid]
+    chosen = {id(it) for it in long}
+    rest = iter([it for it in items if id(it) not in chosen])
+    for i in range(workers):
+        slices[i] += [next(rest) for _ in range(sizes[i] - len(slices[i]))]
+    return [it for s in slices for it in s]
 
 
 def pytest_runtest_logreport(report):
