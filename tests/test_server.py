@@ -429,8 +429,12 @@ def test_cli_serve_in_a_subprocess():
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, TRITUNE_API_KEY="k2")
+    # a small engine (4 seats, a 256-token step: the packaged model's context): the warm-up and capture run
+    # in full over fewer sizes, and the KV pool leaves the GPU to the other test workers
     p = subprocess.Popen([sys.executable, "-m", "tritune.harness.cli", "serve", "--port", str(port),
-                          "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                          "--log-level", "warning", "--max-num-seqs", "4", "--max-batch-tokens", "256"]
+                         + (["--kv-memory-fraction", "0.05"] if torch.cuda.is_available() else []),
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     auth = {"Authorization": "Bearer k2"}
     # On a GPU the server warms up (kernel variants compiled, CUDA graphs captured) after the port opens:
     # minutes on a cold compile cache, while /health answers 503 "warming up". On the CPU, no warm-up.
