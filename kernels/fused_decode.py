@@ -1,0 +1,526 @@
+"""GPT-2's whole decode step (1 to 8 rows) in one persistent launch: every layer's stages, then the LM head.
+
+Per layer, five stages over the residual stream x (M, E), M <= 8 rows::
+
+    0  qkv = LN1(x) @ W_qkv + b_qkv          k, v also written to the paged cache at each row's slot
+    1  a   = attention(q, K/V cache)          per (row, head, KV chunk); chunks merged by the last arrival
+    2  x  += a @ W_o + b_o
+    3  h   = gelu(LN2(x) @ W_fc + b_fc)
+    4  x  += h @ W_proj + b_proj
+
+and one final stage ``logits = LN_f(x) @ lm_head``. Stage s of layer l is number 5·l + kind.
+
+Why one launch: at batch 1 a GPT-2-small step reads 249 MB of weights (83 us at 3 TB/s) but ran as ~60
+kernels, each paying a launch, a ramp-up and a tail. Here the grid is one program per SM, all resident at
+once; a stage's programs split its work (GEMV stages: BLOCK_N-column tiles, optionally split along K;
+attention: (row, head, KV chunk)), and stages are separated by a grid barrier in global memory: an
+arrival counter per stage (``atomic_add(.., 1, sem="release")`` after a program's stores), on which every
+program then spins with acquire loads until all P have arrived. Before it spins, a program issues the
+loads of its first weight block of the next GEMV stage, so the weight stream overlaps the barrier wait
+(the loads' results sit in registers, carried into the next stage). LayerNorm is recomputed by every
+program that needs the normalized rows (M x E floats from L2: cheaper than a stage of its own).
+
+Counters: the last program to leave (an exit ticket) zeroes every counter, so the next launch (a CUDA
+graph replay) finds them at zero without a memset. Split-K and split-KV partial results are merged by the
+last arrival of each tile (a per-tile ticket, reset by that program), in a fixed order: deterministic.
+
+Data written inside the launch by other programs (x, qkv, a, h, the new K/V, partials) is read with
+``cache_modifier=".cg"`` (L2, never a stale L1 line).
+
+``SYNC=False`` compiles the barriers out and runs the stages [stage_lo, stage_hi) of every program in
+order: the host then launches one stage per launch (the interpreter, where programs run one after
+another and a spinning program would never be joined by the others). ``DEBUG``: 1 removes the barrier
+waits (arrivals kept), 2 also delays the stores of odd programs (a spin on a scratch counter): the
+wrong-dependency tests show that results then go wrong, so a missing dependency cannot pass unseen.
+
+The grid must fit on the GPU at once (P <= SMs, one program per SM, nothing else running): otherwise the
+barrier never completes. The model-level driver (``tritune.model.fused_decode``) guarantees that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage descriptors
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ, s_lk, s_ln,
+                 SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ):
+    """(weights, bias, stride along K, stride along N, N, K, split) of GEMV stage s (kind 1 = attention is
+    never asked: its caller skips to the next stage)."""
+    layer = s // 5 + tl.zeros((), dtype=tl.int64)   # s is a plain int in the interpreter
+    kind = s % 5
+    z = s * 0                   # every branch assigns tensors: an int argument equal to 1 arrives as a constant
+    if s == 5 * L:              # the LM head (E, V), any strides (the tied wte^T view: K contiguous)
+        w = LMH
+        b = BO
+        s_wk = z + s_lk
+        s_wn = z + s_ln
+        n = z                   # set by the caller (V)
+        k = z + E
+        split = z + 1
+    elif kind == 0:
+        w = WQKV + layer * E * 3 * E
+        b = BQKV + layer * 3 * E
+        s_wk = z + 3 * E
+        s_wn = z + 1
+        n = z + 3 * E
+        k = z + E
+        split = z + SPLIT_QKV
+    elif kind == 3:
+        w = WFC + layer * E * F
+        b = BFC + layer * F
+        s_wk = z + F
+        s_wn = z + 1
+        n = z + F
+        k = z + E
+        split = z + SPLIT_FC
+    elif kind == 4:
+        w = WPROJ + layer * F * E
+        b = BPROJ + layer * E
+        s_wk = z + E
+        s_wn = z + 1
+        n = z + E
+        k = z + F
+        split = z + SPLIT_PROJ
+    else:                       # kind 2 (and 1, mapped to 2 by the caller)
+        w = WO + layer * E * E
+        b = BO + layer * E
+        s_wk = z + E
+        s_wn = z + 1
+        n = z + E
+        k = z + E
+        split = z + SPLIT_O
+    return w, b, s_wk, s_wn, n, k, split
+
+
+@triton.jit
+def _first_block(pid, P, w, s_wk, s_wn, n, k, split,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first weight block of program pid's first work item in a GEMV stage (zeros when it has none):
+    loaded before a barrier wait, consumed after it."""
+    kt = tl.cdiv(tl.cdiv(k, BLOCK_K), split)
+    items = tl.cdiv(n, BLOCK_N) * split
+    tile = pid // split
+    ks = pid % split
+    offs_k = ks * kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_live = tl.where(pid < items, n, 0)   # (a scalar condition in the mask: the interpreter's masks go int32)
+    mask = (offs_k < k)[:, None] & (offs_n < n_live)[None, :]
+    return tl.load(w + offs_k.to(tl.int64)[:, None] * s_wk + offs_n.to(tl.int64)[None, :] * s_wn, mask=mask,
+                   other=0.0)
+
+
+@triton.jit
+def _next_gemv_stage(s, L):
+    """The GEMV stage whose weights a program prefetches after stage s (attention, kind 1, has none)."""
+    t = s + 1
+    if t < 5 * L:
+        if t % 5 == 1:
+            t = s + 2
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------
+# LayerNorm statistics, recomputed by each program that needs them
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _row_stats(X, M, E, eps, BLOCK_M: tl.constexpr, LN_BLOCK: tl.constexpr):
+    """(mean, rstd) of the M rows of X (M, E) contiguous, float32, two passes over L2."""
+    offs_m = tl.arange(0, BLOCK_M)
+    mm = offs_m < M
+    rows = X + offs_m.to(tl.int64)[:, None] * E
+    s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, E, LN_BLOCK):
+        kk = k0 + tl.arange(0, LN_BLOCK)
+        v = tl.load(rows + kk[None, :], mask=mm[:, None] & (kk < E)[None, :], other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        s1 += tl.sum(v, axis=1)
+    mean = s1 / E
+    s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, E, LN_BLOCK):
+        kk = k0 + tl.arange(0, LN_BLOCK)
+        km = mm[:, None] & (kk < E)[None, :]
+        v = tl.load(rows + kk[None, :], mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
+        d = tl.where(km, v - mean[:, None], 0.0)
+        s2 += tl.sum(d * d, axis=1)
+    rstd = 1.0 / tl.sqrt(s2 / E + eps)
+    return mean, rstd
+
+
+# ---------------------------------------------------------------------------------------------------
+# A GEMV stage
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
+                w, bias, s_wk, s_wn, n, k, split,
+                X, QKV, Hb, Logits, s_log, KC, VC, Slots, C, Work, Tick, Dbg, debug_spin,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
+                DEBUG: tl.constexpr):
+    """y = epilogue(LN?(xin) @ w): program pid takes work items pid, pid + P, ... (item = (column tile,
+    K slice)); its first weight block is ``wpre``, every later one is loaded a step ahead of its use."""
+    offs_m = tl.arange(0, BLOCK_M)
+    mm = offs_m < M
+    rows = offs_m.to(tl.int64)
+    offs_kb = tl.arange(0, BLOCK_K)
+    offs_nb = tl.arange(0, BLOCK_N)
+    if has_ln:
+        mean, rstd = _row_stats(Xin, M, E, eps, BLOCK_M, LN_BLOCK)
+    else:
+        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        rstd = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    kt = tl.cdiv(tl.cdiv(k, BLOCK_K), split)
+    items = tl.cdiv(n, BLOCK_N) * split
+    mine = tl.maximum(tl.cdiv(items - pid, P), 0)
+    steps = mine * kt
+    wv = wpre
+    acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(0, steps):
+        j = t // kt
+        kb = t % kt
+        item = pid + j * P
+        tile = item // split
+        ks = item % split
+        offs_k = (ks * kt + kb) * BLOCK_K + offs_kb
+        km = offs_k < k
+        # the next step's weight block, issued before this step's math
+        t1 = t + 1
+        item1 = pid + (t1 // kt) * P
+        offs_k1 = ((item1 % split) * kt + t1 % kt) * BLOCK_K + offs_kb
+        offs_n1 = (item1 // split) * BLOCK_N + offs_nb
+        n1 = tl.where(t1 < steps, n, 0)
+        m1 = (offs_k1 < k)[:, None] & (offs_n1 < n1)[None, :]
+        w_next = tl.load(w + offs_k1.to(tl.int64)[:, None] * s_wk + offs_n1.to(tl.int64)[None, :] * s_wn,
+                         mask=m1, other=0.0)
+        xm = mm[:, None] & km[None, :]
+        xv = tl.load(Xin + rows[:, None] * s_x + offs_k[None, :], mask=xm, other=0.0,
+                     cache_modifier=".cg").to(tl.float32)
+        if has_ln:
+            lw = tl.load(LnW + offs_k, mask=km, other=0.0).to(tl.float32)
+            lb = tl.load(LnB + offs_k, mask=km, other=0.0).to(tl.float32)
+            xv = (xv - mean[:, None]) * rstd[:, None] * lw[None, :] + lb[None, :]
+            xv = tl.where(xm, xv, 0.0)
+        if BLOCK_M == 1:    # one row: float32 products in registers, reduced over K once per item
+            acc2 += tl.sum(xv, axis=0)[:, None] * wv.to(tl.float32)
+        else:               # a few rows: tensor cores (the normalised rows rounded to the weights' dtype)
+            acc = tl.dot(xv.to(wv.dtype), wv, acc, input_precision="ieee")
+        wv = w_next
+        if kb == kt - 1:
+            if BLOCK_M == 1:
+                acc = tl.sum(acc2, axis=0)[None, :]
+                acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+            _gemv_finish(acc, tile, ks, split, kind, s, M, n, rows, mm, bias, X, QKV, Hb, Logits, s_log,
+                         KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid,
+                         BLOCK_M, BLOCK_N, DEBUG)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _gemv_finish(acc, tile, ks, split, kind, s, M, n, rows, mm, bias, X, QKV, Hb, Logits, s_log,
+                 KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEBUG: tl.constexpr):
+    """A work item's partial product: alone (split 1), or stored and, by the tile's last arrival, summed
+    over the K slices in order; then the stage's epilogue."""
+    offs_b = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    done = ks >= 0
+    if split > 1:
+        base = Work + tile.to(tl.int64) * split * BLOCK_M * BLOCK_N
+        tl.store(base + ks * BLOCK_M * BLOCK_N + offs_b, acc)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(Tick + tile, 1, sem="acq_rel", scope="gpu")
+        done = ticket == split - 1
+        if done:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(0, split):  # fixed order: the sum does not depend on arrival order
+                acc += tl.load(base + i * BLOCK_M * BLOCK_N + offs_b, cache_modifier=".cg")
+            tl.store(Tick + tile, 0)
+    if done:
+        if DEBUG == 2:
+            _debug_delay(Dbg, pid, debug_spin)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = cols < n
+        mask = mm[:, None] & nm[None, :]
+        y = acc
+        if kind != 5:
+            y += tl.load(bias + cols, mask=nm, other=0.0).to(tl.float32)[None, :]
+        if kind == 3:       # tanh GELU as x·sigmoid(2z): no tanh, no overflow
+            z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+            y = y / (1.0 + tl.exp(-2.0 * z))
+        if (kind == 2) | (kind == 4):
+            y += tl.load(X + rows[:, None] * E + cols[None, :], mask=mask, other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+        if kind == 0:
+            out = y.to(QKV.dtype.element_ty)
+            tl.store(QKV + rows[:, None] * n + cols[None, :], out, mask=mask)
+            slot = tl.load(Slots + rows, mask=mm, other=-1).to(tl.int64)
+            live = mask & (slot >= 0)[:, None]
+            at = slot[:, None] * C + cols[None, :]
+            is_v = cols >= 2 * C
+            tl.store(KC + at - C, out, mask=live & ((cols >= C) & ~is_v)[None, :])
+            tl.store(VC + at - 2 * C, out, mask=live & is_v[None, :])
+        elif kind == 3:
+            tl.store(Hb + rows[:, None] * F + cols[None, :], y.to(Hb.dtype.element_ty), mask=mask)
+        elif kind == 5:
+            tl.store(Logits + rows[:, None] * s_log + cols[None, :], y.to(Logits.dtype.element_ty), mask=mask)
+        else:
+            tl.store(X + rows[:, None] * E + cols[None, :], y.to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _debug_delay(Dbg, pid, debug_spin):
+    """Odd programs wait (a chain of atomic reads of a scratch counter, ~1 us each) before storing: with
+    the barrier waits removed, readers then run ahead of these writers."""
+    if pid % 2 == 1:
+        acc = tl.zeros((), dtype=tl.int32)
+        for i in range(0, debug_spin):
+            acc += tl.atomic_add(Dbg, 0, sem="relaxed", scope="gpu")
+        if acc == -1:   # never true: keeps the chain from being optimised away
+            tl.store(Dbg, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The attention stage
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_stage(pid, P, M, H, D, C, n_split, qk_scale, QKV, A, KC, VC, BT, s_bt, Ctx, block_size,
+                AWork, ATick, Dbg, debug_spin,
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DEBUG: tl.constexpr):
+    """a[m, head h] = softmax(q·K^T·scale)·V over row m's ctx[m] cached tokens (the new one included:
+    written by the qkv stage). Work item (m, h, chunk): chunk c of n_split equal token ranges (multiples of
+    BLOCK_T); with n_split > 1 the chunks' (max, sum, acc) are merged by the last arrival, in order."""
+    offs_d = tl.arange(0, BLOCK_D)
+    dm = offs_d < D
+    offs_t = tl.arange(0, BLOCK_T)
+    items = M * H * n_split
+    for item in range(pid, items, P):
+        m = item // (H * n_split)
+        h = (item // n_split) % H
+        c = item % n_split
+        ctx = tl.load(Ctx + m)
+        chunk = tl.cdiv(tl.cdiv(ctx, n_split), BLOCK_T) * BLOCK_T
+        t_lo = c * chunk
+        t_hi = tl.minimum(ctx, t_lo + chunk)
+        q = tl.load(QKV + m * 3 * C + h * D + offs_d, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        q = q * qk_scale
+        m_i = tl.full((), float("-inf"), tl.float32)
+        l_i = tl.zeros((), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for t0 in range(t_lo, t_hi, BLOCK_T):
+            tt = t0 + offs_t
+            tm = tt < t_hi
+            blk = tl.load(BT + m * s_bt + tt // block_size, mask=tm, other=0).to(tl.int64)
+            at = (blk * block_size + tt % block_size) * C + h * D
+            kvm = tm[:, None] & dm[None, :]
+            kk = tl.load(KC + at[:, None] + offs_d[None, :], mask=kvm, other=0.0, cache_modifier=".cg")
+            vv = tl.load(VC + at[:, None] + offs_d[None, :], mask=kvm, other=0.0, cache_modifier=".cg")
+            sc = tl.sum(q[None, :] * kk.to(tl.float32), axis=1)
+            sc = tl.where(tm, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            p = tl.exp2(sc - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * vv.to(tl.float32), axis=0)
+            m_i = m_new
+        row = (m * H + h).to(tl.int64)
+        if n_split == 1:
+            if DEBUG == 2:
+                _debug_delay(Dbg, pid, debug_spin)
+            tl.store(A + m * C + h * D + offs_d, (acc / l_i).to(A.dtype.element_ty), mask=dm)
+        else:
+            part = AWork + (row * n_split + c) * (BLOCK_D + 2)
+            tl.store(part + offs_d, acc)
+            tl.store(part + BLOCK_D, m_i)
+            tl.store(part + BLOCK_D + 1, l_i)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ATick + row, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_split - 1:
+                base = AWork + row * n_split * (BLOCK_D + 2)
+                mx = tl.full((), float("-inf"), tl.float32)
+                for i in range(0, n_split):
+                    mx = tl.maximum(mx, tl.load(base + i * (BLOCK_D + 2) + BLOCK_D, cache_modifier=".cg"))
+                tot = tl.zeros((), dtype=tl.float32)
+                o = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                for i in range(0, n_split):   # an empty chunk has max -inf and weight exp2(-inf) = 0
+                    pi = base + i * (BLOCK_D + 2)
+                    wgt = tl.exp2(tl.load(pi + BLOCK_D, cache_modifier=".cg") - mx)
+                    tot += wgt * tl.load(pi + BLOCK_D + 1, cache_modifier=".cg")
+                    o += wgt * tl.load(pi + offs_d, cache_modifier=".cg")
+                tl.store(ATick + row, 0)
+                if DEBUG == 2:
+                    _debug_delay(Dbg, pid, debug_spin)
+                tl.store(A + m * C + h * D + offs_d, (o / tot).to(A.dtype.element_ty), mask=dm)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The persistent kernel
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _fused_decode_kernel(
+        X, QKV, A, Hb, Logits, s_log,
+        LN1W, LN1B, WQKV, BQKV, WO, BO, LN2W, LN2B, WFC, BFC, WPROJ, BPROJ, LNFW, LNFB, LMH, s_lk, s_ln,
+        KC, VC, s_kv_layer, Slots, BT, s_bt, Ctx, block_size,
+        Work, Tick, AWork, ATick, Bar, Dbg,
+        stage_lo, stage_hi, M, L, E, F, V, H, D, eps, qk_scale,
+        SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, n_split, debug_spin,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SYNC: tl.constexpr, DEBUG: tl.constexpr):
+    """logits = LM head of GPT-2's layers over x (M, E) (see the module docstring): stages
+    [stage_lo, stage_hi) of 5·L + 1, separated by grid barriers when SYNC."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_stages = 5 * L + 1
+    g = stage_lo + pid * 0
+    if g < 5 * L:
+        if g % 5 == 1:
+            g = stage_lo + 1 + pid * 0
+    w, b, s_wk, s_wn, n, k, split = _gemv_params(g, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ,
+                                                 s_lk, s_ln, SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ)
+    if g == 5 * L:
+        n = V
+    wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, BLOCK_N, BLOCK_K)
+    for s in range(stage_lo, stage_hi):
+        kind = s % 5
+        if s == 5 * L:
+            kind = s * 0 + 5
+        layer = s // 5 + tl.zeros((), dtype=tl.int64)   # s is a plain int in the interpreter
+        if kind == 1:
+            _attn_stage(pid, P, M, H, D, E, n_split, qk_scale, QKV, A, KC + layer * s_kv_layer,
+                        VC + layer * s_kv_layer, BT, s_bt, Ctx, block_size, AWork, ATick, Dbg, debug_spin,
+                        BLOCK_T, BLOCK_D, DEBUG)
+        else:
+            w, b, s_wk, s_wn, n, k, split = _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC,
+                                                         BPROJ, s_lk, s_ln, SPLIT_QKV, SPLIT_O, SPLIT_FC,
+                                                         SPLIT_PROJ)
+            if kind == 5:
+                n = V
+            # the rows this stage reads, and the LayerNorm before it (kinds 0, 3, 5)
+            xin = X
+            s_x = E
+            has_ln = (kind == 0) | (kind == 3) | (kind == 5)
+            lnw = LNFW
+            lnb = LNFB
+            if kind == 0:
+                lnw = LN1W + layer * E
+                lnb = LN1B + layer * E
+            elif kind == 3:
+                lnw = LN2W + layer * E
+                lnb = LN2B + layer * E
+            elif kind == 2:
+                xin = A
+            elif kind == 4:
+                xin = Hb
+                s_x = F
+            _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, xin, s_x, has_ln, lnw, lnb,
+                        w, b, s_wk, s_wn, n, k, split,
+                        X, QKV, Hb, Logits, s_log, KC + layer * s_kv_layer, VC + layer * s_kv_layer, Slots, E,
+                        Work, Tick, Dbg, debug_spin, BLOCK_M, BLOCK_N, BLOCK_K, LN_BLOCK, DEBUG)
+        if s + 1 < stage_hi:
+            if SYNC:
+                tl.debug_barrier()      # all of this program's stores are issued before its arrival
+                tl.atomic_add(Bar + s, 1, sem="release", scope="gpu")
+            if kind != 1:               # after attention, the o-proj block is already in registers
+                g = _next_gemv_stage(s, L)
+                w, b, s_wk, s_wn, n, k, split = _gemv_params(g, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO,
+                                                             BFC, BPROJ, s_lk, s_ln, SPLIT_QKV, SPLIT_O,
+                                                             SPLIT_FC, SPLIT_PROJ)
+                if g == 5 * L:
+                    n = V
+                wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, BLOCK_N, BLOCK_K)
+            if SYNC:
+                if DEBUG == 0:
+                    while tl.atomic_add(Bar + s, 0, sem="acquire", scope="gpu") < P:
+                        pass
+                tl.debug_barrier()
+    if SYNC:  # the last program out zeroes the counters for the next launch
+        tl.debug_barrier()
+        ticket = tl.atomic_add(Bar + n_stages, 1, sem="acq_rel", scope="gpu")
+        if ticket == P - 1:
+            for i in range(0, n_stages + 1, 256):
+                offs = i + tl.arange(0, 256)
+                tl.store(Bar + offs, tl.zeros((256,), dtype=tl.int32), mask=offs < n_stages + 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch configuration: plain data
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    """How a step is split. ``programs`` 0: one per SM. ``split_*`` 0: picked so a stage's work items
+    cover the programs (K slices of at least 2 blocks)."""
+    block_n: int = 32
+    block_k: int = 128
+    block_t: int = 32
+    num_warps: int = 4
+    programs: int = 0
+    split_qkv: int = 0
+    split_o: int = 0
+    split_fc: int = 0
+    split_proj: int = 0
+    kv_split: int = 0
+    faster: int = 0         # measured faster than the per-op path here (what fused_decode="auto" follows)
+
+    SPACE = {"block_n": [16, 32, 64, 128], "block_k": [32, 64, 128, 256, 512], "block_t": [16, 32, 64],
+             "num_warps": [2, 4, 8], "programs": [0], "split_qkv": [0, 1, 2, 4], "split_o": [0, 1, 2, 4, 8],
+             "split_fc": [0, 1, 2], "split_proj": [0, 1, 2, 4, 8], "kv_split": [0, 1, 2, 4, 8, 16],
+             "faster": [0, 1]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        unknown = set(d) - set(cls.SPACE)
+        if unknown:
+            raise ValueError(f"config: unknown fused_decode parameter(s) {sorted(unknown)}")
+        for key, v in d.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"config: {key} must be a non-negative int, got {v!r}")
+            if key.startswith("block_") and v & (v - 1):
+                raise ValueError(f"config: {key} must be a power of two, got {v}")
+        return cls(**d)
+
+
+def auto_split(n: int, k: int, block_n: int, block_k: int, programs: int, want: int = 0) -> int:
+    """K slices per column tile: ``want`` when set, else enough for the stage's items to cover the
+    programs, each slice at least two K blocks (a slice of one block is all latency)."""
+    if want:
+        return max(1, min(want, triton.cdiv(k, block_k)))
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split * 2 <= programs and triton.cdiv(k, block_k) >= 4 * split:
+        split *= 2
+    return split
+
+
+def kv_split(M: int, H: int, programs: int, want: int = 0) -> int:
+    """KV chunks per (row, head): enough for the attention stage's items to cover the programs."""
+    if want:
+        return want
+    return max(1, min(16, programs // max(1, M * H)))
+
+
+def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int, eps: float,
+           cfg: Config, programs: int, splits: tuple, n_split: int, sync: bool, stage_lo: int = 0,
+           stage_hi: int | None = None, debug: int = 0, debug_spin: int = 0) -> None:
+    """One launch of the kernel over stages [stage_lo, stage_hi) (default: all). ``args``: the tensors
+    and strides by name (the driver in ``tritune.model.fused_decode`` builds them once)."""
+    n_stages = 5 * L + 1
+    hi = n_stages if stage_hi is None else stage_hi
+    BLOCK_M = 1 if M == 1 else max(16, triton.next_power_of_2(M))
+    a = args
+    _fused_decode_kernel[(programs,)](
+        a["X"], a["QKV"], a["A"], a["Hb"], a["Logits"], a["s_log"],
+        a["LN1W"], a["LN1B"], a["WQKV"], a["BQKV"], a["WO"], a["BO"], a["LN2W"], a["LN2B"], a["WFC"], a["BFC"],
+        a["WPROJ"], a["BPROJ"], a["LNFW"], a["LNFB"], a["LMH"], a["s_lk"], a["s_ln"],
+        a["KC"], a["VC"], a["s_kv_layer"], a["Slots"], a["BT"], a["s_bt"], a["Ctx"], a["block_size"],
+        a["Work"], a["Tick"], a["AWork"], a["ATick"], a["Bar"], a["Dbg"],
+        stage_lo, hi, M, L, E, F, V, H, D, eps, LOG2E / D ** 0.5,
+        *splits, n_split, debug_spin,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LN_BLOCK=min(256, triton.next_power_of_2(E)),
+        BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), SYNC=sync, DEBUG=debug,
+        num_warps=cfg.num_warps, num_stages=1)
