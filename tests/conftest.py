@@ -4,7 +4,7 @@ A fast suite (``python -m pytest -n auto``, slow tests deselected by pyproject's
 (``python -m pytest -n auto -m slow``) that together run every test:
 
 - every hypothesis test on a GPU stops launching once ``TRITUNE_TEST_BUDGET`` seconds are
-  spent (default 12), after at least two examples (a failure found is still shrunk in full); the examples are drawn
+  spent (default 8), after at least two examples (a failure found is still shrunk in full); the examples are drawn
   afresh each run, so the runs together cover what one long run would. The kernels' contract tests
   (tritune.testing.contract) budget themselves the same way, and their deep variant is marked slow.
 - the tests in SLOW below, by node id (so their files need no edit), are marked slow; those in GPU_SLOW only
@@ -27,6 +27,17 @@ settings.register_profile("interpreter", max_examples=int(os.environ.get("TRITUN
 settings.register_profile("gpu", max_examples=int(os.environ.get("TRITUNE_EXAMPLES", 60)), deadline=None,
                           suppress_health_check=list(HealthCheck), print_blob=True)
 settings.load_profile("interpreter" if dev.interpreted() else "gpu")
+
+
+def pytest_configure(config):
+    """On a GPU under xdist, each worker's torch uses its share of the host's cores: the default, every
+    core in each of 16 workers, oversubscribes the host (spinning OpenMP threads) in the tests' host-side
+    work (CPU references, transformers on the host), which slows the compiles beside them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers >= 2 and not dev.interpreted():
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_report_header(config):

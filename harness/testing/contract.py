@@ -10,7 +10,7 @@ invalid config is refused, and (on a GPU) the standard problems at full size mat
 Budgets: the reference-match test runs at most ``examples`` hypothesis examples and stops launching once
 ``budget`` seconds are spent (a failure found before then is still shrunk in full); the ``slow``-marked
 ``test_matches_reference_deep`` runs the larger count with no time limit. Defaults: 12 examples and 120 s
-through the interpreter, 40 examples and 12 s per (kernel, dtype) on a GPU; ``TRITUNE_EXAMPLES`` and
+through the interpreter, 40 examples and 8 s per (kernel, dtype) on a GPU; ``TRITUNE_EXAMPLES`` and
 ``TRITUNE_TEST_BUDGET`` override them.
 """
 from __future__ import annotations
@@ -47,7 +47,10 @@ def default_examples() -> int:
 
 
 def default_budget() -> float:
-    return _env_number("TRITUNE_TEST_BUDGET", S.cap(cpu=120.0, gpu=12.0))
+    # GPU: the ~25 (kernel, dtype) items of the fast suite, each its budget plus one example's overrun, share
+    # 16 workers and the one GPU with the engine tests; 8 s draws a few examples per item and run, afresh
+    # each run (the deep, slow-marked variant has no time limit)
+    return _env_number("TRITUNE_TEST_BUDGET", S.cap(cpu=120.0, gpu=8.0))
 
 
 def _settings(examples: int) -> settings:
