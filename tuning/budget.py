@@ -1,7 +1,6 @@
 """A new GPU type in one command: ``tritune tune all --budget 30m``.
 
-Every kernel's standard buckets are tuned within a wall-clock budget: each study gets an equal share of
-what is left (a study that ends early, its space exhausted, leaves its time to the next), and starts from
+``--budget`` is a cap, not a quota. Every study (kernel x bucket x dtype) starts from
 
 1. the heuristic default (the baseline),
 2. this GPU's own stored entry, if any,
@@ -9,13 +8,33 @@ what is left (a study that ends early, its space exhausted, leaves its time to t
    nearest neighbouring buckets. Nearest: the same vendor, then the same family letter (h100, h200,
    h20: ``h``), then the closest model number (an H200 warm-starts from the H100).
 
-Then the front runners of each study (the tuned best, the best warm seed, the default) are re-timed side
-by side, in interleaved rounds with the order rotated each round, in one worker process: the winner is
-the lowest median over the rounds, so a config that was lucky once in the sweep does not win on noise.
-The re-timing is stored on the study (``retimed``) and the export takes its winner and times.
+The run has two phases. First the seeds (1-3) of every study, so that each bucket has its warm-started
+result before any study explores (the seeds are what make a short budget good). Then the search: each
+unfinished study in turn gets an equal share of the budget left (time a study does not use goes to the
+next ones) and its sampler proposes until the study
+
+- converged: ``PATIENCE`` evaluated sampler trials in a row (after the seeds) brought no gain, a gain
+  being a time below the best so far by more than ``MIN_GAIN`` (the run-to-run spread of do_bench's
+  median; smaller differences are noise that the re-timing below would not trust either);
+- exhausted its space (every valid point evaluated), or reached ``--trials``;
+- ran out of its share, or of the budget (``budget``): it is resumed by a later pass or call while
+  budget is left.
+
+Then its front runners (the tuned best, the best warm seed, the default) are re-timed side by side, in
+interleaved rounds with the order rotated each round, in the worker process that swept it (compiled
+already): the winner is the lowest median over the rounds, so a config that was lucky once in the sweep
+does not win on noise. The re-timing is stored on the study (``retimed``); the export takes its winner.
+
+Kill-safe and resumable: the time each study spends (sweep and re-timing) is added to its ``budget``
+user attribute after every trial, and the budget left is the budget less the sum over the plan's studies.
+The same command on the same ``--storage`` skips finished studies (converged, exhausted, trial cap;
+re-timed), continues a killed one (its abandoned trial is retried, see ``search.reap``) and spends only
+what is left, so a 30 min budget can run as several shorter calls (``--stop-after``). A kill loses at
+most the time of the trial in flight from the accounting.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import statistics
@@ -25,7 +44,22 @@ import time
 from tritune.tuning import search, store
 
 RETIME_ROUNDS = 5
-RETIME_SHARE = 0.1   # of the budget, kept for re-timing
+RETIME_SHARE = 0.1   # of a study's share, kept for re-timing its front runners
+PATIENCE = 6         # K: sampler trials after the seeds without a gain -> converged
+MIN_GAIN = 0.02      # a gain beats the best so far by more than this fraction (do_bench's run-to-run spread)
+LEDGER = "budget"    # the study user attribute holding the time spent and why the study stopped
+DONE = ("converged", "exhausted", "trials", "no valid config")
+SEED_ATTRS = ("default", "previous", "warm", "seeded")
+
+# Estimate (``--dry-run``): seconds per evaluated trial on an H100/H200 (compile the config, verify it
+# against the float64 reference on fresh inputs, time it: do_bench 25 ms warm-up + 100 ms), read off the
+# wall times of the tuning runs in lab/logs/h100 and lab/logs/h200 (2026-11-22/23: 0.5-1.5 s a trial);
+# trials already in the storage replace them with their own recorded seconds.
+TRIAL_S = {"gemm": 0.8, "gemv": 0.8, "attention": 1.3, "attention_varlen": 1.3, "paged_attention": 1.0,
+           "quant_matmul": 1.2, "gelu": 0.6, "layer_norm": 0.6}
+TRIAL_S_OTHER = 1.0
+TIME_ONLY_S = 0.2    # one timing without compile or verification (a re-timing round of one config)
+WORKER_START_S = 15.0
 
 
 def _model(slug: str) -> tuple[str, str, float | None]:
@@ -120,57 +154,316 @@ def retime(study, job, runner, rounds: int = RETIME_ROUNDS) -> dict | None:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------
+# The ledger: time spent and why a study stopped, in the storage (resumable, shared by every call)
+# ---------------------------------------------------------------------------------------------------
+def ledger(study) -> dict:
+    """{"spent_s", "stop", "calls"} of a study (zeros for one the budgeted run never touched)."""
+    d = study.user_attrs.get(LEDGER)
+    return {"spent_s": 0.0, "stop": None, "calls": 0, **(d if isinstance(d, dict) else {})}
+
+
+class _Meter:
+    """Adds wall time to a study's ledger as it goes (after every trial, so a kill loses one trial's)."""
+
+    def __init__(self, study):
+        self.study, self.mark = study, time.time()
+        self.written = self.mark
+        self.led = ledger(study)
+
+    def charge(self, write: bool = False, **updates) -> None:
+        """Add the time since the last charge; written after a trial was evaluated (``write``), with
+        ``updates``, or when 0.5 s passed (free proposals, pruned or duplicates, come in bursts: a journal
+        write per evaluated trial, not per proposal)."""
+        now = time.time()
+        self.led["spent_s"] = round(self.led["spent_s"] + (now - self.mark), 3)
+        self.mark = now
+        self.led.update(updates)
+        if write or updates or now - self.written >= 0.5:
+            self.study.set_user_attr(LEDGER, self.led)
+            self.written = now
+
+
+@dataclasses.dataclass
+class Progress:
+    """What a study's trials say about it: evaluated trials, seeds still waiting, sampler trials after
+    the seeds, and how many of those in a row brought no gain."""
+    evaluated: int = 0
+    waiting: int = 0
+    sampler: int = 0
+    since_gain: int = 0
+    best_us: float | None = None
+
+
+def study_progress(trials, min_gain: float = MIN_GAIN) -> Progress:
+    """``trials``: the study's current trials (``search.current_trials``), in any order. A seed is a trial
+    carrying a seed role (default, stored, warm, seeded), retried or not; every other evaluated trial is
+    the sampler's (or forced), and each one that does not beat the best before it by more than
+    ``min_gain`` extends the run without a gain (a failed one too: the draw found nothing)."""
+    from optuna.trial import TrialState
+
+    p = Progress(waiting=sum(t.state == TrialState.WAITING for t in trials))
+    ev = sorted(search._evaluated(trials), key=lambda t: t.number)
+    p.evaluated = len(ev)
+    ok = [t for t in ev if t.state == TrialState.COMPLETE and t.value is not None]
+    seeds = [t for t in ok if any(t.user_attrs.get(a) for a in SEED_ATTRS)]
+    best = min((t.value for t in seeds), default=None)
+    for t in ev:
+        if any(t.user_attrs.get(a) for a in SEED_ATTRS):
+            continue
+        p.sampler += 1
+        v = t.value if t.state == TrialState.COMPLETE else None
+        if v is not None and (best is None or v < best * (1.0 - min_gain)):
+            p.since_gain = 0
+        else:
+            p.since_gain += 1
+        if v is not None:
+            best = v if best is None else min(best, v)
+    p.best_us = best
+    return p
+
+
+class _Stop:
+    """``run_study``'s ``should_stop``: after the seeds (``seeds_only``: as soon as none waits), or on
+    convergence; charges the time to the ledger each time it is asked (once per proposal)."""
+
+    def __init__(self, meter: _Meter, seeds_only: bool, patience: int, min_gain: float):
+        self.meter, self.seeds_only, self.patience, self.min_gain = meter, seeds_only, patience, min_gain
+        self.reason = None
+        self.progress = Progress()
+
+    def need(self) -> int:
+        """Evaluated trials the study needs at least before it may stop (the progress bar's total)."""
+        p = self.progress
+        return p.evaluated + p.waiting + (0 if self.seeds_only else max(0, self.patience - p.since_gain))
+
+    def __call__(self, trials) -> bool:
+        before = self.progress.evaluated
+        self.progress = p = study_progress(trials, self.min_gain)
+        self.meter.charge(write=p.evaluated != before)
+        if p.waiting:
+            return False
+        if self.seeds_only:
+            self.reason = "seeded"
+            return True
+        if p.since_gain >= self.patience:
+            self.reason = "converged"
+            return True
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Budget:
+    """The budget (seconds), the time already spent on the plan's studies in earlier calls, and this
+    call's own deadline (``--stop-after``)."""
+    total_s: float
+    spent_before_s: float
+    call_deadline: float | None = None
+    started: float = dataclasses.field(default_factory=time.time)
+
+    def end(self) -> float:
+        """The wall-clock time at which the budget is spent."""
+        t = self.started + max(0.0, self.total_s - self.spent_before_s)
+        return t if self.call_deadline is None else min(t, self.call_deadline)
+
+    def left(self) -> float:
+        return max(0.0, self.end() - time.time())
+
+
+def _study_valid(study, job) -> set:
+    return {search.config_key(p, job.spec.space.params) for p in job.spec.space.points(job.problem, job.dtype)}
+
+
+def _exhausted(study, job, valid: set) -> bool:
+    from optuna.trial import TrialState
+
+    ts = search.current_trials(study.get_trials(deepcopy=False), search.code_version(job.spec.name))
+    done = {search.config_key(t.params, job.spec.space.params) for t in search._evaluated(ts)}
+    return bool(valid) and valid <= done and not any(t.state == TrialState.WAITING for t in ts)
+
+
+def _prepare(storage_obj, jobs, warm, window: float) -> dict:
+    """Open every study, fail the trials of a killed call (``search.reap``: each is enqueued again),
+    enqueue its seeds (default, stored entry, warm winners; each once, see ``search._enqueue_seeds``) and
+    return name -> study."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    studies = {}
+    for job in jobs:
+        study = search.open_study(storage_obj, job, search.make_sampler(
+            "tpe", job.spec.space, search._seed(0, job.name, "tpe")))
+        if ledger(study)["stop"] not in DONE:
+            search.reap(study, window)
+            search._ensure_default(study, job)
+            search._ensure_previous(study, job)
+            if warm is not None:
+                search._enqueue_seeds(study, job, warm(job), attr="warm")
+        studies[job.name] = study
+    return studies
+
+
+def _sweep_study(study, job, runner, *, budget: Budget, share_end: float, seeds_only: bool, trials: int | None,
+                 patience: int, min_gain: float, seed: int, progress) -> str:
+    """Run one study's seeds (``seeds_only``) or its search; return why it stopped."""
+    meter = _Meter(study)
+    meter.led["calls"] = meter.led.get("calls", 0) + (0 if seeds_only else 1)
+    valid = _study_valid(study, job)
+    if not valid:
+        meter.charge(stop="no valid config")
+        return "no valid config"
+    hard = budget.end()
+    stop = _Stop(meter, seeds_only, patience, min_gain)
+    deadline = hard if seeds_only else min(hard, share_end)
+
+    def show(job_, n, target, failed, best, dl):  # the bar's total: what the study needs at least
+        if progress is not None:
+            progress(job_, n, max(n, min(target, stop.need())), failed, best, dl)
+
+    search.run_study(study, job, runner, trials=trials if trials is not None else 10**9, deadline=deadline,
+                     seed=seed, progress=show, should_stop=stop)
+    p = study_progress(search.current_trials(study.get_trials(deepcopy=False), search.code_version(job.spec.name)),
+                       min_gain)  # run_study's own stops (count, space, deadline) come before the hook's
+    if stop.reason == "seeded":
+        meter.charge()
+        return "seeded"
+    if stop.reason is not None:
+        why = stop.reason
+    elif _exhausted(study, job, valid):
+        why = "exhausted"
+    elif trials is not None and p.evaluated >= trials:
+        why = "trials"
+    else:
+        why = "budget"
+    meter.charge(stop=why, sampler_trials=p.sampler, since_gain=p.since_gain)
+    return why
+
+
+def _retime_study(study, job, runner, rounds: int) -> dict | None:
+    """Re-time the study's front runners (when at least two distinct configs compete); the time is
+    charged to the study."""
+    meter = _Meter(study)
+    cands = {search.config_key(c, job.spec.space.params) for c, _ in front_runners(study).values()}
+    out = retime(study, job, runner, rounds) if len(cands) > 1 else None
+    meter.charge(retimed=out is not None, retime_candidates=len(cands))
+    return out
+
+
 def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None = None, dtypes=None, problems=None,
                 warm_from: str | None = None, rounds: int = RETIME_ROUNDS, progress: bool = True,
                 slug: str | None = None, evaluate=None, isolation: str = "auto", timeout: float = search.TASK_TIMEOUT,
-                seed: int = 0, log=None) -> tuple[list[dict], str | None]:
-    """Tune within ``budget_s`` seconds, warm-started from ``warm_from`` (default: the nearest stored GPU
-    type), then re-time each study's front runners. Returns (rows, the GPU type warmed from); each row
-    is the study's stats plus ``seed_us`` and ``retimed``."""
+                seed: int = 0, log=None, patience: int = PATIENCE, min_gain: float = MIN_GAIN,
+                stop_after: float | None = None) -> tuple[list[dict], str | None]:
+    """Tune within ``budget_s`` seconds in all (this call and earlier ones on ``storage``), warm-started
+    from ``warm_from`` (default: the nearest stored GPU type); see the module's docstring. ``stop_after``:
+    this call stops starting trials after so many seconds (a later call resumes). Returns (rows, the GPU
+    type warmed from); each row is the study's stats plus ``seed_us``, ``retimed`` and ``ledger``."""
     import optuna
 
     from tritune.harness import device as dev
 
+    if patience < 1:
+        raise ValueError(f"patience: expected at least 1, got {patience!r}")
+    if not 0.0 <= min_gain < 1.0:
+        raise ValueError(f"min_gain: expected a fraction in [0, 1), got {min_gain!r}")
     log = log or (lambda m: print(m, file=sys.stderr))
     slug = slug or dev.gpu_slug()
-    t_end = time.time() + budget_s
     near = warm_from or nearest_slug(slug, store.slugs())
-    log(f"tune: budget {budget_s / 60:.1f} min; warm start from "
-        f"{near + ' (stored winners seeded as first trials)' if near else 'nothing (no stored GPU type of this vendor)'}")
-    warm = (lambda job: warm_configs(job, near)) if near else None
-    rows = search.tune(kernels_, problems, dtypes, trials=trials if trials is not None else 10**9, storage=storage,
-                       time_budget=budget_s * (1 - RETIME_SHARE), seed=seed, evaluate=evaluate, isolation=isolation,
-                       timeout=timeout, progress=progress, slug=slug, warm=warm, log=log)
+    specs = search.resolve_specs(kernels_)
+    jobs = search.plan(specs, problems, dtypes, slug, log)
     storage_obj = search.open_storage(storage)
-    jobs = {j.name: j for j in search.plan(search.resolve_specs(kernels_), problems, dtypes, slug)}
-    runner = search.make_runner(evaluate, isolation, timeout=timeout)
-    bar = None
-    if progress and sys.stderr.isatty():
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(rows), desc="re-timing front runners", unit="study", file=sys.stderr, dynamic_ncols=True)
+    warm = (lambda job: warm_configs(job, near)) if near else None
+    studies = _prepare(storage_obj, jobs, warm, timeout + 120.0)
+    spent = sum(ledger(s)["spent_s"] for s in studies.values())
+    budget = Budget(budget_s, spent, None if stop_after is None else time.time() + stop_after)
+    log(f"tune: budget {budget_s / 60:.1f} min, {spent / 60:.1f} min of it spent by earlier calls; "
+        f"{len(jobs)} studies; warm start from "
+        f"{near + ' (stored winners seeded as first trials)' if near else 'nothing (no stored GPU type of this vendor)'}"
+        f"; a study converges after {patience} sampler trials without a gain > {min_gain:.0%}")
+    open_ = [j for j in jobs if ledger(studies[j.name])["stop"] not in DONE or not _retime_done(studies[j.name])]
+    if len(open_) < len(jobs):
+        log(f"tune: {len(jobs) - len(open_)} studies finished in earlier calls (skipped)")
+    runner = search.make_runner(evaluate, isolation, timeout=timeout) if open_ else None
+    bar = search.Progress(len(open_), enabled=progress)
     try:
-        for row in rows:
-            job = jobs.get(row["study"])
-            if job is None or row.get("config") is None:
-                continue
-            study = optuna.load_study(study_name=row["study"], storage=storage_obj)
-            fr = front_runners(study)
-            row["seed_us"] = fr["seed"][1] if "seed" in fr else None
-            if time.time() < t_end:
-                row["retimed"] = retime(study, job, runner, rounds)
-            else:
-                log(f"tune: {job.label()}: budget spent; not re-timed (the sweep's best is exported)")
-            if bar is not None:
-                bar.update(1)
+        # phase 1: every study's seeds
+        for job in open_:
+            if budget.left() <= 0:
+                break
+            st = studies[job.name]
+            if any(t.state.name == "WAITING" for t in st.get_trials(deepcopy=False)):
+                bar.prefix = "seeds "
+                _sweep_study(st, job, runner, budget=budget, share_end=budget.end(), seeds_only=True, trials=trials,
+                             patience=patience, min_gain=min_gain, seed=seed, progress=bar)
+                bar.next_job()
+        # phase 2: the search, in passes while budget is left and a pass evaluates something
+        bar.prefix, bar.index = "", 0
+        while budget.left() > 0:
+            todo = [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]
+            progressed = False
+            for i, job in enumerate(todo):
+                left = budget.left()
+                if left <= 0:
+                    break
+                st = studies[job.name]
+                before = len(search._evaluated(st.get_trials(deepcopy=False)))
+                share_end = time.time() + left / (len(todo) - i) * (1 - RETIME_SHARE)
+                why = _sweep_study(st, job, runner, budget=budget, share_end=share_end, seeds_only=False,
+                                   trials=trials, patience=patience, min_gain=min_gain, seed=seed, progress=bar)
+                progressed |= len(search._evaluated(st.get_trials(deepcopy=False))) > before
+                if budget.left() > 0 and why != "no valid config":
+                    _retime_study(st, job, runner, rounds)  # in the worker that just compiled its configs
+                bar.next_job()
+            if not progressed or not [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]:
+                break
+        for job in open_:  # finished studies whose re-timing a budget cut short
+            st = studies[job.name]
+            if budget.left() > 0 and ledger(st)["stop"] in DONE[:3] and not _retime_done(st):
+                _retime_study(st, job, runner, rounds)
+    except KeyboardInterrupt:
+        log("tune: interrupted; finished trials and the time spent are in the storage: the same command resumes")
+        raise
     finally:
-        runner.close()
-        if bar is not None:
-            bar.close()
+        if runner is not None:
+            runner.close()
+        bar.next_job()
+    rows = []
+    for job in jobs:
+        st = optuna.load_study(study_name=job.name, storage=storage_obj)
+        row = search.study_stats(st)
+        fr = front_runners(st) if row.get("config") is not None else {}
+        row["seed_us"] = fr["seed"][1] if "seed" in fr else None
+        r = st.user_attrs.get("retimed")
+        row["retimed"] = r if isinstance(r, dict) and r.get("best_trial") == row.get("best_trial") else None
+        row["ledger"] = ledger(st)
+        row["progress"] = dataclasses.asdict(study_progress(
+            search.current_trials(st.get_trials(deepcopy=False), search.code_version(job.spec.name)), min_gain))
+        rows.append(row)
     return rows, near
 
 
-def summary_table(rows: list[dict]) -> str:
+def _retime_done(study) -> bool:
+    """Whether the study's current best was re-timed (or had no rival to be re-timed against)."""
+    led = ledger(study)
+    if led.get("retime_candidates", 0) == 1 and not led.get("retimed"):
+        return True
+    r = study.user_attrs.get("retimed")
+    return isinstance(r, dict) and r.get("best_trial") == search.study_stats(study)["best_trial"]
+
+
+def spent_s(rows: list[dict]) -> float:
+    return sum((r.get("ledger") or {}).get("spent_s", 0.0) for r in rows)
+
+
+def summary_table(rows: list[dict], budget_s: float | None = None, wall_s: float | None = None) -> str:
+    """Per study: trials (of them after the seeds), why it stopped, time spent, the default's, the best
+    warm seed's and the tuned best's times (re-timed side by side where there were rivals), the winner;
+    then the totals: studies by stop reason, budget spent, this call's wall time, the geomean gain."""
+    import collections
+
     from tabulate import tabulate
 
     from tritune.harness.report import _fmt
@@ -179,17 +472,142 @@ def summary_table(rows: list[dict]) -> str:
     for r in rows:
         rt = r.get("retimed") or {}
         t = rt.get("times_us", {})
+        led = r.get("ledger") or {}
         win_us, def_us = rt.get("time_us", r.get("best_us")), rt.get("default_us", r.get("default_us"))
-        table.append([r.get("kernel"), r.get("bucket"), r.get("dtype"), r.get("trials", 0), r.get("failed", 0),
+        winner = rt.get("winner") or ("tuned (not re-timed)" if r.get("config") else "-")
+        if r.get("config") and not rt and led.get("retime_candidates") == 1:
+            winner = "tuned (no rival)"
+        table.append([r.get("kernel"), r.get("bucket"), r.get("dtype"), r.get("trials", 0),
+                      (r.get("progress") or {}).get("sampler", ""), r.get("failed", 0), _stop_label(r),
+                      f"{led.get('spent_s', 0.0):.1f}",
                       _fmt(t.get("default", r.get("default_us"))), _fmt(t.get("seed", r.get("seed_us"))),
-                      _fmt(t.get("tuned", r.get("best_us"))), rt.get("winner", "tuned (not re-timed)" if r.get("config") else "-"),
+                      _fmt(t.get("tuned", r.get("best_us"))), winner,
                       f"{def_us / win_us:.2f}x" if win_us and def_us else ""])
-    head = ["kernel", "bucket", "dtype", "trials", "failed", "default µs", "warm seed µs", "tuned µs", "winner",
-            "vs default"]
-    sp = [r["retimed"]["default_us"] / r["retimed"]["time_us"] for r in rows
-          if (r.get("retimed") or {}).get("default_us") and r["retimed"].get("time_us")]
+    head = ["kernel", "bucket", "dtype", "trials", "after seeds", "failed", "stopped", "spent s", "default µs",
+            "warm seed µs", "tuned µs", "winner", "vs default"]
     text = tabulate(table, headers=head, disable_numparse=True)
+    stops = collections.Counter(_stop_label(r) for r in rows)
+    text += "\nstudies: " + ", ".join(f"{n} {k}" for k, n in stops.most_common())
+    spent = spent_s(rows)
+    if budget_s:
+        text += f"\nbudget: {spent / 60:.1f} of {budget_s / 60:.1f} min spent (all calls, in the storage)"
+    if wall_s is not None:
+        text += f"; this call's wall time {wall_s / 60:.1f} min"
+    sp = [(r["retimed"] or {}).get("default_us", 0) / r["retimed"]["time_us"] for r in rows
+          if (r.get("retimed") or {}).get("default_us") and r["retimed"].get("time_us")]
     if sp:
         g = math.exp(sum(map(math.log, sp)) / len(sp))
         text += f"\ngeomean of the winners over the default (re-timed side by side): {g:.3f}x over {len(sp)} studies"
     return text
+
+
+def _stop_label(row: dict) -> str:
+    """Why a study stopped; 'seeds only' when the budget ended before its search began."""
+    stop = (row.get("ledger") or {}).get("stop")
+    return stop or ("seeds only" if row.get("trials") else "not run")
+
+
+# ---------------------------------------------------------------------------------------------------
+# --dry-run: the plan, the budget split and the time it should take
+# ---------------------------------------------------------------------------------------------------
+def plan_as_gpu(specs, problems, dtypes, slug: str, log=None) -> list:
+    """The plan a GPU would run (its standard problems, every dtype), also from a CPU: for ``--dry-run
+    --as-gpu``. The spaces' constraints read the interpreter's limits (an H100's shared memory)."""
+    from tritune.harness import device as dev
+
+    real = dev.interpreted
+    dev.interpreted = lambda: False  # plan() picks standard problems and keeps every dtype on a GPU
+    try:
+        return search.plan(specs, problems, dtypes, slug, log)
+    finally:
+        dev.interpreted = real
+
+
+def _measured_trial_s(storage_obj, jobs) -> dict:
+    """kernel -> mean recorded seconds of an evaluated trial in the storage (where there are any)."""
+    import optuna
+
+    secs: dict[str, list] = {}
+    names = set(optuna.get_all_study_names(storage_obj)) if storage_obj is not None else set()
+    for job in jobs:
+        if job.name not in names:
+            continue
+        st = optuna.load_study(study_name=job.name, storage=storage_obj)
+        for t in search._evaluated(st.get_trials(deepcopy=False)):
+            ev = t.user_attrs.get("evaluated")
+            if isinstance(ev, dict) and isinstance(ev.get("seconds"), (int, float)):
+                secs.setdefault(job.spec.name, []).append(float(ev["seconds"]))
+    return {k: statistics.mean(v) for k, v in secs.items() if len(v) >= 3}
+
+
+def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=None, slug: str | None = None,
+            warm_from: str | None = None, as_gpu: str | None = None, trials: int | None = None,
+            patience: int = PATIENCE, rounds: int = RETIME_ROUNDS, log=None) -> str:
+    """The studies ``tune_budget`` would run (with what is already in ``storage``), their seeds, the
+    budget split and an estimate of the wall time; touches no GPU and writes nothing."""
+    import optuna
+    from tabulate import tabulate
+
+    from tritune.harness import device as dev
+
+    log = log or (lambda m: None)
+    slug = as_gpu or slug or dev.gpu_slug()
+    near = warm_from or nearest_slug(slug, store.slugs())
+    specs = search.resolve_specs(kernels_)
+    jobs = (plan_as_gpu(specs, problems, dtypes, slug, log) if as_gpu
+            else search.plan(specs, problems, dtypes, slug, log))
+    storage_obj = None
+    if storage is not None and (not isinstance(storage, str) or "://" in storage or __import__("os").path.exists(storage)):
+        storage_obj = search.open_storage(storage)
+    names = set(optuna.get_all_study_names(storage_obj)) if storage_obj is not None else set()
+    measured = _measured_trial_s(storage_obj, jobs) if storage_obj is not None else {}
+    rows, est = [], {"seeds": 0.0, "search": 0.0, "retime": 0.0}
+    spent = 0.0
+    n_open = 0
+    for job in jobs:
+        per = measured.get(job.spec.name, TRIAL_S.get(job.spec.name, TRIAL_S_OTHER))
+        params = job.spec.space.params
+        default = job.spec.default_config(job.problem, job.dtype)
+        seeds = {search.config_key(default, params)}
+        try:
+            prev = store.entry_config(job.spec.name, job.bucket, job.key, slug)
+        except Exception:  # an unreadable store is reported where it is loaded
+            prev = None
+        warm = warm_configs(job, near) if near else []
+        for c in ([prev] if prev else []) + warm:
+            seeds.add(search.config_key(dict(default, **c), params))
+        n_valid = len(job.spec.space.points(job.problem, job.dtype))
+        done, led = 0, ledger(optuna.load_study(study_name=job.name, storage=storage_obj)) if job.name in names else ledger_empty()
+        if job.name in names:
+            done = len(search._evaluated(optuna.load_study(study_name=job.name, storage=storage_obj)
+                                         .get_trials(deepcopy=False)))
+        spent += led["spent_s"]
+        n_seeds = min(len(seeds), n_valid)
+        need = min(n_valid, n_seeds + patience) if trials is None else min(n_valid, trials, n_seeds + patience)
+        if led["stop"] not in DONE:
+            n_open += 1
+            est["seeds"] += max(0, n_seeds - done) * per
+            est["search"] += max(0, need - max(done, n_seeds)) * per
+            est["retime"] += rounds * min(3, n_seeds) * TIME_ONLY_S if n_seeds > 1 else 0.0
+        rows.append([job.spec.name, job.bucket, job.key, n_valid, n_seeds, len(warm), done,
+                     led["stop"] or "", f"{per:.2f}{'' if job.spec.name in measured else '*'}"])
+    head = ["kernel", "bucket", "dtype", "valid points", "seeds", "warm", "evaluated", "stopped", "s/trial"]
+    left = max(0.0, budget_s - spent)
+    total = est["seeds"] + est["search"] + est["retime"] + (WORKER_START_S if n_open else 0.0)
+    lines = [tabulate(rows, headers=head, disable_numparse=True), "",
+             f"GPU type {slug}; warm start from {near or 'nothing'}; {len(jobs)} studies, {n_open} to run "
+             f"({len(jobs) - n_open} finished in the storage)",
+             f"budget {budget_s / 60:.1f} min, {spent / 60:.1f} min spent, {left / 60:.1f} min left: phase 1 runs "
+             f"every study's seeds; phase 2 gives each unfinished study an equal share of what is left "
+             f"(~{left / max(1, n_open):.1f} s each now, {1 - RETIME_SHARE:.0%} search, the rest re-timing)",
+             f"estimate (s/trial: * = compile + verify + time from the H100/H200 tuning logs, else measured in "
+             f"this storage): seeds {est['seeds'] / 60:.1f} min + search to convergence ({patience} sampler "
+             f"trials without a gain each) {est['search'] / 60:.1f} min + re-timing ({rounds} rounds) "
+             f"{est['retime'] / 60:.1f} min + worker start = {total / 60:.1f} min"
+             + (f" > the {left / 60:.1f} min left: the budget ends it (studies stop 'budget')" if total > left
+                else f", within the {left / 60:.1f} min left")]
+    return "\n".join(lines)
+
+
+def ledger_empty() -> dict:
+    return {"spent_s": 0.0, "stop": None, "calls": 0}

@@ -4,6 +4,8 @@
     tritune tune gelu --problems "numel=6291456;numel=6291456,approximate=tanh" --sampler grid
     tritune tune all --trials 0 --export                              # write the user store from the studies
     tritune tune all --budget 30m --export                            # a new GPU type in one command
+    tritune tune all --budget 30m --stop-after 8m --export            # the same in calls of 8 min (rerun resumes)
+    tritune tune all --budget 30m --dry-run --as-gpu nvidia-h200      # its studies, budget split and wall estimate
     tritune tune layer_norm --compare-samplers --dtype bf16           # search-efficiency experiment
     tritune configs                                                   # what is stored for this GPU
 
@@ -167,6 +169,21 @@ def _tune(args) -> int:
             raise UsageError(f"--budget: {e}") from None
         if args.compare_samplers or args.workers > 1:
             raise UsageError("--budget runs one worker and no sampler comparison")
+        if args.patience < 1:
+            raise UsageError(f"--patience {args.patience}: expected a whole number >= 1")
+        if not 0.0 <= args.min_gain < 1.0:
+            raise UsageError(f"--min-gain {args.min_gain}: expected a fraction in [0, 1), e.g. 0.02")
+    for opt in ("dry_run", "stop_after", "as_gpu"):
+        if getattr(args, opt, None) and budget is None:
+            raise UsageError(f"--{opt.replace('_', '-')} goes with --budget")
+    stop_after = None
+    if getattr(args, "stop_after", None):
+        try:
+            stop_after = parse_duration(args.stop_after)
+        except ValueError as e:
+            raise UsageError(f"--stop-after: {e}") from None
+    if getattr(args, "as_gpu", None) and not args.dry_run:
+        raise UsageError("--as-gpu plans for another GPU type: it goes with --dry-run")
     try:
         specs = search.resolve_specs(args.kernels)
     except KeyError as e:
@@ -181,6 +198,12 @@ def _tune(args) -> int:
             raise UsageError(str(e)) from None
     seeds = _read_seed_configs(args.seed_configs, specs) if args.seed_configs else None
     storage = args.storage or search.default_storage()
+    if budget is not None and args.dry_run:  # reads the storage (if it exists), writes nothing
+        from tritune.tuning import budget as tb
+
+        print(tb.dry_run(specs, budget, storage=storage, dtypes=args.dtype, problems=problems, warm_from=args.warm_from,
+                         as_gpu=args.as_gpu, trials=args.trials, patience=args.patience, rounds=args.retime_rounds))
+        return 0
     try:
         search.open_storage(storage)
     except search.StorageError as e:
@@ -214,9 +237,11 @@ def _tune(args) -> int:
             if seeds:
                 raise UsageError("--seed-configs and --budget: give one (--budget seeds the nearest GPU's winners)")
             rows, _ = tb.tune_budget(specs, budget, trials=trials, dtypes=args.dtype, problems=problems,
-                                     warm_from=args.warm_from, rounds=args.retime_rounds, slug=slug, **common)
-            print(tb.summary_table(rows))
-            print(f"\nwall time {(__import__('time').time() - t0) / 60:.1f} min (budget {budget / 60:.1f} min)")
+                                     warm_from=args.warm_from, rounds=args.retime_rounds, slug=slug,
+                                     patience=args.patience, min_gain=args.min_gain, stop_after=stop_after, **common)
+            print(tb.summary_table(rows, budget, __import__("time").time() - t0))
+            if any((r.get("ledger") or {}).get("stop") not in tb.DONE for r in rows) and tb.spent_s(rows) < budget:
+                print("budget left and studies unfinished: run the same command again to resume")
         else:
             rows = search.tune(specs, problems, args.dtype, trials=trials, sampler=args.sampler, workers=args.workers,
                                time_budget=args.time_budget, seed_configs=seeds, **common)
@@ -306,7 +331,7 @@ def cmd_configs(args) -> int:
 
 
 def add_parser(subparsers, name: str) -> None:
-    from tritune.tuning import search
+    from tritune.tuning import budget as tb, search
 
     if name == "tune":
         s = subparsers.add_parser("tune", help="search launch configs with Optuna (resumable, multi-GPU); --export "
@@ -326,8 +351,22 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--warm-from", default=None, metavar="SLUG",
                        help="with --budget: the GPU type whose stored winners seed the studies (default: the "
                             "nearest stored one, e.g. an H200 from the H100)")
-        s.add_argument("--retime-rounds", type=int, default=5, metavar="N",
-                       help="with --budget: interleaved rounds of the side-by-side re-timing (default 5)")
+        s.add_argument("--retime-rounds", type=int, default=tb.RETIME_ROUNDS, metavar="N",
+                       help=f"with --budget: interleaved rounds of the side-by-side re-timing (default {tb.RETIME_ROUNDS})")
+        s.add_argument("--patience", type=int, default=tb.PATIENCE, metavar="K",
+                       help="with --budget: a study has converged after K sampler trials (after its seeds) "
+                            f"without a gain (default {tb.PATIENCE})")
+        s.add_argument("--min-gain", type=float, default=tb.MIN_GAIN, metavar="F",
+                       help="with --budget: a gain beats the study's best by more than this fraction, the timing "
+                            f"noise (default {tb.MIN_GAIN})")
+        s.add_argument("--stop-after", default=None, metavar="DURATION",
+                       help="with --budget: this call stops after DURATION (e.g. 8m); the time spent is in the "
+                            "storage and the same command resumes with what is left of the budget")
+        s.add_argument("--dry-run", action="store_true",
+                       help="with --budget: list the studies, their seeds and what the storage holds, the budget "
+                            "split and the estimated wall time; runs nothing")
+        s.add_argument("--as-gpu", default=None, metavar="SLUG",
+                       help="with --dry-run: plan for that GPU type (its standard problems), e.g. nvidia-h200")
         s.add_argument("--sampler", choices=search.SAMPLERS, default="tpe")
         s.add_argument("--storage", default=None,
                        help=search.STORAGE_HELP + "; default $TRITUNE_STUDIES or ~/.cache/tritune/tuning-studies.journal. "
