@@ -735,9 +735,11 @@ def current_trials(trials, version: str | None) -> list:
 
 def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe", deadline: float | None = None,
               stop_at_us: float | None = None, seed: int = 0, seed_default: bool = True,
-              progress: Callable | None = None, stall: int = STALL) -> None:
+              progress: Callable | None = None, stall: int = STALL,
+              should_stop: Callable | None = None) -> None:
     """Run trials in ``study`` until ``trials`` evaluated trials exist (or every valid point is
-    evaluated, or ``deadline`` passes, or a value <= ``stop_at_us`` is found)."""
+    evaluated, or ``deadline`` passes, or a value <= ``stop_at_us`` is found, or ``should_stop(trials)``,
+    asked before each proposal with the study's current trials, is true: see ``tuning/budget.py``)."""
     import optuna
     from optuna.trial import TrialState
 
@@ -777,6 +779,8 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
         if deadline is not None and now >= deadline:
             break
         if stop_at_us is not None and best is not None and best <= stop_at_us:
+            break
+        if should_stop is not None and should_stop(ts):
             break
         waiting = any(t.state == TrialState.WAITING for t in ts)
         if not waiting and (sampler_name == "grid" or free_streak >= stall):
