@@ -285,7 +285,8 @@ def test_varlen_equals_dense_per_sequence():
     p = VP((7, 0, 1, 20), (9, 3, 1, 20), 4, 1, 32, True)
     case = A.make_varlen_inputs(p, torch.float32, DEV, 12)
     q, k, v, cq, ck, mq, mk = case.args
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "HEADS_INNER": 0}
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "HEADS_INNER": 0, "TMA": 0,
+           "WARP_SPEC": 0, "LAZY_RESCALE": 0}
     out, lse = A.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True, config=cfg)
     cq, ck = cq.tolist(), ck.tolist()
     for b in range(p.B):
@@ -323,6 +324,107 @@ def test_config_corners_causal(bm, bn, warps, stages, tq, tk):
     dtype = torch.float16
     cfg = _config(p, dtype, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     _dense(p, dtype, seed=bm + bn, config=cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Hopper path: TMA descriptors, warp specialization, lazy rescaling; every valid combination of the
+# three, dense and packed, on block edges and off, every head dim class (padded and not)
+def _hopper_points():
+    keys = ("TMA", "WARP_SPEC", "LAZY_RESCALE")
+    pts = [dict(zip(keys, v)) for v in ((0, 0, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1))]
+    return [pytest.param(p, id="-".join(f"{k.lower()}{v}" for k, v in p.items())) for p in pts]
+
+
+@pytest.mark.parametrize("hopper", _hopper_points())
+@pytest.mark.parametrize("D", [64, 80] if not GPU else [64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_path_configs(hopper, D, causal):
+    if A.capability() < (9, 0) and hopper["TMA"]:
+        pytest.skip("TMA needs sm90 or newer")
+    tq, tk = (300, 517) if GPU else (37, 53)
+    dtype = torch.bfloat16 if GPU else torch.float16
+    p = P(2, 4, 2, tq, tk, D, causal)
+    small = {} if GPU else dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    _dense(p, dtype, seed=D, config=_config(p, dtype, **hopper, **small))
+    _dense(p, dtype, seed=D + 1, layout="bthd", config=_config(p, dtype, **hopper, **small))
+    vp = VP((tq // 3, 0, 1, tq), (tk // 3, 5, 1, tk), 4, 2, D, causal)
+    _varlen(vp, dtype, seed=D + 2, config=_config(vp, dtype, **hopper, **small))
+
+
+@pytest.mark.parametrize("layout", ["sliced", "transposed", "offset"])
+def test_tma_config_on_a_layout_tma_cannot_read_runs_the_pointer_path(layout):
+    """TMA needs unit stride along D and 16-byte aligned rows and bases: a TMA config on any other
+    layout (rows of odd length, D strided, a base one element off) still gives the right answer."""
+    p = P(1, 2, 1, 29, 40, 64, True)
+    dtype = torch.float16
+    cfg = _config(p, dtype, TMA=1, BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    if layout != "offset":
+        _dense(p, dtype, layout=layout, seed=21, config=cfg)
+        return
+    q, k, v = A.make_inputs(p, dtype, DEV, 21).args
+    shifted = [torch.empty(t.numel() + 1, dtype=dtype, device=DEV)[1:].view(t.shape).copy_(t) for t in (q, k, v)]
+    got = A.attention(*shifted, causal=True, config=cfg)
+    cmp.check(got, ref.attention(q, k, v, causal=True), dtype, A.SPEC.accumulation(dtype), what="offset base")
+
+
+@pytest.mark.parametrize("lazy", [0, 1])
+@pytest.mark.parametrize("scale", [None, 4.0, -4.0])
+def test_lazy_rescale_with_growing_scores(lazy, scale):
+    """Scores that climb along the keys (each key block's max above the last by far more than the
+    2^8 the lazy rescale tolerates) and a peaked softmax: every block forces a rescale."""
+    T = 260 if GPU else 48
+    p = P(1, 2, 1, T, T, 64, False)
+    case = A.make_inputs(p, torch.float16, DEV, 31)
+    q, k, v = case.args
+    # q rows share a direction u, key j lies ramp_j along it: score(i, j) ~ ramp_j·|u|² grows with j
+    u = torch.ones(64, device=DEV)
+    ramp = torch.linspace(0.0, 3.0, T, device=DEV)[None, None, :, None]
+    q.copy_((q.float() * 0.3 + u).to(q.dtype))
+    k.copy_((k.float() * 0.3 + ramp * u).to(k.dtype))
+    small = {} if GPU else dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    cfg = _config(p, torch.float16, LAZY_RESCALE=lazy, **small)
+    got, lse = A.attention(q, k, v, scale=scale, return_lse=True, config=cfg)
+    want, want_lse = ref.attention(q, k, v, scale=scale, return_lse=True)
+    cmp.check(got, want, torch.float16, A.SPEC.accumulation(torch.float16), what=f"lazy={lazy} scale={scale}")
+    _check_lse(lse, want_lse, f"lazy={lazy} scale={scale}")
+
+
+def test_varlen_checks_a_cu_seqlens_tensor_once(monkeypatch):
+    """By default the values of a cu_seqlens tensor are read back once; launching with the same
+    unmodified tensor again reads nothing (no host sync on the hot path); an in-place change, or
+    validate=True, reads them again; validate=False never does."""
+    p = VP((5, 12), (6, 12), 2, 2, 32, True)
+    q, k, v, cq, ck, mq, mk = A.make_varlen_inputs(p, torch.float16, DEV, 13).args
+    reads = []
+    real = A._longest
+    monkeypatch.setattr(A, "_longest", lambda name, cu, total: reads.append(name) or real(name, cu, total))
+    assert A._longest_cached("cu_seqlens_q", cq, q.shape[0], False) == 12 and len(reads) == 1
+    assert A._longest_cached("cu_seqlens_q", cq, q.shape[0], False) == 12 and len(reads) == 1
+    cq[0] = 0  # an in-place write bumps the version counter: read again
+    assert A._longest_cached("cu_seqlens_q", cq, q.shape[0], False) == 12 and len(reads) == 2
+    assert A._longest_cached("cu_seqlens_q", cq, q.shape[0], True) == 12 and len(reads) == 3
+    reads.clear()
+    want = ref.attention_varlen(q, k, v, cq, ck, causal=True)
+    got = A.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, validate=False)
+    cmp.check(got, want, torch.float16, what="validate=False")
+    assert reads == []
+    # a cached tensor still has its bound checked against the new max_seqlen
+    A._longest_cached("cu_seqlens_q", cq, q.shape[0], False)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q: 11 is less than the longest query sequence 12"):
+        A.attention_varlen(q, k, v, cq, ck, 11, mk, causal=True)
+
+
+def test_varlen_bad_cu_seqlens_unchecked_stay_inside_the_tensors():
+    """validate=False with cu_seqlens past the packed totals: rows may be wrong, but the kernel clamps
+    every sequence to the tensors (no access outside them: on a GPU an out-of-bounds read would fault)."""
+    p = VP((5, 7), (6, 7), 2, 1, 32, False)
+    q, k, v, cq, ck, mq, mk = A.make_varlen_inputs(p, torch.float16, DEV, 17).args
+    bad_q = torch.tensor([0, 5, 1000], dtype=torch.int32, device=DEV)
+    bad_k = torch.tensor([-50, 6, 1 << 20], dtype=torch.int32, device=DEV)
+    out = A.attention_varlen(q, k, v, bad_q, bad_k, 1000, 1 << 20, validate=False)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: last entry 1000"):
+        A.attention_varlen(q, k, v, bad_q, bad_k, 1000, 1 << 20)
 
 
 # ---------------------------------------------------------------------------------------------------
