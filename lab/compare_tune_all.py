@@ -4,10 +4,12 @@ against the committed entry's, the geomean of the ratios, and the buckets more t
     python lab/compare_tune_all.py --new /tmp/h200-budget/configs/nvidia-h200 --old tuning/configs/nvidia-h200
     python lab/compare_tune_all.py --new ... --old ... --retime      # on the GPU: both configs re-timed now
 
-Without --retime the times are those each store recorded (two sessions: clocks and neighbours differ);
+Without --retime the times are those each store recorded (two runs: clocks and neighbours differ);
 with --retime both configs of a bucket are verified once, then timed side by side in interleaved rounds
-(the order alternating) in one worker process, and those medians are compared. Targets (issue: a new GPU
-type in one command): geomean within 3% of the committed entries, no bucket worse than 10%.
+(the order alternating) in one worker process, and those medians are compared; a bucket where both
+stores hold the same config has ratio 1 (not timed). Targets (issue: a new GPU type in one command):
+geomean within 3% of the committed entries, no bucket worse than 10%; 'INCOMPLETE' when committed buckets
+were not compared. Exit status 0 only when MET. --json writes the rows and the verdict.
 """
 from __future__ import annotations
 
@@ -56,13 +58,38 @@ def retime_pair(kernel, new_e, old_e, runner, rounds):
     return (statistics.median(times["new"]), statistics.median(times["old"])), ""
 
 
+def ledger_summary(storage: str) -> dict:
+    """From the budgeted run's storage: the time its studies spent (all calls) and why they stopped."""
+    import collections
+
+    import optuna
+
+    from tritune.tuning import budget as tb, search
+
+    st = search.open_storage(storage)
+    spent, stops = 0.0, collections.Counter()
+    for name in optuna.get_all_study_names(st):
+        led = tb.ledger(optuna.load_study(study_name=name, storage=st))
+        spent += led["spent_s"]
+        stops[led["stop"] or "unfinished"] += 1
+    return {"spent_min": round(spent / 60, 2), "studies": dict(stops)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new", required=True, help="the budgeted run's store folder for the GPU (…/<slug>)")
     ap.add_argument("--old", required=True, help="the committed store folder (tuning/configs/<slug>)")
     ap.add_argument("--retime", action="store_true", help="re-time both configs side by side on this GPU")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--time-limit", type=float, default=240.0, metavar="S",
+                    help="stop re-timing after S seconds; the buckets left are reported, not compared")
+    ap.add_argument("--storage", help="the budgeted run's Optuna storage: its time spent and stop reasons")
+    ap.add_argument("--json", dest="json_out", help="write the rows and the verdict here")
+    ap.add_argument("--geomean-target", type=float, default=1.03)
+    ap.add_argument("--worst-target", type=float, default=1.10)
     args = ap.parse_args(argv)
+    import time
+
     from tabulate import tabulate
 
     new, old = load(Path(args.new)), load(Path(args.old))
@@ -76,21 +103,33 @@ def main(argv=None) -> int:
         from tritune.tuning import search
 
         runner = search.make_runner(None, "process")
-    rows, ratios = [], []
+    rows, out_rows, ratios = [], [], []
+    t_end = time.time() + args.time_limit
     try:
         for key in both:
             n, o = new[key], old[key]
             tn, to, note = n.get("time_us"), o.get("time_us"), ""
+            same = n["config"] == o["config"]
             if runner is not None:
-                got, note = retime_pair(key[0], n, o, runner, args.rounds)
-                tn, to = got if got else (None, None)
-            ratio = tn / to if tn and to else None
+                if same:  # one config: the ratio is 1 by definition; timing it twice would only add noise
+                    tn = to = None
+                    note = "same config"
+                elif time.time() > t_end:
+                    tn = to = None
+                    note = "not re-timed (time limit)"
+                else:
+                    got, note = retime_pair(key[0], n, o, runner, args.rounds)
+                    tn, to = got if got else (None, None)
+            ratio = 1.0 if same else (tn / to if tn and to else None)
             if ratio:
-                ratios.append(ratio)
-            flag = "WORSE >10%" if ratio and ratio > 1.10 else ""
+                ratios.append((ratio, key))
+            flag = "WORSE >10%" if ratio and ratio > args.worst_target else ""
             rows.append([*key, f"{tn:.2f}" if tn else "", f"{to:.2f}" if to else "",
-                         f"{ratio:.3f}" if ratio else "", "same" if n["config"] == o["config"] else "",
+                         f"{ratio:.3f}" if ratio else "", "same" if same else "",
                          (n.get("retimed") or {}).get("winner", ""), flag or note])
+            out_rows.append({"kernel": key[0], "bucket": key[1], "dtype": key[2], "new_us": tn, "old_us": to,
+                             "ratio": ratio, "same_config": same, "new_config": n["config"],
+                             "old_config": o["config"], "note": flag or note})
     finally:
         if runner is not None:
             runner.close()
@@ -100,13 +139,29 @@ def main(argv=None) -> int:
     if only_old:
         print(f"\n{len(only_old)} committed buckets the budgeted run did not export: "
               + ", ".join(f"{k} {b} {d}" for k, b, d in only_old[:12]) + (" ..." if len(only_old) > 12 else ""))
+    verdict = {"compared": len(ratios), "committed": len(old), "missing": len(only_old) + len(both) - len(ratios),
+               "how": "re-timed side by side, interleaved, one process" if args.retime else "recorded times"}
     if ratios:
-        g = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        worse = sum(r > 1.10 for r in ratios)
-        print(f"\ngeomean budgeted/committed {g:.4f} over {len(ratios)} buckets "
-              f"({'re-timed side by side' if args.retime else 'recorded times'}); {worse} bucket(s) worse than 10%; "
-              f"target: geomean <= 1.03, none worse than 1.10 -> {'MET' if g <= 1.03 and not worse else 'NOT MET'}")
-    return 0
+        g = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
+        worst, wkey = max(ratios)
+        n_worse = sum(r > args.worst_target for r, _ in ratios)
+        met = g <= args.geomean_target and not n_worse
+        status = ("MET" if met else "NOT MET") if not verdict["missing"] else ("INCOMPLETE" if met else "NOT MET")
+        verdict.update(geomean=round(g, 4), worst=round(worst, 4), worst_bucket=" ".join(wkey),
+                       worse_than_target=n_worse, status=status)
+        print(f"\ngeomean budgeted/committed {g:.4f} over {len(ratios)} of {len(old)} committed buckets "
+              f"({verdict['how']}); worst {worst:.3f} ({' '.join(wkey)}); {n_worse} bucket(s) worse than "
+              f"{args.worst_target:.2f}; target: geomean <= {args.geomean_target:.2f}, none worse than "
+              f"{args.worst_target:.2f} -> {status}")
+    if args.storage:
+        verdict["budget_run"] = ledger_summary(args.storage)
+        print(f"budgeted run: {verdict['budget_run']['spent_min']} min spent; studies "
+              + ", ".join(f"{n} {k}" for k, n in verdict["budget_run"]["studies"].items()))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps({"verdict": verdict, "rows": out_rows}, indent=1))
+        print(f"wrote {args.json_out}")
+    return 0 if verdict.get("status") == "MET" else 1
 
 
 if __name__ == "__main__":
