@@ -1,37 +1,63 @@
 """Prefix caching, chunked prefill and speculative decoding on the GPU, each against its baseline (bounded).
 
-  python lab/bench_serving_features.py OUTDIR [--model DIR] [--draft DIR] [--time-limit 240] [--smoke]
+  python lab/bench_serving_features.py OUTDIR [--time-limit 240] [--parts shared-prefix,mixed,speculative]
+                                       [--model DIR] [--spec-model DIR] [--draft DIR] [--smoke]
 
-Three ``tritune serve-bench --workload`` runs (triton backend, CUDA graphs, bf16), each in its own process
-under its share of ``--time-limit``; each writes OUTDIR/serving_<workload>_<date>_<commit>.json, and a
-summary (targets met or not) goes to OUTDIR/serving_features_<date>_<commit>.json:
+Each part runs in its own process under its share of ``--time-limit`` (what one leaves unused goes to the
+next), so a part that fails or hangs costs only its own result: its error lands in the summary. Each writes
+OUTDIR/serving_<part>_<date>_<commit>.json; the summary (targets met or not, errors) goes to
+OUTDIR/serving_features_<date>_<commit>.json and, compact, to stdout. Triton backend, bf16, CUDA graphs.
 
-1. shared-prefix: 512 requests, a 192-token common prefix + 16-64 token suffixes, 128 output tokens, all
-   arriving at once (GPT-2 small's config, random weights, unless ``--model``); prefix cache on vs off.
-   Targets: >= 70% fewer prefill tokens computed, >= 1.5x output tok/s.
-2. mixed: 32 requests decoding (64-token prompts) while 4 long prompts arrive (2048 tokens, capped at
-   the context: GPT-2's 1024 positions allow 1020); inter-token latency of the decoding requests, one
-   step per host sync (``decode_steps=1``), unchunked vs chunked (512 tokens per step). Target: chunked
-   P99 <= 2x the decode-only P50.
-3. speculative: batch 1 on the packaged model (``model/default``, or ``--spec-model``), 4 prompts of 64
-   tokens, 128 new tokens each; plain (CUDA-graph decode) vs n-gram lookup and a draft (``--draft``, a
-   checkpoint sharing the tokenizer; else the target's first 2 layers as an early-exit draft): acceptance
-   rate and tok/s. Target: >= 1.5x. Speculative steps run eagerly (the decode graph holds one query row
-   per sequence), so they must win back the graph's advantage first.
+1. shared-prefix (``tritune serve-bench --workload shared-prefix``): 512 requests, a 192-token common prefix
+   + 16-64 token suffixes, 128 output tokens each, all arriving at once; GPT-2 small's config with random
+   weights (``--model`` to change); prefix cache on vs off. Targets: >= 70% fewer prefill tokens computed,
+   >= 1.5x output tok/s (TTFT P50/P99 reported).
+2. mixed (``serve-bench --workload mixed``): 32 requests decoding (64-token prompts, 256 new tokens) while 4
+   prompts of 2048 tokens arrive, one every 8 steps; inter-token latency of the decoding requests, one step
+   per host sync, unchunked vs chunked (512 tokens per step). The packaged model's context (256) and GPT-2's
+   (1024) are too short for 2048-token prompts, so the model is GPT-2 small's config with 2560 positions and
+   random weights, written to a temporary checkpoint first. Target: chunked P99 <= 2x the decode-only P50.
+3. speculative (in this file): batch 1 on the packaged model (``model/default``) on Shakespeare passages
+   from plays held out of its training (4 prompts of 48 tokens, 128 new tokens, greedy): plain decode on the
+   CUDA-graph path (what ``tritune generate`` runs) and eager, against n-gram lookup, the packaged draft
+   (``model/default/draft``, distilled from the target by model/train.py) and an early-exit draft (the
+   target's first 2 layers), k = 4; the draft also sampled (T 0.8, top-k 50). Acceptance rate, decode tok/s
+   and speedup over plain (graphs; over eager too). Target: >= 1.5x. Speculative steps run eagerly (the
+   captured decode step holds one query row per sequence), so they must first win back the graphs' lead.
 
-``--smoke``: tiny sizes on the CPU (the torch backend), to check the driver runs end to end.
+``--smoke``: tiny sizes on the CPU (torch backend, fp32) to show the driver runs end to end (a minute).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("shared-prefix", "mixed", "speculative")
+SHARE = {"shared-prefix": 0.4, "mixed": 0.35, "speculative": 0.25}
+
+# Speculative prompts: openings of speeches from the plays held out of the packaged model's training
+# (model/train.py: Twelfth Night and Julius Caesar for validation, Macbeth and The Merchant of Venice for
+# test), in the cleaned text's form (speaker headings as "NAME:" lines). Public domain.
+PASSAGES = (
+    "MACBETH:\nTo-morrow, and to-morrow, and to-morrow,\nCreeps in this petty pace from day to day,\n"
+    "To the last syllable of recorded time;\nAnd all our yesterdays have lighted fools\nThe way to dusty death. "
+    "Out, out, brief candle!\n",
+    "PORTIA:\nThe quality of mercy is not strain'd,\nIt droppeth as the gentle rain from heaven\n"
+    "Upon the place beneath. It is twice blest;\nIt blesseth him that gives and him that takes.\n",
+    "ANTONY:\nFriends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n"
+    "The evil that men do lives after them;\nThe good is oft interred with their bones;\n",
+    "DUKE:\nIf music be the food of love, play on;\nGive me excess of it, that, surfeiting,\n"
+    "The appetite may sicken, and so die.\nThat strain again! it had a dying fall:\n",
+)
 
 
 def _git(*a) -> str:
@@ -41,91 +67,235 @@ def _git(*a) -> str:
         return ""
 
 
-def runs(args):
-    default_model = str(ROOT / "model" / "default")
-    common = ["--max-num-seqs", "256", "--block-size", "16", "-q"]
-    model = ["--model", args.model] if args.model else []
-    if args.smoke:      # the packaged model (7 layers, 256 wide): seconds on the CPU
-        model = ["--model", args.model or default_model]
+# ---------------------------------------------------------------------------------------------------
+# Parts 1 and 2: serve-bench workloads
+# ---------------------------------------------------------------------------------------------------
+def write_random_gpt2(directory: Path, *, n_positions: int, tiny: bool = False) -> Path:
+    """A GPT-2 small config (or a tiny one) with ``n_positions`` positions and random weights, saved as a
+    Hugging Face checkpoint (fp16 safetensors): serve-bench's --model for prompts longer than GPT-2's 1024."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    kw = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=4096) if tiny else {}
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(n_positions=n_positions, n_ctx=n_positions, **kw))
+    m.half().save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def serve_bench_args(part: str, args, model_dir: Path | None) -> list[str]:
+    common = ["--block-size", "16", "-q"]
+    model = ["--model", str(model_dir)] if model_dir else []
+    if args.smoke:
         return {
             "shared-prefix": ["--workload", "shared-prefix", "-n", "8", "--prefix-len", "32", "--prompt-len", "4:8",
-                              "--output-len", "4", "--modes", "torch", *model],
-            "mixed": ["--workload", "mixed", "-n", "4", "--long-prompt", "200", "--long-prompts", "2",
-                      "--output-len", "40", "--chunk", "64", "--modes", "torch", *model],
-            "speculative": ["--workload", "speculative", "-n", "1", "--prompt-len", "16", "--output-len", "16",
-                            "--modes", "torch", "--model", args.spec_model or default_model, "--draft-layers", "2"],
-        }
-    spec = ["--model", args.spec_model or default_model]
-    spec += ["--draft", args.draft] if args.draft else ["--draft-layers", "2"]
+                              "--output-len", "4", "--modes", "torch", *common, *model],
+            "mixed": ["--workload", "mixed", "-n", "4", "--long-prompt", "400", "--long-prompts", "2",
+                      "--output-len", "40", "--chunk", "64", "--modes", "torch", *common, *model],
+        }[part]
     return {
         "shared-prefix": ["--workload", "shared-prefix", "-n", "512", "--prefix-len", "192", "--prompt-len", "16:64",
-                          "--output-len", "128", "--modes", "triton-graphs", *common, *model],
+                          "--output-len", "128", "--max-num-seqs", "256", "--modes", "triton-graphs", *common, *model],
         "mixed": ["--workload", "mixed", "-n", "32", "--long-prompt", "2048", "--long-prompts", "4",
-                  "--output-len", "256", "--chunk", "512", "--modes", "triton-graphs", *common, *model],
-        "speculative": ["--workload", "speculative", "-n", "4", "--prompt-len", "64", "--output-len", "128",
-                        "--spec-k", "4", "--modes", "triton-graphs", *common, *spec],
+                  "--output-len", "256", "--chunk", "512", "--max-num-seqs", "64", "--modes", "triton-graphs",
+                  *common, *model],
+    }[part]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Part 3: speculative decoding at batch 1 (run in its own process: --part speculative)
+# ---------------------------------------------------------------------------------------------------
+def run_speculative_part(args, out_path: Path) -> dict:
+    import torch
+
+    from tritune.model import spec_decode as SD
+    from tritune.model.engine import Engine
+    from tritune.model.gpt2 import GPT2
+    from tritune.model.scheduler import SamplingParams
+    from tritune.model.tokenizer import Tokenizer
+
+    gpu = torch.cuda.is_available()
+    backend, dtype = ("triton", torch.bfloat16) if gpu else ("torch", torch.float32)
+    model = GPT2.from_pretrained(args.spec_model or ROOT / "model" / "default", backend=backend, dtype=dtype)
+    tok = Tokenizer.from_dir(model.directory)
+    n_prompts, plen, new, k = (2, 24, 24, 4) if args.smoke else (4, 48, 128, 4)
+    prompts = [tok.encode(p)[:plen] for p in PASSAGES[:n_prompts]]
+    draft_dir = Path(args.draft) if args.draft else SD.default_draft_dir(model)
+    draft = SD.load_draft(model, args.draft)
+    early = SD.early_exit_draft(model, 2)
+    greedy = dict(temperature=0.0)
+    sampled = dict(temperature=0.8, top_k=50, seed=0)
+    runs = {        # name: (Engine keywords, sampling, the plain run it compares with)
+        "plain": ({}, greedy, None),
+        "plain-eager": ({"cuda_graphs": False}, greedy, "plain"),
+        "ngram": ({"speculative": lambda: SD.NgramProposer(k=k)}, greedy, "plain"),
+        "draft": ({"speculative": lambda: SD.DraftModelProposer(draft, k=k)}, greedy, "plain"),
+        "early-exit-2": ({"speculative": lambda: SD.DraftModelProposer(early, k=k)}, greedy, "plain"),
+        "plain-sampled": ({}, sampled, None),
+        "draft-sampled": ({"speculative": lambda: SD.DraftModelProposer(draft, k=k)}, sampled, "plain-sampled"),
     }
+    res = {"gpu": torch.cuda.get_device_name() if gpu else "cpu", "backend": backend,
+           "dtype": str(dtype).replace("torch.", ""), "target": str(model.directory), "draft": str(draft_dir),
+           "shape": {"prompts": len(prompts), "prompt_len": plen, "new_tokens": new, "k": k, "batch": 1},
+           "results": {}, "errors": {}}
+    try:
+        res["draft_metrics"] = json.loads((draft_dir / "metrics.json").read_text()).get("teacher")
+    except (OSError, ValueError):
+        pass
+    outs = {}
+    for name, (kw, sp, base) in runs.items():
+        try:
+            kw = {key: (v() if callable(v) else v) for key, v in kw.items()}
+            eng = Engine(model, num_blocks=-(-model.config.n_positions // 16) + 2, block_size=16, max_num_seqs=1,
+                         **kw)
+            eng.warm_up()
+            # an untimed pass: the verify step's shapes compile here, not in the timed runs
+            eng.add_request(prompts[0], SamplingParams(max_new_tokens=min(new, 32), ignore_eos=True, **sp))
+            eng.run()
+            s0 = dict(eng.stats)
+            toks, secs, out = 0, 0.0, []
+            for p in prompts:
+                req = eng.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True, **sp))
+                eng.run()
+                secs += req.finish_time - req.first_token_time
+                toks += len(req.output_ids) - 1
+                out.append(req.output_ids)
+            outs[name] = out
+            r = {"decode_tok_s": round(toks / secs, 1), "sampling": sp}
+            if eng.spec is not None:
+                prop = eng.stats["spec_proposed"] - s0["spec_proposed"]
+                acc = eng.stats["spec_accepted"] - s0["spec_accepted"]
+                steps = eng.stats["spec_steps"] - s0["spec_steps"]
+                r.update(proposer=eng.spec.proposer.name, acceptance_rate=round(acc / max(1, prop), 4),
+                         proposed=prop, accepted=acc, tokens_per_step=round(toks / max(1, steps), 3))
+            if base and base in res["results"]:
+                r["speedup"] = round(r["decode_tok_s"] / res["results"][base]["decode_tok_s"], 3)
+                if sp is greedy:
+                    r["outputs_equal_plain"] = out == outs[base]
+                if name != "plain-eager" and "plain-eager" in res["results"] and sp is greedy:
+                    r["speedup_vs_eager"] = round(r["decode_tok_s"] / res["results"]["plain-eager"]["decode_tok_s"],
+                                                  3)
+            res["results"][name] = r
+            print(f"  speculative {name}: {r}", flush=True)
+            del eng
+        except Exception as e:          # noqa: BLE001  one configuration's failure is a recorded result
+            res["errors"][name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        out_path.write_text(json.dumps(res, indent=2))     # what is done so far survives a timeout
+    return res
 
 
+# ---------------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------------
 def summarize(results: dict) -> dict:
     out = {}
-    sp = results.get("shared-prefix", {}).get("results")
+    sp = (results.get("shared-prefix") or {}).get("results")
     if sp:
-        out["shared_prefix"] = {"prefill_token_reduction": sp["prefill_token_reduction"],
-                                "output_tok_s_speedup": sp["output_tok_s_speedup"],
-                                "ttft_p50_ms": {k: sp[k]["ttft_ms"]["p50"] for k in ("cache_off", "cache_on")},
-                                "ttft_p99_ms": {k: sp[k]["ttft_ms"]["p99"] for k in ("cache_off", "cache_on")},
-                                "met": sp["prefill_token_reduction"] >= 0.7 and sp["output_tok_s_speedup"] >= 1.5}
-    mx = results.get("mixed", {}).get("results")
+        out["shared-prefix"] = {
+            "prefill_tokens": {k: sp[k]["prefill_tokens_computed"] for k in ("cache_off", "cache_on")},
+            "prefill_token_reduction": round(sp["prefill_token_reduction"], 3),
+            "output_tok_s": {k: round(sp[k]["output_tok_s"]) for k in ("cache_off", "cache_on")},
+            "output_tok_s_speedup": round(sp["output_tok_s_speedup"], 3),
+            "ttft_p50_ms": {k: sp[k]["ttft_ms"]["p50"] for k in ("cache_off", "cache_on")},
+            "ttft_p99_ms": {k: sp[k]["ttft_ms"]["p99"] for k in ("cache_off", "cache_on")},
+            "met": sp["prefill_token_reduction"] >= 0.7 and sp["output_tok_s_speedup"] >= 1.5}
+    mx = (results.get("mixed") or {}).get("results")
     if mx:
         out["mixed"] = {k: {"decode_only_p50_ms": mx[k]["itl_decode_only_ms"]["p50"],
                             "p99_with_long_prompts_ms": mx[k]["itl_with_long_prompts_ms"]["p99"],
-                            "ratio": mx[k]["p99_over_decode_p50"]} for k in ("unchunked", "chunked")}
+                            "p99_over_decode_p50": mx[k]["p99_over_decode_p50"]} for k in ("unchunked", "chunked")}
+        out["mixed"]["long_prompt"] = (results["mixed"].get("shape") or {}).get("long_prompt")
         r = mx["chunked"]["p99_over_decode_p50"]
         out["mixed"]["met"] = r is not None and r <= 2.0
-    spc = results.get("speculative", {}).get("results")
+    spc = (results.get("speculative") or {}).get("results")
     if spc:
-        out["speculative"] = {k: {kk: v.get(kk) for kk in ("decode_tok_s", "acceptance_rate", "speedup",
-                                                            "outputs_equal_plain")} for k, v in spc.items()}
-        out["speculative"]["met"] = any((v.get("speedup") or 0) >= 1.5 for v in spc.values())
+        keep = ("decode_tok_s", "acceptance_rate", "tokens_per_step", "speedup", "speedup_vs_eager",
+                "outputs_equal_plain")
+        out["speculative"] = {k: {kk: v[kk] for kk in keep if kk in v} for k, v in spc.items()}
+        out["speculative"]["met"] = any((spc.get(k) or {}).get("speedup", 0) >= 1.5 for k in ("ngram", "draft"))
     return out
+
+
+def part_budget(left: float, name: str, pending: list[str]) -> float:
+    """This part's share of the time left (a part that finished early leaves its slack to the others)."""
+    return max(10.0, left * SHARE[name] / sum(SHARE[p] for p in pending))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir")
-    ap.add_argument("--model", default=None, help="shared-prefix and mixed (default GPT-2 small, random weights)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)}")
+    ap.add_argument("--model", default=None, help="shared-prefix and mixed model (default: GPT-2 small's config, "
+                    "random weights; mixed: with 2560 positions)")
     ap.add_argument("--spec-model", default=None, help="speculative target (default model/default)")
-    ap.add_argument("--draft", default=None, help="speculative draft checkpoint sharing the target's tokenizer")
-    ap.add_argument("--time-limit", type=float, default=240.0, help="seconds for all three runs")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--draft", default=None, help="speculative draft (default: the target's draft/ checkpoint)")
+    ap.add_argument("--time-limit", type=float, default=240.0, help="seconds for all parts (default 240)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)    # internal: run one part in-process
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.part == "speculative":
+        run_speculative_part(args, Path(args.out))
+        return 0
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        print(f"--parts: unknown {bad or parts}; expected some of {','.join(PARTS)}", file=sys.stderr)
+        return 2
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{datetime.date.today().isoformat()}_{_git('rev-parse', '--short', 'HEAD') or 'nogit'}"
-    share = {"shared-prefix": 0.4, "mixed": 0.3, "speculative": 0.3}
     results, status = {}, {}
     t_all = time.perf_counter()
-    for name, cli in runs(args).items():
-        path = out / f"serving_{name.replace('-', '_')}_{tag}.json"
-        cmd = [sys.executable, "-m", "tritune.harness.cli", "serve-bench", *cli, "--out", str(path)]
-        left = args.time_limit - (time.perf_counter() - t_all)
-        limit = max(10.0, min(left, share[name] * args.time_limit + max(0.0, left - args.time_limit * sum(
-            v for k, v in share.items() if k not in results and k != name) - share[name] * args.time_limit)))
-        print(f"[{name}] {' '.join(cmd[3:])} (limit {limit:.0f} s)", flush=True)
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run(cmd, timeout=limit, cwd=ROOT)
-            status[name] = {"rc": p.returncode, "seconds": round(time.perf_counter() - t0, 1)}
-        except subprocess.TimeoutExpired:
-            status[name] = {"rc": None, "timed_out": True, "seconds": round(time.perf_counter() - t0, 1)}
-        if path.exists():
-            results[name] = json.loads(path.read_text())
-    summary = {"date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "HEAD"), "runs": status,
-               "summary": summarize(results)}
-    (out / f"serving_features_{tag}.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary["summary"], indent=2))
-    return 0 if all(s.get("rc") == 0 for s in status.values()) else 1
+    tmp = Path(tempfile.mkdtemp(prefix="serving_features_"))
+    try:
+        for i, name in enumerate(parts):
+            path = out / f"serving_{name.replace('-', '_')}_{tag}.json"
+            left = args.time_limit - (time.perf_counter() - t_all)
+            limit = part_budget(left, name, parts[i:])
+            t0 = time.perf_counter()
+            try:
+                if name == "speculative":
+                    cmd = [sys.executable, __file__, str(out), "--part", name, "--out", str(path)]
+                    cmd += (["--smoke"] if args.smoke else []) + (["--spec-model", args.spec_model]
+                                                                  if args.spec_model else [])
+                    cmd += ["--draft", args.draft] if args.draft else []
+                else:
+                    model = args.model
+                    if name == "mixed" and model is None:
+                        model = write_random_gpt2(tmp / "gpt2-2560", n_positions=512 if args.smoke else 2560,
+                                                  tiny=args.smoke)
+                    elif args.smoke and model is None:
+                        model = ROOT / "model" / "default"
+                    cmd = [sys.executable, "-m", "tritune.harness.cli", "serve-bench",
+                           *serve_bench_args(name, args, model), "--out", str(path)]
+                print(f"[{name}] {' '.join(map(str, cmd[1:]))} (limit {limit:.0f} s)", flush=True)
+                p = subprocess.run(cmd, timeout=limit, cwd=ROOT)
+                status[name] = {"rc": p.returncode}
+            except subprocess.TimeoutExpired:
+                status[name] = {"rc": None, "timed_out": True}
+            except Exception as e:      # noqa: BLE001  recorded, and the next part still runs
+                status[name] = {"rc": None, "error": f"{type(e).__name__}: {e}"}
+            status[name]["seconds"] = round(time.perf_counter() - t0, 1)
+            if path.exists():
+                try:
+                    results[name] = json.loads(path.read_text())
+                except ValueError as e:
+                    status[name]["error"] = f"unreadable JSON: {e}"
+            if (results.get(name) or {}).get("errors"):
+                status[name]["errors"] = results[name]["errors"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        summary = summarize(results)
+    except Exception as e:      # noqa: BLE001  a malformed part result must not lose the others' status
+        summary = {"error": f"{type(e).__name__}: {e}"}
+    doc = {"date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "HEAD"), "smoke": args.smoke,
+           "seconds": round(time.perf_counter() - t_all, 1), "runs": status, "summary": summary}
+    (out / f"serving_features_{tag}.json").write_text(json.dumps(doc, indent=2))
+    print(json.dumps({"runs": status, "summary": summary}, indent=1))
+    return 0 if all(s.get("rc") == 0 and not s.get("errors") for s in status.values()) else 1
 
 
 if __name__ == "__main__":

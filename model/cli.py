@@ -52,6 +52,12 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels (the tokens a server started with --deterministic gives this "
                         "request, whatever else it serves)")
+    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: prompt lookup (ngram) or a draft model (draft: --draft, default the "
+                        "checkpoint's own draft/, which the packaged model ships); same tokens when greedy, the same "
+                        "distribution when sampled")
+    s.add_argument("--draft", default=None, help="--speculative draft: the draft checkpoint (sharing the tokenizer)")
+    s.add_argument("--spec-k", type=int, default=4, help="--speculative: draft tokens per step (default 4)")
     s.set_defaults(func=run)
 
 
@@ -108,13 +114,20 @@ def run(args) -> int:
 
             model = invariant_model(model)
         tok = Tokenizer.from_dir(model.directory)
+        spec = None
+        if args.speculative:
+            from tritune.model.spec_decode import make_proposer
+
+            spec = make_proposer(args.speculative, model, k=args.spec_k, draft=args.draft)
+        elif args.draft is not None:
+            raise ValueError("draft: --draft needs --speculative draft")
         sd = sampling_defaults(model.directory)
         temperature = sd["temperature"] if args.temperature is None else args.temperature
         top_k = sd["top_k"] if args.top_k is None else args.top_k
         top_p = sd["top_p"] if args.top_p is None else args.top_p
         g = stream(model, args.prompt, tokenizer=tok, max_new_tokens=args.max_new_tokens,
                    temperature=temperature, top_k=top_k, top_p=top_p, seed=args.seed,
-                   stop=args.stop, truncate=args.truncate)
+                   stop=args.stop, truncate=args.truncate, speculative=spec)
     except ContextLimitError as e:
         print(f"tritune generate: {e.describe(lambda n: f'--max-new-tokens {n}', '--truncate')}", file=sys.stderr)
         return 2
@@ -132,13 +145,20 @@ def run(args) -> int:
             out.flush()
     r = g.result
     out.write("\n")
+    spec_note = ""
+    if spec is not None:
+        st = g.engine.stats
+        spec_note = (f"; {spec.name}: {st['spec_accepted']}/{st['spec_proposed']} drafts accepted"
+                     if st.get("spec_proposed") else f"; {spec.name}: no drafts proposed")
     print(f"[{backend}, {str(dtype).replace('torch.', '')}, {model.device}] {r.timings}; "
-          f"stopped: {r.finish_reason}", file=sys.stderr)
+          f"stopped: {r.finish_reason}{spec_note}", file=sys.stderr)
     return 0
 
 
 def _flags(msg: str) -> str:
     """A library message in the command line's terms: argument names become the flags that set them."""
-    for name in ("max_new_tokens", "temperature", "top_k", "top_p"):
+    if msg.startswith("k: "):       # the proposer's draft length
+        msg = "--spec-k: " + msg[3:]
+    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "draft"):
         msg = msg.replace(f"{name}:", f"--{name.replace('_', '-')}:", 1)
     return msg

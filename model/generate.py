@@ -73,19 +73,22 @@ def graphs_available(model) -> bool:
             and bool(getattr(model.ops, "capturable", False)))
 
 
-def engine_for(model, *, block_size: int = 16, cuda_graph: bool | None = None, tokenizer=None) -> Engine:
+def engine_for(model, *, block_size: int = 16, cuda_graph: bool | None = None, tokenizer=None,
+               speculative=None) -> Engine:
     """The batch-1 engine ``stream`` runs ``model`` on (built on first use). ``cuda_graph``: None captures
     the decode step where :func:`graphs_available`; True does, or elsewhere runs the same device-side step
-    without capture; False runs a plain forward per step."""
+    without capture; False runs a plain forward per step. ``speculative``: as :class:`Engine`'s ("draft":
+    the checkpoint's packaged draft, "ngram", or a proposer)."""
     if cuda_graph is None:
         mode = graphs_available(model)
     else:
         mode = (True if graphs_available(model) else "eager") if cuda_graph else False
     per_model = _ENGINES.setdefault(model, {})
-    key = (block_size, mode, tokenizer)
+    key = (block_size, mode, tokenizer, speculative)
     eng = per_model.get(key)
     if eng is None:
         eng = Engine(model, num_blocks=-(-model.config.n_positions // block_size), block_size=block_size,
+                     speculative=speculative,
                      max_num_seqs=1, cuda_graphs=mode, tokenizer=tokenizer)
         per_model[key] = eng
     return eng
@@ -103,7 +106,7 @@ class Generation:
     """One request queued on the model's batch-1 engine; iterate it (once) for its tokens."""
 
     def __init__(self, model, prompt_ids, *, tokenizer, max_new_tokens, temperature, top_k, top_p, seed,
-                 stop, eos_token_id, truncate, block_size, cuda_graph=None):
+                 stop, eos_token_id, truncate, block_size, cuda_graph=None, speculative=None):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         check_sampling(temperature, top_k, top_p)
@@ -116,7 +119,8 @@ class Generation:
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, seed=seed, stop=tuple(stops), ignore_eos=eos_token_id is not _DEFAULT,
                                   stop_token_ids=() if eos_token_id is _DEFAULT or eos is None else (eos,))
-        self.engine = engine_for(model, block_size=block_size, cuda_graph=cuda_graph, tokenizer=tokenizer)
+        self.engine = engine_for(model, block_size=block_size, cuda_graph=cuda_graph, tokenizer=tokenizer,
+                                 speculative=speculative)
         self.tokenizer, self.stops, self.eos = tokenizer, stops, eos
         self.max_new_tokens = max_new_tokens
         self._tokens = self.engine.stream(prompt_ids, sampling, truncate=truncate)
@@ -206,14 +210,15 @@ def _sync(device):
 
 def stream(model, prompt, *, tokenizer=None, max_new_tokens: int = 64, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=None, eos_token_id=_DEFAULT,
-           truncate: bool = False, block_size: int = 16, cuda_graph: bool | None = None) -> Generation:
+           truncate: bool = False, block_size: int = 16, cuda_graph: bool | None = None,
+           speculative=None) -> Generation:
     """A generation to iterate: ``prompt`` is text (needs ``tokenizer``) or a list of token ids.
 
     Stops at ``eos_token_id`` (default: the config's; None never stops on it), at a ``stop`` string (the
     text ends before it), or after ``max_new_tokens``. A prompt that does not leave room for
     ``max_new_tokens`` in the context raises :class:`~tritune.model.scheduler.ContextLimitError` (a
     ValueError); ``truncate=True`` instead keeps its last ``n_positions - max_new_tokens`` tokens.
-    ``cuda_graph``: see :func:`engine_for`.
+    ``cuda_graph``, ``speculative``: see :func:`engine_for`.
     """
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -222,7 +227,7 @@ def stream(model, prompt, *, tokenizer=None, max_new_tokens: int = 64, temperatu
     return Generation(model, prompt, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                       eos_token_id=eos_token_id, truncate=truncate, block_size=block_size,
-                      cuda_graph=cuda_graph)
+                      cuda_graph=cuda_graph, speculative=speculative)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:

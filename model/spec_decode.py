@@ -208,9 +208,14 @@ class DraftModelProposer:
 # The engine's speculative step
 # ---------------------------------------------------------------------------------------------------
 class SpeculativeDecoder:
-    """Runs a decode-only engine step speculatively: propose, verify in one target forward, accept."""
+    """Runs a decode-only engine step speculatively: propose, verify in one target forward, accept.
+
+    ``proposer``: a proposer object, or "ngram" / "draft" (:func:`make_proposer`: "draft" is the
+    checkpoint's packaged draft, ``<model dir>/draft/``)."""
 
     def __init__(self, proposer, engine):
+        if isinstance(proposer, str):
+            proposer = make_proposer(proposer, engine.model)
         if not hasattr(proposer, "propose"):
             raise TypeError(f"speculative: expected a proposer (NgramProposer, DraftModelProposer), "
                             f"got {type(proposer).__name__}")
@@ -292,3 +297,45 @@ def early_exit_draft(model, n_layers: int):
     m = model.with_weights(replace(model.w, layers=model.w.layers[:n_layers]))
     m.config = replace(c, n_layer=n_layers)
     return m
+
+
+# ---------------------------------------------------------------------------------------------------
+# Proposers by name
+# ---------------------------------------------------------------------------------------------------
+SPECULATIVE = ("ngram", "draft")
+DRAFT_SUBDIR = "draft"      # a checkpoint's own draft model: <checkpoint>/draft/ (the packaged model ships one)
+
+
+def default_draft_dir(model):
+    """``<model's checkpoint>/draft`` when it holds a checkpoint (``model/default/draft`` for the packaged
+    model), else None."""
+    from pathlib import Path
+
+    d = getattr(model, "directory", None)
+    if d is None:
+        return None
+    d = Path(d) / DRAFT_SUBDIR
+    return d if (d / "config.json").is_file() else None
+
+
+def load_draft(model, draft=None):
+    """The draft GPT-2 for ``model``: ``draft`` (a directory or hub id), default :func:`default_draft_dir`;
+    on the target's backend, dtype and device."""
+    from tritune.model.gpt2 import GPT2
+
+    path = draft if draft is not None else default_draft_dir(model)
+    if path is None:
+        raise ValueError(f"draft: {getattr(model, 'directory', None) or 'the model'} has no packaged draft "
+                         f"({DRAFT_SUBDIR}/config.json); pass a draft checkpoint sharing its tokenizer")
+    return GPT2.from_pretrained(path, backend=model.backend, dtype=model.dtype, device=model.device)
+
+
+def make_proposer(name: str, model, *, k: int = 4, draft=None, block_size: int = 16):
+    """``"ngram"`` (prompt lookup) or ``"draft"`` (:func:`load_draft`: ``draft`` or the packaged draft)."""
+    if name == "ngram":
+        if draft is not None:
+            raise ValueError("draft: only speculative='draft' takes a draft model")
+        return NgramProposer(k=k)
+    if name == "draft":
+        return DraftModelProposer(load_draft(model, draft), k=k, block_size=block_size)
+    raise ValueError(f"speculative: expected one of {SPECULATIVE} or a proposer, got {name!r}")

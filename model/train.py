@@ -287,15 +287,79 @@ def hf_config(a: ModelArgs, eos_id: int) -> dict:
     }
 
 
-def save_checkpoint(model: GPT2LM, tok, out: Path, eos_id: int) -> int:
-    """config.json, model.safetensors (fp16, HF names, tied lm_head omitted), tokenizer.json; returns bytes."""
+def load_tokenizer(directory) -> "tokenizers.Tokenizer":
+    """An existing checkpoint's tokenizer.json (a draft model's must be its target's, id for id)."""
+    from tokenizers import Tokenizer
+
+    f = Path(directory).expanduser() / "tokenizer.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"--tokenizer: {f} does not exist")
+    tok = Tokenizer.from_file(str(f))
+    if tok.token_to_id(EOS) is None:
+        raise ValueError(f"--tokenizer: {f} has no {EOS} token")
+    return tok
+
+
+def load_teacher(directory, device) -> GPT2LM:
+    """A checkpoint this module wrote (HF names, fp16), as a frozen fp32 GPT2LM in eval mode."""
+    from safetensors.torch import load_file
+
+    d = Path(directory).expanduser()
+    c = json.loads((d / "config.json").read_text())
+    a = ModelArgs(vocab_size=c["vocab_size"], n_positions=c["n_positions"], n_embd=c["n_embd"],
+                  n_layer=c["n_layer"], n_head=c["n_head"], dropout=0.0,
+                  layer_norm_epsilon=c.get("layer_norm_epsilon", 1e-5))
+    m = GPT2LM(a)
+    state = {k: v.float() for k, v in load_file(str(d / "model.safetensors")).items()}
+    m.load_state_dict(state)
+    m.requires_grad_(False)
+    # bf16 on the CPU too: its soft targets need no more, and its forward is most of a distillation step
+    return m.to(device, torch.bfloat16).eval()
+
+
+def distill_loss(logits, targets, teacher_logits, alpha: float):
+    """Cross-entropy against alpha * teacher probabilities + (1 - alpha) * the data's one-hot token: that is
+    alpha * KL(teacher || student) + (1 - alpha) * cross-entropy plus the teacher's entropy (a constant), so
+    the same gradients, in one fused op (a separate log-softmax and KL over (tokens, vocab) cost twice the
+    student's own step on the CPU). A draft trained toward the teacher's whole distribution agrees with it
+    more often than one trained on the data alone, and agreement is what the acceptance rate counts."""
+    flat = logits.float().flatten(0, 1)
+    with torch.no_grad():
+        soft = F.softmax(teacher_logits.float().flatten(0, 1), dim=-1).mul_(alpha)
+        soft[torch.arange(soft.shape[0], device=soft.device), targets.flatten()] += 1 - alpha
+    return F.cross_entropy(flat, soft)
+
+
+@torch.no_grad()
+def teacher_agreement(model, teacher, x, batch: int, device) -> dict:
+    """On held-out windows: how often the student's argmax is the teacher's (greedy speculative decoding
+    accepts a draft token exactly then), and the mean of sum_v min(p, q) (the acceptance probability of a
+    draft token sampled at temperature 1)."""
+    model.eval()
+    same = overlap = count = 0.0
+    for i in range(0, x.shape[0], batch):
+        xb = x[i:i + batch].to(device)
+        q = F.softmax(model(xb).float(), dim=-1)
+        p = F.softmax(teacher(xb).float(), dim=-1)
+        same += (q.argmax(-1) == p.argmax(-1)).sum().item()
+        overlap += torch.minimum(p, q).sum(-1).sum().item()
+        count += xb.numel()
+    model.train()
+    return {"greedy_top1_agreement": round(same / count, 4), "sampled_acceptance_t1": round(overlap / count, 4),
+            "tokens": int(count)}
+
+
+def save_checkpoint(model: GPT2LM, tok, out: Path, eos_id: int, write_tokenizer: bool = True) -> int:
+    """config.json, model.safetensors (fp16, HF names, tied lm_head omitted), tokenizer.json (unless the
+    tokenizer is another checkpoint's, reused); returns the weights' bytes."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(model.args, eos_id), indent=2) + "\n")
-    tok.save(str(out / "tokenizer.json"))
+    if write_tokenizer:
+        tok.save(str(out / "tokenizer.json"))
     (out / "model.safetensors").chmod(0o644)     # safetensors writes 0600; package data is world-readable
     return (out / "model.safetensors").stat().st_size
 
@@ -343,6 +407,19 @@ def checkpoint_loss(directory: Path, stream: torch.Tensor, device: str) -> float
     return total / count
 
 
+def _metrics_of(directory) -> dict:
+    try:
+        return json.loads((Path(directory).expanduser() / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -375,19 +452,35 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--sample-prompt", default="ROMEO:")
     p.add_argument("--sample-tokens", type=int, default=120)
+    p.add_argument("--tokenizer", default=None,
+                   help="reuse DIR/tokenizer.json instead of training one (a draft model must share its target's)")
+    p.add_argument("--teacher", default=None,
+                   help="distil from this checkpoint's next-token distributions (a speculative-decoding draft: "
+                        "implies --tokenizer TEACHER unless given)")
+    p.add_argument("--distill-alpha", type=float, default=0.7,
+                   help="with --teacher: loss = alpha * KL(teacher || student) + (1 - alpha) * cross-entropy")
+    p.add_argument("--init", default=None,
+                   help="start from this checkpoint's weights (same shape; e.g. a draft trained on the data alone, "
+                        "then distilled: the teacher's forward is most of a distillation step's cost)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not 0.0 <= args.distill_alpha <= 1.0:
+        raise SystemExit(f"--distill-alpha: expected a number in [0, 1], got {args.distill_alpha}")
+    tok_dir = args.tokenizer or args.teacher
     torch.manual_seed(args.seed)
     t_start = time.time()
 
     data_dir = find_data(args.data)
     texts = read_texts(data_dir, args.glob)
     train_texts, val_texts, test_texts = split_texts(texts)
-    tok = train_tokenizer(train_texts, args.vocab_size)
+    tok = load_tokenizer(tok_dir) if tok_dir else train_tokenizer(train_texts, args.vocab_size)
     eos_id = tok.token_to_id(EOS)
     train_ids, val_ids = encode(tok, train_texts), encode(tok, val_texts)
     test_ids = encode(tok, test_texts) if test_texts else None
@@ -405,6 +498,25 @@ def main(argv=None) -> int:
                          f"{MAX_CHECKPOINT_BYTES / 2**20:.0f} MiB the package may ship")
     model = GPT2LM(a).to(device)
     assert sum(p.numel() for p in model.parameters()) == n_params
+    if args.init:
+        from safetensors.torch import load_file
+
+        init = {k: v.float() for k, v in load_file(str(Path(args.init).expanduser() / "model.safetensors")).items()}
+        missing, unexpected = model.load_state_dict(init, strict=False)
+        if unexpected or missing:
+            raise SystemExit(f"--init: {args.init} does not match the model (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+        print(f"initialised from {args.init}", flush=True)
+    teacher = None
+    if args.teacher:
+        teacher = load_teacher(args.teacher, device)
+        if teacher.args.vocab_size != a.vocab_size:
+            raise SystemExit(f"--teacher: vocabulary of {teacher.args.vocab_size}, the tokenizer's is {a.vocab_size}")
+        if teacher.args.n_positions < a.n_positions:
+            raise SystemExit(f"--teacher: {teacher.args.n_positions} positions, fewer than --n-positions "
+                             f"{a.n_positions}")
+        print(f"distilling from {args.teacher} ({teacher.args.n_layer} layers, {teacher.args.n_embd} wide), "
+              f"alpha {args.distill_alpha}", flush=True)
     print(f"model: {a}; {n_params:,} parameters ({2 * n_params / 2**20:.1f} MiB fp16); device {device}",
           flush=True)
 
@@ -438,7 +550,11 @@ def main(argv=None) -> int:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         with autocast():
-            _, loss = fwd(xb, yb)
+            logits, loss = fwd(xb, yb)
+            if teacher is not None:
+                with torch.no_grad():
+                    t_logits = teacher(xb).float()
+                loss = distill_loss(logits, yb, t_logits, args.distill_alpha)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -465,7 +581,13 @@ def main(argv=None) -> int:
 
     model.load_state_dict(best["state"])
     out = Path(args.out)
-    nbytes = save_checkpoint(model, tok, out, eos_id)
+    nbytes = save_checkpoint(model, tok, out, eos_id, write_tokenizer=tok_dir is None)
+    agreement = None
+    if teacher is not None:
+        agreement = teacher_agreement(model, teacher.float(), val_x[:64], 16, device)
+        print(f"agreement with the teacher on {agreement['tokens']:,} validation tokens: argmax "
+              f"{agreement['greedy_top1_agreement']:.1%}, sum min(p, q) {agreement['sampled_acceptance_t1']:.1%}",
+              flush=True)
     print(f"saved the step-{best['step']} checkpoint (val {best['loss']:.4f}) to {out} "
           f"({nbytes / 2**20:.2f} MiB)", flush=True)
 
@@ -490,6 +612,13 @@ def main(argv=None) -> int:
         "measured_on": "the saved fp16 checkpoint, tritune.model.gpt2 torch backend in fp32, non-overlapping "
                        f"{a.n_positions}-token windows",
         "model": asdict(a), "parameters": n_params, "checkpoint_bytes": nbytes,
+        **({"tokenizer": {"from": str(tok_dir), "sha256": _sha256(Path(tok_dir).expanduser() / "tokenizer.json")}}
+           if tok_dir else {}),
+        **({"init": {"checkpoint": str(args.init), "its_command": _metrics_of(args.init).get("command"),
+                     "its_training": {k: _metrics_of(args.init).get("training", {}).get(k)
+                                      for k in ("steps", "tokens_seen", "seconds")}}} if args.init else {}),
+        **({"teacher": {"checkpoint": str(args.teacher), "distill_alpha": args.distill_alpha,
+                        "agreement_on_val": agreement}} if teacher is not None else {}),
         "training": {"steps": step, "best_step": best["step"], "batch_size": B, "block_size": T,
                      "tokens_seen": tokens_seen, "epochs": round(tokens_seen / train_ids.numel(), 2),
                      "seconds": round(train_seconds, 1), "first_train_loss": round(first_loss, 4),
@@ -510,7 +639,7 @@ def main(argv=None) -> int:
         from tritune.model.tokenizer import Tokenizer
 
         m = GPT2.from_pretrained(out, backend="torch", dtype=torch.float32, device="cpu")
-        tk = Tokenizer.from_dir(out)
+        tk = Tokenizer.from_dir(tok_dir or out)
         greedy = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens)
         sampled = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens,
                            temperature=0.8, top_k=50, seed=0)

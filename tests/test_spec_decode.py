@@ -163,3 +163,74 @@ def test_gpu_graph_engine_with_every_feature_equals_plain():
         assert [c.token_ids for c in eng.generate(ps, sp)] == want
         assert eng.stats["spec_steps"] > 0 and eng.scheduler.stats["cached_tokens"] > 0
         assert eng.pool.num_free == eng.pool.num_blocks
+
+
+# ------------------------------------------------------------------------------------ the packaged draft
+def _packaged():
+    from tritune.model.cli import default_model_dir
+    from tritune.model.gpt2 import GPT2
+    from tritune.model.spec_decode import default_draft_dir
+
+    d = default_model_dir()
+    if d is None or not (d / "draft" / "config.json").is_file():
+        pytest.skip("no packaged checkpoint with a draft (model/default/draft)")
+    gpu = torch.cuda.is_available()
+    m = GPT2.from_pretrained(d, backend="triton" if gpu else "torch", dtype=torch.bfloat16 if gpu else torch.float32)
+    assert default_draft_dir(m) == d / "draft"
+    return m
+
+
+SPEECH = "PORTIA:\nThe quality of mercy is not strain'd,\nIt droppeth as the gentle rain from heaven\n"
+
+
+def test_packaged_draft_shares_the_tokenizer_and_is_small():
+    import hashlib
+    import json
+
+    m = _packaged()
+    d = m.directory / "draft"
+    meta = json.loads((d / "metrics.json").read_text())
+    assert meta["tokenizer"]["sha256"] == hashlib.sha256((m.directory / "tokenizer.json").read_bytes()).hexdigest()
+    assert sum(f.stat().st_size for f in d.iterdir()) < 2 * 2**20
+
+
+def test_engine_speculative_draft_by_name_uses_the_packaged_draft():
+    """Engine(speculative="draft") on the packaged model: its draft/, greedy tokens equal the target alone,
+    and the distilled draft's guesses are accepted often (a random 2-layer draft: about 0%)."""
+    from tritune.model.tokenizer import Tokenizer
+
+    m = _packaged()
+    ids = Tokenizer.from_dir(m.directory).encode(SPEECH)
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = Engine(m, num_blocks=32, block_size=16, cuda_graphs=False).generate([ids], sp)[0].token_ids
+    eng = Engine(m, num_blocks=32, block_size=16, cuda_graphs=False, speculative="draft")
+    assert "draft(2 layers" in eng.spec.proposer.name
+    assert eng.generate([ids], sp)[0].token_ids == want
+    assert acceptance_rate(eng.stats) > 0.2
+
+
+def test_speculative_by_name_errors():
+    from tritune.model.spec_decode import make_proposer
+
+    m = tiny_model()                      # no checkpoint directory: no packaged draft
+    with pytest.raises(ValueError, match="no packaged draft"):
+        make_proposer("draft", m)
+    with pytest.raises(ValueError, match="speculative: expected one of"):
+        Engine(m, num_blocks=16, block_size=4, cuda_graphs=False, speculative="medusa")
+    with pytest.raises(ValueError, match="draft: only"):
+        make_proposer("ngram", m, draft="x")
+    assert make_proposer("ngram", m, k=2).k == 2
+
+
+def test_generate_cli_speculative_draft(capsys):
+    from tritune.harness.cli import main
+
+    _packaged()
+    rc = main(["generate", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0", "--speculative", "draft"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.startswith("ROMEO:")
+    assert "draft(2 layers, k=4):" in err and "drafts accepted" in err
+    rc = main(["generate", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0"])
+    assert rc == 0 and capsys.readouterr()[0] == out       # greedy: the same text as without speculation
+    assert main(["generate", "x", "--speculative", "draft", "--spec-k", "0"]) == 2
+    assert "--spec-k: expected an int >= 1" in capsys.readouterr()[1]
