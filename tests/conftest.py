@@ -74,8 +74,14 @@ GPU_SLOW = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects
+@pytest.hookimpl(hookwrapper=True)  # around every other implementation: marks before -m deselects, order after
 def pytest_collection_modifyitems(config, items):
+    mark_slow_and_gpu(items)
+    yield
+    order_long_first(items)
+
+
+def mark_slow_and_gpu(items):
     slow = SLOW if dev.interpreted() else SLOW + GPU_SLOW
     for item in items:
         if item.nodeid.startswith(slow):
@@ -111,8 +117,7 @@ def pytest_runtest_call(item):
 DURATIONS = os.path.join(os.path.dirname(__file__), "gpu_durations.json")
 
 
-@pytest.hookimpl(trylast=True)  # after -m deselects: the order of the tests that will run
-def pytest_collection_modifyitems(config, items):
+def order_long_first(items):
     """On a GPU under xdist, each worker's share starts with its part of the long tests.
 
     ``--dist worksteal`` hands worker i the i-th of W equal contiguous slices of the collection and lets idle
