@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# `tritune tune all --budget 30m` on a GPU with no store of its own, warm-started from the H100's store, in calls
+# of at most ~9 minutes: each call resumes the same storage (kept in /tmp/tune while the machine stays warm; a
+# cold machine restores it from the carried .tune/). The last call (STEP=compare) re-times the winners against
+# the committed store of this GPU.  Everything lands in $OUT/tuneall/ (+ bundle.tgz).
+#   STEP=tune|compare bash lab/drivers/tune_all_budget.sh
+set -uo pipefail
+: "${OUT:?}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+if [ ! -f /tmp/installed ]; then
+  python -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+  touch /tmp/installed
+fi
+export TRITON_CACHE_DIR=/tmp/tcache
+S=/tmp/tune
+if [ ! -d $S ] && [ -d ../.tune/h200-budget ]; then mkdir -p $S && cp -r ../.tune/h200-budget ../.tune/h200-budget.journal $S/; echo "restored storage"; fi
+mkdir -p $S/pkg-h100 $OUT/tuneall && ln -sfn $PWD/tuning/configs/nvidia-h100-80gb-hbm3 $S/pkg-h100/
+slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
+echo "slug $slug commit $(cat .commit 2>/dev/null) step ${STEP:-tune}"
+case ${STEP:-tune} in
+  tune) TRITUNE_CONFIGS=$S/pkg-h100 TRITUNE_CONFIG_DIR=$S/h200-budget PYTHONUNBUFFERED=1 timeout -s INT ${TUNE_LIM:-560} \
+          tritune tune all --dtype bf16 --budget 30m --stop-after ${STOP_AFTER:-8m} --export --storage $S/h200-budget.journal \
+          --quiet > $OUT/tuneall/tune_$(date +%H%M%S).log 2>&1; echo "tune rc=$?"; tail -25 $OUT/tuneall/tune_*.log | tail -25 ;;
+  compare) python lab/compare_tune_all.py --new $S/h200-budget/$slug --old tuning/configs/$slug --retime \
+          --time-limit ${CMP_LIM:-240} --storage $S/h200-budget.journal --json $OUT/tuneall/compare.json \
+          > $OUT/tuneall/compare.log 2>&1; echo "compare rc=$?"; tail -40 $OUT/tuneall/compare.log ;;
+esac
+cp -r $S/h200-budget $S/h200-budget.journal $OUT/tuneall/ 2>/dev/null
+tar -czf $OUT/bundle.tgz -C $OUT tuneall
