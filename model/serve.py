@@ -450,6 +450,9 @@ def run_mixed(make_engine, *, n_decodes, decode_prompt, long_prompt, n_long, out
     res = {}
     for name, kw in (("unchunked", {}), ("chunked", {"enable_chunked_prefill": True, "max_batch_tokens": chunk})):
         eng = make_engine(prefill_batching=False, decode_steps=1, **kw)
+        # the same pattern once, short, untimed: a long prompt's kernel variants (its prefill, or its chunks
+        # beside the decodes) compile here; met first inside the timed run, each is a 1 s stall in the P99
+        _itl_run(eng, n_decodes, decode_prompt, long_prompt, 1, 2 * every + 8, vocab, every, seed=1)
         res[name] = _itl_run(eng, n_decodes, decode_prompt, long_prompt, n_long, output_len, vocab, every)
         del eng
     for name in ("unchunked", "chunked"):
