@@ -8,7 +8,8 @@ to the end and returns that result. There is no second decode loop here: the tok
 :class:`~tritune.model.engine.Engine` (one per model, block size, decode path and tokenizer, built on
 first use and kept while the model lives), with its CUDA graphs of the decode step where the model can
 use them (decoding then runs up to ``decode_steps`` steps per host sync, sampled tokens drawn on the
-device between steps).
+device between steps). That engine runs ahead (``Engine(run_ahead=True)``): while the caller streams,
+detokenizes and prints one batch of tokens, the device already computes the next.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def engine_for(model, *, block_size: int = 16, cuda_graph: bool | None = None, t
     if eng is None:
         eng = Engine(model, num_blocks=-(-model.config.n_positions // block_size), block_size=block_size,
                      speculative=speculative,
-                     max_num_seqs=1, cuda_graphs=mode, tokenizer=tokenizer)
+                     max_num_seqs=1, cuda_graphs=mode, tokenizer=tokenizer, run_ahead=True)
         per_model[key] = eng
     return eng
 

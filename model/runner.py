@@ -271,10 +271,16 @@ class ModelRunner:
         ``draw(logits) -> [(row, token tensor)]``: rows whose token is drawn on the device after each step
         (sampling) instead of the greedy one the step feeds back. Returns (tokens per step per row, host
         seconds {load, launch, wait}, GPU seconds or None)."""
+        return self.graph_collect(self.graph_launch(ids, positions, stops, eos, tables, steps, gpu_timing, draw))
+
+    def graph_launch(self, ids, positions, stops, eos, tables, steps: int, gpu_timing: bool = False, draw=None):
+        """:meth:`graph_decode`'s steps queued on the device, no host sync: the handle :meth:`graph_collect`
+        reads their tokens from (the host may do other work meanwhile, but loads nothing before that)."""
         g = self.graphs
         t0 = time.perf_counter()
         g.load(ids, positions, stops, eos, tables)
         t1 = time.perf_counter()
+        ev = None
         if gpu_timing:
             ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev[0].record()
@@ -284,13 +290,18 @@ class ModelRunner:
             for k in range(steps):
                 for row, tok in draw(g.run(len(ids), 1)):
                     g.feed(row, tok, positions[row], k)
-        if gpu_timing:
+        if ev is not None:
             ev[1].record()
+        return positions, steps, ev, {"load_s": t1 - t0, "launch_s": time.perf_counter() - t1}
+
+    def graph_collect(self, launched):
+        """The tokens of :meth:`graph_launch`'s steps (the one sync): (tokens per step per row, host seconds
+        {load, launch, wait}, GPU seconds or None)."""
+        positions, steps, ev, host = launched
         t2 = time.perf_counter()
-        rows = g.tokens(positions, steps)                       # the one sync
-        t3 = time.perf_counter()
-        gpu_s = ev[0].elapsed_time(ev[1]) / 1e3 if gpu_timing else None
-        return rows, {"load_s": t1 - t0, "launch_s": t2 - t1, "wait_s": t3 - t2}, gpu_s
+        rows = self.graphs.tokens(positions, steps)
+        host = {**host, "wait_s": time.perf_counter() - t2}
+        return rows, host, (ev[0].elapsed_time(ev[1]) / 1e3 if ev is not None else None)
 
     def _compiled_decode(self, ids, positions, slots, context_lens, tables):
         """The compiled decode on the batch padded to at least 2 rows (a copy of row 0, which writes the
