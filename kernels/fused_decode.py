@@ -102,8 +102,30 @@ def _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ, s_
 
 
 @triton.jit
-def _first_block(pid, P, w, s_wk, s_wn, n, k, split,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_w(w, offs_k, offs_n, k_bound, n_bound, s_wk, s_wn, is_lm, LM_KMAJOR: tl.constexpr):
+    """A weight block (zeros outside [0, k_bound) x [0, n_bound)). The unit stride is a literal (not a
+    runtime stride of 1), and strides and bounds are rounded down to multiples of 8, which they are (the
+    driver requires n_embd and the MLP width % 8 == 0): the compiler then knows 16-byte alignment and the
+    loads vectorise (tl.multiple_of cannot mark these values: they are loop-carried). Layer weights run
+    along N; the LM head along K when it is the tied wte^T view (its V columns are no multiple of 8)."""
+    ok = offs_k.to(tl.int64)
+    on = offs_n.to(tl.int64)
+    kb = (k_bound // 8) * 8
+    if is_lm:
+        mask = (offs_k < kb)[:, None] & (offs_n < n_bound)[None, :]
+        if LM_KMAJOR:   # the column stride is n_embd, a multiple of 8
+            v = tl.load(w + ok[:, None] + on[None, :] * ((s_wn // 8) * 8), mask=mask, other=0.0)
+        else:
+            v = tl.load(w + ok[:, None] * s_wk + on[None, :] * s_wn, mask=mask, other=0.0)
+    else:
+        mask = (offs_k < kb)[:, None] & (offs_n < (n_bound // 8) * 8)[None, :]
+        v = tl.load(w + ok[:, None] * ((s_wk // 8) * 8) + on[None, :], mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _first_block(pid, P, w, s_wk, s_wn, n, k, split, is_lm,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LM_KMAJOR: tl.constexpr):
     """The first weight block of program pid's first work item in a GEMV stage (zeros when it has none):
     loaded before a barrier wait, consumed after it."""
     kt = tl.cdiv(tl.cdiv(k, BLOCK_K), split)
@@ -113,9 +135,7 @@ def _first_block(pid, P, w, s_wk, s_wn, n, k, split,
     offs_k = ks * kt * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_live = tl.where(pid < items, n, 0)   # (a scalar condition in the mask: the interpreter's masks go int32)
-    mask = (offs_k < k)[:, None] & (offs_n < n_live)[None, :]
-    return tl.load(w + offs_k.to(tl.int64)[:, None] * s_wk + offs_n.to(tl.int64)[None, :] * s_wn, mask=mask,
-                   other=0.0)
+    return _load_w(w, offs_k, offs_n, k, n_live, s_wk, s_wn, is_lm, LM_KMAJOR)
 
 
 @triton.jit
@@ -163,7 +183,7 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
                 w, bias, s_wk, s_wn, n, k, split,
                 X, QKV, Hb, Logits, s_log, KC, VC, Slots, C, Work, Tick, Dbg, debug_spin,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
-                DEBUG: tl.constexpr):
+                LM_KMAJOR: tl.constexpr, DEBUG: tl.constexpr):
     """y = epilogue(LN?(xin) @ w): program pid takes work items pid, pid + P, ... (item = (column tile,
     K slice)); its first weight block is ``wpre``, every later one is loaded a step ahead of its use."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -197,9 +217,7 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
         offs_k1 = ((item1 % split) * kt + t1 % kt) * BLOCK_K + offs_kb
         offs_n1 = (item1 // split) * BLOCK_N + offs_nb
         n1 = tl.where(t1 < steps, n, 0)
-        m1 = (offs_k1 < k)[:, None] & (offs_n1 < n1)[None, :]
-        w_next = tl.load(w + offs_k1.to(tl.int64)[:, None] * s_wk + offs_n1.to(tl.int64)[None, :] * s_wn,
-                         mask=m1, other=0.0)
+        w_next = _load_w(w, offs_k1, offs_n1, k, n1, s_wk, s_wn, kind == 5, LM_KMAJOR)
         xm = mm[:, None] & km[None, :]
         xv = tl.load(Xin + rows[:, None] * s_x + offs_k[None, :], mask=xm, other=0.0,
                      cache_modifier=".cg").to(tl.float32)
@@ -371,7 +389,8 @@ def _fused_decode_kernel(
         stage_lo, stage_hi, M, L, E, F, V, H, D, eps, qk_scale,
         SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, n_split, debug_spin,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SYNC: tl.constexpr, DEBUG: tl.constexpr):
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LM_KMAJOR: tl.constexpr, SYNC: tl.constexpr,
+        DEBUG: tl.constexpr):
     """logits = LM head of GPT-2's layers over x (M, E) (see the module docstring): stages
     [stage_lo, stage_hi) of 5·L + 1, separated by grid barriers when SYNC."""
     pid = tl.program_id(0)
@@ -385,7 +404,7 @@ def _fused_decode_kernel(
                                                  s_lk, s_ln, SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ)
     if g == 5 * L:
         n = V
-    wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, BLOCK_N, BLOCK_K)
+    wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
     for s in range(stage_lo, stage_hi):
         kind = s % 5
         if s == 5 * L:
@@ -421,7 +440,7 @@ def _fused_decode_kernel(
             _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, xin, s_x, has_ln, lnw, lnb,
                         w, b, s_wk, s_wn, n, k, split,
                         X, QKV, Hb, Logits, s_log, KC + layer * s_kv_layer, VC + layer * s_kv_layer, Slots, E,
-                        Work, Tick, Dbg, debug_spin, BLOCK_M, BLOCK_N, BLOCK_K, LN_BLOCK, DEBUG)
+                        Work, Tick, Dbg, debug_spin, BLOCK_M, BLOCK_N, BLOCK_K, LN_BLOCK, LM_KMAJOR, DEBUG)
         if s + 1 < stage_hi:
             if SYNC:
                 tl.debug_barrier()      # all of this program's stores are issued before its arrival
@@ -433,7 +452,7 @@ def _fused_decode_kernel(
                                                              SPLIT_FC, SPLIT_PROJ)
                 if g == 5 * L:
                     n = V
-                wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, BLOCK_N, BLOCK_K)
+                wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
             if SYNC:
                 if DEBUG == 0:
                     while tl.atomic_add(Bar + s, 0, sem="acquire", scope="gpu") < P:
@@ -522,5 +541,5 @@ def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int
         stage_lo, hi, M, L, E, F, V, H, D, eps, LOG2E / D ** 0.5,
         *splits, n_split, debug_spin,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LN_BLOCK=min(256, triton.next_power_of_2(E)),
-        BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), SYNC=sync, DEBUG=debug,
+        BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), LM_KMAJOR=a["s_lk"] == 1, SYNC=sync, DEBUG=debug,
         num_warps=cfg.num_warps, num_stages=1)

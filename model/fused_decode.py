@@ -52,6 +52,8 @@ def why_not(model, kv=None) -> str | None:
         return f"backend {model.backend!r} (the fused step is a Triton kernel)"
     if model.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"dtype {model.dtype}"
+    if c.n_embd % 8 or c.d_mlp % 8:
+        return f"n_embd {c.n_embd} or MLP width {c.d_mlp} not a multiple of 8 (the weight loads assume it)"
     L0 = model.w.layers[0]
     if not all(isinstance(getattr(L0, f), torch.Tensor) for f in ("w_qkv", "w_o", "w_fc", "w_proj")):
         return "quantized linears (the fused step reads dense weights)"
@@ -99,8 +101,8 @@ class FusedDecode:
                                            ("BQKV", "b_qkv"), ("WO", "w_o"), ("BO", "b_o"), ("LN2W", "ln2_w"),
                                            ("LN2B", "ln2_b"), ("WFC", "w_fc"), ("BFC", "b_fc"),
                                            ("WPROJ", "w_proj"), ("BPROJ", "b_proj"))}
-        self.w.update(LNFW=w.lnf_w, LNFB=w.lnf_b, LMH=w.lm_head, s_lk=w.lm_head.stride(0),
-                      s_ln=w.lm_head.stride(1))
+        lm = w.lm_head if 1 in w.lm_head.stride() else w.lm_head.contiguous()   # unit stride along K or N
+        self.w.update(LNFW=w.lnf_w, LNFB=w.lnf_b, LMH=lm, s_lk=lm.stride(0), s_ln=lm.stride(1))
         self.weight_bytes = sum(t.numel() * t.element_size() for k, t in self.w.items() if isinstance(t, torch.Tensor))
         kc, vc = kv.k_caches, kv.v_caches
         self.kv = {"KC": kc[0], "VC": vc[0], "block_size": kc[0].shape[1],
@@ -130,8 +132,10 @@ class FusedDecode:
             except ValueError as e:
                 warnings.warn(f"tritune: ignoring the stored fused_decode config {stored}: {e}", stacklevel=3)
         if dev.interpreted():
-            return FK.Config(block_n=16, block_k=32, block_t=16, num_warps=1, programs=INTERPRETER_PROGRAMS)
-        return FK.Config(block_n=32, block_k=256, block_t=32, num_warps=8)
+            return FK.Config(block_n=32, block_k=64, block_t=16, num_warps=1, programs=INTERPRETER_PROGRAMS)
+        # 8 KB weight blocks: 224 registers a thread at 8 warps with no spill (sm90 ptxas); 256-deep K blocks
+        # or 64-wide N tiles spill at M = 1
+        return FK.Config(block_n=32, block_k=128, block_t=32, num_warps=8)
 
     def _plan(self, M: int):
         p = self._plans.get(M)
