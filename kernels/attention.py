@@ -13,6 +13,12 @@ then the few blocks on the causal diagonal or past the end of the keys run maske
 query i sees key j when j <= i + Tk − Tq. A row that sees no key (Tq > Tk, or an empty key sequence)
 outputs 0 and its lse is −inf.
 
+The Hopper path (config keys, tuned like the rest): TMA=1 reads Q/K/V and writes O through per-(sequence,
+head) tensor descriptors made on the device (TMA zero-fills the row tail and the head dim padded to a
+power of two, and clips the store), WARP_SPEC=1 asks Triton to warp-specialize the unmasked key loop
+(TMA producer / MMA consumer), LAZY_RESCALE=1 rescales acc only when a row max grew by more than 2^8.
+A layout TMA cannot read (D not unit-stride, rows or bases not 16-byte aligned) runs the pointer path.
+
 GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
 take the same kernel with per-sequence offsets read from cu_seqlens.
 """

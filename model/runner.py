@@ -185,7 +185,7 @@ class ModelRunner:
     invariant = False       # batch-invariant mode (the Engine sets it; tritune.model.invariant)
 
     def __init__(self, model, pool, *, max_num_seqs: int, cuda_graphs=True, compile: bool = False,
-                 graph_buckets=GRAPH_BUCKETS, hist: int = 16):
+                 graph_buckets=GRAPH_BUCKETS, hist: int = 16, fused_decode="auto"):
         if cuda_graphs not in (True, False, "eager"):
             raise ValueError(f"cuda_graphs: expected True, False or 'eager', got {cuda_graphs!r}")
         if cuda_graphs and compile:
@@ -204,8 +204,8 @@ class ModelRunner:
         self.compiled = None
         if cuda_graphs == "eager":
             # the model's own ops: padding rows (slot -1) go through write_kv, which must skip them
-            self.graphs = DecodeGraphs(model.with_ops(model.ops), pool, self.max_blocks, buckets, hist=hist,
-                                       capture=False)
+            self.graphs = DecodeGraphs(self._decode_model(model, fused_decode, buckets), pool, self.max_blocks,
+                                       buckets, hist=hist, capture=False)
             self.notes.append(f"device-side decode step at batch {buckets}, run eagerly (no capture)")
         elif cuda_graphs:
             if self.device.type != "cuda":
@@ -217,7 +217,8 @@ class ModelRunner:
                 self.notes.append("cuda_graphs off: the decode step syncs with the host (no paged-attention "
                                   f"kernel for head dim {self.config.head_dim})")
             else:
-                self.graphs = DecodeGraphs(model.with_ops(model.ops), pool, self.max_blocks, buckets, hist=hist)
+                self.graphs = DecodeGraphs(self._decode_model(model, fused_decode, buckets), pool, self.max_blocks,
+                                           buckets, hist=hist)
                 self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
                                   f"(captured in {self.graphs.capture_s:.1f} s)")
         if compile:
@@ -227,6 +228,18 @@ class ModelRunner:
                 self.compiled = CompiledDecode(self.model, pool)
                 self.notes.append("decode forward's layer and head under torch.compile(dynamic=True), one compile "
                                   "for all layers; KV write and prefill eager")
+
+    def _decode_model(self, model, fused_decode, buckets):
+        """The model the device-side decode step runs: batches of up to 8 rows as one persistent launch
+        (tritune.model.fused_decode) when ``fused_decode`` (True, False, "auto": where measured faster on
+        this GPU) picks it, today's per-op step otherwise (and for larger buckets)."""
+        from tritune.model import fused_decode as FD
+
+        use, why = FD.choose(model, self.pool, fused_decode, max(buckets))
+        self.notes.append(why)
+        if not use:
+            return model.with_ops(model.ops)
+        return FD.fused_model(model.with_ops(model.ops), self.pool, max_rows=min(FD.MAX_ROWS, max(buckets)))
 
     @property
     def fast(self) -> bool:
