@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import math
+import resource
 import socket
 import subprocess
 import sys
@@ -152,16 +153,29 @@ def write_jsonl(path: Path, items) -> None:
                                         "arrival": it.arrival}) + "\n" for it in items))
 
 
-def client(url, jsonl: Path, n: int, concurrency: int, out: Path, timeout: float) -> dict:
-    """``tritune serve-bench --url`` in a subprocess (its own GIL); its JSON."""
+def cpu_s() -> float:
+    """CPU seconds of this process (all its threads: the server's event loop and the engine's loop)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def client(url, jsonl: Path, n: int, concurrency: int, out: Path, timeout: float, procs: int | None = None) -> dict:
+    """``tritune serve-bench --url`` in a subprocess (its own GIL; it spreads the streams over ``procs``
+    client processes); its JSON, with ``server_cpu_busy``: this process's CPU time over the run's wall."""
     cmd = [sys.executable, "-m", "tritune.harness.cli", "serve-bench", "--url", url, "--jsonl", str(jsonl),
            "-n", str(n), "--max-concurrency", str(concurrency), "--timeout", str(max(10.0, timeout)),
-           "--out", str(out)]
+           "--out", str(out)] + (["--client-procs", str(procs)] if procs else [])
+    c0, w0 = cpu_s(), time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
+    c1, w1 = cpu_s(), time.perf_counter()
     print(p.stdout.strip(), p.stderr.strip()[-2000:], sep="\n", flush=True)
     if not out.is_file():
         return {"error": f"serve-bench --url exited {p.returncode} without results", "stderr": p.stderr[-2000:]}
-    return json.loads(out.read_text())["run"]
+    run = json.loads(out.read_text())["run"]
+    # (the wall includes the client's start-up, so this is a lower bound of the server's busy share)
+    run["server_cpu_busy"] = round((c1 - c0) / (w1 - w0), 3)
+    run["chunks_s"] = run.get("chunks", 0) / run["elapsed_s"] if run.get("elapsed_s") else None
+    return run
 
 
 async def _disconnecting(url, model, items) -> dict:
@@ -191,6 +205,10 @@ async def _disconnecting(url, model, items) -> dict:
     return {"streams": len(items), "got_first_chunk": got, "errors": len(errors), "error_samples": errors[:5]}
 
 
+def _ms(p: dict, *keys) -> str:
+    return "/".join("n/a" if p.get(k) is None else f"{p[k]:.2f}" for k in keys)
+
+
 def wait_idle(server_state, timeout=60.0) -> float:
     t0 = time.time()
     while server_state.loop.in_flight or server_state.loop.load["running"] or server_state.loop.load["waiting"]:
@@ -216,6 +234,14 @@ def main() -> int:
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds for everything")
     p.add_argument("--smoke", action="store_true", help="no GPU: the packaged model on the torch backend, a "
                    "tiny workload (checks this driver, measures nothing)")
+    p.add_argument("--stub", action="store_true", help="no model: model/serve_stub.py's engine makes tokens at "
+                   "--stub-rate (the HTTP path's own ceiling; runs on any machine)")
+    p.add_argument("--stub-rate", type=float, default=55000.0, help="stub tokens/s in total (default 55000: "
+                   "the engine's in-process rate on an H100 for GPT-2 small; inf: no pacing)")
+    p.add_argument("--decode-steps", type=int, default=16, help="stub: tokens per request per step (the "
+                   "engine's graph path gives 16)")
+    p.add_argument("--client-procs", type=int, default=None, help="client processes (default: serve-bench's)")
+    p.add_argument("--skip-clients", action="store_true", help="only the in-process / HTTP rounds")
     args = p.parse_args()
     if args.smoke:
         args.requests, args.prompt_len, args.output_len, args.clients, args.rounds = 16, (4, 32), (4, 32), 8, 1
@@ -224,9 +250,9 @@ def main() -> int:
     def left():
         return args.time_limit - (time.time() - t_start)
 
-    gpu = torch.cuda.is_available()
-    if not gpu and not args.smoke:
-        print("bench_http: needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    gpu = torch.cuda.is_available() and not args.stub
+    if not gpu and not (args.smoke or args.stub):
+        print("bench_http: needs a CUDA GPU (or --smoke, or --stub)", file=sys.stderr)
         return 2
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,7 +272,13 @@ def main() -> int:
     from tritune.model.engine import Engine
 
     t0 = time.perf_counter()
-    if args.model or args.smoke:
+    if args.stub:
+        from tritune.model.serve_stub import StubEngine
+
+        engine = StubEngine(rate=args.stub_rate, decode_steps=args.decode_steps, max_num_seqs=args.max_num_seqs)
+        config = engine.config
+        tok = stand_in_tokenizer(config.vocab_size)
+    elif args.model or args.smoke:
         from tritune.model.cli import default_model_dir
         from tritune.model.gpt2 import GPT2
         from tritune.model.tokenizer import Tokenizer
@@ -261,9 +293,10 @@ def main() -> int:
         config, state, _ = S.load_models(None, dtype, "cuda", need_hf=False)
         model = S.build_model(config, state, "triton", dtype, "cuda")
         tok = stand_in_tokenizer(config.vocab_size)
-    kv = {"kv_memory_fraction": args.kv_memory_fraction} if gpu else {"num_blocks": 1024}
-    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_batch_tokens=8192, cuda_graphs=True,
-                    tokenizer=tok, **kv)
+    if not args.stub:
+        kv = {"kv_memory_fraction": args.kv_memory_fraction} if gpu else {"num_blocks": 1024}
+        engine = Engine(model, max_num_seqs=args.max_num_seqs, max_batch_tokens=8192, cuda_graphs=True,
+                        tokenizer=tok, **kv)
     if gpu:     # the kernels' variants compiled and the graphs captured before anything is timed
         S.warm_up(engine, config.vocab_size, config.n_positions // 2)
     res["engine"] = engine.describe()
@@ -296,16 +329,20 @@ def main() -> int:
             wait_idle(srv)
             with srv.loop.paused():     # the engine is not thread-safe: its loop thread parks meanwhile
                 inproc = run_inprocess(engine, items)
-            print(f"[round {r}] in-process: {inproc['output_tok_s']:.0f} output tok/s, TTFT p50 "
-                  f"{inproc['ttft_ms']['p50']:.0f} ms, ITL p50/p99 {inproc['itl_ms']['p50']:.2f}/"
-                  f"{inproc['itl_ms']['p99']:.2f} ms", flush=True)
-            http = client(server.url, jsonl, len(items), len(items), out / f"http_round{r}.json", min(300, left() - 30))
+            print(f"[round {r}] in-process: {inproc['output_tok_s']:.0f} output tok/s, TTFT p50/p99 "
+                  f"{_ms(inproc['ttft_ms'], 'p50', 'p99')} ms, ITL p50/p99 {_ms(inproc['itl_ms'], 'p50', 'p99')} ms",
+                  flush=True)
+            http = client(server.url, jsonl, len(items), len(items), out / f"http_round{r}.json", min(300, left() - 30),
+                          args.client_procs)
             row = {"in_process": inproc, "http": http}
             if "output_tok_s" in http:
                 row["http_over_in_process"] = http["output_tok_s"] / inproc["output_tok_s"]
                 row["http_cost"] = 1 - row["http_over_in_process"]
                 print(f"[round {r}] HTTP: {http['output_tok_s']:.0f} output tok/s ({row['http_cost']:+.1%} cost), "
-                      f"{http['errors']} errors", flush=True)
+                      f"{http['chunks_s']:.0f} SSE chunks/s, TTFT p50/p99 {_ms(http['ttft_ms'], 'p50', 'p99')} ms, "
+                      f"ITL p50/p99 {_ms(http['itl_ms'], 'p50', 'p99')} ms, {http['errors']} errors; "
+                      f"server CPU {http['server_cpu_busy']:.0%}, clients {http['client']['procs']} x CPU max "
+                      f"{max(http['client']['cpu_busy']):.0%}", flush=True)
             res["rounds"].append(row)
             save()
         costs = [r["http_cost"] for r in res["rounds"] if "http_cost" in r]
@@ -314,6 +351,8 @@ def main() -> int:
             res["target_http_cost_le_10pct"] = min(costs) <= 0.10
         wait_idle(srv)
         res["kv_blocks_used_after_rounds"] = engine.pool.num_used
+        if args.skip_clients:
+            return 0
 
         # -- many concurrent streaming clients: errors, leaks, memory --------------------------------
         lens = (16, min(256, config.n_positions // 2))
@@ -328,7 +367,7 @@ def main() -> int:
                 res["clients"]["note"] = "stopped early: time limit"
                 break
             run = client(server.url, many_jsonl, len(many), args.clients, out / f"clients_round{r}.json",
-                         min(240, left() - 30))
+                         min(240, left() - 30), args.client_procs)
             waited = wait_idle(srv)
             gone = asyncio.run(_disconnecting(server.url, "bench", many[:args.clients]))
             waited += wait_idle(srv)
@@ -354,7 +393,7 @@ def main() -> int:
     finally:
         server.close()
         save()
-    print(f"wrote {res_path}", flush=True)
+        print(f"wrote {res_path}", flush=True)
     return 0
 
 

@@ -7,7 +7,9 @@ runs to its output length where the server honours it), at most ``--max-concurre
 per request from its scheduled arrival: TTFT (the first chunk with output), inter-token latency (each
 gap between chunks, divided evenly over the tokens it brought: a server that sends several tokens per
 chunk is not flattered by zero gaps), end-to-end latency, output tokens (the usage block, else the
-chunks' ``token_ids``, else one per chunk); overall: output and total tok/s, req/s, errors.
+chunks' ``token_ids``, else one per chunk); overall: output and total tok/s, req/s, errors. The load comes
+from several client processes (``--client-procs``; default one per 32 streams, up to half the cores), each
+reporting its CPU time over the run's wall time: a saturated client measures itself, not the server.
 """
 from __future__ import annotations
 
@@ -53,7 +55,59 @@ async def server_info(url: str, api_key=None) -> dict:
     return data[0]
 
 
+class _Reader:
+    """One stream's SSE lines into an Outcome (the client's per-chunk work: a JSON parse, a clock read)."""
+    __slots__ = ("o", "arrival", "last", "chunks", "usage", "done")
+
+    def __init__(self, o: Outcome, arrival: float):
+        self.o, self.arrival = o, arrival
+        self.last, self.chunks, self.usage, self.done = None, 0, None, False
+
+    def line(self, line: str) -> bool:
+        """False once the stream is over ([DONE] or an error event)."""
+        if not line.startswith("data:"):
+            return True
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return False
+        ev = json.loads(data)
+        if "error" in ev:
+            self.o.error = f"stream error: {ev['error']}"[:300]
+            return False
+        if ev.get("usage"):
+            self.usage = ev["usage"]
+        o = self.o
+        for ch in ev.get("choices") or ():
+            k = len(ch["token_ids"]) if ch.get("token_ids") is not None else (1 if ch.get("text") else 0)
+            if not k:
+                continue
+            now = time.perf_counter()
+            if self.last is None:
+                o.ttft = now - self.arrival
+            else:
+                o.gaps.append(now - self.last)
+                o.itl.extend([(now - self.last) / k] * k)
+            self.last = now
+            self.chunks += k
+        return True
+
+    def end(self, item) -> Outcome:
+        o = self.o
+        if o.error is None and not self.done:
+            o.error = "the stream ended without data: [DONE]"
+        if o.error is not None:
+            return o
+        o.end = time.perf_counter()
+        o.e2e = o.end - self.arrival
+        o.out_tokens = int(self.usage["completion_tokens"]) if self.usage else self.chunks
+        o.prompt_tokens = int(self.usage["prompt_tokens"]) if self.usage else len(item.prompt_ids)
+        o.ok = True
+        return o
+
+
 async def _one(client, url, item, model, t0, sem, extra) -> Outcome:
+    """One streamed request; ``client``: an aiohttp ClientSession or an httpx AsyncClient."""
     o = Outcome()
     body = {"model": model, "prompt": item.prompt_ids, "max_tokens": item.output_len, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
@@ -61,78 +115,60 @@ async def _one(client, url, item, model, t0, sem, extra) -> Outcome:
     delay = t0 + item.arrival - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
-    arrival = t0 + item.arrival
+    rd = _Reader(o, t0 + item.arrival)
     async with sem:
         o.start = time.perf_counter()
-        last, chunks, usage = None, 0, None
         try:
-            async with client.stream("POST", url, json=body) as r:
-                if r.status_code != 200:
-                    text = (await r.aread()).decode(errors="replace")
-                    o.error = f"HTTP {r.status_code}: {text[:200]}"
-                    return o
-                done = False
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    ev = json.loads(data)
-                    if "error" in ev:
-                        o.error = f"stream error: {ev['error']}"[:300]
+            if hasattr(client, "ws_connect"):       # aiohttp
+                async with client.post(url, json=body) as r:
+                    if r.status != 200:
+                        o.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:200]}"
                         return o
-                    if ev.get("usage"):
-                        usage = ev["usage"]
-                    for ch in ev.get("choices") or ():
-                        k = len(ch["token_ids"]) if ch.get("token_ids") is not None else (1 if ch.get("text") else 0)
-                        if not k:
-                            continue
-                        now = time.perf_counter()
-                        if last is None:
-                            o.ttft = now - arrival
-                        else:
-                            o.gaps.append(now - last)
-                            o.itl.extend([(now - last) / k] * k)
-                        last = now
-                        chunks += k
-                if not done:
-                    o.error = "the stream ended without data: [DONE]"
-                    return o
+                    async for raw in r.content:
+                        if not rd.line(raw.decode()):
+                            break
+            else:
+                async with client.stream("POST", url, json=body) as r:
+                    if r.status_code != 200:
+                        o.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                        return o
+                    async for line in r.aiter_lines():
+                        if not rd.line(line):
+                            break
         except Exception as e:  # noqa: BLE001 (one request's failure is a data point, not the end of the run)
             o.error = f"{type(e).__name__}: {e}"[:300]
             return o
-        o.end = time.perf_counter()
-        o.e2e = o.end - arrival
-        o.out_tokens = int(usage["completion_tokens"]) if usage else chunks
-        o.prompt_tokens = int(usage["prompt_tokens"]) if usage else len(item.prompt_ids)
-        o.ok = True
-        return o
+        return rd.end(item)
 
 
-async def bench_async(url: str, items, *, model: str, max_concurrency: int = 256, api_key=None,
-                      timeout: float = 600.0, extra: dict | None = None) -> dict:
-    """Drive ``items`` (workload.Item: prompt_ids, output_len, arrival) against ``url``; the run's metrics."""
-    import httpx
-
-    from tritune.model.workload import percentiles
-
+async def _drive(url: str, items, t0: float, *, model: str, max_concurrency: int, api_key=None,
+                 timeout: float = 600.0, extra: dict | None = None) -> list[Outcome]:
+    """Drive ``items`` from ``t0`` (perf_counter) at most ``max_concurrency`` at once; one Outcome each.
+    On aiohttp where it is installed: at hundreds of streams httpx's connection pool costs the client
+    more than the server costs (an httpx client measured the client); httpx otherwise."""
     sem = asyncio.Semaphore(max_concurrency)
     endpoint = url.rstrip("/") + "/v1/completions"
-    # Connection pools of POOL connections each: httpx's pool scans all of its connections on every
-    # request and release, which at hundreds of streams costs the client more than the server.
-    n_pools = math.ceil(max_concurrency / POOL)
-    limits = httpx.Limits(max_connections=math.ceil(max_concurrency / n_pools),
-                          max_keepalive_connections=math.ceil(max_concurrency / n_pools))
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(
-            limits=limits, timeout=httpx.Timeout(None, connect=30), headers=_headers(api_key)))
-            for _ in range(n_pools)]
-        t0 = time.perf_counter() + 0.05
-        tasks = [asyncio.ensure_future(_one(clients[i % n_pools], endpoint, it, model, t0, sem, extra or {}))
+        try:
+            import aiohttp
+        except ImportError:
+            import httpx
+
+            # Connection pools of POOL connections each: httpx's pool scans all of its connections on
+            # every request and release.
+            n_pools = math.ceil(max_concurrency / POOL)
+            per = math.ceil(max_concurrency / n_pools)
+            limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+            clients = [await stack.enter_async_context(httpx.AsyncClient(
+                limits=limits, timeout=httpx.Timeout(None, connect=30), headers=_headers(api_key)))
+                for _ in range(n_pools)]
+        else:
+            clients = [await stack.enter_async_context(aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=max_concurrency), headers=_headers(api_key),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)))]
+        tasks = [asyncio.ensure_future(_one(clients[i % len(clients)], endpoint, it, model, t0, sem, extra or {}))
                  for i, it in enumerate(items)]
-        finished, pending = await asyncio.wait(tasks, timeout=timeout)
+        finished, pending = await asyncio.wait(tasks, timeout=max(0.0, t0 + timeout - time.perf_counter()))
         for t in pending:
             t.cancel()
         if pending:
@@ -145,24 +181,125 @@ async def bench_async(url: str, items, *, model: str, max_concurrency: int = 256
             o = Outcome()
             o.error = f"not finished within --timeout {timeout:g} s" if t in pending else repr(t.exception())
             outs.append(o)
+    return outs
+
+
+def summarize(outs, t0: float, *, url: str, model: str, requests: int, max_concurrency: int) -> dict:
+    """The run's metrics from its outcomes (times on one perf_counter clock, from ``t0``)."""
+    from tritune.model.workload import percentiles
+
     ok = [o for o in outs if o.ok]
     ends = [o.end for o in ok]
     elapsed = (max(ends) - t0) if ends else float("nan")
     out_tok, in_tok = sum(o.out_tokens for o in ok), sum(o.prompt_tokens for o in ok)
     errors = [o.error for o in outs if not o.ok]
-    return {"url": url, "model": model, "requests": len(items), "completed": len(ok), "errors": len(errors),
+    return {"url": url, "model": model, "requests": requests, "completed": len(ok), "errors": len(errors),
             "error_samples": sorted(set(errors))[:5], "max_concurrency": max_concurrency, "elapsed_s": elapsed,
             "prompt_tokens": in_tok, "output_tokens": out_tok,
             "output_tok_s": out_tok / elapsed if ok else 0.0, "total_tok_s": (in_tok + out_tok) / elapsed if ok else 0.0,
             "req_s": len(ok) / elapsed if ok else 0.0,
+            "chunks": sum(len(o.gaps) + 1 for o in ok),
             "ttft_ms": percentiles([o.ttft for o in ok]), "itl_ms": percentiles([x for o in ok for x in o.itl]),
             "chunk_gap_ms": percentiles([x for o in ok for x in o.gaps]),
             "tpot_ms": percentiles([(o.e2e - o.ttft) / (o.out_tokens - 1) for o in ok if o.out_tokens > 1]),
             "e2e_ms": percentiles([o.e2e for o in ok])}
 
 
-def bench(url, items, **kw) -> dict:
-    return asyncio.run(bench_async(url, items, **kw))
+async def bench_async(url: str, items, *, model: str, max_concurrency: int = 256, api_key=None,
+                      timeout: float = 600.0, extra: dict | None = None) -> dict:
+    """Drive ``items`` (workload.Item: prompt_ids, output_len, arrival) against ``url`` from this one
+    process; the run's metrics."""
+    t0 = time.perf_counter() + 0.05
+    c0 = time.process_time()
+    outs = await _drive(url, items, t0, model=model, max_concurrency=max_concurrency, api_key=api_key,
+                        timeout=timeout, extra=extra)
+    r = summarize(outs, t0, url=url, model=model, requests=len(items), max_concurrency=max_concurrency)
+    wall = time.perf_counter() - t0
+    r["client"] = {"procs": 1, "cpu_busy": [round((time.process_time() - c0) / wall, 3)], "lib": client_lib()}
+    return r
+
+
+def _shard(conn, url, items, kw) -> None:
+    """A client process: its share of the items, started at the parent's t0; outcomes back over ``conn``.
+    (perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process of the machine.)"""
+    from tritune.model.workload import Item
+
+    items = [Item(p, o, a) for p, o, a in items]
+    conn.send("ready")
+    t0 = conn.recv()
+    c0 = time.process_time()
+    outs = asyncio.run(_drive(url, items, t0, **kw))
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    conn.send(([(o.ok, o.error, o.ttft, o.itl, o.gaps, o.e2e, o.out_tokens, o.prompt_tokens, o.start, o.end)
+                for o in outs], cpu, wall))
+    conn.close()
+
+
+def bench(url, items, *, procs: int = 1, max_concurrency: int = 256, **kw) -> dict:
+    """The run's metrics; ``procs`` > 1 spreads the requests (round-robin) and the concurrency over that
+    many client processes, so that one client's GIL is not the ceiling measured. ``client.cpu_busy``: each
+    process's CPU time over the run's wall time (near 1.0: that client was saturated, the numbers are the
+    client's, not the server's)."""
+    if procs <= 1:
+        return asyncio.run(bench_async(url, items, max_concurrency=max_concurrency, **kw))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")      # the caller may run threads (a server in-process): no fork
+    procs = min(procs, len(items), max_concurrency)
+    conc = [max_concurrency // procs + (k < max_concurrency % procs) for k in range(procs)]
+    shards = [items[k::procs] for k in range(procs)]
+    order = [i for k in range(procs) for i in range(k, len(items), procs)]
+    workers = []
+    for k in range(procs):
+        a, b = ctx.Pipe()
+        sk = [(it.prompt_ids, it.output_len, it.arrival) for it in shards[k]]
+        p = ctx.Process(target=_shard, args=(b, url, sk, dict(kw, max_concurrency=conc[k])), daemon=True)
+        p.start()
+        workers.append((p, a))
+    for _, a in workers:
+        try:
+            ok = a.poll(60) and a.recv() == "ready"
+        except EOFError:    # it died (an import error, or the caller's __main__ is not import-safe)
+            ok = False
+        if not ok:
+            for p, _ in workers:
+                p.kill()
+            raise RuntimeError("a client process did not start (spawned processes import the caller's "
+                               "__main__: guard it with if __name__ == '__main__')")
+    t0 = time.perf_counter() + 0.1
+    for _, a in workers:
+        a.send(t0)
+    limit = kw.get("timeout", 600.0) + 60
+    outs, busy = [], []
+    for p, a in workers:
+        if not a.poll(max(1.0, t0 + limit - time.perf_counter())):
+            p.kill()
+            raise RuntimeError("a client process did not finish")
+        rows, cpu, wall = a.recv()
+        p.join(10)
+        busy.append(round(cpu / wall, 3))
+        for r in rows:
+            o = Outcome()
+            (o.ok, o.error, o.ttft, o.itl, o.gaps, o.e2e, o.out_tokens, o.prompt_tokens, o.start, o.end) = r
+            outs.append(o)
+    outs = [o for _, o in sorted(zip(order, outs), key=lambda x: x[0])]
+    r = summarize(outs, t0, url=url, model=kw["model"], requests=len(items), max_concurrency=max_concurrency)
+    r["client"] = {"procs": procs, "cpu_busy": busy, "lib": client_lib()}
+    return r
+
+
+def client_lib() -> str:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return "httpx"
+    return "aiohttp"
+
+
+def default_procs(max_concurrency: int) -> int:
+    """Client processes for a run: one per 32 streams, at most half the machine's cores (the rest are
+    the server's)."""
+    return max(1, min(math.ceil(max_concurrency / 32), (os.cpu_count() or 2) // 2))
 
 
 def _fmt(p):
@@ -208,11 +345,18 @@ def run_url(args) -> int:
          "output_tokens": sum(it.output_len for it in items)}
     print(f"workload: {len(items)} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens; "
           f"{url} ({model}), at most {args.max_concurrency} in flight", flush=True)
-    r = bench(url, items, model=model, max_concurrency=args.max_concurrency, api_key=api_key,
+    procs = getattr(args, "client_procs", None) or default_procs(args.max_concurrency)
+    if procs < 1:
+        return fail(f"--client-procs: expected >= 1, got {procs}")
+    r = bench(url, items, procs=procs, model=model, max_concurrency=args.max_concurrency, api_key=api_key,
               timeout=args.timeout)
     print(f"{r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s, {r['req_s']:.2f} req/s; "
           f"TTFT p50/p95/p99 {_fmt(r['ttft_ms'])} ms, ITL {_fmt(r['itl_ms'])} ms; {r['completed']} completed, "
           f"{r['errors']} errors" + (f" (e.g. {r['error_samples'][0]})" if r["errors"] else ""), flush=True)
+    busy = r["client"]["cpu_busy"]
+    print(f"client: {r['client']['procs']} {r['client']['lib']} process(es), CPU busy max {max(busy):.0%}"
+          + (" (saturated: these numbers may be the client's, add --client-procs)" if max(busy) > 0.85 else ""),
+          flush=True)
     if args.out:
         res = {"url": url, "model": model, "workload": w, "run": r,
                "command": "tritune serve-bench " + " ".join(sys.argv[2:]),

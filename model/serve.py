@@ -650,6 +650,8 @@ def add_parser(subparsers, name: str) -> None:
     h.add_argument("--vocab-size", type=int, default=None, help="for drawn prompts (default: the server's "
                    "vocab_size in /v1/models, else 50257)")
     h.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default 600)")
+    h.add_argument("--client-procs", type=int, default=None, help="client processes (default: one per 32 "
+                   "streams, up to half the cores)")
     s.set_defaults(func=run)
 
 
