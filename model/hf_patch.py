@@ -8,9 +8,13 @@ Each GPT2Block's forward becomes the engine's step written on ``torch.ops.tritun
     f = gemm(layer_norm(x), W_fc, b_fc, "gelu_tanh")       bias + GELU in the epilogue
     x = gemm(f, W_proj, b_proj, residual=x)
 
-and ln_f and lm_head run on the layer_norm and gemm ops. Conv1D keeps its (in, out) weight, which is
-gemm's (K, N) operand as it is; lm_head's (V, C) weight goes in as its transposed view. No weight is
-copied, so tied embeddings stay tied.
+and ln_f and lm_head run on the layer_norm and linear ops (the head on gemv at <= 8 rows, as the engine's).
+Conv1D keeps its (in, out) weight, which is gemm's (K, N) operand as it is; lm_head's (V, C) weight goes
+in as its transposed view. No weight is copied, so tied embeddings stay tied.
+
+Eager calls with autograd off (``generate``, ``torch.no_grad``) go to the ops' bodies directly
+(``torch_ops.EAGER``: the same launchers, without the dispatcher's ~11 us a call); under torch.compile,
+with autograd on or on fake tensors they go through ``torch.ops.tritune``.
 
 Attention, given the mask GPT2Model built (4-D bool for sdpa, additive for eager, or None):
 - no mask: causal ``tritune.attention`` (bottom-right aligned: right for prefill, for a decode step over
@@ -30,9 +34,10 @@ import types
 
 import torch
 
-from tritune.kernels import torch_ops  # noqa: F401  (registers torch.ops.tritune)
+from tritune.kernels import torch_ops  # registers torch.ops.tritune
 
 OPS = torch.ops.tritune
+EAGER = types.SimpleNamespace(**torch_ops.EAGER)
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh form: the GEMM epilogue's
 ATTN_HEAD_DIMS = (32, 64, 128)         # what both attention kernels take
 _REFUSED = {  # config option -> the value tritune supports
@@ -90,27 +95,57 @@ def _swap(module, fn) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+def _ops(x):
+    """The ops' bodies when a call is plain eager inference (a tensor of torch's own type, autograd off, no
+    compile): the dispatcher adds nothing there. Otherwise the ops (dynamo sees is_compiling() as True and
+    traces the op; autograd and fake tensors need the op's registration)."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or type(x) is not torch.Tensor:
+        return OPS
+    return EAGER
+
+
 def _linear(x, conv, activation=None, residual=None):
     """Conv1D: x @ W + b with W (in, out); gemv or gemm by the row count, chosen inside the op."""
-    return OPS.linear(x, conv.weight, conv.bias, activation, residual)
+    return _ops(x).linear(x, conv.weight, conv.bias, activation, residual)
 
 
 def _ln_linear(x, ln, conv, activation=None):
-    return OPS.linear(x, conv.weight, conv.bias, activation, None, ln.weight, ln.bias, ln.eps)
+    return _ops(x).linear(x, conv.weight, conv.bias, activation, None, ln.weight, ln.bias, ln.eps)
 
 
 def _ln_forward(self, x):
-    return OPS.layer_norm(x, self.weight, self.bias, self.eps)
+    return _ops(x).layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def _head_forward(self, x):
-    return OPS.gemm(x, self.weight.t(), self.bias)
+    # linear, not gemm: gemv at <= 8 rows (a decode step's logits), the engine's LM-head kernel
+    return _ops(x).linear(x, self.weight.t(), self.bias)
 
 
 # ---------------------------------------------------------------------------------------------------
-def _decode_paged(q, k, v, valid, scale):
-    """One query token a row over keys k, v (B, H, Tk, D) of which ``valid`` (B, Tk) may be seen: the
-    valid keys' positions, in order, become a block table over the cache viewed as blocks of one token
+def _valid_keys(mask, B, Tk):
+    """(B, Tk) bool: the keys the one query of each row may see, from the 4-D mask (bool, or additive)."""
+    valid = mask[:, 0, -1, :] if mask.dtype == torch.bool else mask[:, 0, -1, :] == 0
+    return valid.expand(B, Tk)
+
+
+def _tables(valid, B, per_row, device):
+    """The block table (B, Tk) int32 and the lengths (B,) int32 of the valid keys (see _decode_paged)."""
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)  # valid keys first, in order
+    rows = torch.arange(B, device=device).unsqueeze(1) * per_row
+    return (rows + order).to(torch.int32), valid.sum(-1, dtype=torch.int32)
+
+
+# Eager decode: every layer of a step gets the same mask object (GPT2Model builds it once a forward), and
+# the same cache layout, hence the same tables: made once a step, not once a layer (~12 small launches
+# each). Keyed on the mask's identity and version; the entry holds the mask, so its id cannot be reused
+# while it is here. Under torch.compile the tables are traced (no Python state in the graph).
+_TABLES: list = [None]
+
+
+def _decode_paged(q, k, v, mask, scale, ops):
+    """One query token a row over keys k, v (B, H, Tk, D), of which the mask's may be seen: the valid
+    keys' positions, in order, become a block table over the cache viewed as blocks of one token
     (block id b·(sB/sS) + s addresses k[b, :, s]). None when the strides do not allow that view."""
     B, H, _, D = q.shape
     Tk = k.shape[2]
@@ -118,27 +153,33 @@ def _decode_paged(q, k, v, valid, scale):
     if k.stride() != v.stride() or sD != 1 or sS <= 0 or (B > 1 and sB % sS):
         return None
     per_row = sB // sS if B > 1 else 0
-    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)  # valid keys first, in order
-    rows = torch.arange(B, device=q.device).unsqueeze(1) * per_row
-    tables = (rows + order).to(torch.int32)
-    lens = valid.sum(-1, dtype=torch.int32)
+    if ops is OPS:
+        tables, lens = _tables(_valid_keys(mask, B, Tk), B, per_row, q.device)
+    else:
+        key = (mask._version, B, Tk, per_row, q.device)
+        hit = _TABLES[0]
+        if hit is not None and hit[0] is mask and hit[1] == key:
+            tables, lens = hit[2]
+        else:
+            tables, lens = _tables(_valid_keys(mask, B, Tk), B, per_row, q.device)
+            _TABLES[0] = (mask, key, (tables, lens))
     nb = (B - 1) * per_row + Tk
     kc = k.as_strided((nb, 1, H, D), (sS, sS, sH, 1))
     vc = v.as_strided((nb, 1, H, D), (sS, sS, sH, 1))
-    return OPS.paged_attention(q.reshape(B, H, D), kc, vc, tables, lens, scale, False).view(B, 1, H * D)
+    return ops.paged_attention(q.reshape(B, H, D), kc, vc, tables, lens, scale, False).view(B, 1, H * D)
 
 
 def _attend(attn, q, k, v, mask, **kwargs):
     """(B, Tq, C) attention output for q, k, v (B, H, T, D); see the module docstring for the paths."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
+    ops = _ops(q)
     if mask is None:
         if 1 < Tq < Tk:  # sdpa's is_causal is top-left aligned: a prefill into a longer static cache
             k, v = k[:, :, :Tq], v[:, :, :Tq]
-        return OPS.attention(q, k, v, True, attn.scaling).transpose(1, 2).reshape(B, Tq, H * D)
+        return ops.attention(q, k, v, True, attn.scaling).transpose(1, 2).reshape(B, Tq, H * D)
     if Tq == 1:
-        valid = mask[:, 0, -1, :] if mask.dtype == torch.bool else mask[:, 0, -1, :] == 0
-        out = _decode_paged(q, k, v, valid.expand(B, Tk), attn.scaling)
+        out = _decode_paged(q, k, v, mask, attn.scaling, ops)
         if out is not None:
             return out
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -11,6 +11,7 @@ through an eager forward of their own: a graph cannot hold the prefills' shapes,
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
@@ -132,14 +133,45 @@ def _head(x, ln_w, ln_b, lm_head, eps: float):
     return G.torch_linear(G.torch_layer_norm(x, ln_w, ln_b, eps), lm_head)
 
 
+# The same pieces for the triton backend, on torch.ops.tritune: each kernel an opaque op whose fake gives
+# the compiler its output's shape, so the pieces compile whole (fullgraph) with the kernels inside, and
+# the linear op picks gemv (LayerNorm fused) or layer_norm + gemm by the row count when it runs, not in
+# the traced code (a branch there would be a guard: a recompile when the batch crosses 8 rows).
+def _layer_in_ops(x, ln_w, ln_b, w_qkv, b_qkv, eps: float, n_head: int):
+    T, E = x.shape
+    return torch.ops.tritune.linear(x, w_qkv, b_qkv, None, None, ln_w, ln_b, eps).view(T, 3, n_head, E // n_head)
+
+
+def _layer_out_ops(x, qkv, k_cache, v_cache, block_tables, context_lens, w_o, b_o, ln_w, ln_b, w_fc, b_fc,
+                   w_proj, b_proj, eps: float):
+    T, E = x.shape
+    ops = torch.ops.tritune
+    a = ops.paged_attention(qkv[:, 0], k_cache, v_cache, block_tables, context_lens, None, False)
+    x = ops.linear(a.reshape(T, E), w_o, b_o, None, x)
+    f = ops.linear(x, w_fc, b_fc, "gelu_tanh", None, ln_w, ln_b, eps)
+    return ops.linear(f, w_proj, b_proj, None, x)
+
+
+def _head_ops(x, ln_w, ln_b, lm_head, eps: float):
+    return torch.ops.tritune.linear(x, lm_head, None, None, None, ln_w, ln_b, eps)
+
+
 class CompiledDecode:
-    """GPT2's decode forward on the torch ops, its layer and head compiled (dynamic shapes)."""
+    """GPT2's decode forward, its layer and head compiled (dynamic shapes): on the torch ops (backend
+    "torch"), or on the Triton kernels through torch.ops.tritune (backend "triton")."""
 
     def __init__(self, model, kv):
         self.model, self.kv = model, kv
-        self.layer_in = torch.compile(_layer_in, dynamic=True)
-        self.layer_out = torch.compile(_layer_out, dynamic=True)
-        self.head = torch.compile(_head, dynamic=True)
+        if model.backend == "triton":
+            from tritune.kernels import torch_ops  # noqa: F401  (registers torch.ops.tritune)
+
+            pieces, kw = (_layer_in_ops, _layer_out_ops, _head_ops), {"fullgraph": True}
+            # validate=False: the slots come from the block pool (validation reads them back to the host)
+            self.write_kv = functools.partial(torch_ops.EAGER["write_kv"], validate=False)
+        else:
+            pieces, kw = (_layer_in, _layer_out, _head), {}
+            self.write_kv = _index_write_kv
+        self.layer_in, self.layer_out, self.head = (torch.compile(f, dynamic=True, **kw) for f in pieces)
 
     def __call__(self, ids, pos, slots, block_tables, context_lens):
         from torch.fx.experimental import _config as fx_config
@@ -154,7 +186,7 @@ class CompiledDecode:
             for i, L in enumerate(m.w.layers):
                 kc, vc = kv.k_caches[i], kv.v_caches[i]
                 qkv = self.layer_in(x, L.ln1_w, L.ln1_b, L.w_qkv, L.b_qkv, eps, c.n_head)
-                _index_write_kv(qkv[:, 1], qkv[:, 2], kc, vc, slots)
+                self.write_kv(qkv[:, 1], qkv[:, 2], kc, vc, slots)
                 x = self.layer_out(x, qkv, kc, vc, block_tables, context_lens, L.w_o, L.b_o, L.ln2_w, L.ln2_b,
                                    L.w_fc, L.b_fc, L.w_proj, L.b_proj, eps)
             return self.head(x, m.w.lnf_w, m.w.lnf_b, m.w.lm_head, eps)
@@ -179,7 +211,7 @@ class ModelRunner:
     ``cuda_graphs``: True captures the decode step per batch bucket (CUDA and the triton backend only;
     otherwise off, said in ``notes``); ``"eager"`` runs that same device-side step without capturing it
     (any device and backend: the host logic of the graph path, testable on the CPU); False: none.
-    ``compile``: torch.compile the torch backend's decode forward instead.
+    ``compile``: torch.compile the decode forward instead (the triton backend's through torch.ops.tritune).
     """
 
     invariant = False       # batch-invariant mode (the Engine sets it; tritune.model.invariant)
@@ -222,12 +254,16 @@ class ModelRunner:
                 self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
                                   f"(captured in {self.graphs.capture_s:.1f} s)")
         if compile:
-            if model.backend != "torch" or is_quantized(model):
-                self.notes.append("compile off: it compiles the torch backend's ops (backend='torch', no quant)")
+            if is_quantized(model):
+                self.notes.append("compile off: quantized linears have no compiled decode")
+            elif model.backend == "triton" and not getattr(model.ops, "capturable", False):
+                self.notes.append("compile off: no paged-attention kernel for head dim "
+                                  f"{self.config.head_dim}")
             else:
                 self.compiled = CompiledDecode(self.model, pool)
-                self.notes.append("decode forward's layer and head under torch.compile(dynamic=True), one compile "
-                                  "for all layers; KV write and prefill eager")
+                on = "the Triton kernels as torch.ops.tritune" if model.backend == "triton" else "the torch ops"
+                self.notes.append(f"decode forward's layer and head under torch.compile(dynamic=True) on {on}, "
+                                  "one compile for all layers; KV write and prefill eager")
 
     def _decode_model(self, model, fused_decode, buckets):
         """The model the device-side decode step runs: batches of up to 8 rows as one persistent launch

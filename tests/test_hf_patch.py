@@ -105,6 +105,46 @@ def test_generate_left_padded_batch(pair):
     cmp.check(logits, want, torch.float32, what="padded generate logits")
 
 
+class _Refuse:
+    """Stands for a namespace of ops that must not be called."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def __getattr__(self, name):
+        raise AssertionError(f"{self.what}.{name} called")
+
+
+def test_eager_inference_skips_the_dispatcher_and_grad_takes_the_ops(pair, monkeypatch):
+    """no_grad eager calls go to the ops' bodies (no dispatcher); with autograd on, the ops."""
+    model, ref = pair
+    ids = _ids(2, 5, 7)
+    want = ref(ids).logits.detach()
+    with monkeypatch.context() as m, torch.no_grad():
+        m.setattr(hf_patch, "OPS", _Refuse("torch.ops.tritune"))
+        cmp.check(model(ids).logits, want, torch.float32, what="eager, no grad")
+    with monkeypatch.context() as m:
+        m.setattr(hf_patch, "EAGER", _Refuse("torch_ops.EAGER"))
+        cmp.check(model(ids).logits.detach(), want, torch.float32, what="grad enabled")
+
+
+@torch.no_grad()
+def test_decode_tables_made_once_a_step(pair, monkeypatch):
+    """Eager static-cache decode: the block table of the valid keys is made once a step and shared by
+    every layer (the same mask object), not once a layer; the tokens stay the reference's."""
+    model, ref = pair
+    made = []
+    tables = hf_patch._tables
+    monkeypatch.setattr(hf_patch, "_tables", lambda *a: made.append(1) or tables(*a))
+    kw = {"cache_implementation": "static", "disable_compile": True}
+    ids = _ids(2, 6, 8)
+    seq, logits = _generate(model, ids, **kw)
+    want_seq, want = _generate(ref, ids, **kw)
+    assert torch.equal(seq, want_seq)
+    cmp.check(logits, want, torch.float32, what="static-cache generate logits")
+    assert len(made) == 4, f"{len(made)} tables for 4 decode steps of {model.config.n_layer} layers"
+
+
 @pytest.mark.parametrize("option,value", [("scale_attn_by_inverse_layer_idx", True),
                                           ("reorder_and_upcast_attn", True),
                                           ("add_cross_attention", True),

@@ -364,3 +364,49 @@ def test_compile_gpt2_inductor_gpu(mode, dtype):
         for x in ids[1:]:
             compiled(x)
         assert counter.frame_count == first
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine's compile mode on the triton backend: its decode pieces on these ops
+# ---------------------------------------------------------------------------------------------------
+def _engine_compile_matches_alone(monkeypatch, n_layer, n_embd, n_head, ps, news, max_num_seqs):
+    """Engine(compile=True) on the triton backend: the decodes on the compiled pieces, whose attention is
+    the paged-attention kernel (through torch.ops.tritune), each request's greedy tokens equal to the
+    request alone through the torch backend's own prefill and decode, and one compile per piece over
+    batches 1..max_num_seqs and growing contexts (no recompile)."""
+    import torch._dynamo
+
+    from tests.test_engine import alone, tiny_model
+    from tritune.kernels import paged_attention as pa_mod
+    from tritune.model.engine import Engine
+    from tritune.model.scheduler import SamplingParams
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    kw = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=64)
+    m, ref = tiny_model("triton", **kw), tiny_model("torch", **kw)
+    eng = Engine(m, num_blocks=64, block_size=4, max_num_seqs=max_num_seqs, cuda_graphs=False, compile=True)
+    assert eng.runner.compiled is not None, eng.notes
+    assert any("torch.ops.tritune" in n for n in eng.notes), eng.notes
+    calls = []
+    kernel = pa_mod.paged_attention    # the op's body calls it through the module: count the calls there
+    monkeypatch.setattr(pa_mod, "paged_attention", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    res = eng.generate(ps, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news])
+    for p, n, r in zip(ps, news, res):
+        assert r.token_ids == alone(ref, p, n)
+    assert len(calls) >= n_layer * (max(news) - 1), f"paged attention ran {len(calls)} times"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3        # layer in, layer out, head
+
+
+def test_engine_compile_mode_runs_the_kernels_as_ops(monkeypatch):
+    from tests.test_engine import prompts
+
+    _engine_compile_matches_alone(monkeypatch, 1, 32, 2, prompts(3, seed=21, lo=2, hi=7), [4, 2, 3], max_num_seqs=3)
+
+
+@pytest.mark.gpu
+def test_engine_compile_mode_runs_the_kernels_as_ops_gpu(monkeypatch):
+    from tests.test_engine import prompts
+
+    _engine_compile_matches_alone(monkeypatch, 2, 128, 2, prompts(6, seed=22, lo=2, hi=30), [3, 9, 1, 14, 6, 11],
+                                  max_num_seqs=4)
