@@ -4,6 +4,11 @@ uniformly, the packaged model, CUDA graphs) and batch-1 decode tok/s, mode off a
 mode holds on that run (the first K requests each run alone too, tokens compared). Target: <= 15% cost.
 
     python lab/bench_batch_invariance.py --out DIR [--model DIR] [--dtype bf16] [-n 256] [--budget-s 180]
+                                         [--pins split,nosplit]
+
+``--pins``: the mode with its gemm pins as committed ("split": split-K fixed per (N, K) for one row,
+``invariant.gemm_config``), and with every pin at SPLIT_K=1 ("nosplit", the earlier pins), so one run
+says what the split buys at batch 1 and costs in serving.
 
 Writes DIR/batch_invariance.json (commit, date, device, each measurement or its error). Bounded: every
 phase checks the time budget and the run stops early (saying so) once it is spent.
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import random
 import subprocess
@@ -93,7 +99,11 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--num-requests", type=int, default=256)
     ap.add_argument("--check", type=int, default=8, help="requests also run alone in the mode (tokens compared)")
     ap.add_argument("--budget-s", type=float, default=180.0)
+    ap.add_argument("--pins", default="split,nosplit", help="invariant-mode gemm pins to measure (split, nosplit)")
     args = ap.parse_args(argv)
+    pins = [p for p in args.pins.split(",") if p]
+    if not set(pins) <= {"split", "nosplit"}:
+        ap.error(f"--pins: expected split and/or nosplit, got {args.pins!r}")
 
     import torch
 
@@ -118,9 +128,18 @@ def main(argv=None) -> int:
     def save():
         (out / "batch_invariance.json").write_text(json.dumps(res, indent=2))
 
+    from tritune.model import invariant
+
+    pinned = invariant.gemm_config
+
+    @functools.lru_cache(maxsize=None)
+    def nosplit(*a):
+        return dict(pinned(*a), SPLIT_K=1)
+
     toks = {}
-    for inv in (False, True):
-        key = "invariant" if inv else "default"
+    for key in ["default"] + ["invariant" if p == "split" else f"invariant_{p}" for p in pins]:
+        inv = key != "default"
+        invariant.gemm_config = nosplit if key == "invariant_nosplit" else pinned
         r = res["results"].setdefault(key, {})
         try:
             if left() < 20:
@@ -135,12 +154,18 @@ def main(argv=None) -> int:
         except Exception as e:  # recorded, the other measurements still run
             r["error"] = f"{type(e).__name__}: {e}"
             r["traceback"] = traceback.format_exc()[-3000:]
+        finally:
+            invariant.gemm_config = pinned
         save()
-    d, i = res["results"].get("default", {}), res["results"].get("invariant", {})
-    if "serve" in d and "serve" in i:
-        res["serve_cost"] = 1 - i["serve"]["output_tok_s"] / d["serve"]["output_tok_s"]
-    if "batch1" in d and "batch1" in i:
-        res["batch1_cost"] = 1 - i["batch1"]["decode_tok_s"] / d["batch1"]["decode_tok_s"]
+    d = res["results"].get("default", {})
+    for key, i in res["results"].items():
+        sfx = key[len("invariant"):]
+        if key == "default":
+            continue
+        if "serve" in d and "serve" in i:
+            res["serve_cost" + sfx] = 1 - i["serve"]["output_tok_s"] / d["serve"]["output_tok_s"]
+        if "batch1" in d and "batch1" in i:
+            res["batch1_cost" + sfx] = 1 - i["batch1"]["decode_tok_s"] / d["batch1"]["decode_tok_s"]
     if "invariant" in toks and left() > 30:     # the mode holds on this run: the first requests alone
         eng = engine(model, True, max_num_seqs=1, kv_memory_fraction=None,
                      num_blocks=-(-model.config.n_positions // 16))[0]

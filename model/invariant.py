@@ -8,8 +8,9 @@ fp32 ``addmm`` of a row alone differs from the same row inside a 37-row product)
 reduction a row takes depends only on that row:
 
 - linears: one ``gemm`` config per (N, K, dtype), whatever M is (the heuristic default of the M=16
-  bucket, SPLIT_K=1: 16-row tiles are the largest a 1-row problem accepts, and the kernel's masked rows
-  make its per-element order independent of M); quantized weights: one ``quant_matmul`` config
+  bucket: 16-row tiles are the largest a 1-row problem accepts, and the kernel's masked rows make its
+  per-element order independent of M; split-K fixed per (N, K) for the 1-row case, its slices summed in
+  slice order: :func:`gemm_config`); quantized weights: one ``quant_matmul`` config
   likewise (fp32 activations: the weight dequantized once, then the same gemm);
 - LayerNorm: one row per program (``ROWS=1``), the row's block pinned;
 - attention, prefill and decode alike: every row (prefill tokens and decode tokens of one step) attends
@@ -54,13 +55,35 @@ PARTITION_TOKENS = 256      # split-KV chunk of paged attention, in tokens (at m
 # ---------------------------------------------------------------------------------------------------
 # Pinned configs: functions of the problem's N, K (or heads, head dim, capacity) and dtype, never of M
 # ---------------------------------------------------------------------------------------------------
+# K tiles one split-K slice of a pinned gemm takes at most: one fill of the default's 4-stage pipeline, so a
+# 1-row problem has its whole weight in flight at once instead of streaming it through a few programs
+SLICE_K_TILES = 3
+
+
 @functools.lru_cache(maxsize=None)
 def gemm_config(N: int, K: int, trans_b: bool, bias: bool, act, residual: bool, dtype) -> dict:
+    """The M=16 bucket's default (16-row tiles: the largest a 1-row problem accepts; the kernel's masked
+    rows keep each element's order independent of M), with SPLIT_K chosen for one row, then pinned.
+
+    Batch-1 decode is what this mode costs most (17% on the H100 with no split): a 16x64-tile grid over a
+    narrow N has few programs (GPT-2-small-like c_proj at M=1: 12; the packaged model's: 4), each
+    streaming K/BLOCK_K tiles one after another. SPLIT_K slices K so that each slice fits one pipeline
+    fill (``SLICE_K_TILES``), while the grid at M=1 stays under half a wave. The split is invariant too:
+    each slice accumulates its K tiles in order and the last program sums the slices in slice order
+    (``kernels/gemm.py``), so an element's reduction order is a function of (N, K, config), never of M."""
     from tritune.kernels import gemm as G
 
     p = G.Problem(16, N, K, trans_b=trans_b, bias=bias, act=act, residual=residual)
-    cfg = dict(G.default_config(p, dtype), SPLIT_K=1, GROUP_M=1, TMA=False, PERSISTENT=False)
+    cfg = dict(G.default_config(p, dtype), GROUP_M=1, TMA=False, PERSISTENT=False)
     assert cfg["BLOCK_M"] == 16, cfg     # valid for every M >= 1 (the space refuses BLOCK_M > max(16, M))
+    k_tiles = -(-K // cfg["BLOCK_K"])
+    tiles = -(-N // cfg["BLOCK_N"])      # at M = 1
+    split = 1
+    while split < 8 and -(-k_tiles // split) > SLICE_K_TILES and tiles * split * 2 <= G._num_sms():
+        split *= 2
+    cfg["SPLIT_K"] = split
+    why = G.SPEC.space.why_invalid(cfg, p, dtype)
+    assert why is None, f"gemm: pinned {cfg} invalid for {p}: {why}"
     return cfg
 
 
@@ -133,8 +156,8 @@ class TritonInvariantOps:
         self.steps = dict(getattr(base, "steps", {}))
         self.steps.update({
             "layernorm": "kernel tritune.kernels.layer_norm, one row a program (batch-invariant)",
-            "linear": "kernel tritune.kernels.gemm, one config per (N, K, dtype), 16-row tiles, no split-K "
-                      "(batch-invariant)" + (f"; {self.quant}: quant_matmul likewise" if self.quant else ""),
+            "linear": "kernel tritune.kernels.gemm, one config per (N, K, dtype), 16-row tiles, split-K "
+                      "fixed per (N, K) (batch-invariant)" + (f"; {self.quant}: quant_matmul likewise" if self.quant else ""),
             "attention prefill": "kernel tritune.kernels.paged_attention over the cache, per query row "
                                  "(batch-invariant)",
             "attention decode": f"kernel tritune.kernels.paged_attention, {PARTITION_TOKENS}-token KV chunks "

@@ -231,6 +231,10 @@ def test_triton_backend_interpreter_batched_equals_alone(monkeypatch):
     monkeypatch.setattr(invariant, "PARTITION_TOKENS", 16)
     invariant.paged_config.cache_clear()
     monkeypatch.setattr(invariant, "paged_config", invariant.paged_config.__wrapped__)
+    # one K tile per slice: the MLP's down projection (K = 128, 64-long fp32 K tiles) runs split-K
+    monkeypatch.setattr(invariant, "SLICE_K_TILES", 1)
+    monkeypatch.setattr(invariant, "gemm_config", invariant.gemm_config.__wrapped__)
+    assert invariant.gemm_config(32, 128, False, True, None, True, torch.float32)["SPLIT_K"] == 2
     m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=4)
     reqs = requests(4, seed=9, lo=8, hi=20, max_new=10)
     check_invariant(m, reqs, dict(num_blocks=10, block_size=4, cuda_graphs=False),
@@ -244,10 +248,17 @@ def test_pinned_configs_do_not_depend_on_rows():
     from tritune.kernels import gemm as GM, layer_norm as LN, paged_attention as PA
 
     for dt in (torch.float32, torch.bfloat16):
-        cfg = invariant.gemm_config(2304, 768, False, True, None, False, dt)
-        assert cfg["SPLIT_K"] == 1 and cfg["BLOCK_M"] == 16
-        for M in (1, 3, 16, 17, 1000, 8192):
-            assert GM.SPEC.space.why_invalid(cfg, GM.Problem(M, 2304, 768, bias=True), dt) is None
+        for N, K in ((2304, 768), (768, 3072), (256, 1024), (50257, 768)):
+            cfg = invariant.gemm_config(N, K, False, True, None, False, dt)
+            assert cfg["BLOCK_M"] == 16 and cfg["GROUP_M"] == 1 and not cfg["PERSISTENT"]
+            # split-K at most until a slice fits one pipeline fill, the 1-row grid under half a wave
+            k_tiles = -(-K // cfg["BLOCK_K"])
+            split = cfg["SPLIT_K"]
+            assert split == 1 or -(-k_tiles // (split // 2)) > invariant.SLICE_K_TILES
+            assert split == 1 or -(-N // cfg["BLOCK_N"]) * split <= GM._num_sms()
+            for M in (1, 3, 16, 17, 1000, 8192):
+                assert GM.SPEC.space.why_invalid(cfg, GM.Problem(M, N, K, bias=True), dt) is None
+        assert invariant.gemm_config(768, 3072, False, True, None, True, torch.bfloat16)["SPLIT_K"] > 1
         lc = invariant.layer_norm_config(768, dt)
         for M in (1, 5, 4096):
             assert lc["ROWS"] == 1 and LN.SPEC.space.why_invalid(lc, LN.Problem(M, 768), dt) is None
