@@ -299,6 +299,9 @@ def main() -> int:
                         tokenizer=tok, **kv)
     if gpu:     # the kernels' variants compiled and the graphs captured before anything is timed
         S.warm_up(engine, config.vocab_size, config.n_positions // 2)
+    from tritune.model.server import http_stack
+
+    res["server_stack"] = http_stack()
     res["engine"] = engine.describe()
     res["dtype"] = res["engine"]["dtype"]
     res["setup_s"] = time.perf_counter() - t0

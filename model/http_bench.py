@@ -141,11 +141,27 @@ async def _one(client, url, item, model, t0, sem, extra) -> Outcome:
         return rd.end(item)
 
 
-async def _drive(url: str, items, t0: float, *, model: str, max_concurrency: int, api_key=None,
-                 timeout: float = 600.0, extra: dict | None = None) -> list[Outcome]:
-    """Drive ``items`` from ``t0`` (perf_counter) at most ``max_concurrency`` at once; one Outcome each.
-    On aiohttp where it is installed: at hundreds of streams httpx's connection pool costs the client
-    more than the server costs (an httpx client measured the client); httpx otherwise."""
+async def _warm(clients, url: str, n: int) -> None:
+    """Open ``n`` keep-alive connections before the clock starts (n concurrent GET /health, whatever
+    they answer): the in-process run it is compared with has no connections to open, and a server
+    in service keeps its clients' (or its proxy's) connections open."""
+    async def get(c):
+        with contextlib.suppress(Exception):
+            if hasattr(c, "ws_connect"):
+                async with c.get(url + "/health") as r:
+                    await r.read()
+            else:
+                await c.get(url + "/health")
+
+    await asyncio.gather(*(get(clients[i % len(clients)]) for i in range(n)))
+
+
+async def _drive(url: str, items, get_t0, *, model: str, max_concurrency: int, api_key=None,
+                 timeout: float = 600.0, extra: dict | None = None, warm: bool = True) -> tuple:
+    """Drive ``items`` at most ``max_concurrency`` at once from ``t0 = get_t0()`` (perf_counter; called once
+    the connections are open); (t0, one Outcome each, the client's CPU seconds from t0). On aiohttp where it is installed: at hundreds of
+    streams httpx's connection pool costs the client more than the server costs (an httpx client
+    measured the client); httpx otherwise."""
     sem = asyncio.Semaphore(max_concurrency)
     endpoint = url.rstrip("/") + "/v1/completions"
     async with contextlib.AsyncExitStack() as stack:
@@ -166,6 +182,10 @@ async def _drive(url: str, items, t0: float, *, model: str, max_concurrency: int
             clients = [await stack.enter_async_context(aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=max_concurrency), headers=_headers(api_key),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)))]
+        if warm:
+            await _warm(clients, url.rstrip("/"), min(max_concurrency, len(items)))
+        t0 = get_t0()
+        c0 = time.process_time()
         tasks = [asyncio.ensure_future(_one(clients[i % len(clients)], endpoint, it, model, t0, sem, extra or {}))
                  for i, it in enumerate(items)]
         finished, pending = await asyncio.wait(tasks, timeout=max(0.0, t0 + timeout - time.perf_counter()))
@@ -181,7 +201,7 @@ async def _drive(url: str, items, t0: float, *, model: str, max_concurrency: int
             o = Outcome()
             o.error = f"not finished within --timeout {timeout:g} s" if t in pending else repr(t.exception())
             outs.append(o)
-    return outs
+    return t0, outs, time.process_time() - c0
 
 
 def summarize(outs, t0: float, *, url: str, model: str, requests: int, max_concurrency: int) -> dict:
@@ -209,13 +229,10 @@ async def bench_async(url: str, items, *, model: str, max_concurrency: int = 256
                       timeout: float = 600.0, extra: dict | None = None) -> dict:
     """Drive ``items`` (workload.Item: prompt_ids, output_len, arrival) against ``url`` from this one
     process; the run's metrics."""
-    t0 = time.perf_counter() + 0.05
-    c0 = time.process_time()
-    outs = await _drive(url, items, t0, model=model, max_concurrency=max_concurrency, api_key=api_key,
-                        timeout=timeout, extra=extra)
+    t0, outs, cpu = await _drive(url, items, lambda: time.perf_counter() + 0.05, model=model,
+                                 max_concurrency=max_concurrency, api_key=api_key, timeout=timeout, extra=extra)
     r = summarize(outs, t0, url=url, model=model, requests=len(items), max_concurrency=max_concurrency)
-    wall = time.perf_counter() - t0
-    r["client"] = {"procs": 1, "cpu_busy": [round((time.process_time() - c0) / wall, 3)], "lib": client_lib()}
+    r["client"] = {"procs": 1, "cpu_busy": [round(cpu / (time.perf_counter() - t0), 3)], "lib": client_lib()}
     return r
 
 
@@ -225,11 +242,13 @@ def _shard(conn, url, items, kw) -> None:
     from tritune.model.workload import Item
 
     items = [Item(p, o, a) for p, o, a in items]
-    conn.send("ready")
-    t0 = conn.recv()
-    c0 = time.process_time()
-    outs = asyncio.run(_drive(url, items, t0, **kw))
-    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+
+    def get_t0():
+        conn.send("ready")
+        return conn.recv()
+
+    t0, outs, cpu = asyncio.run(_drive(url, items, get_t0, **kw))
+    wall = time.perf_counter() - t0
     conn.send(([(o.ok, o.error, o.ttft, o.itl, o.gaps, o.e2e, o.out_tokens, o.prompt_tokens, o.start, o.end)
                 for o in outs], cpu, wall))
     conn.close()

@@ -998,6 +998,15 @@ def add_parser(subparsers, name: str) -> None:
     s.set_defaults(func=run)
 
 
+def http_stack() -> str:
+    """What uvicorn's "auto" picks: uvloop and httptools when installed (the serve extra), else asyncio and
+    h11 (pure Python: a few times the per-chunk cost)."""
+    import importlib.util
+
+    loop = "uvloop" if sys.platform != "win32" and importlib.util.find_spec("uvloop") else "asyncio"
+    return f"{loop}+{'httptools' if importlib.util.find_spec('httptools') else 'h11'}"
+
+
 def _fail(msg: str) -> int:
     print(f"tritune serve: {msg}", file=sys.stderr)
     return 2
@@ -1072,7 +1081,8 @@ def run(args) -> int:
     # GIL back sooner when the event loop is busy formatting chunks.
     sys.setswitchinterval(0.001)
     print(f"serving {app.state.server.model_name!r} ({engine.describe()['backend']}, "
-          f"{engine.describe()['dtype']}, {engine.describe()['device']}) on http://{args.host}:{args.port}"
+          f"{engine.describe()['dtype']}, {engine.describe()['device']}; {http_stack()}) on "
+          f"http://{args.host}:{args.port}"
           + (" (warming up: /health answers 503 until ready)" if warm else ""), file=sys.stderr, flush=True)
     # On shutdown, streams still open after 10 s are cancelled (which aborts their requests).
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
