@@ -1,32 +1,58 @@
 """GPU driver: Hugging Face GPT-2 (small config, random init, bf16) with and without tritune.patch.
 
-    python lab/bench_hf_patch.py RESULTS_DIR [--new 128] [--prompt 64] [--reps 3]
+    python lab/bench_hf_patch.py RESULTS_DIR [--part generate|prefill|all] [--batches 32 1] [--new 128]
+                                 [--prompt 64] [--reps 3] [--time-limit 280] [--variant-limit 150]
 
-1. generate, static cache, batch 1 and 32: HF, HF + torch.compile, patched, patched + torch.compile
-   (compile = the forward under torch.compile(mode="reduce-overhead", fullgraph=True), HF's own recipe for
-   a static cache). tok/s = batch x new tokens / wall time of one generate (median of --reps, after a
-   warm-up generate that compiles).
-2. prefill of 8 x 1024 tokens (one forward, no cache): patched (eager and compiled), HF eager attention,
-   HF sdpa eager, HF sdpa under torch.compile. Median ms over CUDA-event-timed reps.
+generate: static cache, batch 32 then 1: HF, HF + torch.compile, patched, patched + torch.compile. The
+compiled rows are transformers' own recipe for a static cache: ``generation_config.compile_config =
+CompileConfig(fullgraph=True, mode="reduce-overhead")``, with which ``generate`` runs the prefill eagerly
+(the StaticCache allocates its tensors there and marks their addresses static) and the decode steps
+through the compiled forward. Compiling ``model.forward`` by hand instead puts the prefill, and so the
+cache's allocation, inside the first CUDA graph: the next replay overwrites it ("accessing tensor output
+of CUDAGraphs that has been overwritten by a subsequent run"). tok/s = batch x new tokens / wall time of
+one generate (median of --reps, after a warm-up generate that compiles and records the graphs); each row
+says whether the compiled call ran and how many CUDA-graph skips inductor counted.
+prefill: 8 x 1024 tokens, one forward without a cache: patched (eager and compiled), HF eager attention,
+HF sdpa eager, HF sdpa under torch.compile; median ms over CUDA-event-timed reps; and the patched
+model's logits against HF's (float64 HF as the reference).
 
-Every measurement is in its own try/except: a failure is recorded (error and the traceback's last lines)
-and the rest still run. Writes RESULTS_DIR/hf_patch_<date>_<commit>.json and prints a table.
+The target pair (batch 32 compiled) runs first. Every measurement runs in its own try/except under its
+own time limit (SIGALRM): a failure or a timeout is recorded and the rest still run, until --time-limit
+is spent (later rows are then recorded as skipped). The JSON, RESULTS_DIR/hf_patch_<part>_<date>_<commit>.json,
+is rewritten after every row, so a run killed from outside keeps what it measured.
 Target: patched + compile >= 1.3x HF + compile at batch 32.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import traceback
 
+import tritune.harness  # noqa: F401  (the interpreter switch, --smoke on the CPU, before triton loads)
 import torch
+
+# --smoke (the CPU, through the Triton interpreter): a tiny GPT-2 in fp32, compiled rows on aot_eager; it
+# checks the driver's paths, not speed
+SMOKE = {"on": False, "config": dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=2)}
+VOCAB = 50257
+
+
+def _dev():
+    return "cpu" if SMOKE["on"] else "cuda"
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _commit() -> str:
@@ -42,53 +68,93 @@ def _error(e: BaseException) -> dict:
             "traceback": "".join(traceback.format_exception(e)[-6:])[-4000:]}
 
 
+class RowTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _limit(seconds: float):
+    """Raise RowTimeout in the main thread after ``seconds`` (a row that hangs in a compile or a loop)."""
+    def fire(signum, frame):
+        raise RowTimeout(f"row over its {seconds:.0f} s limit")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, max(1.0, seconds))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def _model(attn="sdpa"):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config()
-    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to("cuda", torch.bfloat16).eval()
+    cfg = transformers.GPT2Config(**(SMOKE["config"] if SMOKE["on"] else {}))
+    dtype = torch.float32 if SMOKE["on"] else torch.bfloat16
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(_dev(), dtype).eval()
     m.generation_config.pad_token_id = 0
-    m.generation_config.disable_compile = True  # no automatic compile: the compiled variants compile explicitly
+    m.generation_config.disable_compile = True  # no automatic compile unless a row asks for it
     return m
 
 
 def _variant(base, patched: bool, compiled: bool):
+    """A copy of ``base``, patched or not; ``compiled``: generate compiles its decode steps
+    (transformers' CompileConfig, see the module docstring)."""
     from tritune.model import hf_patch
 
     m = copy.deepcopy(base)
     if patched:
         hf_patch.patch(m)
     if compiled:
-        m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+        from transformers import CompileConfig
+
+        cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        if SMOKE["on"]:
+            cc = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+            cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless told
+        m.generation_config.compile_config = cc
+        m.generation_config.disable_compile = False
     return m
 
 
 @torch.no_grad()
 def bench_generate(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(1, 50257, (batch, prompt), generator=g).to("cuda")
+    ids = torch.randint(1, VOCAB, (batch, prompt), generator=g).to(_dev())
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static")
-    model.generate(ids, **kw)  # warm-up: compiles, captures graphs, fills the tuned-config caches
+    skips0 = torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0)
+    t0 = time.perf_counter()
+    model.generate(ids, **kw)  # warm-up: compiles, records the graphs, fills the tuned-config caches
+    _sync()
+    warm_s = time.perf_counter() - t0
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         out = model.generate(ids, **kw)
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     made = out.shape[1] - prompt
     s = statistics.median(times)
     return {"batch": batch, "prompt": prompt, "new_tokens": made, "s": s, "tok_s": batch * made / s,
-            "runs_s": times}
+            "ms_per_step": s / made * 1e3, "runs_s": times, "warmup_s": warm_s,
+            "compiled_call": hasattr(model, "_compiled_call"),
+            "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0) - skips0}
 
 
 @torch.no_grad()
 def bench_prefill(fn, ids, reps: int) -> dict:
-    for _ in range(3):
+    for _ in range(1 if SMOKE["on"] else 3):
         fn(ids)
     ms = []
     for _ in range(reps):
+        if SMOKE["on"]:  # no CUDA events on the CPU
+            t0 = time.perf_counter()
+            fn(ids)
+            ms.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn(ids)
@@ -101,86 +167,104 @@ def bench_prefill(fn, ids, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--part", choices=("generate", "prefill", "all"), default="all")
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 1])
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefill", type=int, nargs=2, default=[8, 1024], metavar=("B", "T"))
+    ap.add_argument("--time-limit", type=float, default=280.0, help="seconds for the whole run")
+    ap.add_argument("--variant-limit", type=float, default=150.0, help="seconds for one row")
+    ap.add_argument("--smoke", action="store_true", help="the CPU: a tiny model through the interpreter")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.smoke:
+        global VOCAB
+        SMOKE["on"], VOCAB = True, SMOKE["config"]["vocab_size"]
+        args.batches, args.prompt, args.new, args.reps, args.prefill = [2], 5, 3, 1, [2, 16]
+    elif not torch.cuda.is_available():
         print("bench_hf_patch: needs a CUDA GPU", file=sys.stderr)
         return 2
+    deadline = time.monotonic() + args.time_limit
     os.makedirs(args.out_dir, exist_ok=True)
     import transformers
     import triton
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    res = {"date": datetime.date.today().isoformat(), "commit": _commit(), "device": torch.cuda.get_device_name(),
+    res = {"date": datetime.date.today().isoformat(), "commit": _commit(),
+           "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
            "model": "GPT-2 small config, random init, bf16", "args": vars(args), "generate": {}, "prefill": {},
            "checks": {}}
-    base = _model()
+    path = os.path.join(args.out_dir, f"hf_patch_{args.part}_{res['date']}_{res['commit']}.json")
 
-    # 0. the patched model's logits against HF's (bf16 both, float64 HF as the reference)
-    try:
-        from tritune.harness import compare as cmp
+    def save():
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
 
-        ids = torch.randint(1, 50257, (2, 128), generator=torch.Generator().manual_seed(3)).to("cuda")
-        with torch.no_grad():
-            ref = copy.deepcopy(base).double()(ids).logits
-            got = _variant(base, True, False)(ids).logits
-            hf = base(ids).logits
-        res["checks"] = {"patched_rel_err": cmp.rel_error(got, ref), "hf_bf16_rel_err": cmp.rel_error(hf, ref),
-                         "tol_bf16": cmp.tolerance(torch.bfloat16)}
-        del ref
-    except Exception as e:
-        res["checks"] = _error(e)
-
-    # 1. generate tok/s
-    for name, patched, compiled in (("hf", False, False), ("hf+compile", False, True),
-                                    ("tritune", True, False), ("tritune+compile", True, True)):
-        for b in args.batches:
-            key = f"{name} b={b}"
-            try:
-                torch._dynamo.reset()
-                m = _variant(base, patched, compiled)
-                res["generate"][key] = bench_generate(m, b, args.prompt, args.new, args.reps)
-            except Exception as e:
-                res["generate"][key] = _error(e)
-            finally:
-                m = None
-                torch.cuda.empty_cache()
-            print(key, {k: v for k, v in res["generate"][key].items() if k in ("tok_s", "error")}, flush=True)
-
-    # 2. prefill B x T, one forward without a cache
-    B, T = args.prefill
-    ids = torch.randint(1, 50257, (B, T), generator=torch.Generator().manual_seed(4)).to("cuda")
-    def fwd(m):
-        return lambda x: m(x, use_cache=False).logits
-
-    prefill = (("tritune", lambda: fwd(_variant(base, True, False))),
-               ("tritune+compile", lambda: torch.compile(fwd(_variant(base, True, False)), fullgraph=True)),
-               ("hf eager-attention", lambda: fwd(_model("eager"))),
-               ("hf sdpa", lambda: fwd(base)),
-               ("hf sdpa+compile", lambda: torch.compile(fwd(base), fullgraph=True)))
-    for name, make in prefill:
-        try:
+    def row(table, key, fn):
+        """fn() under the row limit and the run's deadline; its dict, or its error, into res[table][key]."""
+        left = deadline - time.monotonic()
+        if left < 15:
+            res[table][key] = {"error": "skipped: --time-limit spent"}
+        else:
             torch._dynamo.reset()
-            res["prefill"][name] = bench_prefill(make(), ids, max(args.reps, 10))
-        except Exception as e:
-            res["prefill"][name] = _error(e)
-        torch.cuda.empty_cache()
-        print("prefill", name, {k: v for k, v in res["prefill"][name].items() if k in ("ms", "error")}, flush=True)
+            try:
+                with _limit(min(args.variant_limit, left)):
+                    res[table][key] = fn()
+            except Exception as e:
+                res[table][key] = _error(e)
+            with contextlib.suppress(Exception):  # a row that broke the CUDA context must not end the run here
+                _sync()
+                torch.cuda.empty_cache()
+        save()
+        v = res[table][key]
+        print(table, key, {k: v[k] for k in ("tok_s", "ms", "compiled_call", "error") if k in v}, flush=True)
+
+    base = _model()
+    if args.part in ("generate", "all"):
+        order = [(b, n, p, c) for b in args.batches for c in (True, False)
+                 for n, p in (("hf", False), ("tritune", True))]
+        for b, name, patched, compiled in order:
+            key = f"{name}{'+compile' if compiled else ''} b={b}"
+            row("generate", key, lambda: bench_generate(_variant(base, patched, compiled), b, args.prompt,
+                                                        args.new, args.reps))
+
+    if args.part in ("prefill", "all"):
+        def check():  # the patched model's logits against HF's (bf16 both, float64 HF as the reference)
+            from tritune.harness import compare as cmp
+
+            ids = torch.randint(1, VOCAB, (2, 16 if SMOKE["on"] else 128),
+                                generator=torch.Generator().manual_seed(3)).to(_dev())
+            with torch.no_grad():
+                ref = copy.deepcopy(base).double()(ids).logits
+                got = _variant(base, True, False)(ids).logits
+                hf = base(ids).logits
+            return {"patched_rel_err": cmp.rel_error(got, ref), "hf_bf16_rel_err": cmp.rel_error(hf, ref),
+                    "tol_bf16": cmp.tolerance(torch.bfloat16)}
+
+        row("checks", "logits", check)
+        B, T = args.prefill
+        ids = torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(4)).to(_dev())
+
+        def fwd(m):
+            return lambda x: m(x, use_cache=False).logits
+
+        prefill = (("tritune", lambda: fwd(_variant(base, True, False))),
+                   ("tritune+compile", lambda: torch.compile(fwd(_variant(base, True, False)), fullgraph=True)),
+                   ("hf eager-attention", lambda: fwd(_model("eager"))),
+                   ("hf sdpa", lambda: fwd(base)),
+                   ("hf sdpa+compile", lambda: torch.compile(fwd(base), fullgraph=True)))
+        for name, make in prefill:
+            row("prefill", name, lambda: bench_prefill(make(), ids, 1 if args.smoke else max(args.reps, 10)))
 
     # ratios (the targets)
-    g = res["generate"]
+    g, p = res["generate"], res["prefill"]
     ratios = {}
     for b in args.batches:
         for a, c in (("tritune+compile", "hf+compile"), ("tritune", "hf")):
             x, y = g.get(f"{a} b={b}", {}), g.get(f"{c} b={b}", {})
             if "tok_s" in x and "tok_s" in y:
                 ratios[f"{a} / {c} b={b}"] = x["tok_s"] / y["tok_s"]
-    p = res["prefill"]
     for a in ("tritune", "tritune+compile"):
         for c in ("hf eager-attention", "hf sdpa", "hf sdpa+compile"):
             if "ms" in p.get(a, {}) and "ms" in p.get(c, {}):
@@ -188,19 +272,23 @@ def main(argv=None) -> int:
     res["ratios"] = ratios
     x = ratios.get("tritune+compile / hf+compile b=32")
     res["target_batch32_1.3x"] = None if x is None else x >= 1.3
-
-    path = os.path.join(args.out_dir, f"hf_patch_{res['date']}_{res['commit']}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("\ngenerate (static cache)      tok/s")
-    for k, v in g.items():
-        print(f"  {k:28s} {v.get('tok_s', float('nan')):10.1f}  {v.get('error', '')[:100]}")
-    print(f"prefill {B} x {T}             ms")
-    for k, v in p.items():
-        print(f"  {k:28s} {v.get('ms', float('nan')):10.3f}  {v.get('error', '')[:100]}")
+    save()
+    if g:
+        print("\ngenerate (static cache)        tok/s   ms/step")
+        for k, v in g.items():
+            print(f"  {k:28s} {v.get('tok_s', float('nan')):9.1f} {v.get('ms_per_step', float('nan')):8.3f}  "
+                  f"{v.get('error', '')[:90]}")
+    if p:
+        print(f"prefill {args.prefill[0]} x {args.prefill[1]}               ms")
+        for k, v in p.items():
+            print(f"  {k:28s} {v.get('ms', float('nan')):9.3f}  {v.get('error', '')[:90]}")
     for k, v in ratios.items():
         print(f"  {k:45s} {v:6.2f}x")
-    print("checks", res["checks"] if "error" not in res["checks"] else res["checks"]["error"])
+    if "target_batch32_1.3x" in res and res["target_batch32_1.3x"] is not None:
+        print("target batch 32 >= 1.3x:", res["target_batch32_1.3x"])
+    if res["checks"]:
+        c = res["checks"].get("logits", {})
+        print("checks", c.get("error", c))
     print("wrote", path)
     return 0
 
