@@ -455,8 +455,13 @@ def _fused_decode_kernel(
                 wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
             if SYNC:
                 if DEBUG == 0:
-                    while tl.atomic_add(Bar + s, 0, sem="acquire", scope="gpu") < P:
-                        pass
+                    # bounded: a grid that is not all resident (it must be) sets an error flag and goes
+                    # on with wrong results instead of hanging the GPU (2^26 polls: seconds)
+                    tries = 0
+                    while (tl.atomic_add(Bar + s, 0, sem="acquire", scope="gpu") < P) & (tries < 67108864):
+                        tries += 1
+                    if tries >= 67108864:
+                        tl.atomic_max(Dbg + 1, 1, sem="relaxed", scope="gpu")
                 tl.debug_barrier()
     if SYNC:  # the last program out zeroes the counters for the next launch
         tl.debug_barrier()

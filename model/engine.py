@@ -116,7 +116,9 @@ class Engine:
     quantized beforehand, e.g. by ``tritune.model.quant.with_quantized_weights``, runs as it is).
     ``batch_invariant``: every kernel's reduction order pinned per request (:mod:`~tritune.model.invariant`):
     a request's tokens are bitwise those it gets alone, and a token's logits the same prefilled or decoded.
-    ``run_ahead``: a step of decodes only on the device-side step returns with its steps queued on the
+    ``fused_decode``: True, False or "auto" (default): device-side decode steps of up to 8 rows as one
+    persistent launch (:mod:`~tritune.model.fused_decode`); "auto" takes it where the tuned store says it
+    measured faster on this GPU. ``run_ahead``: a step of decodes only on the device-side step returns with its steps queued on the
     device, not waited for; the next :meth:`step` reads their tokens first (one sync), then schedules. The
     caller's work on the tokens a step handed over (streaming them, detokenizing, printing) then overlaps
     the GPU's next steps instead of leaving it idle (``tritune generate``: about 30 us of host work per
@@ -130,7 +132,7 @@ class Engine:
                  graph_buckets=GRAPH_BUCKETS, prefill_batching: bool | None = None, prefill_min_seats: int | None = None,
                  prefill_max_wait: int = 8, decode_steps: int = 16, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = False, policy: str = "fcfs", speculative=None, batch_invariant: bool = False,
-                 run_ahead: bool = False):
+                 run_ahead: bool = False, fused_decode="auto"):
         Q.check_mode(quant)
         given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
                                 ("kv_memory_fraction", kv_memory_fraction)) if v is not None]
@@ -185,7 +187,8 @@ class Engine:
                                    enable_chunked_prefill=enable_chunked_prefill)
         self.max_num_seqs = max_num_seqs
         self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs, cuda_graphs=cuda_graphs,
-                                  compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps))
+                                  compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps),
+                                  fused_decode=fused_decode)
         self.runner.invariant = self.batch_invariant
         self.notes += self.runner.notes
         self.sampler = Sampler(self.device)

@@ -59,6 +59,10 @@ def why_not(model, kv=None) -> str | None:
         return "quantized linears (the fused step reads dense weights)"
     if not isinstance(model.w.lm_head, torch.Tensor):
         return "a quantized LM head"
+    from tritune.model import invariant
+
+    if invariant.is_invariant(model):
+        return "batch-invariant mode (its reductions are pinned per row; the fused step's are not)"
     if kv is not None:
         kc, vc = kv.k_caches, kv.v_caches
         if kc[0].shape[2:] != (c.n_head, c.head_dim):
@@ -115,11 +119,18 @@ class FusedDecode:
         self.Hb = torch.empty((max_rows, F), dtype=dt, device=d)
         self.logits = torch.empty((max_rows, V), dtype=dt, device=d)
         self.Bar = torch.zeros(5 * L + 2, dtype=torch.int32, device=d)
-        self.Dbg = torch.zeros(1, dtype=torch.int32, device=d)
+        self.Dbg = torch.zeros(2, dtype=torch.int32, device=d)     # [debug spin counter, barrier timed out]
         self._plans: dict = {}
         self.Work = self.Tick = self.AWork = self.ATick = None
         for M in range(1, max_rows + 1):      # every scratch buffer at its largest now: never inside a capture
             self._plan(M)
+
+    def check(self) -> None:
+        """Raise if a barrier wait of any launch so far timed out (the grid was not all resident: its
+        results are wrong). Syncs with the device: tests and benchmarks call it, the hot path does not."""
+        if int(self.Dbg[1]):
+            raise RuntimeError("fused decode: a grid barrier timed out (programs not all resident on the GPU); "
+                               "the logits of that step are wrong")
 
     # ------------------------------------------------------------------------------------------------
     def config_for(self, M: int) -> FK.Config:
