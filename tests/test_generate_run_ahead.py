@@ -1,14 +1,13 @@
 """Engine(run_ahead=True), the batch-1 engine of ``generate``/``tritune generate``: a step of decodes only
 returns with its device-side steps queued, and the next step reads their tokens. The caller's per-token
 work (streaming, detokenizing, printing) then overlaps the GPU instead of following it; no token, finish
-reason or block count may change, aborts while steps are queued included. CPU: the device-side step runs
-eagerly (cuda_graphs="eager"), the same host logic as the captured graphs."""
+reason or block count may change, aborts while steps are queued included. The device-side step runs
+eagerly (cuda_graphs="eager": the host logic of the captured graphs), on the GPU where there is one."""
 import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
 
 import pytest
-import torch
 
-from tests.test_engine import VOCAB, alone, prompts, tiny_model
+from tests.test_engine import STEP_DEVICE, VOCAB, alone, prompts, tiny_model
 from tritune.model.engine import Engine
 from tritune.model.generate import engine_for, generate, stream
 from tritune.model.scheduler import SamplingParams
@@ -16,7 +15,9 @@ from tritune.model.scheduler import SamplingParams
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    # the device-side step's two kernels run where triton does: the GPU (steps truly queued), else the
+    # interpreter on the CPU
+    return tiny_model(device=STEP_DEVICE)
 
 
 def engine(model, run_ahead, **kw):
@@ -121,4 +122,3 @@ def test_run_ahead_is_inert_without_a_device_side_step(model):
     assert len(r.output_ids) == 2
     eng.run()
     assert r.output_ids == alone(model, p, 6)
-    assert torch.device(eng.device).type == "cpu"
