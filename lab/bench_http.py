@@ -127,14 +127,15 @@ def run_inprocess(engine, items) -> dict:
 
 
 class ThreadServer:
-    def __init__(self, app):
+    def __init__(self, app, stack: str = "auto"):
         import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        loop, http = ("auto", "auto") if stack == "auto" else stack.split("+")
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, loop=loop, http=http))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         t0 = time.time()
@@ -172,8 +173,8 @@ def client(url, jsonl: Path, n: int, concurrency: int, out: Path, timeout: float
     if not out.is_file():
         return {"error": f"serve-bench --url exited {p.returncode} without results", "stderr": p.stderr[-2000:]}
     run = json.loads(out.read_text())["run"]
-    # (the wall includes the client's start-up, so this is a lower bound of the server's busy share)
-    run["server_cpu_busy"] = round((c1 - c0) / (w1 - w0), 3)
+    # over the client's timed span (the server idles while the client starts: its loop waits on an event)
+    run["server_cpu_busy"] = round((c1 - c0) / (run.get("elapsed_s") or (w1 - w0)), 3)
     run["chunks_s"] = run.get("chunks", 0) / run["elapsed_s"] if run.get("elapsed_s") else None
     return run
 
@@ -242,6 +243,8 @@ def main() -> int:
                    "engine's graph path gives 16)")
     p.add_argument("--client-procs", type=int, default=None, help="client processes (default: serve-bench's)")
     p.add_argument("--skip-clients", action="store_true", help="only the in-process / HTTP rounds")
+    p.add_argument("--stack", default="auto", choices=("auto", "asyncio+h11", "uvloop+httptools"),
+                   help="uvicorn's event loop + HTTP parser (auto: uvloop + httptools when installed)")
     args = p.parse_args()
     if args.smoke:
         args.requests, args.prompt_len, args.output_len, args.clients, args.rounds = 16, (4, 32), (4, 32), 8, 1
@@ -301,7 +304,7 @@ def main() -> int:
         S.warm_up(engine, config.vocab_size, config.n_positions // 2)
     from tritune.model.server import http_stack
 
-    res["server_stack"] = http_stack()
+    res["server_stack"] = http_stack() if args.stack == "auto" else args.stack
     res["engine"] = engine.describe()
     res["dtype"] = res["engine"]["dtype"]
     res["setup_s"] = time.perf_counter() - t0
@@ -318,7 +321,7 @@ def main() -> int:
     app = create_app(engine, tok, "bench", max_queue=8192)
     srv = app.state.server
     sys.setswitchinterval(0.001)        # as `tritune serve` runs
-    server = ThreadServer(app)
+    server = ThreadServer(app, args.stack)
     try:
         # -- in-process vs HTTP, alternately ------------------------------------------------------
         res["rounds"] = []

@@ -558,3 +558,59 @@ def test_gpu_graph_engine_serves_concurrent_streams():
         assert h["kv_blocks_used"] == 0
     finally:
         ts.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The HTTP path alone: the stub engine (model/serve_stub.py) and the multi-process bench client
+# ---------------------------------------------------------------------------------------------------
+def _stub_server(rate=20000.0, **kw):
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from tritune.model.serve_stub import StubEngine
+    from tritune.model.server import create_app
+    from tritune.model.tokenizer import Tokenizer
+
+    eng = StubEngine(rate=rate, vocab_size=512, n_positions=256, **kw)
+    tok = Tokenizer(HFTokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0")))
+    return eng, ThreadServer(create_app(eng, tok, "stub", max_queue=1024))
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_stub_engine_over_http_with_client_processes(procs):
+    from tritune.model.http_bench import bench
+    from tritune.model.workload import make_workload
+
+    eng, ts = _stub_server(max_num_seqs=16)
+    try:
+        items = make_workload(48, (4, 32), (8, 40), 512, 0)
+        r = bench(ts.url, items, procs=procs, model="stub", max_concurrency=32, timeout=60)
+        assert r["errors"] == 0 and r["completed"] == 48, r["error_samples"]
+        assert r["output_tokens"] == sum(it.output_len for it in items) == eng.tokens
+        assert r["client"]["procs"] == procs and len(r["client"]["cpu_busy"]) == procs
+        assert r["ttft_ms"]["p50"] > 0 and r["chunks"] >= 48
+        t0 = time.time()
+        while eng.has_unfinished() and time.time() - t0 < 5:
+            time.sleep(0.01)
+        assert eng.pool.num_used == 0 and not eng.has_unfinished()
+    finally:
+        ts.close()
+
+
+def test_stub_engine_stream_tokens_and_disconnect_frees_blocks():
+    eng, ts = _stub_server(rate=500.0, decode_steps=1, max_num_seqs=8)
+    try:
+        with httpx.Client(timeout=30) as c:
+            r = c.post(ts.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 6, "temperature": 0,
+                                                          "return_token_ids": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7, 8, 9, 10, 11, 12]
+            with c.stream("POST", ts.url + "/v1/completions", json={"prompt": [1], "max_tokens": 200,
+                                                                      "stream": True, "ignore_eos": True}) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: {"):
+                        break       # leaving the block closes the connection mid-stream
+        t0 = time.time()
+        while (eng.has_unfinished() or eng.pool.num_used) and time.time() - t0 < 10:
+            time.sleep(0.02)
+        assert eng.pool.num_used == 0 and eng.tokens < 200
+    finally:
+        ts.close()
