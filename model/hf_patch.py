@@ -80,9 +80,12 @@ def patch(model):
         raise TypeError(f"model: dtype {dtype} not supported (float32, float16, bfloat16)")
     if getattr(model, "_tritune_patched", False):
         return model
+    memo = _StepMemo()
     for block in base.h:
         _swap(block, _block_forward)
-    _swap(base.ln_f, _ln_forward)
+        block._tritune_memo = memo
+    _swap(base.ln_f, _ln_final_forward)
+    base.ln_f._tritune_memo = memo
     if head is not None:
         _swap(head, _head_forward)
     model._tritune_patched = True
@@ -117,6 +120,11 @@ def _ln_forward(self, x):
     return _ops(x).layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def _ln_final_forward(self, x):
+    self._tritune_memo.entry = None  # ln_f closes the forward: the next one starts with no tables
+    return _ln_forward(self, x)
+
+
 def _head_forward(self, x):
     # linear, not gemm: gemv at <= 8 rows (a decode step's logits), the engine's LM-head kernel
     return _ops(x).linear(x, self.weight.t(), self.bias)
@@ -136,14 +144,20 @@ def _tables(valid, B, per_row, device):
     return (rows + order).to(torch.int32), valid.sum(-1, dtype=torch.int32)
 
 
-# Eager decode: every layer of a step gets the same mask object (GPT2Model builds it once a forward), and
-# the same cache layout, hence the same tables: made once a step, not once a layer (~12 small launches
-# each). Keyed on the mask's identity and version; the entry holds the mask, so its id cannot be reused
-# while it is here. Under torch.compile the tables are traced (no Python state in the graph).
-_TABLES: list = [None]
+class _StepMemo:
+    """One forward's decode block table, shared by its layers. Every layer of a step gets the same mask
+    object (GPT2Model builds it once a forward) over caches of one layout, hence the same table: made by
+    the first layer (~12 small launches eagerly; a sort and a few kernels in a compiled graph, which
+    inductor would not merge across layers), reused by the others, dropped by ln_f at the end of the
+    forward. Under torch.compile the memo is a traced side effect: ``entry`` is None at every call's start
+    (one guard, no recompile), and ``is`` between the traced mask and the stored one is decided while
+    tracing. Holding the mask keeps its id from being reused while the entry lives."""
+
+    def __init__(self):
+        self.entry = None   # (mask, (B, Tk, per_row), (tables, lens))
 
 
-def _decode_paged(q, k, v, mask, scale, ops):
+def _decode_paged(q, k, v, mask, scale, ops, memo=None):
     """One query token a row over keys k, v (B, H, Tk, D), of which the mask's may be seen: the valid
     keys' positions, in order, become a block table over the cache viewed as blocks of one token
     (block id b·(sB/sS) + s addresses k[b, :, s]). None when the strides do not allow that view."""
@@ -153,23 +167,21 @@ def _decode_paged(q, k, v, mask, scale, ops):
     if k.stride() != v.stride() or sD != 1 or sS <= 0 or (B > 1 and sB % sS):
         return None
     per_row = sB // sS if B > 1 else 0
-    if ops is OPS:
-        tables, lens = _tables(_valid_keys(mask, B, Tk), B, per_row, q.device)
+    key = (B, Tk, per_row)
+    hit = None if memo is None else memo.entry
+    if hit is not None and hit[0] is mask and hit[1] == key:
+        tables, lens = hit[2]
     else:
-        key = (mask._version, B, Tk, per_row, q.device)
-        hit = _TABLES[0]
-        if hit is not None and hit[0] is mask and hit[1] == key:
-            tables, lens = hit[2]
-        else:
-            tables, lens = _tables(_valid_keys(mask, B, Tk), B, per_row, q.device)
-            _TABLES[0] = (mask, key, (tables, lens))
+        tables, lens = _tables(_valid_keys(mask, B, Tk), B, per_row, q.device)
+        if memo is not None:
+            memo.entry = (mask, key, (tables, lens))
     nb = (B - 1) * per_row + Tk
     kc = k.as_strided((nb, 1, H, D), (sS, sS, sH, 1))
     vc = v.as_strided((nb, 1, H, D), (sS, sS, sH, 1))
     return ops.paged_attention(q.reshape(B, H, D), kc, vc, tables, lens, scale, False).view(B, 1, H * D)
 
 
-def _attend(attn, q, k, v, mask, **kwargs):
+def _attend(attn, q, k, v, mask, memo=None, **kwargs):
     """(B, Tq, C) attention output for q, k, v (B, H, T, D); see the module docstring for the paths."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -179,7 +191,7 @@ def _attend(attn, q, k, v, mask, **kwargs):
             k, v = k[:, :, :Tq], v[:, :, :Tq]
         return ops.attention(q, k, v, True, attn.scaling).transpose(1, 2).reshape(B, Tq, H * D)
     if Tq == 1:
-        out = _decode_paged(q, k, v, mask, attn.scaling, ops)
+        out = _decode_paged(q, k, v, mask, attn.scaling, ops, memo)
         if out is not None:
             return out
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -210,7 +222,7 @@ def _block_forward(self, hidden_states, cache=None, attention_mask=None, encoder
         cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
     kwargs.pop("position_ids", None)
-    a = _attend(attn, q, k, v, attention_mask, **kwargs)
+    a = _attend(attn, q, k, v, attention_mask, getattr(self, "_tritune_memo", None), **kwargs)
     x = _linear(a, attn.c_proj, residual=x)
     f = _ln_linear(x, self.ln_2, mlp.c_fc, activation="gelu_tanh")
     return _linear(f, mlp.c_proj, residual=x)

@@ -64,7 +64,7 @@ def test_patch_swaps_modules_in_place(tiny_dir):
     m = _load(tiny_dir)
     assert hf_patch.patch(m) is m and hf_patch.patch(m) is m  # idempotent
     assert m.transformer.h[0].forward.__func__ is hf_patch._block_forward
-    assert m.transformer.ln_f.forward.__func__ is hf_patch._ln_forward
+    assert m.transformer.ln_f.forward.__func__ is hf_patch._ln_final_forward
     assert m.lm_head.forward.__func__ is hf_patch._head_forward
     assert m.lm_head.weight.data_ptr() == m.transformer.wte.weight.data_ptr()  # ties kept, nothing copied
 
@@ -143,6 +143,34 @@ def test_decode_tables_made_once_a_step(pair, monkeypatch):
     assert torch.equal(seq, want_seq)
     cmp.check(logits, want, torch.float32, what="static-cache generate logits")
     assert len(made) == 4, f"{len(made)} tables for 4 decode steps of {model.config.n_layer} layers"
+
+
+@torch.no_grad()
+def test_compiled_decode_makes_the_tables_once(tiny_dir, pair):
+    """Under torch.compile the step memo is traced: the decode graph sorts the mask once, not once a
+    layer (inductor merges no identical work across layers), with no graph break, and the second
+    generate reuses the graphs (the memo is empty at every call's start: no recompile)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _, ref = pair
+    model = hf_patch.patch(_load(tiny_dir))
+    model.generation_config.disable_compile = True
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=capture, fullgraph=True)
+    kw = {"cache_implementation": "static"}
+    seq, _ = _generate(model, _ids(2, 6, 9), **kw)
+    want, _ = _generate(ref, _ids(2, 6, 9), **kw)
+    assert torch.equal(seq, want)
+    n = len(graphs)
+    sorts = [sum(node.target in (torch.argsort, torch.sort, torch.Tensor.argsort) for node in g.graph.nodes)
+             for g in graphs]
+    assert max(sorts) == 1, f"argsorts per graph: {sorts} ({model.config.n_layer} layers)"
+    _generate(model, _ids(2, 6, 10), **kw)
+    assert len(graphs) == n, "recompiled"
 
 
 @pytest.mark.parametrize("option,value", [("scale_attn_by_inverse_layer_idx", True),
