@@ -1,6 +1,13 @@
 """What HTTP costs: ``tritune serve`` against the same engine in-process (GPU; bounded time).
 
   python lab/bench_http.py OUTDIR [--model DIR] [--requests 512] [--clients 256] [--time-limit 540]
+  python lab/bench_http.py OUTDIR --stub [--stub-rate 55000] [--decode-steps 16]   (any machine: no model)
+
+``--stub``: model/serve_stub.py's engine makes tokens at a fixed rate, so what is measured is the HTTP
+path alone (parsing, detokenizing, SSE, sockets, the GIL shared by the event loop and the engine thread).
+The client is serve-bench --url over several processes (aiohttp where installed, connections opened
+before the clock starts); each reports its CPU busy share, and this process's CPU over the run is the
+server's (near 100%: the server is the ceiling; a client near 100%: the client is, add --client-procs).
 
 1. One engine (triton backend, CUDA graphs, bf16; GPT-2 small's config with random weights unless
    ``--model``), warmed up as serve-bench does. Without ``--model`` there is no tokenizer, so a word-level
@@ -399,6 +406,12 @@ def main() -> int:
     finally:
         server.close()
         save()
+        costs = [f"{r['http_cost']:+.1%}" for r in res.get("rounds", ()) if "http_cost" in r]
+        cl = res.get("clients", {})
+        print(f"SUMMARY {res.get('server_stack')}: HTTP cost per round {costs} (target <= 10%: "
+              f"{'met' if res.get('target_http_cost_le_10pct') else 'NOT met'}); {args.clients} clients ok: "
+              f"{cl.get('ok')}, KV blocks after {[x['kv_blocks_used_after'] for x in cl.get('rounds', ())]}, "
+              f"memory growth {cl.get('growth')} (2nd round {cl.get('growth_second_round')})", flush=True)
         print(f"wrote {res_path}", flush=True)
     return 0
 
