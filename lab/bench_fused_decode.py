@@ -1,0 +1,265 @@
+"""Decode tok/s of the fused step (one persistent launch: tritune.model.fused_decode) against today's
+per-op step and against the memory floor, all in one run; and where each path's time goes.
+
+    python lab/bench_fused_decode.py OUTDIR [--steps 256] [--reps 5] [--time-limit 230] [--export]
+
+Rows: GPT-2 small (random init), the packaged model (model/default) and GPT-2 medium (random init), bf16,
+batch 1 and 8. For each: the device-side decode step as the engine runs it (tritune.model.graphs:
+embedding, model, greedy argmax fed back, one CUDA graph replayed ``--steps`` times from position 64),
+timed with CUDA events over ``--reps`` runs (median), per-op and fused; the floor is the weight bytes a
+step reads (every layer and the LM head once) over the copy bandwidth measured here (1 GiB device copy).
+Per-stage time of the fused step: launches that stop after stage k (``FusedDecode(..., stages=k)``),
+differences summed by stage kind. Per-kernel time of the per-op step: torch.profiler over graph replays.
+The greedy tokens of both paths are compared (``tokens_equal``: the fraction of equal steps).
+
+Writes OUTDIR/fused_decode.json after every row (a cut-off run keeps what it measured) and prints a table.
+``--export``: also writes the measured verdict (``faster``) with the config into the user store's
+``fused_decode.json`` (``$TRITUNE_CONFIG_DIR`` or the user cache; ``--export-root`` another store root),
+which ``Engine(fused_decode="auto")`` follows.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEV = "cuda"     # (a dry run of the plumbing on the interpreter swaps it)
+
+
+def git(*args):
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def copy_bandwidth() -> float:
+    import triton.testing
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=20, rep=100, return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)
+
+
+def random_gpt2(n_layer, n_embd, n_head, n_positions=1024, vocab=50257, dtype=torch.bfloat16, seed=0):
+    from tritune.model import weights as W
+    from tritune.model.config import GPT2Config
+    from tritune.model.gpt2 import GPT2
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    cfg = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab)
+    E, F = n_embd, 4 * n_embd
+    state = {"wte.weight": 0.02 * torch.randn(vocab, E, generator=g, device=DEV),
+             "wpe.weight": 0.01 * torch.randn(n_positions, E, generator=g, device=DEV),
+             "ln_f.weight": torch.ones(E, device=DEV), "ln_f.bias": torch.zeros(E, device=DEV)}
+    for i in range(n_layer):
+        for name, shape in (("attn.c_attn.weight", (E, 3 * E)), ("attn.c_attn.bias", (3 * E,)),
+                            ("attn.c_proj.weight", (E, E)), ("attn.c_proj.bias", (E,)),
+                            ("mlp.c_fc.weight", (E, F)), ("mlp.c_fc.bias", (F,)),
+                            ("mlp.c_proj.weight", (F, E)), ("mlp.c_proj.bias", (E,))):
+            state[f"h.{i}.{name}"] = 0.02 * torch.randn(shape, generator=g, device=DEV)
+        for ln in ("ln_1", "ln_2"):
+            state[f"h.{i}.{ln}.weight"] = 1 + 0.1 * torch.randn(E, generator=g, device=DEV)
+            state[f"h.{i}.{ln}.bias"] = 0.1 * torch.randn(E, generator=g, device=DEV)
+    return GPT2(cfg, W.to_layout(cfg, state, dtype, DEV), backend="triton")
+
+
+def packaged(dtype=torch.bfloat16):
+    from tritune.model.cli import default_model_dir
+    from tritune.model.gpt2 import GPT2
+
+    return GPT2.from_pretrained(default_model_dir(), backend="triton", dtype=dtype, device=DEV)
+
+
+def time_graph(g, B, start, steps, reps, block_size):
+    """Median seconds per step of ``steps`` replays from position ``start``, and the greedy tokens."""
+    tables = [list(range(r * g.mb, (r + 1) * g.mb)) for r in range(B)]
+    times, toks = [], None
+    for rep in range(reps + 1):
+        g.load([(11 * r + 5) % 1000 for r in range(B)], [start] * B, [10 ** 6] * B, [-1] * B, tables)
+        ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev[0].record()
+        g.run(B, steps)
+        ev[1].record()
+        torch.cuda.synchronize()
+        if rep:     # the first run warms up
+            times.append(ev[0].elapsed_time(ev[1]) / 1e3 / steps)
+        toks = g.tokens([start] * B, min(steps, g.R))
+    return statistics.median(times), toks
+
+
+def profile_graph(g, B, steps=10):
+    """us per step by kernel name over ``steps`` graph replays (the per-op step's split)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.run(B, steps)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t:
+            out[e.key[:60]] = round(t / steps, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+
+
+def stage_split(fd, x, slots, bt, ctx, n_layer, reps=10):
+    """us per step by stage kind of the fused step: launches stopping after stage k, differenced."""
+    kinds = ["qkv+ln1+kv write", "attention", "out-proj+residual", "fc+ln2+gelu", "proj+residual"]
+
+    def t(k):
+        ts = []
+        for _ in range(reps):
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            xx = x.clone()
+            ev[0].record()
+            fd(xx, slots, bt, ctx, stages=k)
+            ev[1].record()
+            torch.cuda.synchronize()
+            ts.append(ev[0].elapsed_time(ev[1]) * 1e3)
+        return statistics.median(ts)
+
+    n = 5 * n_layer + 1
+    stage_ks = list(range(1, n + 1))
+    tk = [t(k) for k in stage_ks]
+    per = [tk[0]] + [b - a for a, b in zip(tk, tk[1:])]
+    split = dict.fromkeys(kinds + ["lm head+lnf"], 0.0)
+    for s, us in enumerate(per):
+        split["lm head+lnf" if s == n - 1 else kinds[s % 5]] += us
+    split = {k: round(v, 1) for k, v in split.items()}
+    split["first stage incl. launch"] = round(tk[0], 1)
+    split["whole step (eager launch)"] = round(tk[-1], 1)
+    return split
+
+
+def bench_row(name, model, B, args, bw, deadline):
+    from tritune.model import fused_decode as FD
+    from tritune.model.gpt2 import PagedKVCache
+    from tritune.model.graphs import DecodeGraphs
+
+    c = model.config
+    bs = 16
+    mb = -(-c.n_positions // bs)
+    kv = PagedKVCache(c, B * mb, bs, model.dtype, DEV)
+    start = min(64, c.n_positions // 4)
+    steps = min(args.steps, c.n_positions - start - 1)
+    row = {"model": name, "batch": B, "layers": c.n_layer, "width": c.n_embd, "context": [start, start + steps]}
+    t0 = time.time()
+    per_op = DecodeGraphs(model.with_ops(model.ops), kv, mb, [B], hist=max(16, steps))
+    s_op, tok_op = time_graph(per_op, B, start, steps, args.reps, bs)
+    row["per_op_tok_s"] = round(B / s_op, 1)
+    row["per_op_us_per_step"] = round(s_op * 1e6, 1)
+    row["per_op_kernels_us"] = profile_graph(per_op, B)
+    del per_op
+    fm = FD.fused_model(model.with_ops(model.ops), kv, max_rows=B)
+    fd = fm.fused
+    row["config"] = dataclasses.asdict(fd.config_for(B))
+    row["bucket"] = FD.bucket(c, B, model.dtype)
+    row["dtype"] = str(model.dtype).replace("torch.", "")
+    row["programs"], row["splits"], row["kv_split"] = fd._plan(B)[1], fd._plan(B)[2], fd._plan(B)[3]
+    fused = DecodeGraphs(fm, kv, mb, [B], hist=max(16, steps))
+    s_fd, tok_fd = time_graph(fused, B, start, steps, args.reps, bs)
+    fd.check()
+    row["fused_tok_s"] = round(B / s_fd, 1)
+    row["fused_us_per_step"] = round(s_fd * 1e6, 1)
+    row["speedup"] = round(s_op / s_fd, 3)
+    row["tokens_equal"] = round(sum(a == b for a, b in zip(tok_op, tok_fd)) / max(1, len(tok_op)), 3)
+    row["weight_bytes"] = fd.weight_bytes
+    floor = fd.weight_bytes / bw
+    row["floor_us_per_step"] = round(floor * 1e6, 1)
+    row["floor_tok_s"] = round(B / floor, 1)
+    row["fused_of_floor"] = round(floor / s_fd, 3)
+    if time.time() < deadline - 20:
+        x = torch.randn(B, c.n_embd, device=DEV, dtype=model.dtype)
+        row["fused_stage_us"] = stage_split(fd, x, fused.slots[:B], fused.bt[:B], fused.ctx[:B].clone(), c.n_layer,
+                                            reps=3 if c.n_layer > 12 else 5)
+        fd.check()
+    row["seconds"] = round(time.time() - t0, 1)
+    del fused, fm, fd, kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="directory for fused_decode.json")
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--time-limit", type=float, default=230.0, help="seconds; rows not started by then are skipped")
+    ap.add_argument("--models", default="gpt2-small,packaged,gpt2-medium")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--export", action="store_true", help="store the measured verdict for fused_decode='auto'")
+    ap.add_argument("--export-root", default=None, help="store root for --export (default: the user store)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fused_decode: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    deadline = t_start + a.time_limit
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"date": datetime.date.today().isoformat(), "commit": git("rev-parse", "HEAD"),
+           "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+           "device": torch.cuda.get_device_name(), "rows": [], "skipped": []}
+    bw = copy_bandwidth()
+    res["copy_bytes_per_s"] = bw
+    builders = {"gpt2-small": lambda: random_gpt2(12, 768, 12), "packaged": packaged,
+                "gpt2-medium": lambda: random_gpt2(24, 1024, 16, seed=1)}
+    path = out / "fused_decode.json"
+    for name in a.models.split(","):
+        model = None
+        for B in (int(b) for b in a.batches.split(",")):
+            if time.time() > deadline - 30:
+                res["skipped"].append(f"{name} batch {B}: time limit")
+                continue
+            try:
+                model = model or builders[name]()
+                res["rows"].append(bench_row(name, model, B, a, bw, deadline))
+            except Exception as e:  # noqa: BLE001  (a row that fails is recorded; the others still run)
+                res["rows"].append({"model": name, "batch": B, "error": f"{type(e).__name__}: {e}"[:2000]})
+            res["seconds"] = round(time.time() - t_start, 1)
+            path.write_text(json.dumps(res, indent=1))
+        del model
+        torch.cuda.empty_cache()
+    print(f"{res['device']}  copy {bw / 1e12:.2f} TB/s  commit {res['commit'][:8]}  ({res['seconds']} s)")
+    print(f"{'model':<12} {'B':>2} {'per-op tok/s':>13} {'fused tok/s':>12} {'x':>6} {'floor tok/s':>12} "
+          f"{'of floor':>8} {'tokens eq':>9}")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['model']:<12} {r['batch']:>2}  error: {r['error'][:150]}")
+            continue
+        print(f"{r['model']:<12} {r['batch']:>2} {r['per_op_tok_s']:>13.0f} {r['fused_tok_s']:>12.0f} "
+              f"{r['speedup']:>6.2f} {r['floor_tok_s']:>12.0f} {r['fused_of_floor']:>8.2f} {r['tokens_equal']:>9.2f}")
+        if "fused_stage_us" in r:
+            print("    fused stages (us/step): " + ", ".join(f"{k} {v}" for k, v in r["fused_stage_us"].items()))
+        print("    per-op kernels (us/step): " + ", ".join(f"{k.split('_kernel')[0]} {v}"
+                                                         for k, v in list(r["per_op_kernels_us"].items())[:5]))
+    for s in res["skipped"]:
+        print("skipped:", s)
+    if a.export:
+        from tritune.model import fused_decode as FD
+        from tritune.tuning import store
+
+        entries = [{"bucket": r["bucket"], "dtype": r["dtype"], "config": dict(r["config"], faster=int(r["speedup"] > 1.0)),
+                    "time": r["fused_us_per_step"] * 1e-6, "default_time": r["per_op_us_per_step"] * 1e-6}
+                   for r in res["rows"] if "error" not in r]
+        if entries:
+            p = store.write(FD.KERNEL, entries, root=Path(a.export_root) if a.export_root else None)
+            print(f"exported {len(entries)} entries to {p}")
+    return 0 if all("error" not in r for r in res["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
