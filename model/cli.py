@@ -57,7 +57,8 @@ def add_parser(subparsers, name: str) -> None:
                         "checkpoint's own draft/, which the packaged model ships); same tokens when greedy, the same "
                         "distribution when sampled")
     s.add_argument("--draft", default=None, help="--speculative draft: the draft checkpoint (sharing the tokenizer)")
-    s.add_argument("--spec-k", type=int, default=4, help="--speculative: draft tokens per step (default 4)")
+    s.add_argument("--spec-k", type=int, default=None,
+                   help="--speculative: draft tokens per step (default 4 for ngram, 2 for draft)")
     s.set_defaults(func=run)
 
 

@@ -25,6 +25,22 @@ The defaults are the packaged run's settings (7 layers, 256 wide, 4 heads, 256 p
 2000. A shorter schedule that anneals near that point did better in a run whose checkpoint was not kept
 (``--max-steps 2500 --eval-every 100``: validation loss 4.055 against 4.122). ``metrics.json`` holds validation and test loss, perplexity and bits
 per character, measured on the saved fp16 checkpoint through ``tritune.model.gpt2`` (torch backend).
+
+The packaged draft (``model/default/draft/``: 2 layers, 64 wide, 0.64M parameters, 1.2 MiB; speculative
+decoding's proposer for the packaged model, ``tritune generate --speculative draft``) shares the target's
+tokenizer (``--tokenizer``/``--teacher`` reuse it; the draft's metrics.json records its sha256). It was
+trained on one CPU core in two stages, because the teacher's forward is most of a distillation step: on
+the data alone, then distilled (soft targets: 0.7 teacher, 0.3 data) from that start::
+
+    python -m tritune.model.train --tokenizer model/default --out /tmp/draft-data --n-layer 2 --n-embd 64 \
+        --n-head 2 --dropout 0 --batch-size 4 --lr 2e-3 --min-lr 5e-4 --warmup 30 --max-steps 800 \
+        --eval-every 200 --threads 1 --device cpu --sample-prompt ""
+    python -m tritune.model.train --teacher model/default --init /tmp/draft-data --out model/default/draft \
+        --n-layer 2 --n-embd 64 --n-head 2 --dropout 0 --batch-size 4 --lr 1.5e-3 --min-lr 1e-4 --warmup 10 \
+        --max-steps 500 --eval-every 125 --threads 1 --device cpu
+
+Its metrics.json adds how often its argmax is the teacher's on validation text (greedy acceptance per
+token) and the mean of sum(min(p, q)) (acceptance of a sampled draft token at temperature 1).
 """
 from __future__ import annotations
 

@@ -175,12 +175,18 @@ def _packaged():
     if d is None or not (d / "draft" / "config.json").is_file():
         pytest.skip("no packaged checkpoint with a draft (model/default/draft)")
     gpu = torch.cuda.is_available()
-    m = GPT2.from_pretrained(d, backend="triton" if gpu else "torch", dtype=torch.bfloat16 if gpu else torch.float32)
+    # fp32 on a GPU too: greedy tokens compared across verify (k + 1 rows) and decode (1 row) must not
+    # hinge on bf16 rounding ties
+    m = GPT2.from_pretrained(d, backend="triton" if gpu else "torch", dtype=torch.float32)
     assert default_draft_dir(m) == d / "draft"
     return m
 
 
-SPEECH = "PORTIA:\nThe quality of mercy is not strain'd,\nIt droppeth as the gentle rain from heaven\n"
+# Held out of the packaged model's training (Macbeth and The Merchant of Venice are its test plays)
+SPEECHES = ("MACBETH:\nTo-morrow, and to-morrow, and to-morrow,\nCreeps in this petty pace from day to day,\n"
+            "To the last syllable of recorded time;\n",
+            "PORTIA:\nThe quality of mercy is not strain'd,\nIt droppeth as the gentle rain from heaven\n"
+            "Upon the place beneath. It is twice blest;\n")
 
 
 def test_packaged_draft_shares_the_tokenizer_and_is_small():
@@ -195,18 +201,20 @@ def test_packaged_draft_shares_the_tokenizer_and_is_small():
 
 
 def test_engine_speculative_draft_by_name_uses_the_packaged_draft():
-    """Engine(speculative="draft") on the packaged model: its draft/, greedy tokens equal the target alone,
-    and the distilled draft's guesses are accepted often (a random 2-layer draft: about 0%)."""
+    """Engine(speculative="draft") on the packaged model: its draft/ at k = 2, greedy tokens equal the target
+    alone, and the distilled draft's guesses are accepted often (0.24 of them on these two speeches and on
+    the CPU when it was trained; a draft of random weights: about none)."""
     from tritune.model.tokenizer import Tokenizer
 
     m = _packaged()
-    ids = Tokenizer.from_dir(m.directory).encode(SPEECH)
-    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    want = Engine(m, num_blocks=32, block_size=16, cuda_graphs=False).generate([ids], sp)[0].token_ids
+    tok = Tokenizer.from_dir(m.directory)
+    ps = [tok.encode(s)[:48] for s in SPEECHES]
+    sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    want = [c.token_ids for c in Engine(m, num_blocks=32, block_size=16, cuda_graphs=False).generate(ps, sp)]
     eng = Engine(m, num_blocks=32, block_size=16, cuda_graphs=False, speculative="draft")
-    assert "draft(2 layers" in eng.spec.proposer.name
-    assert eng.generate([ids], sp)[0].token_ids == want
-    assert acceptance_rate(eng.stats) > 0.2
+    assert eng.spec.proposer.name == "draft(2 layers, k=2)"
+    assert [c.token_ids for c in eng.generate(ps, sp)] == want
+    assert acceptance_rate(eng.stats) > 0.15
 
 
 def test_speculative_by_name_errors():
@@ -226,11 +234,12 @@ def test_generate_cli_speculative_draft(capsys):
     from tritune.harness.cli import main
 
     _packaged()
-    rc = main(["generate", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0", "--speculative", "draft"])
+    rc = main(["generate", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0", "--dtype", "fp32",
+               "--speculative", "draft"])
     out, err = capsys.readouterr()
     assert rc == 0 and out.startswith("ROMEO:")
-    assert "draft(2 layers, k=4):" in err and "drafts accepted" in err
-    rc = main(["generate", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0"])
+    assert "draft(2 layers, k=2):" in err and "drafts accepted" in err
+    rc = main(["generate", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0", "--dtype", "fp32"])
     assert rc == 0 and capsys.readouterr()[0] == out       # greedy: the same text as without speculation
     assert main(["generate", "x", "--speculative", "draft", "--spec-k", "0"]) == 2
     assert "--spec-k: expected an int >= 1" in capsys.readouterr()[1]
