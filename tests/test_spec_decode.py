@@ -243,3 +243,61 @@ def test_generate_cli_speculative_draft(capsys):
     assert rc == 0 and capsys.readouterr()[0] == out       # greedy: the same text as without speculation
     assert main(["generate", "x", "--speculative", "draft", "--spec-k", "0"]) == 2
     assert "--spec-k: expected an int >= 1" in capsys.readouterr()[1]
+
+
+# ---------------------------------------------------------------------- training a draft (model/train.py)
+def test_train_a_draft_distilled_from_a_teacher(tmp_path):
+    """--teacher reuses the teacher's tokenizer (no copy written; its hash recorded), --init starts from a
+    checkpoint, the distillation loss lowers, the agreement with the teacher is measured, and the draft
+    drafts for its teacher in the engine with greedy tokens unchanged."""
+    import hashlib
+    import json
+
+    from tritune.model import train as T
+    from tritune.model.gpt2 import GPT2
+    from tests.test_train import PLAY
+
+    data = tmp_path / "texts"
+    data.mkdir()
+    for i, n in enumerate(["a_gut", "b_gut", "c_gut"]):
+        (data / f"{n}.txt").write_text((PLAY * (4 + i)).replace("Verona", f"Verona {i}"))
+    common = ["--data", str(data), "--n-positions", "32", "--dropout", "0", "--batch-size", "8", "--warmup", "2",
+              "--lr", "3e-3", "--eval-every", "10", "--device", "cpu", "--sample-prompt", ""]
+    teacher, start, draft = tmp_path / "teacher", tmp_path / "start", tmp_path / "draft"
+    assert T.main([*common, "--out", str(teacher), "--vocab-size", "320", "--n-layer", "2", "--n-embd", "64",
+                   "--n-head", "2", "--max-steps", "30"]) == 0
+    small = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
+    assert T.main([*common, *small, "--out", str(start), "--tokenizer", str(teacher), "--max-steps", "5"]) == 0
+    assert T.main([*common, *small, "--out", str(draft), "--teacher", str(teacher), "--init", str(start),
+                   "--max-steps", "20"]) == 0
+    assert not (draft / "tokenizer.json").exists() and not (start / "tokenizer.json").exists()
+    m = json.loads((draft / "metrics.json").read_text())
+    sha = hashlib.sha256((teacher / "tokenizer.json").read_bytes()).hexdigest()
+    assert m["tokenizer"]["sha256"] == sha and m["init"]["checkpoint"] == str(start)
+    agree = m["teacher"]["agreement_on_val"]
+    assert 0 < agree["greedy_top1_agreement"] <= 1 and 0 < agree["sampled_acceptance_t1"] <= 1
+    hist = m["training"]["history"]
+    assert hist[-1]["train_loss"] < hist[0]["train_loss"]
+    tm = GPT2.from_pretrained(teacher, backend="torch", dtype=torch.float32)
+    dm = GPT2.from_pretrained(draft, backend="torch", dtype=torch.float32)
+    ps = [[5, 9, 11, 40, 7], [100, 3, 3, 60]]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = [c.token_ids for c in Engine(tm, num_blocks=32, block_size=4, cuda_graphs=False).generate(ps, sp)]
+    eng = Engine(tm, num_blocks=32, block_size=4, cuda_graphs=False, speculative=DraftModelProposer(dm, k=3))
+    assert [c.token_ids for c in eng.generate(ps, sp)] == want
+
+
+def test_distill_loss_is_kl_plus_cross_entropy():
+    """The fused soft-target loss: alpha * KL(teacher || student) + (1 - alpha) * CE + the teacher's entropy."""
+    import torch.nn.functional as F
+
+    from tritune.model.train import distill_loss
+
+    g = torch.Generator().manual_seed(0)
+    s, t = (torch.randn(2, 5, 11, generator=g, dtype=torch.float64) for _ in range(2))
+    y = torch.randint(0, 11, (2, 5), generator=g)
+    ls, lt = F.log_softmax(s.flatten(0, 1), -1), F.log_softmax(t.flatten(0, 1), -1)
+    kl = (lt.exp() * (lt - ls)).sum(-1).mean()
+    ent = -(lt.exp() * lt).sum(-1).mean()
+    want = 0.7 * (kl + ent) + 0.3 * F.nll_loss(ls, y.flatten())
+    assert torch.allclose(distill_loss(s, y, t, 0.7).double(), want, rtol=1e-5)
