@@ -251,14 +251,15 @@ def _gemv_finish(acc, tile, ks, split, kind, s, M, n, rows, mm, bias, X, QKV, Hb
     done = ks >= 0
     if split > 1:
         base = Work + tile.to(tl.int64) * split * BLOCK_M * BLOCK_N
-        tl.store(base + ks * BLOCK_M * BLOCK_N + offs_b, acc)
+        live = (offs_b // BLOCK_N) < M       # only the real rows' partials travel through L2
+        tl.store(base + ks * BLOCK_M * BLOCK_N + offs_b, acc, mask=live)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         ticket = tl.atomic_add(Tick + tile, 1, sem="acq_rel", scope="gpu")
         done = ticket == split - 1
         if done:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for i in range(0, split):  # fixed order: the sum does not depend on arrival order
-                acc += tl.load(base + i * BLOCK_M * BLOCK_N + offs_b, cache_modifier=".cg")
+                acc += tl.load(base + i * BLOCK_M * BLOCK_N + offs_b, mask=live, other=0.0, cache_modifier=".cg")
             tl.store(Tick + tile, 0)
     if done:
         if DEBUG == 2:
@@ -405,6 +406,7 @@ def _fused_decode_kernel(
     if g == 5 * L:
         n = V
     wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
+    spins = pid * 0
     for s in range(stage_lo, stage_hi):
         kind = s % 5
         if s == 5 * L:
@@ -455,12 +457,12 @@ def _fused_decode_kernel(
                 wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
             if SYNC:
                 if DEBUG == 0:
-                    # bounded: a grid that is not all resident (it must be) sets an error flag and goes
-                    # on with wrong results instead of hanging the GPU (2^26 polls: seconds)
-                    tries = 0
-                    while (tl.atomic_add(Bar + s, 0, sem="acquire", scope="gpu") < P) & (tries < 67108864):
-                        tries += 1
-                    if tries >= 67108864:
+                    # bounded over the whole launch: a grid that is not all resident (it must be) sets an
+                    # error flag and runs on with wrong results instead of hanging the GPU (2^22 polls,
+                    # a few seconds; a normal step polls a few hundred times)
+                    while (tl.atomic_add(Bar + s, 0, sem="acquire", scope="gpu") < P) & (spins < 4194304):
+                        spins += 1
+                    if spins >= 4194304:
                         tl.atomic_max(Dbg + 1, 1, sem="relaxed", scope="gpu")
                 tl.debug_barrier()
     if SYNC:  # the last program out zeroes the counters for the next launch
@@ -510,15 +512,20 @@ class Config:
 
 
 def auto_split(n: int, k: int, block_n: int, block_k: int, programs: int, want: int = 0) -> int:
-    """K slices per column tile: ``want`` when set, else enough for the stage's items to cover the
-    programs, each slice at least two K blocks (a slice of one block is all latency)."""
+    """K slices per column tile: ``want`` when set, else the split that minimises the busiest program's
+    time, ceil(items / programs) * (ceil(K blocks / split) + 1.5 with a split), in weight-block loads; the
+    1.5 is a split item's ticket (an L2 atomic round trip the program waits on) and partial store. A
+    stage is as slow as its busiest program: on 132 programs GPT-2 small's proj (24 tiles x 24 blocks of
+    128) takes split 5 (120 items of 5 blocks), its out-proj split 3, qkv and fc none."""
+    kb = triton.cdiv(k, block_k)
     if want:
-        return max(1, min(want, triton.cdiv(k, block_k)))
+        return max(1, min(want, kb))
     tiles = triton.cdiv(n, block_n)
-    split = 1
-    while tiles * split * 2 <= programs and triton.cdiv(k, block_k) >= 4 * split:
-        split *= 2
-    return split
+
+    def cost(split):
+        return triton.cdiv(tiles * split, programs) * (triton.cdiv(kb, split) + (1.5 if split > 1 else 0.0))
+
+    return min(range(1, min(kb, 16) + 1), key=lambda sp: (cost(sp), sp))
 
 
 def kv_split(M: int, H: int, programs: int, want: int = 0) -> int:
@@ -528,6 +535,15 @@ def kv_split(M: int, H: int, programs: int, want: int = 0) -> int:
     return max(1, min(16, programs // max(1, M * H)))
 
 
+def block_m(M: int, dtype) -> int:
+    """Rows of a GEMV tile: 1 (float32 FMA products, M = 1) or a tensor-core tile. 16-bit rows go in
+    64-row tiles: wgmma on sm90; at 16 rows triton 3.6 takes the mma.sync path, whose TritonGPUPrefetch
+    pass fails on this kernel's loop (probed offline: lab/probes). float32 stays at 16 (64 spills)."""
+    if M == 1:
+        return 1
+    return 16 if dtype == torch.float32 else 64
+
+
 def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int, eps: float,
            cfg: Config, programs: int, splits: tuple, n_split: int, sync: bool, stage_lo: int = 0,
            stage_hi: int | None = None, debug: int = 0, debug_spin: int = 0) -> None:
@@ -535,7 +551,7 @@ def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int
     and strides by name (the driver in ``tritune.model.fused_decode`` builds them once)."""
     n_stages = 5 * L + 1
     hi = n_stages if stage_hi is None else stage_hi
-    BLOCK_M = 1 if M == 1 else max(16, triton.next_power_of_2(M))
+    BLOCK_M = block_m(M, args["X"].dtype)
     a = args
     _fused_decode_kernel[(programs,)](
         a["X"], a["QKV"], a["A"], a["Hb"], a["Logits"], a["s_log"],

@@ -160,7 +160,7 @@ class FusedDecode:
         splits = (FK.auto_split(3 * E, E, bn, bk, P, cfg.split_qkv), FK.auto_split(E, E, bn, bk, P, cfg.split_o),
                   FK.auto_split(F, E, bn, bk, P, cfg.split_fc), FK.auto_split(E, F, bn, bk, P, cfg.split_proj))
         n_split = FK.kv_split(M, H, P, cfg.kv_split)
-        BM = 1 if M == 1 else max(16, triton.next_power_of_2(M))
+        BM = FK.block_m(M, self.dtype)
         work = max(triton.cdiv(n, bn) * s for n, s in zip((3 * E, E, F, E), splits)) * BM * bn
         ticks = max(triton.cdiv(n, bn) for n in (3 * E, E, F, E, V))
         BD = triton.next_power_of_2(c.head_dim)
