@@ -153,26 +153,38 @@ def _next_gemv_stage(s, L):
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _row_stats(X, M, E, eps, BLOCK_M: tl.constexpr, LN_BLOCK: tl.constexpr):
-    """(mean, rstd) of the M rows of X (M, E) contiguous, float32, two passes over L2."""
+    """(mean, rstd) of the M rows of X (M, E) contiguous, float32. Each row is read once, whole
+    (LN_BLOCK >= E): one L2 round trip a row, the variance from the registers (a chunked two-pass read
+    would chain six round trips at n_embd 768, ~3 us on every LayerNorm stage)."""
     offs_m = tl.arange(0, BLOCK_M)
-    mm = offs_m < M
-    rows = X + offs_m.to(tl.int64)[:, None] * E
-    s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, E, LN_BLOCK):
-        kk = k0 + tl.arange(0, LN_BLOCK)
-        v = tl.load(rows + kk[None, :], mask=mm[:, None] & (kk < E)[None, :], other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
-        s1 += tl.sum(v, axis=1)
-    mean = s1 / E
-    s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, E, LN_BLOCK):
-        kk = k0 + tl.arange(0, LN_BLOCK)
-        km = mm[:, None] & (kk < E)[None, :]
-        v = tl.load(rows + kk[None, :], mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
-        d = tl.where(km, v - mean[:, None], 0.0)
-        s2 += tl.sum(d * d, axis=1)
-    rstd = 1.0 / tl.sqrt(s2 / E + eps)
+    kk = tl.arange(0, LN_BLOCK)
+    km = kk < E
+    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for m in range(0, M):
+        v = tl.load(X + m * E + kk, mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
+        mu = tl.sum(v, axis=0) / E
+        d = tl.where(km, v - mu, 0.0)
+        r = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / E + eps)
+        mean = tl.where(offs_m == m, mu, mean)
+        rstd = tl.where(offs_m == m, r, rstd)
     return mean, rstd
+
+
+@triton.jit
+def _load_x(Xin, rows, s_x, offs_k, k_bound, mm, has_ln, LnW, LnB):
+    """A K block of the input rows (raw) and of the LayerNorm's weight and bias (float32; zeros without
+    LN), zeros outside [0, k_bound): loaded one step ahead of their use, like the weight blocks."""
+    km = offs_k < k_bound
+    xv = tl.load(Xin + rows[:, None] * s_x + offs_k[None, :], mask=mm[:, None] & km[None, :], other=0.0,
+                 cache_modifier=".cg")
+    if has_ln:
+        lw = tl.load(LnW + offs_k, mask=km, other=0.0).to(tl.float32)
+        lb = tl.load(LnB + offs_k, mask=km, other=0.0).to(tl.float32)
+    else:
+        lw = tl.zeros(offs_k.shape, dtype=tl.float32)
+        lb = tl.zeros(offs_k.shape, dtype=tl.float32)
+    return xv, lw, lb
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -201,6 +213,8 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
     mine = tl.maximum(tl.cdiv(items - pid, P), 0)
     steps = mine * kt
     wv = wpre
+    k0 = tl.where(steps > 0, k, 0)
+    xr, lw, lb = _load_x(Xin, rows, s_x, (pid % split) * kt * BLOCK_K + offs_kb, k0, mm, has_ln, LnW, LnB)
     acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(0, steps):
@@ -211,21 +225,23 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
         ks = item % split
         offs_k = (ks * kt + kb) * BLOCK_K + offs_kb
         km = offs_k < k
-        # the next step's weight block, issued before this step's math
+        # the next step's weight block and input rows, issued before this step's math
         t1 = t + 1
         item1 = pid + (t1 // kt) * P
         offs_k1 = ((item1 % split) * kt + t1 % kt) * BLOCK_K + offs_kb
         offs_n1 = (item1 // split) * BLOCK_N + offs_nb
         n1 = tl.where(t1 < steps, n, 0)
         w_next = _load_w(w, offs_k1, offs_n1, k, n1, s_wk, s_wn, kind == 5, LM_KMAJOR)
+        k1 = tl.where(t1 < steps, k, 0)
+        xr_next, lw_next, lb_next = _load_x(Xin, rows, s_x, offs_k1, k1, mm, has_ln, LnW, LnB)
         xm = mm[:, None] & km[None, :]
-        xv = tl.load(Xin + rows[:, None] * s_x + offs_k[None, :], mask=xm, other=0.0,
-                     cache_modifier=".cg").to(tl.float32)
+        xv = xr.to(tl.float32)
         if has_ln:
-            lw = tl.load(LnW + offs_k, mask=km, other=0.0).to(tl.float32)
-            lb = tl.load(LnB + offs_k, mask=km, other=0.0).to(tl.float32)
             xv = (xv - mean[:, None]) * rstd[:, None] * lw[None, :] + lb[None, :]
             xv = tl.where(xm, xv, 0.0)
+        xr = xr_next
+        lw = lw_next
+        lb = lb_next
         if BLOCK_M == 1:    # one row: float32 products in registers, reduced over K once per item
             acc2 += tl.sum(xv, axis=0)[:, None] * wv.to(tl.float32)
         else:               # a few rows: tensor cores (the normalised rows rounded to the weights' dtype)
@@ -561,6 +577,6 @@ def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int
         a["Work"], a["Tick"], a["AWork"], a["ATick"], a["Bar"], a["Dbg"],
         stage_lo, hi, M, L, E, F, V, H, D, eps, LOG2E / D ** 0.5,
         *splits, n_split, debug_spin,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LN_BLOCK=min(256, triton.next_power_of_2(E)),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LN_BLOCK=triton.next_power_of_2(E),
         BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), LM_KMAJOR=a["s_lk"] == 1, SYNC=sync, DEBUG=debug,
         num_warps=cfg.num_warps, num_stages=1)
