@@ -208,7 +208,6 @@ GPU_SHAPES = [  # (layers, width, heads, positions), rows, contexts
     ((12, 768, 12, 1024), [1024, 1, 517, 64, 1000, 3, 256, 700], "small x8 full context"),
     ((24, 1024, 16, 1024), [333, 1024], "medium"),
     ((48, 1600, 25, 1024), [1024], "xl"),
-    ((36, 1280, 20, 1024), [5, 900, 77], "large"),
     ((1, 64, 1, 128), [128, 1, 2, 3, 4, 5], "tiny"),
 ]
 
@@ -218,8 +217,7 @@ GPU_SHAPES = [  # (layers, width, heads, positions), rows, contexts
 def test_gpu_fused_equals_per_op(shape, ctx_lens, label):
     L, E, H, P = shape
     m = random_model(L, E, H, n_positions=P, vocab=50257, dtype=torch.bfloat16, seed=L)
-    fd, first = check_step(m, ctx_lens, pad_row=len(ctx_lens) > 2)
-    torch.cuda.synchronize()
+    check_step(m, ctx_lens, pad_row=len(ctx_lens) > 2)
 
 
 @pytest.mark.gpu
