@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         from tritune.tuning import store
 
         entries = [{"bucket": r["bucket"], "dtype": r["dtype"], "config": dict(r["config"], faster=int(r["speedup"] > 1.0)),
-                    "time": r["fused_us_per_step"] * 1e-6, "default_time": r["per_op_us_per_step"] * 1e-6}
+                    "time_us": r["fused_us_per_step"], "default_us": r["per_op_us_per_step"]}
                    for r in res["rows"] if "error" not in r]
         if entries:
             p = store.write(FD.KERNEL, entries, root=Path(a.export_root) if a.export_root else None)
