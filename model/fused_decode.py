@@ -80,9 +80,13 @@ def why_not(model, kv=None) -> str | None:
 class FusedDecode:
     """``logits = step(x, slots, block_tables, context_lens)`` for M <= ``max_rows`` rows: GPT-2's whole
     decode step (every layer, the K/V writes, the LM head) in one launch. ``x`` (M, E) contiguous is the
-    embedded rows; it is overwritten (it carries the residual stream)."""
+    embedded rows; it is overwritten (it carries the residual stream). The stacked weights are a second
+    copy (GPT-2 small: +170 MB in bf16). ``share_weights``: rebind the model's layer weights to views of the
+    stack instead (same values) so one copy remains; only for a caller that knows no captured CUDA graph
+    still reads the old tensors (a graph keeps raw addresses, not references)."""
 
-    def __init__(self, model, kv, *, max_rows: int = MAX_ROWS, config: dict | None = None, sync: bool | None = None):
+    def __init__(self, model, kv, *, max_rows: int = MAX_ROWS, config: dict | None = None, sync: bool | None = None,
+                 share_weights: bool = False):
         why = why_not(model, kv)
         if why:
             raise ValueError(f"model: cannot take the fused decode path: {why}")
@@ -99,7 +103,11 @@ class FusedDecode:
         dt, d = self.dtype, self.device
 
         def stack(name):
-            return torch.stack([getattr(layer, name) for layer in w.layers]).contiguous()
+            t = torch.stack([getattr(layer, name) for layer in w.layers]).contiguous()
+            if share_weights:   # the model's own layers now read views of the stack: one copy in memory
+                for i, layer in enumerate(w.layers):
+                    setattr(layer, name, t[i])
+            return t
 
         self.w = {k: stack(f) for k, f in (("LN1W", "ln1_w"), ("LN1B", "ln1_b"), ("WQKV", "w_qkv"),
                                            ("BQKV", "b_qkv"), ("WO", "w_o"), ("BO", "b_o"), ("LN2W", "ln2_w"),

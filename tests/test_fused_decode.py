@@ -120,6 +120,16 @@ def test_split_k_and_kv_split_configs():
     check_step(m, [33, 6], config=cfg)
 
 
+def test_shared_weights_keep_values():
+    """share_weights: the model's layers become views of the stack (one copy), values unchanged."""
+    m = random_model(2, 64, 2, seed=12)
+    before = m.w.layers[1].w_fc.clone()
+    fd = FusedDecode(m, PagedKVCache(m.config, 8, 4, m.dtype, DEVICE), share_weights=True)
+    assert m.w.layers[1].w_fc.data_ptr() == fd.w["WFC"][1].data_ptr()
+    assert torch.equal(m.w.layers[1].w_fc, before)
+    check_step(m, [7])
+
+
 def test_untied_lm_head_n_major():
     """An LM head stored (E, V) row-major (not the tied wte^T view): the LM stage's other load path."""
     m = random_model(1, 64, 2, seed=6)
