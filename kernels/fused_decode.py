@@ -397,7 +397,10 @@ def _attn_stage(pid, P, M, H, D, C, n_split, qk_scale, QKV, A, KC, VC, BT, s_bt,
 # ---------------------------------------------------------------------------------------------------
 # The persistent kernel
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
+# Sizes that change between models or steps but say nothing about alignment stay runtime values: each
+# specialisation (a value == 1 or divisible by 16) would be another compile of a large kernel.
+@triton.jit(do_not_specialize=["s_log", "stage_lo", "stage_hi", "M", "L", "V", "H", "SPLIT_QKV", "SPLIT_O",
+                               "SPLIT_FC", "SPLIT_PROJ", "n_split", "debug_spin"])
 def _fused_decode_kernel(
         X, QKV, A, Hb, Logits, s_log,
         LN1W, LN1B, WQKV, BQKV, WO, BO, LN2W, LN2B, WFC, BFC, WPROJ, BPROJ, LNFW, LNFB, LMH, s_lk, s_ln,
