@@ -185,15 +185,17 @@ def _(q, k, v, causal=False, scale=None):
 @_op("attention_varlen", ())
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, causal: bool = False, scale: Optional[float] = None,
-                     validate: bool = True) -> Tensor:
-    """Attention over packed sequences (tritune.kernels.attention.attention_varlen); ``validate`` reads
-    cu_seqlens back to the host (skipped in a CUDA-graph capture)."""
+                     validate: Optional[bool] = None) -> Tensor:
+    """Attention over packed sequences (tritune.kernels.attention.attention_varlen). ``validate`` is the
+    launcher's: None (default) reads a cu_seqlens tensor's values back to the host the first time it is
+    launched with and not again while it is unmodified, True on every call, False never (a CUDA-graph
+    capture never does). The default was True, a host sync on every call of the op."""
     return _attention.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        causal=causal, scale=scale, validate=validate)
 
 
 @attention_varlen.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None, validate=True):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None, validate=None):
     torch._check(q.dim() == 3, lambda: f"q: expected 3 dims (total_q, H, D), got {q.dim()}")
     return q.new_empty(q.shape)
 

@@ -410,3 +410,65 @@ def test_engine_compile_mode_runs_the_kernels_as_ops_gpu(monkeypatch):
 
     _engine_compile_matches_alone(monkeypatch, 2, 128, 2, prompts(6, seed=22, lo=2, hi=30), [3, 9, 1, 14, 6, 11],
                                   max_num_seqs=4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# attention_varlen's validate through the op: None (check a cu_seqlens tensor once) unless told otherwise
+def _varlen_counting_reads(monkeypatch, validate):
+    """Calls the op twice with the same cu_seqlens tensors (``validate`` left out when it is "default");
+    returns the launcher's validate argument of each call and how many times the cu_seqlens values were
+    read back to the host (.tolist() / .item() on them), each result held to the float64 reference.
+
+    On the CPU the launcher reads the values on every call (a read there costs no sync), so there the
+    launcher's choice is made as on a GPU, from the validate it was given: what is counted is what the op
+    would read back on a GPU."""
+    from tritune.kernels import attention as A
+
+    cq = torch.tensor([0, 5, 5, 13], dtype=torch.int32, device=DEVICE)
+    ck = torch.tensor([0, 6, 9, 17], dtype=torch.int32, device=DEVICE)
+    q, k, v = _r((13, 2, 32), torch.float16, 0), _r((17, 2, 32), torch.float16, 1), _r((17, 2, 32), torch.float16, 2)
+    want = ref_attn.attention_varlen(q, k, v, cq, ck, 8, 9, causal=True)  # reads cu_seqlens: before counting
+    given, reads = [], []
+    launcher, cached = A.attention_varlen, A._longest_cached
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+
+    def spy(*a, **kw):
+        given.append(kw.get("validate", "missing"))
+        return launcher(*a, **kw)
+
+    def on_gpu(name, cu, total, always):
+        return cached(name, cu, total, always if cu.is_cuda else given[-1] is True)
+
+    def counted(real):
+        def read(self, *a):
+            if self is cq or self is ck:
+                reads.append(real.__name__)
+            return real(self, *a)
+        return read
+
+    monkeypatch.setattr(A, "attention_varlen", spy)
+    monkeypatch.setattr(A, "_longest_cached", on_gpu)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted(tolist))
+    monkeypatch.setattr(torch.Tensor, "item", counted(item))
+    A._CHECKED.clear()  # no tensor of an earlier test whose id these reuse
+    kw = {} if validate == "default" else {"validate": validate}
+    for _ in range(2):
+        cmp.check(OPS.attention_varlen(q, k, v, cq, ck, 8, 9, True, **kw), want, torch.float16, what=str(validate))
+    return given, reads
+
+
+@pytest.mark.parametrize("validate, launcher_gets, reads", [("default", None, 2), (True, True, 4), (False, False, 0)])
+def test_varlen_op_reads_cu_seqlens_once_by_default(monkeypatch, validate, launcher_gets, reads):
+    """The op's default is the launcher's (validate=None): the first call reads each cu_seqlens tensor
+    back once, the second reads nothing (no host sync per call); True reads on every call, False never."""
+    given, counted = _varlen_counting_reads(monkeypatch, validate)
+    assert given == [launcher_gets] * 2
+    assert len(counted) == reads, counted
+
+
+def test_varlen_op_default_is_the_launchers():
+    import inspect
+
+    arg = next(a for a in OPS.attention_varlen.default._schema.arguments if a.name == "validate")
+    assert str(arg.type) == "Optional[bool]" and arg.default_value is None, (arg.type, arg.default_value)
+    assert inspect.signature(torch_ops.EAGER["attention_varlen"]).parameters["validate"].default is None
