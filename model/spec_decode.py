@@ -23,7 +23,13 @@ verification has k + 1 rows per sequence) and run eagerly.
 """
 from __future__ import annotations
 
+import math
+import time
+
+import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
 import torch
+import triton
+import triton.language as tl
 
 from tritune.model.kv_cache import BlockPool, BlockTable
 from tritune.model.runner import ModelRunner
@@ -205,6 +211,291 @@ class DraftModelProposer:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Speculative steps on the device, one CUDA graph per (batch bucket, k)
+# ---------------------------------------------------------------------------------------------------
+# Past this batch the verify forward (B x (k + 1) rows) stops being launch-bound: plain graph decode wins
+SPEC_MAX_BATCH = 16
+
+
+@triton.jit
+def _spec_in_kernel(Hist, stride_h, Len, Live, Drafts, stride_d, BT, stride_bt, BTR, stride_btr, Wte, Wpe, X,
+                    Slots, Ctx, stride_wte, stride_wpe, E, MB, max_pos, R: tl.constexpr, FIRST: tl.constexpr,
+                    COPY_BT: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_MB: tl.constexpr):
+    """Row r = b * R + j of a forward over R query tokens per sequence: the token at relative position
+    rel = FIRST + j after the sequence's last token (rel <= 0: from its history, at position L - 1 + rel;
+    rel >= 1: draft token rel), its embedding, cache slot and context length (pos + 1: causal within the
+    step, since every row's K/V is written before any row attends). A dead sequence's rows are padding
+    (slot -1, context 1). COPY_BT: the row's block table is its sequence's (paged attention takes one per
+    query row)."""
+    r = tl.program_id(0)
+    b = r // R
+    rel = FIRST + r % R
+    L = tl.load(Len + b)
+    live = tl.load(Live + b) != 0
+    pos = L - 1 + rel
+    p = tl.minimum(tl.maximum(pos, 0), max_pos)
+    th = tl.load(Hist + b * stride_h + p)
+    td = tl.load(Drafts + b * stride_d + tl.maximum(rel - 1, 0))
+    tok = tl.where(rel <= 0, th, td).to(tl.int64)
+    p = tl.where(live, p, 0)
+    if COPY_BT:
+        offs_mb = tl.arange(0, BLOCK_MB)
+        row = tl.load(BT + b * stride_bt + offs_mb, mask=offs_mb < MB, other=0)
+        tl.store(BTR + r * stride_btr + offs_mb, row, mask=offs_mb < MB)
+    blk = tl.load(BT + b * stride_bt + p // BLOCK_SIZE)
+    tl.store(Slots + r, tl.where(live, blk * BLOCK_SIZE + p % BLOCK_SIZE, -1))
+    tl.store(Ctx + r, p + 1)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < E
+    x = (tl.load(Wte + tok * stride_wte + offs, mask=mask).to(tl.float32)
+         + tl.load(Wpe + p.to(tl.int64) * stride_wpe + offs, mask=mask).to(tl.float32))
+    tl.store(X + r.to(tl.int64) * E + offs, x.to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _argmax_row(Logits, row, stride_l, V, BLOCK_V: tl.constexpr):
+    """The first maximum of a row of logits (torch.argmax's choice), BLOCK_V at a time."""
+    offs = tl.arange(0, BLOCK_V)
+    base = Logits + row.to(tl.int64) * stride_l
+    x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    best, idx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    for c in range(BLOCK_V, V, BLOCK_V):
+        x = tl.load(base + c + offs, mask=c + offs < V, other=float("-inf")).to(tl.float32)
+        m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        take = m > best                     # strictly: an equal maximum later is not the first
+        idx = tl.where(take, c + i, idx)
+        best = tl.where(take, m, best)
+    return idx
+
+
+@triton.jit
+def _draft_out_kernel(Logits, stride_l, V, Drafts, stride_d, R: tl.constexpr, COL: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """Sequence b's greedy draft token COL: the argmax after its last row of a draft forward."""
+    b = tl.program_id(0)
+    tl.store(Drafts + b * stride_d + COL, _argmax_row(Logits, b * R + R - 1, stride_l, V, BLOCK_V))
+
+
+@triton.jit
+def _ngram_kernel(Hist, stride_h, Len, Live, Drafts, stride_d, HL, K: tl.constexpr, N_MIN: tl.constexpr,
+                  N_MAX: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Prompt lookup on the device: the latest earlier occurrence s of the last n tokens (n = N_MAX down
+    to N_MIN, the longest that matches) and the K tokens after it, continued with the period L - n - s
+    (the text after a loop's last turn repeats it). No match: the last token, K times (a guess the
+    verification rejects at no cost to correctness)."""
+    b = tl.program_id(0)
+    L = tl.load(Len + b)
+    offs = tl.arange(0, BLOCK_H)
+    h = Hist + b * stride_h
+    best_s = L * 0 - 1
+    best_n = L * 0
+    for nn in tl.static_range(N_MAX - N_MIN + 1):
+        n: tl.constexpr = N_MAX - nn
+        m = (offs <= L - n - 1) & (offs < HL)
+        for i in tl.static_range(n):
+            tail = tl.load(h + tl.maximum(L - n + i, 0))
+            m = m & (tl.load(h + offs + i, mask=m, other=-1) == tail)
+        s = tl.max(tl.where(m, offs, -1), axis=0)
+        take = (best_s < 0) & (s >= 0)
+        best_n = tl.where(take, n, best_n)
+        best_s = tl.where(take, s, best_s)
+    found = best_s >= 0
+    period = tl.maximum(L - best_n - best_s, 1)
+    for j in tl.static_range(K):
+        idx = tl.where(found, best_s + best_n + j % period, L - 1)
+        tl.store(Drafts + b * stride_d + j, tl.load(h + tl.minimum(tl.maximum(idx, 0), HL - 1)))
+
+
+@triton.jit
+def _accept_kernel(Logits, stride_l, V, Hist, stride_h, Len, Live, Stop, Eos, Cap, Drafts, stride_d, Acc, Steps,
+                   K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Greedy verification of sequence b: with t_j the target's argmax after row j (the last token, then
+    drafts d_1..d_K), d_j is accepted while every earlier one was and d_j == t_{j-1}; the emitted tokens are
+    t_0..t_a (a accepted: t_j == d_{j+1} for j < a), exactly the target's own greedy tokens. They land in the
+    history at L..L+a, cut at the row's stop and after its EOS; the row then dies if it reached either, or
+    if another step could pass its allocated positions (L + K > cap)."""
+    b = tl.program_id(0)
+    if tl.load(Live + b) != 0:
+        L = tl.load(Len + b)
+        stop = tl.load(Stop + b)
+        eos = tl.load(Eos + b)
+        going = L < stop
+        ended = L < 0
+        n = L * 0
+        a = L * 0
+        for j in tl.static_range(K + 1):
+            t = _argmax_row(Logits, b * (K + 1) + j, stride_l, V, BLOCK_V)
+            emit = going & (L + j < stop) & (ended == 0)
+            tl.store(Hist + b * stride_h + L + j, t, mask=emit)
+            n += emit.to(tl.int32)
+            ended = ended | (emit & (t == eos))
+            if j < K:
+                going = going & (tl.load(Drafts + b * stride_d + j) == t)
+                a += going.to(tl.int32)
+        L = L + n
+        tl.store(Len + b, L)
+        tl.store(Acc + b, tl.load(Acc + b) + a)
+        tl.store(Steps + b, tl.load(Steps + b) + 1)
+        tl.store(Live + b, ((L < stop) & (ended == 0) & (L + K <= tl.load(Cap + b))).to(tl.int32))
+
+
+class SpecGraphs:
+    """Greedy speculative steps with their state on the device, one CUDA graph per batch bucket (k fixed).
+
+    State (one int32 buffer, written by one host-to-device copy per :meth:`load`, read back by one copy
+    per :meth:`read`): per sequence its token count L, live flag, the count at which it stops, its EOS id,
+    its allocated positions (cap), counters of accepted drafts and of steps, its whole token history, its
+    block table (and the draft model's). A step: the proposer fills k draft tokens (n-gram lookup: one
+    kernel; a draft model: k greedy draft forwards, the first over the last two tokens so that its cache
+    catches up on what the last verification accepted), then the target's forward over k + 1 query rows
+    per sequence through the paged decode path (``model.decode``: each row its own context length) and
+    one kernel that accepts, appends the emitted tokens and advances L. :meth:`run` replays ``steps``
+    steps back to back, no host sync. ``capture=False`` runs the same kernels eagerly (the CPU)."""
+
+    def __init__(self, model, pool, k, buckets, *, draft=None, draft_pool=None, ngram=(1, 3), capture=True):
+        self.model, self.pool, self.k = model, pool, k
+        self.draft, self.dpool, self.ngram = draft, draft_pool, ngram
+        self.device = dev = torch.device(model.device)
+        self.buckets, self.Bmax = list(buckets), buckets[-1]
+        self.n_pos = model.config.n_positions
+        self.bs = pool.k_caches[0].shape[1]
+        self.mb = -(-self.n_pos // self.bs)
+        self.dmb = -(-self.n_pos // draft_pool.k_caches[0].shape[1]) if draft is not None else 0
+        self.HL = self.n_pos
+        Bm = self.Bmax
+        self.NS = 7                        # Len, Live, Stop, Eos, Cap, Acc, Steps
+        self.n_state = self.NS * Bm
+        size = self.n_state + Bm * (self.HL + self.mb + self.dmb)
+        self.h = torch.zeros(size, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self.n = self.h.numpy()
+        self.d = self.h.to(dev)
+        (self.len, self.live, self.stop, self.eos, self.cap, self.acc,
+         self.steps) = (self.d[i * Bm:(i + 1) * Bm] for i in range(self.NS))
+        o = self.n_state
+        self.hist = self.d[o:o + Bm * self.HL].view(Bm, self.HL)
+        o += Bm * self.HL
+        self.bt = self.d[o:o + Bm * self.mb].view(Bm, self.mb)
+        o += Bm * self.mb
+        self.dbt = self.d[o:o + Bm * self.dmb].view(Bm, self.dmb) if draft is not None else None
+        self.drafts = torch.zeros((Bm, k), dtype=torch.int32, device=dev)
+        self.scratch = {}                  # (model id, rows per sequence) -> (slots, ctx, per-row tables)
+        self.graphs = {}
+        self.capture_s = 0.0
+        self.replays = 0
+        self.reads = 0
+        if capture:
+            self._capture()
+
+    def _rows(self, tag, R, mb):
+        s = self.scratch.get((tag, R))
+        if s is None:
+            n = self.Bmax * R
+            s = self.scratch[(tag, R)] = (torch.full((n,), -1, dtype=torch.int32, device=self.device),
+                                         torch.ones(n, dtype=torch.int32, device=self.device),
+                                         torch.zeros((n, mb), dtype=torch.int32, device=self.device))
+        return s
+
+    def _forward(self, tag, m, kv, bt, b, R, first):
+        """``m``'s forward over R query rows per sequence (relative positions first .. first + R - 1)."""
+        slots, ctx, btr = self._rows(tag, R, bt.shape[1])
+        E = m.config.n_embd
+        wte, wpe = m.w.wte, m.w.wpe
+        x = torch.empty((b * R, E), dtype=m.dtype, device=self.device)
+        bs = kv.k_caches[0].shape[1]
+        _spec_in_kernel[(b * R,)](self.hist, self.hist.stride(0), self.len, self.live, self.drafts,
+                                  self.drafts.stride(0), bt, bt.stride(0), btr, btr.stride(0), wte, wpe, x, slots,
+                                  ctx, wte.stride(0), wpe.stride(0), E, bt.shape[1], self.n_pos - 1, R=R,
+                                  FIRST=first, COPY_BT=R > 1, BLOCK_SIZE=bs, BLOCK_E=triton.next_power_of_2(E),
+                                  BLOCK_MB=triton.next_power_of_2(bt.shape[1]), num_warps=4 if E >= 512 else 1)
+        tables = btr[:b * R] if R > 1 else bt[:b]
+        return m.decode(None, None, kv, slots[:b * R], tables, ctx[:b * R], x=x)
+
+    def _block_v(self, V):
+        return min(8192, triton.next_power_of_2(V))
+
+    def _run(self, b):
+        k, d = self.k, self.draft
+        if d is not None:
+            for s in range(k):             # s = 0: the last two tokens (catch-up), then one draft each
+                lg = self._forward("draft", d, self.dpool, self.dbt, b, 2 if s == 0 else 1, -1 if s == 0 else s)
+                V = lg.shape[1]
+                _draft_out_kernel[(b,)](lg, lg.stride(0), V, self.drafts, self.drafts.stride(0), R=2 if s == 0 else 1,
+                                        COL=s, BLOCK_V=self._block_v(V), num_warps=8)
+        else:
+            _ngram_kernel[(b,)](self.hist, self.hist.stride(0), self.len, self.live, self.drafts, self.drafts.stride(0),
+                                self.HL, K=k, N_MIN=self.ngram[0], N_MAX=self.ngram[1],
+                                BLOCK_H=triton.next_power_of_2(self.HL), num_warps=4)
+        lg = self._forward("target", self.model, self.pool, self.bt, b, k + 1, 0)
+        V = lg.shape[1]
+        _accept_kernel[(b,)](lg, lg.stride(0), V, self.hist, self.hist.stride(0), self.len, self.live, self.stop,
+                             self.eos, self.cap, self.drafts, self.drafts.stride(0), self.acc, self.steps, K=k,
+                             BLOCK_V=self._block_v(V), num_warps=8)
+
+    def _capture(self):
+        from tritune.model.graphs import no_compiles, prepare_capture
+
+        dev = self.device
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):     # every sequence dead: nothing is written
+            prepare_capture(self.buckets, self._run)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
+        pool = None
+        with no_compiles("CUDA-graph capture of the speculative step"):
+            for b in reversed(self.buckets):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._run(b)
+                pool = g.pool() if pool is None else pool
+                self.graphs[b] = g
+        torch.cuda.synchronize(dev)
+        self.capture_s = time.perf_counter() - t0
+
+    def bucket(self, B):
+        return next((b for b in self.buckets if b >= B), None)
+
+    def load(self, histories, stops, eos, caps, tables, draft_tables=None):
+        """Rows 0..B-1 (the rest of the bucket dead): each sequence's tokens so far, the token count at which
+        it stops, EOS id (-1: none), allocated positions, block table (and the draft's)."""
+        B, Bm, n = len(histories), self.Bmax, self.n
+        b = self.bucket(B)
+        n[:self.n_state] = 0
+        hist = n[self.n_state:self.n_state + Bm * self.HL].reshape(Bm, self.HL)
+        o = self.n_state + Bm * self.HL
+        bt = n[o:o + Bm * self.mb].reshape(Bm, self.mb)
+        dbt = n[o + Bm * self.mb:o + Bm * (self.mb + self.dmb)].reshape(Bm, self.dmb)
+        for i, ids in enumerate(histories):
+            L = len(ids)
+            n[i] = L
+            n[Bm + i] = int(L < stops[i] and L + self.k <= caps[i])
+            n[2 * Bm + i], n[3 * Bm + i], n[4 * Bm + i] = stops[i], eos[i], caps[i]
+            hist[i, :L] = ids
+            bt[i, :len(tables[i].blocks)] = tables[i].blocks
+            if draft_tables is not None:
+                dbt[i, :len(draft_tables[i].blocks)] = draft_tables[i].blocks
+        self.d.copy_(self.h, non_blocking=True)     # the last read synced: the buffer is free
+        return b
+
+    def run(self, B, steps: int):
+        b = self.bucket(B)
+        g = self.graphs.get(b)
+        for _ in range(steps):
+            g.replay() if g is not None else self._run(b)
+        self.replays += steps
+
+    def read(self, B):
+        """(token counts, accepted drafts, live steps, histories) of rows 0..B-1: the one host sync."""
+        self.reads += 1
+        Bm = self.Bmax
+        h = self.d[:self.n_state + B * self.HL].cpu().numpy()
+        hist = h[self.n_state:].reshape(B, self.HL)
+        return h[:B], h[5 * Bm:5 * Bm + B], h[6 * Bm:6 * Bm + B], hist
+
+
+# ---------------------------------------------------------------------------------------------------
 # The engine's speculative step
 # ---------------------------------------------------------------------------------------------------
 class SpeculativeDecoder:
@@ -221,15 +512,136 @@ class SpeculativeDecoder:
                             f"got {type(proposer).__name__}")
         self.proposer, self.k = proposer, proposer.k
         proposer.attach(engine)
-        engine.notes.append(f"speculative decoding: {proposer.name}; speculative steps run eagerly "
-                            "(not on the captured decode step)")
-        engine.stats.update(spec_steps=0, spec_proposed=0, spec_accepted=0)
+        engine.stats.update(spec_steps=0, spec_proposed=0, spec_accepted=0, spec_graph_replays=0, spec_syncs=0)
+        self.graphs, why = self._make_graphs(engine)
+        if self.graphs is not None:
+            how = "captured" if self.graphs.graphs else "run eagerly (no capture)"
+            engine.notes.append(f"speculative decoding: {proposer.name}; greedy steps on the device at batch "
+                                f"{self.graphs.buckets} ({how}{f', {self.graphs.capture_s:.1f} s' if self.graphs.graphs else ''}"
+                                "), sampled ones eagerly")
+        else:
+            engine.notes.append(f"speculative decoding: {proposer.name}; speculative steps run eagerly ({why})")
+        self._tokens, self._row_steps = 0, 0      # the graph path's emitted tokens per sequence-step so far
+
+    def _make_graphs(self, engine):
+        """The device-side speculative step beside the engine's device-side decode step, or (None, why)."""
+        g = engine.runner.graphs
+        prop = self.proposer
+        if g is None:
+            return None, "no device-side decode step"
+        if type(prop) not in (NgramProposer, DraftModelProposer):
+            return None, f"{type(prop).__name__} has no device-side proposer"
+        capture = bool(g.graphs)
+        draft = getattr(prop, "model", None)
+        if capture and draft is not None and (draft.backend != "triton"
+                                              or not getattr(draft.ops, "capturable", False)):
+            return None, "the draft model's decode step cannot be captured"
+        buckets = [b for b in g.buckets if b <= SPEC_MAX_BATCH]
+        dm = draft.with_ops(draft.ops) if draft is not None else None
+        ngram = (prop.n_min, prop.n_max) if draft is None else (1, 1)
+        return SpecGraphs(g.model, engine.pool, self.k, buckets, draft=dm, draft_pool=prop.pool if dm else None,
+                          ngram=ngram, capture=capture), None
 
     def applies(self, engine, out) -> bool:
-        return bool(out.decode) and not out.prefill and not (
-            engine.tokenizer is not None and any(r.sampling.stop for r in out.decode))
+        if not out.decode or out.prefill or (engine.tokenizer is not None
+                                             and any(r.sampling.stop for r in out.decode)):
+            return False
+        # past the device-side speculative step's batches the plain captured decode step is faster
+        return self.graphs is None or not engine.runner.graph_batch(len(out.decode)) or \
+            self.graphs.bucket(len(out.decode)) is not None
 
     def step(self, engine, out):
+        if self.graphs is not None:
+            finished = self._graph_step(engine, out)
+            if finished is not None:
+                return finished
+        return self._eager_step(engine, out)
+
+    def _graph_step(self, engine, out):
+        """Up to ``decode_steps`` greedy speculative steps on the device, one host sync; None when this step
+        cannot run there (sampled rows, a row near the context end, blocks short: the eager step runs)."""
+        sg, sch, prop = self.graphs, engine.scheduler, self.proposer
+        reqs = out.decode
+        B, K = len(reqs), self.k
+        n_pos = engine.config.n_positions
+        if sg.bucket(B) is None or any(r.sampling.temperature for r in reqs) or \
+                any(r.num_tokens + K > n_pos for r in reqs):
+            return None
+        left = [r.max_new_tokens - len(r.output_ids) for r in reqs]
+        tps = self._tokens / self._row_steps if self._row_steps else 1 + K / 2
+        N = max(1, min(engine.decode_steps, math.ceil(max(left) / tps)))
+        if sch.waiting and engine.prefill_batching and len(sch.running) < sch.max_num_seqs:
+            N = min(N, max(1, engine.prefill_max_wait - engine._waited))
+        draft = isinstance(prop, DraftModelProposer)
+        dtables = None
+        if draft:
+            prop._gc(None)
+            for r in reqs:
+                st = prop.state.get(r.id)
+                if st is None or st[0] is not r:
+                    prop.state[r.id] = [r, BlockTable(prop.pool), 0]
+            dtables = [prop.state[r.id][1] for r in reqs]
+        while True:     # room for N steps (the verify's K/V past the accepted tokens included)
+            caps = [min(n_pos, min(r.num_tokens + (N - 1) * (K + 1), r.num_tokens + n - 1) + K)
+                    for r, n in zip(reqs, left)]
+            need = sum(r.table.blocks_needed(c) for r, c in zip(reqs, caps))
+            dneed = sum(t.blocks_needed(c) for t, c in zip(dtables, caps)) if draft else 0
+            if need <= engine.pool.num_free and (not draft or dneed <= prop.pool.num_free):
+                break
+            if N == 1:
+                return None
+            N = 1
+        for r, c in zip(reqs, caps):
+            r.table.ensure_capacity(c)
+        if draft:
+            self._catch_up(reqs, caps, dtables)
+        eos = engine.config.eos_token_id
+        eoss = [-1 if eos is None or r.sampling.ignore_eos else eos for r in reqs]
+        before = [r.num_tokens for r in reqs]
+        sg.load([r.all_ids for r in reqs], [L + n for L, n in zip(before, left)], eoss, caps,
+                [r.table for r in reqs], dtables)
+        sg.run(B, N)
+        lens, acc, steps, hist = sg.read(B)
+        emitted = [hist[i, before[i]:lens[i]].tolist() for i in range(B)]
+        n_out = [len(r.output_ids) for r in reqs]
+        finished = sch.update_tokens(out, emitted)
+        if draft:
+            for r, L in zip(reqs, lens):
+                st = prop.state.get(r.id)
+                if st is not None and st[0] is r:
+                    st[2] = max(0, int(L) - 2)     # the next step's first draft forward refeeds the last two
+        st = engine.stats
+        n = int(steps.max())
+        st["spec_steps"] += n
+        st["steps"] += n
+        st["spec_graph_replays"] += N
+        st["spec_syncs"] += 1
+        st["spec_proposed"] += K * int(steps.sum())
+        st["spec_accepted"] += int(acc.sum())
+        st["decode_tokens"] += sum(len(r.output_ids) - b for r, b in zip(reqs, n_out))
+        self._tokens += sum(map(len, emitted))
+        self._row_steps += int(steps.sum())
+        return finished
+
+    def _catch_up(self, reqs, caps, tables):
+        """The draft's cache up to two tokens before each sequence's end (its first forward in the graph
+        feeds those two): an eager prefill of what it has not seen (the prompt, after a prefill)."""
+        prop = self.proposer
+        ids, slots, starts, tabs = [], [], [], []
+        for r, c, t in zip(reqs, caps, tables):
+            t.ensure_capacity(c)
+            st = prop.state[r.id]
+            end = r.num_tokens - 2
+            if st[2] < end:
+                ids.append(r.all_ids[st[2]:end])
+                slots.append(t.slots(st[2], end))
+                starts.append(st[2])
+                tabs.append(t)
+                st[2] = end
+        if ids:
+            prop.runner.eager(ids, slots, [], [], [], [], [], prefill_starts=starts, prefill_tables=tabs)
+
+    def _eager_step(self, engine, out):
         sch, pool = engine.scheduler, engine.pool
         reqs = out.decode
         n_pos = engine.config.n_positions
