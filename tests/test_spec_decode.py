@@ -165,6 +165,116 @@ def test_gpu_graph_engine_with_every_feature_equals_plain():
         assert eng.pool.num_free == eng.pool.num_blocks
 
 
+# --------------------------------------------------------------------- the device-side speculative step
+def _cut_at_eos(ids, eos):
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft", "self"])
+def test_device_speculation_equals_target_alone(model, draft, kind):
+    """The device-side step (run eagerly here, captured on a GPU): greedy tokens are the target's alone,
+    under continuous batching, EOS and max_new_tokens cut mid-draft, with one host sync per run of up to
+    decode_steps speculative steps, and every block back."""
+    prop = {"ngram": lambda: NgramProposer(k=3), "draft": lambda: DraftModelProposer(draft, k=3, block_size=4),
+            "self": lambda: DraftModelProposer(model, k=2, block_size=4)}[kind]()
+    eng = Engine(model, num_blocks=128, block_size=4, cuda_graphs="eager", speculative=prop, max_num_seqs=4)
+    assert eng.spec.graphs is not None and eng.spec.graphs.buckets == [1, 2, 4]
+    ps = _loopy(6, seed=34)
+    lens = [14, 5, 11, 3, 16, 9]
+    eos = model.config.eos_token_id
+    reqs = []
+    for i, (p, n) in enumerate(zip(ps, lens)):
+        reqs.append(eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=i % 2 == 0)))
+        eng.step()
+    eng.run()
+    for i, (r, p, n) in enumerate(zip(reqs, ps, lens)):
+        want = alone(model, p, n)
+        assert r.output_ids == (want if i % 2 == 0 else _cut_at_eos(want, eos)), i
+    st = eng.stats
+    assert st["spec_graph_replays"] >= st["spec_steps"] > 0
+    assert st["spec_syncs"] == eng.spec.graphs.reads and st["spec_syncs"] < st["spec_steps"]
+    if kind == "self":                            # the target drafting for itself: every draft accepted
+        assert acceptance_rate(st) == 1.0
+    assert eng.pool.num_free == eng.pool.num_blocks
+    if kind != "ngram":
+        prop._gc(None)
+        assert prop.pool.num_free == prop.pool.num_blocks
+
+
+def test_device_speculation_under_preemption_and_context_end(model, draft):
+    """A pool too small for every sequence (preemption, the graph step falling back to the eager one when
+    blocks run short) and sequences running to the end of the context."""
+    prop = DraftModelProposer(draft, k=3, block_size=4)
+    eng = Engine(model, num_blocks=24, block_size=4, cuda_graphs="eager", speculative=prop, max_num_seqs=4)
+    n_pos = model.config.n_positions
+    ps = _loopy(5, seed=35)
+    lens = [n_pos - len(ps[0]), 13, 20, 7, 18]
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
+    eng.run()
+    for r, p, n in zip(reqs, ps, lens):
+        assert r.output_ids == alone(model, p, n)
+    assert eng.stats["spec_graph_replays"] > 0
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_device_ngram_proposals_match_the_host_lookup():
+    """The lookup kernel proposes what NgramProposer.lookup finds, continued with the match's period."""
+    from tritune.model.spec_decode import _ngram_kernel
+
+    g = torch.Generator().manual_seed(3)
+    HL, K = 64, 5
+    host = NgramProposer(k=K, n_max=3)
+    for trial in range(12):
+        L = int(torch.randint(2, HL, (1,), generator=g))
+        ids = torch.randint(0, 4 if trial % 2 else 9, (L,), generator=g).tolist()
+        hist = torch.zeros((1, HL), dtype=torch.int32)
+        hist[0, :L] = torch.tensor(ids)
+        drafts = torch.zeros((1, K), dtype=torch.int32)
+        _ngram_kernel[(1,)](hist, HL, torch.tensor([L], dtype=torch.int32), torch.ones(1, dtype=torch.int32), drafts,
+                            K, HL, K=K, N_MIN=1, N_MAX=3, BLOCK_H=HL)
+        want = host.lookup(ids, K)
+        got = drafts[0].tolist()
+        if want:
+            assert got[:len(want)] == want, (ids, got, want)
+            period = len(want) if len(want) < K else None
+            if period:       # the continuation repeats the tokens after the match
+                assert got == [want[j % period] for j in range(K)]
+        else:
+            assert got == [ids[-1]] * K
+
+
+@pytest.mark.gpu
+def test_gpu_captured_speculation_equals_plain_greedy():
+    """On the GPU, captured graphs (fp32): n-gram and draft speculation on the device give the plain graph
+    engine's greedy tokens, on a tiny pair at batches 1-6 and on the packaged model with its draft at batch
+    1; each run of speculative steps syncs once."""
+    m = tiny_model("triton", n_layer=2, n_embd=64, n_head=2, n_positions=96, device="cuda")
+    d = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=96, seed=5, device="cuda")
+    ps = _loopy(6, seed=42)
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    want = [c.token_ids for c in Engine(m, num_blocks=128, block_size=16).generate(ps, sp)]
+    for prop in (NgramProposer(k=4), DraftModelProposer(d, k=3)):
+        eng = Engine(m, num_blocks=128, block_size=16, max_num_seqs=8, speculative=prop)
+        assert eng.spec.graphs is not None and eng.spec.graphs.graphs, eng.notes
+        assert [c.token_ids for c in eng.generate(ps, sp)] == want
+        st = eng.stats
+        assert st["spec_graph_replays"] > 0 and st["spec_syncs"] < st["spec_steps"]
+        assert eng.pool.num_free == eng.pool.num_blocks
+    pm = _packaged()
+    from tritune.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(pm.directory)
+    pp = [tok.encode(s) for s in SPEECHES]
+    sp = SamplingParams(max_new_tokens=96, ignore_eos=True)
+    plain = Engine(pm, num_blocks=40, max_num_seqs=1)
+    want = [c.token_ids for c in plain.generate(pp, sp)]
+    for name in ("ngram", "draft"):
+        eng = Engine(pm, num_blocks=40, max_num_seqs=1, speculative=name)
+        assert eng.spec.graphs is not None and eng.spec.graphs.graphs, eng.notes
+        assert [c.token_ids for c in eng.generate(pp, sp)] == want, name
+        assert eng.stats["spec_graph_replays"] > 0
+
+
 # ------------------------------------------------------------------------------------ the packaged draft
 def _packaged():
     from tritune.model.cli import default_model_dir
