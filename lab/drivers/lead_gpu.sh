@@ -5,6 +5,7 @@
 # paths (decode/serve before and after: .base holds the earlier tree), attn (attention bench bf16+fp16),
 # rms (the example kernel's bench), hf (lab/bench_hf_patch.py), http (lab/bench_http.py), quant
 # (lab/eval_quant.py), serving (lab/bench_serving_features.py), invariant (lab/bench_batch_invariance.py),
+# fa3 (lab/bench_attention_fa3_grid.py), fused (lab/bench_fused_decode.py), preflight (the attention Hopper-path tests),
 # tuneall (tune all --budget $BUDGET warm-started from the H100 store, then compare_tune_all).
 set -uo pipefail
 : "${OUT:?}"
@@ -47,8 +48,11 @@ for ph in ${PHASES:?}; do case $ph in
   hf) t hf ${HF_LIM:-300} python lab/bench_hf_patch.py $W/hf ${HF_ARGS:-} ;;
   http) t http $(( ${HTTP_LIM:-270} + 30 )) python lab/bench_http.py $W/http --time-limit ${HTTP_LIM:-270} ${HTTP_ARGS:-} ;;
   quant) t quant 300 python lab/eval_quant.py --out $W/eval_quant.json ;;
-  serving) t serving 300 python lab/bench_serving_features.py $W/serving ;;
-  invariant) t invariant 240 python lab/bench_batch_invariance.py --out $W/invariant ;;
+  serving) t serving $(( ${SERV_LIM:-270} + 20 )) python lab/bench_serving_features.py $W/serving --time-limit ${SERV_LIM:-270} ;;
+  invariant) t invariant $(( ${INV_LIM:-200} + 30 )) python lab/bench_batch_invariance.py --out $W/invariant -n 128 --budget-s ${INV_LIM:-200} ;;
+  fa3) t fa3 $(( ${FA3_LIM:-180} + 40 )) python lab/bench_attention_fa3_grid.py $W/fa3 --budget-s ${FA3_LIM:-180} --emit ;;
+  fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ;;
+  preflight) t preflight ${PRE_LIM:-150} python -m pytest -x -q -p no:cacheprovider -n 16 tests/test_attention.py -k "hopper or tma" ;;
   tuneall) mkdir -p /tmp/pkg-h100 && ln -sf $PWD/tuning/configs/nvidia-h100-80gb-hbm3 /tmp/pkg-h100/
     TRITUNE_CONFIGS=/tmp/pkg-h100 TRITUNE_CONFIG_DIR=$W/h200-budget t tuneall $(( ${BUDGET_MIN:-7} * 60 + 90 )) tritune tune all --budget ${BUDGET_MIN:-7}m --export --storage $W/h200-budget.journal
     t tuneall_cmp 120 python lab/compare_tune_all.py --new $W/h200-budget/$slug --old tuning/configs/$slug --retime ;;
