@@ -291,14 +291,14 @@ def _ngram_kernel(Hist, stride_h, Len, Live, Drafts, stride_d, HL, K: tl.constex
     best_s = L * 0 - 1
     best_n = L * 0
     for nn in tl.static_range(N_MAX - N_MIN + 1):
-        n: tl.constexpr = N_MAX - nn
-        m = (offs <= L - n - 1) & (offs < HL)
-        for i in tl.static_range(n):
-            tail = tl.load(h + tl.maximum(L - n + i, 0))
+        # n = N_MAX - nn written out: triton 3.6 refuses a constexpr assigned in a static_range body
+        m = (offs <= L - (N_MAX - nn) - 1) & (offs < HL)
+        for i in tl.static_range((N_MAX - nn)):
+            tail = tl.load(h + tl.maximum(L - (N_MAX - nn) + i, 0))
             m = m & (tl.load(h + offs + i, mask=m, other=-1) == tail)
         s = tl.max(tl.where(m, offs, -1), axis=0)
         take = (best_s < 0) & (s >= 0)
-        best_n = tl.where(take, n, best_n)
+        best_n = tl.where(take, (N_MAX - nn), best_n)
         best_s = tl.where(take, s, best_s)
     found = best_s >= 0
     period = tl.maximum(L - best_n - best_s, 1)

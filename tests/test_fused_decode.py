@@ -88,7 +88,11 @@ def check_step(model, ctx_lens, *, pad_row=False, config=None, **run):
     fd.check()
     tol = tolerance(model.dtype)
     rows = slice(0, len(ctx_lens) - 1) if pad_row else slice(None)   # a padding row's logits are dropped
-    assert rel_error(got[rows], ref[rows]) <= tol, (rel_error(got[rows], ref[rows]), rel_error(want[rows], ref[rows]))
+    # Against float64: the harness tolerance bounds one kernel's rounding; a deep bf16 stack compounds it (the
+    # per-op path itself is 2.0e-2 off at 48 layers x 1600 on the H100), so the bar is the per-op path's own
+    # error where that is larger, and the fused path may not be worse than it by more than a rounding's width.
+    err, err_op = rel_error(got[rows], ref[rows]), rel_error(want[rows], ref[rows])
+    assert err <= max(tol, err_op + tol / 4), (err, err_op)
     assert rel_error(got[rows], want[rows]) <= tol
     assert rel_error(c_fd.k, c_op.k) <= tol and rel_error(c_fd.v, c_op.v) <= tol
     return fd, got

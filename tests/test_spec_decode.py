@@ -25,6 +25,21 @@ def draft():
     return tiny_model(n_layer=1, n_embd=32, seed=5)
 
 
+# The device-side speculative step launches Triton kernels (even with cuda_graphs="eager"): on a GPU machine
+# its models live on the GPU (Triton compiles for the device there; the interpreter runs host tensors here).
+_STEP_DEV = "cuda" if torch.cuda.is_available() else None
+
+
+@pytest.fixture(scope="module")
+def dmodel():
+    return tiny_model(device=_STEP_DEV)
+
+
+@pytest.fixture(scope="module")
+def ddraft():
+    return tiny_model(n_layer=1, n_embd=32, seed=5, device=_STEP_DEV)
+
+
 # ----------------------------------------------------------------------------------------------- verify
 def _bigram(V, seed, sharp):
     g = torch.Generator().manual_seed(seed)
@@ -171,7 +186,8 @@ def _cut_at_eos(ids, eos):
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft", "self"])
-def test_device_speculation_equals_target_alone(model, draft, kind):
+def test_device_speculation_equals_target_alone(dmodel, ddraft, kind):
+    model, draft = dmodel, ddraft
     """The device-side step (run eagerly here, captured on a GPU): greedy tokens are the target's alone,
     under continuous batching, EOS and max_new_tokens cut mid-draft, with one host sync per run of up to
     decode_steps speculative steps, and every block back."""
@@ -201,7 +217,8 @@ def test_device_speculation_equals_target_alone(model, draft, kind):
         assert prop.pool.num_free == prop.pool.num_blocks
 
 
-def test_device_speculation_under_preemption_and_context_end(model, draft):
+def test_device_speculation_under_preemption_and_context_end(dmodel, ddraft):
+    model, draft = dmodel, ddraft
     """A pool too small for every sequence (preemption, the graph step falling back to the eager one when
     blocks run short) and sequences running to the end of the context."""
     prop = DraftModelProposer(draft, k=3, block_size=4)
@@ -227,10 +244,12 @@ def test_device_ngram_proposals_match_the_host_lookup():
     for trial in range(12):
         L = int(torch.randint(2, HL, (1,), generator=g))
         ids = torch.randint(0, 4 if trial % 2 else 9, (L,), generator=g).tolist()
-        hist = torch.zeros((1, HL), dtype=torch.int32)
+        dev = _STEP_DEV or "cpu"
+        hist = torch.zeros((1, HL), dtype=torch.int32, device=dev)
         hist[0, :L] = torch.tensor(ids)
-        drafts = torch.zeros((1, K), dtype=torch.int32)
-        _ngram_kernel[(1,)](hist, HL, torch.tensor([L], dtype=torch.int32), torch.ones(1, dtype=torch.int32), drafts,
+        drafts = torch.zeros((1, K), dtype=torch.int32, device=dev)
+        _ngram_kernel[(1,)](hist, HL, torch.tensor([L], dtype=torch.int32, device=dev),
+                            torch.ones(1, dtype=torch.int32, device=dev), drafts,
                             K, HL, K=K, N_MIN=1, N_MAX=3, BLOCK_H=HL)
         want = host.lookup(ids, K)
         got = drafts[0].tolist()
