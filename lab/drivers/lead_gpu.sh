@@ -52,7 +52,8 @@ for ph in ${PHASES:?}; do case $ph in
   invariant) t invariant $(( ${INV_LIM:-200} + 30 )) python lab/bench_batch_invariance.py --out $W/invariant -n 128 --budget-s ${INV_LIM:-200} ;;
   fa3) t fa3 $(( ${FA3_LIM:-180} + 40 )) python lab/bench_attention_fa3_grid.py $W/fa3 --budget-s ${FA3_LIM:-180} --emit ;;
   fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ;;
-  rerun) TRITUNE_TEST_LOG=$W/rerun_tests.log t rerun ${RERUN_LIM:-200} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider $(cat ${RERUN_FILE:?}) ;;
+  rerun) mapfile -t NODES < ${RERUN_FILE:?}
+    TRITUNE_TEST_LOG=$W/rerun_tests.log t rerun ${RERUN_LIM:-200} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider "${NODES[@]}" ;;
   preflight) t preflight ${PRE_LIM:-150} python -m pytest -x -q -p no:cacheprovider -n 16 tests/test_attention.py -k "hopper or tma" ;;
   tuneall) mkdir -p /tmp/pkg-h100 && ln -sf $PWD/tuning/configs/nvidia-h100-80gb-hbm3 /tmp/pkg-h100/
     TRITUNE_CONFIGS=/tmp/pkg-h100 TRITUNE_CONFIG_DIR=$W/h200-budget t tuneall $(( ${BUDGET_MIN:-7} * 60 + 90 )) tritune tune all --budget ${BUDGET_MIN:-7}m --export --storage $W/h200-budget.journal
