@@ -93,7 +93,8 @@ def check_step(model, ctx_lens, *, pad_row=False, config=None, **run):
     # error where that is larger, and the fused path may not be worse than it by more than a rounding's width.
     err, err_op = rel_error(got[rows], ref[rows]), rel_error(want[rows], ref[rows])
     assert err <= max(tol, err_op + tol / 4), (err, err_op)
-    assert rel_error(got[rows], want[rows]) <= tol
+    if err_op <= tol:   # where the per-op path is within the tolerance of float64, the two paths agree within it
+        assert rel_error(got[rows], want[rows]) <= tol, (rel_error(got[rows], want[rows]), err_op)
     assert rel_error(c_fd.k, c_op.k) <= tol and rel_error(c_fd.v, c_op.v) <= tol
     return fd, got
 
