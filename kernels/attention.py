@@ -414,6 +414,17 @@ def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> _Plan:
     return plan
 
 
+def _launch_meta(plan, q, k, v, out) -> dict:
+    """The plan's constexprs for this launch: the TMA variant only where every tensor is TMA-readable (unit
+    stride along D, 16-byte aligned rows and bases), with the descriptors' allocator set; else the pointer path."""
+    meta = plan.meta
+    if meta["TMA"]:
+        meta = meta if _aligned(q, k, v, out) else plan.meta_ptr
+        if meta["TMA"] and q.is_cuda:
+            _ensure_allocator()
+    return meta
+
+
 def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False, out=None,
               config: dict | None = None):
     """Attention over (B, H, T, D) tensors of any strides. Returns out (B, Hq, Tq, D) in q's dtype, or
@@ -441,11 +452,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
         K.check_no_alias(out, (("q", q), ("k", k), ("v", v)))
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.grid:
-        meta = plan.meta
-        if meta["TMA"]:
-            meta = meta if _aligned(q, k, v, out) else plan.meta_ptr
-            if meta["TMA"] and q.is_cuda:
-                _ensure_allocator()
+        meta = _launch_meta(plan, q, k, v, out)
         _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, q, q, *plan.strides, *plan.scalars,
                              **meta)
     return (out, lse) if return_lse else out
@@ -545,11 +552,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                ("cu_seqlens_k", cu_seqlens_k)))
     lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.grid:
-        meta = plan.meta
-        if meta["TMA"]:
-            meta = meta if _aligned(q, k, v, out) else plan.meta_ptr
-            if meta["TMA"] and q.is_cuda:
-                _ensure_allocator()
+        meta = _launch_meta(plan, q, k, v, out)
         _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, *plan.strides,
                              *plan.scalars, **meta)
     return (out, lse) if return_lse else out
