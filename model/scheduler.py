@@ -331,14 +331,17 @@ class Scheduler:
             if left == 1:
                 pos = req.num_tokens - 1
                 out.decode.append(req)
-                out.decode_ids.append(req.all_ids[pos])
+                n_prompt = len(req.prompt_ids)    # (not all_ids: that copies the whole sequence)
+                out.decode_ids.append(req.prompt_ids[pos] if pos < n_prompt else req.output_ids[pos - n_prompt])
                 out.decode_positions.append(pos)
                 out.decode_slots.append(req.table.slot(pos))
                 out.decode_tables.append(req.table)
             else:
                 self._add_prefill(out, req, req.num_computed, end)
             # blocks whose K/V this step computes are found by prefills later in it, and in later steps
-            req.table.cache_full(req.all_ids, end)
+            # (a decode fills a block once per block_size steps: all_ids, a copy, only then)
+            if pool.enable_caching and end // pool.block_size > len(req.table.hashes):
+                req.table.cache_full(req.all_ids, end)
 
         # Admit in policy order (no skipping ahead: the head would starve). Not after a preemption: the
         # blocks just freed belong to the request at the front, once there is room.
@@ -394,6 +397,10 @@ class Scheduler:
         for req, ids, start, last in zip(out.prefill, out.prefill_ids, out.prefill_starts, out.prefill_sample):
             if not last and req.state == RUNNING:     # a chunk: its K/V are in, no token yet
                 req.num_computed = start + len(ids)
+        return self._append(reqs, next_tokens)
+
+    def _append(self, reqs, next_tokens) -> list[Request]:
+        """:meth:`update`'s per-token part: one token for each of ``reqs``."""
         now = self.clock()
         done = []
         for req, tok in zip(reqs, next_tokens):
@@ -437,10 +444,17 @@ class Scheduler:
         per sequence of ``out.decode``. A sequence that finishes ignores its later tokens."""
         if out.prefill:
             raise ValueError("update_steps: a step with prefills runs one step at a time")
+        # update()'s checks once, then only its per-token part per step (this runs per decoded token)
+        reqs = out.decode
         done = []
         for tokens in steps:
             self._pending = True
-            done += self.update(out, tokens)
+            if hasattr(tokens, "tolist"):
+                tokens = tokens.tolist()
+            if len(tokens) != len(reqs):
+                raise ValueError(f"got {len(tokens)} tokens for {len(reqs)} scheduled sequences")
+            self._pending = False
+            done += self._append(reqs, tokens)
         return done
 
     def update_tokens(self, out: SchedulerOutput, tokens) -> list[Request]:
