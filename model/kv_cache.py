@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from collections import OrderedDict
 
 import torch
@@ -64,6 +65,8 @@ class BlockPool:
         # prefix cache: hash -> block, block -> hash, and the cached blocks nobody holds (LRU first)
         self.enable_caching = bool(enable_caching)
         self.root_hash = hashlib.blake2b(f"tritune-kv|{cache_salt}".encode(), digest_size=16).digest()
+        # a block's tokens as 4-byte little-endian ints in one call (a block is hashed per block_size decoded tokens)
+        self._pack_block = struct.Struct(f"<{block_size}I").pack
         self._cached: dict[bytes, int] = {}
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -131,7 +134,7 @@ class BlockPool:
             toks = token_ids[i * bs:(i + 1) * bs]
             if len(toks) != bs:
                 raise ValueError(f"block {i} is not full ({len(toks)} of {bs} tokens)")
-            h = hashlib.blake2b(h + b"".join(int(t).to_bytes(4, "little") for t in toks), digest_size=16).digest()
+            h = hashlib.blake2b(h + self._pack_block(*toks), digest_size=16).digest()
             out.append(h)
         return out
 
