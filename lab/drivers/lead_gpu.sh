@@ -36,8 +36,8 @@ for ph in ${PHASES:?}; do case $ph in
   basesite) cp -r model/default .base/model/ 2>/dev/null
     python -m pip install -q --no-deps --no-build-isolation --target /tmp/base_site ./.base >$W/base_install.log 2>&1
     python -m pip install -q --no-deps --no-build-isolation --target /tmp/new_site . >>$W/base_install.log 2>&1 ;;
-  dpaths) for v in base new; do PATH=/tmp/${v}_site/bin:$PATH PYTHONPATH=/tmp/${v}_site:$PYTHONPATH \
-      t decode_$v 120 python lab/bench_decode_paths.py --out $W/decode_$v --reps 3 --serve-n 0; done ;;
+  dpaths) for r in $(seq ${DP_ROUNDS:-1}); do for v in base new; do PATH=/tmp/${v}_site/bin:$PATH PYTHONPATH=/tmp/${v}_site:$PYTHONPATH \
+      t decode_${v}_$r 120 python lab/bench_decode_paths.py --out $W/decode_${v}_$r --reps ${DP_REPS:-3} --serve-n 0; done; done ;;
   sbench) for v in base new; do PATH=/tmp/${v}_site/bin:$PATH PYTHONPATH=/tmp/${v}_site:$PYTHONPATH \
       t serve_$v 150 tritune serve-bench -n 512 --modes triton-graphs --naive-requests 0 --hf-requests -1 \
         --decode-tokens 0 --batch-sweep '' --out $W/serve_$v.json; done ;;
