@@ -689,7 +689,7 @@ def default_config(p, dtype) -> dict:
     heads' row blocks together only while every head's K/V fits in L2 together; past that, one head's
     row blocks run side by side and share its K/V in L2 (1.3x at 4 x 32 heads x 4096, D=128). fp32 takes
     the FMA path (ieee dots): small tiles. Head dims past 128 (a 256-wide fp32 accumulator): 64-key
-    blocks, two stages. On sm90+ fp16/bf16 prefill (queries of 512 and more) takes the TMA path."""
+    blocks, two stages. On sm90+ fp16/bf16 prefill of 8k queries and more takes the TMA path."""
     bd = triton.next_power_of_2(p.D)
     if dtype == torch.float32:
         bm, bn, warps, stages = 64, 32, 4, 2
@@ -706,7 +706,9 @@ def default_config(p, dtype) -> dict:
     while warps > 2 and bm < 8 * warps:
         warps //= 2
     kv_bytes = 2 * p.B * p.Hkv * p.Tk * p.D * (torch.finfo(dtype).bits // 8)
-    tma = int(dtype != torch.float32 and p.Tq >= 512 and capability() >= (9, 0))
+    # TMA only where the H100 FA3-grid sweep picked it (lab/logs/h100/benches_2026-11-24_6b00e06/fa3.log):
+    # 8k and 16k queries; at 1k-2k the pointer path won, at 4k it split by mask
+    tma = int(dtype != torch.float32 and p.Tq >= 8192 and capability() >= (9, 0))
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
            "HEADS_INNER": int(kv_bytes <= 32 << 20), "TMA": tma, "WARP_SPEC": 0, "LAZY_RESCALE": 0}
     while SPACE.constraint(cfg, p, dtype) and cfg["num_stages"] > 1:
@@ -721,7 +723,9 @@ def varlen_default_config(p, dtype) -> dict:
     packed batch most programs of the short sequences exit at once, and the tail is set by the longest
     sequence's row blocks, which HEADS_INNER=0 would start late (the H100 benchmark batch took 219 µs
     with 0, 138 µs with 1 and 4 warps)."""
-    return {**default_config(p, dtype), "HEADS_INNER": 1}
+    # the pointer path: the engine's prefill batches (packed prompts of up to a few thousand tokens) are
+    # where the serving numbers were measured with it; TMA for varlen is a config to tune, not a default
+    return {**default_config(p, dtype), "HEADS_INNER": 1, "TMA": 0, "WARP_SPEC": 0}
 
 
 def bucket(p) -> dict:
