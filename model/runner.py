@@ -195,6 +195,18 @@ class CompiledDecode:
 # ---------------------------------------------------------------------------------------------------
 # The runner
 # ---------------------------------------------------------------------------------------------------
+def _both_totals(b: int, n: int) -> list[list[int]]:
+    """``b`` sequences of at most ``n`` tokens, packed to a total divisible by 16 and to one that is not
+    (the last sequence shortened): varlen attention takes the packed totals as int arguments, which
+    Triton specialises on, so each (sequences, longest) bucket has two variants by the total alone.
+    One sequence: its total is ``n`` itself (the ladder's L and L + 1 give both)."""
+    total = b * n
+    if b == 1:
+        return [[n]]
+    cut = total % 16 or 1                 # to a multiple of 16, or off one
+    return [[n] * b, [n] * (b - 1) + [n - cut]]
+
+
 def _tables_array(context_lens, tables, min_blocks: int = 1) -> np.ndarray:
     """(B, 1 + max blocks) int32: each row's context length, then its block ids (zero-padded)."""
     mb = max(min_blocks, max(len(t.blocks) for t in tables))
@@ -443,9 +455,10 @@ class ModelRunner:
         machine's host). So: eager prefill forwards over a ladder of total token counts (16, 17, 32, 33,
         ... up to the step budget, multiples of 16 and not), packed as sequences of the whole context and
         of 256 tokens; then B sequences of L tokens for B and L powers of two (and B − 1, L + 1: the same
-        buckets, the other divisibility of the counts Triton specialises on), the buckets prefill attention
-        picks its configs by; without a device-side decode step, decode forwards at every batch size
-        of the same ladder. Every slot is -1: nothing is written to the cache. serve-bench reports any
+        buckets, the other divisibility of the counts Triton specialises on; each packed once to a total of
+        tokens divisible by 16 and once not, since varlen attention takes the packed totals as arguments),
+        the buckets prefill attention picks its configs by; without a device-side decode step, decode
+        forwards at every batch size of the same ladder. Every slot is -1: nothing is written to the cache. serve-bench reports any
         variant still compiled inside a timed run (``jit_compiles``).
         """
         t0 = time.perf_counter()
@@ -471,7 +484,8 @@ class ModelRunner:
                 B = 1
                 while B * n <= budget and B <= max_num_seqs:
                     for b in sorted({B, max(1, B - 1)}):  # B - 1: same bucket, other divisibility of B·heads
-                        self.eager([[0] * n] * b, [[-1] * n] * b, [], [], [], [], [])
+                        for lens in _both_totals(b, n):
+                            self.eager([[0] * k for k in lens], [[-1] * k for k in lens], [], [], [], [], [])
                     B *= 2
             L *= 2
         if self.graphs is None:
