@@ -106,12 +106,18 @@ def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte
     blk = tl.load(BT + b * stride_bt + p // BLOCK_SIZE)
     tl.store(Slots + b, tl.where(pos >= 0, blk * BLOCK_SIZE + p % BLOCK_SIZE, -1))
     tl.store(Ctx + b, p + 1)
+    embed_row(Wte, Wpe, X, b, tok, p, stride_wte, stride_wpe, E, BLOCK_E)
+
+
+@triton.jit
+def embed_row(Wte, Wpe, X, row, tok, p, stride_wte, stride_wpe, E, BLOCK_E: tl.constexpr):
+    """Row ``row`` of X = wte[tok] + wpe[p], the sum in fp32 rounded once: what torch's wte[ids] + wpe[pos]
+    computes (shared by the decode step's and the speculative step's input kernels)."""
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
-    # the sum in fp32, rounded once: what torch's wte[ids] + wpe[pos] computes
     x = (tl.load(Wte + tok * stride_wte + offs, mask=mask).to(tl.float32)
          + tl.load(Wpe + p.to(tl.int64) * stride_wpe + offs, mask=mask).to(tl.float32))
-    tl.store(X + b.to(tl.int64) * E + offs, x.to(X.dtype.element_ty), mask=mask)
+    tl.store(X + row.to(tl.int64) * E + offs, x.to(X.dtype.element_ty), mask=mask)
 
 
 @triton.jit

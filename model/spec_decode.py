@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritune.model.graphs import embed_row
 from tritune.model.kv_cache import BlockPool, BlockTable
 from tritune.model.runner import ModelRunner
 from tritune.model.sampling import probs
@@ -246,11 +247,7 @@ def _spec_in_kernel(Hist, stride_h, Len, Live, Drafts, stride_d, BT, stride_bt, 
     blk = tl.load(BT + b * stride_bt + p // BLOCK_SIZE)
     tl.store(Slots + r, tl.where(live, blk * BLOCK_SIZE + p % BLOCK_SIZE, -1))
     tl.store(Ctx + r, p + 1)
-    offs = tl.arange(0, BLOCK_E)
-    mask = offs < E
-    x = (tl.load(Wte + tok * stride_wte + offs, mask=mask).to(tl.float32)
-         + tl.load(Wpe + p.to(tl.int64) * stride_wpe + offs, mask=mask).to(tl.float32))
-    tl.store(X + r.to(tl.int64) * E + offs, x.to(X.dtype.element_ty), mask=mask)
+    embed_row(Wte, Wpe, X, r, tok, p, stride_wte, stride_wpe, E, BLOCK_E)
 
 
 @triton.jit
