@@ -1,10 +1,13 @@
 """``tritune serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one shared :class:`Engine`.
 
-The engine is not thread-safe, so one thread owns it (:class:`EngineLoop`): it takes new requests and
-aborts from an inbox, runs ``engine.step()`` while anything is unfinished, and after each step hands every
-request's new tokens to the event loop with one ``call_soon_threadsafe`` (one wake-up per step, not one
-per token). Continuous batching across HTTP requests is the engine's own; handlers only parse, tokenize,
-detokenize and format, and never touch the engine.
+The engine runs in a process of its own (:mod:`tritune.model.serve_proc`, ``--engine process``, the
+default on a GPU: the engine's host work and the event loop's do not share a GIL), or in a thread of this
+process (:class:`EngineLoop`, ``--engine thread``): either takes new requests and aborts between steps, runs
+``engine.step()`` while anything is unfinished, and hands each step's new tokens to the event loop at once
+(one wake-up per step, not one per token). Continuous batching across HTTP requests is the engine's own;
+handlers only parse, tokenize, detokenize and format, and never touch the engine. A stream's writer sends
+everything its request got since it last wrote as one chunk: when the server falls behind, chunks grow
+(several tokens each) instead of the engine waiting for HTTP.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (when the checkpoint's
 ``tokenizer_config.json`` has a chat template), ``GET /v1/models``, ``GET /health`` (JSON, with the KV blocks
@@ -29,6 +32,8 @@ import threading
 import time
 import uuid
 from collections import deque
+
+from tritune.model.serve_proc import engine_load
 
 log = logging.getLogger("tritune.serve")
 
@@ -70,11 +75,6 @@ class Seq:
         self.done = False           # event-loop side: its end has been delivered
 
 
-def engine_load(engine) -> dict:
-    """The engine's occupancy (requests running and waiting, KV blocks in use), read between steps."""
-    pool, sch = getattr(engine, "pool", None), getattr(engine, "scheduler", None)
-    return {"running": len(getattr(sch, "running", ())), "waiting": len(getattr(sch, "waiting", ())),
-            "kv_blocks_used": getattr(pool, "num_used", None), "kv_blocks_total": getattr(pool, "num_blocks", None)}
 
 
 class EngineLoop:
@@ -445,10 +445,25 @@ class Server:
         # The queue bound: every seat of the running batch, plus max_queue waiting.
         self.max_pending = getattr(engine, "max_num_seqs", 256) + max_queue
         self.created = int(time.time())
-        self.warming: str | None = None     # "warming up" or "warm-up failed: ..." until the engine takes requests
-        self.loop = EngineLoop(engine)
+        self._warming: str | None = None    # the thread mode's warm-up
+        # The engine in a process of its own (serve_proc.EngineProcess: it is its own loop), or in a
+        # thread of this one.
+        self.loop = engine if getattr(engine, "is_engine_process", False) else EngineLoop(engine)
         self.metrics = Metrics(self)
         self.loop.metrics = self.metrics
+
+    @property
+    def warming(self) -> str | None:
+        """"warming up" or "warm-up failed: ..." until the engine takes requests, else None."""
+        return self._warming or getattr(self.loop, "warming", None)
+
+    @warming.setter
+    def warming(self, value) -> None:
+        self._warming = value
+
+    @property
+    def mode(self) -> str:
+        return "process" if getattr(self.loop, "is_engine_process", False) else "thread"
 
     def check_ready(self) -> None:
         if self.warming is not None:
@@ -561,7 +576,8 @@ class Server:
         n = len(prompts)
         self.check_ready()
         if not self.loop.alive:
-            raise APIError(503, "the engine loop is not running", type="server_error", code="engine_down")
+            why = getattr(self.loop, "down", None) or "the engine loop is not running"
+            raise APIError(503, why, type="server_error", code="engine_down")
         if self.loop.in_flight + n > self.max_pending:
             raise APIError(429, f"the server's queue is full ({self.loop.in_flight} requests in flight, bound "
                            f"{self.max_pending}); retry later", type="rate_limit_error", code="queue_full",
@@ -839,7 +855,9 @@ def _SSE(job, gen):
 # The app
 # ---------------------------------------------------------------------------------------------------
 def create_app(engine, tokenizer, model_name: str = "tritune", *, warm_up=None, **kw):
-    """The ASGI app over ``engine`` (whose loop thread starts with the app's lifespan). ``kw``: see
+    """The ASGI app over ``engine``: an engine object (stepped by a thread of this process, started with
+    the app's lifespan) or a :class:`tritune.model.serve_proc.EngineProcess` (the engine in a process of its
+    own; the lifespan attaches it to the event loop and stops it at shutdown). ``kw``: see
     :class:`Server` (chat_template, api_key, max_queue, sampling_defaults). ``app.state.server`` is the
     :class:`Server`. ``warm_up``: None, or ``warm_up(engine)`` run on a thread of its own once the app
     starts, before the engine loop: meanwhile the server listens and answers 503 "warming up" (uvicorn
@@ -852,6 +870,8 @@ def create_app(engine, tokenizer, model_name: str = "tritune", *, warm_up=None, 
     from starlette.responses import JSONResponse, Response
 
     server = Server(engine, tokenizer, model_name, **kw)
+    if warm_up is not None and server.mode == "process":
+        raise ValueError("warm_up: an engine process warms itself up (EngineProcess(..., warm_up=...))")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -922,8 +942,11 @@ def create_app(engine, tokenizer, model_name: str = "tritune", *, warm_up=None, 
     async def health(request):
         warming = server.warming
         ok = warming is None and server.loop.alive
-        body = {"status": "ok" if ok else warming or "engine loop stopped", **server.loop.load,
-                "in_flight": server.loop.in_flight, "steps": server.loop.steps}
+        down = getattr(server.loop, "down", None)
+        body = {"status": "ok" if ok else warming or down or "engine loop stopped", **server.loop.load,
+                "in_flight": server.loop.in_flight, "steps": server.loop.steps, "engine": server.mode}
+        if server.mode == "process":
+            body["engine_pid"] = server.loop.pid
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request):
@@ -994,6 +1017,12 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: each request's "
                    "tokens those it gets alone (tritune.model.invariant)")
     s.add_argument("--no-warm-up", action="store_true", help="skip compiling the kernel variants at start")
+    s.add_argument("--engine", choices=("process", "thread"), default=None,
+                   help="where the engine runs: a process of its own (default on a GPU: the event loop and "
+                   "the engine do not share a GIL) or a thread of the server's process (default on the CPU: "
+                   "no second process to start)")
+    s.add_argument("--engine-in-process", dest="engine", action="store_const", const="thread",
+                   help="the same as --engine thread")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=run)
 
@@ -1012,14 +1041,13 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def build_engine(args):
-    """(engine, tokenizer, model directory) from the serve arguments."""
+def engine_spec(args) -> dict:
+    """The serve arguments as plain data for :func:`tritune.model.serve_proc.gpt2_engine` (built here in
+    the thread mode, in the engine process otherwise)."""
     import torch
 
     from tritune.model.cli import default_model_dir
-    from tritune.model.engine import Engine
-    from tritune.model.gpt2 import GPT2
-    from tritune.model.tokenizer import Tokenizer
+    from tritune.model.weights import resolve
 
     path = args.model or default_model_dir()
     if path is None:
@@ -1027,13 +1055,19 @@ def build_engine(args):
     gpu = torch.cuda.is_available()
     backend = args.backend or ("triton" if gpu else "torch")
     dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
-    model = GPT2.from_pretrained(path, backend=backend, dtype=dtype)
-    tok = Tokenizer.from_dir(model.directory)
     kv = {"kv_memory_fraction": args.kv_memory_fraction} if args.kv_memory_fraction is not None else {}
-    engine = Engine(model, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-                    max_num_seqs=args.max_num_seqs, cuda_graphs=not args.no_cuda_graphs, quant=args.quant,
-                    tokenizer=tok, batch_invariant=getattr(args, "deterministic", False), **kv)
-    return engine, tok, model.directory
+    return {"model": str(resolve(path)), "backend": backend, "dtype": str(dtype).removeprefix("torch."),
+            "engine": dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+                           max_num_seqs=args.max_num_seqs, cuda_graphs=not args.no_cuda_graphs, quant=args.quant,
+                           batch_invariant=getattr(args, "deterministic", False), **kv)}
+
+
+def build_engine(args):
+    """(engine, tokenizer, model directory) from the serve arguments: the engine in this process."""
+    from tritune.model.serve_proc import gpt2_engine
+
+    engine = gpt2_engine(**engine_spec(args))
+    return engine, engine.tokenizer, engine.model.directory
 
 
 def _warm_up(engine) -> None:
@@ -1059,8 +1093,22 @@ def run(args) -> int:
     if not 0 <= args.port < 65536:
         return _fail(f"--port: expected 0..65535, got {args.port}")
     api_key = args.api_key or os.environ.get("TRITUNE_API_KEY") or None
+    import torch
+
+    from tritune.model.serve_proc import EngineProcess, EngineStartError
+    from tritune.model.tokenizer import Tokenizer
+
     try:
-        engine, tok, directory = build_engine(args)
+        mode = args.engine or ("process" if torch.cuda.is_available() else "thread")
+        spec = engine_spec(args)
+        warm = not args.no_warm_up and spec["backend"] == "triton"
+        if mode == "process":
+            directory = spec["model"]
+            tok = Tokenizer.from_dir(directory)     # read before the engine process spends its start-up
+            engine = EngineProcess("tritune.model.serve_proc:gpt2_engine", spec,
+                                   warm_up="tritune.model.server:_warm_up" if warm else None)
+        else:
+            engine, tok, directory = build_engine(args)
         from tritune.model.cli import sampling_defaults
 
         defaults = {k: v for k, v in sampling_defaults(directory).items()
@@ -1068,23 +1116,28 @@ def run(args) -> int:
         if defaults.get("temperature") == 0.0:      # no do_sample: the API's own defaults
             defaults = {}
         name = args.served_model_name or (str(args.model) if args.model else "tritune-default")
-        warm = None if args.no_warm_up or engine.model.backend != "triton" else _warm_up
-        app = create_app(engine, tok, name, api_key=api_key, warm_up=warm,
+        app = create_app(engine, tok, name, api_key=api_key, warm_up=_warm_up if warm and mode == "thread" else None,
                          chat_template=load_chat_template(directory), max_queue=args.max_queue,
                          sampling_defaults=defaults)
-    except (FileNotFoundError, NotADirectoryError, ValueError, TypeError) as e:
+    except (FileNotFoundError, NotADirectoryError, ValueError, TypeError, EngineStartError) as e:
         return _fail(str(e))
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: listening on {args.host}: reachable from other machines"
               + ("" if api_key else " without an API key"), file=sys.stderr)
-    # The engine thread waits for the GPU with the GIL released; a shorter switch interval gives it the
-    # GIL back sooner when the event loop is busy formatting chunks.
-    sys.setswitchinterval(0.001)
-    print(f"serving {app.state.server.model_name!r} ({engine.describe()['backend']}, "
-          f"{engine.describe()['dtype']}, {engine.describe()['device']}; {http_stack()}) on "
+    if mode == "thread":
+        # The engine thread waits for the GPU with the GIL released; a shorter switch interval gives it the
+        # GIL back sooner when the event loop is busy formatting chunks.
+        sys.setswitchinterval(0.001)
+    d = engine.describe()
+    print(f"serving {app.state.server.model_name!r} ({d['backend']}, {d['dtype']}, {d['device']}; engine in "
+          f"{'its own process' if mode == 'process' else 'a thread'}; {http_stack()}) on "
           f"http://{args.host}:{args.port}"
           + (" (warming up: /health answers 503 until ready)" if warm else ""), file=sys.stderr, flush=True)
     # On shutdown, streams still open after 10 s are cancelled (which aborts their requests).
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=10)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    timeout_graceful_shutdown=10)
+    finally:
+        if mode == "process":   # the lifespan stops it; this covers a server that never started (port taken)
+            engine.stop()
     return 0

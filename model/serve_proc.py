@@ -1,0 +1,572 @@
+"""The serving engine in a process of its own: the API process parses, detokenizes and formats; the engine
+process only steps.
+
+Why: in one process the engine's host work (scheduling, sampling, the per-token stream callbacks) and the
+event loop's (HTTP parsing, detokenizing, SSE formatting) take turns on one GIL, and each slows the other
+(on an H100, HTTP served 37% of the in-process tokens/s that way). Split, each has a core of its own.
+
+The shape (the idea of vLLM's AsyncLLM / EngineCore split, written for this engine):
+
+- :class:`EngineProcess` (API process) spawns the engine process (``spawn``: CUDA does not survive a
+  fork), which builds the engine from plain data (``builder``: "module:function" and its keyword
+  arguments), reports the engine's config, warms it up, and then steps while anything is unfinished.
+- One duplex ``multiprocessing`` connection (a Unix socket pair, pickled lists of operations). Each side
+  writes through a sender thread, so neither blocks on the other: the engine never waits for HTTP (when
+  the API process reads late, the steps queued meanwhile go out as one message), and the event loop
+  never waits for the engine between its steps.
+- API -> engine: ``add`` (request id, prompt ids, SamplingParams), ``abort`` (request id), ``stats``,
+  ``call`` (run a function of the engine between steps, for benchmarks), ``stop``.
+- Engine -> API: one ``step`` message per engine step: for each request it touched, (id, prompt length
+  once on acceptance, new token ids, finish reason, error, output length), and the engine's load (running,
+  waiting, KV blocks in use). The API process keeps its Prometheus metrics from these: a scrape costs no
+  round trip.
+- The engine process dying (a crash, the OOM killer, a kill) is seen at once (the socket's end of file and
+  the process sentinel, both on the event loop): every open request ends with an error, new ones answer
+  503, ``/health`` says why; the server stays up. The engine process ignores SIGINT (a terminal's Ctrl-C
+  reaches the whole process group: the API process decides) and exits on ``stop`` or when the API process
+  is gone (end of file), so no orphan is left behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+
+log = logging.getLogger("tritune.serve")
+
+BUFFER = 4 << 20    # socket buffers: a step's message or a burst of prompts fits without a blocked write
+
+
+def resolve(path: str):
+    """``"package.module:attr"`` -> the object (what crosses to a spawned process is a name, not code)."""
+    mod, _, attr = path.partition(":")
+    if not mod or not attr:
+        raise ValueError(f"builder: expected 'module:function', got {path!r}")
+    obj = importlib.import_module(mod)
+    for a in attr.split("."):
+        obj = getattr(obj, a)
+    return obj
+
+
+class _Sender:
+    """Writes lists of operations on a connection from a thread of its own: ``put`` never blocks on the
+    peer; what piles up while a write is in progress goes out as one message."""
+
+    def __init__(self, conn, name: str):
+        self.conn = conn
+        self.ops: list = []
+        self.cv = threading.Condition()
+        self.closed = False
+        self.broken = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, op) -> None:
+        with self.cv:
+            self.ops.append(op)
+            self.cv.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.ops and not self.closed:
+                    self.cv.wait()
+                if not self.ops:
+                    return
+                ops, self.ops = self.ops, []
+            try:
+                self.conn.send(ops)
+            except (OSError, ValueError):   # the peer is gone: its side notices on its own
+                self.broken = True
+                return
+
+
+def _big_buffers(*conns) -> None:
+    for c in conns:
+        with contextlib.suppress(OSError):
+            s = socket.socket(fileno=os.dup(c.fileno()))
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER)
+            finally:
+                s.close()
+
+
+def engine_load(engine) -> dict:
+    """The engine's occupancy (requests running and waiting, KV blocks in use), read between steps."""
+    pool, sch = getattr(engine, "pool", None), getattr(engine, "scheduler", None)
+    return {"running": len(getattr(sch, "running", ())), "waiting": len(getattr(sch, "waiting", ())),
+            "kv_blocks_used": getattr(pool, "num_used", None), "kv_blocks_total": getattr(pool, "num_blocks", None)}
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine process
+# ---------------------------------------------------------------------------------------------------
+class _Req:
+    __slots__ = ("id", "new", "accepted", "finish", "error", "n_out", "dirty")
+
+    def __init__(self, rid):
+        self.id = rid
+        self.new: list[int] = []
+        self.accepted = None        # the prompt's length, sent once
+        self.finish = self.error = None
+        self.n_out = 0
+        self.dirty = False
+
+
+class _Core:
+    """The engine process's loop: take operations between steps, step while anything is unfinished, send
+    one message per step."""
+
+    def __init__(self, engine, conn, out: _Sender):
+        self.engine, self.conn, self.out = engine, conn, out
+        self.live: dict = {}
+        self.dirty: list[_Req] = []
+        self.steps = 0
+        self.load = None
+
+    def run(self) -> None:
+        eng = self.engine
+        failures = 0
+        while True:
+            busy = eng.has_unfinished()
+            if self.conn.poll(0 if busy else 0.5) and not self._drain():
+                return
+            if eng.has_unfinished():
+                try:
+                    eng.step()
+                    failures = 0
+                except Exception as e:  # noqa: BLE001 (the step's requests end with the error; others go on)
+                    log.exception("engine step failed; the requests of that step end with an error")
+                    failures += 1
+                    if failures >= 3:   # failing before it took any request: end them all, not hang
+                        self._fail_all(_error(e))
+                self.steps += 1
+            self._flush()
+
+    def _drain(self) -> bool:
+        """Every operation waiting on the connection; False: stop (asked to, or the API process is gone)."""
+        try:
+            while self.conn.poll(0):
+                for op in self.conn.recv():
+                    if not self._op(op):
+                        return False
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _op(self, op) -> bool:
+        kind, eng = op[0], self.engine
+        if kind == "add":
+            _, rid, ids, sampling = op
+            r = _Req(rid)
+            try:
+                req = eng.add_request(ids, sampling, request_id=rid, stream=functools.partial(self._on_token, r))
+            except (ValueError, TypeError) as e:
+                r.finish, r.error = "rejected", str(e)
+            except Exception as e:  # noqa: BLE001 (the engine's fault, not the request's: a 500 for it alone)
+                log.exception("add_request failed")
+                r.finish, r.error = "error", _error(e)
+            else:
+                r.accepted = len(req.prompt_ids)
+                self.live[rid] = r
+            self._mark(r)
+        elif kind == "abort":
+            r = self.live.get(op[1])
+            if r is not None and r.finish is None:
+                with contextlib.suppress(KeyError):     # it finished in the meantime
+                    eng.abort(r.id)
+        elif kind == "stats":
+            self._flush()       # what it reports is at least as new as the last step message
+            self.out.put(("stats", op[1], self.stats()))
+        elif kind == "call":
+            _, token, fn, args = op
+            self._flush()
+            try:
+                self.out.put(("result", token, True, resolve(fn)(eng, *args)))
+            except Exception as e:  # noqa: BLE001 (the caller gets the error)
+                self.out.put(("result", token, False, _error(e)))
+        elif kind == "stop":
+            return False
+        return True
+
+    def stats(self) -> dict:
+        eng = self.engine
+        extra = getattr(eng, "stats", None)
+        return {**engine_load(eng), "steps": self.steps, "live": len(self.live), "pid": os.getpid(),
+                "unfinished": bool(eng.has_unfinished()),
+                "engine_stats": dict(extra) if isinstance(extra, dict) else None}
+
+    def _fail_all(self, error: str) -> None:
+        for r in list(self.live.values()):
+            with contextlib.suppress(Exception):
+                self.engine.abort(r.id)
+            r.finish, r.error = "error", error
+            self.live.pop(r.id, None)
+            self._mark(r)
+
+    def _mark(self, r: _Req) -> None:
+        if not r.dirty:
+            r.dirty = True
+            self.dirty.append(r)
+
+    def _on_token(self, r: _Req, req, tok) -> None:
+        """The engine's stream callback: collect, send after the step."""
+        if tok is None:
+            self.live.pop(r.id, None)
+            if r.finish is None:
+                r.finish = req.finish_reason or "stop"
+                r.error = None if req.error is None else _error(req.error)
+            r.n_out = len(req.output_ids)
+        else:
+            r.new.append(tok)
+        self._mark(r)
+
+    def _flush(self) -> None:
+        load = engine_load(self.engine)
+        if not self.dirty and load == self.load:
+            return
+        self.load = load
+        entries = []
+        for r in self.dirty:
+            r.dirty = False
+            tokens, r.new = r.new, []
+            entries.append((r.id, r.accepted, tokens, r.finish, r.error, r.n_out))
+            r.accepted = None
+        self.dirty = []
+        self.out.put(("step", entries, load, self.steps))
+
+
+def _engine_main(conn, builder: str, kwargs: dict, warm_up: str | None) -> None:
+    """The engine process's entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="engine process: %(levelname)s %(message)s")
+    out = _Sender(conn, "tritune-engine-send")
+    try:
+        try:
+            engine = resolve(builder)(**kwargs)
+        except BaseException as e:  # noqa: BLE001 (reported to the API process, which says it once)
+            out.put(("failed", type(e).__name__, str(e)))
+            return
+        out.put(("info", {"config": engine.config, "max_num_seqs": getattr(engine, "max_num_seqs", 256),
+                          "describe": engine.describe(), "backend": getattr(engine.model, "backend", None),
+                          "pid": os.getpid(), "load": engine_load(engine)}))
+        core = _Core(engine, conn, out)
+        if warm_up:
+            try:
+                resolve(warm_up)(engine)
+            except Exception as e:  # noqa: BLE001 (the server says so on /health, and answers 503)
+                log.exception("warm-up failed")
+                out.put(("warm_failed", _error(e)))
+                while core._drain():    # stats and stop only: no request is ever sent to a failed engine
+                    conn.poll(0.5)
+                return
+        out.put(("ready", engine_load(engine)))
+        core.run()
+    finally:
+        out.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The API process's handle
+# ---------------------------------------------------------------------------------------------------
+class EngineStartError(RuntimeError):
+    pass
+
+
+def _reap(process, conn) -> None:
+    """At exit (or when the handle is dropped without stop()): no engine process outlives its server."""
+    with contextlib.suppress(Exception):
+        conn.close()
+    if process.is_alive():
+        process.join(2)
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+
+
+class EngineProcess:
+    """The engine in a spawned process, with the interface the server's routes use (the thread mode's
+    ``EngineLoop``: ``submit``, ``abort``, ``load``, ``in_flight``, ``steps``, ``alive``, ``start``, ``stop``),
+    and what the server reads of the engine (``config``, ``max_num_seqs``, ``describe()``).
+
+    ``builder``: "module:function" called in the engine process with ``kwargs`` (plain data) to build the
+    engine; ``warm_up``: "module:function" called there with the engine before the first request. The
+    constructor returns once the engine is built (its config is needed to parse requests); the warm-up
+    runs on while the server listens (``warming`` says so)."""
+
+    is_engine_process = True
+
+    def __init__(self, builder: str, kwargs: dict | None = None, *, warm_up: str | None = None,
+                 start_timeout: float = 900.0):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        _big_buffers(self._conn, child)
+        self.process = ctx.Process(target=_engine_main, args=(child, builder, dict(kwargs or {}), warm_up),
+                                   name="tritune-engine")
+        self.process.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _reap, self.process, self._conn)
+        self.metrics = None
+        self.in_flight = 0
+        self.steps = 0
+        self.down: str | None = None        # why the engine process is gone
+        self.warming: str | None = "warming up" if warm_up else None
+        self._seqs: dict = {}               # request id -> server.Seq, until its end is delivered
+        self._waiters: dict = {}            # token -> Future (stats, call)
+        self._tokens = itertools.count()
+        self._loop = None
+        self._sender = None
+        self._early: list = []              # operations read before the event loop took over
+        info = self._wait_info(start_timeout)
+        self.info = info
+        self.config = info["config"]
+        self.max_num_seqs = info["max_num_seqs"]
+        self.pid = info["pid"]
+        self.load = info["load"]
+
+    # -- start-up and shutdown --------------------------------------------------------------------------
+    def _wait_info(self, timeout: float) -> dict:
+        t0 = time.monotonic()
+        while True:
+            if self._conn.poll(0.2):
+                try:
+                    ops = self._conn.recv()
+                except (EOFError, OSError):
+                    ops = []
+                for op in ops:
+                    if op[0] == "failed":
+                        self._finalizer()
+                        _, kind, msg = op
+                        if kind in ("FileNotFoundError", "NotADirectoryError", "ValueError", "TypeError"):
+                            raise ValueError(msg)
+                        raise EngineStartError(f"the engine process could not build the engine: {kind}: {msg}")
+                    if op[0] == "info":
+                        self._early.extend(ops[ops.index(op) + 1:])
+                        return op[1]
+                if not ops and not self.process.is_alive():
+                    break
+            elif not self.process.is_alive():
+                break
+            if time.monotonic() - t0 > timeout:
+                self._finalizer()
+                raise EngineStartError(f"the engine process was not ready within {timeout:g} s")
+        self._finalizer()
+        raise EngineStartError(f"the engine process exited (code {self.process.exitcode}) before it was ready")
+
+    def describe(self) -> dict:
+        return dict(self.info["describe"], engine="process", engine_pid=self.pid)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Take over the connection on ``loop`` (the server's lifespan start-up)."""
+        self._loop = loop
+        self._sender = _Sender(self._conn, "tritune-api-send")
+        for op in self._early:
+            self._handle(op)
+        self._early = []
+        loop.add_reader(self._conn.fileno(), self._readable)
+        loop.add_reader(self.process.sentinel, self._on_exit)
+        self._readable()        # what came before the reader was installed
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the engine process to stop (after its step), then make sure it has: no orphan."""
+        self._detach()
+        if self._sender is not None:
+            self._sender.put(("stop",))
+            self._sender.close(2)
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                self._conn.send([("stop",)])
+        self.process.join(timeout if self.warming is None else 2)   # a warm-up reads nothing until done
+        self._finalizer()
+        if self.down is None:
+            self.down = "stopped"
+        self._fail_open("the server is shutting down")
+
+    def _detach(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._conn.fileno())
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self.process.sentinel)
+
+    @property
+    def alive(self) -> bool:
+        return self.down is None and self._loop is not None and self.process.is_alive()
+
+    # -- requests (event-loop thread) -------------------------------------------------------------------
+    def submit(self, items) -> None:
+        """``items``: (seq, prompt ids, SamplingParams); each is accepted or rejected on its sink."""
+        for seq, ids, sampling in items:
+            self._seqs[seq.id] = seq
+            self.in_flight += 1
+            self._sender.put(("add", seq.id, ids, sampling))
+
+    def abort(self, seq) -> None:
+        if not seq.done and self._sender is not None and self.down is None:
+            self._sender.put(("abort", seq.id))
+
+    async def stats(self, timeout: float = 10.0) -> dict:
+        """A fresh account from the engine process (one round trip)."""
+        return await self._ask(("stats",), timeout)
+
+    async def call(self, fn: str, *args, timeout: float = 600.0):
+        """``fn(engine, *args)`` in the engine process, between two steps ("module:function"; the
+        arguments and the result are pickled)."""
+        return await self._ask(("call", fn, args), timeout)
+
+    def run_sync(self, coro, timeout: float = 700.0):
+        """Run one of the coroutines above from a thread other than the event loop's."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _ask(self, op, timeout: float):
+        if self.down is not None:
+            raise RuntimeError(f"the engine process is down: {self.down}")
+        token = next(self._tokens)
+        fut = self._loop.create_future()
+        self._waiters[token] = fut
+        self._sender.put((op[0], token, *op[1:]))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._waiters.pop(token, None)
+
+    # -- what the engine process sends (event-loop thread) ----------------------------------------------
+    def _readable(self) -> None:
+        try:
+            while self._conn.poll():
+                for op in self._conn.recv():
+                    self._handle(op)
+        except (EOFError, OSError):
+            self._on_exit()
+
+    def _handle(self, op) -> None:
+        kind = op[0]
+        if kind == "step":
+            self._on_step(op[1])
+            self.load, self.steps = op[2], op[3]
+        elif kind == "stats":
+            fut = self._waiters.get(op[1])
+            if fut is not None and not fut.done():
+                fut.set_result(op[2])
+        elif kind == "result":
+            fut = self._waiters.get(op[1])
+            if fut is not None and not fut.done():
+                if op[2]:
+                    fut.set_result(op[3])
+                else:
+                    fut.set_exception(RuntimeError(op[3]))
+        elif kind == "ready":
+            self.warming = None
+            self.load = op[1]
+        elif kind == "warm_failed":
+            self.warming = f"warm-up failed: {op[1]}"
+
+    def _on_step(self, entries) -> None:
+        now, m, seqs = time.perf_counter(), self.metrics, self._seqs
+        for rid, accepted, tokens, finish, error, n_out in entries:
+            seq = seqs.get(rid)
+            if seq is None:
+                continue
+            if accepted is not None:
+                seq.accepted, seq.n_prompt = True, accepted
+                if m:
+                    m.prompt_tokens.inc(accepted)
+            if tokens:
+                if seq.t_first is None:
+                    seq.t_first = now
+                    if m:
+                        m.ttft.observe(now - seq.t_arrival)
+                if m:
+                    m.generation_tokens.inc(len(tokens))
+            if finish is not None:
+                del seqs[rid]
+                seq.done = True
+                self.in_flight -= 1
+                if m and finish != "rejected":
+                    m.requests.labels(finish).inc()
+                    if seq.t_first is not None and n_out > 1:
+                        m.tpot.observe((now - seq.t_first) / (n_out - 1))
+            seq.sink.put_nowait((seq.index, accepted, tokens, finish, error))
+
+    def _on_exit(self) -> None:
+        """The engine process has exited (or its connection broke): end everything open, with the reason."""
+        if self.down is not None:
+            return
+        with contextlib.suppress(EOFError, OSError):    # its last messages first
+            while self._conn.poll():
+                for op in self._conn.recv():
+                    self._handle(op)
+        self.process.join(1)
+        code = self.process.exitcode
+        self.down = ("the engine process died" + (f" (exit code {code})" if code is not None else "")
+                     + "; restart the server")
+        log.error("%s", self.down)
+        self._detach()
+        self._fail_open(self.down)
+
+    def _fail_open(self, error: str) -> None:
+        for seq in list(self._seqs.values()):
+            seq.done = True
+            self.in_flight -= 1
+            if self.metrics:
+                self.metrics.requests.labels("error").inc()
+            seq.sink.put_nowait((seq.index, None, [], "error", error))
+        self._seqs.clear()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(error))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Builders (what `tritune serve` and the benchmarks run in the engine process)
+# ---------------------------------------------------------------------------------------------------
+def gpt2_engine(*, model: str, backend: str, dtype: str, engine: dict, tokenizer: bool = True):
+    """A GPT-2 :class:`~tritune.model.engine.Engine` from plain data (``dtype``: a torch dtype's name)."""
+    import torch
+
+    import tritune.harness  # noqa: F401  (the interpreter switch before triton loads, on the CPU)
+    from tritune.model.engine import Engine
+    from tritune.model.gpt2 import GPT2
+    from tritune.model.tokenizer import Tokenizer
+
+    m = GPT2.from_pretrained(model, backend=backend, dtype=getattr(torch, dtype))
+    tok = Tokenizer.from_dir(m.directory) if tokenizer else None
+    return Engine(m, tokenizer=tok, **engine)
+
+
+def stub_engine(**kw):
+    """model/serve_stub.py's engine (tokens at a fixed rate, no model)."""
+    from tritune.model.serve_stub import StubEngine
+
+    return StubEngine(**kw)
+
+
+def crash(engine, code: int = 1):
+    """For tests: the engine process dies at once, between two steps, as a crash would end it."""
+    os._exit(code)
