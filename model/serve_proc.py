@@ -555,6 +555,11 @@ def gpt2_engine(*, model: str, backend: str, dtype: str, engine: dict, tokenizer
     from tritune.model.gpt2 import GPT2
     from tritune.model.tokenizer import Tokenizer
 
+    if not torch.cuda.is_available():
+        # The CPU's cores are shared with the API process: half each. (A full-width OpenMP team in the
+        # engine process's main thread waits at every op's barrier for a worker the API process has
+        # descheduled: 30x slower per step on a busy 2-core machine.)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     m = GPT2.from_pretrained(model, backend=backend, dtype=getattr(torch, dtype))
     tok = Tokenizer.from_dir(m.directory) if tokenizer else None
     return Engine(m, tokenizer=tok, **engine)

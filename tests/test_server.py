@@ -6,6 +6,7 @@ import tritune.harness  # noqa: F401  (interpreter switch before anything import
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -66,15 +67,33 @@ def tok(model):
     return Tokenizer.from_dir(model.directory)
 
 
-@pytest.fixture(scope="module")
-def served(model, tok):
-    engine = Engine(model, num_blocks=600, block_size=16, max_num_seqs=64, cuda_graphs=False, tokenizer=tok)
+ENGINE_KW = dict(num_blocks=600, block_size=16, max_num_seqs=64, cuda_graphs=False)
+
+
+def engine_process(**engine_kw):
+    """The packaged model's engine (torch backend, fp32) in a process of its own."""
+    from tritune.model.serve_proc import EngineProcess
+
+    return EngineProcess("tritune.model.serve_proc:gpt2_engine", {
+        "model": str(default_model_dir()), "backend": "torch", "dtype": "float32", "engine": engine_kw})
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(request, model, tok):
+    """The server over the engine in a thread of this process, or in an engine process."""
+    if request.param == "thread":
+        engine = Engine(model, tokenizer=tok, **ENGINE_KW)
+    else:
+        engine = engine_process(**ENGINE_KW)
     app = create_app(engine, tok, NAME, chat_template=CHAT_TEMPLATE, max_queue=64)
     ts = ThreadServer(app)
     ts.state = app.state.server
     ts.engine = engine
+    ts.mode = request.param
     yield ts
     ts.close()
+    if request.param == "process":     # the lifespan's shutdown stopped it: gone, not orphaned
+        assert not engine.process.is_alive() and engine.process.exitcode == 0, engine.process.exitcode
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +289,25 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(served):
     assert metric(served, 'tritune_requests_total{finish_reason="abort"}') == aborts + 2
 
 
+def test_disconnect_frees_blocks_in_the_engine_process(served):
+    """The engine process's own account (a stats round trip): an abandoned stream's blocks come back."""
+    if served.mode != "process":
+        pytest.skip("the engine process's account (the thread mode's engine is read directly above)")
+    ep = served.engine
+    body = {"model": NAME, "prompt": "It was", "max_tokens": 250, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        st = ep.run_sync(ep.stats())
+        assert st["kv_blocks_used"] > 0 and st["live"] == 1 and st["pid"] == ep.pid != os.getpid()
+    t0 = time.time()
+    while (st := ep.run_sync(ep.stats()))["live"] or st["kv_blocks_used"]:
+        assert time.time() - t0 < 10, st
+        time.sleep(0.02)
+    assert not st["unfinished"] and st["running"] == st["waiting"] == 0
+
+
 BAD = [
     (b'{"prompt": "x",', None),
     (b'{"prompt": "x", "temperature": NaN}', None),
@@ -326,6 +364,8 @@ def test_bad_requests_answer_400_and_disturb_nothing(served, ref):
 
 
 def test_an_engine_failure_answers_500_for_that_request_only(served, monkeypatch):
+    if served.mode == "process":
+        pytest.skip("patches the engine's methods: the thread mode's engine lives in this process")
     real = served.engine.add_request
 
     def add_request(ids, *a, **kw):
@@ -423,7 +463,16 @@ def test_serve_bench_url_drives_the_server(served, tmp_path):
     assert wait_idle(served)["kv_blocks_used"] == 0
 
 
-def test_cli_serve_in_a_subprocess():
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")    # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_cli_serve_in_a_subprocess(engine):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -432,7 +481,8 @@ def test_cli_serve_in_a_subprocess():
     # a small engine (4 seats, a 256-token step: the packaged model's context): the warm-up and capture run
     # in full over fewer sizes, and the KV pool leaves the GPU to the other test workers
     p = subprocess.Popen([sys.executable, "-m", "tritune.harness.cli", "serve", "--port", str(port),
-                          "--log-level", "warning", "--max-num-seqs", "4", "--max-batch-tokens", "256"]
+                          "--log-level", "warning", "--max-num-seqs", "4", "--max-batch-tokens", "256",
+                          "--engine", engine]
                          + (["--kv-memory-fraction", "0.05"] if torch.cuda.is_available() else []),
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     auth = {"Authorization": "Bearer k2"}
@@ -452,7 +502,8 @@ def test_cli_serve_in_a_subprocess():
             assert p.poll() is None, p.stdout.read().decode()
             assert time.time() - t0 < bound, f"tritune serve did not come up in {bound} s"
             time.sleep(0.2)
-        assert r.json()["status"] == "ok"
+        assert r.json()["status"] == "ok" and r.json()["engine"] == engine
+        pid = r.json().get("engine_pid")
         assert httpx.get(url + "/health").status_code == 401
         r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
                        json={"model": "tritune-default", "prompt": "Once", "max_tokens": 5, "temperature": 0})
@@ -460,9 +511,15 @@ def test_cli_serve_in_a_subprocess():
         r = httpx.post(url + "/v1/chat/completions", headers=auth, json={"messages": [{"role": "user",
                                                                                          "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_missing"
+        # Ctrl-C (SIGINT; a terminal sends it to the engine process too, which leaves it to the server)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 0
+        if pid is not None:
+            assert pid != p.pid and _gone(pid), "the engine process outlived the server"
     finally:
-        p.terminate()
-        p.wait(20)
+        if p.poll() is None:
+            p.terminate()
+            p.wait(20)
 
 
 def _poll_health(ts, want_status: int, timeout=30.0):
@@ -614,3 +671,70 @@ def test_stub_engine_stream_tokens_and_disconnect_frees_blocks():
         assert eng.pool.num_used == 0 and eng.tokens < 200
     finally:
         ts.close()
+
+
+def test_engine_process_killed_mid_stream_answers_errors_and_503():
+    """The engine process dies (SIGKILL, as the OOM killer ends it) while a stream and a whole request run:
+    both end with the error at once (no hang), new requests answer 503, /health says why, the server
+    stays up."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from tritune.model.serve_proc import EngineProcess
+
+    ep = EngineProcess("tritune.model.serve_proc:stub_engine",
+                       dict(rate=200.0, decode_steps=1, vocab_size=512, n_positions=256, max_num_seqs=8))
+    stok = Tokenizer(HFTokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0")))
+    ts = ThreadServer(create_app(ep, stok, "stub"))
+    whole = {}
+
+    def post():
+        whole["r"] = httpx.post(ts.url + "/v1/completions", json={"prompt": [3], "max_tokens": 200,
+                                                                   "ignore_eos": True}, timeout=30)
+
+    try:
+        body = {"prompt": [1], "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", ts.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            t = threading.Thread(target=post)
+            t.start()
+            time.sleep(0.1)
+            os.kill(ep.pid, signal.SIGKILL)
+            t0 = time.time()
+            events, done = sse(lines)
+            assert time.time() - t0 < 5
+        assert done and "died" in events[-1]["error"]["message"], events[-1]
+        t.join(10)
+        assert whole["r"].status_code == 500 and "died" in whole["r"].json()["error"]["message"]
+        h = httpx.get(ts.url + "/health")
+        assert h.status_code == 503 and "the engine process died" in h.json()["status"]
+        r = httpx.post(ts.url + "/v1/completions", json={"prompt": [1], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
+        assert httpx.get(ts.url + "/v1/models").status_code == 200
+        assert 'tritune_requests_total{finish_reason="error"} 2.0' in httpx.get(ts.url + "/metrics").text
+    finally:
+        ts.close()
+    assert not ep.process.is_alive()
+
+
+def test_a_writer_behind_sends_what_piled_up_as_one_chunk(tok):
+    """Several engine steps delivered before the stream's writer runs go out as one SSE chunk (all their
+    tokens, in order): the chunk rate adapts to what the server can write."""
+    from types import SimpleNamespace
+
+    from tritune.model.server import Job, _Format, _stream
+
+    srv = SimpleNamespace(loop=SimpleNamespace(abort=lambda seq: None), model_name=NAME)
+    ids = tok.encode(" one two three four five six")
+
+    async def main():
+        job = Job(srv, 1, "cmpl", 0.0)
+        for k, t in enumerate(ids):     # one event per engine step, all there before the writer runs
+            job.sink.put_nowait((0, None, [t], "length" if k == len(ids) - 1 else None, None))
+        fmt = _Format(srv, job, False, True)
+        return [c async for c in _stream(srv, job, [TextOut(tok)], fmt, False)]
+
+    events, done = sse("".join(asyncio.run(main())).split("\n"))
+    assert done and len(events) == 1
+    ch = events[0]["choices"][0]
+    assert ch["token_ids"] == ids and ch["text"] == tok.decode(ids) and ch["finish_reason"] == "length"
