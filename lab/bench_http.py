@@ -1,35 +1,42 @@
-"""What HTTP costs: ``tritune serve`` against the same engine in-process (GPU; bounded time).
+"""What HTTP costs: ``tritune serve`` against the same engine in-process, with the engine in its own
+process and in a thread of the server (GPU; bounded time).
 
-  python lab/bench_http.py OUTDIR [--model DIR] [--requests 512] [--clients 256] [--time-limit 540]
-  python lab/bench_http.py OUTDIR --stub [--stub-rate 55000] [--decode-steps 16]   (any machine: no model)
+  python lab/bench_http.py OUTDIR [--model DIR] [--requests 512] [--clients 256] [--modes process,thread]
+  python lab/bench_http.py OUTDIR --stub [--stub-rate 55000] [--decode-steps 16] [--stub-host-ms 0]
+                                                                        (any machine: no model)
 
 ``--stub``: model/serve_stub.py's engine makes tokens at a fixed rate, so what is measured is the HTTP
-path alone (parsing, detokenizing, SSE, sockets, the GIL shared by the event loop and the engine thread).
+path alone (parsing, detokenizing, SSE, sockets; in the thread mode, the GIL shared by the event loop and
+the engine thread: ``--stub-host-ms`` makes each stub step hold it as the engine's host work does).
 The client is serve-bench --url over several processes (aiohttp where installed, connections opened
-before the clock starts); each reports its CPU busy share, and this process's CPU over the run is the
-server's (near 100%: the server is the ceiling; a client near 100%: the client is, add --client-procs).
+before the clock starts); each reports its CPU busy share (near 100%: the client is the ceiling, add
+--client-procs), and the server's processes theirs (the API process; the engine process in that mode).
 
+For each ``--modes`` entry (process: ``EngineProcess``, the engine in a spawned process; thread: the
+engine stepped by a thread of the server's process), one after the other (one engine at a time on the GPU):
 1. One engine (triton backend, CUDA graphs, bf16; GPT-2 small's config with random weights unless
-   ``--model``), warmed up as serve-bench does. Without ``--model`` there is no tokenizer, so a word-level
-   ``tokenizers`` vocabulary of the model's size stands in (decoding costs what a Rust decode costs).
+   ``--model``, with a word-level stand-in tokenizer of the model's vocabulary), warmed up as serve-bench
+   does, where it serves (in the engine process in the process mode).
 2. The workload (serve-bench's generator: ``--requests`` requests, prompt and output lengths uniform in
    the ranges, ``--rate`` Poisson arrivals, greedy, EOS ignored), ``--rounds`` times alternately:
-   in-process (``add_request`` with a stream callback; TTFT from the arrival, inter-token latency as
-   serve-bench --url defines it: each gap between deliveries split evenly over the tokens it brought)
-   and over HTTP (the server in a thread of this process, as ``tritune serve`` runs it; the client is
-   ``tritune serve-bench --url`` in a subprocess, so it does not share this process's GIL). Reported: the
-   HTTP/in-process ratio of output tok/s (target: HTTP costs <= 10%).
-3. ``--clients`` concurrent streaming clients, twice (1024 requests, shorter outputs), then as many
-   streams that disconnect after their first chunk: errors, KV blocks in use afterwards (must be 0),
-   process RSS and GPU memory before and after each (flat: no growth from one round to the next).
+   in-process (``add_request`` with a stream callback, in the process that holds the engine, the server's
+   loop parked meanwhile; TTFT from the arrival, inter-token latency as serve-bench --url defines it) and
+   over HTTP (the server in a thread of this process, as ``tritune serve`` runs it; the client is
+   ``tritune serve-bench --url`` in a subprocess). Reported: the HTTP/in-process ratio of output tok/s
+   (target: HTTP costs <= 10%).
+3. In the ``--soak-mode`` (default: the first mode): ``--clients`` concurrent streaming clients, twice
+   (1024 requests, shorter outputs), then as many streams that disconnect after their first chunk: errors,
+   KV blocks in use afterwards (must be 0), memory of the server's processes before and after each (flat).
 JSON: OUTDIR/bench_http_<date>_<commit>.json.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
+import os
 import resource
 import socket
 import subprocess
@@ -41,8 +48,7 @@ from pathlib import Path
 import torch
 
 from tritune.model import serve as S
-from tritune.model.http_bench import Outcome  # noqa: F401  (fails early when the serve extra is missing)
-from tritune.model.scheduler import SamplingParams
+from tritune.model.http_bench import engine_memory, run_inprocess, stand_in_tokenizer
 from tritune.model.server import create_app
 
 
@@ -51,86 +57,6 @@ def _git(*a) -> str:
         return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
     except OSError:
         return ""
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def memory() -> dict:
-    if not torch.cuda.is_available():
-        return {"rss_mb": round(rss_mb(), 1)}
-    free, total = torch.cuda.mem_get_info()
-    return {"rss_mb": round(rss_mb(), 1), "gpu_allocated_mb": round(torch.cuda.memory_allocated() / 2**20, 1),
-            "gpu_reserved_mb": round(torch.cuda.memory_reserved() / 2**20, 1),
-            "gpu_used_mb": round((total - free) / 2**20, 1)}
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def stand_in_tokenizer(vocab: int):
-    """A word-level tokenizer of ``vocab`` entries (w0, w1, ...) for random-weight models."""
-    from tokenizers import Tokenizer as HFTokenizer, models
-
-    from tritune.model.tokenizer import Tokenizer
-
-    return Tokenizer(HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0")))
-
-
-# ---------------------------------------------------------------------------------------------------
-def run_inprocess(engine, items) -> dict:
-    """The workload through the engine in this thread; metrics defined as http_bench defines them."""
-    n = len(items)
-    deliveries = [[] for _ in range(n)]      # (time, tokens) per request, one entry per step that fed it
-    touched: dict = {}
-
-    def cb(i, req, tok):
-        if tok is not None:
-            touched[i] = touched.get(i, 0) + 1
-
-    pending = sorted(range(n), key=lambda i: items[i].arrival)
-    reqs = [None] * n
-    _sync()
-    t0 = time.perf_counter()
-    k = 0
-    while k < n or engine.has_unfinished():
-        now = time.perf_counter() - t0
-        while k < n and items[pending[k]].arrival <= now:
-            i = pending[k]
-            it = items[i]
-            reqs[i] = engine.add_request(it.prompt_ids, SamplingParams(max_new_tokens=it.output_len, ignore_eos=True),
-                                         stream=lambda req, tok, i=i: cb(i, req, tok), arrival_time=t0 + it.arrival)
-            k += 1
-        if engine.has_unfinished():
-            engine.step()
-            t = time.perf_counter()
-            for i, c in touched.items():
-                deliveries[i].append((t, c))
-            touched.clear()
-        elif k < n:
-            time.sleep(max(0.0, items[pending[k]].arrival - (time.perf_counter() - t0)))
-    elapsed = time.perf_counter() - t0
-    ttft, itl, gaps, tpot = [], [], [], []
-    for i, d in enumerate(deliveries):
-        ttft.append(d[0][0] - (t0 + items[i].arrival))
-        for (ta, _), (tb, c) in zip(d, d[1:]):
-            gaps.append(tb - ta)
-            itl.extend([(tb - ta) / c] * c)
-        m = sum(c for _, c in d)
-        if m > 1:
-            tpot.append((d[-1][0] - d[0][0]) / (m - 1))
-    out = sum(len(r.output_ids) for r in reqs)
-    inp = sum(len(r.prompt_ids) for r in reqs)
-    P = S.percentiles
-    return {"requests": n, "elapsed_s": elapsed, "prompt_tokens": inp, "output_tokens": out,
-            "output_tok_s": out / elapsed, "total_tok_s": (inp + out) / elapsed, "req_s": n / elapsed,
-            "ttft_ms": P(ttft), "itl_ms": P(itl), "chunk_gap_ms": P(gaps), "tpot_ms": P(tpot)}
 
 
 class ThreadServer:
@@ -162,26 +88,42 @@ def write_jsonl(path: Path, items) -> None:
 
 
 def cpu_s() -> float:
-    """CPU seconds of this process (all its threads: the server's event loop and the engine's loop)."""
+    """CPU seconds of this process (all its threads: the server's event loop, and the engine's loop thread
+    in the thread mode)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
-def client(url, jsonl: Path, n: int, concurrency: int, out: Path, timeout: float, procs: int | None = None) -> dict:
+def proc_cpu_s(pid) -> float:
+    """CPU seconds of another process (the engine process)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def client(url, jsonl: Path, n: int, concurrency: int, out: Path, timeout: float, procs: int | None = None,
+           engine_pid=None) -> dict:
     """``tritune serve-bench --url`` in a subprocess (its own GIL; it spreads the streams over ``procs``
-    client processes); its JSON, with ``server_cpu_busy``: this process's CPU time over the run's wall."""
+    client processes); its JSON, with ``server_cpu_busy`` (this process's CPU time over the run's wall) and
+    ``engine_cpu_busy`` (the engine process's, in the process mode)."""
     cmd = [sys.executable, "-m", "tritune.harness.cli", "serve-bench", "--url", url, "--jsonl", str(jsonl),
            "-n", str(n), "--max-concurrency", str(concurrency), "--timeout", str(max(10.0, timeout)),
            "--out", str(out)] + (["--client-procs", str(procs)] if procs else [])
-    c0, w0 = cpu_s(), time.perf_counter()
+    c0, e0, w0 = cpu_s(), proc_cpu_s(engine_pid), time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
-    c1, w1 = cpu_s(), time.perf_counter()
+    c1, e1, w1 = cpu_s(), proc_cpu_s(engine_pid), time.perf_counter()
     print(p.stdout.strip(), p.stderr.strip()[-2000:], sep="\n", flush=True)
     if not out.is_file():
         return {"error": f"serve-bench --url exited {p.returncode} without results", "stderr": p.stderr[-2000:]}
     run = json.loads(out.read_text())["run"]
-    # over the client's timed span (the server idles while the client starts: its loop waits on an event)
-    run["server_cpu_busy"] = round((c1 - c0) / (run.get("elapsed_s") or (w1 - w0)), 3)
+    # over the client's timed span (the server idles while the client starts)
+    span = run.get("elapsed_s") or (w1 - w0)
+    run["server_cpu_busy"] = round((c1 - c0) / span, 3)
+    run["engine_cpu_busy"] = round((e1 - e0) / span, 3) if engine_pid is not None else None
     run["chunks_s"] = run.get("chunks", 0) / run["elapsed_s"] if run.get("elapsed_s") else None
     return run
 
@@ -227,6 +169,109 @@ def wait_idle(server_state, timeout=60.0) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------
+class Served:
+    """One mode's engine and server: ``mode`` "process" (EngineProcess) or "thread"."""
+
+    def __init__(self, mode: str, spec: dict, tok, stack: str, start_timeout: float):
+        from tritune.model.http_bench import bench_engine, warm_up_engine
+        from tritune.model.serve_proc import EngineProcess
+
+        self.mode = mode
+        t0 = time.perf_counter()
+        if mode == "process":
+            sys.setswitchinterval(0.005)    # the API process alone: Python's default
+            self.engine = EngineProcess("tritune.model.http_bench:bench_engine", spec,
+                                        warm_up="tritune.model.http_bench:warm_up_engine",
+                                        start_timeout=start_timeout)
+        else:
+            sys.setswitchinterval(0.001)    # as `tritune serve` runs the thread mode
+            self.engine = bench_engine(**spec)
+            warm_up_engine(self.engine)
+        self.app = create_app(self.engine, tok, "bench", max_queue=8192)
+        self.srv = self.app.state.server
+        self.server = ThreadServer(self.app, stack)
+        while self.srv.warming == "warming up":     # the engine process's warm-up
+            if time.perf_counter() - t0 > start_timeout:
+                raise RuntimeError(f"{mode}: the engine was not warm within {start_timeout:g} s")
+            time.sleep(0.1)
+        if self.srv.warming is not None:
+            raise RuntimeError(f"{mode}: {self.srv.warming}")
+        self.setup_s = time.perf_counter() - t0
+        self.pid = self.engine.pid if mode == "process" else None
+        self.describe = self.engine.describe()
+
+    def inprocess(self, items, timeout: float) -> dict:
+        """The workload through the engine where it lives, the server's loop parked (thread) or the engine
+        process between two steps (process)."""
+        tuples = [(it.prompt_ids, it.output_len, it.arrival) for it in items]
+        if self.mode == "process":
+            ep = self.engine
+            return ep.run_sync(ep.call("tritune.model.http_bench:run_inprocess", tuples, timeout=timeout),
+                               timeout + 10)
+        with self.srv.loop.paused():    # the engine is not thread-safe: its loop thread parks meanwhile
+            return run_inprocess(self.engine, tuples)
+
+    def blocks_used(self):
+        if self.mode == "process":
+            return self.engine.run_sync(self.engine.stats())["kv_blocks_used"]
+        return self.engine.pool.num_used
+
+    def memory(self) -> dict:
+        """The API process's RSS, and the engine's memory where it lives."""
+        if self.mode == "process":
+            eng = self.engine.run_sync(self.engine.call("tritune.model.http_bench:engine_memory"))
+            return {"api_rss_mb": engine_memory()["rss_mb"], **{f"engine_{k}": v for k, v in eng.items()}}
+        return engine_memory(self.engine)
+
+    def close(self):
+        self.server.close()
+        if self.mode == "process":
+            self.engine.stop()
+        self.engine = self.app = self.srv = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def soak(sv: Served, args, config, out: Path, left) -> dict:
+    """Many concurrent streaming clients, twice, each followed by as many disconnecting streams: errors,
+    leaked blocks, memory."""
+    lens = (16, min(256, config.n_positions // 2))
+    many = S.make_workload(4 * args.clients, lens, lens, config.vocab_size, 1)
+    many_jsonl = out / "workload_clients.jsonl"
+    write_jsonl(many_jsonl, many)
+    res = {"mode": sv.mode, "clients": args.clients, "requests": len(many), "rounds": []}
+    mem0 = sv.memory()
+    for r in range(2):
+        if left() < (10 if args.smoke else 60):
+            res["note"] = "stopped early: time limit"
+            break
+        run = client(sv.server.url, many_jsonl, len(many), args.clients, out / f"clients_{sv.mode}_round{r}.json",
+                     min(240, left() - 30), args.client_procs, sv.pid)
+        waited = wait_idle(sv.srv)
+        gone = asyncio.run(_disconnecting(sv.server.url, "bench", many[:args.clients]))
+        waited += wait_idle(sv.srv)
+        row = {"run": {k: run.get(k) for k in ("completed", "errors", "error_samples", "output_tok_s",
+                                               "ttft_ms", "itl_ms", "server_cpu_busy", "engine_cpu_busy")},
+               "disconnects": gone, "idle_wait_s": round(waited, 2), "kv_blocks_used_after": sv.blocks_used(),
+               "in_flight_after": sv.srv.loop.in_flight, "memory_after": sv.memory()}
+        print(f"[clients {sv.mode} {r}] {row['run']}, disconnects {gone}, KV blocks used after: "
+              f"{row['kv_blocks_used_after']}, memory {row['memory_after']}", flush=True)
+        res["rounds"].append(row)
+    res["memory_before"] = mem0
+    rows = res["rounds"]
+    if rows:
+        res["ok"] = all(x["run"].get("errors") == 0 and x["disconnects"]["errors"] == 0
+                        and x["kv_blocks_used_after"] == 0 for x in rows)
+        last = rows[-1]["memory_after"]
+        res["growth"] = {k: round(last[k] - mem0[k], 1) for k in mem0 if k in last}
+        if len(rows) > 1:
+            res["growth_second_round"] = {k: round(last[k] - rows[0]["memory_after"][k], 1) for k in mem0
+                                          if k in last}
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("outdir")
@@ -235,7 +280,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=S.parse_range, default=(64, 512))
     p.add_argument("--output-len", type=S.parse_range, default=(64, 512))
     p.add_argument("--rate", type=float, default=math.inf)
-    p.add_argument("--rounds", type=int, default=2, help="in-process / HTTP pairs")
+    p.add_argument("--rounds", type=int, default=2, help="in-process / HTTP pairs per mode")
+    p.add_argument("--modes", default="process,thread", help="comma-separated: process, thread")
+    p.add_argument("--soak-mode", default=None, help="the mode the clients' soak runs in (default: the first)")
     p.add_argument("--clients", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-memory-fraction", type=float, default=0.4)
@@ -248,11 +295,18 @@ def main() -> int:
                    "the engine's in-process rate on an H100 for GPT-2 small; inf: no pacing)")
     p.add_argument("--decode-steps", type=int, default=16, help="stub: tokens per request per step (the "
                    "engine's graph path gives 16)")
+    p.add_argument("--stub-host-ms", type=float, default=0.0, help="stub: milliseconds each step holds the "
+                   "GIL (the engine's host work per step)")
     p.add_argument("--client-procs", type=int, default=None, help="client processes (default: serve-bench's)")
     p.add_argument("--skip-clients", action="store_true", help="only the in-process / HTTP rounds")
     p.add_argument("--stack", default="auto", choices=("auto", "asyncio+h11", "uvloop+httptools"),
                    help="uvicorn's event loop + HTTP parser (auto: uvloop + httptools when installed)")
     args = p.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("process", "thread") for m in modes):
+        print(f"bench_http: --modes: expected process and/or thread, got {args.modes!r}", file=sys.stderr)
+        return 2
+    soak_mode = args.soak_mode or modes[0]
     if args.smoke:
         args.requests, args.prompt_len, args.output_len, args.clients, args.rounds = 16, (4, 32), (4, 32), 8, 1
     t_start = time.time()
@@ -267,55 +321,44 @@ def main() -> int:
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    stamp = time.strftime("%Y-%m-%d")
-    res_path = out / f"bench_http_{stamp}_{commit}.json"
+    res_path = out / f"bench_http_{time.strftime('%Y-%m-%d')}_{commit}.json"
     from tritune.harness import device as hdev
+    from tritune.model.server import http_stack
 
-    dtype = torch.bfloat16
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit, "gpu": hdev.gpu_name() if gpu else "cpu",
-           "torch": torch.__version__, "command": " ".join(sys.argv)}
+           "torch": torch.__version__, "command": " ".join(sys.argv), "cpus": os.cpu_count(),
+           "server_stack": http_stack() if args.stack == "auto" else args.stack, "modes": {}}
 
     def save():
         res_path.write_text(json.dumps(res, indent=2))
 
-    # -- the engine ---------------------------------------------------------------------------------
-    from tritune.model.engine import Engine
-
-    t0 = time.perf_counter()
+    # -- what the engine is (plain data: an engine process builds the same) --------------------------
+    engine_kw = {"max_num_seqs": args.max_num_seqs, "max_batch_tokens": 8192, "cuda_graphs": True,
+                 **({"kv_memory_fraction": args.kv_memory_fraction} if gpu else {"num_blocks": 1024})}
     if args.stub:
-        from tritune.model.serve_stub import StubEngine
+        from types import SimpleNamespace
 
-        engine = StubEngine(rate=args.stub_rate, decode_steps=args.decode_steps, max_num_seqs=args.max_num_seqs)
-        config = engine.config
+        stub = dict(rate=args.stub_rate, decode_steps=args.decode_steps, max_num_seqs=args.max_num_seqs,
+                    host_ms=args.stub_host_ms)
+        spec = {"kind": "stub", "engine": {}, "stub": stub}
+        config = SimpleNamespace(vocab_size=50257, n_positions=1024)
         tok = stand_in_tokenizer(config.vocab_size)
     elif args.model or args.smoke:
         from tritune.model.cli import default_model_dir
-        from tritune.model.gpt2 import GPT2
+        from tritune.model.config import GPT2Config
         from tritune.model.tokenizer import Tokenizer
+        from tritune.model.weights import resolve
 
-        if not gpu:
-            dtype = torch.float32
-        model = GPT2.from_pretrained(args.model or default_model_dir(), backend="triton" if gpu else "torch",
-                                     dtype=dtype)
-        tok = Tokenizer.from_dir(model.directory)
-        config = model.config
+        directory = str(resolve(args.model or default_model_dir()))
+        spec = {"kind": "checkpoint", "model": directory, "engine": engine_kw}
+        config = GPT2Config.from_file(Path(directory) / "config.json")
+        tok = Tokenizer.from_dir(directory)
     else:
-        config, state, _ = S.load_models(None, dtype, "cuda", need_hf=False)
-        model = S.build_model(config, state, "triton", dtype, "cuda")
-        tok = stand_in_tokenizer(config.vocab_size)
-    if not args.stub:
-        kv = {"kv_memory_fraction": args.kv_memory_fraction} if gpu else {"num_blocks": 1024}
-        engine = Engine(model, max_num_seqs=args.max_num_seqs, max_batch_tokens=8192, cuda_graphs=True,
-                        tokenizer=tok, **kv)
-    if gpu:     # the kernels' variants compiled and the graphs captured before anything is timed
-        S.warm_up(engine, config.vocab_size, config.n_positions // 2)
-    from tritune.model.server import http_stack
+        from types import SimpleNamespace
 
-    res["server_stack"] = http_stack() if args.stack == "auto" else args.stack
-    res["engine"] = engine.describe()
-    res["dtype"] = res["engine"]["dtype"]
-    res["setup_s"] = time.perf_counter() - t0
-    print(f"engine ready in {res['setup_s']:.1f} s: {res['engine']}", flush=True)
+        spec = {"kind": "random", "engine": engine_kw}
+        config = SimpleNamespace(vocab_size=50257, n_positions=1024)     # GPT-2 small's (serve.load_models)
+        tok = stand_in_tokenizer(config.vocab_size)
 
     items = S.make_workload(args.requests, args.prompt_len, args.output_len, config.vocab_size, 0, args.rate)
     jsonl = out / "workload.jsonl"
@@ -324,94 +367,66 @@ def main() -> int:
                        "output_len": list(args.output_len), "rate": None if math.isinf(args.rate) else args.rate,
                        "prompt_tokens": sum(len(it.prompt_ids) for it in items),
                        "output_tokens": sum(it.output_len for it in items)}
-
-    app = create_app(engine, tok, "bench", max_queue=8192)
-    srv = app.state.server
-    sys.setswitchinterval(0.001)        # as `tritune serve` runs
-    server = ThreadServer(app, args.stack)
     try:
-        # -- in-process vs HTTP, alternately ------------------------------------------------------
-        res["rounds"] = []
-        with srv.loop.paused():     # untimed: the first forwards of this process (allocator, lazy inits)
-            run_inprocess(engine, items[:4])
-        for r in range(args.rounds):
-            if left() < (10 if args.smoke else 90):
-                res["note"] = f"stopped after {r} round(s): time limit"
-                break
-            # the server's engine thread must be idle while this thread drives the engine directly
-            wait_idle(srv)
-            with srv.loop.paused():     # the engine is not thread-safe: its loop thread parks meanwhile
-                inproc = run_inprocess(engine, items)
-            print(f"[round {r}] in-process: {inproc['output_tok_s']:.0f} output tok/s, TTFT p50/p99 "
-                  f"{_ms(inproc['ttft_ms'], 'p50', 'p99')} ms, ITL p50/p99 {_ms(inproc['itl_ms'], 'p50', 'p99')} ms",
-                  flush=True)
-            http = client(server.url, jsonl, len(items), len(items), out / f"http_round{r}.json", min(300, left() - 30),
-                          args.client_procs)
-            row = {"in_process": inproc, "http": http}
-            if "output_tok_s" in http:
-                row["http_over_in_process"] = http["output_tok_s"] / inproc["output_tok_s"]
-                row["http_cost"] = 1 - row["http_over_in_process"]
-                print(f"[round {r}] HTTP: {http['output_tok_s']:.0f} output tok/s ({row['http_cost']:+.1%} cost), "
-                      f"{http['chunks_s']:.0f} SSE chunks/s, TTFT p50/p99 {_ms(http['ttft_ms'], 'p50', 'p99')} ms, "
-                      f"ITL p50/p99 {_ms(http['itl_ms'], 'p50', 'p99')} ms, {http['errors']} errors; "
-                      f"server CPU {http['server_cpu_busy']:.0%}, clients {http['client']['procs']} x CPU max "
-                      f"{max(http['client']['cpu_busy']):.0%}", flush=True)
-            res["rounds"].append(row)
-            save()
-        costs = [r["http_cost"] for r in res["rounds"] if "http_cost" in r]
-        if costs:
-            res["http_cost_best"] = min(costs)
-            res["target_http_cost_le_10pct"] = min(costs) <= 0.10
-        wait_idle(srv)
-        res["kv_blocks_used_after_rounds"] = engine.pool.num_used
-        if args.skip_clients:
-            return 0
-
-        # -- many concurrent streaming clients: errors, leaks, memory --------------------------------
-        lens = (16, min(256, config.n_positions // 2))
-        many = S.make_workload(4 * args.clients, lens, lens, config.vocab_size, 1)
-        many_jsonl = out / "workload_clients.jsonl"
-        write_jsonl(many_jsonl, many)
-        res["clients"] = {"clients": args.clients, "requests": len(many), "rounds": []}
-        _sync()
-        mem0 = memory()
-        for r in range(2):
-            if left() < (10 if args.smoke else 60):
-                res["clients"]["note"] = "stopped early: time limit"
-                break
-            run = client(server.url, many_jsonl, len(many), args.clients, out / f"clients_round{r}.json",
-                         min(240, left() - 30), args.client_procs)
-            waited = wait_idle(srv)
-            gone = asyncio.run(_disconnecting(server.url, "bench", many[:args.clients]))
-            waited += wait_idle(srv)
-            _sync()
-            row = {"run": {k: run.get(k) for k in ("completed", "errors", "error_samples", "output_tok_s",
-                                                   "ttft_ms", "itl_ms")},
-                   "disconnects": gone, "idle_wait_s": round(waited, 2), "kv_blocks_used_after": engine.pool.num_used,
-                   "in_flight_after": srv.loop.in_flight, "memory_after": memory()}
-            print(f"[clients {r}] {row['run']}, disconnects {gone}, KV blocks used after: "
-                  f"{row['kv_blocks_used_after']}, memory {row['memory_after']}", flush=True)
-            res["clients"]["rounds"].append(row)
-            save()
-        res["clients"]["memory_before"] = mem0
-        rows = res["clients"]["rounds"]
-        if rows:
-            res["clients"]["ok"] = (all(x["run"].get("errors") == 0 and x["disconnects"]["errors"] == 0
-                                        and x["kv_blocks_used_after"] == 0 for x in rows))
-            last = rows[-1]["memory_after"]
-            res["clients"]["growth"] = {k: round(last[k] - mem0[k], 1) for k in mem0}
-            if len(rows) > 1:
-                res["clients"]["growth_second_round"] = {k: round(last[k] - rows[0]["memory_after"][k], 1)
-                                                         for k in mem0}
+        for mode in modes:
+            if left() < (20 if not gpu else 120):
+                res["modes"][mode] = {"note": "not run: time limit"}
+                continue
+            sv = Served(mode, spec, tok, args.stack, max(60.0, left() - 60))
+            row = res["modes"][mode] = {"engine": sv.describe, "setup_s": sv.setup_s, "rounds": []}
+            print(f"[{mode}] engine ready in {sv.setup_s:.1f} s: {sv.describe}", flush=True)
+            try:
+                sv.inprocess(items[:4], 120)     # untimed: the first forwards (allocator, lazy inits)
+                for r in range(args.rounds):
+                    if left() < (10 if not gpu else 60):
+                        row["note"] = f"stopped after {r} round(s): time limit"
+                        break
+                    wait_idle(sv.srv)
+                    inproc = sv.inprocess(items, min(300, left() - 20))
+                    print(f"[{mode} {r}] in-process: {inproc['output_tok_s']:.0f} output tok/s, TTFT p50/p99 "
+                          f"{_ms(inproc['ttft_ms'], 'p50', 'p99')} ms, ITL p50/p99 "
+                          f"{_ms(inproc['itl_ms'], 'p50', 'p99')} ms", flush=True)
+                    http = client(sv.server.url, jsonl, len(items), len(items), out / f"http_{mode}_round{r}.json",
+                                  min(300, left() - 30), args.client_procs, sv.pid)
+                    rr = {"in_process": inproc, "http": http}
+                    if "output_tok_s" in http:
+                        rr["http_over_in_process"] = http["output_tok_s"] / inproc["output_tok_s"]
+                        rr["http_cost"] = 1 - rr["http_over_in_process"]
+                        eng_cpu = "" if http["engine_cpu_busy"] is None else \
+                            f", engine process CPU {http['engine_cpu_busy']:.0%}"
+                        print(f"[{mode} {r}] HTTP: {http['output_tok_s']:.0f} output tok/s ({rr['http_cost']:+.1%} "
+                              f"cost), {http['chunks_s']:.0f} SSE chunks/s, TTFT p50/p99 "
+                              f"{_ms(http['ttft_ms'], 'p50', 'p99')} ms, ITL p50/p99 {_ms(http['itl_ms'], 'p50', 'p99')}"
+                              f" ms, {http['errors']} errors; API process CPU {http['server_cpu_busy']:.0%}{eng_cpu}, "
+                              f"clients {http['client']['procs']} x CPU max {max(http['client']['cpu_busy']):.0%}",
+                              flush=True)
+                    row["rounds"].append(rr)
+                    save()
+                costs = [x["http_cost"] for x in row["rounds"] if "http_cost" in x]
+                if costs:
+                    row["http_cost_best"] = min(costs)
+                    row["target_http_cost_le_10pct"] = min(costs) <= 0.10
+                wait_idle(sv.srv)
+                row["kv_blocks_used_after_rounds"] = sv.blocks_used()
+                if mode == soak_mode and not args.skip_clients:
+                    res["clients"] = soak(sv, args, config, out, left)
+            finally:
+                sv.close()
+                save()
     finally:
-        server.close()
         save()
-        costs = [f"{r['http_cost']:+.1%}" for r in res.get("rounds", ()) if "http_cost" in r]
+        parts = []
+        for mode, row in res["modes"].items():
+            costs = [f"{x['http_cost']:+.1%}" for x in row.get("rounds", ()) if "http_cost" in x]
+            best = max((x["http"]["output_tok_s"] for x in row.get("rounds", ()) if "http_cost" in x), default=None)
+            parts.append(f"{mode}: HTTP cost per round {costs}"
+                         + (f", best HTTP {best:.0f} tok/s" if best else "")
+                         + f" (target <= 10%: {'met' if row.get('target_http_cost_le_10pct') else 'NOT met'})")
         cl = res.get("clients", {})
-        print(f"SUMMARY {res.get('server_stack')}: HTTP cost per round {costs} (target <= 10%: "
-              f"{'met' if res.get('target_http_cost_le_10pct') else 'NOT met'}); {args.clients} clients ok: "
-              f"{cl.get('ok')}, KV blocks after {[x['kv_blocks_used_after'] for x in cl.get('rounds', ())]}, "
-              f"memory growth {cl.get('growth')} (2nd round {cl.get('growth_second_round')})", flush=True)
+        print(f"SUMMARY {res.get('server_stack')}: " + "; ".join(parts)
+              + f"; {args.clients} clients ({cl.get('mode')}) ok: {cl.get('ok')}, KV blocks after "
+              f"{[x['kv_blocks_used_after'] for x in cl.get('rounds', ())]}, memory growth {cl.get('growth')} "
+              f"(2nd round {cl.get('growth_second_round')})", flush=True)
         print(f"wrote {res_path}", flush=True)
     return 0
 

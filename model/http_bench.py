@@ -384,3 +384,142 @@ def run_url(args) -> int:
         Path(args.out).write_text(json.dumps(res, indent=2))
         print(f"wrote {args.out}")
     return 1 if r["errors"] else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The in-process side of an HTTP-vs-in-process comparison (run where the engine lives: this process, or
+# an engine process through EngineProcess.call)
+# ---------------------------------------------------------------------------------------------------
+def run_inprocess(engine, items) -> dict:
+    """``items`` ((prompt ids, output length, arrival) each) through ``engine`` in the calling thread,
+    arrivals honoured; metrics defined as :func:`summarize` defines them over HTTP (TTFT from the arrival;
+    inter-token latency: each gap between deliveries split evenly over the tokens it brought)."""
+    from tritune.model.scheduler import SamplingParams
+    from tritune.model.workload import percentiles
+
+    items = [tuple(it) for it in items]
+    n = len(items)
+    deliveries = [[] for _ in range(n)]      # (time, tokens) per request, one entry per step that fed it
+    touched: dict = {}
+
+    def cb(i, req, tok):
+        if tok is not None:
+            touched[i] = touched.get(i, 0) + 1
+
+    _sync()
+    pending = sorted(range(n), key=lambda i: items[i][2])
+    reqs = [None] * n
+    t0 = time.perf_counter()
+    k = 0
+    while k < n or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while k < n and items[pending[k]][2] <= now:
+            i = pending[k]
+            ids, out_len, arrival = items[i]
+            reqs[i] = engine.add_request(ids, SamplingParams(max_new_tokens=out_len, ignore_eos=True),
+                                         stream=lambda req, tok, i=i: cb(i, req, tok), arrival_time=t0 + arrival)
+            k += 1
+        if engine.has_unfinished():
+            engine.step()
+            t = time.perf_counter()
+            for i, c in touched.items():
+                deliveries[i].append((t, c))
+            touched.clear()
+        elif k < n:
+            time.sleep(max(0.0, items[pending[k]][2] - (time.perf_counter() - t0)))
+    elapsed = time.perf_counter() - t0
+    ttft, itl, gaps, tpot = [], [], [], []
+    for i, d in enumerate(deliveries):
+        ttft.append(d[0][0] - (t0 + items[i][2]))
+        for (ta, _), (tb, c) in zip(d, d[1:]):
+            gaps.append(tb - ta)
+            itl.extend([(tb - ta) / c] * c)
+        m = sum(c for _, c in d)
+        if m > 1:
+            tpot.append((d[-1][0] - d[0][0]) / (m - 1))
+    out = sum(len(r.output_ids) for r in reqs)
+    inp = sum(len(r.prompt_ids) for r in reqs)
+    P = percentiles
+    return {"requests": n, "elapsed_s": elapsed, "prompt_tokens": inp, "output_tokens": out,
+            "output_tok_s": out / elapsed, "total_tok_s": (inp + out) / elapsed, "req_s": n / elapsed,
+            "ttft_ms": P(ttft), "itl_ms": P(itl), "chunk_gap_ms": P(gaps), "tpot_ms": P(tpot)}
+
+
+def _sync():
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def engine_memory(engine=None) -> dict:
+    """This process's RSS, and its GPU memory where it has CUDA (called where the engine lives)."""
+    rss = float("nan")
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+    out = {"rss_mb": round(rss, 1)}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        free, total = torch.cuda.mem_get_info()
+        out.update(gpu_allocated_mb=round(torch.cuda.memory_allocated() / 2**20, 1),
+                   gpu_reserved_mb=round(torch.cuda.memory_reserved() / 2**20, 1),
+                   gpu_used_mb=round((total - free) / 2**20, 1))
+    return out
+
+
+def stand_in_tokenizer(vocab: int):
+    """A word-level tokenizer of ``vocab`` entries (w0, w1, ...) for models without one (random weights,
+    the stub): decoding costs what a Rust decode costs."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from tritune.model.tokenizer import Tokenizer
+
+    return Tokenizer(HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0")))
+
+
+def bench_engine(*, kind: str, engine: dict, stub: dict | None = None, model: str | None = None,
+                 dtype: str = "bfloat16"):
+    """The engine a benchmark serves, from plain data (so an engine process builds the same one):
+    ``kind`` "stub" (serve_stub.StubEngine(**stub)), "random" (GPT-2 small's config, random weights, triton
+    backend on the GPU, with a stand-in tokenizer) or "checkpoint" (``model`` on the triton backend on a GPU,
+    torch on the CPU)."""
+    import torch
+
+    if kind == "stub":
+        from tritune.model.serve_stub import StubEngine
+
+        return StubEngine(**(stub or {}))
+    from tritune.model.engine import Engine
+
+    gpu = torch.cuda.is_available()
+    dt = getattr(torch, dtype) if gpu else torch.float32
+    if not gpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))     # see serve_proc.gpt2_engine
+    if kind == "random":
+        from tritune.model import serve as S
+
+        config, state, _ = S.load_models(None, dt, "cuda", need_hf=False)
+        model_ = S.build_model(config, state, "triton", dt, "cuda")
+        tok = stand_in_tokenizer(config.vocab_size)
+    elif kind == "checkpoint":
+        from tritune.model.gpt2 import GPT2
+        from tritune.model.tokenizer import Tokenizer
+
+        model_ = GPT2.from_pretrained(model, backend="triton" if gpu else "torch", dtype=dt)
+        tok = Tokenizer.from_dir(model_.directory)
+    else:
+        raise ValueError(f"kind: expected 'stub', 'random' or 'checkpoint', got {kind!r}")
+    return Engine(model_, tokenizer=tok, **engine)
+
+
+def warm_up_engine(engine) -> None:
+    """serve-bench's warm-up (every kernel variant compiled, the CUDA graphs captured): on a GPU only."""
+    import torch
+
+    if torch.cuda.is_available() and getattr(engine.model, "backend", None) == "triton":
+        from tritune.model import serve as S
+
+        S.warm_up(engine, engine.config.vocab_size, engine.config.n_positions // 2)

@@ -5,7 +5,8 @@ step, abort, has_unfinished, pool, scheduler, config, max_num_seqs, describe). A
 requests into free seats, gives every running one ``decode_steps`` tokens through its stream callback
 (as the engine's graph path does: several tokens per request per step), retires finished ones, and then
 sleeps, with the GIL released as a GPU wait releases it, until the tokens have taken ``1 / rate``
-seconds each. ``rate=inf``: no sleep at all, so the server's HTTP side (parsing, detokenizing, SSE
+seconds each. ``host_ms``: each step first holds the GIL that long (busy, as the engine's Python host
+work holds it), which an engine thread takes from the server's event loop and an engine process does not. ``rate=inf``: no sleep at all, so the server's HTTP side (parsing, detokenizing, SSE
 formatting, sockets) is all that limits the output, which is what ``lab/bench_http.py --stub`` measures on
 a machine without a GPU.
 """
@@ -40,7 +41,11 @@ class StubEngine:
     (greedy-like: the same request gets the same tokens), EOS never."""
 
     def __init__(self, *, rate: float = math.inf, decode_steps: int = 16, max_num_seqs: int = 256,
-                 vocab_size: int = 50257, n_positions: int = 1024, block_size: int = 16, num_blocks: int = 65536):
+                 vocab_size: int = 50257, n_positions: int = 1024, block_size: int = 16, num_blocks: int = 65536,
+                 host_ms: float = 0.0):
+        if not host_ms >= 0:
+            raise ValueError(f"host_ms: expected milliseconds >= 0, got {host_ms!r}")
+        self.host_s = host_ms / 1e3
         if not rate > 0:
             raise ValueError(f"rate: expected tokens/s > 0 (inf: no pacing), got {rate!r}")
         if not 1 <= decode_steps <= 64:
@@ -58,7 +63,7 @@ class StubEngine:
 
     def describe(self) -> dict:
         return {"backend": "stub", "dtype": "none", "device": "cpu", "rate_tok_s": self.rate,
-                "decode_steps": self.decode_steps, "max_num_seqs": self.max_num_seqs}
+                "decode_steps": self.decode_steps, "max_num_seqs": self.max_num_seqs, "host_ms": self.host_s * 1e3}
 
     # -- the engine's surface -----------------------------------------------------------------------------
     def add_request(self, prompt, sampling=None, *, request_id=None, stream=None, **_):
@@ -88,6 +93,10 @@ class StubEngine:
 
     def step(self) -> list:
         t0 = time.perf_counter()
+        if self.host_s and (self.scheduler.running or self.scheduler.waiting):
+            # the engine's own host work (scheduling, sampling, launches): the GIL held, as Python holds it
+            while time.perf_counter() - t0 < self.host_s:
+                pass
         sch, pool, vocab = self.scheduler, self.pool, self.config.vocab_size
         while sch.waiting and len(sch.running) < self.max_num_seqs:
             req = sch.waiting.popleft()
