@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,8 @@ import torch
 from tritune.model import quant as Q
 from tritune.model.graphs import DecodeGraphs  # noqa: F401  (re-exported)
 from tritune.model.kv_cache import BlockPool
-from tritune.model.runner import GRAPH_BUCKETS, ModelRunner, forward_step  # noqa: F401  (forward_step re-exported)
+from tritune.model.runner import (GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, ModelRunner,  # noqa: F401
+                                  forward_step)  # (forward_step re-exported)
 from tritune.model.sampling import Sampler, sample  # noqa: F401  (sample re-exported)
 from tritune.model.scheduler import (FINISHED, ContextLimitError, Request, SamplingParams,  # noqa: F401
                                      Scheduler, SchedulerOutput)
@@ -123,6 +124,12 @@ class Engine:
     caller's work on the tokens a step handed over (streaming them, detokenizing, printing) then overlaps
     the GPU's next steps instead of leaving it idle (``tritune generate``: about 30 us of host work per
     token at batch 1, against about 130 us of GPU). A token then reaches its stream one ``step()`` later.
+    ``graph_prefill_tokens`` (default 64): a step with at most this many prefill tokens runs them inside
+    the device-side decode step, beside its decodes (:mod:`~tritune.model.runner`); 0: prefills eager.
+    ``long_prefill_token_threshold`` (chunked prefill only; default None: off): at most this many tokens of
+    one prompt per step, e.g. ``graph_prefill_tokens`` so that every chunk takes that path.
+    ``path_counts``: how many steps took each path ("graph": decode-only replays, "graph-mixed",
+    "graph-prefill", "graph" beside an eager prefill is "graph+eager", "eager", "mixed", "compile", "spec").
     """
 
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory_bytes: int | None = None,
@@ -132,7 +139,8 @@ class Engine:
                  graph_buckets=GRAPH_BUCKETS, prefill_batching: bool | None = None, prefill_min_seats: int | None = None,
                  prefill_max_wait: int = 8, decode_steps: int = 16, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = False, policy: str = "fcfs", speculative=None, batch_invariant: bool = False,
-                 run_ahead: bool = False, fused_decode="auto"):
+                 run_ahead: bool = False, fused_decode="auto", graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS,
+                 long_prefill_token_threshold: int | None = None):
         Q.check_mode(quant)
         given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
                                 ("kv_memory_fraction", kv_memory_fraction)) if v is not None]
@@ -184,11 +192,12 @@ class Engine:
                                    max_num_batched_tokens=max_batch_tokens, eos_token_id=c.eos_token_id,
                                    vocab_size=c.vocab_size, policy=policy,
                                    enable_prefix_caching=enable_prefix_caching,
-                                   enable_chunked_prefill=enable_chunked_prefill)
+                                   enable_chunked_prefill=enable_chunked_prefill,
+                                   long_prefill_token_threshold=long_prefill_token_threshold)
         self.max_num_seqs = max_num_seqs
         self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs, cuda_graphs=cuda_graphs,
                                   compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps),
-                                  fused_decode=fused_decode)
+                                  fused_decode=fused_decode, graph_prefill_tokens=graph_prefill_tokens)
         self.runner.invariant = self.batch_invariant
         self.notes += self.runner.notes
         self.sampler = Sampler(self.device)
@@ -199,6 +208,7 @@ class Engine:
         self.timings["tokens"] = 0
         self.gpu_timing = False     # True: CUDA events time the graph replays (stats["graph_gpu_s"])
         self.stats["graph_gpu_s"] = 0.0
+        self.path_counts: Counter = Counter()     # steps per path (see the class docstring)
         # Prefill batching: with a fast decode path, a step that admits requests pays a whole eager forward
         # for its prefills (launch-bound: about as long as many graph decode steps), so while sequences are
         # decoding, admit only once enough seats are free for a batch of prefills (or after
@@ -320,6 +330,7 @@ class Engine:
             if self.spec is not None and self.spec.applies(self, out):
                 before = st["decode_tokens"]
                 finished = self.spec.step(self, out)
+                self.path_counts["spec"] += 1
                 tm["tokens"] += st["decode_tokens"] - before
             elif self._graph_only(out):
                 launched = self._graph_launch(out)
@@ -331,6 +342,7 @@ class Engine:
                 logits, path = self.runner.forward(out)
                 st["mixed_steps"] += path == "mixed"
                 st["graph_steps"] += path == "graph"
+                self.path_counts["graph+eager" if path == "graph" and out.prefill else path] += 1
                 tokens = self.sampler(out.requests, logits)
                 t2 = time.perf_counter()
                 tm["forward_s"] += t2 - t1
@@ -448,6 +460,7 @@ class Engine:
         tm["tokens"] += n
         st["steps"] += K
         st["graph_steps"] += K
+        self.path_counts["graph"] += K
         st["multi_steps"] += K > 1
         if K > 1 and self.scheduler.waiting and self.prefill_batching:
             self._waited += K - 1      # each replay was a step the queue waited
@@ -465,7 +478,8 @@ class Engine:
         return {"backend": self.model.backend, "dtype": str(self.dtype).replace("torch.", ""),
                 "device": str(self.device), "quant": self.quant, "cuda_graphs": self.graphs is not None,
                 "compile": self.runner.compiled is not None, "batch_invariant": self.batch_invariant,
-                "run_ahead": self.run_ahead,
+                "run_ahead": self.run_ahead, "graph_prefill_tokens": self.runner.graph_prefill_tokens,
+                "long_prefill_token_threshold": self.scheduler.long_prefill_token_threshold,
                 "num_blocks": self.pool.num_blocks,
                 "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
                 "max_batch_tokens": self.scheduler.max_num_batched_tokens, "prefill_batching": self.prefill_batching,

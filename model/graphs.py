@@ -23,6 +23,7 @@ import contextlib
 import time
 
 import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -252,7 +253,8 @@ class DecodeGraphs:
 
     def load(self, ids, positions, stops, eos, tables):
         """Set rows 0..B-1 (the rest of the bucket: padding): input token, its position, the position at
-        which the row stops, its EOS id (-1: none), its block table (BlockTable or list of block ids)."""
+        which the row stops, its EOS id (-1: none), its block table (BlockTable or list of block ids; rows
+        of one prefill chunk pass the same object)."""
         B = len(ids)
         b, Bm, n = self.bucket(B), self.Bmax, self.n
         n[:B] = ids
@@ -262,16 +264,25 @@ class DecodeGraphs:
         n[3 * Bm:3 * Bm + B] = eos
         bt = n[4 * Bm:].reshape(Bm, self.mb)
         rows, lens = self._rows, self._row_len
-        for i, t in enumerate(tables):       # a row's table only grows: write just its new blocks
+        i = 0
+        while i < B:                         # a row's table only grows: write just its new blocks
+            t = tables[i]
             blocks = t.blocks if hasattr(t, "blocks") else t
             k = len(blocks)
-            if rows[i] is t:
+            j = i + 1
+            while j < B and tables[j] is t:  # rows sharing one table (a prefill chunk's tokens): one write
+                j += 1
+            if j > i + 1 and not all(rows[r] is t and lens[r] == k for r in range(i, j)):
+                bt[i:j, :k] = np.asarray(blocks, np.int32)
+                rows[i:j], lens[i:j] = [t] * (j - i), [k] * (j - i)
+            elif rows[i] is t:
                 if k != lens[i]:
                     bt[i, lens[i]:k] = blocks[lens[i]:]
                     lens[i] = k
             else:
                 bt[i, :k] = blocks
                 rows[i], lens[i] = t, k
+            i = j
         # The previous load's copy is done: every caller syncs on its tokens before loading again.
         k = 4 * Bm + b * self.mb
         self.d[:k].copy_(self.h[:k], non_blocking=True)

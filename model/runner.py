@@ -8,6 +8,16 @@ causal attention over the prefill rows, paged attention over the decode rows), a
 every new K/V at once. With CUDA graphs (or ``torch.compile``) the decode rows go through the captured
 graph of their batch-size bucket (:class:`~tritune.model.graphs.DecodeGraphs`) and the prefill rows
 through an eager forward of their own: a graph cannot hold the prefills' shapes, which change every step.
+
+Unless the prefill rows are few (``graph_prefill_tokens``): then they ride in the captured step as decode
+rows. The device-side step already gives every row its own position, block table and context length, and
+each layer writes every row's K/V before any row attends, so a prefill chunk of C tokens from position s
+(the tokens before s in the cache: an earlier chunk, or a prefix-cache hit) is C rows at positions s ..
+s + C - 1 with the sequence's table: row i attends to s + i + 1 tokens, rows < i of its own chunk included
+(paged attention per query row, as speculative verification and the batch-invariant mode run it). A step of
+decodes + a short chunk, or a short prefill alone, then costs one graph replay instead of an eager forward
+(~100 launches from Python, several ms). The price: paged attention reads a row's whole context per query
+row (O(C * context) bytes against a flash kernel's O(context)), which is why the rows are capped.
 """
 from __future__ import annotations
 
@@ -23,6 +33,13 @@ from tritune.model.graphs import DecodeGraphs
 from tritune.model.quant import is_quantized
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Prefill rows a step may run inside the captured decode step (0: none). A prefill row costs what a decode
+# row costs in every linear (on the H100, GPT-2 small's linears stay bound by their weight reads well past
+# 100 rows, so 64 more rows add little), but its attention reads its whole context through paged attention
+# (per query row): 64 rows of a 2048-token context re-read that sequence's K/V 64 times per layer (mostly
+# from L2). 64 keeps a chunk near the cost of one decode step while taking prefix-cache suffixes (16-64
+# tokens) whole; the scheduler's long_prefill_token_threshold cuts long prompts to fit.
+GRAPH_PREFILL_TOKENS = 64
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,6 +224,21 @@ def _both_totals(b: int, n: int) -> list[list[int]]:
     return [[n] * b, [n] * (b - 1) + [n - cut]]
 
 
+def prefill_buckets(buckets, max_rows: int) -> list[int]:
+    """``buckets`` of the decode step extended to hold ``max_rows`` rows (decodes + prefill rows): the
+    doublings of its largest bucket below that (from 32: a smaller one saves little), then ``max_rows``
+    rounded up to 16."""
+    top = max(buckets)
+    ext, b = [], 2 * top
+    while b < max_rows:
+        if b >= 32:
+            ext.append(b)
+        b *= 2
+    if max_rows > top:
+        ext.append(-(-max_rows // 16) * 16)
+    return sorted(set(buckets) | set(ext))
+
+
 def _tables_array(context_lens, tables, min_blocks: int = 1) -> np.ndarray:
     """(B, 1 + max blocks) int32: each row's context length, then its block ids (zero-padded)."""
     mb = max(min_blocks, max(len(t.blocks) for t in tables))
@@ -224,14 +256,21 @@ class ModelRunner:
     otherwise off, said in ``notes``); ``"eager"`` runs that same device-side step without capturing it
     (any device and backend: the host logic of the graph path, testable on the CPU); False: none.
     ``compile``: torch.compile the decode forward instead (the triton backend's through torch.ops.tritune).
+    ``graph_prefill_tokens``: a step whose prefill rows number at most this (and fit the largest bucket with
+    its decodes) runs them inside the device-side step (the module docstring); the buckets grow to hold
+    ``max_num_seqs`` + this many rows. 0: prefills always eager.
     """
 
     invariant = False       # batch-invariant mode (the Engine sets it; tritune.model.invariant)
 
     def __init__(self, model, pool, *, max_num_seqs: int, cuda_graphs=True, compile: bool = False,
-                 graph_buckets=GRAPH_BUCKETS, hist: int = 16, fused_decode="auto"):
+                 graph_buckets=GRAPH_BUCKETS, hist: int = 16, fused_decode="auto",
+                 graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS):
         if cuda_graphs not in (True, False, "eager"):
             raise ValueError(f"cuda_graphs: expected True, False or 'eager', got {cuda_graphs!r}")
+        if isinstance(graph_prefill_tokens, bool) or not isinstance(graph_prefill_tokens, int) \
+                or graph_prefill_tokens < 0:
+            raise ValueError(f"graph_prefill_tokens: expected an int >= 0, got {graph_prefill_tokens!r}")
         if cuda_graphs and compile:
             raise ValueError("cuda_graphs and compile: pick one fast decode path")
         self.config = model.config
@@ -244,6 +283,9 @@ class ModelRunner:
         buckets = [b for b in graph_buckets if b < max_num_seqs] + [min(
             max_num_seqs, next((b for b in graph_buckets if b >= max_num_seqs), max_num_seqs))]
         buckets = sorted(set(buckets))
+        self.graph_prefill_tokens = graph_prefill_tokens if cuda_graphs else 0
+        if self.graph_prefill_tokens:
+            buckets = prefill_buckets(buckets, max(buckets) + graph_prefill_tokens)
         self.graphs = None
         self.compiled = None
         if cuda_graphs == "eager":
@@ -265,6 +307,10 @@ class ModelRunner:
                                            buckets, hist=hist)
                 self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
                                   f"(captured in {self.graphs.capture_s:.1f} s)")
+        if self.graphs is None:
+            self.graph_prefill_tokens = 0
+        elif self.graph_prefill_tokens:
+            self.notes.append(f"prefill rows in the device-side step: up to {self.graph_prefill_tokens} a step")
         if compile:
             if is_quantized(model):
                 self.notes.append("compile off: quantized linears have no compiled decode")
@@ -298,11 +344,23 @@ class ModelRunner:
         """Whether B decode rows fit a bucket of the device-side step."""
         return self.graphs is not None and self.graphs.bucket(B) is not None
 
+    def graph_prefill(self, out) -> bool:
+        """Whether a step's prefill rows ride in the device-side step: at most ``graph_prefill_tokens`` of
+        them, fitting the largest bucket with the step's decodes."""
+        P = self.graph_prefill_tokens
+        if not P or not out.prefill:
+            return False
+        Tp = sum(map(len, out.prefill_ids))
+        return Tp <= P and Tp + len(out.decode) <= self.graphs.Bmax
+
     # -------------------------------------------------------------------------------------- forwards
     def forward(self, out) -> tuple[torch.Tensor, str]:
         """The logits of a scheduled step (prefills' last tokens, then decodes), and the path it took:
         "eager" (one forward), "mixed" (one forward of prefills and decodes), "graph" or "compile" (the
-        decodes on their fast path, prefills eager beside them)."""
+        decodes on their fast path, prefills eager beside them), "graph-mixed" or "graph-prefill" (the
+        prefill rows inside the device-side step, with the decodes or alone)."""
+        if self.graph_prefill(out):
+            return self._graph_rows(out), "graph-mixed" if out.decode else "graph-prefill"
         Td = len(out.decode)
         ctx = {"prefill_starts": out.prefill_starts, "prefill_tables": out.prefill_tables,
                "sample": out.prefill_sample}
@@ -326,6 +384,28 @@ class ModelRunner:
             parts.append(self._compiled_decode(out.decode_ids, out.decode_positions, out.decode_slots,
                                                out.context_lens, out.decode_tables)[:Td])
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), fast
+
+    def _graph_rows(self, out) -> torch.Tensor:
+        """A step's decodes and prefill rows as one step of the device-side graph: the decodes in rows
+        0..Td-1 (the rows a decode-only step gives them, so their block tables stay loaded), then each
+        prefill token a row of its own, the sequence's table shared. One step: every row stops after it.
+        Logits in :meth:`forward`'s order: each sampled prefill's last row, then the decodes."""
+        Td = len(out.decode)
+        ids, pos, tables = list(out.decode_ids), list(out.decode_positions), list(out.decode_tables)
+        last = []
+        for toks, s, t, smp in zip(out.prefill_ids, out.prefill_starts, out.prefill_tables, out.prefill_sample):
+            ids += toks
+            pos += range(s, s + len(toks))
+            tables += [t] * len(toks)
+            if smp:
+                last.append(len(ids) - 1)
+        B = len(ids)
+        self.graphs.load(ids, pos, [p + 1 for p in pos], [-1] * B, tables)
+        logits = self.graphs.run(B, 1)
+        if not last:
+            return logits[:Td]
+        rows = torch.from_numpy(np.asarray(last + list(range(Td)), np.int64)).to(self.device, non_blocking=True)
+        return logits.index_select(0, rows)
 
     def graph_decode(self, ids, positions, stops, eos, tables, steps: int, gpu_timing: bool = False, draw=None):
         """``steps`` decode steps of these rows on the device-side step, one host sync at the end.

@@ -17,6 +17,9 @@ allow; a request added between steps joins at the next one.
 - Chunked prefill (``enable_chunked_prefill``): a prompt longer than what is left of the step's budget is
   computed a chunk per step, in the same steps as the decodes (which come first: they are never held
   up by a long prompt), and samples its first token only with its last chunk.
+  ``long_prefill_token_threshold`` caps one prompt's chunk per step (as vLLM's option of that name): the
+  engine's device-side step takes prefill rows only up to a few dozen a step, so chunks that small keep
+  every step of a long prompt on it, and the decodes beside it at their pace.
 
 The model sees a :class:`SchedulerOutput`: prefills (the tokens computed this step, from ``start``, with
 their cache slots; positions before ``start`` are in the cache) and decodes (each sequence's last token,
@@ -178,7 +181,8 @@ class Scheduler:
     def __init__(self, pool: BlockPool, n_positions: int, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, eos_token_id: int | None = None,
                  vocab_size: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 policy: str = "fcfs", enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False):
+                 policy: str = "fcfs", enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
+                 long_prefill_token_threshold: int | None = None):
         self.pool, self.n_positions = pool, n_positions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(n_positions, 2048) if max_num_batched_tokens is None \
@@ -189,6 +193,15 @@ class Scheduler:
             raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
         self.policy = policy
         self.chunked = bool(enable_chunked_prefill)
+        t = long_prefill_token_threshold
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+                raise ValueError(f"long_prefill_token_threshold: expected an int >= 1 or None, got {t!r}")
+            if not self.chunked:
+                raise ValueError("long_prefill_token_threshold: cuts prompts into chunks; it needs "
+                                 "enable_chunked_prefill=True")
+        self.long_prefill_token_threshold = t
+        self._chunk_cap = t if t is not None else math.inf    # tokens of one prompt per step
         pool.enable_caching = bool(enable_prefix_caching)
         if isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int) \
                 or self.max_num_batched_tokens < 1:
@@ -314,7 +327,7 @@ class Scheduler:
                 reserved -= 1
                 n = 1
             else:                           # a prompt being prefilled in chunks
-                n = min(left, budget - reserved)
+                n = min(left, budget - reserved, self._chunk_cap)
                 if n <= 0:
                     continue
             end = req.num_computed + n
@@ -356,7 +369,8 @@ class Scheduler:
                 hashes = pool.hash_blocks(ids, 0, (n - 1) // bs)
                 hit = pool.match(hashes)
             start = len(hit) * bs
-            end = n if n - start <= budget else start + budget if self.chunked else None
+            take = min(budget, self._chunk_cap)
+            end = n if n - start <= take else start + take if self.chunked else None
             if end is None:
                 break
             need = math.ceil(end / bs) - len(hit) + pool.num_evictable(hit)

@@ -345,7 +345,7 @@ def test_multi_step_decode_stops_at_eos_and_falls_back(step_model):
 def test_cuda_graph_decode_matches_eager_and_padding_writes_nothing():
     m = tiny_model("triton", device="cuda")
     eng = Engine(m, num_blocks=64, block_size=4, cuda_graphs=True, max_num_seqs=8)
-    assert eng.graphs is not None and eng.graphs.buckets == [1, 2, 4, 8]
+    assert eng.graphs is not None and eng.graphs.buckets[:4] == [1, 2, 4, 8]   # (then the prefill rows' buckets)
     ps = prompts(3, seed=9)
     for p in ps:                                 # 3 decodes run in the bucket of 4: one padding row
         eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True))
