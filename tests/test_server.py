@@ -581,12 +581,21 @@ def test_failed_warm_up_is_reported(model, tok):
 
 
 @pytest.mark.gpu
-def test_gpu_graph_engine_serves_concurrent_streams():
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_gpu_graph_engine_serves_concurrent_streams(mode):
     """The GPU path: triton backend, CUDA graphs, several greedy decode steps per host sync (tokens arrive
-    in bursts). 64 concurrent streams of exact lengths, no errors, every block back, the graph path used."""
-    model = GPT2.from_pretrained(default_model_dir(), backend="triton", dtype=torch.bfloat16)
-    tok = Tokenizer.from_dir(model.directory)
-    engine = Engine(model, max_num_seqs=64, kv_memory_fraction=0.05, cuda_graphs=True, tokenizer=tok)
+    in bursts). 64 concurrent streams of exact lengths, no errors, every block back, the graph path used;
+    the engine in a thread of the server or in an engine process."""
+    from tritune.model.serve_proc import EngineProcess
+
+    kw = dict(max_num_seqs=64, kv_memory_fraction=0.05, cuda_graphs=True)
+    tok = Tokenizer.from_dir(default_model_dir())
+    if mode == "thread":
+        model = GPT2.from_pretrained(default_model_dir(), backend="triton", dtype=torch.bfloat16)
+        engine = Engine(model, tokenizer=tok, **kw)
+    else:
+        engine = EngineProcess("tritune.model.serve_proc:gpt2_engine", {
+            "model": str(default_model_dir()), "backend": "triton", "dtype": "bfloat16", "engine": kw})
     ts = ThreadServer(create_app(engine, tok, NAME))
     try:
         g = torch.Generator().manual_seed(3)
@@ -610,7 +619,8 @@ def test_gpu_graph_engine_serves_concurrent_streams():
         got = asyncio.run(main())
         for (ids, text), m in zip(got, lens):
             assert len(ids) == m and text == tok.decode(ids)
-        assert engine.stats["graph_steps"] > 0, engine.stats
+        stats = engine.stats if mode == "thread" else engine.run_sync(engine.stats())["engine_stats"]
+        assert stats["graph_steps"] > 0, stats
         h = wait_idle(ts)
         assert h["kv_blocks_used"] == 0
     finally:
