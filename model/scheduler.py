@@ -318,11 +318,16 @@ class Scheduler:
         pool = self.pool
         budget = self.max_num_batched_tokens
         # Decodes first: their tokens are counted before any chunk takes what is left of the budget.
-        reserved = sum(r.num_tokens - r.num_computed == 1 for r in self.running)
-        for req in list(self.running):
+        # (This loop runs over every running sequence each step: the common case, a decode whose block
+        # has room, touches no property and allocates nothing.)
+        bs = pool.block_size
+        caching = pool.enable_caching
+        running = list(self.running)
+        lefts = [len(r.prompt_ids) + len(r.output_ids) - r.num_computed for r in running]
+        reserved = lefts.count(1)
+        for req, left in zip(running, lefts):
             if req.state != RUNNING:        # preempted for an earlier one, earlier in this loop
                 continue
-            left = req.num_tokens - req.num_computed
             if left == 1:
                 reserved -= 1
                 n = 1
@@ -331,30 +336,32 @@ class Scheduler:
                 if n <= 0:
                     continue
             end = req.num_computed + n
-            while req.table.blocks_needed(end) > pool.num_free:
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            if req.state != RUNNING:
-                continue
-            req.table.ensure_capacity(end)
+            table = req.table
+            if end > len(table.blocks) * bs:
+                while table.blocks_needed(end) > pool.num_free:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is req:
+                        break
+                if req.state != RUNNING:
+                    continue
+                table.ensure_capacity(end)
             budget -= n
             if left == 1:
-                pos = req.num_tokens - 1
+                pos = end - 1
                 out.decode.append(req)
                 n_prompt = len(req.prompt_ids)    # (not all_ids: that copies the whole sequence)
                 out.decode_ids.append(req.prompt_ids[pos] if pos < n_prompt else req.output_ids[pos - n_prompt])
                 out.decode_positions.append(pos)
-                out.decode_slots.append(req.table.slot(pos))
-                out.decode_tables.append(req.table)
+                out.decode_slots.append(table.blocks[pos // bs] * bs + pos % bs)
+                out.decode_tables.append(table)
             else:
                 self._add_prefill(out, req, req.num_computed, end)
             # blocks whose K/V this step computes are found by prefills later in it, and in later steps
             # (a decode fills a block once per block_size steps: all_ids, a copy, only then)
-            if pool.enable_caching and end // pool.block_size > len(req.table.hashes):
-                req.table.cache_full(req.all_ids, end)
+            if caching and end // bs > len(table.hashes):
+                table.cache_full(req.all_ids, end)
 
         # Admit in policy order (no skipping ahead: the head would starve). Not after a preemption: the
         # blocks just freed belong to the request at the front, once there is room.
