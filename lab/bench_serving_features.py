@@ -226,9 +226,11 @@ def run_mixed_part(args, out_path: Path, model_dir: Path) -> dict:
     long_prompt, out_len = min(long_prompt, ctx - 4), min(out_len, ctx - 64)
     Ps = [int(x) for x in args.graph_tokens.split(",") if x.strip()]
     chunked = dict(enable_chunked_prefill=True, max_batch_tokens=chunk)
-    runs = {"unchunked": dict(graph_prefill_tokens=0), "chunked": dict(chunked, graph_prefill_tokens=0)}
-    for P in Ps:
-        runs[f"chunked_graph_{P}"] = dict(chunked, graph_prefill_tokens=P, long_prefill_token_threshold=P)
+    graph = {f"chunked_graph_{P}": dict(chunked, graph_prefill_tokens=P, long_prefill_token_threshold=P) for P in Ps}
+    # the new path's first setting first: a part cut short by its time limit keeps it
+    first = next(iter(graph))
+    runs = {first: graph.pop(first), "chunked": dict(chunked, graph_prefill_tokens=0), **graph,
+            "unchunked": dict(graph_prefill_tokens=0)}
     res = {"shape": {"decodes": n_dec, "decode_prompt": 64, "long_prompt": long_prompt, "long_prompts": n_long,
                      "output_len": out_len, "chunk": chunk, "max_num_seqs": seqs},
            "runs": runs, "results": {}, "errors": {}}
