@@ -9,7 +9,10 @@ to the end and returns that result. There is no second decode loop here: the tok
 first use and kept while the model lives), with its CUDA graphs of the decode step where the model can
 use them (decoding then runs up to ``decode_steps`` steps per host sync, sampled tokens drawn on the
 device between steps). That engine runs ahead (``Engine(run_ahead=True)``): while the caller streams,
-detokenizes and prints one batch of tokens, the device already computes the next.
+detokenizes and prints one batch of tokens, the device already computes the next. Its batches are the
+engine's longest (``decode_steps=GENERATE_DECODE_STEPS``): between two batches the device waits while the
+host lands one batch and queues the next (~0.15 ms on an H100), which at 16 steps a batch cost the packaged
+model's batch-1 decode (~0.13 ms a token) 5-7%; at 64 it is under 2%, and 64 tokens still stream within ~10 ms.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from tritune.model.scheduler import SamplingParams
 from tritune.model.tokenizer import IncrementalDecoder
 
 _DEFAULT = object()
+GENERATE_DECODE_STEPS = 64      # decode steps per host round trip of the batch-1 engine (the module docstring)
 
 
 @dataclass
@@ -90,7 +94,8 @@ def engine_for(model, *, block_size: int = 16, cuda_graph: bool | None = None, t
     if eng is None:
         eng = Engine(model, num_blocks=-(-model.config.n_positions // block_size), block_size=block_size,
                      speculative=speculative,
-                     max_num_seqs=1, cuda_graphs=mode, tokenizer=tokenizer, run_ahead=True)
+                     max_num_seqs=1, cuda_graphs=mode, tokenizer=tokenizer, run_ahead=True,
+                     decode_steps=GENERATE_DECODE_STEPS)
         per_model[key] = eng
     return eng
 
