@@ -48,7 +48,7 @@ for ph in ${PHASES:?}; do case $ph in
   hf) t hf ${HF_LIM:-300} python lab/bench_hf_patch.py $W/hf ${HF_ARGS:-} ;;
   http) t http $(( ${HTTP_LIM:-270} + 30 )) python lab/bench_http.py $W/http --time-limit ${HTTP_LIM:-270} ${HTTP_ARGS:-} ;;
   quant) t quant 300 python lab/eval_quant.py --out $W/eval_quant.json ;;
-  serving) t serving $(( ${SERV_LIM:-270} + 20 )) python lab/bench_serving_features.py $W/serving --time-limit ${SERV_LIM:-270} ;;
+  serving) t serving $(( ${SERV_LIM:-270} + 20 )) python lab/bench_serving_features.py $W/serving --time-limit ${SERV_LIM:-270} ${SERV_ARGS:-} ;;
   invariant) t invariant $(( ${INV_LIM:-200} + 30 )) python lab/bench_batch_invariance.py --out $W/invariant -n 128 --budget-s ${INV_LIM:-200} ;;
   fa3) t fa3 $(( ${FA3_LIM:-180} + 40 )) python lab/bench_attention_fa3_grid.py $W/fa3 --budget-s ${FA3_LIM:-180} --emit ;;
   fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ;;

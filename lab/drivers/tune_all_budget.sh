@@ -14,7 +14,7 @@ if [ ! -f /tmp/installed ]; then
 fi
 export TRITON_CACHE_DIR=/tmp/tcache
 S=/tmp/tune
-if [ ! -d $S ] && [ -d ../.tune/h200-budget ]; then mkdir -p $S && cp -r ../.tune/h200-budget ../.tune/h200-budget.journal $S/; echo "restored storage"; fi
+for T in .tune ../.tune; do if [ ! -d $S ] && [ -d $T/h200-budget ]; then mkdir -p $S && cp -r $T/h200-budget $T/h200-budget.journal $S/; echo "restored storage from $T"; fi; done
 mkdir -p $S/pkg-h100 $OUT/tuneall && ln -sfn $PWD/tuning/configs/nvidia-h100-80gb-hbm3 $S/pkg-h100/
 slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
 echo "slug $slug commit $(cat .commit 2>/dev/null) step ${STEP:-tune}"
