@@ -48,8 +48,55 @@ EAGER: dict = {}
 def _op(name: str, mutates_args: tuple):
     def register(fn):
         EAGER[name] = fn
-        return torch.library.custom_op(f"{_NS}::{name}", mutates_args=mutates_args)(fn)
+        op = torch.library.custom_op(f"{_NS}::{name}", mutates_args=mutates_args)(fn)
+        fake = op.register_fake
+
+        def register_fake(impl):  # every fake first makes sure inductor has the ops' explicit fallbacks
+            def traced(*args, **kwargs):
+                if not _FALLBACKS["done"]:
+                    inductor_fallbacks()
+                return impl(*args, **kwargs)
+            return fake(traced)
+
+        op.register_fake = register_fake
+        return op
     return register
+
+
+# Inductor lowers an op it has no lowering for through its implicit-fallback path, which first builds the
+# log line "Creating implicit fallback for: <op>(<its args' IR>)". torch <= 2.11 builds it at every such op
+# whatever the log level (an eager ``operator_str``; a LazyString from 2.12 on), and an argument's IR
+# prints its inputs' IR recursively, with no memo: on a residual stream, where each layer's output reads
+# the layer's input twice (through attention and as the GEMM epilogue's residual), the text doubles per
+# op, and the 12-layer patched HF GPT-2's decode graph never finished lowering (over 420 s on an H100;
+# lab/probes/hf_compile_time.py --as-211 grows ~4x a layer on the CPU). Registering the same fallback
+# (same layout constraint from the op's tags) up front skips that path. Done at the first fake call (the
+# tracing that precedes any lowering) because importing inductor costs ~2 s, more than every op here.
+_FALLBACKS = {"done": False}
+
+
+def inductor_fallbacks() -> bool:
+    """Register each ``torch.ops.tritune`` op with inductor as an explicit fallback: the compiled graph
+    calls the op (our launcher) with the strides its fake saw, as inductor's implicit fallback would,
+    without building the implicit path's log text. Once a process; False where inductor is unavailable."""
+    if _FALLBACKS["done"]:
+        return _FALLBACKS["ok"]
+    _FALLBACKS.update(done=True, ok=False)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    try:
+        with _disable_current_modes():  # called from a fake: inductor's import must not build fake tensors
+            from torch._inductor import lowering
+            from torch._library.utils import get_layout_constraint_tag
+    except Exception:  # pragma: no cover - a torch without inductor: nothing to lower
+        return False
+    for name in OPS:
+        op = getattr(torch.ops.tritune, name).default
+        if op not in lowering.lowerings:
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+    _FALLBACKS["ok"] = True
+    return True
 
 
 def _rows_times(x: Tensor, n) -> tuple:
