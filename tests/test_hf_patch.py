@@ -7,7 +7,13 @@ GPU: the GPT-2 small config, random init, bf16.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+import shutil
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -226,6 +232,74 @@ def test_compiled_forward_static_cache_generate(tiny_dir, pair):
     first = counter.frame_count
     _generate(model, _ids(2, 6, 6), **kw)
     assert counter.frame_count == first
+
+
+class _FormatRecords(logging.Handler):
+    def emit(self, record):
+        record.getMessage()  # what emitting costs: the message built from its arguments
+
+
+@contextlib.contextmanager
+def _fallback_log_built():
+    """Inductor's "Creating implicit fallback for: <op>(<args' IR>)" INFO text built at every implicit
+    fallback, as torch <= 2.11 builds it whatever the log level (from 2.12 on, only when emitted)."""
+    log = logging.getLogger("torch._inductor.graph")
+    handler, level, propagate = _FormatRecords(logging.INFO), log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+@contextlib.contextmanager
+def _within(seconds):
+    """A time limit in the main thread (a compile that would run for hours fails instead)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise TimeoutError(f"over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+DEEP_LAYERS, DEEP_LIMIT_S = 6, 90
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU backend needs a C++ compiler")
+@torch.no_grad()
+def test_deep_patched_model_compiles_in_bounded_time():
+    """Inductor compiles the forward of a 6-layer patched model in well under 90 s (~7 s on the CPU) with
+    the implicit-fallback log text built as torch <= 2.11 builds it. Before the ops were explicit
+    fallbacks that text printed each op's argument IR recursively, doubling with every residual op:
+    3 layers took 21 s, 4 over 100 s (lab/probes/hf_compile_time.py --as-211), GPT-2 small on the H100
+    over 420 s. Output equals eager."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**TINY, "n_layer": DEEP_LAYERS}))
+    model = hf_patch.patch(model.to(DEVICE).eval())
+    ids = _ids(2, 8, 9)
+    want = model(ids, use_cache=False).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: model(x, use_cache=False).logits, backend="inductor", fullgraph=True)
+    with _fallback_log_built(), torch._inductor.config.patch(fx_graph_cache=False), _within(DEEP_LIMIT_S):
+        t0 = time.perf_counter()
+        got = compiled(ids)
+        took = time.perf_counter() - t0
+    cmp.check(got, want, torch.float32, what=f"inductor-compiled {DEEP_LAYERS}-layer patched forward")
+    assert took < DEEP_LIMIT_S
 
 
 # ---------------------------------------------------------------------------------------------------

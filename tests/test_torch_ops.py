@@ -125,6 +125,27 @@ def test_mutated_arguments_are_never_defaulted():
                 assert not arg.has_default_value(), f"{name}: mutated argument {arg.name} has a default"
 
 
+def test_every_op_is_an_explicit_inductor_fallback(monkeypatch):
+    """Inductor has a lowering (our fallback, made before any graph lowers: at the first fake call) for
+    every op, so it never takes its implicit-fallback path, whose log text torch <= 2.11 builds at every
+    op by printing the arguments' IR recursively (exponential on a residual stream: test_hf_patch's
+    test_deep_patched_model_compiles_in_bounded_time)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = []
+    monkeypatch.setitem(torch_ops._FALLBACKS, "done", False)
+    monkeypatch.setattr(torch_ops, "inductor_fallbacks", lambda: calls.append(1))
+    with FakeTensorMode():
+        OPS.gelu(torch.empty(4, 8))
+    assert calls == [1], "a fake call did not register the fallbacks"
+    monkeypatch.undo()
+    assert torch_ops.inductor_fallbacks()
+    from torch._inductor import lowering
+
+    missing = [n for n in torch_ops.OPS if getattr(OPS, n).default not in lowering.lowerings]
+    assert not missing, f"no inductor lowering for {missing}"
+
+
 @pytest.mark.parametrize("dtype", FP, ids=str)
 def test_mutating_ops_called_with_defaults_left_out(dtype):
     """gemv_kv and write_kv called with every optional argument omitted (the call that raised IndexError)."""
