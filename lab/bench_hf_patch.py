@@ -2,6 +2,7 @@
 
     python lab/bench_hf_patch.py RESULTS_DIR [--part generate|prefill|all] [--batches 32 1] [--new 128]
                                  [--prompt 64] [--reps 3] [--time-limit 280] [--variant-limit 150]
+                                 [--smoke [--smoke-backend aot_eager|inductor] [--smoke-layers 2]]
 
 generate: static cache, batch 32 then 1: HF, HF + torch.compile, patched, patched + torch.compile. The
 compiled rows are transformers' own recipe for a static cache: ``generation_config.compile_config =
@@ -15,6 +16,10 @@ says whether the compiled call ran and how many CUDA-graph skips inductor counte
 prefill: 8 x 1024 tokens, one forward without a cache: patched (eager and compiled), HF eager attention,
 HF sdpa eager, HF sdpa under torch.compile; median ms over CUDA-event-timed reps; and the patched
 model's logits against HF's (float64 HF as the reference).
+
+Every row records compile_s (torch.compile's own total: dynamo + AOT + inductor, from
+torch._dynamo.utils.calculate_time_spent after the row's reset; also for a row that failed or timed out)
+beside its warm-up (generate) or first-call (prefill) wall time, and the summary prints both.
 
 The target pair (batch 32 compiled) runs first. Every measurement runs in its own try/except under its
 own time limit (SIGALRM): a failure or a timeout is recorded and the rest still run, until --time-limit
@@ -42,7 +47,8 @@ import torch
 
 # --smoke (the CPU, through the Triton interpreter): a tiny GPT-2 in fp32, compiled rows on aot_eager; it
 # checks the driver's paths, not speed
-SMOKE = {"on": False, "config": dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=2)}
+SMOKE = {"on": False, "config": dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=2),
+         "backend": "aot_eager"}
 VOCAB = 50257
 
 
@@ -66,6 +72,15 @@ def _commit() -> str:
 def _error(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {e}"[:2000],
             "traceback": "".join(traceback.format_exception(e)[-6:])[-4000:]}
+
+
+def _compile_s() -> float:
+    """Seconds torch.compile spent (dynamo + AOT + inductor, all frames) since the last
+    ``torch._dynamo.reset()``, which every row starts with: its compile time."""
+    try:
+        return round(torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0), 2)
+    except Exception:  # pragma: no cover - a torch without the counter
+        return float("nan")
 
 
 class RowTimeout(Exception):
@@ -112,7 +127,7 @@ def _variant(base, patched: bool, compiled: bool):
 
         cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
         if SMOKE["on"]:
-            cc = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+            cc = CompileConfig(fullgraph=True, backend=SMOKE["backend"], mode=None)
             cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless told
         m.generation_config.compile_config = cc
         m.generation_config.disable_compile = False
@@ -140,13 +155,17 @@ def bench_generate(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     s = statistics.median(times)
     return {"batch": batch, "prompt": prompt, "new_tokens": made, "s": s, "tok_s": batch * made / s,
             "ms_per_step": s / made * 1e3, "runs_s": times, "warmup_s": warm_s,
-            "compiled_call": hasattr(model, "_compiled_call"),
+            "compiled_call": hasattr(model, "_compiled_call"), "compile_s": _compile_s(),
             "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0) - skips0}
 
 
 @torch.no_grad()
 def bench_prefill(fn, ids, reps: int) -> dict:
-    for _ in range(1 if SMOKE["on"] else 3):
+    t0 = time.perf_counter()
+    fn(ids)  # a compiled fn compiles here
+    _sync()
+    first_s = time.perf_counter() - t0
+    for _ in range(0 if SMOKE["on"] else 2):
         fn(ids)
     ms = []
     for _ in range(reps):
@@ -161,7 +180,8 @@ def bench_prefill(fn, ids, reps: int) -> dict:
         b.record()
         torch.cuda.synchronize()
         ms.append(a.elapsed_time(b))
-    return {"ms": statistics.median(ms), "runs_ms": ms, "tok_s": ids.numel() / statistics.median(ms) * 1e3}
+    return {"ms": statistics.median(ms), "runs_ms": ms, "tok_s": ids.numel() / statistics.median(ms) * 1e3,
+            "first_s": first_s, "compile_s": _compile_s()}
 
 
 def main(argv=None) -> int:
@@ -176,10 +196,14 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=280.0, help="seconds for the whole run")
     ap.add_argument("--variant-limit", type=float, default=150.0, help="seconds for one row")
     ap.add_argument("--smoke", action="store_true", help="the CPU: a tiny model through the interpreter")
+    ap.add_argument("--smoke-backend", choices=("aot_eager", "inductor"), default="aot_eager",
+                    help="--smoke's compiled generate rows (inductor: its C++ backend, the real lowering)")
+    ap.add_argument("--smoke-layers", type=int, default=2, help="--smoke's model depth")
     args = ap.parse_args(argv)
     if args.smoke:
         global VOCAB
-        SMOKE["on"], VOCAB = True, SMOKE["config"]["vocab_size"]
+        SMOKE["on"], VOCAB, SMOKE["backend"] = True, SMOKE["config"]["vocab_size"], args.smoke_backend
+        SMOKE["config"]["n_layer"] = args.smoke_layers
         args.batches, args.prompt, args.new, args.reps, args.prefill = [2], 5, 3, 1, [2, 16]
     elif not torch.cuda.is_available():
         print("bench_hf_patch: needs a CUDA GPU", file=sys.stderr)
@@ -213,12 +237,15 @@ def main(argv=None) -> int:
                     res[table][key] = fn()
             except Exception as e:
                 res[table][key] = _error(e)
+            if isinstance(res[table][key], dict) and "error" in res[table][key]:
+                res[table][key]["compile_s"] = _compile_s()  # how far a compile that failed or timed out got
             with contextlib.suppress(Exception):  # a row that broke the CUDA context must not end the run here
                 _sync()
                 torch.cuda.empty_cache()
         save()
         v = res[table][key]
-        print(table, key, {k: v[k] for k in ("tok_s", "ms", "compiled_call", "error") if k in v}, flush=True)
+        shown = ("tok_s", "ms", "compile_s", "warmup_s", "first_s", "compiled_call", "error")
+        print(table, key, {k: v[k] for k in shown if k in v}, flush=True)
 
     base = _model()
     if args.part in ("generate", "all"):
@@ -274,14 +301,16 @@ def main(argv=None) -> int:
     res["target_batch32_1.3x"] = None if x is None else x >= 1.3
     save()
     if g:
-        print("\ngenerate (static cache)        tok/s   ms/step")
+        print("\ngenerate (static cache)        tok/s   ms/step  compile s  warm-up s")
         for k, v in g.items():
-            print(f"  {k:28s} {v.get('tok_s', float('nan')):9.1f} {v.get('ms_per_step', float('nan')):8.3f}  "
+            print(f"  {k:28s} {v.get('tok_s', float('nan')):9.1f} {v.get('ms_per_step', float('nan')):8.3f} "
+                  f"{v.get('compile_s', float('nan')):10.1f} {v.get('warmup_s', float('nan')):10.1f}  "
                   f"{v.get('error', '')[:90]}")
     if p:
-        print(f"prefill {args.prefill[0]} x {args.prefill[1]}               ms")
+        print(f"prefill {args.prefill[0]} x {args.prefill[1]}               ms  compile s  first call s")
         for k, v in p.items():
-            print(f"  {k:28s} {v.get('ms', float('nan')):9.3f}  {v.get('error', '')[:90]}")
+            print(f"  {k:28s} {v.get('ms', float('nan')):9.3f} {v.get('compile_s', float('nan')):10.1f} "
+                  f"{v.get('first_s', float('nan')):13.1f}  {v.get('error', '')[:90]}")
     for k, v in ratios.items():
         print(f"  {k:45s} {v:6.2f}x")
     if "target_batch32_1.3x" in res and res["target_batch32_1.3x"] is not None:
