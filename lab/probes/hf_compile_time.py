@@ -12,7 +12,14 @@ Each (variant, what, layers) runs in a subprocess of its own under --limit secon
 A watchdog thread samples the main thread's stack every --sample seconds while it compiles; a run that
 passes half its limit prints the innermost frames it was seen in most (what the compile is stuck on).
 Tiny width (n_embd 64, 2 heads, vocab 128), fp32, on whatever device there is (the CPU: kernels through
-the Triton interpreter, inductor's C++ backend). Prints one line a run and a table; --out writes JSON.
+the Triton interpreter, inductor's C++ backend). Prints one line a run; --out writes JSON.
+--as-211 builds inductor's implicit-fallback log text at every implicit fallback, as torch <= 2.11 does.
+
+Found (2026-11-24, CPU, torch 2.13): without --as-211 every row compiles in 5-12 s at 2..16 layers, hf
+and patched alike. With --as-211, before the ops were explicit inductor fallbacks (kernels/torch_ops.py
+``inductor_fallbacks``), the patched forward took 5 s at 2 layers, 21 s at 3 and over 100 s at 4, the
+samples all in exc.py operator_str <- LazyString.__str__ printing IR; after: 5 s at 4 layers, 7 s at
+12 (forward), 11 s (decode).
 """
 from __future__ import annotations
 
