@@ -226,7 +226,10 @@ def run_mixed_part(args, out_path: Path, model_dir: Path) -> dict:
     long_prompt, out_len = min(long_prompt, ctx - 4), min(out_len, ctx - 64)
     Ps = [int(x) for x in args.graph_tokens.split(",") if x.strip()]
     chunked = dict(enable_chunked_prefill=True, max_batch_tokens=chunk)
-    graph = {f"chunked_graph_{P}": dict(chunked, graph_prefill_tokens=P, long_prefill_token_threshold=P) for P in Ps}
+    # the step's token budget is the seats plus P: every step's prefill rows (a long prompt's chunk, or several
+    # prompts' chunks together) fit the captured step, so no step falls back to an eager prefill forward
+    graph = {f"chunked_graph_{P}": dict(chunked, max_batch_tokens=seqs + P, graph_prefill_tokens=P,
+                                        long_prefill_token_threshold=P) for P in Ps}
     # the new path's first setting first: a part cut short by its time limit keeps it
     first = next(iter(graph))
     runs = {first: graph.pop(first), "chunked": dict(chunked, graph_prefill_tokens=0), **graph,
