@@ -10,10 +10,16 @@ The shape (the idea of vLLM's AsyncLLM / EngineCore split, written for this engi
 - :class:`EngineProcess` (API process) spawns the engine process (``spawn``: CUDA does not survive a
   fork), which builds the engine from plain data (``builder``: "module:function" and its keyword
   arguments), reports the engine's config, warms it up, and then steps while anything is unfinished.
-- One duplex ``multiprocessing`` connection (a Unix socket pair, pickled lists of operations). Each side
-  writes through a sender thread, so neither blocks on the other: the engine never waits for HTTP (when
-  the API process reads late, the steps queued meanwhile go out as one message), and the event loop
-  never waits for the engine between its steps.
+- Two Unix socket pairs, one per direction (``multiprocessing`` connections: pickled lists of
+  operations). Each side writes through a sender thread, so neither blocks on the other: the engine never
+  waits for HTTP (when the API process reads late, the steps queued meanwhile go out as one message), and
+  the event loop never waits for the engine between its steps. The API process reads its end with a
+  frame reader of its own, not ``Connection.recv``: uvloop (libuv's poll) puts a watched descriptor in
+  non-blocking mode, and ``recv`` of a message whose body had not all arrived then raised
+  ``BlockingIOError``, which read as the engine process's death (an H100 serve run lost 256 streams that
+  way while the engine process was alive). A direction of its own per socket keeps the API's writes
+  blocking on a descriptor the loop never touches.
+- The event loop sends what it submits in one tick (adds, aborts) as one message.
 - API -> engine: ``add`` (request id, prompt ids, SamplingParams), ``abort`` (request id), ``stats``,
   ``call`` (run a function of the engine between steps, for benchmarks), ``stop``.
 - Engine -> API: one ``step`` message per engine step: for each request it touched, (id, prompt length
@@ -22,28 +28,39 @@ The shape (the idea of vLLM's AsyncLLM / EngineCore split, written for this engi
   round trip.
 - The engine process dying (a crash, the OOM killer, a kill) is seen at once (the socket's end of file and
   the process sentinel, both on the event loop): every open request ends with an error, new ones answer
-  503, ``/health`` says why; the server stays up. The engine process ignores SIGINT (a terminal's Ctrl-C
+  503, ``/health`` says why; the server stays up. Why is never silent: the engine process sends an
+  exception that ends its loop (type, message, traceback) before it exits, ``faulthandler`` writes a fatal
+  signal's stacks to a file the API process reads, and the exit code or the signal goes into ``/health``,
+  the requests' error events and the log. The engine process ignores SIGINT (a terminal's Ctrl-C
   reaches the whole process group: the API process decides) and exits on ``stop`` or when the API process
   is gone (end of file), so no orphan is left behind.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import faulthandler
 import functools
 import importlib
 import itertools
 import logging
 import os
+import pickle
 import signal
 import socket
+import struct
+import sys
+import tempfile
 import threading
 import time
+import traceback
 import weakref
 
 log = logging.getLogger("tritune.serve")
 
 BUFFER = 4 << 20    # socket buffers: a step's message or a burst of prompts fits without a blocked write
+TRACE = 4096        # admission trace: the last this many requests' times (API submit, engine add)
 
 
 def resolve(path: str):
@@ -75,6 +92,11 @@ class _Sender:
             self.ops.append(op)
             self.cv.notify()
 
+    def put_many(self, ops: list) -> None:
+        with self.cv:
+            self.ops.extend(ops)
+            self.cv.notify()
+
     def close(self, timeout: float = 5.0) -> None:
         with self.cv:
             self.closed = True
@@ -94,6 +116,50 @@ class _Sender:
             except (OSError, ValueError):   # the peer is gone: its side notices on its own
                 self.broken = True
                 return
+
+
+class _Frames:
+    """Reads ``multiprocessing.Connection`` messages from a non-blocking descriptor: whatever has arrived,
+    whole messages out, a partial one kept for the next call (``Connection.recv`` cannot: it raises
+    ``BlockingIOError`` midway through a message and loses its place)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.buf = bytearray()
+        self.eof = False
+
+    def read(self) -> list:
+        """The messages complete so far (each a list of operations); ``eof`` is set at the end of file."""
+        while True:
+            try:
+                chunk = os.read(self.fd, self.CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:         # ECONNRESET: the peer is gone
+                self.eof = True
+                break
+            if not chunk:
+                self.eof = True
+                break
+            self.buf += chunk
+            if len(chunk) < self.CHUNK:
+                break
+        out, buf, pos = [], self.buf, 0
+        while len(buf) - pos >= 4:
+            (n,), head = struct.unpack_from("!i", buf, pos), 4
+            if n == -1:     # Connection's header for a message over 2 GiB
+                if len(buf) - pos < 12:
+                    break
+                (n,), head = struct.unpack_from("!Q", buf, pos + 4), 12
+            if len(buf) - pos < head + n:
+                break
+            out.append(pickle.loads(buf[pos + head:pos + head + n]))
+            pos += head + n
+        if pos:
+            del buf[:pos]
+        return out
 
 
 def _big_buffers(*conns) -> None:
@@ -143,6 +209,7 @@ class _Core:
         self.dirty: list[_Req] = []
         self.steps = 0
         self.load = None
+        self.adds: collections.deque = collections.deque(maxlen=TRACE)   # (request id, monotonic time)
 
     def run(self) -> None:
         eng = self.engine
@@ -178,6 +245,7 @@ class _Core:
         kind, eng = op[0], self.engine
         if kind == "add":
             _, rid, ids, sampling = op
+            self.adds.append((rid, time.monotonic()))
             r = _Req(rid)
             try:
                 req = eng.add_request(ids, sampling, request_id=rid, stream=functools.partial(self._on_token, r))
@@ -198,6 +266,8 @@ class _Core:
         elif kind == "stats":
             self._flush()       # what it reports is at least as new as the last step message
             self.out.put(("stats", op[1], self.stats()))
+        elif kind == "trace":
+            self.out.put(("stats", op[1], list(self.adds)))
         elif kind == "call":
             _, token, fn, args = op
             self._flush()
@@ -256,11 +326,16 @@ class _Core:
         self.out.put(("step", entries, load, self.steps))
 
 
-def _engine_main(conn, builder: str, kwargs: dict, warm_up: str | None) -> None:
-    """The engine process's entry point."""
+def _engine_main(conn, out_conn, builder: str, kwargs: dict, warm_up: str | None, fault_path: str) -> None:
+    """The engine process's entry point: ``conn`` brings operations, ``out_conn`` takes what it sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="engine process: %(levelname)s %(message)s")
-    out = _Sender(conn, "tritune-engine-send")
+    # A fatal signal (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) writes every thread's stack here; the API
+    # process reads it when this process is gone, logs it (stderr) and says it on /health.
+    fault = open(fault_path, "w")   # noqa: SIM115 (open for the process's life: faulthandler keeps its fd)
+    faulthandler.enable(file=fault, all_threads=True)
+    out = _Sender(out_conn, "tritune-engine-send")
+    code = 0
     try:
         try:
             engine = resolve(builder)(**kwargs)
@@ -282,8 +357,30 @@ def _engine_main(conn, builder: str, kwargs: dict, warm_up: str | None) -> None:
                 return
         out.put(("ready", engine_load(engine)))
         core.run()
+    except BaseException as e:  # noqa: BLE001 (anything that ends the loop: said, then the process exits 1)
+        code = 1
+        tb = traceback.format_exc()
+        with contextlib.suppress(Exception):
+            fault.write(tb)
+            fault.flush()
+        sys.stderr.write(f"engine process: the loop ended with {type(e).__name__}\n{tb}")
+        out.put(("fatal", type(e).__name__, str(e), tb))
     finally:
         out.close()
+    if code:
+        sys.exit(code)
+
+
+def _describe_exit(code) -> str:
+    if code is None:
+        return "exit status not known yet"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            name = signal.Signals(-code).name
+            hint = " (as the OOM killer ends a process: see dmesg)" if -code == signal.SIGKILL else ""
+            return f"killed by signal {name} ({-code}){hint}"
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,10 +390,11 @@ class EngineStartError(RuntimeError):
     pass
 
 
-def _reap(process, conn) -> None:
+def _reap(process, *conns) -> None:
     """At exit (or when the handle is dropped without stop()): no engine process outlives its server."""
-    with contextlib.suppress(Exception):
-        conn.close()
+    for conn in conns:
+        with contextlib.suppress(Exception):
+            conn.close()
     if process.is_alive():
         process.join(2)
     if process.is_alive():
@@ -324,13 +422,22 @@ class EngineProcess:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        _big_buffers(self._conn, child)
-        self.process = ctx.Process(target=_engine_main, args=(child, builder, dict(kwargs or {}), warm_up),
-                                   name="tritune-engine")
+        self._conn, child_in = ctx.Pipe(duplex=True)     # API -> engine (blocking on both ends)
+        self._up, child_out = ctx.Pipe(duplex=True)      # engine -> API (non-blocking here once started)
+        _big_buffers(self._conn, child_in, self._up, child_out)
+        fd, self.fault_path = tempfile.mkstemp(prefix="tritune-engine-", suffix=".fault")
+        os.close(fd)
+        self.process = ctx.Process(target=_engine_main, args=(child_in, child_out, builder, dict(kwargs or {}),
+                                                              warm_up, self.fault_path), name="tritune-engine")
         self.process.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _reap, self.process, self._conn)
+        child_in.close()
+        child_out.close()
+        self._finalizer = weakref.finalize(self, _reap, self.process, self._conn, self._up)
+        self.fatal: tuple | None = None     # (type, message, traceback) the engine process sent as it ended
+        self.death: dict | None = None      # why it is gone: exit code, signal, error, stacks (/health)
+        self._outbox: list = []             # operations of this event-loop tick, sent as one message
+        self._frames = None
+        self.trace: collections.deque = collections.deque(maxlen=TRACE)  # (request id, arrival, submit)
         self.metrics = None
         self.in_flight = 0
         self.steps = 0
@@ -353,12 +460,14 @@ class EngineProcess:
     def _wait_info(self, timeout: float) -> dict:
         t0 = time.monotonic()
         while True:
-            if self._conn.poll(0.2):
+            if self._up.poll(0.2):
                 try:
-                    ops = self._conn.recv()
+                    ops = self._up.recv()
                 except (EOFError, OSError):
                     ops = []
                 for op in ops:
+                    if op[0] == "fatal":
+                        self.fatal = op[1:]
                     if op[0] == "failed":
                         self._finalizer()
                         _, kind, msg = op
@@ -375,8 +484,22 @@ class EngineProcess:
             if time.monotonic() - t0 > timeout:
                 self._finalizer()
                 raise EngineStartError(f"the engine process was not ready within {timeout:g} s")
+        self.process.join(5)
+        why = _describe_exit(self.process.exitcode)
+        if self.fatal:
+            why += f": {self.fatal[0]}: {self.fatal[1]}"
+        stacks = self._fault_text()
         self._finalizer()
-        raise EngineStartError(f"the engine process exited (code {self.process.exitcode}) before it was ready")
+        raise EngineStartError(f"the engine process exited ({why}) before it was ready"
+                               + (f"\n{stacks}" if stacks else ""))
+
+    def _fault_text(self) -> str:
+        """What faulthandler (a fatal signal's stacks) or the loop's last exception wrote to the file."""
+        try:
+            with open(self.fault_path, errors="replace") as f:
+                return f.read(64 << 10).strip()
+        except OSError:
+            return ""
 
     def describe(self) -> dict:
         return dict(self.info["describe"], engine="process", engine_pid=self.pid)
@@ -388,7 +511,9 @@ class EngineProcess:
         for op in self._early:
             self._handle(op)
         self._early = []
-        loop.add_reader(self._conn.fileno(), self._readable)
+        os.set_blocking(self._up.fileno(), False)     # what uvloop does anyway; asyncio's loop the same
+        self._frames = _Frames(self._up.fileno())
+        loop.add_reader(self._up.fileno(), self._readable)
         loop.add_reader(self.process.sentinel, self._on_exit)
         self._readable()        # what came before the reader was installed
 
@@ -396,6 +521,7 @@ class EngineProcess:
         """Ask the engine process to stop (after its step), then make sure it has: no orphan."""
         self._detach()
         if self._sender is not None:
+            self._send_outbox()
             self._sender.put(("stop",))
             self._sender.close(2)
         else:
@@ -406,12 +532,14 @@ class EngineProcess:
         if self.down is None:
             self.down = "stopped"
         self._fail_open("the server is shutting down")
+        with contextlib.suppress(OSError):
+            os.unlink(self.fault_path)
 
     def _detach(self) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(Exception):
-                loop.remove_reader(self._conn.fileno())
+                loop.remove_reader(self._up.fileno())
             with contextlib.suppress(Exception):
                 loop.remove_reader(self.process.sentinel)
 
@@ -422,14 +550,28 @@ class EngineProcess:
     # -- requests (event-loop thread) -------------------------------------------------------------------
     def submit(self, items) -> None:
         """``items``: (seq, prompt ids, SamplingParams); each is accepted or rejected on its sink."""
+        now = time.perf_counter()
         for seq, ids, sampling in items:
             self._seqs[seq.id] = seq
             self.in_flight += 1
-            self._sender.put(("add", seq.id, ids, sampling))
+            self._post(("add", seq.id, ids, sampling))
+            self.trace.append((seq.id, seq.t_arrival, now))
 
     def abort(self, seq) -> None:
         if not seq.done and self._sender is not None and self.down is None:
-            self._sender.put(("abort", seq.id))
+            self._post(("abort", seq.id))
+
+    def _post(self, op) -> None:
+        """Queue ``op`` for the end of this event-loop tick: a burst of requests parsed in one tick goes to
+        the engine process as one message (one pickle, one write, one wake-up of each side)."""
+        if not self._outbox:
+            self._loop.call_soon(self._send_outbox)
+        self._outbox.append(op)
+
+    def _send_outbox(self) -> None:
+        ops, self._outbox = self._outbox, []
+        if ops and self._sender is not None:
+            self._sender.put_many(ops)
 
     async def stats(self, timeout: float = 10.0) -> dict:
         """A fresh account from the engine process (one round trip)."""
@@ -439,6 +581,11 @@ class EngineProcess:
         """``fn(engine, *args)`` in the engine process, between two steps ("module:function"; the
         arguments and the result are pickled)."""
         return await self._ask(("call", fn, args), timeout)
+
+    async def admission_trace(self, timeout: float = 10.0) -> list:
+        """The engine process's (request id, monotonic time of add_request) of its last requests; with
+        ``trace`` (request id, arrival, submit: perf_counter, the same clock on Linux) the admission ramp."""
+        return await self._ask(("trace",), timeout)
 
     def run_sync(self, coro, timeout: float = 700.0):
         """Run one of the coroutines above from a thread other than the event loop's."""
@@ -450,7 +597,7 @@ class EngineProcess:
         token = next(self._tokens)
         fut = self._loop.create_future()
         self._waiters[token] = fut
-        self._sender.put((op[0], token, *op[1:]))
+        self._post((op[0], token, *op[1:]))     # after this tick's adds and aborts, in order
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -458,11 +605,10 @@ class EngineProcess:
 
     # -- what the engine process sends (event-loop thread) ----------------------------------------------
     def _readable(self) -> None:
-        try:
-            while self._conn.poll():
-                for op in self._conn.recv():
-                    self._handle(op)
-        except (EOFError, OSError):
+        for ops in self._frames.read():
+            for op in ops:
+                self._handle(op)
+        if self._frames.eof:
             self._on_exit()
 
     def _handle(self, op) -> None:
@@ -486,6 +632,9 @@ class EngineProcess:
             self.load = op[1]
         elif kind == "warm_failed":
             self.warming = f"warm-up failed: {op[1]}"
+        elif kind == "fatal":
+            self.fatal = tuple(op[1:])
+            log.error("the engine process's loop ended with %s: %s\n%s", *self.fatal)
 
     def _on_step(self, entries) -> None:
         now, m, seqs = time.perf_counter(), self.metrics, self._seqs
@@ -515,20 +664,51 @@ class EngineProcess:
             seq.sink.put_nowait((seq.index, accepted, tokens, finish, error))
 
     def _on_exit(self) -> None:
-        """The engine process has exited (or its connection broke): end everything open, with the reason."""
-        if self.down is not None:
+        """The engine process has exited (its sentinel) or closed its connection (end of file; it is
+        exiting): end everything open at once, with the reason; the exit status is added when known."""
+        if self.death is not None:
+            if self.death["exit_code"] is None and not self.process.is_alive():
+                self.process.join(0.1)
+                self._record_death()    # the sentinel after the end of file: now the exit status is known
+            self._detach_conn()
             return
-        with contextlib.suppress(EOFError, OSError):    # its last messages first
-            while self._conn.poll():
-                for op in self._conn.recv():
+        if self._frames is not None:
+            for ops in self._frames.read():    # its last messages first (a "fatal" among them)
+                for op in ops:
                     self._handle(op)
-        self.process.join(1)
-        code = self.process.exitcode
-        self.down = ("the engine process died" + (f" (exit code {code})" if code is not None else "")
-                     + "; restart the server")
-        log.error("%s", self.down)
-        self._detach()
+        self.process.join(0.5)
+        self._record_death()
+        self._detach_conn()
         self._fail_open(self.down)
+
+    def _record_death(self) -> None:
+        code = self.process.exitcode
+        stacks = self._fault_text()
+        if self.fatal:
+            error = f"{self.fatal[0]}: {self.fatal[1]}"
+        else:
+            lines = stacks.splitlines()
+            error = lines[0] if lines and lines[0].startswith("Fatal Python error") else None
+        sig = None
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                sig = signal.Signals(-code).name
+        self.death = {"exit_code": code, "signal": sig, "how": _describe_exit(code), "error": error,
+                      "traceback": self.fatal[2] if self.fatal else None, "faulthandler": stacks or None}
+        self.down = (f"the engine process died ({self.death['how']})" + (f": {error}" if error else "")
+                     + "; restart the server")
+        log.error("%s%s", self.down, f"\n{stacks}" if stacks else "")
+
+    def _detach_conn(self) -> None:
+        """Stop reading the connection (its end of file would fire the reader forever); the sentinel
+        stays watched until the process has exited, for its exit status."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._up.fileno())
+            if not self.process.is_alive():
+                with contextlib.suppress(Exception):
+                    loop.remove_reader(self.process.sentinel)
 
     def _fail_open(self, error: str) -> None:
         for seq in list(self._seqs.values()):

@@ -947,6 +947,8 @@ def create_app(engine, tokenizer, model_name: str = "tritune", *, warm_up=None, 
                 "in_flight": server.loop.in_flight, "steps": server.loop.steps, "engine": server.mode}
         if server.mode == "process":
             body["engine_pid"] = server.loop.pid
+            if server.loop.death is not None:   # exit code / signal, the loop's exception, fatal-signal stacks
+                body["engine_death"] = server.loop.death
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request):
