@@ -42,10 +42,15 @@ class StubEngine:
 
     def __init__(self, *, rate: float = math.inf, decode_steps: int = 16, max_num_seqs: int = 256,
                  vocab_size: int = 50257, n_positions: int = 1024, block_size: int = 16, num_blocks: int = 65536,
-                 host_ms: float = 0.0):
+                 host_ms: float = 0.0, fail_after: int | None = None, fail: str = "raise"):
         if not host_ms >= 0:
             raise ValueError(f"host_ms: expected milliseconds >= 0, got {host_ms!r}")
         self.host_s = host_ms / 1e3
+        # For the death tests: from step ``fail_after`` on, "raise" (RuntimeError from step), "exit" (a
+        # BaseException that ends the engine process's loop), "segv" / "kill" (the process gets that signal)
+        if fail not in ("raise", "exit", "segv", "kill"):
+            raise ValueError(f"fail: expected raise, exit, segv or kill, got {fail!r}")
+        self.fail_after, self.fail, self.steps = fail_after, fail, 0
         if not rate > 0:
             raise ValueError(f"rate: expected tokens/s > 0 (inf: no pacing), got {rate!r}")
         if not 1 <= decode_steps <= 64:
@@ -93,6 +98,9 @@ class StubEngine:
 
     def step(self) -> list:
         t0 = time.perf_counter()
+        self.steps += 1
+        if self.fail_after is not None and self.steps > self.fail_after:
+            self._fail()
         if self.host_s and (self.scheduler.running or self.scheduler.waiting):
             # the engine's own host work (scheduling, sampling, launches): the GIL held, as Python holds it
             while time.perf_counter() - t0 < self.host_s:
@@ -124,6 +132,17 @@ class StubEngine:
                 self._debt -= time.perf_counter() - s
             self._debt = max(self._debt, -0.05)  # a slow step does not buy a burst later
         return finished
+
+    def _fail(self) -> None:
+        if self.fail == "raise":
+            raise RuntimeError(f"stub step {self.steps} failed on purpose")
+        if self.fail == "exit":
+            raise KeyboardInterrupt(f"stub step {self.steps} ended the loop on purpose")
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSEGV if self.fail == "segv" else signal.SIGKILL)
+        time.sleep(5)
 
     def _finish(self, req, reason: str) -> None:
         sch = self.scheduler

@@ -748,3 +748,85 @@ def test_a_writer_behind_sends_what_piled_up_as_one_chunk(tok):
     assert done and len(events) == 1
     ch = events[0]["choices"][0]
     assert ch["token_ids"] == ids and ch["text"] == tok.decode(ids) and ch["finish_reason"] == "length"
+
+
+def _stub_process_server(**stub):
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from tritune.model.serve_proc import EngineProcess
+
+    ep = EngineProcess("tritune.model.serve_proc:stub_engine",
+                       dict(vocab_size=512, n_positions=256, max_num_seqs=8, **stub))
+    stok = Tokenizer(HFTokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0")))
+    return ep, ThreadServer(create_app(ep, stok, "stub"))
+
+
+@pytest.mark.parametrize("fail, how, error", [
+    ("exit", "exit code 1", "KeyboardInterrupt: stub step 4 ended the loop on purpose"),
+    ("segv", "killed by signal SIGSEGV", "Fatal Python error: Segmentation fault"),
+    ("kill", "killed by signal SIGKILL", None),
+])
+def test_engine_process_death_says_why(fail, how, error, caplog):
+    """The engine process dies inside step() (an exception that ends its loop, a segfault, SIGKILL): the
+    stream's error event, /health (exit code or signal, the exception's traceback, faulthandler's stacks)
+    and the log say why."""
+    ep, ts = _stub_process_server(rate=200.0, decode_steps=1, fail_after=3, fail=fail)
+    try:
+        body = {"prompt": [1], "max_tokens": 50, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", ts.url + "/v1/completions", json=body, timeout=30) as r:
+            events, done = sse(r.iter_lines())
+        msg = events[-1]["error"]["message"]
+        assert done and "the engine process died" in msg and (error is None or error in msg), msg
+        t0 = time.time()
+        while (h := httpx.get(ts.url + "/health").json()).get("engine_death", {}).get("exit_code") is None:
+            assert time.time() - t0 < 10, h
+            time.sleep(0.05)
+        death = h["engine_death"]
+        assert how in h["status"] and how in death["how"] and (error is None or error in h["status"]), h
+        if fail == "exit":
+            assert death["exit_code"] == 1 and "in step" in death["traceback"], death
+        if fail == "segv":
+            assert death["signal"] == "SIGSEGV" and "in step" in death["faulthandler"], death
+        if fail == "kill":
+            assert death["signal"] == "SIGKILL" and "OOM" in death["how"], death
+        assert any(how in rec.getMessage() for rec in caplog.records if rec.name == "tritune.serve")
+    finally:
+        ts.close()
+
+
+def test_engine_step_exception_fails_its_requests_and_the_engine_goes_on():
+    """step() raises (an Exception): the requests end with the error named; the engine process lives."""
+    ep, ts = _stub_process_server(rate=200.0, decode_steps=1, fail_after=2, fail="raise")
+    try:
+        r = httpx.post(ts.url + "/v1/completions", json={"prompt": [1], "max_tokens": 20}, timeout=30)
+        assert r.status_code == 500 and "RuntimeError: stub step" in r.json()["error"]["message"], r.text
+        h = httpx.get(ts.url + "/health")
+        assert h.status_code == 200 and ep.process.is_alive() and "engine_death" not in h.json()
+    finally:
+        ts.close()
+
+
+def test_frame_reader_keeps_a_half_arrived_message():
+    """The API process's reader on a non-blocking socket (uvloop makes a watched one so): a message whose
+    body arrives in parts is returned once whole, never an error (Connection.recv raised BlockingIOError,
+    which read as the engine's death)."""
+    import multiprocessing as mp
+    import pickle
+    import struct
+
+    from tritune.model.serve_proc import _Frames
+
+    a, b = mp.Pipe()
+    os.set_blocking(a.fileno(), False)
+    fr = _Frames(a.fileno())
+    big = [("step", [(f"r{i}", None, list(range(40)), None, None, 40) for i in range(2000)], {}, 1)]
+    body = pickle.dumps(big)
+    b._send(struct.pack("!i", len(body)))
+    assert fr.read() == [] and not fr.eof
+    b._send(body[:1000])
+    assert fr.read() == [] and not fr.eof
+    b._send(body[1000:])
+    b.send([("ready", {})])
+    assert fr.read() == [big, [("ready", {})]]
+    b.close()
+    assert fr.read() == [] and fr.eof
