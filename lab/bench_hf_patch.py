@@ -3,6 +3,7 @@
     python lab/bench_hf_patch.py RESULTS_DIR [--part generate|prefill|all] [--batches 32 1] [--new 128]
                                  [--prompt 64] [--reps 3] [--time-limit 280] [--variant-limit 150]
                                  [--smoke [--smoke-backend aot_eager|inductor] [--smoke-layers 2]]
+                                 [--compiled-only] [--profile]
 
 generate: static cache, batch 32 then 1: HF, HF + torch.compile, patched, patched + torch.compile. The
 compiled rows are transformers' own recipe for a static cache: ``generation_config.compile_config =
@@ -25,6 +26,9 @@ The target pair (batch 32 compiled) runs first. Every measurement runs in its ow
 own time limit (SIGALRM): a failure or a timeout is recorded and the rest still run, until --time-limit
 is spent (later rows are then recorded as skipped). The JSON, RESULTS_DIR/hf_patch_<part>_<date>_<commit>.json,
 is rewritten after every row, so a run killed from outside keeps what it measured.
+--profile: each generate row runs one more generate under torch.profiler and records, per decode step,
+the device's busy time, kernels and CUDA-graph launches, and the top kernels (the GPU work a compiled
+step replays against the host time around it). --compiled-only: only the two compiled rows.
 Target: patched + compile >= 1.3x HF + compile at batch 32.
 """
 from __future__ import annotations
@@ -156,7 +160,41 @@ def bench_generate(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     return {"batch": batch, "prompt": prompt, "new_tokens": made, "s": s, "tok_s": batch * made / s,
             "ms_per_step": s / made * 1e3, "runs_s": times, "warmup_s": warm_s,
             "compiled_call": hasattr(model, "_compiled_call"), "compile_s": _compile_s(),
-            "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0) - skips0}
+            "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0) - skips0,
+            **({"profile": profile_generate(model, ids, kw, made)} if PROFILE["on"] else {})}
+
+
+PROFILE = {"on": False, "top": 12}
+
+
+def profile_generate(model, ids, kw, steps: int) -> dict:
+    """One more generate under torch.profiler: per decode step, the device's busy time (sum of kernel and
+    memcpy/memset times), the kernels launched, the CUDA-graph launches, and the top kernels by time. A
+    step whose device time is far below its wall time is host-bound; kernels >> graph launches x the
+    graph's kernels means the step is not replayed from a graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        model.generate(ids, **kw)
+        _sync()
+    wall = time.perf_counter() - t0
+    kern: dict = {}
+    graph_launches = 0
+    for e in prof.events():
+        if e.name in ("cudaGraphLaunch", "cuGraphLaunch"):
+            graph_launches += 1
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            t, n = kern.get(e.name, (0.0, 0))
+            kern[e.name] = (t + e.device_time, n + 1)  # us (the event's own kernel time)
+    busy = sum(t for t, _ in kern.values())
+    top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:PROFILE["top"]]
+    return {"steps": steps, "wall_ms_per_step": wall / steps * 1e3, "device_ms_per_step": busy / steps / 1e3,
+            "kernels_per_step": sum(n for _, n in kern.values()) / steps,
+            "graph_launches_per_step": graph_launches / steps,
+            "top": [{"name": k[:100], "us_per_step": t / steps, "per_step": n / steps} for k, (t, n) in top]}
 
 
 @torch.no_grad()
@@ -199,7 +237,11 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke-backend", choices=("aot_eager", "inductor"), default="aot_eager",
                     help="--smoke's compiled generate rows (inductor: its C++ backend, the real lowering)")
     ap.add_argument("--smoke-layers", type=int, default=2, help="--smoke's model depth")
+    ap.add_argument("--profile", action="store_true",
+                    help="generate rows: one more generate under torch.profiler (device time per step, top kernels)")
+    ap.add_argument("--compiled-only", action="store_true", help="generate: only the two compiled rows")
     args = ap.parse_args(argv)
+    PROFILE["on"] = args.profile
     if args.smoke:
         global VOCAB
         SMOKE["on"], VOCAB, SMOKE["backend"] = True, SMOKE["config"]["vocab_size"], args.smoke_backend
@@ -249,7 +291,7 @@ def main(argv=None) -> int:
 
     base = _model()
     if args.part in ("generate", "all"):
-        order = [(b, n, p, c) for b in args.batches for c in (True, False)
+        order = [(b, n, p, c) for b in args.batches for c in ((True,) if args.compiled_only else (True, False))
                  for n, p in (("hf", False), ("tritune", True))]
         for b, name, patched, compiled in order:
             key = f"{name}{'+compile' if compiled else ''} b={b}"
@@ -311,6 +353,13 @@ def main(argv=None) -> int:
         for k, v in p.items():
             print(f"  {k:28s} {v.get('ms', float('nan')):9.3f} {v.get('compile_s', float('nan')):10.1f} "
                   f"{v.get('first_s', float('nan')):13.1f}  {v.get('error', '')[:90]}")
+    for k, v in g.items():
+        pr = v.get("profile")
+        if pr:
+            print(f"profile {k}: wall {pr['wall_ms_per_step']:.3f} ms/step, device {pr['device_ms_per_step']:.3f} ms/step, "
+                  f"{pr['kernels_per_step']:.0f} kernels/step, {pr['graph_launches_per_step']:.2f} graph launches/step")
+            for t in pr["top"][:8]:
+                print(f"    {t['us_per_step']:8.1f} us {t['per_step']:5.1f}x  {t['name'][:80]}")
     for k, v in ratios.items():
         print(f"  {k:45s} {v:6.2f}x")
     if "target_batch32_1.3x" in res and res["target_batch32_1.3x"] is not None:
