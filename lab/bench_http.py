@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -213,8 +214,35 @@ class Served:
 
     def blocks_used(self):
         if self.mode == "process":
+            if self.engine.down is not None:
+                return None
             return self.engine.run_sync(self.engine.stats())["kv_blocks_used"]
         return self.engine.pool.num_used
+
+    def ramp(self, n: int) -> dict | None:
+        """The last HTTP round's admission ramp (process mode): from the first request's arrival in its
+        handler to the n-th add_request in the engine process, split into arrival spread (accept, HTTP
+        parse, body read), arrival -> submit (JSON, pydantic, tokenization), submit -> add (IPC, the engine
+        between steps). perf_counter and monotonic are one clock on Linux."""
+        if self.mode != "process" or self.engine.down is not None:
+            return None
+        api = list(self.engine.trace)[-n:]
+        adds = dict(self.engine.run_sync(self.engine.admission_trace()))
+        rows = [(a, s, adds[rid]) for rid, a, s in api if rid in adds]
+        if not rows:
+            return None
+        arr, sub, add = (sorted(x[i] for x in rows) for i in range(3))
+        t0 = arr[0]
+
+        def q(xs, f):
+            return round(1e3 * xs[min(len(xs) - 1, int(f * len(xs)))], 2)
+        parse = sorted(s - a for a, s, _ in rows)
+        ipc = sorted(d - s for _, s, d in rows)
+        return {"requests": len(rows), "first_to_last_add_ms": round(1e3 * (add[-1] - t0), 1),
+                "arrival_spread_ms": round(1e3 * (arr[-1] - t0), 1),
+                "last_submit_ms": round(1e3 * (sub[-1] - t0), 1),
+                "arrival_to_submit_ms": {"p50": q(parse, .5), "max": q(parse, 1)},
+                "submit_to_add_ms": {"p50": q(ipc, .5), "max": q(ipc, 1)}}
 
     def memory(self) -> dict:
         """The API process's RSS, and the engine's memory where it lives."""
@@ -308,7 +336,7 @@ def main() -> int:
         return 2
     soak_mode = args.soak_mode or modes[0]
     if args.smoke:
-        args.requests, args.prompt_len, args.output_len, args.clients, args.rounds = 16, (4, 32), (4, 32), 8, 1
+        args.requests, args.prompt_len, args.output_len, args.clients, args.rounds = 16, (4, 32), (4, 32), 8, 2
     t_start = time.time()
 
     def left():
@@ -372,7 +400,12 @@ def main() -> int:
             if left() < (20 if not gpu else 120):
                 res["modes"][mode] = {"note": "not run: time limit"}
                 continue
-            sv = Served(mode, spec, tok, args.stack, max(60.0, left() - 60))
+            try:
+                sv = Served(mode, spec, tok, args.stack, max(60.0, left() - 60))
+            except Exception as e:  # noqa: BLE001 (recorded; the next mode runs)
+                res["modes"][mode] = {"error": f"setup: {type(e).__name__}: {e}"}
+                print(f"[{mode}] setup failed: {type(e).__name__}: {e}", flush=True)
+                continue
             row = res["modes"][mode] = {"engine": sv.describe, "setup_s": sv.setup_s, "rounds": []}
             print(f"[{mode}] engine ready in {sv.setup_s:.1f} s: {sv.describe}", flush=True)
             try:
@@ -389,6 +422,15 @@ def main() -> int:
                     http = client(sv.server.url, jsonl, len(items), len(items), out / f"http_{mode}_round{r}.json",
                                   min(300, left() - 30), args.client_procs, sv.pid)
                     rr = {"in_process": inproc, "http": http}
+                    with contextlib.suppress(Exception):
+                        rr["ramp"] = sv.ramp(len(items))
+                    if rr.get("ramp"):
+                        print(f"[{mode} {r}] admission ramp: {rr['ramp']}", flush=True)
+                    if getattr(sv.engine, "down", None) is not None:
+                        rr["engine_down"] = sv.engine.down
+                        rr["engine_death"] = getattr(sv.engine, "death", None)
+                        row["rounds"].append(rr)
+                        raise RuntimeError(f"the engine died in round {r}: {sv.engine.down}")
                     if "output_tok_s" in http:
                         rr["http_over_in_process"] = http["output_tok_s"] / inproc["output_tok_s"]
                         rr["http_cost"] = 1 - rr["http_over_in_process"]
@@ -410,6 +452,12 @@ def main() -> int:
                 row["kv_blocks_used_after_rounds"] = sv.blocks_used()
                 if mode == soak_mode and not args.skip_clients:
                     res["clients"] = soak(sv, args, config, out, left)
+            except Exception as e:  # noqa: BLE001 (an engine death or a failed round: recorded, next mode)
+                row["error"] = f"{type(e).__name__}: {e}"
+                print(f"[{mode}] ERROR {row['error']}; going on with the next mode", flush=True)
+                if getattr(sv.engine, "death", None):
+                    row["engine_death"] = sv.engine.death
+                    print(f"[{mode}] engine death: {sv.engine.death}", flush=True)
             finally:
                 sv.close()
                 save()
@@ -419,7 +467,8 @@ def main() -> int:
         for mode, row in res["modes"].items():
             costs = [f"{x['http_cost']:+.1%}" for x in row.get("rounds", ()) if "http_cost" in x]
             best = max((x["http"]["output_tok_s"] for x in row.get("rounds", ()) if "http_cost" in x), default=None)
-            parts.append(f"{mode}: HTTP cost per round {costs}"
+            parts.append(f"{mode}: " + (f"ERROR {row['error'][:200]}; " if row.get("error") else "")
+                         + f"HTTP cost per round {costs}"
                          + (f", best HTTP {best:.0f} tok/s" if best else "")
                          + f" (target <= 10%: {'met' if row.get('target_http_cost_le_10pct') else 'NOT met'})")
         cl = res.get("clients", {})
