@@ -138,10 +138,18 @@ def _valid_keys(mask, B, Tk):
 
 
 def _tables(valid, B, per_row, device):
-    """The block table (B, Tk) int32 and the lengths (B,) int32 of the valid keys (see _decode_paged)."""
-    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)  # valid keys first, in order
-    rows = torch.arange(B, device=device).unsqueeze(1) * per_row
-    return (rows + order).to(torch.int32), valid.sum(-1, dtype=torch.int32)
+    """The block table (B, Tk) int32 and the lengths (B,) int32 of the valid keys (see _decode_paged): each
+    valid key's position goes to its rank among the row's valid keys (a running count), the others to a
+    spare column past the end. A scan and a scatter, which inductor lowers to kernels of its own and fuses
+    with the cache update (a sort was an aten fallback a step); columns past a row's length stay 0 (the
+    kernel reads no column past the length)."""
+    Tk = valid.shape[1]
+    count = valid.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    dest = torch.where(valid, count - 1, Tk).to(torch.int64)
+    cols = torch.arange(Tk, device=device, dtype=torch.int32)
+    src = (torch.arange(B, device=device, dtype=torch.int32).unsqueeze(1) * per_row + cols).expand(B, Tk)
+    tables = torch.zeros(B, Tk + 1, dtype=torch.int32, device=device).scatter_(1, dest, src)
+    return tables[:, :Tk], count[:, -1].contiguous()
 
 
 class _StepMemo:

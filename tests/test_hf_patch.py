@@ -153,8 +153,8 @@ def test_decode_tables_made_once_a_step(pair, monkeypatch):
 
 @torch.no_grad()
 def test_compiled_decode_makes_the_tables_once(tiny_dir, pair):
-    """Under torch.compile the step memo is traced: the decode graph sorts the mask once, not once a
-    layer (inductor merges no identical work across layers), with no graph break, and the second
+    """Under torch.compile the step memo is traced: the decode graph builds the table (a running count
+    of the mask) once, not once a layer (inductor merges no identical work across layers), with no graph break, and the second
     generate reuses the graphs (the memo is empty at every call's start: no recompile)."""
     graphs = []
 
@@ -172,9 +172,9 @@ def test_compiled_decode_makes_the_tables_once(tiny_dir, pair):
     want, _ = _generate(ref, _ids(2, 6, 9), **kw)
     assert torch.equal(seq, want)
     n = len(graphs)
-    sorts = [sum(node.target in (torch.argsort, torch.sort, torch.Tensor.argsort) for node in g.graph.nodes)
+    scans = [sum(node.target in ("cumsum", torch.cumsum, torch.Tensor.cumsum) for node in g.graph.nodes)
              for g in graphs]
-    assert max(sorts) == 1, f"argsorts per graph: {sorts} ({model.config.n_layer} layers)"
+    assert max(scans) == 1, f"table scans per graph: {scans} ({model.config.n_layer} layers)"
     _generate(model, _ids(2, 6, 10), **kw)
     assert len(graphs) == n, "recompiled"
 
@@ -366,3 +366,19 @@ def test_gpt2_small_compiled_gpu(mode):
         for _ in range(2 if mode else 1):  # reduce-overhead records on the second call
             got = compiled(ids, use_cache=False).logits
         cmp.check(got, ref(ids).logits, torch.bfloat16, what=f"compiled {mode} T={t}")
+
+
+@pytest.mark.parametrize("per_row", [0, 7, 32])
+def test_tables_list_the_valid_keys_in_order(per_row):
+    """The decode block table: each row's valid keys (holes anywhere: left padding, unwritten slots), in
+    order, offset by the row's first block; the length is their count."""
+    g = torch.Generator().manual_seed(per_row)
+    B, Tk = (1 if per_row == 0 else 5), 13
+    valid = torch.rand(B, Tk, generator=g) < 0.6
+    valid[:, 0] = True  # every row attends to at least one key
+    tables, lens = hf_patch._tables(valid, B, per_row, valid.device)
+    assert tables.dtype == lens.dtype == torch.int32 and tables.shape == (B, Tk)
+    for b in range(B):
+        want = torch.nonzero(valid[b]).flatten().to(torch.int32) + b * per_row
+        assert int(lens[b]) == want.numel()
+        assert torch.equal(tables[b, :want.numel()], want)
