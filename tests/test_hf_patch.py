@@ -382,3 +382,59 @@ def test_tables_list_the_valid_keys_in_order(per_row):
         want = torch.nonzero(valid[b]).flatten().to(torch.int32) + b * per_row
         assert int(lens[b]) == want.numel()
         assert torch.equal(tables[b, :want.numel()], want)
+
+
+def _call_body(code: str) -> list:
+    """The lines of inductor's generated ``call`` (the per-step host program: kernels, fallbacks, allocations)."""
+    lines = code.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.strip().startswith("def call(self, args)"))
+    body = []
+    for ln in lines[start + 1:]:
+        if ln.strip().startswith("return "):
+            break
+        body.append(ln.strip())
+    return body
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or (shutil.which("g++") is None and shutil.which("c++") is None),
+                    reason="counts inductor's C++ (CPU) wrapper; needs a C++ compiler")
+@torch.no_grad()
+def test_compiled_decode_step_does_only_the_step(tiny_dir):
+    """transformers' static-cache compile recipe through inductor: the decode step's generated program is
+    the step and nothing more. Per layer 4 ``linear`` ops and one ``paged_attention`` reading HF's cache in
+    place (a view, never a copy), plus ``layer_norm`` and the head once; at most one aten fallback (the
+    table's scan on the CPU backend); no buffer as large as a layer's cache (no per-step materialised cache
+    or mask over it); the mask consumed in place."""
+    from transformers import CompileConfig
+    from torch._inductor.utils import run_and_get_code
+
+    model = hf_patch.patch(_load(tiny_dir))
+    cc = CompileConfig(fullgraph=True, backend="inductor", mode=None)
+    cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless told
+    model.generation_config.compile_config = cc
+    B, T, new = 3, 6, 3
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(lambda: model.generate(_ids(B, T, 11), max_new_tokens=new, min_new_tokens=new,
+                                                           do_sample=False, cache_implementation="static"))
+    steps = [c for c in codes if "tritune.paged_attention" in c]
+    assert len(steps) == 1, f"{len(steps)} decode programs"
+    body = _call_body(steps[0])
+    L, C, H = model.config.n_layer, model.config.n_embd, model.config.n_head
+    calls = [ln for ln in body if "torch.ops." in ln and "=" in ln and not ln.startswith("#")]
+    ours = [ln for ln in calls if "torch.ops.tritune." in ln]
+    assert sum("tritune.linear." in ln for ln in ours) == 4 * L + 1, ours
+    assert sum("tritune.paged_attention." in ln for ln in ours) == L, ours
+    assert sum("tritune.layer_norm." in ln for ln in ours) == 1, ours
+    assert len(ours) == 5 * L + 2, ours
+    aten = [ln for ln in calls if "torch.ops.aten." in ln]
+    assert len(aten) <= 1, f"aten fallbacks in the step: {aten}"
+    assert not [ln for ln in body if "aten.copy_" in ln or ".clone(" in ln], "copies in the step"
+    cache_numel = B * H * (T + new) * (C // H)  # one layer's K cache: B x H x max_cache_len x D
+    for ln in body:
+        if "empty_strided" in ln:
+            shape = ln.split("((", 1)[1].split(")", 1)[0]
+            numel = 1
+            for d in filter(None, (x.strip() for x in shape.split(","))):
+                numel *= int(d)
+            assert numel < cache_numel, f"a cache-sized buffer in the step: {ln}"
