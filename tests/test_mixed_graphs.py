@@ -13,14 +13,16 @@ import torch
 from tritune.model.engine import Engine
 from tritune.model.runner import prefill_buckets
 from tritune.model.scheduler import SamplingParams
-from tests.test_engine import VOCAB, alone, prompts, tiny_model
+from tests.test_engine import STEP_DEVICE, VOCAB, alone, prompts, tiny_model
 
 GRAPH_PATHS = ("graph-mixed", "graph-prefill")
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    # the torch backend where the device-side step's Triton kernels run: the GPU when there is one (no
+    # interpreter then: CPU tensors would reach a compiled kernel), else the CPU through the interpreter
+    return tiny_model(device=STEP_DEVICE)
 
 
 def spy_paths(eng):
