@@ -184,6 +184,77 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def note_news(seq, metrics, now: float, n_tokens: int, finish, n_out: int) -> None:
+    """A request's news from one step, on the API side: its first token's time (TTFT), its tokens, its end
+    (by finish reason, with its mean time per token after the first). A request the engine rejected never
+    ran: its 400 is counted among the HTTP errors, not here."""
+    if n_tokens and seq.t_first is None:
+        seq.t_first = now
+        if metrics:
+            metrics.ttft.observe(now - seq.t_arrival)
+    if not metrics:
+        return
+    if n_tokens:
+        metrics.generation_tokens.inc(n_tokens)
+    if finish is not None and finish != "rejected":
+        metrics.requests.labels(finish).inc()
+        if seq.t_first is not None and n_out > 1:
+            metrics.tpot.observe((now - seq.t_first) / (n_out - 1))
+
+
+class StepCollector:
+    """What both engine loops keep between two steps (the server's engine thread,
+    :class:`tritune.model.server.EngineLoop`, and the engine process's :class:`_Core`): the requests accepted
+    and not ended (``live``, by id), those with news since the last hand-over (``dirty``), the engine's stream
+    callback that fills them, and one guarded step. A request record needs ``id``, ``new`` (tokens since the
+    last hand-over), ``finish``, ``error``, ``n_out`` and ``dirty``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.live: dict = {}
+        self.dirty: list = []
+        self.steps = 0
+        self._failures = 0
+
+    def step_once(self) -> None:
+        """One ``engine.step()``; a failing step ends its own requests (the engine does), and three failures
+        in a row (failing before it took any request) end every live request instead of hanging them."""
+        try:
+            self.engine.step()
+            self._failures = 0
+        except Exception as e:  # noqa: BLE001 (the step's requests end with the error; others go on)
+            log.exception("engine step failed; the requests of that step end with an error")
+            self._failures += 1
+            if self._failures >= 3:
+                self._fail_all(_error(e))
+        self.steps += 1
+
+    def _fail_all(self, error: str) -> None:
+        for r in list(self.live.values()):
+            with contextlib.suppress(Exception):    # ending it here regardless
+                self.engine.abort(r.id)
+            r.finish, r.error = "error", error
+            self.live.pop(r.id, None)
+            self._mark(r)
+
+    def _mark(self, r) -> None:
+        if not r.dirty:
+            r.dirty = True
+            self.dirty.append(r)
+
+    def _on_token(self, r, req, tok) -> None:
+        """The engine's stream callback (on the loop that steps): collect, hand over after the step."""
+        if tok is None:
+            self.live.pop(r.id, None)
+            if r.finish is None:
+                r.finish = req.finish_reason or "stop"
+                r.error = None if req.error is None else _error(req.error)
+            r.n_out = len(req.output_ids)
+        else:
+            r.new.append(tok)
+        self._mark(r)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The engine process
 # ---------------------------------------------------------------------------------------------------
@@ -199,35 +270,24 @@ class _Req:
         self.dirty = False
 
 
-class _Core:
+class _Core(StepCollector):
     """The engine process's loop: take operations between steps, step while anything is unfinished, send
     one message per step."""
 
     def __init__(self, engine, conn, out: _Sender):
-        self.engine, self.conn, self.out = engine, conn, out
-        self.live: dict = {}
-        self.dirty: list[_Req] = []
-        self.steps = 0
+        super().__init__(engine)
+        self.conn, self.out = conn, out
         self.load = None
         self.adds: collections.deque = collections.deque(maxlen=TRACE)   # (request id, monotonic time)
 
     def run(self) -> None:
         eng = self.engine
-        failures = 0
         while True:
             busy = eng.has_unfinished()
             if self.conn.poll(0 if busy else 0.5) and not self._drain():
                 return
             if eng.has_unfinished():
-                try:
-                    eng.step()
-                    failures = 0
-                except Exception as e:  # noqa: BLE001 (the step's requests end with the error; others go on)
-                    log.exception("engine step failed; the requests of that step end with an error")
-                    failures += 1
-                    if failures >= 3:   # failing before it took any request: end them all, not hang
-                        self._fail_all(_error(e))
-                self.steps += 1
+                self.step_once()
             self._flush()
 
     def _drain(self) -> bool:
@@ -285,31 +345,6 @@ class _Core:
         return {**engine_load(eng), "steps": self.steps, "live": len(self.live), "pid": os.getpid(),
                 "unfinished": bool(eng.has_unfinished()),
                 "engine_stats": dict(extra) if isinstance(extra, dict) else None}
-
-    def _fail_all(self, error: str) -> None:
-        for r in list(self.live.values()):
-            with contextlib.suppress(Exception):
-                self.engine.abort(r.id)
-            r.finish, r.error = "error", error
-            self.live.pop(r.id, None)
-            self._mark(r)
-
-    def _mark(self, r: _Req) -> None:
-        if not r.dirty:
-            r.dirty = True
-            self.dirty.append(r)
-
-    def _on_token(self, r: _Req, req, tok) -> None:
-        """The engine's stream callback: collect, send after the step."""
-        if tok is None:
-            self.live.pop(r.id, None)
-            if r.finish is None:
-                r.finish = req.finish_reason or "stop"
-                r.error = None if req.error is None else _error(req.error)
-            r.n_out = len(req.output_ids)
-        else:
-            r.new.append(tok)
-        self._mark(r)
 
     def _flush(self) -> None:
         load = engine_load(self.engine)
@@ -646,21 +681,11 @@ class EngineProcess:
                 seq.accepted, seq.n_prompt = True, accepted
                 if m:
                     m.prompt_tokens.inc(accepted)
-            if tokens:
-                if seq.t_first is None:
-                    seq.t_first = now
-                    if m:
-                        m.ttft.observe(now - seq.t_arrival)
-                if m:
-                    m.generation_tokens.inc(len(tokens))
+            note_news(seq, m, now, len(tokens), finish, n_out)
             if finish is not None:
                 del seqs[rid]
                 seq.done = True
                 self.in_flight -= 1
-                if m and finish != "rejected":
-                    m.requests.labels(finish).inc()
-                    if seq.t_first is not None and n_out > 1:
-                        m.tpot.observe((now - seq.t_first) / (n_out - 1))
             seq.sink.put_nowait((seq.index, accepted, tokens, finish, error))
 
     def _on_exit(self) -> None:

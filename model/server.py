@@ -33,7 +33,7 @@ import time
 import uuid
 from collections import deque
 
-from tritune.model.serve_proc import engine_load
+from tritune.model.serve_proc import StepCollector, engine_load, note_news
 
 log = logging.getLogger("tritune.serve")
 
@@ -77,19 +77,17 @@ class Seq:
 
 
 
-class EngineLoop:
-    """Runs ``engine.step()`` in one dedicated thread; the event loop submits and aborts, never steps."""
+class EngineLoop(StepCollector):
+    """Runs ``engine.step()`` in one dedicated thread; the event loop submits and aborts, never steps.
+    (``live`` and ``dirty`` belong to the engine thread.)"""
 
     def __init__(self, engine, metrics=None):
-        self.engine = engine
+        super().__init__(engine)
         self.metrics = metrics
         self.load = engine_load(engine)     # replaced (not mutated) after each step: readers need no lock
         self.in_flight = 0                  # event-loop side: submitted and not yet ended
-        self.steps = 0
         self._inbox: deque = deque()
         self._wake = threading.Event()
-        self._dirty: list[Seq] = []
-        self._live: dict = {}       # engine thread: accepted and not ended, by id
         self._stop = False
         self._thread = None
         self._loop = None
@@ -144,7 +142,6 @@ class EngineLoop:
     # -- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
-        failures = 0
         while not self._stop:
             try:
                 if not self._inbox and not eng.has_unfinished():
@@ -153,15 +150,7 @@ class EngineLoop:
                     continue
                 self._drain()
                 if eng.has_unfinished():
-                    try:
-                        eng.step()
-                        failures = 0
-                    except Exception as e:  # noqa: BLE001 (the step's requests end with the error; others go on)
-                        log.exception("engine step failed; the requests of that step end with an error")
-                        failures += 1
-                        if failures >= 3:   # failing before it took any request: end them all, not hang
-                            self._fail_all(f"{type(e).__name__}: {e}")
-                    self.steps += 1
+                    self.step_once()
                 self.load = engine_load(eng)
                 self._flush()
             except Exception:  # noqa: BLE001 (a thread that died would leave every request waiting forever)
@@ -190,61 +179,25 @@ class EngineLoop:
                 seq.finish, seq.error = "error", f"{type(e).__name__}: {e}"
             else:
                 seq.accepted, seq.n_prompt = True, len(req.prompt_ids)
-                self._live[seq.id] = seq
+                self.live[seq.id] = seq
                 if self.metrics:
                     self.metrics.prompt_tokens.inc(seq.n_prompt)
             self._mark(seq)
 
-    def _fail_all(self, error: str) -> None:
-        for seq in list(self._live.values()):
-            try:
-                self.engine.abort(seq.id)
-            except Exception:  # noqa: BLE001 (ending it here regardless)
-                pass
-            seq.finish, seq.error = "error", error
-            self._live.pop(seq.id, None)
-            self._mark(seq)
-
-    def _mark(self, seq: Seq) -> None:
-        if not seq.dirty:
-            seq.dirty = True
-            self._dirty.append(seq)
-
-    def _on_token(self, seq: Seq, req, tok) -> None:
-        """The engine's stream callback (engine thread): collect, hand over after the step."""
-        if tok is None:
-            self._live.pop(seq.id, None)
-            seq.finish = req.finish_reason or "stop"
-            seq.error = None if req.error is None else f"{type(req.error).__name__}: {req.error}"
-            seq.n_out = len(req.output_ids)
-        else:
-            seq.new.append(tok)
-        self._mark(seq)
-
     def _flush(self) -> None:
-        if not self._dirty:
+        if not self.dirty:
             return
         now, m = time.perf_counter(), self.metrics
         batch = []
-        for seq in self._dirty:
+        for seq in self.dirty:
             seq.dirty = False
             tokens, seq.new = seq.new, []
-            if tokens:
-                if seq.t_first is None:
-                    seq.t_first = now
-                    if m:
-                        m.ttft.observe(now - seq.t_arrival)
-                if m:
-                    m.generation_tokens.inc(len(tokens))
-            if seq.finish is not None and m:
-                m.requests.labels(seq.finish).inc()
-                if seq.t_first is not None and seq.n_out > 1:
-                    m.tpot.observe((now - seq.t_first) / (seq.n_out - 1))
+            note_news(seq, m, now, len(tokens), seq.finish, seq.n_out)
             accepted = None     # the prompt's length, once, when the engine took the request
             if seq.accepted and not seq.announced:
                 seq.announced, accepted = True, seq.n_prompt
             batch.append((seq, accepted, tokens, seq.finish, seq.error))
-        self._dirty = []
+        self.dirty = []
         try:
             self._loop.call_soon_threadsafe(self._deliver, batch)
         except RuntimeError:    # the event loop has closed (shutting down)
