@@ -197,6 +197,155 @@ def profile_generate(model, ids, kw, steps: int) -> dict:
             "top": [{"name": k[:100], "us_per_step": t / steps, "per_step": n / steps} for k, (t, n) in top]}
 
 
+# --- --part step: one compiled decode step, host against device -------------------------------------
+def stub_kernels() -> None:
+    """--smoke --stub-kernels: the launchers return empty outputs of the right shape (the CPU's host cost of
+    the patched step without the Triton interpreter's; what a CUDA-graph replay skips anyway)."""
+    from tritune.kernels import attention, gemm, gemv, layer_norm, paged_attention
+
+    gemv.gemv = lambda x, w, bias=None, **k: x.new_empty((*x.shape[:-1], w.shape[1]))
+    gemm.gemm = lambda a, b, bias=None, **k: a.new_empty((*a.shape[:-1], b.shape[1]))
+    layer_norm.layer_norm = lambda x, *a, **k: torch.empty_like(x)
+    paged_attention.paged_attention = lambda q, *a, **k: torch.empty_like(q)
+    attention.attention = lambda q, *a, **k: torch.empty_like(q)
+
+
+class _GraphCounts:
+    """A backend around the compile config's: the decode graph's inputs as dynamo hands them over
+    (placeholders; static ones are parameters, buffers and addresses marked static, which CUDA-graph
+    trees check by pointer; the others are copied into the graph's buffers every replay) and outputs."""
+
+    def __init__(self, backend: str, mode):
+        self.backend, self.mode, self.graphs = backend, mode, []
+
+    def __call__(self, gm, example_inputs):
+        ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        static = sum(isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
+                     for x in example_inputs if isinstance(x, torch.Tensor))
+        self.graphs.append({"inputs": len(ph), "static_inputs": static, "non_static_inputs": len(ph) - static,
+                            "outputs": len(out) if isinstance(out, (tuple, list)) else 1})
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            opts = {"triton.cudagraphs": True} if self.mode == "reduce-overhead" else {}
+            return compile_fx(gm, example_inputs, config_patches=opts)
+        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+
+def _guard_lines(fn_code_name: str = "") -> int:
+    """Guard-tree lines (one a guard or a guard manager) over every frame dynamo compiled since the reset."""
+    import gc
+
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    n = 0
+    seen = set()
+    for o in gc.get_objects():
+        try:
+            if type(o) is not type(_guard_lines) or o.__code__ in seen:
+                continue
+            seen.add(o.__code__)
+            for e in _debug_get_cache_entry_list(o.__code__):
+                n += sum(1 for ln in str(e.guard_manager).splitlines() if ln.strip())
+        except Exception:  # a weakly referenced object that went away while we walked
+            continue
+    return n
+
+
+@torch.no_grad()
+def bench_step(model, batch: int, prompt: int, new: int, reps: int) -> dict:
+    """transformers' compiled static-cache recipe: a warm-up generate (compiles, records the graph), then
+    the compiled decode call alone, called again and again with the last step's arguments (the caches'
+    write positions put back before each call, outside the timing):
+    - host_us: the call without a sync (guards, AOT wrappers, the replay's launch: the host's share),
+    - step_us: the call then a sync (what generate's loop waits for: it syncs on every step),
+    - device_us (CUDA): CUDA events around the call: the step's span on the device, gaps included,
+    - guard_us / region_us (profiler): dynamo's cache lookup and the compiled region a call,
+    - loop_us: a generate's wall time a step less its compiled calls (HF's loop, the prefill's share).
+    and the graph's counts (inputs, static inputs, outputs, guard-tree lines)."""
+    cc = model.generation_config.compile_config
+    counts = _GraphCounts(cc.backend, cc.mode)
+    model._last_compile_config = cc
+    model._compiled_call = torch.compile(model.__call__, fullgraph=cc.fullgraph, dynamic=cc.dynamic,
+                                         backend=counts)
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, VOCAB, (batch, prompt), generator=g).to(_dev())
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static")
+    model.generate(ids, **kw)
+    compiled, last, spent = model._compiled_call, {}, [0.0, 0]
+
+    def recorder(*a, **k):
+        cache = k.get("past_key_values", k.get("cache"))
+        last.update(a=a, k=k, cache=cache, pos=[lay.cumulative_length.clone() for lay in cache.layers])
+        t0 = time.perf_counter()
+        r = compiled(*a, **k)
+        spent[0] += time.perf_counter() - t0
+        spent[1] += 1
+        return r
+
+    model._compiled_call = recorder
+    _sync()
+    t0 = time.perf_counter()
+    model.generate(ids, **kw)
+    _sync()
+    gen_s = time.perf_counter() - t0
+    loop_us = (gen_s - spent[0]) / max(1, spent[1]) * 1e6
+    a, k, cache, pos = last["a"], last["k"], last["cache"], last["pos"]
+
+    def reset():
+        for lay, p in zip(cache.layers, pos):
+            lay.cumulative_length.copy_(p)
+
+    def call():
+        out = compiled(*a, **k)
+        del out
+
+    n = 20 if SMOKE["on"] else 200
+    for _ in range(5):
+        reset()
+        call()
+    host, step, dev = [], [], []
+    cuda = torch.cuda.is_available() and not SMOKE["on"]
+    for _ in range(n):
+        reset()
+        _sync()
+        t0 = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t0)
+        _sync()
+        step.append(time.perf_counter() - t0)
+        if cuda:
+            reset()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _sync()
+            e0.record()
+            call()
+            e1.record()
+            e1.synchronize()
+            dev.append(e0.elapsed_time(e1) * 1e-3)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            reset()
+            call()
+        _sync()
+    ev = {e.key: e for e in prof.key_averages()}
+
+    def per_call(name):
+        hit = [e for key, e in ev.items() if key.startswith(name)]
+        return sum(e.cpu_time_total for e in hit) / 20 if hit else None
+
+    med = statistics.median
+    return {"batch": batch, "host_us": med(host) * 1e6, "step_us": med(step) * 1e6,
+            "device_us": med(dev) * 1e6 if dev else None, "loop_us": loop_us,
+            "generate_ms_per_step": gen_s / max(1, spent[1] + 1) * 1e3,
+            "guard_us": per_call("TorchDynamo Cache Lookup"), "region_us": per_call("Torch-Compiled Region"),
+            "graph_us": per_call("## Call CompiledFxGraph"), "graphs": counts.graphs,
+            "guard_lines": _guard_lines(), "calls": n}
+
+
 @torch.no_grad()
 def bench_prefill(fn, ids, reps: int) -> dict:
     t0 = time.perf_counter()
@@ -225,7 +374,7 @@ def bench_prefill(fn, ids, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--part", choices=("generate", "prefill", "all"), default="all")
+    ap.add_argument("--part", choices=("generate", "prefill", "step", "all"), default="all")
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 1])
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
@@ -240,6 +389,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="generate rows: one more generate under torch.profiler (device time per step, top kernels)")
     ap.add_argument("--compiled-only", action="store_true", help="generate: only the two compiled rows")
+    ap.add_argument("--stub-kernels", action="store_true",
+                    help="--smoke: the launchers return empty outputs (host cost without the interpreter's)")
     args = ap.parse_args(argv)
     PROFILE["on"] = args.profile
     if args.smoke:
@@ -247,6 +398,8 @@ def main(argv=None) -> int:
         SMOKE["on"], VOCAB, SMOKE["backend"] = True, SMOKE["config"]["vocab_size"], args.smoke_backend
         SMOKE["config"]["n_layer"] = args.smoke_layers
         args.batches, args.prompt, args.new, args.reps, args.prefill = [2], 5, 3, 1, [2, 16]
+        if args.stub_kernels:
+            stub_kernels()
     elif not torch.cuda.is_available():
         print("bench_hf_patch: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -260,7 +413,7 @@ def main(argv=None) -> int:
            "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
            "model": "GPT-2 small config, random init, bf16", "args": vars(args), "generate": {}, "prefill": {},
-           "checks": {}}
+           "step": {}, "checks": {}}
     path = os.path.join(args.out_dir, f"hf_patch_{args.part}_{res['date']}_{res['commit']}.json")
 
     def save():
@@ -297,6 +450,12 @@ def main(argv=None) -> int:
             key = f"{name}{'+compile' if compiled else ''} b={b}"
             row("generate", key, lambda: bench_generate(_variant(base, patched, compiled), b, args.prompt,
                                                         args.new, args.reps))
+
+    if args.part in ("step", "all"):
+        for b in args.batches:
+            for name, patched in (("hf", False), ("tritune", True)):
+                row("step", f"{name}+compile b={b}",
+                    lambda: bench_step(_variant(base, patched, True), b, args.prompt, args.new, args.reps))
 
     if args.part in ("prefill", "all"):
         def check():  # the patched model's logits against HF's (bf16 both, float64 HF as the reference)
@@ -360,6 +519,18 @@ def main(argv=None) -> int:
                   f"{pr['kernels_per_step']:.0f} kernels/step, {pr['graph_launches_per_step']:.2f} graph launches/step")
             for t in pr["top"][:8]:
                 print(f"    {t['us_per_step']:8.1f} us {t['per_step']:5.1f}x  {t['name'][:80]}")
+    if res["step"]:
+        print("compiled decode step (us)     host   step  device  guards  region  graph   loop  "
+              "inputs(static) outputs guard-lines")
+        for k, v in res["step"].items():
+            if "error" in v:
+                print(f"  {k:24s} {v['error'][:100]}")
+                continue
+            gr = v["graphs"][-1] if v["graphs"] else {}
+            f = lambda x: "     -" if x is None else f"{x:6.0f}"  # noqa: E731
+            print(f"  {k:24s} {f(v['host_us'])} {f(v['step_us'])} {f(v['device_us'])}  {f(v['guard_us'])}  "
+                  f"{f(v['region_us'])} {f(v['graph_us'])} {f(v['loop_us'])}  {gr.get('inputs')}({gr.get('static_inputs')})"
+                  f"       {gr.get('outputs')}      {v['guard_lines']}")
     for k, v in ratios.items():
         print(f"  {k:45s} {v:6.2f}x")
     if "target_batch32_1.3x" in res and res["target_batch32_1.3x"] is not None:

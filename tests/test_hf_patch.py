@@ -438,3 +438,56 @@ def test_compiled_decode_step_does_only_the_step(tiny_dir):
             for d in filter(None, (x.strip() for x in shape.split(","))):
                 numel *= int(d)
             assert numel < cache_numel, f"a cache-sized buffer in the step: {ln}"
+
+
+def _decode_step_graph(model) -> tuple:
+    """transformers' static-cache compile recipe with a backend that records the decode graph dynamo hands
+    over: (its inputs, static inputs (parameters, buffers, addresses marked static: CUDA-graph trees check
+    these by pointer, and copy every other input into the graph's buffers on each replay), outputs, the
+    guard-tree lines of the compiled frame (what dynamo checks before each call))."""
+    from transformers import CompileConfig
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    seen = []
+
+    def record(gm, example_inputs):
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        static = sum(isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
+                     for x in tensors)
+        seen.append((sum(n.op == "placeholder" for n in gm.graph.nodes), static, len(out)))
+        return gm.forward
+
+    cc = CompileConfig(fullgraph=True, mode=None)
+    cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless told
+    model.generation_config.compile_config = cc
+    model.generation_config.disable_compile = False
+    model._last_compile_config = cc  # generate takes this compiled call for its decode steps
+    model._compiled_call = torch.compile(model.__call__, backend=record, fullgraph=True)
+    torch._dynamo.reset()
+    model.generate(_ids(2, 5, 12), max_new_tokens=3, min_new_tokens=3, do_sample=False, cache_implementation="static")
+    assert len(seen) == 1, f"{len(seen)} decode graphs"
+    lines, fn = 0, type(model).forward
+    while fn is not None:  # the frame dynamo compiled: the forward or one of transformers' wrappers around it
+        for entry in _debug_get_cache_entry_list(fn.__code__):
+            lines += sum(1 for ln in str(entry.guard_manager).splitlines() if ln.strip())
+        fn = getattr(fn, "__wrapped__", None)
+    return (*seen[0], lines)
+
+
+@torch.no_grad()
+def test_compiled_decode_step_takes_no_more_host_work_than_unpatched(tiny_dir):
+    """What a compiled (CUDA-graph) decode step costs the host outside its kernels scales with the graph's
+    inputs (each checked or copied every replay), outputs and dynamo's guards. The patched step's are the
+    unpatched step's or fewer: its weights are the modules' own parameters (no tensor attribute lifted as
+    a non-static input), nothing extra comes out of the graph, no guard per layer on the patch's state.
+    Measured on the CPU (lab/bench_hf_patch.py --part step --smoke --smoke-backend inductor --stub-kernels,
+    12 layers): 187 inputs (184 static) and 1 output both; guard-tree lines 2958 patched vs 3599."""
+    hf = _decode_step_graph(_load(tiny_dir))
+    ours = _decode_step_graph(hf_patch.patch(_load(tiny_dir)))
+    names = ("inputs", "static inputs", "outputs", "guard-tree lines")
+    got = dict(zip(names, ours))
+    want = dict(zip(names, hf))
+    assert got["inputs"] <= want["inputs"] and got["outputs"] <= want["outputs"], (got, want)
+    assert got["inputs"] - got["static inputs"] <= want["inputs"] - want["static inputs"], (got, want)
+    assert got["guard-tree lines"] <= want["guard-tree lines"], (got, want)
