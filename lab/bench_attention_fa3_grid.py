@@ -23,22 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
+import labgit  # noqa: E402  (lab/: the commit a run measured)
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS, WIDTH = 16384, 2048
 
 
 def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return "?"
+    return labgit.commit() or "?"
 
 
 def sweep(default: dict, D: int) -> list[dict]:

@@ -20,19 +20,15 @@ import datetime
 import functools
 import json
 import random
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+import labgit  # noqa: E402  (lab/: the commit a run measured)
 
 
 def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return "?"
+    return labgit.commit() or "?"
 
 
 def workload(n, vocab, ctx, seed):

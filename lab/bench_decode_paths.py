@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+import labgit  # noqa: E402  (lab/: the commit a run measured)
 
 LINE = re.compile(r"decode (\d+) tokens in ([\d.]+) ms \(([\d.na]+) tok/s\)")
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = sh("git", "rev-parse", "HEAD").stdout.strip()
+    commit = labgit.commit(short=False)
     res = {"date": datetime.date.today().isoformat(), "commit": commit,
            "dirty": bool(sh("git", "status", "--porcelain", "--untracked-files=no").stdout.strip())}
     try:

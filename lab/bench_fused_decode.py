@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+import labgit  # noqa: E402  (lab/: the commit a run measured)
 
 import torch
 
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
     deadline = t_start + a.time_limit
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"date": datetime.date.today().isoformat(), "commit": git("rev-parse", "HEAD"),
+    res = {"date": datetime.date.today().isoformat(), "commit": labgit.commit(short=False),
            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
            "device": torch.cuda.get_device_name(), "rows": [], "skipped": []}
     bw = copy_bandwidth()

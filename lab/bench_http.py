@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+import labgit  # noqa: E402  (lab/: the commit a run measured)
 
 import torch
 
@@ -348,7 +349,7 @@ def main() -> int:
         return 2
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    commit = labgit.commit() or "unknown"
     res_path = out / f"bench_http_{time.strftime('%Y-%m-%d')}_{commit}.json"
     from tritune.harness import device as hdev
     from tritune.model.server import http_stack

@@ -52,6 +52,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+import labgit  # noqa: E402  (lab/: the commit a run measured)
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("shared-prefix", "mixed", "speculative")
@@ -471,7 +472,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{datetime.date.today().isoformat()}_{_git('rev-parse', '--short', 'HEAD') or 'nogit'}"
+    tag = f"{datetime.date.today().isoformat()}_{labgit.commit() or 'nogit'}"
     results, status = {}, {}
     t_all = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="serving_features_"))
@@ -514,7 +515,7 @@ def main(argv=None) -> int:
         summary = summarize(results)
     except Exception as e:      # noqa: BLE001  a malformed part result must not lose the others' status
         summary = {"error": f"{type(e).__name__}: {e}"}
-    doc = {"date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "HEAD"), "smoke": args.smoke,
+    doc = {"date": datetime.date.today().isoformat(), "commit": labgit.commit(short=False), "smoke": args.smoke,
            "seconds": round(time.perf_counter() - t_all, 1), "runs": status, "summary": summary}
     (out / f"serving_features_{tag}.json").write_text(json.dumps(doc, indent=2))
     print(compact(status, summary))

@@ -17,7 +17,7 @@ if [ ! -f /tmp/installed ]; then
   python -m pip install -q --no-deps --no-build-isolation ./examples/rms_norm >>$W/install.log 2>&1 || exit 1
   touch /tmp/installed
 fi
-export TRITON_CACHE_DIR=/tmp/tcache
+export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)   # the benches stamp this commit (the device copy's .git is stale)
 slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
 echo "slug $slug commit $(cat .commit 2>/dev/null)" | tee $W/summary.txt
 t() { local name=$1 lim=$2; shift 2; local s=$(date +%s); timeout $lim "$@" > $W/$name.log 2>&1; local rc=$?

@@ -12,7 +12,7 @@ if [ ! -f /tmp/installed ]; then
   python -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
   touch /tmp/installed
 fi
-export TRITON_CACHE_DIR=/tmp/tcache
+export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)   # the benches stamp this commit (the device copy's .git is stale)
 S=/tmp/tune
 for T in .tune ../.tune; do if [ ! -d $S ] && [ -d $T/h200-budget ]; then mkdir -p $S && cp -r $T/h200-budget $T/h200-budget.journal $S/; echo "restored storage from $T"; fi; done
 mkdir -p $S/pkg-h100 $OUT/tuneall && ln -sfn $PWD/tuning/configs/nvidia-h100-80gb-hbm3 $S/pkg-h100/
