@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
+
 import labgit  # noqa: E402  (lab/: the commit a run measured)
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
