@@ -1,9 +1,9 @@
 """GPU driver: Hugging Face GPT-2 (small config, random init, bf16) with and without tritune.patch.
 
-    python lab/bench_hf_patch.py RESULTS_DIR [--part generate|prefill|all] [--batches 32 1] [--new 128]
+    python lab/bench_hf_patch.py RESULTS_DIR [--part generate|prefill|step|all] [--batches 32 1] [--new 128]
                                  [--prompt 64] [--reps 3] [--time-limit 280] [--variant-limit 150]
                                  [--smoke [--smoke-backend aot_eager|inductor] [--smoke-layers 2]]
-                                 [--compiled-only] [--profile]
+                                 [--compiled-only] [--profile] [--stub-kernels]
 
 generate: static cache, batch 32 then 1: HF, HF + torch.compile, patched, patched + torch.compile. The
 compiled rows are transformers' own recipe for a static cache: ``generation_config.compile_config =
@@ -26,6 +26,12 @@ The target pair (batch 32 compiled) runs first. Every measurement runs in its ow
 own time limit (SIGALRM): a failure or a timeout is recorded and the rest still run, until --time-limit
 is spent (later rows are then recorded as skipped). The JSON, RESULTS_DIR/hf_patch_<part>_<date>_<commit>.json,
 is rewritten after every row, so a run killed from outside keeps what it measured.
+step (``--part step``): the compiled decode call alone, HF and patched (``bench_step``): its host time
+without a sync, with one, its device span between CUDA events, dynamo's guard lookup, the compiled
+region, HF's loop a step; and the decode graph's inputs (static), outputs and guard-tree lines. Where a
+step's host time (no sync) matches HF's but its synced time does not, the extra is the graph's span on
+the device (gaps between kernels: the profile's busy time leaves them out), not host work. --smoke
+--smoke-backend inductor --stub-kernels measures the host side on the CPU (empty launchers).
 --profile: each generate row runs one more generate under torch.profiler and records, per decode step,
 the device's busy time, kernels and CUDA-graph launches, and the top kernels (the GPU work a compiled
 step replays against the host time around it). --compiled-only: only the two compiled rows.
@@ -211,12 +217,12 @@ def stub_kernels() -> None:
 
 
 class _GraphCounts:
-    """A backend around the compile config's: the decode graph's inputs as dynamo hands them over
+    """A recording backend (the graph runs as traced): the decode graph's inputs as dynamo hands them over
     (placeholders; static ones are parameters, buffers and addresses marked static, which CUDA-graph
     trees check by pointer; the others are copied into the graph's buffers every replay) and outputs."""
 
-    def __init__(self, backend: str, mode):
-        self.backend, self.mode, self.graphs = backend, mode, []
+    def __init__(self):
+        self.graphs = []
 
     def __call__(self, gm, example_inputs):
         ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -225,15 +231,10 @@ class _GraphCounts:
                      for x in example_inputs if isinstance(x, torch.Tensor))
         self.graphs.append({"inputs": len(ph), "static_inputs": static, "non_static_inputs": len(ph) - static,
                             "outputs": len(out) if isinstance(out, (tuple, list)) else 1})
-        if self.backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            opts = {"triton.cudagraphs": True} if self.mode == "reduce-overhead" else {}
-            return compile_fx(gm, example_inputs, config_patches=opts)
-        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        return gm.forward
 
 
-def _guard_lines(fn_code_name: str = "") -> int:
+def _guard_lines() -> int:
     """Guard-tree lines (one a guard or a guard manager) over every frame dynamo compiled since the reset."""
     import gc
 
@@ -264,15 +265,17 @@ def bench_step(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     - guard_us / region_us (profiler): dynamo's cache lookup and the compiled region a call,
     - loop_us: a generate's wall time a step less its compiled calls (HF's loop, the prefill's share).
     and the graph's counts (inputs, static inputs, outputs, guard-tree lines)."""
-    cc = model.generation_config.compile_config
-    counts = _GraphCounts(cc.backend, cc.mode)
-    model._last_compile_config = cc
-    model._compiled_call = torch.compile(model.__call__, fullgraph=cc.fullgraph, dynamic=cc.dynamic,
-                                         backend=counts)
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(1, VOCAB, (batch, prompt), generator=g).to(_dev())
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static")
-    model.generate(ids, **kw)
+    # the counts from a trace of its own (a recording backend), the timings from transformers' own recipe
+    counts = _GraphCounts()
+    model._last_compile_config = model.generation_config.compile_config
+    model._compiled_call = torch.compile(model.__call__, fullgraph=True, backend=counts)
+    model.generate(ids, **dict(kw, max_new_tokens=3, min_new_tokens=3))
+    del model._compiled_call, model._last_compile_config
+    torch._dynamo.reset()
+    model.generate(ids, **kw)  # compiles, records the CUDA graph
     compiled, last, spent = model._compiled_call, {}, [0.0, 0]
 
     def recorder(*a, **k):
@@ -397,7 +400,9 @@ def main(argv=None) -> int:
         global VOCAB
         SMOKE["on"], VOCAB, SMOKE["backend"] = True, SMOKE["config"]["vocab_size"], args.smoke_backend
         SMOKE["config"]["n_layer"] = args.smoke_layers
-        args.batches, args.prompt, args.new, args.reps, args.prefill = [2], 5, 3, 1, [2, 16]
+        # --part step keeps up to 48 new tokens (its loop_us: HF's loop a step, not the prefill's share)
+        new = min(args.new, 48) if args.part == "step" else 3
+        args.batches, args.prompt, args.new, args.reps, args.prefill = [2], 5, new, 1, [2, 16]
         if args.stub_kernels:
             stub_kernels()
     elif not torch.cuda.is_available():
