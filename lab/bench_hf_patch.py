@@ -280,7 +280,11 @@ def bench_step(model, batch: int, prompt: int, new: int, reps: int) -> dict:
 
     def recorder(*a, **k):
         cache = k.get("past_key_values", k.get("cache"))
-        last.update(a=a, k=k, cache=cache, pos=[lay.cumulative_length.clone() for lay in cache.layers])
+        # where a layer counts its writes (transformers >= 5.2x: cumulative_length), the count is put back
+        # before each timed call; older layers write at the cache_position argument, the same every call
+        pos = [(lay, lay.cumulative_length.clone()) for lay in getattr(cache, "layers", ())
+               if isinstance(getattr(lay, "cumulative_length", None), torch.Tensor)]
+        last.update(a=a, k=k, pos=pos)
         t0 = time.perf_counter()
         r = compiled(*a, **k)
         spent[0] += time.perf_counter() - t0
@@ -294,10 +298,10 @@ def bench_step(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     _sync()
     gen_s = time.perf_counter() - t0
     loop_us = (gen_s - spent[0]) / max(1, spent[1]) * 1e6
-    a, k, cache, pos = last["a"], last["k"], last["cache"], last["pos"]
+    a, k, pos = last["a"], last["k"], last["pos"]
 
     def reset():
-        for lay, p in zip(cache.layers, pos):
+        for lay, p in pos:
             lay.cumulative_length.copy_(p)
 
     def call():
