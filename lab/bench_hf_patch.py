@@ -32,6 +32,13 @@ region, HF's loop a step; and the decode graph's inputs (static), outputs and gu
 step's host time (no sync) matches HF's but its synced time does not, the extra is the graph's span on
 the device (gaps between kernels: the profile's busy time leaves them out), not host work. --smoke
 --smoke-backend inductor --stub-kernels measures the host side on the CPU (empty launchers).
+Found (2026-11-24, CPU, torch 2.13, transformers 5.24, 12 tiny layers, a loaded 2-core machine): the
+decode graph has 187 inputs (184 static: only input_ids, position_ids and the mask are copied a replay)
+and 1 output, patched and not; guard-tree lines 2958 patched vs 3599; host time outside the graph call
+185-595 us patched vs 365-796 us HF; HF's loop a step (prefill share included) no higher patched. The
+patched step's only extra CPU time is inside the graph call (the ops' dispatch, ~15 us an op), which a
+CUDA-graph replay does not run. So the H100's +1.1 ms a step is not host work this side can see:
+measure host_us against step_us and device_us on the GPU.
 --profile: each generate row runs one more generate under torch.profiler and records, per decode step,
 the device's busy time, kernels and CUDA-graph launches, and the top kernels (the GPU work a compiled
 step replays against the host time around it). --compiled-only: only the two compiled rows.
