@@ -403,7 +403,12 @@ def _engine_main(conn, out_conn, builder: str, kwargs: dict, warm_up: str | None
     finally:
         out.close()
     if code:
-        sys.exit(code)
+        # the loop failed: exit at once, without the interpreter's teardown (torch's, the engine's threads),
+        # which under load took seconds before the API process could read the exit code
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+            fault.flush()
+        os._exit(code)
 
 
 def _describe_exit(code) -> str:

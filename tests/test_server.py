@@ -779,7 +779,7 @@ def test_engine_process_death_says_why(fail, how, error, caplog):
         assert done and "the engine process died" in msg and (error is None or error in msg), msg
         t0 = time.time()
         while (h := httpx.get(ts.url + "/health").json()).get("engine_death", {}).get("exit_code") is None:
-            assert time.time() - t0 < 10, h
+            assert time.time() - t0 < 30, h     # (a loaded 2-core CI box: seconds)
             time.sleep(0.05)
         death = h["engine_death"]
         assert how in h["status"] and how in death["how"] and (error is None or error in h["status"]), h
