@@ -88,6 +88,30 @@ def prepare_capture(buckets, run) -> None:
                 run(b)
 
 
+def capture_buckets(buckets, run, device, what: str) -> tuple[dict, dict, float]:
+    """CUDA graphs of ``run(b)`` for each bucket ``b``: a dry run on a side stream (:func:`prepare_capture`;
+    ``run`` must write nothing when its rows are padding or dead), then one capture per bucket, largest
+    first so that the smaller graphs reuse its memory pool, under :func:`no_compiles` (``what`` names the
+    capture in its error). Returns (graphs by bucket, each capture's return value by bucket, seconds)."""
+    t0 = time.perf_counter()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        prepare_capture(buckets, run)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graphs, outs, pool = {}, {}, None
+    with no_compiles(what):
+        for b in sorted(buckets, reverse=True):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                outs[b] = run(b)
+            pool = g.pool() if pool is None else pool
+            graphs[b] = g
+    torch.cuda.synchronize(device)
+    return graphs, outs, time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------------------------------------------
 # The two kernels that bracket the model in a decode step
 # ---------------------------------------------------------------------------------------------------
@@ -228,25 +252,9 @@ class DecodeGraphs:
                                                num_warps=8 if self.out_block >= 4096 else 4, **pdl)
         return logits
 
-    def _capture(self):
-        dev = self.device
-        t0 = time.perf_counter()
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):   # every row is padding: nothing is written
-            prepare_capture(self.buckets, self._run)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        torch.cuda.synchronize(dev)
-        pool = None
-        with no_compiles("CUDA-graph capture of the decode step"):
-            for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self.out[b] = self._run(b)
-                pool = g.pool() if pool is None else pool
-                self.graphs[b] = g
-        torch.cuda.synchronize(dev)
-        self.capture_s = time.perf_counter() - t0
+    def _capture(self):      # every row is padding while it runs: nothing is written
+        self.graphs, self.out, self.capture_s = capture_buckets(self.buckets, self._run, self.device,
+                                                                "CUDA-graph capture of the decode step")
 
     def bucket(self, B):
         return next((b for b in self.buckets if b >= B), None)

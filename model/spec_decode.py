@@ -24,7 +24,6 @@ verification has k + 1 rows per sequence) and run eagerly.
 from __future__ import annotations
 
 import math
-import time
 
 import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
 import torch
@@ -429,27 +428,11 @@ class SpecGraphs:
                              self.eos, self.cap, self.drafts, self.drafts.stride(0), self.acc, self.steps, K=k,
                              BLOCK_V=self._block_v(V), num_warps=8)
 
-    def _capture(self):
-        from tritune.model.graphs import no_compiles, prepare_capture
+    def _capture(self):      # every sequence dead while it runs: nothing is written
+        from tritune.model.graphs import capture_buckets
 
-        dev = self.device
-        t0 = time.perf_counter()
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):     # every sequence dead: nothing is written
-            prepare_capture(self.buckets, self._run)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        torch.cuda.synchronize(dev)
-        pool = None
-        with no_compiles("CUDA-graph capture of the speculative step"):
-            for b in reversed(self.buckets):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._run(b)
-                pool = g.pool() if pool is None else pool
-                self.graphs[b] = g
-        torch.cuda.synchronize(dev)
-        self.capture_s = time.perf_counter() - t0
+        self.graphs, _, self.capture_s = capture_buckets(self.buckets, self._run, self.device,
+                                                         "CUDA-graph capture of the speculative step")
 
     def bucket(self, B):
         return next((b for b in self.buckets if b >= B), None)
