@@ -46,6 +46,17 @@ def _bigram(V, seed, sharp):
     return (sharp * torch.randn(V, V, generator=g)).softmax(-1)
 
 
+def blocks_back_and_self_accepted(eng, prop, kind):
+    """After a speculative run: the target drafting for itself had every draft accepted, and every block of
+    the target's pool (and of the draft model's own) came back."""
+    if kind == "self":
+        assert acceptance_rate(eng.stats) == 1.0
+    assert eng.pool.num_free == eng.pool.num_blocks
+    if kind != "ngram":
+        prop._gc(None)
+        assert prop.pool.num_free == prop.pool.num_blocks
+
+
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
 def test_rejection_sampling_keeps_the_target_distribution(proposer):
     """Target: a bigram chain T; draft: another chain Q (or a fixed point-mass guess). The first two
@@ -116,12 +127,7 @@ def test_greedy_speculation_equals_target_alone(model, draft, kind):
         assert r.output_ids == alone(model, p, 14)
     st = eng.stats
     assert st["spec_steps"] > 0 and st["spec_proposed"] > 0
-    if kind == "self":                            # the target drafting for itself: every draft accepted
-        assert acceptance_rate(st) == 1.0
-    assert eng.pool.num_free == eng.pool.num_blocks
-    if kind != "ngram":
-        prop._gc(None)
-        assert prop.pool.num_free == prop.pool.num_blocks
+    blocks_back_and_self_accepted(eng, prop, kind)
 
 
 def test_speculation_under_preemption_and_stop_conditions(model, draft):
@@ -209,12 +215,7 @@ def test_device_speculation_equals_target_alone(dmodel, ddraft, kind):
     st = eng.stats
     assert st["spec_graph_replays"] >= st["spec_steps"] > 0
     assert st["spec_syncs"] == eng.spec.graphs.reads and st["spec_syncs"] < st["spec_steps"]
-    if kind == "self":                            # the target drafting for itself: every draft accepted
-        assert acceptance_rate(st) == 1.0
-    assert eng.pool.num_free == eng.pool.num_blocks
-    if kind != "ngram":
-        prop._gc(None)
-        assert prop.pool.num_free == prop.pool.num_blocks
+    blocks_back_and_self_accepted(eng, prop, kind)
 
 
 def test_device_speculation_under_preemption_and_context_end(dmodel, ddraft):
