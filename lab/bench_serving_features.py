@@ -175,50 +175,9 @@ def run_shared_prefix_part(args, out_path: Path) -> dict:
     return res
 
 
-def _itl_run(eng, n_decodes, decode_prompt, long_prompt, n_long, output_len, vocab, every, seed=0):
-    """serve-bench's mixed measure (model/serve.py ``_itl_run``): n_decodes requests decode; after every
-    ``every``-th step one of n_long long prompts arrives. Inter-token latencies of the decoding requests
-    (before any long prompt arrived: decode only; after: with long prompts), plus the long prompts' TTFT
-    and the steps per path over the run."""
-    import numpy as np
-
-    from tritune.model import serve as S
-    from tritune.model.scheduler import SamplingParams
-
-    rng = np.random.default_rng(seed)
-    times: dict = {}
-
-    def stream(req, tok):
-        if tok is not None:
-            times.setdefault(req.id, []).append(time.perf_counter())
-
-    paths0 = dict(eng.path_counts)
-    for _ in range(n_decodes):
-        eng.add_request(rng.integers(0, vocab - 1, decode_prompt).tolist(),
-                        SamplingParams(max_new_tokens=output_len, ignore_eos=True), stream=stream)
-    S._sync()
-    steps, t_first_long, longs = 0, None, []
-    while eng.has_unfinished():
-        if steps >= 2 * every and steps % every == 0 and len(longs) < n_long:
-            if t_first_long is None:
-                t_first_long = time.perf_counter()
-            longs.append(eng.add_request(rng.integers(0, vocab - 1, long_prompt).tolist(),
-                                         SamplingParams(max_new_tokens=4, ignore_eos=True)))
-        eng.step()
-        steps += 1
-    decode_only, mixed = [], []
-    for ts in times.values():
-        if len(ts) < 2 or len(ts) < output_len:
-            continue
-        for a, b in zip(ts, ts[1:]):
-            (decode_only if t_first_long is None or b < t_first_long else mixed).append(b - a)
-    ttft = [r.first_token_time - r.arrival_time for r in longs if r.first_token_time is not None]
-    return {"itl_decode_only_ms": S.percentiles(decode_only), "itl_with_long_prompts_ms": S.percentiles(mixed),
-            "long_prompt_ttft_ms": S.percentiles(ttft), "long_prompts": len(longs), "steps": steps,
-            "paths": _paths_since(eng, paths0)}
-
-
 def run_mixed_part(args, out_path: Path, model_dir: Path) -> dict:
+    from tritune.model import serve as S
+
     model, V, ctx, gpu = _engine_model(args, model_dir)
     if args.smoke:
         n_dec, long_prompt, n_long, out_len, chunk, seqs = 4, 400, 2, 40, 64, 8
@@ -227,10 +186,9 @@ def run_mixed_part(args, out_path: Path, model_dir: Path) -> dict:
     long_prompt, out_len = min(long_prompt, ctx - 4), min(out_len, ctx - 64)
     Ps = [int(x) for x in args.graph_tokens.split(",") if x.strip()]
     chunked = dict(enable_chunked_prefill=True, max_batch_tokens=chunk)
-    # the step's token budget is the seats plus P: every step's prefill rows (a long prompt's chunk, or several
-    # prompts' chunks together) fit the captured step, so no step falls back to an eager prefill forward
-    graph = {f"chunked_graph_{P}": dict(chunked, max_batch_tokens=seqs + P, graph_prefill_tokens=P,
-                                        long_prefill_token_threshold=P) for P in Ps}
+    # the same budget: beside decodes the engine caps a step's prefill tokens at P, so every chunk (a long
+    # prompt's, or several prompts' together) rides in the captured step instead of an eager prefill forward
+    graph = {f"chunked_graph_{P}": dict(chunked, graph_prefill_tokens=P) for P in Ps}
     # the new path's first setting first: a part cut short by its time limit keeps it
     first = next(iter(graph))
     runs = {first: graph.pop(first), "chunked": dict(chunked, graph_prefill_tokens=0), **graph,
@@ -242,8 +200,8 @@ def run_mixed_part(args, out_path: Path, model_dir: Path) -> dict:
         try:
             eng = _make_engine(model, gpu, V, ctx, max_num_seqs=seqs, prefill_batching=False, decode_steps=1, **kw)
             # the same pattern once, short, untimed: a long prompt's kernel variants compile here
-            _itl_run(eng, n_dec, 64, long_prompt, 1, 2 * 8 + 8, V, 8, seed=1)
-            r = _itl_run(eng, n_dec, 64, long_prompt, n_long, out_len, V, 8)
+            S._itl_run(eng, n_dec, 64, long_prompt, 1, 4 * 8 + 8, V, 8, seed=1)
+            r = S._itl_run(eng, n_dec, 64, long_prompt, n_long, out_len, V, 8)
             p50, p99 = r["itl_decode_only_ms"]["p50"], r["itl_with_long_prompts_ms"]["p99"]
             r["p99_over_decode_p50"] = p99 / p50 if p50 and p99 else None
             res["results"][name] = r

@@ -126,6 +126,8 @@ class Engine:
     token at batch 1, against about 130 us of GPU). A token then reaches its stream one ``step()`` later.
     ``graph_prefill_tokens`` (default 64): a step with at most this many prefill tokens runs them inside
     the device-side decode step, beside its decodes (:mod:`~tritune.model.runner`); 0: prefills eager.
+    With chunked prefill, a step that decodes takes at most this many prefill tokens, so that long prompts
+    arrive in chunks that ride in the captured step (a step with no decodes keeps the whole budget).
     ``long_prefill_token_threshold`` (chunked prefill only; default None: off): at most this many tokens of
     one prompt per step, e.g. ``graph_prefill_tokens`` so that every chunk takes that path.
     ``path_counts``: how many steps took each path ("graph": decode-only replays, "graph-mixed",
@@ -199,6 +201,9 @@ class Engine:
                                   compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps),
                                   fused_decode=fused_decode, graph_prefill_tokens=graph_prefill_tokens)
         self.runner.invariant = self.batch_invariant
+        if self.scheduler.chunked and self.runner.graph_prefill_tokens:
+            # chunks beside decodes stay within the captured step's prefill rows (no eager stall)
+            self.scheduler.decode_step_prefill_cap = self.runner.graph_prefill_tokens
         self.notes += self.runner.notes
         self.sampler = Sampler(self.device)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,

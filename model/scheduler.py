@@ -202,6 +202,10 @@ class Scheduler:
                                  "enable_chunked_prefill=True")
         self.long_prefill_token_threshold = t
         self._chunk_cap = t if t is not None else math.inf    # tokens of one prompt per step
+        # prefill tokens of a step that also decodes (chunked only): the engine sets its device-side step's
+        # prefill rows here, so that a chunk rides beside the decodes in the captured step instead of
+        # stalling them with an eager forward; a step with no decodes keeps the whole budget
+        self.decode_step_prefill_cap: int | None = None
         pool.enable_caching = bool(enable_prefix_caching)
         if isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int) \
                 or self.max_num_batched_tokens < 1:
@@ -325,6 +329,9 @@ class Scheduler:
         running = list(self.running)
         lefts = [len(r.prompt_ids) + len(r.output_ids) - r.num_computed for r in running]
         reserved = lefts.count(1)
+        # prefill tokens this step may still take (the cap holds only beside decodes)
+        pcap = self.decode_step_prefill_cap if self.chunked and reserved and self.decode_step_prefill_cap \
+            else math.inf
         for req, left in zip(running, lefts):
             if req.state != RUNNING:        # preempted for an earlier one, earlier in this loop
                 continue
@@ -332,9 +339,10 @@ class Scheduler:
                 reserved -= 1
                 n = 1
             else:                           # a prompt being prefilled in chunks
-                n = min(left, budget - reserved, self._chunk_cap)
+                n = min(left, budget - reserved, self._chunk_cap, pcap)
                 if n <= 0:
                     continue
+                pcap -= n
             end = req.num_computed + n
             table = req.table
             if end > len(table.blocks) * bs:
@@ -366,7 +374,7 @@ class Scheduler:
         # Admit in policy order (no skipping ahead: the head would starve). Not after a preemption: the
         # blocks just freed belong to the request at the front, once there is room.
         while admit and self.waiting and not out.preempted and len(self.running) < self.max_num_seqs \
-                and budget > 0:
+                and budget > 0 and pcap > 0:
             req = self.waiting[0]
             ids = req.all_ids
             n = len(ids)
@@ -376,7 +384,7 @@ class Scheduler:
                 hashes = pool.hash_blocks(ids, 0, (n - 1) // bs)
                 hit = pool.match(hashes)
             start = len(hit) * bs
-            take = min(budget, self._chunk_cap)
+            take = min(budget, self._chunk_cap, pcap)
             end = n if n - start <= take else start + take if self.chunked else None
             if end is None:
                 break
@@ -393,6 +401,7 @@ class Scheduler:
             self._add_prefill(out, req, start, end)
             req.table.cache_full(ids, end)
             budget -= end - start
+            pcap -= end - start
             self.stats["cached_tokens"] += start
         self.stats["prefill_tokens"] += sum(map(len, out.prefill_ids))
         self._pending = bool(out)

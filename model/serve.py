@@ -406,9 +406,10 @@ def run_shared_prefix(make_engine, items, *, show_progress=False) -> dict:
 
 
 def _itl_run(eng, n_decodes, decode_prompt, long_prompt, n_long, output_len, vocab, every, seed=0):
-    """n_decodes requests decode; after every ``every``-th step one of n_long long prompts arrives (the
-    decodes' output covers them all). Inter-token latencies of the decoding requests, split into steps
-    before any long prompt arrived (decode only) and after."""
+    """n_decodes requests decode; once each has its first token (their own prefills are not measured),
+    4 * ``every`` steps of decode only, then after every ``every``-th step one of n_long long prompts arrives
+    (the decodes' output covers them all). Inter-token latencies of the decoding requests, split into steps
+    before any long prompt arrived (decode only) and after; the long prompts' TTFT; steps per path."""
     import numpy as np
 
     from tritune.model.scheduler import SamplingParams
@@ -420,18 +421,21 @@ def _itl_run(eng, n_decodes, decode_prompt, long_prompt, n_long, output_len, voc
         if tok is not None:
             times.setdefault(req.id, []).append(time.perf_counter())
 
+    paths0 = dict(eng.path_counts)
     for _ in range(n_decodes):
         eng.add_request(rng.integers(0, vocab - 1, decode_prompt).tolist(),
                         SamplingParams(max_new_tokens=output_len, ignore_eos=True), stream=stream)
     _sync()
-    steps, t_first_long, longs = 0, None, 0
+    while len(times) < n_decodes and eng.has_unfinished():
+        eng.step()
+    t_ramp = time.perf_counter()
+    steps, t_first_long, longs = 0, None, []
     while eng.has_unfinished():
-        if steps >= 2 * every and steps % every == 0 and longs < n_long:
+        if steps >= 4 * every and steps % every == 0 and len(longs) < n_long:
             if t_first_long is None:
                 t_first_long = time.perf_counter()
-            eng.add_request(rng.integers(0, vocab - 1, long_prompt).tolist(),
-                            SamplingParams(max_new_tokens=4, ignore_eos=True))
-            longs += 1
+            longs.append(eng.add_request(rng.integers(0, vocab - 1, long_prompt).tolist(),
+                                         SamplingParams(max_new_tokens=4, ignore_eos=True)))
         eng.step()
         steps += 1
     decode_only, mixed = [], []
@@ -439,9 +443,12 @@ def _itl_run(eng, n_decodes, decode_prompt, long_prompt, n_long, output_len, voc
         if len(ts) < 2 or len(ts) < output_len:     # the long prompts' own tokens are not counted
             continue
         for a, b in zip(ts, ts[1:]):
-            (decode_only if t_first_long is None or b < t_first_long else mixed).append(b - a)
+            if a >= t_ramp:
+                (decode_only if t_first_long is None or b < t_first_long else mixed).append(b - a)
+    ttft = [r.first_token_time - r.arrival_time for r in longs if r.first_token_time is not None]
+    paths = {k: v - paths0.get(k, 0) for k, v in sorted(eng.path_counts.items()) if v - paths0.get(k, 0)}
     return {"itl_decode_only_ms": percentiles(decode_only), "itl_with_long_prompts_ms": percentiles(mixed),
-            "long_prompts": longs, "steps": steps}
+            "long_prompt_ttft_ms": percentiles(ttft), "long_prompts": len(longs), "steps": steps, "paths": paths}
 
 
 def run_mixed(make_engine, *, n_decodes, decode_prompt, long_prompt, n_long, output_len, vocab, chunk, every) -> dict:
@@ -452,7 +459,7 @@ def run_mixed(make_engine, *, n_decodes, decode_prompt, long_prompt, n_long, out
         eng = make_engine(prefill_batching=False, decode_steps=1, **kw)
         # the same pattern once, short, untimed: a long prompt's kernel variants (its prefill, or its chunks
         # beside the decodes) compile here; met first inside the timed run, each is a 1 s stall in the P99
-        _itl_run(eng, n_decodes, decode_prompt, long_prompt, 1, 2 * every + 8, vocab, every, seed=1)
+        _itl_run(eng, n_decodes, decode_prompt, long_prompt, 1, 4 * every + 8, vocab, every, seed=1)
         res[name] = _itl_run(eng, n_decodes, decode_prompt, long_prompt, n_long, output_len, vocab, every)
         del eng
     for name in ("unchunked", "chunked"):

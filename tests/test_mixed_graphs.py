@@ -118,6 +118,39 @@ def test_chunked_prefill_on_graph_equals_eager(model, budget, cap):
     assert outs[0] == outs[1] == [alone(model, p, n) for p, n in zip(ps, news)]
 
 
+def test_chunks_beside_decodes_stay_on_graph(model):
+    """A step budget larger than the device-side step's prefill rows (no long_prefill_token_threshold):
+    while sequences decode, a step takes at most ``graph_prefill_tokens`` prompt tokens, so every chunk
+    rides in the captured step and no decode waits on an eager prefill; a step with no decodes keeps the
+    whole budget. Tokens equal the eager-prefill engine's and each alone; every block comes back."""
+    ps = prompts(5, seed=51, lo=30, hi=70)
+    news = [9, 14, 6, 11, 8]
+    outs = []
+    for eng in engines(model, 8, num_blocks=200, max_num_seqs=4, enable_chunked_prefill=True,
+                       max_batch_tokens=48, enable_prefix_caching=False):
+        seen = spy_paths(eng)
+        sizes = []
+        orig = eng.scheduler.schedule
+
+        def schedule(*a, _orig=orig, _sizes=sizes, **k):
+            out = _orig(*a, **k)
+            _sizes.append((len(out.decode), sum(map(len, out.prefill_ids))))
+            return out
+        eng.scheduler.schedule = schedule
+        outs.append([r.output_ids for r in run_arrivals(eng, ps, news, gap=1)])
+        assert eng.pool.num_free == eng.pool.num_blocks
+        if eng.runner.graph_prefill_tokens:
+            assert eng.scheduler.decode_step_prefill_cap == 8
+            assert all(p <= 8 for d, p in sizes if d), sizes
+            assert any(p > 8 for d, p in sizes if not d), sizes      # alone, a prompt takes the budget
+            assert seen["graph-mixed"] > 0 and seen["graph"] + seen["graph-mixed"] + seen["graph-prefill"] \
+                + seen["eager"] == sum(seen.values()), seen            # no eager prefill beside decodes
+        else:
+            assert eng.scheduler.decode_step_prefill_cap is None
+            assert any(p > 8 for d, p in sizes if d), sizes
+    assert outs[0] == outs[1] == [alone(model, p, n) for p, n in zip(ps, news)]
+
+
 def test_prefix_cache_hits_on_graph(model):
     """Requests sharing a prefix: the later ones find it cached and prefill only their suffix, in the
     device-side step (several suffixes in one step too); tokens as without the path, blocks all back."""
