@@ -366,6 +366,21 @@ def bench_step(model, batch: int, prompt: int, new: int, reps: int) -> dict:
             call()
         _sync()
     ev = {e.key: e for e in prof.key_averages()}
+    # where the host's share goes, function by function (cProfile, 100 calls, synced after each)
+    import cProfile
+    import io
+    import pstats
+
+    cp = cProfile.Profile()
+    for _ in range(5 if SMOKE["on"] else 100):
+        reset()
+        cp.enable()
+        call()
+        cp.disable()
+        _sync()
+    buf = io.StringIO()
+    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(40)
+    host_functions = buf.getvalue()
 
     def per_call(name):
         hit = [e for key, e in ev.items() if key.startswith(name)]
@@ -378,7 +393,7 @@ def bench_step(model, batch: int, prompt: int, new: int, reps: int) -> dict:
             "generate_ms_per_step": gen_s / max(1, spent[1] + 1) * 1e3,
             "guard_us": per_call("TorchDynamo Cache Lookup"), "region_us": per_call("Torch-Compiled Region"),
             "graph_us": per_call("## Call CompiledFxGraph"), "graphs": counts.graphs,
-            "guard_lines": _guard_lines(), "calls": n}
+            "guard_lines": _guard_lines(), "calls": n, "host_functions_100_calls": host_functions}
 
 
 @torch.no_grad()
