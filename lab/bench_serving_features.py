@@ -175,6 +175,57 @@ def run_shared_prefix_part(args, out_path: Path) -> dict:
     return res
 
 
+def _step_times(eng, run) -> dict:
+    """Per path label: the steps' wall time (ms, P50/P99), the graph replay's GPU time (ms, P50/P99), the
+    rows and prefill tokens (P50) and, for prefill steps, the P50 of their chunk's end position."""
+    import numpy as np
+    import torch
+
+    g, rec, cur = eng.runner.graphs, {}, {}
+    run0, step0, sched0 = g.run, eng.step, eng.scheduler.schedule
+
+    def graph_run(B, steps=1):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = run0(B, steps)
+        e1.record()
+        cur.setdefault("ev", []).append((e0, e1))
+        return out
+
+    def schedule(*a, **k):
+        out = sched0(*a, **k)
+        cur["rows"] = len(out.decode) + sum(map(len, out.prefill_ids))
+        cur["prefill"] = sum(map(len, out.prefill_ids))
+        cur["end"] = max((s + len(t) for s, t in zip(out.prefill_starts, out.prefill_ids)), default=0)
+        return out
+
+    def step():
+        paths = dict(eng.path_counts)
+        cur.clear()
+        t0 = time.perf_counter()
+        r = step0()
+        wall = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        path = next((k for k, v in eng.path_counts.items() if v != paths.get(k, 0)), "none")
+        gpu = sum(a.elapsed_time(b) for a, b in cur.get("ev", ()))
+        rec.setdefault(path, []).append((wall * 1e3, gpu, cur.get("rows", 0), cur.get("prefill", 0),
+                                         cur.get("end", 0)))
+        return r
+
+    g.run, eng.step, eng.scheduler.schedule = graph_run, step, schedule
+    try:
+        run()
+    finally:
+        g.run, eng.step, eng.scheduler.schedule = run0, step0, sched0
+    out = {}
+    for path, rows in rec.items():
+        a = np.asarray(rows)
+        q = lambda col, p: round(float(np.percentile(a[:, col], p)), 3)  # noqa: E731
+        out[path] = {"n": len(rows), "wall_ms": [q(0, 50), q(0, 99)], "gpu_ms": [q(1, 50), q(1, 99)],
+                     "rows_p50": q(2, 50), "prefill_p50": q(3, 50), "chunk_end_p50": q(4, 50)}
+    return out
+
+
 def run_mixed_part(args, out_path: Path, model_dir: Path) -> dict:
     from tritune.model import serve as S
 
@@ -204,6 +255,12 @@ def run_mixed_part(args, out_path: Path, model_dir: Path) -> dict:
             r = S._itl_run(eng, n_dec, 64, long_prompt, n_long, out_len, V, 8)
             p50, p99 = r["itl_decode_only_ms"]["p50"], r["itl_with_long_prompts_ms"]["p99"]
             r["p99_over_decode_p50"] = p99 / p50 if p50 and p99 else None
+            if gpu and args.step_times:
+                # where a step's time goes, by path: its wall time and its graph replay's GPU time (CUDA
+                # events), in a third run of the same pattern (the events cost a little: not the timed one)
+                r["step_times"] = _step_times(eng, lambda: S._itl_run(eng, n_dec, 64, long_prompt, n_long,
+                                                                      out_len, V, 8, seed=2))
+                print(f"  mixed {name} step times: {json.dumps(r['step_times'])}", flush=True)
             res["results"][name] = r
             print(f"  mixed {name}: decode-only ITL P50 {p50} ms, P99 with long prompts {p99} ms "
                   f"({_f(r['p99_over_decode_p50'])}x), long TTFT p50 {r['long_prompt_ttft_ms']['p50']} ms, "
@@ -405,6 +462,8 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-tokens", default="64,128", help="prefill rows a step in the captured decode step "
                     "(graph_prefill_tokens; mixed: one run per value, shared-prefix: the first)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    ap.add_argument("--step-times", action="store_true", help="mixed, on a GPU: a third run of each setting "
+                    "timing each step (wall) and its graph replay (CUDA events), by path")
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)    # internal: run one part in-process
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -442,7 +501,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             try:
                 cmd = [sys.executable, __file__, str(out), "--part", name, "--out", str(path),
-                       "--graph-tokens", args.graph_tokens] + (["--smoke"] if args.smoke else [])
+                       "--graph-tokens", args.graph_tokens] + (["--smoke"] if args.smoke else []) \
+                    + (["--step-times"] if args.step_times else [])
                 if name == "speculative":
                     cmd += ["--spec-model", args.spec_model] if args.spec_model else []
                     cmd += ["--draft", args.draft] if args.draft else []
