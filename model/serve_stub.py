@@ -115,10 +115,12 @@ class StubEngine:
         for req in list(sch.running):
             base, out, emit = req.prompt_ids[-1] + 1, req.output_ids, req.stream
             k = min(self.decode_steps, req.max_new_tokens - len(out))
-            for _ in range(k):
-                tok = (base + len(out)) % vocab
-                out.append(tok)
-                emit(req, tok)
+            n = len(out)
+            toks = [(base + n + j) % vocab for j in range(k)]
+            out += toks
+            if emit is not None:
+                for tok in toks:
+                    emit(req, tok)
             made += k
             if len(out) >= req.max_new_tokens:
                 self._finish(req, "length")

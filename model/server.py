@@ -60,8 +60,8 @@ class APIError(Exception):
 class Seq:
     """One engine request of an HTTP request (a prompt of a list has one each); what the engine thread
     collected for it since the last hand-over."""
-    __slots__ = ("id", "index", "sink", "new", "accepted", "finish", "error", "n_prompt", "n_out",
-                 "t_arrival", "t_first", "dirty", "announced", "done")
+    __slots__ = ("id", "key", "index", "sink", "new", "accepted", "finish", "error", "n_prompt", "n_out",
+                 "t_arrival", "t_first", "dirty", "announced", "done", "req", "sent")
 
     def __init__(self, rid: str, index: int, sink: asyncio.Queue, t_arrival: float):
         self.id, self.index, self.sink, self.t_arrival = rid, index, sink, t_arrival
@@ -73,6 +73,9 @@ class Seq:
         self.dirty = False
         self.announced = False      # its acceptance has been handed over
         self.done = False           # event-loop side: its end has been delivered
+        self.key = rid              # the engine process's id for it (an int: serve_proc.EngineProcess.submit)
+        self.req = None             # the engine's request (engine thread)
+        self.sent = 0               # its output tokens collected so far (engine thread)
 
 
 
@@ -83,6 +86,7 @@ class EngineLoop(StepCollector):
 
     def __init__(self, engine, metrics=None):
         super().__init__(engine)
+        self.dirty: list = []               # requests with news since the last hand-over
         self.metrics = metrics
         self.load = engine_load(engine)     # replaced (not mutated) after each step: readers need no lock
         self.in_flight = 0                  # event-loop side: submitted and not yet ended
@@ -164,25 +168,37 @@ class EngineLoop(StepCollector):
             seq = op[1]
             if op[0] == "abort":
                 if seq.finish is None and seq.accepted:
-                    try:
-                        eng.abort(seq.id)
-                    except KeyError:        # it finished in the meantime
-                        pass
+                    self._abort(seq.id)
                 continue
             _, _, ids, sampling = op
             try:
-                req = eng.add_request(ids, sampling, request_id=seq.id, stream=functools.partial(self._on_token, seq))
+                req = eng.add_request(ids, sampling, request_id=seq.id)
             except (ValueError, TypeError) as e:
                 seq.finish, seq.error = "rejected", str(e)
             except Exception as e:  # noqa: BLE001 (the engine's fault, not the request's: a 500 for it alone)
                 log.exception("add_request failed")
                 seq.finish, seq.error = "error", f"{type(e).__name__}: {e}"
             else:
-                seq.accepted, seq.n_prompt = True, len(req.prompt_ids)
+                seq.accepted, seq.n_prompt, seq.req = True, len(req.prompt_ids), req
                 self.live[seq.id] = seq
                 if self.metrics:
                     self.metrics.prompt_tokens.inc(seq.n_prompt)
             self._mark(seq)
+
+    def _mark(self, seq: Seq) -> None:
+        if not seq.dirty:
+            seq.dirty = True
+            self.dirty.append(seq)
+
+    def _tokens(self, seq: Seq, tokens: list) -> None:
+        seq.new += tokens
+        self._mark(seq)
+
+    def _ended(self, seq: Seq, finish: str, error, n_out: int) -> None:
+        if seq.finish is None:
+            seq.finish, seq.error = finish, error
+        seq.n_out = n_out
+        self._mark(seq)
 
     def _flush(self) -> None:
         if not self.dirty:
