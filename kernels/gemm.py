@@ -42,9 +42,12 @@ except ImportError:  # pragma: no cover
 @triton.jit
 def _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                    bias_v=None, res_v=None, PRE_EPI: tl.constexpr = 0):
+                    bias_v=None, res_v=None, PRE_EPI: tl.constexpr = 0,
+                    KC=None, VC=None, Slots=None, C_KV=0, HAS_KV: tl.constexpr = False):
     """acc (fp32) -> act(acc + bias) + residual -> C, rounded once. PRE_EPI >= 1: the bias was loaded
-    before the main loop (``bias_v``); 2: the residual tile too (``res_v``)."""
+    before the main loop (``bias_v``); 2: the residual tile too (``res_v``). HAS_KV: columns [C_KV, 2 C_KV)
+    and [2 C_KV, 3 C_KV) of each row also go to the (slots, C_KV) caches KC / VC at the row's slot (< 0:
+    not written), the same rounded values as C."""
     if HAS_BIAS:
         if PRE_EPI >= 1:
             acc += bias_v.to(tl.float32)[None, :]
@@ -60,6 +63,39 @@ def _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_b
         else:
             acc += tl.load(R + rows[:, None] * s_rm + cols[None, :] * s_rn, mask=mask, other=0.0).to(tl.float32)
     tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_cn, acc.to(C.dtype.element_ty), mask=mask)
+    if HAS_KV:
+        out = acc.to(C.dtype.element_ty)
+        slot = tl.load(Slots + rows, mask=mask_m, other=-1).to(tl.int64)
+        live = mask & (slot >= 0)[:, None]
+        at = slot[:, None] * C_KV + cols[None, :]
+        is_v = cols >= 2 * C_KV
+        tl.store(KC + at - C_KV, out, mask=live & ((cols >= C_KV) & ~is_v)[None, :])
+        tl.store(VC + at - 2 * C_KV, out, mask=live & is_v[None, :])
+
+
+@triton.jit
+def _ln_stats(a_rows, row_ok, K, s_ak, eps, LN_BLOCK: tl.constexpr):
+    """LayerNorm statistics over all of K of the rows at offsets ``a_rows`` from their first element,
+    float32: (shift, m1, rstd), mean = shift + m1, from sums of x - shift (shift: the first chunk's mean,
+    so the variance is not the difference of two large sums). K is read in LN_BLOCK chunks in order: a
+    row's statistics depend on the row, K and LN_BLOCK only. Rows not ``row_ok`` get rstd 0 (finite)."""
+    offs = tl.arange(0, LN_BLOCK)
+    lmask = row_ok[:, None] & (offs < K)[None, :]
+    first = tl.load(a_rows[:, None] + offs[None, :] * s_ak, mask=lmask, other=0.0).to(tl.float32)
+    shift = tl.sum(first, axis=1) / tl.minimum(K, LN_BLOCK)
+    xc = tl.where(lmask, first - shift[:, None], 0.0)
+    s1 = tl.sum(xc, axis=1)
+    s2 = tl.sum(xc * xc, axis=1)
+    for start in range(LN_BLOCK, K, LN_BLOCK):
+        kk = start + offs
+        lmask = row_ok[:, None] & (kk < K)[None, :]
+        xv = tl.load(a_rows[:, None] + kk[None, :] * s_ak, mask=lmask, other=0.0).to(tl.float32)
+        xc = tl.where(lmask, xv - shift[:, None], 0.0)
+        s1 += tl.sum(xc, axis=1)
+        s2 += tl.sum(xc * xc, axis=1)
+    m1 = s1 / K
+    rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - m1 * m1, 0.0) + eps)
+    return shift, m1, tl.where(row_ok, rstd, 0.0)
 
 
 @triton.jit
@@ -81,10 +117,16 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr,
                A_3D: tl.constexpr, A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
-               PRECISION: tl.constexpr, PRE_EPI: tl.constexpr):
+               PRECISION: tl.constexpr, PRE_EPI: tl.constexpr,
+               LnW=None, LnB=None, KC=None, VC=None, Slots=None, C_KV=0, eps=0.0,
+               HAS_LN: tl.constexpr = False, HAS_LN_W: tl.constexpr = False, HAS_LN_B: tl.constexpr = False,
+               HAS_KV: tl.constexpr = False, LN_BLOCK: tl.constexpr = 16):
     """One BLOCK_M x BLOCK_N tile of C over K slice pid_k of SPLIT_K. PRE_EPI (whole-K tiles only): the
     epilogue's bias (1), and its residual tile (2), are loaded before the main loop, so their latency
-    hides under it instead of following it."""
+    hides under it instead of following it. HAS_LN (pointer operands only): each A tile is normalised
+    as it is loaded, with its rows' statistics over all of K (every K slice computes them itself), and
+    rounded to A's dtype before the dot, as a LayerNorm kernel's output would be. HAS_KV: the epilogue
+    also writes the K/V columns to the caches."""
     # this program's K slice: whole BLOCK_K tiles, the last slice cut at K
     tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_lo = pid_k * tiles_per_split * BLOCK_K
@@ -132,6 +174,8 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
     if B_MODE == 0:
         b_ptrs = B + kk[:, None] * s_bk + b_n[None, :] * s_bn
 
+    if HAS_LN:  # A_MODE == 0: the rows' statistics read A through the same (wrapped) row offsets
+        shift, m1, rstd = _ln_stats(A + a_rows, mask_m if A_M_CONTIG else offs_m >= 0, K, s_ak, eps, LN_BLOCK)
     bias_v = None
     res_v = None
     if PRE_EPI >= 1 and HAS_BIAS:
@@ -154,6 +198,16 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
                 in_k = offs_k[None, :] < k_hi - k
                 a = tl.load(a_ptrs, mask=in_k & mask_m[:, None] if A_M_CONTIG else in_k, other=0.0)
             a_ptrs += BLOCK_K * s_ak
+            if HAS_LN:
+                af = ((a.to(tl.float32) - shift[:, None]) - m1[:, None]) * rstd[:, None]
+                k_ln = k + offs_k
+                if HAS_LN_W:
+                    af = af * tl.load(LnW + k_ln, mask=k_ln < k_hi, other=0.0).to(tl.float32)[None, :]
+                if HAS_LN_B:
+                    af = af + tl.load(LnB + k_ln, mask=k_ln < k_hi, other=0.0).to(tl.float32)[None, :]
+                if not EVEN_K:  # past K: zero, as the unnormalised tile's masked load gave
+                    af = tl.where((k_ln < k_hi)[None, :], af, 0.0)
+                a = af.to(a.dtype)
         if B_MODE == 1:
             b = B.load([k, pid_n * BLOCK_N])
         elif B_MODE == 2:
@@ -171,7 +225,7 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
 
     if SPLIT_K == 1:
         _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
-                        HAS_BIAS, ACT, HAS_RES, bias_v, res_v, PRE_EPI)
+                        HAS_BIAS, ACT, HAS_RES, bias_v, res_v, PRE_EPI, KC, VC, Slots, C_KV, HAS_KV)
     else:
         mask = mask_m[:, None] & mask_n[None, :]
         w_tile = W + rows[:, None] * N + cols[None, :]
@@ -186,7 +240,7 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
                 acc += tl.load(w_tile + s * slab, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(Locks + tile, 0)
             _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
-                            HAS_BIAS, ACT, HAS_RES)
+                            HAS_BIAS, ACT, HAS_RES, KC=KC, VC=VC, Slots=Slots, C_KV=C_KV, HAS_KV=HAS_KV)
 
 
 @triton.jit
@@ -226,6 +280,33 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
                    A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION, PRE_EPI)
 
 
+@triton.jit
+def _gemm_fused_kernel(A, B, C, Bias, R, W, Locks, LnW, LnB, KC, VC, Slots,
+                       M, N, K, M1, C_KV, eps,
+                       s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
+                       HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, A_3D: tl.constexpr,
+                       A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
+                       PRECISION: tl.constexpr, PRE_EPI: tl.constexpr,
+                       HAS_LN: tl.constexpr, HAS_LN_W: tl.constexpr, HAS_LN_B: tl.constexpr,
+                       HAS_KV: tl.constexpr, LN_BLOCK: tl.constexpr):
+    """C[m, n] = act(sum_k LN(A)[m, k] B[k, n] + bias[n]) + R[m, n], LN(A) = (A - mean) · rstd · LnW + LnB
+    over each row of A; with HAS_KV the K/V columns of C also go to the caches at Slots[m].
+
+    ``_gemm_kernel``'s tile with the fusions the decode step takes (a LayerNorm before the qkv, MLP-in and
+    LM-head products; the qkv output's KV-cache write), on its own entry so the plain kernel compiles as
+    it did: pointer operands, one tile and K slice per program (grid (tiles, SPLIT_K))."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, tl.program_id(1), num_pid_n,
+               s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
+               HAS_BIAS, ACT, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, 0, 0,
+               A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION, PRE_EPI,
+               LnW, LnB, KC, VC, Slots, C_KV, eps, HAS_LN, HAS_LN_W, HAS_LN_B, HAS_KV, LN_BLOCK)
+
+
 # ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Problem:
@@ -238,6 +319,8 @@ class Problem:
     act: str | None = None       # None or "gelu_tanh"
     residual: bool = False
     batch: int = 1               # A is (batch, M / batch, K) when > 1
+    ln: bool = False             # a LayerNorm (weight and bias) of each row of A over K first
+    kv: bool = False             # N = 3·C: the K/V columns also written to paged caches (a qkv projection)
 
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -259,11 +342,12 @@ PREFETCH_EPILOGUE = True
 RES_PREFETCH_PER_THREAD = 32
 
 
-def problem_of(a, b, bias=None, *, activation=None, residual=None, **_) -> Problem:
+def problem_of(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, **_) -> Problem:
     kdim = a.shape[-1]
     return Problem(math.prod(a.shape[:-1]), b.shape[-1], kdim, trans_a=a.stride(-1) != 1,
                    trans_b=b.stride(1) != 1, bias=bias is not None, act=activation,
-                   residual=residual is not None, batch=a.shape[0] if a.dim() == 3 else 1)
+                   residual=residual is not None, batch=a.shape[0] if a.dim() == 3 else 1,
+                   ln=ln is not None, kv=kv is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,7 +361,8 @@ _VALID: dict = {}  # explicit configs already validated, by (config, bucket, dty
 def _config(problem: Problem, dtype, config: dict | None) -> dict:
     if config is None:
         return SPEC.config_for(problem, dtype)
-    key = (tuple(config.items()), triton.next_power_of_2(max(1, problem.M)), problem.N, problem.K, dtype)
+    key = (tuple(config.items()), triton.next_power_of_2(max(1, problem.M)), problem.N, problem.K, dtype,
+           problem.ln, problem.kv)
     hit = _VALID.get(key)
     if hit is None:
         hit = _VALID[key] = SPEC.config_for(problem, dtype, config)
@@ -330,7 +415,7 @@ class _Plan:
     combination; a launch with the same combination does the per-call work only (the output
     allocation, TMA descriptors, the launch itself)."""
     __slots__ = ("out_shape", "empty", "m", "n", "k", "a_copy", "r_copy", "grid", "ints", "work_numel",
-                 "locks", "kws", "consts", "kernels", "a_tma", "b_tma", "cfg", "cfg_key", "extents")
+                 "locks", "kws", "consts", "kernels", "a_tma", "b_tma", "cfg", "cfg_key", "extents", "fused")
 
 
 _PLANS = K.PlanCache()
@@ -339,18 +424,31 @@ _PLANS = K.PlanCache()
 # is kept per (TMA modes, pointer alignments, device) and later launches call it directly.
 DIRECT_LAUNCH = K.DIRECT_LAUNCH
 _CONSTEXPRS = K.constexpr_params(_gemm_kernel)  # what a direct launch passes after the runtime arguments
+_FUSED_CONSTEXPRS = K.constexpr_params(_gemm_fused_kernel)
 
 
 _workspace = K.Workspace()
 _meta = K.tensor_meta
 
 
-def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: dict | None = None):
-    """C = act(a @ b + bias) + residual. a (..., K), b (K, N), bias (N,), residual (..., N) or (M, N).
+def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, out=None,
+         config: dict | None = None):
+    """C = act(LN(a) @ b + bias) + residual. a (..., K), b (K, N), bias (N,), residual (..., N) or (M, N).
 
+    ln: None or (weight (K,) or None, bias (K,) or None, eps): a LayerNorm of each row of a over K first
+    (float32 statistics; the normalised rows rounded to a's dtype before the product). kv: None or
+    (k_cache, v_cache, slot_mapping): with N = 3·C, columns C..2C and 2C..3C of row m also go to k_cache /
+    v_cache (num_blocks, block_size, heads, head_dim; heads·head_dim = C, contiguous) at flat slot
+    slot_mapping[m] (< 0: skipped). The same arguments as ``gemv``'s.
     Returns C of shape a.shape[:-1] + (N,) in a's dtype (written into ``out`` when given). ``out`` may be
     ``residual`` itself (the residual stream updated in place); any other overlap with an input is refused.
     """
+    if ln is not None and (not isinstance(ln, (tuple, list)) or len(ln) != 3):
+        raise TypeError("ln: expected (weight or None, bias or None, eps)")
+    if kv is not None and (not isinstance(kv, (tuple, list)) or len(kv) != 3):
+        raise TypeError("kv: expected (k_cache, v_cache, slot_mapping)")
+    ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
+    kc, vc, slots = kv if kv is not None else (None, None, None)
     # Hot path: one dict lookup on everything the plan depends on (validation included: a hit means the
     # same shapes, strides, dtypes and devices passed the checks before). Anything odd (not tensors,
     # unhashable values) takes the slow path, which raises the error that names the argument.
@@ -358,15 +456,18 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, _meta(bias),
                _meta(residual), _meta(out), activation, None if config is None else tuple(config.items()),
                INT32_LIMIT, FLATTEN, WARP_SPEC, PREFETCH_EPILOGUE, RES_PREFETCH_PER_THREAD, _num_sms,
-               K.precision_key(a.dtype))
-    except (AttributeError, TypeError):
+               K.precision_key(a.dtype), ln is not None, _meta(ln_w), _meta(ln_b), eps, _meta(kc), _meta(vc),
+               _meta(slots))
+    except (AttributeError, TypeError, ValueError):
         key = None
-    plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config))
+    plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config, ln, kv))
 
     if out is None:
         out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)
     else:  # out=residual (the residual stream updated in place) is the one overlap allowed
-        K.check_no_alias(out, (("a", a), ("b", b), ("bias", bias), ("residual", residual)), "residual", plan.extents)
+        K.check_no_alias(out, (("a", a), ("b", b), ("bias", bias), ("residual", residual), ("ln weight", ln_w),
+                               ("ln bias", ln_b), ("k_cache", kc), ("v_cache", vc), ("slot_mapping", slots)),
+                         "residual", plan.extents)
     if plan.empty:
         return out
     if plan.a_copy:  # > 3 dims that do not merge into rows: one copy
@@ -376,6 +477,12 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, out=None, config: d
         work, locks = _workspace(a.device, plan.work_numel), plan.locks
     else:  # no split-K: the workspace and counters are never touched
         work = locks = out
+    if plan.fused:  # the LayerNorm prologue / KV-cache write: pointer operands, one tile a program
+        args = (a, b, out, out if bias is None else bias, r_arg, work, locks, out if ln_w is None else ln_w,
+                out if ln_b is None else ln_b, out if kc is None else kc, out if vc is None else vc,
+                out if slots is None else slots, *plan.ints[:4], plan.ints[4], float(eps), *plan.ints[5:])
+        K.launch_cached(_gemm_fused_kernel, plan.kernels, plan.grid, args, plan.kws, plan.consts, None, args[:12])
+        return out
     a_mode = b_mode = 0
     a_arg, b_arg = a, b
     if plan.a_tma is not None and a.data_ptr() % 16 == 0:
@@ -405,7 +512,61 @@ def launch_shape(cfg: dict, m: int, n: int, dtype, sms: int) -> tuple[tuple[int,
     return grid, pre_epi
 
 
-def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
+def _check_vec(name: str, t, n: int, dtype, device) -> None:
+    K.check_tensor(name, t, ndim=1)
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: dtype {t.dtype} differs from a's {dtype}")
+    if t.shape[0] != n:
+        raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but a is on {device}")
+
+
+def _check_fusions(ln, kv, m: int, n: int, kdim: int, a) -> int:
+    """Validate ``ln`` and ``kv`` (see :func:`gemm`); returns C (the caches' heads·head_dim; 0 without kv)."""
+    if ln is not None:
+        ln_w, ln_b, eps = ln
+        for name, t in (("ln weight", ln_w), ("ln bias", ln_b)):
+            if t is not None:
+                _check_vec(name, t, kdim, a.dtype, a.device)
+                if t.stride(0) != 1:
+                    raise ValueError(f"{name}: expected unit stride, got {t.stride(0)}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or math.isinf(eps):
+            raise ValueError(f"ln eps: expected a finite number >= 0, got {eps!r}")
+    if kv is None:
+        return 0
+    kc, vc, slots = kv
+    for name, t in (("k_cache", kc), ("v_cache", vc)):
+        K.check_tensor(name, t, ndim=4)
+        if t.dtype != a.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from a's {a.dtype}")
+        if t.device != a.device:
+            raise ValueError(f"{name}: on {t.device}, but a is on {a.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous (num_blocks, block_size, heads, head_dim) cache")
+    if kc.shape != vc.shape:
+        raise ValueError(f"v_cache: shape {tuple(vc.shape)} differs from k_cache's {tuple(kc.shape)}")
+    c_kv = kc.shape[2] * kc.shape[3]
+    if n != 3 * c_kv:
+        raise ValueError(f"kv: b has N={n} columns, expected 3 x heads x head_dim = {3 * c_kv} (q, k, v)")
+    K.check_tensor("slot_mapping", slots, ndim=1, dtypes=(torch.int32, torch.int64))
+    if slots.shape[0] != m:
+        raise ValueError(f"slot_mapping: expected {m} slots (one per row of a), got {slots.shape[0]}")
+    if slots.device != a.device:
+        raise ValueError(f"slot_mapping: on {slots.device}, but a is on {a.device}")
+    if kc.numel() >= INT32_LIMIT:
+        raise ValueError(f"k_cache: {kc.numel()} elements; the cache write takes fewer than 2^31")
+    return c_kv
+
+
+def ln_block(kdim: int, cfg: dict) -> int:
+    """Chunk along K of the LayerNorm statistics: at most 32 float32 values a thread per chunk. A function
+    of K and the config only, so a row's statistics never depend on M."""
+    per = 32 * 32 * cfg["num_warps"] // cfg["BLOCK_M"]
+    return max(16, min(triton.next_power_of_2(kdim), 1 << max(0, per.bit_length() - 1)))
+
+
+def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) -> _Plan:
     """Validate the arguments and work out the launch (see _Plan). Raises the errors that name the
     argument."""
     K.check_tensor("a", a, dtypes=DTYPES)
@@ -442,12 +603,16 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
             raise ValueError(f"residual: expected shape {out_shape} or {(m, n)}, got {tuple(residual.shape)}")
         if residual.device != a.device:
             raise ValueError(f"residual: on {residual.device}, but a is on {a.device}")
+    c_kv = _check_fusions(ln, kv, m, n, kdim, a)
     if out is not None:
         K.check_out(out, out_shape, a.dtype, a.device)
 
     p = _Plan()
     p.out_shape, p.m, p.n, p.k = out_shape, m, n, kdim
-    p.extents = tuple(K.extent(t) for t in (out, a, b, bias, residual))  # K.check_no_alias
+    ln_w, ln_b, _ = ln if ln is not None else (None, None, 0.0)
+    kc, vc, slots = kv if kv is not None else (None, None, None)
+    p.extents = tuple(K.extent(t) for t in (out, a, b, bias, residual, ln_w, ln_b, kc, vc, slots))  # check_no_alias
+    p.fused = ln is not None or kv is not None
     p.cfg = p.cfg_key = None
     p.empty = m == 0 or n == 0
     if p.empty:
@@ -483,7 +648,7 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
             r2, p.r_copy = residual.reshape(m, n), True
 
     problem = Problem(m, n, kdim, trans_a=s_ak != 1, trans_b=b.stride(1) != 1, bias=bias is not None,
-                      act=activation, residual=residual is not None)
+                      act=activation, residual=residual is not None, ln=ln is not None, kv=kv is not None)
     cfg = _config(problem, a.dtype, config)
     if config is None:  # from the store or the defaults: re-checked per launch against the config cache
         p.cfg, p.cfg_key = cfg, SPEC.config_key(problem, a.dtype)
@@ -514,9 +679,17 @@ def _make_plan(a, b, bias, activation, residual, out, config) -> _Plan:
                 INT64=int64, PRECISION=K.fp32_precision() if a.dtype == torch.float32 else "ieee",
                 PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC, PRE_EPI=pre_epi,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    p.kernels = {} if DIRECT_LAUNCH and a.device.type == "cuda" else None
+    if p.fused:  # ints: m, n, K, M1, C (eps goes in per call), then the strides
+        p.ints = (*p.ints[:4], c_kv, *p.ints[4:])
+        for flag in ("PERSISTENT", "FLATTEN", "WARP_SPEC"):
+            del base[flag]
+        p.kws = dict(base, HAS_LN=ln is not None, HAS_LN_W=ln_w is not None, HAS_LN_B=ln_b is not None,
+                     HAS_KV=kv is not None, LN_BLOCK=ln_block(kdim, cfg))
+        p.consts = tuple(p.kws[c] for c in _FUSED_CONSTEXPRS)
+        return p
     p.kws = [[dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)] for am in range(3)]
     p.consts = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws]
-    p.kernels = {} if DIRECT_LAUNCH and a.device.type == "cuda" else None
     return p
 
 
@@ -581,6 +754,9 @@ def _constraint(c, p: Problem, dtype) -> str | None:
             return "split-K tiles are few: no grouping"
     if c["TMA"] and not _tma_capable(0):
         return "no TMA on this GPU"
+    if (p.ln or p.kv) and (c["TMA"] or c["PERSISTENT"]):
+        # the LayerNorm statistics read A's rows through pointers, and the fused entry takes one tile a program
+        return "the LayerNorm prologue and the KV-cache write take pointer operands, one tile a program (no TMA, no persistent grid)"
     return None
 
 
@@ -666,6 +842,8 @@ def default_config(p: Problem, dtype) -> dict:
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": min(k2, 64 if e == 2 else 32),
                "GROUP_M": 8 if split == 1 else 1, "SPLIT_K": split, "num_warps": warps, "num_stages": stages,
                "TMA": False, "PERSISTENT": False}
+    if p.ln or p.kv:  # the fused entry: pointer operands, one tile a program (see _constraint)
+        cfg = dict(cfg, TMA=False, PERSISTENT=False)
     return _fit(cfg, p, dtype)
 
 
@@ -694,38 +872,70 @@ def _fit(cfg: dict, p: Problem, dtype) -> dict:
 
 
 def bucket(p: Problem) -> dict:
-    return {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K}
+    """M to a power of two, N, K; and ln=1 / kv=1 only when fused, so the keys of plain problems (and the
+    store entries tuned under them) are what they were, and a fused problem never borrows a plain one's
+    config (nearest-bucket lookups need the same fields)."""
+    b = {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K}
+    if p.ln:
+        b["ln"] = 1
+    if p.kv:
+        b["kv"] = 1
+    return b
 
 
 def cost(p: Problem, dtype) -> K.Cost:
     e = _elem(dtype)
     elems = p.M * p.K + p.K * p.N + p.M * p.N + (p.N if p.bias else 0) + (p.M * p.N if p.residual else 0)
+    elems += (2 * p.K if p.ln else 0) + (2 * p.M * (p.N // 3) if p.kv else 0)
     return K.Cost(flops=2.0 * p.M * p.N * p.K, bytes=float(e * elems))
 
 
 def _operand(rows: int, cols: int, trans: bool, batch: int, dtype, device, seed: int, layout: str,
-             scale: float) -> torch.Tensor:
+             scale: float, shift: float = 0.0) -> torch.Tensor:
     """A (batch ×) rows × cols operand; ``trans`` stores it column-major (a transposed view)."""
     lead = (batch,) if batch > 1 else ()
     shape = (*lead, cols, rows) if trans else (*lead, rows, cols)
-    t = S.with_layout(S.randn(shape, dtype, device, seed, scale=scale), layout)
+    t = S.with_layout(S.randn(shape, dtype, device, seed, scale=scale, shift=shift), layout)
     return t.transpose(-1, -2) if trans else t
 
 
 def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
     batch = p.batch if p.batch > 1 and p.M % p.batch == 0 else 1
     # B scaled by 1/sqrt(K): pre-activations O(1), where GELU bends
-    a = _operand(p.M // batch, p.K, p.trans_a, batch, dtype, device, seed, layout, 1.0)
+    # with ln: rows with a mean and a spread (what LN removes)
+    a = _operand(p.M // batch, p.K, p.trans_a, batch, dtype, device, seed, layout, *((2.0, 0.5) if p.ln else (1.0,)))
     b = _operand(p.K, p.N, p.trans_b, 1, dtype, device, seed + 1, layout, 1.0 / math.sqrt(p.K))
     bias = S.randn((p.N,), dtype, device, seed + 2, scale=0.5) if p.bias else None
     out_shape = (*a.shape[:-1], p.N)
     res = S.randn(out_shape, dtype, device, seed + 3) if p.residual else None
-    return K.Case(args=(a, b, bias), kwargs={"activation": p.act, "residual": res},
+    ln = kv = None
+    if p.ln:  # weights around 1
+        ln = (S.randn((p.K,), dtype, device, seed + 4, scale=0.2, shift=1.0),
+              S.randn((p.K,), dtype, device, seed + 5, scale=0.1), 1e-5)
+    if p.kv:
+        kv = kv_cache_inputs(p.M, p.N, dtype, device, seed + 6)
+    return K.Case(args=(a, b, bias), kwargs={"activation": p.act, "residual": res, "ln": ln, "kv": kv},
                   out=torch.empty(out_shape, dtype=dtype, device=device))
 
 
+def kv_cache_inputs(m: int, n: int, dtype, device, seed: int, block_size: int = 4):
+    """(k_cache, v_cache, slot_mapping) for an (m, n = 3·C) qkv output: caches of 2 heads when C is even,
+    NaN-filled (a slot written by mistake shows), one slot per row in a shuffled order, every fifth -1."""
+    if n % 3:
+        raise ValueError(f"kv: N={n} is not 3 x heads x head_dim")
+    c = n // 3
+    heads = 2 if c % 2 == 0 else 1
+    blocks = -(-(m + 3) // block_size)
+    cache = torch.full((blocks, block_size, heads, c // heads), float("nan"), dtype=dtype, device=device)
+    g = S.generator(seed, "cpu")
+    slots = torch.randperm(blocks * block_size, generator=g)[:m]
+    slots[::5] = -1
+    return cache, cache.clone(), slots.to(device=device, dtype=torch.int32 if seed % 2 else torch.int64)
+
+
 def problems(max_elems: int):
-    """Sizes up to max_elems^(1/3) per dim (25 on the interpreter), every epilogue, both transpositions."""
+    """Sizes up to max_elems^(1/3) per dim (25 on the interpreter), every epilogue, both transpositions,
+    with and without the LayerNorm prologue and the KV-cache write (N rounded to a multiple of 3)."""
     from hypothesis import strategies as st
 
     d = max(2, round(max_elems ** (1 / 3)))
@@ -734,25 +944,38 @@ def problems(max_elems: int):
     def draw(dr):
         m, n, k = dr(S.sizes(d)), dr(S.sizes(d)), dr(S.sizes(d))
         batch = dr(st.sampled_from([b for b in (1, 2, 3) if m % b == 0]))
+        ln, kv = dr(st.booleans()), dr(st.booleans())
+        if kv:
+            n = 3 * max(1, n // 3)
         return Problem(m, n, k, trans_a=dr(st.booleans()), trans_b=dr(st.booleans()), bias=dr(st.booleans()),
-                       act=dr(st.sampled_from(ACTIVATIONS)), residual=dr(st.booleans()), batch=batch)
+                       act=dr(st.sampled_from(ACTIVATIONS)), residual=dr(st.booleans()), batch=batch, ln=ln, kv=kv)
 
     return draw()
 
 
 def _vendor(c: K.Case):
-    """cuBLAS through PyTorch plus the same epilogue, op by op (what a PyTorch model runs)."""
+    """cuBLAS through PyTorch plus the same epilogue, op by op (what a PyTorch model runs): F.layer_norm
+    first, and the cache write an index_copy_ of the live rows (found once, outside the timed call)."""
     a, b, bias = c.args
-    act, res = c.kwargs["activation"], c.kwargs["residual"]
+    act, res, ln, kv = c.kwargs["activation"], c.kwargs["residual"], c.kwargs.get("ln"), c.kwargs.get("kv")
     a2 = a.reshape(-1, a.shape[-1])
     r2 = res.reshape(a2.shape[0], -1) if res is not None else None
+    if kv is not None:
+        kc, vc, slots = kv
+        live = (slots >= 0).nonzero().flatten()
+        at, cn = slots[live].long(), kc.shape[2] * kc.shape[3]
 
     def run():
-        y = torch.addmm(bias, a2, b) if bias is not None else torch.mm(a2, b)
+        h = a2 if ln is None else torch.nn.functional.layer_norm(a2, (a2.shape[-1],), ln[0], ln[1], ln[2])
+        y = torch.addmm(bias, h, b) if bias is not None else torch.mm(h, b)
         if act == "gelu_tanh":
             y = torch.nn.functional.gelu(y, approximate="tanh")
         if r2 is not None:
             y += r2
+        if kv is not None:
+            yl = y[live]
+            kc.view(-1, cn).index_copy_(0, at, yl[:, cn:2 * cn])
+            vc.view(-1, cn).index_copy_(0, at, yl[:, 2 * cn:])
         return y
 
     return run
@@ -795,7 +1018,8 @@ def _flag_gems_mm():
 
 def _flag_gems(c: K.Case):
     a, b, bias = c.args
-    if bias is not None or c.kwargs["activation"] or c.kwargs["residual"] is not None:
+    if (bias is not None or c.kwargs["activation"] or c.kwargs["residual"] is not None
+            or c.kwargs.get("ln") is not None or c.kwargs.get("kv") is not None):
         return None  # plain matmul only
     mm = _flag_gems_mm()
     if mm is None:
@@ -807,6 +1031,9 @@ def _flag_gems(c: K.Case):
 def _bad_inputs(device):
     a = torch.randn(4, 8, device=device)
     b = torch.randn(8, 5, device=device)
+    b6 = torch.randn(8, 6, device=device)
+    kc = torch.zeros(3, 4, 1, 2, device=device)
+    slots = torch.zeros(4, dtype=torch.int32, device=device)
     return [
         ("inner sizes differ", lambda: gemm(a, torch.randn(7, 5, device=device)), ValueError),
         ("dtype mismatch", lambda: gemm(a, b.half()), TypeError),
@@ -824,6 +1051,15 @@ def _bad_inputs(device):
         ("residual of another dtype", lambda: gemm(a, b, residual=torch.randn(4, 5, device=device).half()), TypeError),
         ("unknown activation", lambda: gemm(a, b, activation="relu"), ValueError),
         ("out of the wrong shape", lambda: gemm(a, b, out=torch.empty(4, 6, device=device)), ValueError),
+        ("ln not a triple", lambda: gemm(a, b, ln=(None, None)), TypeError),
+        ("ln weight of the wrong length", lambda: gemm(a, b, ln=(torch.randn(7, device=device), None, 1e-5)),
+         ValueError),
+        ("ln eps negative", lambda: gemm(a, b, ln=(None, None, -1.0)), ValueError),
+        ("kv not a triple", lambda: gemm(a, b6, kv=(kc, kc)), TypeError),
+        ("kv with N not 3 x heads x head_dim", lambda: gemm(a, b, kv=(kc, kc, slots)), ValueError),
+        ("kv slots of the wrong length", lambda: gemm(a, b6, kv=(kc, kc, slots[:1])), ValueError),
+        ("kv cache of another dtype", lambda: gemm(a, b6, kv=(kc.half(), kc.half(), slots)), TypeError),
+        ("kv slots of a float dtype", lambda: gemm(a, b6, kv=(kc, kc, slots.float())), TypeError),
     ]
 
 
@@ -837,9 +1073,17 @@ def _gpt2(m: int) -> list[Problem]:
             Problem(m, 50257, 768, trans_b=True)]
 
 
+def _gpt2_fused(m: int) -> list[Problem]:
+    """The decode linears with what the batch-invariant mode fuses into them (model/invariant.py):
+    ln_1 + c_attn + the KV-cache write, ln_2 + c_fc + GELU, ln_f + the tied LM head."""
+    return [Problem(m, 2304, 768, bias=True, ln=True, kv=True),
+            Problem(m, 3072, 768, bias=True, act="gelu_tanh", ln=True),
+            Problem(m, 50257, 768, trans_b=True, ln=True)]
+
+
 SPEC = K.register(K.KernelSpec(
     name="gemm",
-    description="GEMM with fused bias / GELU / residual epilogue, split-K, TMA",
+    description="GEMM with fused bias / GELU / residual epilogue, split-K, TMA; LayerNorm prologue, KV-cache write",
     run=gemm,
     reference=ref.gemm,
     make_inputs=make_inputs,
@@ -850,9 +1094,10 @@ SPEC = K.register(K.KernelSpec(
     cost=cost,
     problem_of=problem_of,
     standard_problems=[p for m in (1, 8, 64, 512, 8192) for p in _gpt2(m)]
-    + [Problem(4096, 4096, 4096), Problem(8192, 8192, 8192)],
+    + [Problem(4096, 4096, 4096), Problem(8192, 8192, 8192)] + [p for m in (1, 8) for p in _gpt2_fused(m)],
     small_problems=[Problem(64, 96, 80, bias=True, act="gelu_tanh"),
-                    Problem(5, 33, 47, trans_b=True, residual=True)],
+                    Problem(5, 33, 47, trans_b=True, residual=True),
+                    Problem(7, 48, 40, bias=True, ln=True, kv=True)],
     layouts=("contiguous", "sliced"),
     accumulation=K.fp32_accumulation,
     vendor=_vendor,
