@@ -20,10 +20,13 @@ next ones) and its sampler proposes until the study
 - ran out of its share, or of the budget (``budget``): it is resumed by a later pass or call while
   budget is left.
 
-Then its front runners (the tuned best, the best warm seed, the default) are re-timed side by side, in
-interleaved rounds with the order rotated each round, in the worker process that swept it (compiled
-already): the winner is the lowest median over the rounds, so a config that was lucky once in the sweep
-does not win on noise. The re-timing is stored on the study (``retimed``); the export takes its winner.
+Then its front runners (every config that was ever the study's best, and every seed: see
+``front_runners``) are re-timed side by side, in interleaved rounds with the order rotated each round,
+in the worker process that swept it (compiled already), by the evaluator of the sweep (one timer:
+CUDA-graph replay for short problems, see ``harness.bench.timing_mode``): the winner is the lowest median
+over the rounds, so a config that was lucky once in the sweep does not win on noise, and a seed that was
+unlucky once does not lose on it. The re-timing is stored on the study (``retimed``); the export takes
+its winner.
 
 Kill-safe and resumable: the time each study spends (sweep and re-timing) is added to its ``budget``
 user attribute after every trial, and the budget left is the budget less the sum over the plan's studies.
@@ -44,6 +47,8 @@ import time
 from tritune.tuning import search, store
 
 RETIME_ROUNDS = 5
+RETIME_MAX = 6       # configs re-timed side by side per study (see front_runners)
+ROLE_ORDER = ("tuned", "seed", "default", "led")
 RETIME_SHARE = 0.1   # of a study's share, kept for re-timing its front runners
 PATIENCE = 6         # K: sampler trials after the seeds without a gain -> converged
 MIN_GAIN = 0.02      # a gain beats the best so far by more than this fraction (do_bench's run-to-run spread)
@@ -103,53 +108,85 @@ def warm_configs(job, slug: str, limit: int = 3) -> list[dict]:
     return out
 
 
-def front_runners(study) -> dict[str, tuple[dict, float]]:
-    """role -> (config, sweep time µs) of the configs worth re-timing: the tuned best, the fastest warm
-    or seeded config, the default (each only if it completed on the current code)."""
+def front_runners(study, limit: int = None) -> list[dict]:
+    """The configs the re-time before export decides between, each ``{"config", "roles", "sweep_us"}``
+    (``sweep_us``: its best time in the sweep), on the current code, complete trials only:
+
+    - every config that was the study's best at some point, in trial order (role ``led``; the current
+      best is ``tuned``): a config that took the lead on one lucky measurement is re-timed, not trusted;
+    - every seed: the default (``default``), the stored entry, the warm and given seeds (``seed``): a
+      seed measured slow once in the sweep (a host hiccup in its one timing) gets its fair re-time.
+
+    At most ``limit`` (RETIME_MAX): the tuned best and the default always, then the fastest in the sweep."""
     from optuna.trial import TrialState
 
+    limit = RETIME_MAX if limit is None else limit
     st = search.study_stats(study)
     ts = search.current_trials(study.get_trials(deepcopy=False), search.code_version(st["kernel"]))
-    done = [t for t in ts if t.state == TrialState.COMPLETE and t.value is not None]
-    out = {}
+    done = sorted((t for t in ts if t.state == TrialState.COMPLETE and t.value is not None), key=lambda t: t.number)
+    by_key: dict[str, dict] = {}
+
+    def add(params: dict, value: float, role: str) -> None:
+        c = by_key.setdefault(search.config_key(params, None), {"config": dict(params), "roles": [],
+                                                                "sweep_us": value})
+        c["sweep_us"] = min(c["sweep_us"], value)
+        if role not in c["roles"]:
+            c["roles"].append(role)
+
+    lead = None
+    for t in done:
+        if lead is None or t.value < lead:
+            lead = t.value
+            add(t.params, t.value, "led")
+        if any(t.user_attrs.get(k) for k in ("warm", "previous", "seeded")):
+            add(t.params, t.value, "seed")
+        if t.user_attrs.get("default") or (st["default_config"] is not None and dict(t.params) == st["default_config"]):
+            add(t.params, t.value, "default")
     if st["config"] is not None:
-        out["tuned"] = (st["config"], st["best_us"])
-    seeds = [t for t in done if any(t.user_attrs.get(k) for k in ("warm", "previous", "seeded"))]
-    if seeds:
-        t = min(seeds, key=lambda t: t.value)
-        out["seed"] = (dict(t.params), t.value)
-    if st["default_us"] is not None:
-        out["default"] = (st["default_config"], st["default_us"])
-    return out
+        add(st["config"], st["best_us"], "tuned")
+    cands = sorted(by_key.values(), key=lambda c: (not ({"tuned", "default"} & set(c["roles"])), c["sweep_us"]))
+    for c in cands:  # a label in a fixed order: tuned, seed, default, led
+        c["roles"] = [r for r in ROLE_ORDER if r in c["roles"]]
+    return cands[:max(limit, 2)]
 
 
-def retime(study, job, runner, rounds: int = RETIME_ROUNDS) -> dict | None:
-    """Time the front runners side by side in ``rounds`` interleaved rounds (the order rotated each round);
-    store and return {"winner", "config", "time_us", "default_us", "times_us", "rounds", "best_trial"}."""
-    cands: dict[str, tuple[dict, list]] = {}   # first role of each distinct config -> (config, times)
-    alias: dict[str, str] = {}                  # every role -> the role its config is timed under
-    for role, (cfg, _) in front_runners(study).items():
-        same = next((r for r, (c, _) in cands.items() if c == cfg), None)
-        if same is None:
-            cands[role] = (cfg, [])
-        alias[role] = same or role
+def retime(study, job, runner, rounds: int = RETIME_ROUNDS, deadline: float | None = None) -> dict | None:
+    """Time the front runners (:func:`front_runners`) side by side in ``rounds`` interleaved rounds, the
+    order rotated each round, through ``runner`` (the sweep's own evaluator: the same timer as every
+    trial); the winner is the lowest median. Stores and returns {"winner" (its roles joined by "+"),
+    "config", "time_us", "default_us", "times_us" (per role: tuned, seed (the fastest seed), default),
+    "rounds", "best_trial", "candidates" (each config's roles, sweep and re-time µs)}. No round starts
+    after ``deadline`` (the budget's end) once one round is done: "rounds" says how many ran."""
+    cands = front_runners(study)
     if not cands:
         return None
-    roles = list(cands)
+    times: list[list] = [[] for _ in cands]
+    n = len(cands)
+    done_rounds = 0
     for r in range(rounds):
-        for role in roles[r % len(roles):] + roles[:r % len(roles)]:
-            cfg, times = cands[role]
-            res = runner(search.Task(job.spec.name, job.problem, job.dtype, cfg, 0, spec=job.spec, verify=False))
+        if r and deadline is not None and time.time() >= deadline:
+            break
+        done_rounds += 1
+        for i in [(r + k) % n for k in range(n)]:
+            res = runner(search.Task(job.spec.name, job.problem, job.dtype, cands[i]["config"], 0, spec=job.spec,
+                                     verify=False))
             if res.get("ok"):
-                times.append(float(res["ms"]) * 1e3)
-    med = {role: statistics.median(ts) for role, (_, ts) in cands.items() if ts}
+                times[i].append(float(res["ms"]) * 1e3)
+    med = {i: statistics.median(ts) for i, ts in enumerate(times) if ts}
     if not med:
         return None
-    winner = min(med, key=med.get)
-    times_us = {role: round(med[a], 3) for role, a in alias.items() if a in med}
-    out = {"winner": "+".join(r for r, a in alias.items() if a == winner), "config": cands[winner][0],
-           "time_us": round(med[winner], 3), "default_us": times_us.get("default"),
-           "times_us": times_us, "rounds": rounds, "best_trial": search.study_stats(study)["best_trial"]}
+    win = min(med, key=med.get)
+    times_us = {}
+    for role in ("tuned", "seed", "default"):
+        got = [med[i] for i in med if role in cands[i]["roles"]]
+        if got:
+            times_us[role] = round(min(got), 3)
+    roles = cands[win]["roles"]  # "led" names a winner only when it has no other role
+    out = {"winner": "+".join(r for r in roles if r != "led") or "led", "config": cands[win]["config"],
+           "time_us": round(med[win], 3), "default_us": times_us.get("default"),
+           "times_us": times_us, "rounds": done_rounds, "best_trial": search.study_stats(study)["best_trial"],
+           "candidates": [{"config": c["config"], "roles": c["roles"], "sweep_us": round(c["sweep_us"], 3),
+                           "retime_us": round(med[i], 3) if i in med else None} for i, c in enumerate(cands)]}
     study.set_user_attr("retimed", out)
     return out
 
@@ -342,12 +379,12 @@ def _sweep_study(study, job, runner, *, budget: Budget, share_end: float, seeds_
     return why
 
 
-def _retime_study(study, job, runner, rounds: int) -> dict | None:
+def _retime_study(study, job, runner, rounds: int, deadline: float | None = None) -> dict | None:
     """Re-time the study's front runners (when at least two distinct configs compete); the time is
     charged to the study."""
     meter = _Meter(study)
-    cands = {search.config_key(c, job.spec.space.params) for c, _ in front_runners(study).values()}
-    out = retime(study, job, runner, rounds) if len(cands) > 1 else None
+    cands = front_runners(study)
+    out = retime(study, job, runner, rounds, deadline) if len(cands) > 1 else None
     meter.charge(retimed=out is not None, retime_candidates=len(cands))
     return out
 
@@ -415,14 +452,14 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
                                    trials=trials, patience=patience, min_gain=min_gain, seed=seed, progress=bar)
                 progressed |= len(search._evaluated(st.get_trials(deepcopy=False))) > before
                 if budget.left() > 0 and why != "no valid config":
-                    _retime_study(st, job, runner, rounds)  # in the worker that just compiled its configs
+                    _retime_study(st, job, runner, rounds, budget.end())  # in the worker that compiled them
                 bar.next_job()
             if not progressed or not [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]:
                 break
         for job in open_:  # finished studies whose re-timing a budget cut short
             st = studies[job.name]
             if budget.left() > 0 and ledger(st)["stop"] in DONE[:3] and not _retime_done(st):
-                _retime_study(st, job, runner, rounds)
+                _retime_study(st, job, runner, rounds, budget.end())
     except KeyboardInterrupt:
         log("tune: interrupted; finished trials and the time spent are in the storage: the same command resumes")
         raise
@@ -434,8 +471,8 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
     for job in jobs:
         st = optuna.load_study(study_name=job.name, storage=storage_obj)
         row = search.study_stats(st)
-        fr = front_runners(st) if row.get("config") is not None else {}
-        row["seed_us"] = fr["seed"][1] if "seed" in fr else None
+        fr = front_runners(st) if row.get("config") is not None else []
+        row["seed_us"] = min((c["sweep_us"] for c in fr if "seed" in c["roles"]), default=None)
         r = st.user_attrs.get("retimed")
         row["retimed"] = r if isinstance(r, dict) and r.get("best_trial") == row.get("best_trial") else None
         row["ledger"] = ledger(st)
@@ -588,7 +625,7 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
             n_open += 1
             est["seeds"] += max(0, n_seeds - done) * per
             est["search"] += max(0, need - max(done, n_seeds)) * per
-            est["retime"] += rounds * min(3, n_seeds) * TIME_ONLY_S if n_seeds > 1 else 0.0
+            est["retime"] += rounds * min(RETIME_MAX, n_seeds + 2) * TIME_ONLY_S if n_seeds > 1 else 0.0
         rows.append([job.spec.name, job.bucket, job.key, n_valid, n_seeds, len(warm), done,
                      led["stop"] or "", f"{per:.2f}{'' if job.spec.name in measured else '*'}"])
     head = ["kernel", "bucket", "dtype", "valid points", "seeds", "warm", "evaluated", "stopped", "s/trial"]

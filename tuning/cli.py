@@ -217,10 +217,9 @@ def _tune(args) -> int:
           f"{'grid + replayed tpe/random' if args.compare_samplers else args.sampler}", file=sys.stderr)
     common = dict(storage=storage, seed=args.seed, isolation=args.isolation, timeout=args.trial_timeout,
                   progress=not args.quiet)
-    if getattr(args, "timer", "do_bench") == "graph":
-        from tritune.harness import bench
-
-        common["evaluate"] = search.Evaluator(timer=bench.graph_ms)
+    timer = getattr(args, "timer", "auto")
+    if timer != "auto":  # the default evaluator picks the mode per problem (harness.bench.timing_mode)
+        common["evaluate"] = search.Evaluator(mode="flush" if timer == "do_bench" else timer)
     t0 = __import__("time").time()
     try:
         if args.compare_samplers:
@@ -378,10 +377,12 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--seed-configs", metavar="FILE", default=None,
                        help="a JSON list of (partial) configs every study evaluates first, e.g. a probe's "
                             "front runners (completed from the default; invalid ones skipped)")
-        s.add_argument("--timer", choices=("do_bench", "graph"), default="do_bench",
-                       help="what a trial's time is: do_bench's median with L2 flushed (default), or the GPU time "
-                            "of the launch replayed in a CUDA graph on inputs cycled past L2 (what a decode step "
-                            "captured in a graph runs). Keep one timer per storage: a study mixes no timers")
+        s.add_argument("--timer", choices=("auto", "do_bench", "graph"), default="auto",
+                       help="what a trial's time is: auto (default): the GPU time of the launch replayed in a CUDA "
+                            "graph on inputs cycled past L2 for problems whose roofline floor is under "
+                            "50 µs (no host time in it), do_bench's median with L2 flushed for longer ones; "
+                            "do_bench or graph: that one for every problem. The re-time before export and "
+                            "lab/compare_tune_all.py use the same. Keep one timer per storage: a study mixes no timers")
         s.add_argument("--export", action="store_true", help="write the store from the studies afterwards "
                                                              "(with --trials 0: export only)")
         s.add_argument("--configs-dir", default=None,

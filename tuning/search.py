@@ -1,8 +1,11 @@
 """Config search: one Optuna study per (kernel, bucket, dtype, GPU slug), verified trials only.
 
 The objective of a trial is the median time (µs) of a config that compiled, ran and matched the
-reference within the dtype's tolerance on fresh random inputs (a new seed per trial), timed on rotating
-input sets (:func:`tritune.harness.bench.rotation`) with :func:`tritune.harness.bench.median_ms`.
+reference within the dtype's tolerance on fresh random inputs (a new seed per trial), timed on fixed
+rotating input sets by the harness's one timer (:func:`tritune.harness.bench.timing_mode` picks CUDA-graph
+replay for short problems, do_bench's flushed median for long ones; :func:`tritune.harness.bench.time_ms`).
+The re-time of the front runners before export (``tuning/budget.py``) and ``lab/compare_tune_all.py
+--retime`` time configs through this same evaluator, so all three measure one quantity.
 
 Trial outcomes, all recorded in the study with their reason in ``user_attrs``:
 
@@ -135,20 +138,28 @@ def classify(e: BaseException) -> tuple[str, bool]:
 class Evaluator:
     """The default evaluation: validate, launch on fresh inputs, compare, then time on rotating inputs.
 
-    Returns ``{"ok": True, "ms": float}`` or ``{"ok": False, "error": reason}``; a result with
-    ``"restart": True`` tells a worker process to exit after answering (the CUDA context is gone).
-    ``timer(fn) -> ms`` defaults to :func:`tritune.harness.bench.median_ms`.
+    Returns ``{"ok": True, "ms": float, "timer": mode}`` or ``{"ok": False, "error": reason}``; a result
+    with ``"restart": True`` tells a worker process to exit after answering (the CUDA context is gone).
+    The time is :func:`tritune.harness.bench.time_ms` in the problem's mode
+    (:func:`tritune.harness.bench.timing_mode`; ``mode`` "graph" or "flush" forces one for every
+    problem). ``timer(fn) -> ms`` replaces it (the tests' fake timers).
     """
 
     TIMING_SEED = 20240611   # timing inputs are fixed per problem (cached); the correctness inputs are not
 
-    def __init__(self, timer: Callable | None = None):
+    def __init__(self, timer: Callable | None = None, mode: str = "auto"):
+        if mode not in ("auto", "graph", "flush"):
+            raise ValueError(f"mode: expected auto, graph or flush, got {mode!r}")
         self.timer = timer
+        self.mode = mode
         self._rotation_key = None
         self._rotation = None
 
     def __getstate__(self):  # the rotation cache never crosses a process boundary
-        return {"timer": self.timer, "_rotation_key": None, "_rotation": None}
+        return {"timer": self.timer, "mode": self.mode, "_rotation_key": None, "_rotation": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update({"mode": "auto", **state})
 
     def __call__(self, task: Task) -> dict:
         import torch
@@ -200,17 +211,21 @@ class Evaluator:
                     return {"ok": False, "error": f"wrong answer: {c}"}
                 worst = max(worst, c.error)
             del case, got, ref, got_l, ref_l
-        key = (spec.name, repr(problem), str(dtype))
+        mode = bench.timing_mode(spec, problem, dtype, force=self.mode)
+        key = (spec.name, repr(problem), str(dtype), mode)
         if self._rotation_key != key:
             self._rotation = None
-            self._rotation = bench.rotation(spec, problem, dtype, device, self.TIMING_SEED)
+            self._rotation = bench.timing_cases(spec, problem, dtype, device, self.TIMING_SEED, mode)
             self._rotation_key = key
         fn = bench.cycling(self._rotation, lambda c: functools.partial(
             spec.run, *c.args, out=c.out, config=config, **c.kwargs))
-        ms = float((self.timer or bench.median_ms)(fn))
+        if self.timer is not None:
+            ms, mode = float(self.timer(fn)), getattr(self.timer, "__name__", "custom")
+        else:
+            ms = float(bench.time_ms(fn, mode))
         if not (ms > 0 and math.isfinite(ms)):
             return {"ok": False, "error": f"timer returned {ms!r}"}
-        return {"ok": True, "ms": ms, **({} if worst is None else {"rel_error": worst})}
+        return {"ok": True, "ms": ms, "timer": mode, **({} if worst is None else {"rel_error": worst})}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -816,6 +831,8 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
                      "source": version}
             if "rel_error" in res:
                 facts["rel_error"] = float(res["rel_error"])
+            if "timer" in res:
+                facts["timer"] = str(res["timer"])
             trial.set_user_attr("evaluated", facts)  # one journal write per evaluated trial
             if res.get("ok"):
                 return float(res["ms"]) * 1e3
