@@ -6,7 +6,10 @@ against the committed entry's, the geomean of the ratios, and the buckets more t
 
 Without --retime the times are those each store recorded (two runs: clocks and neighbours differ);
 with --retime both configs of a bucket are verified once, then timed side by side in interleaved rounds
-(the order alternating) in one worker process, and those medians are compared; a bucket where both
+(the order alternating) in one worker process, and those medians are compared. The timing is the tuner's
+own (tuning.search.Evaluator -> harness.bench.timing_mode/time_ms: CUDA-graph replay for short problems,
+do_bench's flushed median for long ones; --timer as `tritune tune --timer`), so a budgeted winner is
+judged by the quantity its study minimised; a bucket where both
 stores hold the same config has ratio 1 (not timed). Targets (issue: a new GPU type in one command):
 geomean within 3% of the committed entries, no bucket worse than 10%; 'INCOMPLETE' when committed buckets
 were not compared. Exit status 0 only when MET. --json writes the rows and the verdict.
@@ -30,7 +33,9 @@ def load(d: Path) -> dict:
     return out
 
 
-def retime_pair(kernel, new_e, old_e, runner, rounds):
+def retime_pair(kernel, new_e, old_e, runner, rounds, info: dict | None = None):
+    """((new µs, old µs) medians over ``rounds`` interleaved rounds, "") or (None, why); ``info`` gets the
+    timing mode the evaluator used ("timer")."""
     from tritune import kernels
     from tritune.tuning import search, store
 
@@ -53,6 +58,8 @@ def retime_pair(kernel, new_e, old_e, runner, rounds):
             res = runner(search.Task(kernel, problem, dtype, cfgs[name], 1, spec=spec, verify=False))
             if res.get("ok"):
                 times[name].append(res["ms"] * 1e3)
+                if info is not None and "timer" in res:
+                    info["timer"] = res["timer"]
     if not times["new"] or not times["old"]:
         return None, "timing failed"
     return (statistics.median(times["new"]), statistics.median(times["old"])), ""
@@ -81,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--old", required=True, help="the committed store folder (tuning/configs/<slug>)")
     ap.add_argument("--retime", action="store_true", help="re-time both configs side by side on this GPU")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--timer", choices=("auto", "do_bench", "graph"), default="auto",
+                    help="the tuner's timer: auto (default; as `tritune tune`), or one for every problem")
     ap.add_argument("--time-limit", type=float, default=240.0, metavar="S",
                     help="stop re-timing after S seconds; the buckets left are reported, not compared")
     ap.add_argument("--storage", help="the budgeted run's Optuna storage: its time spent and stop reasons")
@@ -102,13 +111,14 @@ def main(argv=None) -> int:
         import tritune.harness  # noqa: F401
         from tritune.tuning import search
 
-        runner = search.make_runner(None, "process")
+        mode = {"do_bench": "flush"}.get(args.timer, args.timer)
+        runner = search.make_runner(search.Evaluator(mode=mode), "process")
     rows, out_rows, ratios = [], [], []
     t_end = time.time() + args.time_limit
     try:
         for key in both:
             n, o = new[key], old[key]
-            tn, to, note = n.get("time_us"), o.get("time_us"), ""
+            tn, to, note, info = n.get("time_us"), o.get("time_us"), "", {}
             same = n["config"] == o["config"]
             if runner is not None:
                 if same:  # one config: the ratio is 1 by definition; timing it twice would only add noise
@@ -118,7 +128,7 @@ def main(argv=None) -> int:
                     tn = to = None
                     note = "not re-timed (time limit)"
                 else:
-                    got, note = retime_pair(key[0], n, o, runner, args.rounds)
+                    got, note = retime_pair(key[0], n, o, runner, args.rounds, info)
                     tn, to = got if got else (None, None)
             ratio = 1.0 if same else (tn / to if tn and to else None)
             if ratio:
@@ -126,15 +136,15 @@ def main(argv=None) -> int:
             flag = "WORSE >10%" if ratio and ratio > args.worst_target else ""
             rows.append([*key, f"{tn:.2f}" if tn else "", f"{to:.2f}" if to else "",
                          f"{ratio:.3f}" if ratio else "", "same" if same else "",
-                         (n.get("retimed") or {}).get("winner", ""), flag or note])
+                         (n.get("retimed") or {}).get("winner", ""), info.get("timer", ""), flag or note])
             out_rows.append({"kernel": key[0], "bucket": key[1], "dtype": key[2], "new_us": tn, "old_us": to,
                              "ratio": ratio, "same_config": same, "new_config": n["config"],
-                             "old_config": o["config"], "note": flag or note})
+                             "old_config": o["config"], "timer": info.get("timer"), "note": flag or note})
     finally:
         if runner is not None:
             runner.close()
     print(tabulate(rows, headers=["kernel", "bucket", "dtype", "budgeted µs", "committed µs", "ratio", "config",
-                                  "budget winner", ""], disable_numparse=True))
+                                  "budget winner", "timer", ""], disable_numparse=True))
     only_old = sorted(set(old) - set(new))
     if only_old:
         print(f"\n{len(only_old)} committed buckets the budgeted run did not export: "
