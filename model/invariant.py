@@ -12,7 +12,13 @@ reduction a row takes depends only on that row:
   per-element order independent of M; split-K fixed per (N, K) for the 1-row case, its slices summed in
   slice order: :func:`gemm_config`); quantized weights: one ``quant_matmul`` config
   likewise (fp32 activations: the weight dequantized once, then the same gemm);
-- LayerNorm: one row per program (``ROWS=1``), the row's block pinned;
+- LayerNorm: in the prologue of the linear it feeds (``ln_linear``: ln_1 + qkv, ln_2 + MLP-in, ln_f + LM
+  head, as the default mode's gemv fuses them), the row's statistics over K in chunks fixed by K and the
+  pinned config, every row and every split-K slice computing its own; and the qkv projection writes K/V
+  to the cache in its epilogue when the step asks (the decode step), the same bits ``write_kv`` would copy.
+  So a decode step has the default step's launches. Where a linear does not take it (quantized weights
+  on ``quant_matmul``) LayerNorm runs as its own kernel, one row per program (``ROWS=1``), the row's
+  block pinned;
 - attention, prefill and decode alike: every row (prefill tokens and decode tokens of one step) attends
   through ``paged_attention`` over the KV cache, its context its own position + 1, with one config per
   model (fixed KV partition in tokens, so the chunks and their merge order follow only the row's own
@@ -35,7 +41,8 @@ the CPU the same ``torch.get_num_threads()`` (a row wider than a thread's grain 
 not make this mode equal to the default mode, nor the triton backend equal to the torch backend.
 
 CUDA graphs are kept: the decode step captures these same ops. The cost: prefill attention reads the
-cache per query row (O(n²) bytes instead of a flash kernel's O(n)), and every linear runs 16-row tiles.
+cache per query row (O(n²) bytes instead of a flash kernel's O(n)), every linear runs 16-row tiles, and
+a fused LayerNorm's statistics are computed by every program of its linear (from L2: a few KB a row).
 """
 from __future__ import annotations
 
@@ -61,7 +68,8 @@ SLICE_K_TILES = 3
 
 
 @functools.lru_cache(maxsize=None)
-def gemm_config(N: int, K: int, trans_b: bool, bias: bool, act, residual: bool, dtype) -> dict:
+def gemm_config(N: int, K: int, trans_b: bool, bias: bool, act, residual: bool, dtype, ln: bool = False,
+                kv: bool = False) -> dict:
     """The M=16 bucket's default (16-row tiles: the largest a 1-row problem accepts; the kernel's masked
     rows keep each element's order independent of M), with SPLIT_K chosen for one row, then pinned.
 
@@ -70,10 +78,14 @@ def gemm_config(N: int, K: int, trans_b: bool, bias: bool, act, residual: bool, 
     streaming K/BLOCK_K tiles one after another. SPLIT_K slices K so that each slice fits one pipeline
     fill (``SLICE_K_TILES``), while the grid at M=1 stays under half a wave. The split is invariant too:
     each slice accumulates its K tiles in order and the last program sums the slices in slice order
-    (``kernels/gemm.py``), so an element's reduction order is a function of (N, K, config), never of M."""
+    (``kernels/gemm.py``), so an element's reduction order is a function of (N, K, config), never of M.
+
+    ``ln``: the LayerNorm prologue (pointer operands: never TMA or persistent, which this pins off anyway).
+    ``kv`` does not change the config (only checked valid with it): the qkv product gives the same bits
+    whether it writes the cache (the captured decode step) or ``write_kv`` does (an eager step)."""
     from tritune.kernels import gemm as G
 
-    p = G.Problem(16, N, K, trans_b=trans_b, bias=bias, act=act, residual=residual)
+    p = G.Problem(16, N, K, trans_b=trans_b, bias=bias, act=act, residual=residual, ln=ln)
     cfg = dict(G.default_config(p, dtype), GROUP_M=1, TMA=False, PERSISTENT=False)
     assert cfg["BLOCK_M"] == 16, cfg     # valid for every M >= 1 (the space refuses BLOCK_M > max(16, M))
     k_tiles = -(-K // cfg["BLOCK_K"])
@@ -82,6 +94,7 @@ def gemm_config(N: int, K: int, trans_b: bool, bias: bool, act, residual: bool, 
     while split < 8 and -(-k_tiles // split) > SLICE_K_TILES and tiles * split * 2 <= G._num_sms():
         split *= 2
     cfg["SPLIT_K"] = split
+    p = G.Problem(16, N, K, trans_b=trans_b, bias=bias, act=act, residual=residual, ln=ln, kv=kv)
     why = G.SPEC.space.why_invalid(cfg, p, dtype)
     assert why is None, f"gemm: pinned {cfg} invalid for {p}: {why}"
     return cfg
@@ -135,8 +148,8 @@ def _quant_dense(w: RQ.QuantizedWeight, dtype, cache: dict) -> torch.Tensor:
 
 
 class TritonInvariantOps:
-    """The triton backend's steps with pinned configs (no ``ln_linear``: LayerNorm and the linear run
-    apart, the same two launches for every row count)."""
+    """The triton backend's steps with pinned configs; ``ln_linear`` fuses the LayerNorm (and the qkv's
+    K/V-cache write) into the pinned gemm, so a step has as many launches as the default mode's."""
 
     def __init__(self, base, n_positions: int):
         from tritune.kernels import paged_attention as PA
@@ -155,7 +168,9 @@ class TritonInvariantOps:
         self._dense: dict = {}
         self.steps = dict(getattr(base, "steps", {}))
         self.steps.update({
-            "layernorm": "kernel tritune.kernels.layer_norm, one row a program (batch-invariant)",
+            "layernorm": "fused into the linear after it (kernel tritune.kernels.gemm, ln=; the qkv's KV-cache "
+                         "write in its epilogue); kernel tritune.kernels.layer_norm, one row a program, before a "
+                         "quant_matmul (batch-invariant)",
             "linear": "kernel tritune.kernels.gemm, one config per (N, K, dtype), 16-row tiles, split-K "
                       "fixed per (N, K) (batch-invariant)" + (f"; {self.quant}: quant_matmul likewise" if self.quant else ""),
             "attention prefill": "kernel tritune.kernels.paged_attention over the cache, per query row "
@@ -181,6 +196,19 @@ class TritonInvariantOps:
         cfg = gemm_config(w.shape[1], w.shape[0], w.stride(1) != 1, b is not None, activation,
                           residual is not None, x.dtype)
         return self._gemm(x, w, b, activation=activation, residual=residual, config=cfg)
+
+    def ln_linear(self, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
+        """linear(layer_norm(x)) in one pinned gemm launch (the LayerNorm in its prologue), with ``kv``
+        (k_cache, v_cache, slots) the qkv output's k and v written to the cache in its epilogue. Returns
+        (y, whether the cache was written). A quantized weight on quant_matmul: the two ops apart."""
+        if isinstance(w, RQ.QuantizedWeight):
+            if x.dtype in (torch.float16, torch.bfloat16):
+                return self.linear(self.layer_norm(x, ln_w, ln_b, eps), w, b, activation=activation), False
+            w = _quant_dense(w, x.dtype, self._dense)
+        cfg = gemm_config(w.shape[1], w.shape[0], w.stride(1) != 1, b is not None, activation, False, x.dtype,
+                          ln=True, kv=kv is not None)
+        y = self._gemm(x, w, b, activation=activation, ln=(ln_w, ln_b, eps), kv=kv, config=cfg)
+        return y, kv is not None
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         return self._write_kv(k, v, k_cache, v_cache, slot_mapping, validate=False)
@@ -310,7 +338,8 @@ def invariant_model(model):
 def eager(runner, prefill_ids, prefill_slots, decode_ids, decode_positions, decode_slots, context_lens, tables,
           *, prefill_starts=None, prefill_tables=None, sample=None, all_logits: bool = False):
     """What ``ModelRunner.eager`` computes (same arguments, logits in the same order), with every row's
-    K/V written first and each row then attending over the cache up to its own position: prefill rows
+    K/V written first (by the qkv product itself where the ops fuse it) and each row then attending over the
+    cache up to its own position: prefill rows
     (whole, chunked, or after a cached prefix) and decode rows take the same kernel and reduction order."""
     model, kv, dev = runner.model, runner.pool, runner.device
     bs, width = kv.block_size, runner.max_blocks
@@ -351,7 +380,10 @@ def eager(runner, prefill_ids, prefill_slots, decode_ids, decode_positions, deco
             ops.write_kv(k, v, kc, vc, slots_d)
         return ops.attn_rows(q, kc, vc, bt_d, ctx_d)
 
-    x = model.blocks(model.embed(ids_d, pos_d), attend)
+    def kv_for(i):   # every row's K/V (prefill and decode alike) from the qkv product's epilogue, where fused
+        return kv.k_caches[i], kv.v_caches[i], slots_d
+
+    x = model.blocks(model.embed(ids_d, pos_d), attend, kv_for)
     if Tp:
         x = x[d64[3 * T:]]
     logits = model.logits(x)
