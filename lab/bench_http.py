@@ -174,7 +174,7 @@ def wait_idle(server_state, timeout=60.0) -> float:
 class Served:
     """One mode's engine and server: ``mode`` "process" (EngineProcess) or "thread"."""
 
-    def __init__(self, mode: str, spec: dict, tok, stack: str, start_timeout: float):
+    def __init__(self, mode: str, spec: dict, tok, stack: str, start_timeout: float, arrival_steps: int = 2):
         from tritune.model.http_bench import bench_engine, warm_up_engine
         from tritune.model.serve_proc import EngineProcess
 
@@ -184,7 +184,7 @@ class Served:
             sys.setswitchinterval(0.005)    # the API process alone: Python's default
             self.engine = EngineProcess("tritune.model.http_bench:bench_engine", spec,
                                         warm_up="tritune.model.http_bench:warm_up_engine",
-                                        start_timeout=start_timeout)
+                                        start_timeout=start_timeout, arrival_steps=arrival_steps or None)
         else:
             sys.setswitchinterval(0.001)    # as `tritune serve` runs the thread mode
             self.engine = bench_engine(**spec)
@@ -326,6 +326,8 @@ def main() -> int:
                    "engine's graph path gives 16)")
     p.add_argument("--stub-host-ms", type=float, default=0.0, help="stub: milliseconds each step holds the "
                    "GIL (the engine's host work per step)")
+    p.add_argument("--arrival-steps", type=int, default=None, help="process mode: decode steps a run while "
+                   "requests arrive (default: serve_proc's; 0: off, every run the engine's decode_steps)")
     p.add_argument("--client-procs", type=int, default=None, help="client processes (default: serve-bench's)")
     p.add_argument("--skip-clients", action="store_true", help="only the in-process / HTTP rounds")
     p.add_argument("--stack", default="auto", choices=("auto", "asyncio+h11", "uvloop+httptools"),
@@ -336,6 +338,9 @@ def main() -> int:
         print(f"bench_http: --modes: expected process and/or thread, got {args.modes!r}", file=sys.stderr)
         return 2
     soak_mode = args.soak_mode or modes[0]
+    from tritune.model.serve_proc import ARRIVAL_STEPS
+
+    arrival_steps = ARRIVAL_STEPS if args.arrival_steps is None else args.arrival_steps
     if args.smoke:
         args.requests, args.prompt_len, args.output_len, args.clients, args.rounds = 16, (4, 32), (4, 32), 8, 2
     t_start = time.time()
@@ -402,7 +407,7 @@ def main() -> int:
                 res["modes"][mode] = {"note": "not run: time limit"}
                 continue
             try:
-                sv = Served(mode, spec, tok, args.stack, max(60.0, left() - 60))
+                sv = Served(mode, spec, tok, args.stack, max(60.0, left() - 60), arrival_steps)
             except Exception as e:  # noqa: BLE001 (recorded; the next mode runs)
                 res["modes"][mode] = {"error": f"setup: {type(e).__name__}: {e}"}
                 print(f"[{mode}] setup failed: {type(e).__name__}: {e}", flush=True)

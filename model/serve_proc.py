@@ -19,13 +19,15 @@ The shape (the idea of vLLM's AsyncLLM / EngineCore split, written for this engi
   ``BlockingIOError``, which read as the engine process's death (an H100 serve run lost 256 streams that
   way while the engine process was alive). A direction of its own per socket keeps the API's writes
   blocking on a descriptor the loop never touches.
-- The event loop sends what it submits in one tick (adds, aborts) as one message.
-- API -> engine: ``add`` (request id, prompt ids, SamplingParams), ``abort`` (request id), ``stats``,
-  ``call`` (run a function of the engine between steps, for benchmarks), ``stop``.
-- Engine -> API: one ``step`` message per engine step: for each request it touched, (id, prompt length
-  once on acceptance, new token ids, finish reason, error, output length), and the engine's load (running,
-  waiting, KV blocks in use). The API process keeps its Prometheus metrics from these: a scrape costs no
-  round trip.
+- The event loop hands each operation to its sender thread at once; what piles up while the sender waits
+  for the GIL or writes goes out as one message.
+- API -> engine: ``add`` (request id: a small int, prompt ids, SamplingParams), ``abort`` (request id),
+  ``stats``, ``call`` (run a function of the engine between steps, for benchmarks), ``stop``.
+- Engine -> API: one ``step`` message per engine step, compact (:class:`_Core`: arrays of request ids,
+  token counts and tokens; acceptances and ends beside them), and the engine's load (running, waiting, KV
+  blocks in use). The API process keeps its Prometheus metrics from these: a scrape costs no round trip.
+- Admission: while requests arrive, the engine process runs short decode runs and reads its pipe between
+  them (``arrival_steps``), then goes back to the engine's ``decode_steps``.
 - The engine process dying (a crash, the OOM killer, a kill) is seen at once (the socket's end of file and
   the process sentinel, both on the event loop): every open request ends with an error, new ones answer
   503, ``/health`` says why; the server stays up. Why is never silent: the engine process sends an
@@ -566,7 +568,6 @@ class EngineProcess:
         self._finalizer = weakref.finalize(self, _reap, self.process, self._conn, self._up)
         self.fatal: tuple | None = None     # (type, message, traceback) the engine process sent as it ended
         self.death: dict | None = None      # why it is gone: exit code, signal, error, stacks (/health)
-        self._outbox: list = []             # operations of this event-loop tick, sent as one message
         self._frames = None
         self.trace: collections.deque = collections.deque(maxlen=TRACE)  # (request id, arrival, submit)
         self.metrics = None
@@ -653,7 +654,6 @@ class EngineProcess:
         """Ask the engine process to stop (after its step), then make sure it has: no orphan."""
         self._detach()
         if self._sender is not None:
-            self._send_outbox()
             self._sender.put(("stop",))
             self._sender.close(2)
         else:
@@ -695,16 +695,11 @@ class EngineProcess:
             self._post(("abort", seq.key))
 
     def _post(self, op) -> None:
-        """Queue ``op`` for the end of this event-loop tick: a burst of requests parsed in one tick goes to
-        the engine process as one message (one pickle, one write, one wake-up of each side)."""
-        if not self._outbox:
-            self._loop.call_soon(self._send_outbox)
-        self._outbox.append(op)
-
-    def _send_outbox(self) -> None:
-        ops, self._outbox = self._outbox, []
-        if ops and self._sender is not None:
-            self._sender.put_many(ops)
+        """Hand ``op`` to the sender thread now. It writes whatever piled up while it waited for the GIL
+        as one message: during a burst, the event loop's handlers hold the GIL and the sender sends every
+        switch interval (5 ms). (Queued with ``call_soon`` for the end of the tick instead, the ops of a
+        burst waited behind every handler the burst had made ready: 200 ms for 500 requests.)"""
+        self._sender.put(op)
 
     async def stats(self, timeout: float = 10.0) -> dict:
         """A fresh account from the engine process (one round trip)."""
@@ -730,7 +725,7 @@ class EngineProcess:
         token = next(self._tokens)
         fut = self._loop.create_future()
         self._waiters[token] = fut
-        self._post((op[0], token, *op[1:]))     # after this tick's adds and aborts, in order
+        self._post((op[0], token, *op[1:]))     # after the adds and aborts posted before it, in order
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
