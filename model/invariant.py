@@ -91,7 +91,8 @@ def gemm_config(N: int, K: int, trans_b: bool, bias: bool, act, residual: bool, 
     k_tiles = -(-K // cfg["BLOCK_K"])
     tiles = -(-N // cfg["BLOCK_N"])      # at M = 1
     split = 1
-    while split < 8 and -(-k_tiles // split) > SLICE_K_TILES and tiles * split * 2 <= G._num_sms():
+    while (split < 8 and 2 * split <= k_tiles and -(-k_tiles // split) > SLICE_K_TILES
+           and tiles * split * 2 <= G._num_sms()):
         split *= 2
     cfg["SPLIT_K"] = split
     p = G.Problem(16, N, K, trans_b=trans_b, bias=bias, act=act, residual=residual, ln=ln, kv=kv)

@@ -243,6 +243,93 @@ def test_triton_backend_interpreter_batched_equals_alone(monkeypatch):
     assert torch.equal(full, one) and torch.equal(full, many)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run (fp32; its bf16 dot is wrong)")
+@pytest.mark.parametrize("slice_k_tiles", [invariant.SLICE_K_TILES, 1], ids=["pinned", "split-K"])
+def test_triton_ln_linear_is_layer_norm_then_linear_and_row_invariant(monkeypatch, slice_k_tiles):
+    """ops.ln_linear (the LayerNorm in the pinned gemm's prologue, the qkv's K/V write in its epilogue)
+    matches layer_norm then linear, and gives a row alone the bits it gets inside a 37-row batch (rows at
+    each tile's edges; the interpreter runs a launch in Python); the
+    cache holds exactly the k, v columns of the output at each row's slot (split-K: every slice computes
+    the rows' statistics itself)."""
+    from tritune.harness import compare as cmp
+    from tritune.references.gemm import gemm as ref_gemm
+
+    monkeypatch.setattr(invariant, "SLICE_K_TILES", slice_k_tiles)
+    monkeypatch.setattr(invariant, "gemm_config", invariant.gemm_config.__wrapped__)
+    m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=4)
+    ops = invariant.invariant_model(m).ops
+    g = torch.Generator().manual_seed(2)
+    T, E, K = 37, 48, 160                           # K: 3 fp32 K tiles, the last one partial
+    x = 2 * torch.randn(T, K, generator=g) + 0.5
+    lw, lb = 1 + 0.2 * torch.randn(K, generator=g), 0.1 * torch.randn(K, generator=g)
+    w_qkv, b_qkv = torch.randn(K, 3 * E, generator=g) / 12, 0.1 * torch.randn(3 * E, generator=g)
+    w_fc, b_fc = torch.randn(K, 4 * E, generator=g) / 12, 0.1 * torch.randn(4 * E, generator=g)
+    head = torch.randn(61, K, generator=g) / 12      # a tied LM head: (V, K) read as its transpose
+    cfg = invariant.gemm_config(3 * E, K, False, True, None, False, torch.float32, ln=True, kv=True)
+    assert cfg["SPLIT_K"] == (1 if slice_k_tiles > 1 else 2)
+
+    def caches():
+        c = torch.full((12, 4, 2, E // 2), float("nan"))
+        return c, c.clone()
+
+    slots = torch.randperm(48, generator=g)[:T]
+    slots[::7] = -1
+    for w, b, act, kv in ((w_qkv, b_qkv, None, True), (w_fc, b_fc, "gelu_tanh", False), (head.t(), None, None, False)):
+        kc, vc = caches()
+        y, written = ops.ln_linear(x, lw, lb, 1e-5, w, b, activation=act, kv=(kc, vc, slots) if kv else None)
+        assert written == kv
+        want = ref_gemm(x, w, b, activation=act, ln=(lw, lb, 1e-5))
+        cmp.check(y, want, torch.float32, "ieee", what=f"ln_linear N={w.shape[1]}")
+        two = ops.linear(ops.layer_norm(x, lw, lb, 1e-5), w, b, activation=act)
+        cmp.check(y, two.double(), torch.float32, "ieee", what="against layer_norm then linear")
+        for i in (0, 6, 15, 16, 31, 36):          # each 16-row tile's edges, the last (partial) tile's last row
+            kc1, vc1 = caches()
+            y1, _ = ops.ln_linear(x[i:i + 1].clone(), lw, lb, 1e-5, w, b, activation=act,
+                                  kv=(kc1, vc1, slots[i:i + 1].clone()) if kv else None)
+            assert torch.equal(y1[0], y[i]), (w.shape, i)
+        if kv:
+            flat_k, flat_v = kc.view(48, E), vc.view(48, E)
+            for i, s in enumerate(slots.tolist()):
+                if s >= 0:
+                    assert torch.equal(flat_k[s], y[i, E:2 * E]) and torch.equal(flat_v[s], y[i, 2 * E:])
+            assert flat_k[[s for s in range(48) if s not in set(slots.tolist())]].isnan().all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counted through the interpreter (on a GPU a plan's later "
+                    "launches bypass triton's run, which this counts)")
+def test_invariant_decode_step_has_the_default_steps_launch_count(monkeypatch):
+    """One decode step at batch 1 (what the engine captures): the batch-invariant mode launches as many
+    kernels as the default mode (gemv with the LayerNorm and the K/V write fused in): no LayerNorm or
+    write_kv launch of its own, the same count per layer."""
+    from tritune.kernels import gemm as GM
+
+    launches = []
+    cls = type(GM._gemm_kernel)
+    run = cls.run
+
+    def counting(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "run", counting)
+    m = tiny_model("triton", n_layer=2, n_embd=32, n_head=2, n_positions=64, seed=4)
+    counts = {}
+    for name, model in (("default", m), ("invariant", invariant.invariant_model(m))):
+        cache = model.new_cache(16, block_size=4)
+        with torch.inference_mode():        # the prompt's K/V, then the one step counted
+            model.prefill(torch.arange(5), [5], kv_cache=cache, slot_mapping=torch.arange(5))
+            launches.clear()
+            logits = model.decode(torch.tensor([7]), torch.tensor([5]), cache, torch.tensor([5]),
+                                  torch.arange(4, dtype=torch.int32)[None], torch.tensor([6], dtype=torch.int32))
+        assert logits.shape == (1, VOCAB)
+        counts[name] = list(launches)
+    for name, names in counts.items():
+        assert not [k for k in names if "layer_norm" in k or "write_kv" in k], (name, names)
+    kinds = {name: ["linear" if "gemm" in k or "gemv" in k else k for k in names] for name, names in counts.items()}
+    assert kinds["invariant"] == kinds["default"], counts
+    assert sum("gemm" in k for k in counts["invariant"]) == 4 * 2 + 1       # 4 linears a layer + the LM head
+
+
 def test_pinned_configs_do_not_depend_on_rows():
     """The configs are functions of (N, K, dtype) etc. only, and valid at every row count."""
     from tritune.kernels import gemm as GM, layer_norm as LN, paged_attention as PA
@@ -251,6 +338,13 @@ def test_pinned_configs_do_not_depend_on_rows():
         for N, K in ((2304, 768), (768, 3072), (256, 1024), (50257, 768)):
             cfg = invariant.gemm_config(N, K, False, True, None, False, dt)
             assert cfg["BLOCK_M"] == 16 and cfg["GROUP_M"] == 1 and not cfg["PERSISTENT"]
+            # with the LayerNorm prologue: pointer operands; the K/V write never changes the config (the qkv
+            # product has the same bits whether it writes the cache itself or write_kv does)
+            lcfg = invariant.gemm_config(N, K, False, True, None, False, dt, ln=True)
+            assert not lcfg["TMA"] and not lcfg["PERSISTENT"]
+            assert invariant.gemm_config(N, K, False, True, None, False, dt, ln=True, kv=N % 3 == 0) == lcfg
+            for M in (1, 7, 4096):
+                assert GM.SPEC.space.why_invalid(lcfg, GM.Problem(M, N, K, bias=True, ln=True), dt) is None
             # split-K at most until a slice fits one pipeline fill, the 1-row grid under half a wave
             k_tiles = -(-K // cfg["BLOCK_K"])
             split = cfg["SPLIT_K"]
