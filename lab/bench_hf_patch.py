@@ -396,6 +396,229 @@ def bench_step(model, batch: int, prompt: int, new: int, reps: int) -> dict:
             "guard_lines": _guard_lines(), "calls": n, "host_functions_100_calls": host_functions}
 
 
+# --- --part genprof: one whole generate, function by function, outside the compiled call -------------
+def _fn_label(key) -> str:
+    file, line, name = key
+    if file == "~":
+        return name  # a builtin: "{method 'item' of 'torch._C.TensorBase' objects}"
+    parts = file.replace("\\", "/").split("/")
+    return f"{'/'.join(parts[-2:])}:{line}({name})"
+
+
+def _pstats_rows(stats, steps: int) -> dict:
+    """{function: [calls a step, tottime us a step, cumtime us a step]} from a pstats.Stats."""
+    return {_fn_label(k): [nc / steps, tt / steps * 1e6, ct / steps * 1e6]
+            for k, (cc, nc, tt, ct, _) in stats.stats.items()}
+
+
+def _top(rows: dict, col: int, n: int = 40) -> list:
+    return [[k, round(v[0], 2), round(v[1], 1), round(v[2], 1)]
+            for k, v in sorted(rows.items(), key=lambda kv: -kv[1][col])[:n]]
+
+
+def _counters() -> dict:
+    return {cat: dict(c) for cat, c in torch._dynamo.utils.counters.items()}
+
+
+def _counter_diff(before: dict, after: dict) -> dict:
+    out = {}
+    for cat, c in after.items():
+        d = {k: v - before.get(cat, {}).get(k, 0) for k, v in c.items()}
+        d = {k: v for k, v in d.items() if v}
+        if d:
+            out[cat] = d
+    return out
+
+
+_TREE_METHODS = ("record_function", "run_eager", "execute_node", "try_end_curr_execution",
+                 "apply_checkpoint_execution_state_in_allocator")
+
+
+@contextlib.contextmanager
+def _count_tree_calls(counts: dict):
+    """Counts calls of CUDA-graph trees' manager methods (record a graph, warm up eagerly, replay one, end a
+    path, checkpoint the allocator) and of a node's invariant check (one a recorded graph tried per call):
+    a step should be one replay and a few checks. Nothing where inductor or the methods are missing."""
+    try:
+        from torch._inductor import cudagraph_trees as ct
+    except Exception:  # pragma: no cover
+        yield
+        return
+    saved = []
+    for cls, names in ((ct.CUDAGraphTreeManager, _TREE_METHODS), (ct.CUDAGraphNode, ("check_invariants",))):
+        for name in names:
+            fn = getattr(cls, name, None)
+            if fn is None:
+                continue
+
+            def counted(*a, _fn=fn, _name=name, **k):
+                counts[_name] = counts.get(_name, 0) + 1
+                return _fn(*a, **k)
+
+            saved.append((cls, name, fn))
+            setattr(cls, name, counted)
+    try:
+        yield
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
+def _cache_ptrs(kwargs) -> tuple:
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    cache = getattr(cache, "self_attention_cache", cache)
+    return tuple(t.data_ptr() for lay in getattr(cache, "layers", ()) for t in (getattr(lay, "keys", None),
+                                                                              getattr(lay, "values", None))
+                 if isinstance(t, torch.Tensor))
+
+
+@torch.no_grad()
+def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
+    """After a warm-up generate (compiles, records the graph), two generates:
+    - timed: wall time; the prefill's (eager, synced before and after); the compiled calls' count and host
+      time (no sync); on CUDA each call's device span (events around it) and each step's (event to event,
+      call to call); the syncs of each phase (torch.cuda sync debug mode: a warning per synchronizing
+      call); CUDA-graph trees' records, warm-ups, replays, invariant checks; dynamo's counters; whether the
+      StaticCache's tensors are at the warm-up's addresses (static inputs of the graph: a new address is a
+      re-recording);
+    - profiled: cProfile of the loop OUTSIDE the prefill and the compiled calls (profiling off inside them),
+      generate's own host work a step: the top 40 functions by tottime and by cumtime.
+    loop_us = (wall - prefill - compiled calls' host time) / decode steps: generate's own loop, the wait
+    for the device included (it syncs on each step's stop check)."""
+    import cProfile
+    import pstats
+    import warnings
+
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, VOCAB, (batch, prompt), generator=g).to(_dev())
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static")
+    cuda = torch.cuda.is_available() and not SMOKE["on"]
+    compiled, prefill_of = None, model._prefill
+    prof = cProfile.Profile()
+    st: dict = {}
+
+    def reset(profiling: bool):
+        st.update(calls=0, call_s=0.0, prefill_s=0.0, ptrs=[], events=[], profiling=profiling,
+                  syncs={"prefill": 0, "call": 0}, caught=None)
+
+    def n_warned():
+        return 0 if st["caught"] is None else sum("synchroniz" in str(w.message).lower() for w in st["caught"])
+
+    def prefill(*a, **k):  # eager; synced so that its device time is its own
+        if st["profiling"]:
+            prof.disable()
+        w0 = n_warned()
+        _sync()
+        t0 = time.perf_counter()
+        try:
+            return prefill_of(*a, **k)
+        finally:
+            _sync()
+            st["prefill_s"] += time.perf_counter() - t0
+            st["syncs"]["prefill"] += n_warned() - w0 - 2 * cuda  # less our own two syncs
+            if st["profiling"]:
+                prof.enable()
+
+    def call(*a, **k):  # no sync: the host's share of the compiled call, as generate pays it
+        if st["profiling"]:
+            prof.disable()
+        w0 = n_warned()
+        st["ptrs"].append(_cache_ptrs(k))
+        if cuda and not st["profiling"]:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t0 = time.perf_counter()
+        try:
+            return compiled(*a, **k)
+        finally:
+            st["call_s"] += time.perf_counter() - t0
+            st["calls"] += 1
+            if cuda and not st["profiling"]:
+                e1.record()
+                st["events"].append((e0, e1))
+            st["syncs"]["call"] += n_warned() - w0
+            if st["profiling"]:
+                prof.enable()
+
+    cc = model.generation_config.compile_config
+    if cc is not None and not model.generation_config.disable_compile:
+        compiled = model.get_compiled_call(cc)  # made now (generate takes it) so that it can be wrapped
+        model._compiled_call = call
+    model._prefill = prefill
+    try:
+        reset(False)
+        model.generate(ids, **kw)  # warm-up: compiles, records the graph, fills the tuned-config caches
+        _sync()
+        warm_ptrs = [set(st["ptrs"])]  # the addresses the graph was recorded with
+        reset(False)
+        model.generate(ids, **kw)
+        warm_ptrs.append(set(st["ptrs"]))
+        reset(False)
+        counts0, tree = _counters(), {}
+        with warnings.catch_warnings(record=True) as caught, _count_tree_calls(tree):
+            warnings.simplefilter("always")
+            st["caught"] = caught
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _sync()
+                t0 = time.perf_counter()
+                out = model.generate(ids, **kw)
+                _sync()
+                wall = time.perf_counter() - t0
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs_all = n_warned() - 2 * cuda
+            kinds = sorted({str(w.message).splitlines()[0][:120] for w in caught
+                            if "synchroniz" in str(w.message).lower()})
+        counts = _counter_diff(counts0, _counters())
+        timed = dict(st)
+        steps = out.shape[1] - prompt
+        decode = max(1, steps - 1)
+        call_dev = [a.elapsed_time(b) * 1e3 for a, b in timed["events"]]  # us
+        step_dev = [a[0].elapsed_time(b[0]) * 1e3 for a, b in zip(timed["events"], timed["events"][1:])]
+        reset(True)
+        prof.enable()
+        model.generate(ids, **kw)
+        prof.disable()
+        _sync()
+    finally:
+        del model._prefill
+        if compiled is not None:
+            model._compiled_call = compiled
+    rows = _pstats_rows(pstats.Stats(prof), decode)
+    med = statistics.median
+    return {"batch": batch, "prompt": prompt, "new_tokens": steps, "decode_steps": steps - 1,
+            "compiled_calls": timed["calls"], "wall_ms_per_step": wall / steps * 1e3,
+            "prefill_ms": timed["prefill_s"] * 1e3, "call_host_us": timed["call_s"] / max(1, timed["calls"]) * 1e6,
+            "loop_us": (wall - timed["prefill_s"] - timed["call_s"]) / decode * 1e6,
+            "call_device_us": med(call_dev) if call_dev else None,
+            "call_device_us_max": max(call_dev) if call_dev else None,
+            "step_device_us": med(step_dev) if step_dev else None,
+            "syncs": ({"all": syncs_all, **timed["syncs"],
+                       "loop": syncs_all - timed["syncs"]["prefill"] - timed["syncs"]["call"]} if cuda else None),
+            "sync_kinds": kinds, "cudagraph_trees": tree,
+            # the StaticCache's tensors (static graph inputs) in the warm-up, the second and the timed generate
+            "cache_addresses_per_generate": [len(p) for p in (*warm_ptrs, set(timed["ptrs"]))],
+            "cache_addresses_seen": len(set(timed["ptrs"]).union(*warm_ptrs)),
+            "loop_python_calls_per_step": sum(v[0] for v in rows.values()), "dynamo_counters": counts,
+            "top_tottime": _top(rows, 1), "top_cumtime": _top(rows, 2), "_rows": rows}
+
+
+def genprof_diff(a: dict, b: dict, n: int = 40) -> list:
+    """Per function: (calls a step, tottime us a step) in b and in a, the n largest tottime differences,
+    then every function whose calls a step differ (what one variant's loop does that the other's does not)."""
+    ra, rb = a.get("_rows", {}), b.get("_rows", {})
+    keys = set(ra) | set(rb)
+    z = [0.0, 0.0, 0.0]
+    rows = [[k, round(rb.get(k, z)[0], 2), round(ra.get(k, z)[0], 2), round(rb.get(k, z)[1] - ra.get(k, z)[1], 1)]
+            for k in keys]
+    by_time = sorted(rows, key=lambda r: -abs(r[3]))[:n]
+    by_calls = sorted((r for r in rows if abs(r[1] - r[2]) > 0.01 and r not in by_time), key=lambda r: -abs(r[1] - r[2]))
+    return by_time + by_calls[:n]
+
+
 @torch.no_grad()
 def bench_prefill(fn, ids, reps: int) -> dict:
     t0 = time.perf_counter()
@@ -424,8 +647,8 @@ def bench_prefill(fn, ids, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--part", choices=("generate", "prefill", "step", "all"), default="all")
-    ap.add_argument("--batches", type=int, nargs="+", default=[32, 1])
+    ap.add_argument("--part", choices=("generate", "prefill", "step", "genprof", "all"), default="all")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 32 1 (--part genprof: 32)")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -443,13 +666,17 @@ def main(argv=None) -> int:
                     help="--smoke: the launchers return empty outputs (host cost without the interpreter's)")
     args = ap.parse_args(argv)
     PROFILE["on"] = args.profile
+    if args.batches is None:
+        args.batches = [32] if args.part == "genprof" else [32, 1]
     if args.smoke:
         global VOCAB
         SMOKE["on"], VOCAB, SMOKE["backend"] = True, SMOKE["config"]["vocab_size"], args.smoke_backend
         SMOKE["config"]["n_layer"] = args.smoke_layers
         # --part step keeps up to 48 new tokens (its loop_us: HF's loop a step, not the prefill's share)
-        new = min(args.new, 48) if args.part == "step" else 3
-        args.batches, args.prompt, args.new, args.reps, args.prefill = [2], 5, new, 1, [2, 16]
+        # --part genprof too, and keeps --batches when given (a batch of 32 costs the tiny model little)
+        new = min(args.new, 48) if args.part in ("step", "genprof") else 3
+        batches = args.batches[:1] if args.part == "genprof" and args.batches else [2]
+        args.batches, args.prompt, args.new, args.reps, args.prefill = batches, 5, new, 1, [2, 16]
         if args.stub_kernels:
             stub_kernels()
     elif not torch.cuda.is_available():
@@ -465,7 +692,7 @@ def main(argv=None) -> int:
            "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
            "model": "GPT-2 small config, random init, bf16", "args": vars(args), "generate": {}, "prefill": {},
-           "step": {}, "checks": {}}
+           "step": {}, "genprof": {}, "checks": {}}
     path = os.path.join(args.out_dir, f"hf_patch_{args.part}_{res['date']}_{res['commit']}.json")
 
     def save():
@@ -508,6 +735,20 @@ def main(argv=None) -> int:
             for name, patched in (("hf", False), ("tritune", True)):
                 row("step", f"{name}+compile b={b}",
                     lambda: bench_step(_variant(base, patched, True), b, args.prompt, args.new, args.reps))
+
+    if args.part == "genprof":  # not in "all": its cProfile'd generate is not a measurement of speed
+        for b in args.batches:
+            for name, patched in (("hf", False), ("tritune", True)):
+                row("genprof", f"{name}+compile b={b}",
+                    lambda: bench_genprof(_variant(base, patched, True), b, args.prompt, args.new))
+            hf, ours = res["genprof"].get(f"hf+compile b={b}", {}), res["genprof"].get(f"tritune+compile b={b}", {})
+            if "_rows" in hf and "_rows" in ours:
+                res["genprof"][f"diff b={b}"] = {
+                    "columns": ["function", "tritune calls/step", "hf calls/step", "tottime us/step tritune - hf"],
+                    "rows": genprof_diff(hf, ours)}
+            for v in (hf, ours):
+                v.pop("_rows", None)
+            save()
 
     if args.part in ("prefill", "all"):
         def check():  # the patched model's logits against HF's (bf16 both, float64 HF as the reference)
@@ -584,6 +825,29 @@ def main(argv=None) -> int:
                   f"{f(v['device_us'])} |          {f(v['guard_us'])} {f(v['region_us'])} {f(v['graph_us'])} | "
                   f"{f(v['loop_us'])}  {gr.get('inputs')}({gr.get('static_inputs')})       {gr.get('outputs')}      "
                   f"{v['guard_lines']}")
+    gp = {k: v for k, v in res["genprof"].items() if not k.startswith("diff")}
+    if gp:
+        print("genprof (one generate)      ms/step prefill ms call host us  loop us  py calls/step"
+              "  calls/steps  dev call/step us  cache addrs  syncs pre/call/loop  graph trees  dynamo")
+        for k, v in gp.items():
+            if "error" in v:
+                print(f"  {k:24s} {v['error'][:100]}")
+                continue
+            dyn = {f"{c}.{n}": x for c, d in v["dynamo_counters"].items() for n, x in d.items()
+                   if c in ("stats", "inductor", "recompiles", "graph_break", "frames") or "cudagraph" in n}
+            sy = v["syncs"]
+            sy = "-" if sy is None else f"{sy['prefill']}/{sy['call']}/{sy['loop']}"
+            f = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+            tree = {n[:12]: c for n, c in v["cudagraph_trees"].items()}
+            print(f"  {k:24s} {v['wall_ms_per_step']:8.3f} {v['prefill_ms']:10.2f} {v['call_host_us']:11.0f} "
+                  f"{v['loop_us']:8.0f} {v['loop_python_calls_per_step']:14.1f} {v['compiled_calls']:5d}/"
+                  f"{v['decode_steps']:<5d} {f(v['call_device_us']):>7s}/{f(v['step_device_us']):<7s} "
+                  f"{str(v['cache_addresses_per_generate']):>12s} {sy:>16s}  {json.dumps(tree)}  {json.dumps(dyn)[:200]}")
+        for k, v in res["genprof"].items():
+            if k.startswith("diff"):
+                print(f"genprof {k}: loop functions a step, tritune vs hf (largest tottime differences first)")
+                for r in v["rows"][:15]:
+                    print(f"    {r[3]:+8.1f} us  calls {r[1]:6.2f} vs {r[2]:6.2f}  {r[0][:90]}")
     for k, v in ratios.items():
         print(f"  {k:45s} {v:6.2f}x")
     if "target_batch32_1.3x" in res and res["target_batch32_1.3x"] is not None:
