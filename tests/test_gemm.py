@@ -314,3 +314,107 @@ def test_narrow_n_with_many_rows_runs():
     a, b, bias = torch.randn(65, 7, device=DEV), torch.randn(7, 13, device=DEV), torch.randn(13, device=DEV)
     cmp.check(G.gemm(a, b, bias), G.SPEC.reference(a, b, bias), torch.float32,
               G.SPEC.accumulation(torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The LayerNorm prologue (ln=) and the KV-cache write (kv=): gemv's arguments on the gemm
+# ---------------------------------------------------------------------------------------------------
+def _check_cache(case, y):
+    """The caches hold each live row's k and v columns of y bit for bit, and nothing else (NaN elsewhere)."""
+    kc, vc, slots = case.kwargs["kv"]
+    c = kc.shape[2] * kc.shape[3]
+    y2 = y.reshape(-1, 3 * c)
+    fk, fv = kc.view(-1, c), vc.view(-1, c)
+    live = [(i, s) for i, s in enumerate(slots.tolist()) if s >= 0]
+    for i, s in live:
+        assert torch.equal(fk[s], y2[i, c:2 * c]) and torch.equal(fv[s], y2[i, 2 * c:]), (i, s)
+    dead = sorted(set(range(fk.shape[0])) - {s for _, s in live})
+    assert fk[dead].isnan().all() and fv[dead].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("extra", [{}, {"SPLIT_K": 2, "GROUP_M": 1, "BLOCK_K": 16},
+                                   {"SPLIT_K": 4, "GROUP_M": 1, "BLOCK_K": 16}, {"BLOCK_N": 16, "num_warps": 2}],
+                         ids=["default", "split-K 2", "split-K 4", "16x16"])
+@pytest.mark.parametrize("prob", [dict(M=7, N=48, K=40, bias=True, ln=True, kv=True),
+                                  dict(M=37, N=33, K=70, act="gelu_tanh", residual=True, ln=True, trans_a=True),
+                                  dict(M=12, N=24, K=64, ln=True, kv=True, batch=3, trans_a=True),
+                                  dict(M=5, N=21, K=33, trans_b=True, kv=True)],
+                         ids=["qkv", "mlp-in", "3-D A", "kv only"])
+def test_ln_prologue_and_kv_write(prob, extra, dtype):
+    # every K slice computes the rows' statistics itself; the cache gets the rounded output's k, v columns
+    p = G.Problem(**prob)
+    cfg = dict(G.default_config(p, dtype), **extra)
+    if G.SPACE.why_invalid(cfg, p, dtype):
+        pytest.skip(G.SPACE.why_invalid(cfg, p, dtype))
+    for layout in ("contiguous", "sliced"):
+        case = G.make_inputs(p, dtype, DEV, 5, layout)
+        cmp.poison(case.out)
+        y = G.gemm(*case.args, out=case.out, config=cfg, **case.kwargs)
+        cmp.check(y, G.ref.gemm(*case.args, **case.kwargs), dtype, G.SPEC.accumulation(dtype), what=f"{p} {cfg}")
+        if p.kv:
+            _check_cache(case, y)
+
+
+def test_ln_rows_do_not_depend_on_m():
+    # a row's LayerNorm statistics and products follow the row and the config only: the same bits alone
+    # and at any place in a batch (the batch-invariant mode's premise), split-K too
+    p = G.Problem(37, 48, 160, bias=True, ln=True, kv=True)
+    cfg = dict(G.default_config(G.Problem(16, 48, 160, bias=True, ln=True), torch.float32), SPLIT_K=2)
+    case = G.make_inputs(p, torch.float32, DEV, 1)
+    a, b, bias = case.args
+    y = G.gemm(a, b, bias, ln=case.kwargs["ln"], config=cfg)
+    for i in (0, 15, 16, 36):
+        assert torch.equal(G.gemm(a[i:i + 1].clone(), b, bias, ln=case.kwargs["ln"], config=cfg)[0], y[i])
+    kv = case.kwargs["kv"]
+    assert torch.equal(G.gemm(a, b, bias, ln=case.kwargs["ln"], kv=kv, config=cfg), y)   # kv: the same bits
+
+
+def test_ln_without_weight_or_bias_and_cached_plans():
+    p = G.Problem(9, 24, 50, ln=True, kv=True)
+    for seed in (1, 2, 1):   # one plan, each call's data (the eps of the call too)
+        case = G.make_inputs(p, torch.float32, DEV, seed)
+        for ln in ((None, None, 1e-5), (case.kwargs["ln"][0], None, 0.1), (None, case.kwargs["ln"][1], 0.0)):
+            y = G.gemm(*case.args, ln=ln, kv=case.kwargs["kv"])
+            cmp.check(y, G.ref.gemm(*case.args, ln=ln), torch.float32, "ieee", what=str(ln[2]))
+            _check_cache(case, y)
+
+
+def test_fusions_refuse_tma_and_persistent_and_keep_plain_buckets():
+    for flag in ("TMA", "PERSISTENT"):
+        for p in (G.Problem(64, 96, 64, ln=True), G.Problem(64, 96, 64, kv=True)):
+            cfg = dict(G.default_config(p, torch.float16), **{flag: True})
+            assert "pointer operands" in G.SPACE.why_invalid(cfg, p, torch.float16)
+    # large fused problems: the default drops TMA and the persistent grid
+    big = G.Problem(8192, 3072, 768, bias=True, act="gelu_tanh", ln=True)
+    cfg = G.default_config(big, torch.bfloat16)
+    assert not cfg["TMA"] and not cfg["PERSISTENT"] and G.SPACE.why_invalid(cfg, big, torch.bfloat16) is None
+    # a plain problem's store key is what it was; fused ones have their own fields
+    assert G.bucket(G.Problem(1, 2304, 768, bias=True)) == {"M": 1, "N": 2304, "K": 768}
+    assert G.bucket(G.Problem(1, 2304, 768, ln=True, kv=True)) == {"M": 1, "N": 2304, "K": 768, "ln": 1, "kv": 1}
+    x = torch.randn(4, 8, device=DEV)
+    with pytest.raises(ValueError, match="pointer operands"):
+        G.gemm(x, torch.randn(8, 6, device=DEV), ln=(None, None, 1e-5),
+               config=dict(G.default_config(G.Problem(4, 6, 8, ln=True), torch.float32), PERSISTENT=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 GPT-2 decode shapes, direct launches)")
+def test_gpu_fused_gpt2_rows_bitwise_alone_and_batched():
+    # the batch-invariant mode's pinned configs in bf16 on GPT-2 small's fused linears: a row gives the same
+    # bits alone and in a 37-row batch, repeated launches (direct, after the first) read each call's data,
+    # and the qkv product writes the cache exactly
+    from tritune.model import invariant
+
+    for p in G._gpt2_fused(37):
+        cfg = invariant.gemm_config(p.N, p.K, p.trans_b, p.bias, p.act, False, torch.bfloat16, ln=True, kv=p.kv)
+        for seed in (0, 1):
+            case = G.make_inputs(p, torch.bfloat16, DEV, seed)
+            y = G.gemm(*case.args, config=cfg, **case.kwargs)
+            cmp.check(y, G.ref.gemm(*case.args, **case.kwargs), torch.bfloat16, "ieee", what=str(p))
+            if p.kv:
+                _check_cache(case, y)
+            a, b, bias = case.args
+            for i in (0, 1, 15, 16, 36):
+                one = G.gemm(a[i:i + 1].clone(), b, bias, activation=p.act, ln=case.kwargs["ln"], config=cfg)
+                assert torch.equal(one[0], y[i]), (p, i)
