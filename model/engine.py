@@ -27,8 +27,8 @@ import torch
 from tritune.model import quant as Q
 from tritune.model.graphs import DecodeGraphs  # noqa: F401  (re-exported)
 from tritune.model.kv_cache import BlockPool
-from tritune.model.runner import (GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, ModelRunner,  # noqa: F401
-                                  forward_step)  # (forward_step re-exported)
+from tritune.model.runner import (GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, GRAPH_PREFILL_WORK,  # noqa: F401
+                                  ModelRunner, forward_step)  # (forward_step re-exported)
 from tritune.model.sampling import Sampler, sample  # noqa: F401  (sample re-exported)
 from tritune.model.scheduler import (FINISHED, ContextLimitError, Request, SamplingParams,  # noqa: F401
                                      Scheduler, SchedulerOutput)
@@ -128,6 +128,10 @@ class Engine:
     the device-side decode step, beside its decodes (:mod:`~tritune.model.runner`); 0: prefills eager.
     With chunked prefill, a step that decodes takes at most this many prefill tokens, so that long prompts
     arrive in chunks that ride in the captured step (a step with no decodes keeps the whole budget).
+    ``graph_prefill_work`` (default 16384; None: no limit): beside decodes, the prefill rows of a step read
+    at most this many context positions in all (a row reads its whole context): a chunk late in a long
+    prompt gets fewer rows, so that step costs about what a decode step costs (H100, GPT-2 small, 32
+    decodes: a 16-row chunk at context 2048 doubled the step's GPU time).
     ``long_prefill_token_threshold`` (chunked prefill only; default None: off): at most this many tokens of
     one prompt per step, e.g. ``graph_prefill_tokens`` so that every chunk takes that path.
     ``path_counts``: how many steps took each path ("graph": decode-only replays, "graph-mixed",
@@ -142,6 +146,7 @@ class Engine:
                  prefill_max_wait: int = 8, decode_steps: int = 16, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = False, policy: str = "fcfs", speculative=None, batch_invariant: bool = False,
                  run_ahead: bool = False, fused_decode="auto", graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS,
+                 graph_prefill_work: int | None = GRAPH_PREFILL_WORK,
                  long_prefill_token_threshold: int | None = None):
         Q.check_mode(quant)
         given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
@@ -201,9 +206,13 @@ class Engine:
                                   compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps),
                                   fused_decode=fused_decode, graph_prefill_tokens=graph_prefill_tokens)
         self.runner.invariant = self.batch_invariant
+        if graph_prefill_work is not None and (isinstance(graph_prefill_work, bool)
+                                               or not isinstance(graph_prefill_work, int) or graph_prefill_work < 1):
+            raise ValueError(f"graph_prefill_work: expected an int >= 1 or None, got {graph_prefill_work!r}")
         if self.scheduler.chunked and self.runner.graph_prefill_tokens:
             # chunks beside decodes stay within the captured step's prefill rows (no eager stall)
             self.scheduler.decode_step_prefill_cap = self.runner.graph_prefill_tokens
+            self.scheduler.decode_step_prefill_work = graph_prefill_work
         self.notes += self.runner.notes
         self.sampler = Sampler(self.device)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,
@@ -484,6 +493,7 @@ class Engine:
                 "device": str(self.device), "quant": self.quant, "cuda_graphs": self.graphs is not None,
                 "compile": self.runner.compiled is not None, "batch_invariant": self.batch_invariant,
                 "run_ahead": self.run_ahead, "graph_prefill_tokens": self.runner.graph_prefill_tokens,
+                "graph_prefill_work": self.scheduler.decode_step_prefill_work,
                 "long_prefill_token_threshold": self.scheduler.long_prefill_token_threshold,
                 "num_blocks": self.pool.num_blocks,
                 "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,

@@ -40,6 +40,7 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # from L2). 64 keeps a chunk near the cost of one decode step while taking prefix-cache suffixes (16-64
 # tokens) whole; the scheduler's long_prefill_token_threshold cuts long prompts to fit.
 GRAPH_PREFILL_TOKENS = 64
+GRAPH_PREFILL_WORK = 16384     # context positions the prefill rows of a step beside decodes read (engine)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -177,6 +177,21 @@ class SchedulerOutput:
         return bool(self.prefill or self.decode)
 
 
+def _work(start: int, n: int) -> int:
+    """Attention work of prefill rows start..start+n-1: row i reads its context of i + 1 positions."""
+    return n * (2 * start + n + 1) // 2
+
+
+def _within_work(start: int, n: int, work: float, first: bool) -> int:
+    """The most rows (at most n) from ``start`` whose work fits ``work``; at least one for the step's first
+    prefill (a prompt always progresses)."""
+    if n <= 0:
+        return 0
+    b = 2 * start + 1
+    k = int((math.isqrt(b * b + 8 * int(max(work, 0))) - b) // 2)
+    return max(min(n, k), 1 if first else 0)
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, n_positions: int, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, eos_token_id: int | None = None,
@@ -206,6 +221,10 @@ class Scheduler:
         # prefill rows here, so that a chunk rides beside the decodes in the captured step instead of
         # stalling them with an eager forward; a step with no decodes keeps the whole budget
         self.decode_step_prefill_cap: int | None = None
+        # and their attention work beside decodes, in (query token x context position) units: each prefill
+        # row reads its whole context, so a chunk late in a long prompt costs its rows times that context;
+        # the engine sets this too (None: no limit), so a step beside decodes stays close to a decode step
+        self.decode_step_prefill_work: int | None = None
         pool.enable_caching = bool(enable_prefix_caching)
         if isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int) \
                 or self.max_num_batched_tokens < 1:
@@ -330,8 +349,9 @@ class Scheduler:
         lefts = [len(r.prompt_ids) + len(r.output_ids) - r.num_computed for r in running]
         reserved = lefts.count(1)
         # prefill tokens this step may still take (the cap holds only beside decodes)
-        pcap = self.decode_step_prefill_cap if self.chunked and reserved and self.decode_step_prefill_cap \
-            else math.inf
+        capped = self.chunked and reserved and self.decode_step_prefill_cap
+        pcap = self.decode_step_prefill_cap if capped else math.inf
+        work = self.decode_step_prefill_work if capped and self.decode_step_prefill_work else math.inf
         for req, left in zip(running, lefts):
             if req.state != RUNNING:        # preempted for an earlier one, earlier in this loop
                 continue
@@ -340,9 +360,12 @@ class Scheduler:
                 n = 1
             else:                           # a prompt being prefilled in chunks
                 n = min(left, budget - reserved, self._chunk_cap, pcap)
+                if work != math.inf:
+                    n = _within_work(req.num_computed, n, work, first=pcap == self.decode_step_prefill_cap)
                 if n <= 0:
                     continue
                 pcap -= n
+                work -= _work(req.num_computed, n)
             end = req.num_computed + n
             table = req.table
             if end > len(table.blocks) * bs:
@@ -385,6 +408,10 @@ class Scheduler:
                 hit = pool.match(hashes)
             start = len(hit) * bs
             take = min(budget, self._chunk_cap, pcap)
+            if work != math.inf:
+                take = _within_work(start, take, work, first=pcap == self.decode_step_prefill_cap)
+                if take <= 0:
+                    break
             end = n if n - start <= take else start + take if self.chunked else None
             if end is None:
                 break
@@ -402,6 +429,8 @@ class Scheduler:
             req.table.cache_full(ids, end)
             budget -= end - start
             pcap -= end - start
+            if work != math.inf:
+                work -= _work(start, end - start)
             self.stats["cached_tokens"] += start
         self.stats["prefill_tokens"] += sum(map(len, out.prefill_ids))
         self._pending = bool(out)

@@ -118,23 +118,31 @@ def test_chunked_prefill_on_graph_equals_eager(model, budget, cap):
     assert outs[0] == outs[1] == [alone(model, p, n) for p, n in zip(ps, news)]
 
 
-def test_chunks_beside_decodes_stay_on_graph(model):
+@pytest.mark.parametrize("work", [None, 100])
+def test_chunks_beside_decodes_stay_on_graph(model, work):
     """A step budget larger than the device-side step's prefill rows (no long_prefill_token_threshold):
     while sequences decode, a step takes at most ``graph_prefill_tokens`` prompt tokens, so every chunk
     rides in the captured step and no decode waits on an eager prefill; a step with no decodes keeps the
-    whole budget. Tokens equal the eager-prefill engine's and each alone; every block comes back."""
-    ps = prompts(5, seed=51, lo=30, hi=70)
-    news = [9, 14, 6, 11, 8]
+    whole budget. With ``graph_prefill_work``, the rows' context positions (each row reads its context)
+    stay within it, past the one row a step always gets. Tokens equal the eager-prefill engine's and each
+    alone; every block comes back."""
+    from tritune.model.scheduler import _work
+
+    ps = prompts(4, seed=51, lo=24, hi=44)
+    news = [9, 12, 5, 7]
     outs = []
     for eng in engines(model, 8, num_blocks=200, max_num_seqs=4, enable_chunked_prefill=True,
-                       max_batch_tokens=48, enable_prefix_caching=False):
+                       max_batch_tokens=48, enable_prefix_caching=False, graph_prefill_work=work):
         seen = spy_paths(eng)
         sizes = []
         orig = eng.scheduler.schedule
 
-        def schedule(*a, _orig=orig, _sizes=sizes, **k):
+        def schedule(*a, _orig=orig, _sizes=sizes, _sched=eng.scheduler, **k):
             out = _orig(*a, **k)
+            w = sum(_work(s, len(t)) for s, t in zip(out.prefill_starts, out.prefill_ids))
             _sizes.append((len(out.decode), sum(map(len, out.prefill_ids))))
+            if _sched.decode_step_prefill_work and out.decode and out.prefill:
+                assert w <= work or sum(map(len, out.prefill_ids)) == 1, (w, out.prefill_starts)
             return out
         eng.scheduler.schedule = schedule
         outs.append([r.output_ids for r in run_arrivals(eng, ps, news, gap=1)])
@@ -143,8 +151,11 @@ def test_chunks_beside_decodes_stay_on_graph(model):
             assert eng.scheduler.decode_step_prefill_cap == 8
             assert all(p <= 8 for d, p in sizes if d), sizes
             assert any(p > 8 for d, p in sizes if not d), sizes      # alone, a prompt takes the budget
+            if work:
+                assert any(0 < p < 8 for d, p in sizes if d), sizes  # late chunks got fewer rows
             assert seen["graph-mixed"] > 0 and seen["graph"] + seen["graph-mixed"] + seen["graph-prefill"] \
                 + seen["eager"] == sum(seen.values()), seen            # no eager prefill beside decodes
+            assert eng.scheduler.decode_step_prefill_work == work
         else:
             assert eng.scheduler.decode_step_prefill_cap is None
             assert any(p > 8 for d, p in sizes if d), sizes
