@@ -24,9 +24,12 @@ engine stepped by a thread of the server's process), one after the other (one en
    over HTTP (the server in a thread of this process, as ``tritune serve`` runs it; the client is
    ``tritune serve-bench --url`` in a subprocess). Reported: the HTTP/in-process ratio of output tok/s
    (target: HTTP costs <= 10%).
+   ``--rounds`` in the process mode, ``--thread-rounds`` in the thread mode.
 3. In the ``--soak-mode`` (default: the first mode): ``--clients`` concurrent streaming clients, twice
-   (1024 requests, shorter outputs), then as many streams that disconnect after their first chunk: errors,
-   KV blocks in use afterwards (must be 0), memory of the server's processes before and after each (flat).
+   (``--soak-requests`` each, ``--soak-len`` tokens), each time followed by as many streams that disconnect
+   after their first chunk: errors, KV blocks in use afterwards (must be 0), memory of the server's
+   processes before and after each (flat: the second round's growth over the first's).
+The defaults fit ``--time-limit`` 280 s on an H100 (engine builds and warm-ups included).
 JSON: OUTDIR/bench_http_<date>_<commit>.json.
 """
 from __future__ import annotations
@@ -265,14 +268,14 @@ class Served:
 def soak(sv: Served, args, config, out: Path, left) -> dict:
     """Many concurrent streaming clients, twice, each followed by as many disconnecting streams: errors,
     leaked blocks, memory."""
-    lens = (16, min(256, config.n_positions // 2))
-    many = S.make_workload(4 * args.clients, lens, lens, config.vocab_size, 1)
+    lens = (min(args.soak_len[0], config.n_positions // 4), min(args.soak_len[1], config.n_positions // 4))
+    many = S.make_workload(args.soak_requests * args.clients, lens, lens, config.vocab_size, 1)
     many_jsonl = out / "workload_clients.jsonl"
     write_jsonl(many_jsonl, many)
     res = {"mode": sv.mode, "clients": args.clients, "requests": len(many), "rounds": []}
     mem0 = sv.memory()
     for r in range(2):
-        if left() < (10 if args.smoke else 60):
+        if left() < (10 if args.smoke else 40):
             res["note"] = "stopped early: time limit"
             break
         run = client(sv.server.url, many_jsonl, len(many), args.clients, out / f"clients_{sv.mode}_round{r}.json",
@@ -309,13 +312,18 @@ def main() -> int:
     p.add_argument("--prompt-len", type=S.parse_range, default=(64, 512))
     p.add_argument("--output-len", type=S.parse_range, default=(64, 512))
     p.add_argument("--rate", type=float, default=math.inf)
-    p.add_argument("--rounds", type=int, default=2, help="in-process / HTTP pairs per mode")
+    p.add_argument("--rounds", type=int, default=2, help="in-process / HTTP pairs in the process mode")
+    p.add_argument("--thread-rounds", type=int, default=1, help="in-process / HTTP pairs in the thread mode")
     p.add_argument("--modes", default="process,thread", help="comma-separated: process, thread")
     p.add_argument("--soak-mode", default=None, help="the mode the clients' soak runs in (default: the first)")
-    p.add_argument("--clients", type=int, default=256)
+    p.add_argument("--clients", type=int, default=256, help="the soak: concurrent streaming clients")
+    p.add_argument("--soak-requests", type=int, default=2, help="the soak: requests per client, a round")
+    p.add_argument("--soak-len", type=S.parse_range, default=(64, 128), help="the soak: prompt and output "
+                   "lengths")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-memory-fraction", type=float, default=0.4)
-    p.add_argument("--time-limit", type=float, default=540.0, help="seconds for everything")
+    p.add_argument("--time-limit", type=float, default=280.0, help="seconds for everything (an H100: the "
+                   "process mode's engine ready in about 70 s, a round 10-15 s, the thread mode's in about 40 s)")
     p.add_argument("--smoke", action="store_true", help="no GPU: the packaged model on the torch backend, a "
                    "tiny workload (checks this driver, measures nothing)")
     p.add_argument("--stub", action="store_true", help="no model: model/serve_stub.py's engine makes tokens at "
@@ -343,6 +351,7 @@ def main() -> int:
     arrival_steps = ARRIVAL_STEPS if args.arrival_steps is None else args.arrival_steps
     if args.smoke:
         args.requests, args.prompt_len, args.output_len, args.clients, args.rounds = 16, (4, 32), (4, 32), 8, 2
+        args.soak_len = (4, 32)
     t_start = time.time()
 
     def left():
@@ -416,7 +425,7 @@ def main() -> int:
             print(f"[{mode}] engine ready in {sv.setup_s:.1f} s: {sv.describe}", flush=True)
             try:
                 sv.inprocess(items[:4], 120)     # untimed: the first forwards (allocator, lazy inits)
-                for r in range(args.rounds):
+                for r in range(args.rounds if mode == "process" else args.thread_rounds):
                     if left() < (10 if not gpu else 60):
                         row["note"] = f"stopped after {r} round(s): time limit"
                         break
@@ -473,9 +482,15 @@ def main() -> int:
         for mode, row in res["modes"].items():
             costs = [f"{x['http_cost']:+.1%}" for x in row.get("rounds", ()) if "http_cost" in x]
             best = max((x["http"]["output_tok_s"] for x in row.get("rounds", ()) if "http_cost" in x), default=None)
+            ramps = [x["ramp"]["submit_to_add_ms"] for x in row.get("rounds", ()) if x.get("ramp")]
+            ttft = [f"{x['http']['ttft_ms']['p50']:.0f}/{x['in_process']['ttft_ms']['p50']:.0f}"
+                    for x in row.get("rounds", ()) if "http_cost" in x]
             parts.append(f"{mode}: " + (f"ERROR {row['error'][:200]}; " if row.get("error") else "")
                          + f"HTTP cost per round {costs}"
                          + (f", best HTTP {best:.0f} tok/s" if best else "")
+                         + (f", TTFT p50 HTTP/in-process {ttft} ms" if ttft else "")
+                         + (", submit->add p50/max " + str(["%.0f/%.0f" % (q["p50"], q["max"]) for q in ramps])
+                            + " ms" if ramps else "")
                          + f" (target <= 10%: {'met' if row.get('target_http_cost_le_10pct') else 'NOT met'})")
         cl = res.get("clients", {})
         print(f"SUMMARY {res.get('server_stack')}: " + "; ".join(parts)
