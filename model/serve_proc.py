@@ -336,12 +336,16 @@ class _Core(StepCollector):
             if self.conn.poll(0 if busy else 0.5) and not self._drain():
                 return
             if eng.has_unfinished():
-                if self.arrival_steps is not None:
-                    short = time.monotonic() - self.t_add < self.arrival_quiet_s
-                    eng.decode_steps = self.arrival_steps if short else self.full_steps
-                    self.short_runs += short
+                self._run_length()
                 self.step_once()
             self._flush()
+
+    def _run_length(self) -> None:
+        """The next decode run's length: short while requests arrive, the engine's own otherwise."""
+        if self.arrival_steps is not None:
+            short = time.monotonic() - self.t_add < self.arrival_quiet_s
+            self.engine.decode_steps = self.arrival_steps if short else self.full_steps
+            self.short_runs += short
 
     def _drain(self) -> bool:
         """Every operation waiting on the connection; False: stop (asked to, or the API process is gone)."""

@@ -830,3 +830,60 @@ def test_frame_reader_keeps_a_half_arrived_message():
     assert fr.read() == [big, [("ready", {})]]
     b.close()
     assert fr.read() == [] and fr.eof
+
+
+def test_engine_process_step_message_is_compact_and_complete():
+    """The engine process's loop (serve_proc._Core) on the stub engine, without a process: each step's
+    message carries, per request, its acceptance before its tokens, every token once and in order (read from
+    the requests' output_ids: no stream callback), and its end with the output length; a rejected request
+    and an aborted one end with their reasons; while requests arrive, decode runs are short."""
+    from array import array
+
+    from tritune.model.serve_proc import ARRIVAL_STEPS, _Core
+    from tritune.model.serve_stub import StubEngine
+
+    class Out:
+        def __init__(self):
+            self.msgs = []
+
+        def put(self, op):
+            self.msgs.append(op)
+
+    eng = StubEngine(decode_steps=16, max_num_seqs=4, vocab_size=512, n_positions=256)
+    out = Out()
+    core = _Core(eng, None, out)
+    for rid, n in ((1, 40), (2, 7), (3, 300), (4, 50)):
+        core._op(("add", rid, [rid + 10] * 8, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+    core._flush()
+    core._run_length()
+    core.step_once()                 # an arrival just now: a short run
+    core._abort(4)
+    assert core.short_runs == 1 and eng.decode_steps == ARRIVAL_STEPS
+    core.t_add = -1e9                # no arrival for long: full runs
+    while eng.has_unfinished():
+        core._run_length()
+        core.step_once()
+        core._flush()
+    assert eng.decode_steps == 16 and core.short_runs == 1
+    core._flush()
+    got, ends, accepted = {}, {}, {}
+    for kind, rids, counts, toks, extras, load, _ in (m for m in out.msgs if m[0] == "step"):
+        assert kind == "step" and all(isinstance(a, array) for a in (rids, counts, toks))
+        assert sum(counts) == len(toks) and len(rids) == len(counts)
+        pos = 0
+        for j, (rid, k) in enumerate(zip(rids, counts)):
+            acc, fin, err, n_out = extras.get(j, (None, None, None, 0))
+            if acc is not None:
+                accepted[rid] = acc
+            assert rid in accepted or fin == "rejected"
+            got.setdefault(rid, []).extend(toks[pos:pos + k].tolist())
+            pos += k
+            if fin is not None:
+                ends[rid] = (fin, err, n_out)
+    assert accepted == {1: 8, 2: 8, 4: 8}
+    assert ends[3][0] == "rejected" and "context" in ends[3][1]
+    assert ends[1] == ("length", None, 40) and ends[2] == ("length", None, 7) and ends[4][0] == "abort"
+    for rid, n in ((1, 40), (2, 7)):
+        assert got[rid] == [(rid + 10 + 1 + k) % 512 for k in range(n)]
+    assert got[4] == [(4 + 10 + 1 + k) % 512 for k in range(ARRIVAL_STEPS)]      # one short run, then aborted
+    assert core.live == {} and out.msgs[-1][5]["kv_blocks_used"] == 0

@@ -4,6 +4,11 @@ HTTP handlers submitted them; submit -> add_request in the engine process (p50 /
 ``decode_steps`` while requests arrive (off) and of ARRIVAL_STEPS (on).
 
   python lab/probes/serve_admission_ramp.py [SPREAD_MS]
+
+Found on the CPU, 2026-11-24: off p50 26 ms, max 75 ms; 2-step runs p50 6.5 ms, max 38 ms. Over HTTP
+(lab/bench_http.py --stub --modes process --skip-clients) the p50 was 63-70 ms with or without short runs
+until the API process stopped queueing its adds with call_soon (they waited behind every handler of the
+burst); after both: p50 5-7 ms (max 20-146 ms: this machine's 2 shared cores).
 """
 import asyncio
 import sys
