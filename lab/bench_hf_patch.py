@@ -1,6 +1,6 @@
 """GPU driver: Hugging Face GPT-2 (small config, random init, bf16) with and without tritune.patch.
 
-    python lab/bench_hf_patch.py RESULTS_DIR [--part generate|prefill|step|all] [--batches 32 1] [--new 128]
+    python lab/bench_hf_patch.py RESULTS_DIR [--part generate|prefill|step|genprof|all] [--batches 32 1] [--new 128]
                                  [--prompt 64] [--reps 3] [--time-limit 280] [--variant-limit 150]
                                  [--smoke [--smoke-backend aot_eager|inductor] [--smoke-layers 2]]
                                  [--compiled-only] [--profile] [--stub-kernels]
@@ -26,6 +26,14 @@ The target pair (batch 32 compiled) runs first. Every measurement runs in its ow
 own time limit (SIGALRM): a failure or a timeout is recorded and the rest still run, until --time-limit
 is spent (later rows are then recorded as skipped). The JSON, RESULTS_DIR/hf_patch_<part>_<date>_<commit>.json,
 is rewritten after every row, so a run killed from outside keeps what it measured.
+genprof (``--part genprof``, ``bench_genprof``): one generate per variant (compiled rows only) split into
+its eager prefill, its compiled calls (host time, device span by CUDA events, count against the decode
+steps) and generate's own loop (cProfile with profiling off in the other two: top 40 functions by tottime
+and by cumtime a step, and a diff tritune vs hf), with the syncs of each phase (torch.cuda sync debug
+mode), CUDA-graph trees' records / warm-ups / replays / invariant checks, the StaticCache's addresses
+per generate (static graph inputs: a new address is a re-recording) and dynamo's counters. On the CPU
+(--smoke --smoke-backend inductor --stub-kernels --batches 32 --smoke-layers 12 --new 48, 2026-11-24):
+the loop makes the same Python calls a step in both (858), one compiled call a step, no recompile.
 step (``--part step``): the compiled decode call alone, HF and patched (``bench_step``): its host time
 without a sync, with one, its device span between CUDA events, dynamo's guard lookup, the compiled
 region, HF's loop a step; and the decode graph's inputs (static), outputs and guard-tree lines. Where a
@@ -547,12 +555,15 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
     model._prefill = prefill
     try:
         reset(False)
-        model.generate(ids, **kw)  # warm-up: compiles, records the graph, fills the tuned-config caches
-        _sync()
-        warm_ptrs = [set(st["ptrs"])]  # the addresses the graph was recorded with
-        reset(False)
-        model.generate(ids, **kw)
-        warm_ptrs.append(set(st["ptrs"]))
+        warm0, warm_tree = _counters(), {}
+        with _count_tree_calls(warm_tree):
+            model.generate(ids, **kw)  # warm-up: compiles, records the graph, fills the tuned-config caches
+            _sync()
+            warm_ptrs = [set(st["ptrs"])]  # the addresses the graph was recorded with
+            reset(False)
+            model.generate(ids, **kw)
+            warm_ptrs.append(set(st["ptrs"]))
+        warm_counts = _counter_diff(warm0, _counters())
         reset(False)
         counts0, tree = _counters(), {}
         with warnings.catch_warnings(record=True) as caught, _count_tree_calls(tree):
@@ -603,6 +614,7 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             "cache_addresses_per_generate": [len(p) for p in (*warm_ptrs, set(timed["ptrs"]))],
             "cache_addresses_seen": len(set(timed["ptrs"]).union(*warm_ptrs)),
             "loop_python_calls_per_step": sum(v[0] for v in rows.values()), "dynamo_counters": counts,
+            "warmup_dynamo_counters": warm_counts, "warmup_cudagraph_trees": warm_tree,
             "top_tottime": _top(rows, 1), "top_cumtime": _top(rows, 2), "_rows": rows}
 
 

@@ -517,7 +517,7 @@ class _NoProfile:
     disable = enable
 
 
-def _generate_loop_counts(model, B=3, T=5, new=5) -> dict:
+def _generate_loop_counts(model, B=2, T=4, new=3) -> dict:
     """transformers' static-cache compile recipe (dynamo's eager backend: what runs outside the compiled call
     does not depend on the backend), after a warm-up generate, one generate counted: the Python calls of
     generate's own loop (cProfile, off in the prefill and in the compiled calls), the host reads of the
@@ -620,7 +620,7 @@ def test_compiled_generate_loop_does_no_more_than_unpatched(tiny_dir):
     for got in (hf, ours):
         assert got["compiled_calls"] == (got["steps"], got["steps"]), got
         assert got["dynamo"] == {}, got["dynamo"]  # no recompile, no frame compiled, no graph break
-        assert got["logits"] == {((3, 1, V), torch.float32)}, got["logits"]
+        assert got["logits"] == {((2, 1, V), torch.float32)}, got["logits"]
     assert ours["python_calls"] <= hf["python_calls"], (ours["python_calls"], hf["python_calls"])
     for phase in ("prefill", "loop"):
         got, want = ours["host_reads"][phase], hf["host_reads"][phase]
