@@ -480,6 +480,23 @@ def _cache_ptrs(kwargs) -> tuple:
                  if isinstance(t, torch.Tensor))
 
 
+def _unpatched(fn, model):
+    """``fn`` run with ``model``'s patched modules on their original forwards (the patched ones put back
+    after, the same objects, so that the compiled decode's guards still hold)."""
+    mods = [m for m in model.modules() if hasattr(m, "_tritune_original_forward")]
+
+    def run(*a, **k):
+        saved = [m.forward for m in mods]
+        for m in mods:
+            m.forward = m._tritune_original_forward
+        try:
+            return fn(*a, **k)
+        finally:
+            for m, f in zip(mods, saved):
+                m.forward = f
+    return run
+
+
 @torch.no_grad()
 def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
     """After a warm-up generate (compiles, records the graph), two generates:
@@ -594,6 +611,23 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
         model.generate(ids, **kw)
         prof.disable()
         _sync()
+        hybrid = None
+        if getattr(model, "_tritune_patched", False):
+            # the patched decode after HF's own prefill: if this recovers HF's time a step, the prefill was it
+            prefill_of = _unpatched(prefill_of, model)
+            reset(False)
+            model.generate(ids, **kw)  # settles the allocator (a re-recording, if any, falls here)
+            reset(False)
+            tree_h = {}
+            with _count_tree_calls(tree_h):
+                _sync()
+                t0 = time.perf_counter()
+                model.generate(ids, **kw)
+                _sync()
+                wall_h = time.perf_counter() - t0
+            hybrid = {"wall_ms_per_step": wall_h / steps * 1e3, "prefill_ms": st["prefill_s"] * 1e3,
+                      "call_host_us": st["call_s"] / max(1, st["calls"]) * 1e6, "cudagraph_trees": tree_h,
+                      "loop_us": (wall_h - st["prefill_s"] - st["call_s"]) / decode * 1e6}
     finally:
         del model._prefill
         if compiled is not None:
@@ -614,7 +648,7 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             "cache_addresses_per_generate": [len(p) for p in (*warm_ptrs, set(timed["ptrs"]))],
             "cache_addresses_seen": len(set(timed["ptrs"]).union(*warm_ptrs)),
             "loop_python_calls_per_step": sum(v[0] for v in rows.values()), "dynamo_counters": counts,
-            "warmup_dynamo_counters": warm_counts, "warmup_cudagraph_trees": warm_tree,
+            "warmup_dynamo_counters": warm_counts, "warmup_cudagraph_trees": warm_tree, "hf_prefill": hybrid,
             "top_tottime": _top(rows, 1), "top_cumtime": _top(rows, 2), "_rows": rows}
 
 
@@ -855,6 +889,10 @@ def main(argv=None) -> int:
                   f"{v['loop_us']:8.0f} {v['loop_python_calls_per_step']:14.1f} {v['compiled_calls']:5d}/"
                   f"{v['decode_steps']:<5d} {f(v['call_device_us']):>7s}/{f(v['step_device_us']):<7s} "
                   f"{str(v['cache_addresses_per_generate']):>12s} {sy:>16s}  {json.dumps(tree)}  {json.dumps(dyn)[:200]}")
+            h = v.get("hf_prefill")
+            if h:
+                print(f"  {'  same, HF prefill':24s} {h['wall_ms_per_step']:8.3f} {h['prefill_ms']:10.2f} "
+                      f"{h['call_host_us']:11.0f} {h['loop_us']:8.0f}  {json.dumps(h['cudagraph_trees'])}")
         for k, v in res["genprof"].items():
             if k.startswith("diff"):
                 print(f"genprof {k}: loop functions a step, tritune vs hf (largest tottime differences first)")
