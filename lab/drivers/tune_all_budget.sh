@@ -3,7 +3,7 @@
 # of at most ~9 minutes: each call resumes the same storage (kept in /tmp/tune while the machine stays warm; a
 # cold machine restores it from the carried .tune/). The last call (STEP=compare) re-times the winners against
 # the committed store of this GPU.  Everything lands in $OUT/tuneall/ (+ bundle.tgz).
-#   STEP=tune|compare bash lab/drivers/tune_all_budget.sh
+#   STEP=tune|compare|timers bash lab/drivers/tune_all_budget.sh   (timers: lab/probes/retime_timers.py, ~2 min)
 set -uo pipefail
 : "${OUT:?}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -25,6 +25,8 @@ case ${STEP:-tune} in
   compare) python lab/compare_tune_all.py --new $S/h200-budget/$slug --old tuning/configs/$slug --retime \
           --time-limit ${CMP_LIM:-240} --storage $S/h200-budget.journal --json $OUT/tuneall/compare.json \
           > $OUT/tuneall/compare.log 2>&1; echo "compare rc=$?"; tail -40 $OUT/tuneall/compare.log ;;
+  timers) python lab/probes/retime_timers.py $OUT/tuneall/timers > $OUT/tuneall/timers.log 2>&1; echo "timers rc=$?"
+          tail -45 $OUT/tuneall/timers.log ;;
 esac
 cp -r $S/h200-budget $S/h200-budget.journal $OUT/tuneall/ 2>/dev/null
 tar -czf $OUT/bundle.tgz -C $OUT tuneall
