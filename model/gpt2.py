@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -182,8 +183,40 @@ class TritonOps:
 
     def attn_decode(self, q, k_cache, v_cache, block_tables, context_lens):
         if self._paged:
-            return self._paged(q, k_cache, v_cache, block_tables, context_lens, validate=False)
+            cfg = serving_paged_config(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
+                                       block_tables.shape[1] * k_cache.shape[1], k_cache.shape[1], q.dtype)
+            return self._paged(q, k_cache, v_cache, block_tables, context_lens, validate=False, config=cfg)
         return torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens)
+
+
+# Split-KV chunk (tokens) the engine's decode attention keeps at most. The tuned store's paged-attention
+# entries are timed with every sequence at one length, where many sequences need no split; a step's rows
+# differ (a 2k-token prompt's chunk rows, or its decodes, among short ones), and unsplit, the longest row's
+# program is the kernel's time: H100, GPT-2 small, 32 decodes at ~300 tokens and one row at 2048, the step's
+# GPU time went from 0.49 to 1.3 ms with the B=64 entry's PARTITION=0.
+# TRITUNE_SERVING_PARTITION=0 leaves the store's choice alone (to measure what the cap buys).
+SERVING_PARTITION = int(os.environ.get("TRITUNE_SERVING_PARTITION", "256"))
+
+
+@functools.lru_cache(maxsize=None)
+def serving_paged_config(B, Hq, Hkv, D, capacity, block_size, dtype) -> dict | None:
+    """The tuned (or default) paged-attention config for this shape, its KV partition capped at
+    SERVING_PARTITION tokens; None (the launcher's own choice) when the cap does not apply or is invalid."""
+    from tritune.kernels import paged_attention as PA
+
+    if not SERVING_PARTITION or capacity <= SERVING_PARTITION:
+        return None
+    problem = PA.Problem(B, Hq, Hkv, D, capacity, block_size, mixed=True)
+    cfg = dict(PA.SPEC.config_for(problem, dtype, None))
+    if 0 < cfg["PARTITION"] <= SERVING_PARTITION:
+        return None
+    cfg["PARTITION"] = SERVING_PARTITION
+    if SERVING_PARTITION % cfg["BLOCK_N"]:
+        cfg["BLOCK_N"] = math.gcd(SERVING_PARTITION, cfg["BLOCK_N"])
+    if PA.SPEC.space.why_invalid(cfg, problem, dtype) is not None:
+        # the hand-pipelined loop (PREFETCH) has its own limits: the plain loop takes any chunk
+        cfg.update(PREFETCH=False, EVICT=False, num_stages=2 if cfg["USE_DOT"] else 1)
+    return cfg if PA.SPEC.space.why_invalid(cfg, problem, dtype) is None else None
 
 
 def ln_linear(ops, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):

@@ -266,3 +266,33 @@ def test_gpu_graph_prefill_taken_and_tokens_equal(fused):
     assert counts[0].get("graph-mixed", 0) > 0 and counts[0].get("graph-prefill", 0) > 0, counts
     assert not counts[1].get("graph-mixed") and not counts[1].get("graph-prefill"), counts
     assert outs[0] == outs[1]
+
+
+def test_serving_paged_config_splits_long_rows():
+    """The engine's decode attention keeps a KV partition of at most SERVING_PARTITION tokens whatever the
+    tuned entry says (its rows' lengths differ: unsplit, the longest row is the kernel's time), valid for
+    the kernel's space, and still equal to the reference over rows of very different lengths."""
+    from tritune.harness import compare as cmp
+    from tritune.kernels import paged_attention as PA
+    from tritune.model import gpt2 as G
+
+    assert G.serving_paged_config(4, 2, 2, 16, 128, 16, torch.float32) is None     # one chunk holds it all
+    for B in (1, 8, 64, 256):
+        cfg = G.serving_paged_config(B, 12, 12, 64, 2560, 16, torch.bfloat16)
+        if cfg is not None:
+            assert 0 < cfg["PARTITION"] <= G.SERVING_PARTITION and cfg["PARTITION"] % cfg["BLOCK_N"] == 0
+            p = PA.Problem(B, 12, 12, 64, 2560, 16, mixed=True)
+            assert PA.SPEC.space.why_invalid(cfg, p, torch.bfloat16) is None
+    g = torch.Generator().manual_seed(5)
+    B, H, D, bs, nb = 3, 2, 16, 16, 40
+    cap = 32 * bs
+    kc, vc = (torch.randn(nb, bs, H, D, generator=g) for _ in range(2))
+    q = torch.randn(B, H, D, generator=g)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:32] for _ in range(B)]).to(torch.int32)
+    lens = torch.tensor([cap, 5, 300], dtype=torch.int32)
+    cfg = G.serving_paged_config(B, H, H, D, cap, bs, torch.float32) \
+        or PA.SPEC.config_for(PA.Problem(B, H, H, D, cap, bs, mixed=True), torch.float32, None)
+    assert 0 < cfg["PARTITION"] <= G.SERVING_PARTITION
+    got = PA.paged_attention(q, kc, vc, tables, lens, config=cfg)
+    ref = G.torch_attn_decode(q.double(), kc.double(), vc.double(), tables, lens)
+    assert cmp.rel_error(got, ref) <= cmp.tolerance(torch.float32)
