@@ -12,6 +12,7 @@ import copy
 import logging
 import shutil
 import signal
+import sys
 import threading
 import time
 
@@ -493,19 +494,21 @@ def test_compiled_decode_step_takes_no_more_host_work_than_unpatched(tiny_dir):
     assert got["guard-tree lines"] <= want["guard-tree lines"], (got, want)
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that read a tensor's values back to the host (a sync on a GPU): ``item()``, ``bool()``,
-    ``int()`` of a tensor (all ``_local_scalar_dense``), and the ops whose output size depends on values."""
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's values back to the host (each a sync on a GPU): ``item()``,
+    ``tolist()``, ``.cpu()``, ``bool()`` / ``int()`` of a tensor, ops whose output size depends on values.
+    Calls made by the Triton interpreter (how kernels run on the CPU) are not the launchers' and not counted."""
 
-    OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave")
+    NAMES = frozenset(("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                       "nonzero", "masked_select", "unique"))
 
     def __init__(self, counts):
         super().__init__()
         self.counts = counts
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self.OPS:
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES and not sys._getframe(1).f_globals.get("__name__", "").startswith("triton"):
             self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
