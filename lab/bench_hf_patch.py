@@ -475,8 +475,9 @@ def _count_tree_calls(counts: dict):
 def _cache_ptrs(kwargs) -> tuple:
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     cache = getattr(cache, "self_attention_cache", cache)
-    return tuple(t.data_ptr() for lay in getattr(cache, "layers", ()) for t in (getattr(lay, "keys", None),
-                                                                              getattr(lay, "values", None))
+    return tuple(t.data_ptr() for lay in getattr(cache, "layers", ())
+                 for t in (getattr(lay, "keys", None), getattr(lay, "values", None),
+                           getattr(lay, "cumulative_length", None))  # all three marked static addresses
                  if isinstance(t, torch.Tensor))
 
 
@@ -502,12 +503,12 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
     """After a warm-up generate (compiles, records the graph), two generates:
     - timed: wall time; the prefill's (eager, synced before and after); the compiled calls' count and host
       time (no sync); on CUDA each call's device span (events around it) and each step's (event to event,
-      call to call); the syncs of each phase (torch.cuda sync debug mode: a warning per synchronizing
-      call); CUDA-graph trees' records, warm-ups, replays, invariant checks; dynamo's counters; whether the
-      StaticCache's tensors are at the warm-up's addresses (static inputs of the graph: a new address is a
-      re-recording);
+      call to call); CUDA-graph trees' records, warm-ups, replays, invariant checks; dynamo's counters;
+      the StaticCache's tensors' addresses (static inputs of the graph: a new address is a re-recording);
     - profiled: cProfile of the loop OUTSIDE the prefill and the compiled calls (profiling off inside them),
-      generate's own host work a step: the top 40 functions by tottime and by cumtime.
+      generate's own host work a step: the top 40 functions by tottime and by cumtime; and the syncs of
+      each phase (torch.cuda sync debug mode: a warning per synchronizing call)
+    - on a patched model, timed once more with HF's own prefill (``hf_prefill``).
     loop_us = (wall - prefill - compiled calls' host time) / decode steps: generate's own loop, the wait
     for the device included (it syncs on each step's stop check)."""
     import cProfile
@@ -583,33 +584,36 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
         warm_counts = _counter_diff(warm0, _counters())
         reset(False)
         counts0, tree = _counters(), {}
-        with warnings.catch_warnings(record=True) as caught, _count_tree_calls(tree):
-            warnings.simplefilter("always")
-            st["caught"] = caught
-            if cuda:
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                _sync()
-                t0 = time.perf_counter()
-                out = model.generate(ids, **kw)
-                _sync()
-                wall = time.perf_counter() - t0
-            finally:
-                if cuda:
-                    torch.cuda.set_sync_debug_mode(0)
-            syncs_all = n_warned() - 2 * cuda
-            kinds = sorted({str(w.message).splitlines()[0][:120] for w in caught
-                            if "synchroniz" in str(w.message).lower()})
+        with _count_tree_calls(tree):
+            _sync()
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw)
+            _sync()
+            wall = time.perf_counter() - t0
         counts = _counter_diff(counts0, _counters())
         timed = dict(st)
         steps = out.shape[1] - prompt
         decode = max(1, steps - 1)
         call_dev = [a.elapsed_time(b) * 1e3 for a, b in timed["events"]]  # us
         step_dev = [a[0].elapsed_time(b[0]) * 1e3 for a, b in zip(timed["events"], timed["events"][1:])]
+        # profiled (its wall time not reported): cProfile outside the prefill and the calls, and the syncs
         reset(True)
-        prof.enable()
-        model.generate(ids, **kw)
-        prof.disable()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            st["caught"] = caught
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                prof.enable()
+                model.generate(ids, **kw)
+                prof.disable()
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs_all = n_warned()
+            kinds = sorted({str(w.message).splitlines()[0][:120] for w in caught
+                            if "synchroniz" in str(w.message).lower()})
+        profiled = dict(st)
         _sync()
         hybrid = None
         if getattr(model, "_tritune_patched", False):
@@ -641,8 +645,8 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             "call_device_us": med(call_dev) if call_dev else None,
             "call_device_us_max": max(call_dev) if call_dev else None,
             "step_device_us": med(step_dev) if step_dev else None,
-            "syncs": ({"all": syncs_all, **timed["syncs"],
-                       "loop": syncs_all - timed["syncs"]["prefill"] - timed["syncs"]["call"]} if cuda else None),
+            "syncs": ({"all": syncs_all, **profiled["syncs"],
+                       "loop": syncs_all - profiled["syncs"]["prefill"] - profiled["syncs"]["call"]} if cuda else None),
             "sync_kinds": kinds, "cudagraph_trees": tree,
             # the StaticCache's tensors (static graph inputs) in the warm-up, the second and the timed generate
             "cache_addresses_per_generate": [len(p) for p in (*warm_ptrs, set(timed["ptrs"]))],
