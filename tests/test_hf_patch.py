@@ -628,3 +628,69 @@ def test_compiled_generate_loop_does_no_more_than_unpatched(tiny_dir):
     for phase in ("prefill", "loop"):
         got, want = ours["host_reads"][phase], hf["host_reads"][phase]
         assert all(n <= want.get(op, 0) for op, n in got.items()), (phase, got, want)
+
+
+def _steady_generate_gpu(model, B=4, T=8, new=16) -> dict:
+    """transformers' recipe (CompileConfig reduce-overhead: CUDA graphs) on a GPU: two generates, then a third
+    counted: CUDA-graph trees' records and eager warm-ups (a new static-cache address re-records), the
+    syncs (sync debug mode: one warning per synchronizing call), the compiled calls."""
+    import warnings
+
+    from torch._inductor import cudagraph_trees as ct
+    from transformers import CompileConfig
+
+    model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    model.generation_config.disable_compile = False
+    compiled = model.get_compiled_call(model.generation_config.compile_config)
+    seen = {"calls": 0}
+
+    def call(*a, **k):
+        seen["calls"] += 1
+        return compiled(*a, **k)
+
+    model._compiled_call = call
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static")
+    ids = _ids(B, T, 21)
+    torch._dynamo.reset()
+    for _ in range(2):
+        model.generate(ids, **kw)
+    counts = {"record_function": 0, "run_eager": 0}
+    saved = {name: getattr(ct.CUDAGraphTreeManager, name) for name in counts}
+
+    def counting(name):
+        def run(*a, **k):
+            counts[name] += 1
+            return saved[name](*a, **k)
+        return run
+
+    seen["calls"] = 0
+    try:
+        for name in counts:
+            setattr(ct.CUDAGraphTreeManager, name, counting(name))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                model.generate(ids, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        for name, fn in saved.items():
+            setattr(ct.CUDAGraphTreeManager, name, fn)
+    syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
+    return {"steps": new - 1, "compiled_calls": seen["calls"], "syncs": syncs, **counts}
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_compiled_generate_steady_state_gpu(tiny_dir):
+    """A third compiled (CUDA-graph) static-cache generate of the patched model replays what the first two
+    recorded, as HF's does: no more graph records or eager warm-ups than HF's (a static input at a new
+    address re-records), no more syncs, one compiled call a decode step."""
+    hf = _steady_generate_gpu(_load(tiny_dir))
+    ours = _steady_generate_gpu(hf_patch.patch(_load(tiny_dir)))
+    for got in (hf, ours):
+        assert got["compiled_calls"] == got["steps"], got
+    assert ours["record_function"] <= hf["record_function"], (ours, hf)
+    assert ours["run_eager"] <= hf["run_eager"], (ours, hf)
+    assert ours["syncs"] <= hf["syncs"], (ours, hf)
