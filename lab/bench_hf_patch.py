@@ -525,7 +525,7 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
 
     def reset(profiling: bool):
         st.update(calls=0, call_s=0.0, prefill_s=0.0, ptrs=[], events=[], profiling=profiling,
-                  syncs={"prefill": 0, "call": 0}, caught=None)
+                  syncs={"prefill": 0, "call": 0}, caught=None, own=0)
 
     def n_warned():
         return 0 if st["caught"] is None else sum("synchroniz" in str(w.message).lower() for w in st["caught"])
@@ -541,7 +541,7 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
         finally:
             _sync()
             st["prefill_s"] += time.perf_counter() - t0
-            st["syncs"]["prefill"] += n_warned() - w0 - 2 * cuda  # less our own two syncs
+            st["syncs"]["prefill"] += n_warned() - w0 - 2 * st["own"]  # less our own two syncs
             if st["profiling"]:
                 prof.enable()
 
@@ -603,6 +603,8 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             st["caught"] = caught
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
+                _sync()
+                st["own"] = n_warned()  # the warnings one torch.cuda.synchronize() gives (0 or 1)
             try:
                 prof.enable()
                 model.generate(ids, **kw)
@@ -610,7 +612,7 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode(0)
-            syncs_all = n_warned()
+            syncs_all = n_warned() - 3 * st["own"]  # less the probe above and the prefill's two
             kinds = sorted({str(w.message).splitlines()[0][:120] for w in caught
                             if "synchroniz" in str(w.message).lower()})
         profiled = dict(st)
