@@ -43,6 +43,7 @@ import math
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -312,7 +313,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=S.parse_range, default=(64, 512))
     p.add_argument("--output-len", type=S.parse_range, default=(64, 512))
     p.add_argument("--rate", type=float, default=math.inf)
-    p.add_argument("--rounds", type=int, default=2, help="in-process / HTTP pairs in the process mode")
+    p.add_argument("--rounds", type=int, default=3, help="in-process / HTTP pairs in the process mode")
     p.add_argument("--thread-rounds", type=int, default=1, help="in-process / HTTP pairs in the thread mode")
     p.add_argument("--modes", default="process,thread", help="comma-separated: process, thread")
     p.add_argument("--soak-mode", default=None, help="the mode the clients' soak runs in (default: the first)")
@@ -338,6 +339,8 @@ def main() -> int:
                    "requests arrive (default: serve_proc's; 0: off, every run the engine's decode_steps)")
     p.add_argument("--client-procs", type=int, default=None, help="client processes (default: serve-bench's)")
     p.add_argument("--skip-clients", action="store_true", help="only the in-process / HTTP rounds")
+    p.add_argument("--warmup-http", type=int, default=128, help="requests of the untimed HTTP burst before the "
+                   "rounds (after an untimed in-process run of the whole workload; 0: none)")
     p.add_argument("--stack", default="auto", choices=("auto", "asyncio+h11", "uvloop+httptools"),
                    help="uvicorn's event loop + HTTP parser (auto: uvloop + httptools when installed)")
     args = p.parse_args()
@@ -424,7 +427,13 @@ def main() -> int:
             row = res["modes"][mode] = {"engine": sv.describe, "setup_s": sv.setup_s, "rounds": []}
             print(f"[{mode}] engine ready in {sv.setup_s:.1f} s: {sv.describe}", flush=True)
             try:
-                sv.inprocess(items[:4], 120)     # untimed: the first forwards (allocator, lazy inits)
+                # untimed: the workload once in-process and a burst of it over HTTP, so that the timed rounds
+                # meet no first-use cost (kernel variants of the workload's prefill shapes, the allocator's
+                # growth, the server's connection pools): every round after measured the same
+                sv.inprocess(items, min(120, left() - 60))
+                if args.warmup_http:
+                    client(sv.server.url, jsonl, min(args.warmup_http, len(items)), min(args.warmup_http, len(items)),
+                           out / f"http_{mode}_warmup.json", min(120, left() - 60), args.client_procs, sv.pid)
                 for r in range(args.rounds if mode == "process" else args.thread_rounds):
                     if left() < (10 if not gpu else 60):
                         row["note"] = f"stopped after {r} round(s): time limit"
@@ -461,8 +470,10 @@ def main() -> int:
                     save()
                 costs = [x["http_cost"] for x in row["rounds"] if "http_cost" in x]
                 if costs:
+                    # the verdict on the median round (every round is in the JSON and the summary)
                     row["http_cost_best"] = min(costs)
-                    row["target_http_cost_le_10pct"] = min(costs) <= 0.10
+                    row["http_cost_median"] = statistics.median(costs)
+                    row["target_http_cost_le_10pct"] = row["http_cost_median"] <= 0.10
                 wait_idle(sv.srv)
                 row["kv_blocks_used_after_rounds"] = sv.blocks_used()
                 if mode == soak_mode and not args.skip_clients:
@@ -491,7 +502,9 @@ def main() -> int:
                          + (f", TTFT p50 HTTP/in-process {ttft} ms" if ttft else "")
                          + (", submit->add p50/max " + str(["%.0f/%.0f" % (q["p50"], q["max"]) for q in ramps])
                             + " ms" if ramps else "")
-                         + f" (target <= 10%: {'met' if row.get('target_http_cost_le_10pct') else 'NOT met'})")
+                         + (f", median {row['http_cost_median']:+.1%}" if "http_cost_median" in row else "")
+                         + f" (target <= 10% on the median round: "
+                         f"{'met' if row.get('target_http_cost_le_10pct') else 'NOT met'})")
         cl = res.get("clients", {})
         print(f"SUMMARY {res.get('server_stack')}: " + "; ".join(parts)
               + f"; {args.clients} clients ({cl.get('mode')}) ok: {cl.get('ok')}, KV blocks after "

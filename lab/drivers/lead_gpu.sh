@@ -3,7 +3,8 @@
 #   PHASES="cold warm" bash lab/drivers/lead_gpu.sh
 # Phases: cold, warm (the default suite, cold then warm Triton cache), slow (the slow suite), tests (TEST_ARGS),
 # paths (decode/serve before and after: .base holds the earlier tree), attn (attention bench bf16+fp16),
-# rms (the example kernel's bench), hf (lab/bench_hf_patch.py; hfnopdl: the same with TRITUNE_PDL=0), http (lab/bench_http.py), quant
+# rms (the example kernel's bench), hf (lab/bench_hf_patch.py; hfnopdl: the same with TRITUNE_PDL=0; genprof: its
+# --part genprof), launches (lab/probes/invariant_decode_launches.py), retime (lab/probes/retime_timers.py), http (lab/bench_http.py), quant
 # (lab/eval_quant.py), serving (lab/bench_serving_features.py), invariant (lab/bench_batch_invariance.py),
 # fa3 (lab/bench_attention_fa3_grid.py), fused (lab/bench_fused_decode.py), preflight (the attention Hopper-path tests),
 # tuneall (tune all --budget $BUDGET warm-started from the H100 store, then compare_tune_all).
@@ -46,6 +47,9 @@ for ph in ${PHASES:?}; do case $ph in
   attn16) t attn_fp16 200 tritune bench attention --dtype fp16 --results-dir $W/results_fp16 --no-save ;;
   rms) t rms 120 tritune bench rms_norm --results-dir $W/results_rms ;;
   hf) t hf ${HF_LIM:-300} python lab/bench_hf_patch.py $W/hf ${HF_ARGS:-} ;;
+  genprof) t genprof ${GP_LIM:-220} python lab/bench_hf_patch.py $W/genprof --part genprof --batches 32 --time-limit $(( ${GP_LIM:-220} - 20 )) ;;
+  launches) t launches 120 python lab/probes/invariant_decode_launches.py --out $W/launches ;;
+  retime) t retime 200 python lab/probes/retime_timers.py $W/retime ;;
   hfnopdl) TRITUNE_PDL=0 t hf_nopdl ${HF_LIM:-300} python lab/bench_hf_patch.py $W/hf_nopdl ${HF_ARGS:-} ;;
   http) t http $(( ${HTTP_LIM:-270} + 30 )) python lab/bench_http.py $W/http --time-limit ${HTTP_LIM:-270} ${HTTP_ARGS:-} ;;
   quant) t quant 300 python lab/eval_quant.py --out $W/eval_quant.json ;;
