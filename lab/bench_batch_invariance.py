@@ -4,7 +4,10 @@ uniformly, the packaged model, CUDA graphs) and batch-1 decode tok/s, mode off a
 mode holds on that run (the first K requests each run alone too, tokens compared). Target: <= 15% cost.
 
     python lab/bench_batch_invariance.py --out DIR [--model DIR] [--dtype bf16] [-n 256] [--budget-s 180]
-                                         [--pins split,nosplit]
+                                         [--pins split,nosplit] [--rounds 5]
+
+Every mode's engines are built first; then ``--rounds`` interleaved rounds (the order alternating), each
+the serve-like run and a batch-1 decode per mode; medians of the rounds are compared.
 
 ``--pins``: the mode with its gemm pins as committed ("split": split-K fixed per (N, K) for one row,
 ``invariant.gemm_config``), and with every pin at SPLIT_K=1 ("nosplit", the earlier pins), so one run
@@ -65,26 +68,27 @@ def throughput(eng, reqs):
             "preemptions": eng.stats["preemptions"], "graph_steps": eng.stats["graph_steps"]}, [h.output_ids for h in hs]
 
 
-def batch1(model, inv, new=400, reps=3):
+def batch1_engine(model, inv):
+    from tritune.model.engine import Engine
+
+    return Engine(model, num_blocks=-(-model.config.n_positions // 16), max_num_seqs=1, batch_invariant=inv)
+
+
+def batch1_run(eng, model, new=400) -> float:
+    """One batch-1 decode of ``new`` tokens after a 16-token prompt's prefill: decode tok/s."""
     import torch
 
-    from tritune.model.engine import Engine
     from tritune.model.scheduler import SamplingParams
 
-    eng = Engine(model, num_blocks=-(-model.config.n_positions // 16), max_num_seqs=1, batch_invariant=inv)
     prompt = [(7 * i) % (model.config.vocab_size - 1) for i in range(16)]
     new = min(new, model.config.n_positions - 32)
-    runs = []
-    for rep in range(reps + 1):          # the first warms up
-        h = eng.add_request(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
-        eng.step()                       # the prefill
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        eng.run()
-        torch.cuda.synchronize()
-        if rep:
-            runs.append((len(h.output_ids) - 1) / (time.perf_counter() - t0))
-    return {"decode_tok_s_runs": runs, "decode_tok_s": sorted(runs)[len(runs) // 2]}
+    h = eng.add_request(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    eng.step()                       # the prefill
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.run()
+    torch.cuda.synchronize()
+    return (len(h.output_ids) - 1) / (time.perf_counter() - t0)
 
 
 def main(argv=None) -> int:
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--num-requests", type=int, default=256)
     ap.add_argument("--check", type=int, default=8, help="requests also run alone in the mode (tokens compared)")
     ap.add_argument("--budget-s", type=float, default=180.0)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every mode (medians reported)")
     ap.add_argument("--pins", default="split,nosplit", help="invariant-mode gemm pins to measure (split, nosplit)")
     args = ap.parse_args(argv)
     pins = [p for p in args.pins.split(",") if p]
@@ -132,27 +137,52 @@ def main(argv=None) -> int:
     def nosplit(*a):
         return dict(pinned(*a), SPLIT_K=1)
 
-    toks = {}
-    for key in ["default"] + ["invariant" if p == "split" else f"invariant_{p}" for p in pins]:
-        inv = key != "default"
-        invariant.gemm_config = nosplit if key == "invariant_nosplit" else pinned
+    # Every mode's engines built first, then the measurements in interleaved rounds (the order alternating):
+    # a GPU's or host's drift between two modes' turns lands on both, and each number is a median of rounds.
+    keys = ["default"] + ["invariant" if p == "split" else f"invariant_{p}" for p in pins]
+    toks, engs = {}, {}
+    for key in keys:
         r = res["results"].setdefault(key, {})
+        invariant.gemm_config = nosplit if key == "invariant_nosplit" else pinned
         try:
-            if left() < 20:
-                r["skipped"] = "time budget spent"
-                continue
-            eng, warm = engine(model, inv)
+            eng, warm = engine(model, key != "default", kv_memory_fraction=0.7 / len(keys))
             r["warm_up_s"] = warm
-            r["serve"], toks[key] = throughput(eng, reqs)
-            del eng
-            torch.cuda.empty_cache()
-            r["batch1"] = batch1(model, inv)
-        except Exception as e:  # recorded, the other measurements still run
+            b1 = batch1_engine(model, key != "default")
+            batch1_run(b1, model)                           # warm-up
+            engs[key] = (eng, b1)
+        except Exception as e:  # recorded, the other modes still run
             r["error"] = f"{type(e).__name__}: {e}"
             r["traceback"] = traceback.format_exc()[-3000:]
         finally:
             invariant.gemm_config = pinned
-        save()
+    serve: dict = {k: [] for k in engs}
+    b1s: dict = {k: [] for k in engs}
+    for rnd in range(args.rounds):
+        if left() < 20:
+            res["note"] = f"stopped after {rnd} round(s): time budget"
+            break
+        for key in (list(engs) if rnd % 2 == 0 else list(engs)[::-1]):
+            eng, b1 = engs[key]
+            invariant.gemm_config = nosplit if key == "invariant_nosplit" else pinned
+            try:
+                row, toks[key] = throughput(eng, reqs)
+                serve[key].append(row)
+                b1s[key].append(batch1_run(b1, model))
+            except Exception as e:  # recorded, the other modes still run
+                res["results"][key]["error"] = f"{type(e).__name__}: {e}"
+                res["results"][key]["traceback"] = traceback.format_exc()[-3000:]
+            finally:
+                invariant.gemm_config = pinned
+    for key in engs:
+        r = res["results"][key]
+        if serve[key]:
+            rows = sorted(serve[key], key=lambda x: x["output_tok_s"])
+            r["serve"] = dict(rows[len(rows) // 2], output_tok_s_runs=[x["output_tok_s"] for x in serve[key]])
+        if b1s[key]:
+            r["batch1"] = {"decode_tok_s_runs": b1s[key], "decode_tok_s": sorted(b1s[key])[len(b1s[key]) // 2]}
+    del engs
+    torch.cuda.empty_cache()
+    save()
     d = res["results"].get("default", {})
     for key, i in res["results"].items():
         sfx = key[len("invariant"):]
