@@ -54,7 +54,7 @@ for ph in ${PHASES:?}; do case $ph in
   http) t http $(( ${HTTP_LIM:-270} + 30 )) python lab/bench_http.py $W/http --time-limit ${HTTP_LIM:-270} ${HTTP_ARGS:-} ;;
   quant) t quant 300 python lab/eval_quant.py --out $W/eval_quant.json ;;
   serving) t serving $(( ${SERV_LIM:-270} + 20 )) python lab/bench_serving_features.py $W/serving --time-limit ${SERV_LIM:-270} ${SERV_ARGS:-} ;;
-  invariant) t invariant $(( ${INV_LIM:-200} + 30 )) python lab/bench_batch_invariance.py --out $W/invariant -n 128 --budget-s ${INV_LIM:-200} ;;
+  invariant) t invariant $(( ${INV_LIM:-200} + 30 )) python lab/bench_batch_invariance.py --out $W/invariant -n ${INV_N:-512} --budget-s ${INV_LIM:-200} ${INV_ARGS:-} ;;
   fa3) t fa3 $(( ${FA3_LIM:-180} + 40 )) python lab/bench_attention_fa3_grid.py $W/fa3 --budget-s ${FA3_LIM:-180} --emit ;;
   fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ;;
   rerun) mapfile -t NODES < ${RERUN_FILE:?}
