@@ -199,6 +199,10 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         return "idle warps"
     if c["BLOCK_N"] < n2 and c["ROWS"] > 4:
         return "looped variant takes few rows"
+    if c["ROWS"] * c["BLOCK_N"] > 32768:
+        # a strided (e.g. transposed) x is staged through shared memory in a layout conversion: the fp32
+        # tile must fit (H100: ROWS 32 x BLOCK_N 2048 asked 256 KiB of 227)
+        return f"a {c['ROWS']}x{c['BLOCK_N']} tile (over 128 KiB of fp32 in shared memory)"
     return None
 
 

@@ -286,10 +286,10 @@ def test_serving_paged_config_splits_long_rows():
     g = torch.Generator().manual_seed(5)
     B, H, D, bs, nb = 3, 2, 16, 16, 40
     cap = 32 * bs
-    kc, vc = (torch.randn(nb, bs, H, D, generator=g) for _ in range(2))
-    q = torch.randn(B, H, D, generator=g)
-    tables = torch.stack([torch.randperm(nb, generator=g)[:32] for _ in range(B)]).to(torch.int32)
-    lens = torch.tensor([cap, 5, 300], dtype=torch.int32)
+    kc, vc = (torch.randn(nb, bs, H, D, generator=g).to(STEP_DEVICE) for _ in range(2))
+    q = torch.randn(B, H, D, generator=g).to(STEP_DEVICE)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:32] for _ in range(B)]).to(torch.int32).to(STEP_DEVICE)
+    lens = torch.tensor([cap, 5, 300], dtype=torch.int32, device=STEP_DEVICE)
     cfg = G.serving_paged_config(B, H, H, D, cap, bs, torch.float32) \
         or PA.SPEC.config_for(PA.Problem(B, H, H, D, cap, bs, mixed=True), torch.float32, None)
     assert 0 < cfg["PARTITION"] <= G.SERVING_PARTITION
