@@ -253,7 +253,7 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
                  A_MODE: tl.constexpr, B_MODE: tl.constexpr, A_3D: tl.constexpr,
                  A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
                  PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                 WARP_SPEC: tl.constexpr, PRE_EPI: tl.constexpr):
+                 WARP_SPEC: tl.constexpr, PRE_EPI: tl.constexpr, PDL: tl.constexpr):
     """C[m, n] = act(sum_k A[m, k] B[k, n] + bias[n]) + R[m, n].
 
     Grid (tiles, SPLIT_K): one tile and K slice per program; or, PERSISTENT, a fixed grid whose
@@ -261,7 +261,12 @@ def _gemm_kernel(A, B, C, Bias, R, W, Locks,
     A_MODE / B_MODE: 0 pointers, 1 a TMA descriptor of the operand as it is, 2 a TMA descriptor of its
     transpose (the operand is a column-major view). A_3D: A is (M / M1, M1, K) with rows that do not
     merge into one stride: row m sits at (m // M1)·s_a0 + (m % M1)·s_am.
+    PDL (launched with programmatic dependent launch, inside a CUDA graph): the next launch may start at
+    once, and this one waits for the launch before it to finish before anything else.
     """
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
@@ -290,13 +295,16 @@ def _gemm_fused_kernel(A, B, C, Bias, R, W, Locks, LnW, LnB, KC, VC, Slots,
                        A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
                        PRECISION: tl.constexpr, PRE_EPI: tl.constexpr,
                        HAS_LN: tl.constexpr, HAS_LN_W: tl.constexpr, HAS_LN_B: tl.constexpr,
-                       HAS_KV: tl.constexpr, LN_BLOCK: tl.constexpr):
+                       HAS_KV: tl.constexpr, LN_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """C[m, n] = act(sum_k LN(A)[m, k] B[k, n] + bias[n]) + R[m, n], LN(A) = (A - mean) · rstd · LnW + LnB
     over each row of A; with HAS_KV the K/V columns of C also go to the caches at Slots[m].
 
     ``_gemm_kernel``'s tile with the fusions the decode step takes (a LayerNorm before the qkv, MLP-in and
     LM-head products; the qkv output's KV-cache write), on its own entry so the plain kernel compiles as
-    it did: pointer operands, one tile and K slice per program (grid (tiles, SPLIT_K))."""
+    it did: pointer operands, one tile and K slice per program (grid (tiles, SPLIT_K)). PDL as there."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -415,7 +423,8 @@ class _Plan:
     combination; a launch with the same combination does the per-call work only (the output
     allocation, TMA descriptors, the launch itself)."""
     __slots__ = ("out_shape", "empty", "m", "n", "k", "a_copy", "r_copy", "grid", "ints", "work_numel",
-                 "locks", "kws", "consts", "kernels", "a_tma", "b_tma", "cfg", "cfg_key", "extents", "fused")
+                 "locks", "kws", "consts", "kernels", "a_tma", "b_tma", "cfg", "cfg_key", "extents", "fused",
+                 "kws_pdl", "consts_pdl")
 
 
 _PLANS = K.PlanCache()
@@ -481,7 +490,9 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
         args = (a, b, out, out if bias is None else bias, r_arg, work, locks, out if ln_w is None else ln_w,
                 out if ln_b is None else ln_b, out if kc is None else kc, out if vc is None else vc,
                 out if slots is None else slots, *plan.ints[:4], plan.ints[4], float(eps), *plan.ints[5:])
-        K.launch_cached(_gemm_fused_kernel, plan.kernels, plan.grid, args, plan.kws, plan.consts, None, args[:12])
+        pdl = plan.kws_pdl is not None and K.pdl_now("gemm")
+        K.launch_cached(_gemm_fused_kernel, plan.kernels, plan.grid, args, plan.kws_pdl if pdl else plan.kws,
+                        plan.consts_pdl if pdl else plan.consts, pdl, args[:12])
         return out
     a_mode = b_mode = 0
     a_arg, b_arg = a, b
@@ -495,8 +506,12 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
     args = (a_arg, b_arg, out, out if bias is None else bias, r_arg, work, locks, *plan.ints)
     # descriptors (TMA modes) carry no pointer alignment: only plain operands count
     ptrs = args[2:7] + ((a,) if not a_mode else ()) + ((b,) if not b_mode else ())
-    K.launch_cached(_gemm_kernel, plan.kernels, plan.grid, args, plan.kws[a_mode][b_mode],
-                    plan.consts[a_mode][b_mode], (a_mode, b_mode), ptrs)
+    if plan.kws_pdl is not None and K.pdl_now("gemm"):
+        K.launch_cached(_gemm_kernel, plan.kernels, plan.grid, args, plan.kws_pdl[a_mode][b_mode],
+                        plan.consts_pdl[a_mode][b_mode], (a_mode, b_mode, True), ptrs)
+    else:
+        K.launch_cached(_gemm_kernel, plan.kernels, plan.grid, args, plan.kws[a_mode][b_mode],
+                        plan.consts[a_mode][b_mode], (a_mode, b_mode), ptrs)
     return out
 
 
@@ -677,8 +692,10 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
                 EVEN_K=kdim % bk == 0, A_3D=a_3d, A_M_CONTIG=s_ak != 1, B_N_CONTIG=b.stride(0) != 1,
                 INT64=int64, PRECISION=K.fp32_precision() if a.dtype == torch.float32 else "ieee",
-                PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC, PRE_EPI=pre_epi,
+                PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC, PRE_EPI=pre_epi, PDL=False,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
+    pdl = K.pdl(a.device)
     p.kernels = {} if DIRECT_LAUNCH and a.device.type == "cuda" else None
     if p.fused:  # ints: m, n, K, M1, C (eps goes in per call), then the strides
         p.ints = (*p.ints[:4], c_kv, *p.ints[4:])
@@ -687,9 +704,13 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
         p.kws = dict(base, HAS_LN=ln is not None, HAS_LN_W=ln_w is not None, HAS_LN_B=ln_b is not None,
                      HAS_KV=kv is not None, LN_BLOCK=ln_block(kdim, cfg))
         p.consts = tuple(p.kws[c] for c in _FUSED_CONSTEXPRS)
+        p.kws_pdl = dict(p.kws, PDL=True, launch_pdl=True) if pdl else None
+        p.consts_pdl = tuple(p.kws_pdl[c] for c in _FUSED_CONSTEXPRS) if pdl else None
         return p
     p.kws = [[dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)] for am in range(3)]
     p.consts = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws]
+    p.kws_pdl = [[dict(kw, PDL=True, launch_pdl=True) for kw in row] for row in p.kws] if pdl else None
+    p.consts_pdl = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws_pdl] if pdl else None
     return p
 
 

@@ -74,7 +74,7 @@ def ptx(mod, consts: dict, warps: int, stages: int) -> list[str]:
 
 BASE = dict(HAS_BIAS=True, ACT=0, HAS_RES=True, GROUP_M=8, EVEN_K=True, A_3D=False, A_M_CONTIG=False, B_N_CONTIG=True,
             INT64=False, PRECISION="ieee", FLATTEN=True, WARP_SPEC=False, PRE_EPI=0, SPLIT_K=1, A_MODE=0, B_MODE=0,
-            PERSISTENT=False)
+            PERSISTENT=False, PDL=False)
 CASES = {
     "persistent TMA 128x256 bias+GELU+residual": (dict(BASE, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, A_MODE=1, B_MODE=1,
                                                        PERSISTENT=True, ACT=1), 8, 3),
