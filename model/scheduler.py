@@ -261,13 +261,17 @@ class Scheduler:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
-        for i, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
-                raise TypeError(f"prompt_ids must be ints, got {t!r} ({type(t).__name__})")
-            prompt_ids[i] = t = operator.index(t)
-            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
-                raise ValueError(f"token id {t} in prompt_ids is outside the vocabulary "
-                                 f"(0..{self.vocab_size - 1 if self.vocab_size else 'vocab_size-1'})")
+        # plain ints (the common case) are checked in C (a 2k-token prompt's Python loop cost ~0.5 ms, a
+        # stall of every running decode's next token when it arrives between two steps)
+        if set(map(type, prompt_ids)) != {int}:
+            for i, t in enumerate(prompt_ids):
+                if isinstance(t, bool) or not hasattr(t, "__index__"):
+                    raise TypeError(f"prompt_ids must be ints, got {t!r} ({type(t).__name__})")
+                prompt_ids[i] = operator.index(t)
+        if min(prompt_ids) < 0 or (self.vocab_size is not None and max(prompt_ids) >= self.vocab_size):
+            t = next(t for t in prompt_ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size))
+            raise ValueError(f"token id {t} in prompt_ids is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1 if self.vocab_size else 'vocab_size-1'})")
         max_new, ctx = sampling.max_new_tokens, self.n_positions
         truncated = 0
         if len(prompt_ids) + max_new > ctx:

@@ -306,6 +306,8 @@ def test_bad_requests_raise_and_others_continue():
         (ValueError, "outside the vocabulary", lambda: sched.add_request([1, 50], SamplingParams())),
         (TypeError, "not text", lambda: sched.add_request("hello", SamplingParams())),
         (TypeError, "must be ints", lambda: sched.add_request([1, 2.5], SamplingParams())),
+        (TypeError, "must be ints", lambda: sched.add_request([1, True], SamplingParams())),
+        (ValueError, "token id -1 .*outside the vocabulary", lambda: sched.add_request([3, -1, 2], SamplingParams())),
         (TypeError, "stream must be", lambda: sched.add_request([1], SamplingParams(), stream="stdout")),
         (ValueError, "top_p must be in", lambda: SamplingParams(top_p=0)),
         (ValueError, "temperature must be >= 0", lambda: SamplingParams(temperature=-1.0)),
@@ -498,3 +500,14 @@ def test_policy_and_priority_validated():
     sched = Scheduler(pool, 32)
     with pytest.raises(TypeError, match="priority: expected an int"):
         sched.add_request([1, 2], priority=1.5)
+
+
+def test_prompt_ids_of_other_int_types_become_ints():
+    """numpy and torch integer ids are taken (and stored as Python ints); the plain-int path is the same."""
+    import numpy as np
+
+    pool = BlockPool(1, 1, 4, 4, torch.float32, "cpu", num_blocks=16, memory=None)
+    sched = Scheduler(pool, 32, vocab_size=50)
+    for ids in (np.array([3, 7, 49], np.int64), torch.tensor([3, 7, 49]), [np.int32(3), 7, 49], [3, 7, 49]):
+        r = sched.add_request(ids, SamplingParams(max_new_tokens=2))
+        assert r.prompt_ids == [3, 7, 49] and all(type(t) is int for t in r.prompt_ids)
