@@ -344,6 +344,54 @@ def check_device(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a tensor on {want}, got {t.device}")
 
 
+def check_vec(name: str, t, n: int, dtype, device, src: str) -> None:
+    """A 1-D operand of ``n`` elements of ``src``'s dtype, on its device (a bias, a LayerNorm weight)."""
+    check_tensor(name, t, ndim=1)
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: dtype {t.dtype} differs from {src}'s {dtype}")
+    if t.shape[0] != n:
+        raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but {src} is on {device}")
+
+
+def check_fusions(ln, kv, m: int, n: int, kdim: int, x, x_name: str, w_name: str) -> int:
+    """The LayerNorm prologue and KV-cache write arguments of a linear (gemm's and gemv's ``ln``, ``kv``):
+    ``ln`` (weight or None, bias or None, eps) over the K of ``x`` (m, kdim); ``kv`` (k_cache, v_cache,
+    slot_mapping) for an N = 3·C output. Returns C (the caches' heads·head_dim; 0 without kv)."""
+    if ln is not None:
+        ln_w, ln_b, eps = ln
+        for name, t in (("ln weight", ln_w), ("ln bias", ln_b)):
+            if t is not None:
+                check_vec(name, t, kdim, x.dtype, x.device, x_name)
+                if t.stride(0) != 1:
+                    raise ValueError(f"{name}: expected unit stride, got {t.stride(0)}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or math.isinf(eps):
+            raise ValueError(f"ln eps: expected a finite number >= 0, got {eps!r}")
+    if kv is None:
+        return 0
+    kc, vc, slots = kv
+    for name, t in (("k_cache", kc), ("v_cache", vc)):
+        check_tensor(name, t, ndim=4)
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from {x_name}'s {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, but {x_name} is on {x.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous (num_blocks, block_size, heads, head_dim) cache")
+    if kc.shape != vc.shape:
+        raise ValueError(f"v_cache: shape {tuple(vc.shape)} differs from k_cache's {tuple(kc.shape)}")
+    c_kv = kc.shape[2] * kc.shape[3]
+    if n != 3 * c_kv:
+        raise ValueError(f"kv: {w_name} has N={n} columns, expected 3 x heads x head_dim = {3 * c_kv} (q, k, v)")
+    check_tensor("slot_mapping", slots, ndim=1, dtypes=(torch.int32, torch.int64))
+    if slots.shape[0] != m:
+        raise ValueError(f"slot_mapping: expected {m} slots (one per row of {x_name}), got {slots.shape[0]}")
+    if slots.device != x.device:
+        raise ValueError(f"slot_mapping: on {slots.device}, but {x_name} is on {x.device}")
+    return c_kv
+
+
 def check_out(out, shape: tuple, dtype: torch.dtype, device) -> None:
     check_tensor("out", out)
     if tuple(out.shape) != tuple(shape):

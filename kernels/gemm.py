@@ -528,49 +528,14 @@ def launch_shape(cfg: dict, m: int, n: int, dtype, sms: int) -> tuple[tuple[int,
 
 
 def _check_vec(name: str, t, n: int, dtype, device) -> None:
-    K.check_tensor(name, t, ndim=1)
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: dtype {t.dtype} differs from a's {dtype}")
-    if t.shape[0] != n:
-        raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, but a is on {device}")
+    K.check_vec(name, t, n, dtype, device, "a")
 
 
 def _check_fusions(ln, kv, m: int, n: int, kdim: int, a) -> int:
     """Validate ``ln`` and ``kv`` (see :func:`gemm`); returns C (the caches' heads·head_dim; 0 without kv)."""
-    if ln is not None:
-        ln_w, ln_b, eps = ln
-        for name, t in (("ln weight", ln_w), ("ln bias", ln_b)):
-            if t is not None:
-                _check_vec(name, t, kdim, a.dtype, a.device)
-                if t.stride(0) != 1:
-                    raise ValueError(f"{name}: expected unit stride, got {t.stride(0)}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or math.isinf(eps):
-            raise ValueError(f"ln eps: expected a finite number >= 0, got {eps!r}")
-    if kv is None:
-        return 0
-    kc, vc, slots = kv
-    for name, t in (("k_cache", kc), ("v_cache", vc)):
-        K.check_tensor(name, t, ndim=4)
-        if t.dtype != a.dtype:
-            raise TypeError(f"{name}: dtype {t.dtype} differs from a's {a.dtype}")
-        if t.device != a.device:
-            raise ValueError(f"{name}: on {t.device}, but a is on {a.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous (num_blocks, block_size, heads, head_dim) cache")
-    if kc.shape != vc.shape:
-        raise ValueError(f"v_cache: shape {tuple(vc.shape)} differs from k_cache's {tuple(kc.shape)}")
-    c_kv = kc.shape[2] * kc.shape[3]
-    if n != 3 * c_kv:
-        raise ValueError(f"kv: b has N={n} columns, expected 3 x heads x head_dim = {3 * c_kv} (q, k, v)")
-    K.check_tensor("slot_mapping", slots, ndim=1, dtypes=(torch.int32, torch.int64))
-    if slots.shape[0] != m:
-        raise ValueError(f"slot_mapping: expected {m} slots (one per row of a), got {slots.shape[0]}")
-    if slots.device != a.device:
-        raise ValueError(f"slot_mapping: on {slots.device}, but a is on {a.device}")
-    if kc.numel() >= INT32_LIMIT:
-        raise ValueError(f"k_cache: {kc.numel()} elements; the cache write takes fewer than 2^31")
+    c_kv = K.check_fusions(ln, kv, m, n, kdim, a, "a", "b")
+    if kv is not None and kv[0].numel() >= INT32_LIMIT:
+        raise ValueError(f"k_cache: {kv[0].numel()} elements; the cache write takes fewer than 2^31")
     return c_kv
 
 

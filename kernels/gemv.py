@@ -304,13 +304,7 @@ def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
 
 
 def _check_vec(name, t, n, dtype, device):
-    K.check_tensor(name, t, ndim=1)
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: dtype {t.dtype} differs from x's {dtype}")
-    if t.shape[0] != n:
-        raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, but x is on {device}")
+    K.check_vec(name, t, n, dtype, device, "x")
 
 
 def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
@@ -351,36 +345,7 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
             r2 = residual.view(m, n)
         except RuntimeError:
             raise ValueError(f"residual: its strides {residual.stride()} do not flatten to ({m}, {n})") from None
-    if ln is not None:
-        ln_w, ln_b, eps = ln
-        for name, t in (("ln weight", ln_w), ("ln bias", ln_b)):
-            if t is not None:
-                _check_vec(name, t, kdim, x.dtype, x.device)
-                if t.stride(0) != 1:
-                    raise ValueError(f"{name}: expected unit stride, got {t.stride(0)}")
-        if not isinstance(eps, (int, float)) or not eps >= 0 or math.isinf(eps):
-            raise ValueError(f"ln eps: expected a finite number >= 0, got {eps!r}")
-    c_kv = 0
-    if kv is not None:
-        kc, vc, slots = kv
-        for name, t in (("k_cache", kc), ("v_cache", vc)):
-            K.check_tensor(name, t, ndim=4)
-            if t.dtype != x.dtype:
-                raise TypeError(f"{name}: dtype {t.dtype} differs from x's {x.dtype}")
-            if t.device != x.device:
-                raise ValueError(f"{name}: on {t.device}, but x is on {x.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name}: expected a contiguous (num_blocks, block_size, heads, head_dim) cache")
-        if kc.shape != vc.shape:
-            raise ValueError(f"v_cache: shape {tuple(vc.shape)} differs from k_cache's {tuple(kc.shape)}")
-        c_kv = kc.shape[2] * kc.shape[3]
-        if n != 3 * c_kv:
-            raise ValueError(f"kv: w has N={n} columns, expected 3 x heads x head_dim = {3 * c_kv} (q, k, v)")
-        K.check_tensor("slot_mapping", slots, ndim=1, dtypes=(torch.int32, torch.int64))
-        if slots.shape[0] != m:
-            raise ValueError(f"slot_mapping: expected {m} slots (one per row of x), got {slots.shape[0]}")
-        if slots.device != x.device:
-            raise ValueError(f"slot_mapping: on {slots.device}, but x is on {x.device}")
+    c_kv = K.check_fusions(ln, kv, m, n, kdim, x, "x", "w")
     if out is not None:
         K.check_out(out, out_shape, x.dtype, x.device)
 
