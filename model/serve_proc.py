@@ -237,17 +237,20 @@ class StepCollector:
         self.steps += 1
         self._collect(finished)
 
+    def _stepped(self, finished):
+        """The requests a step may have news of: the running ones and those the step returned as finished
+        (every live one after a failed step)."""
+        if isinstance(finished, list):
+            return itertools.chain(self.engine.scheduler.running, finished)
+        return [r.req for r in list(self.live.values())]
+
     def _collect(self, finished) -> None:
         """The step's tokens and ends: the running requests and those the step returned as finished (all
         live ones after a failed step)."""
         live = self.live
         if not live:
             return
-        if isinstance(finished, list):
-            reqs = itertools.chain(self.engine.scheduler.running, finished)
-        else:
-            reqs = [r.req for r in list(live.values())]
-        for req in reqs:
+        for req in self._stepped(finished):
             r = live.get(req.id)
             if r is None:
                 continue
@@ -365,12 +368,8 @@ class _Core(StepCollector):
         live = self.live
         if not live:
             return
-        if isinstance(finished, list):
-            reqs = itertools.chain(self.engine.scheduler.running, finished)
-        else:
-            reqs = [r.req for r in list(live.values())]
         rids, counts, toks = self.rids.append, self.counts.append, self.toks.extend
-        for req in reqs:
+        for req in self._stepped(finished):
             r = live.get(req.id)
             if r is None:
                 continue
