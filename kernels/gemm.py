@@ -31,6 +31,7 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.harness import strategies as S
+from tritune.kernels.gemv import _row_stats
 from tritune.references import gemm as ref
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -71,31 +72,6 @@ def _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_b
         is_v = cols >= 2 * C_KV
         tl.store(KC + at - C_KV, out, mask=live & ((cols >= C_KV) & ~is_v)[None, :])
         tl.store(VC + at - 2 * C_KV, out, mask=live & is_v[None, :])
-
-
-@triton.jit
-def _ln_stats(a_rows, row_ok, K, s_ak, eps, LN_BLOCK: tl.constexpr):
-    """LayerNorm statistics over all of K of the rows at offsets ``a_rows`` from their first element,
-    float32: (shift, m1, rstd), mean = shift + m1, from sums of x - shift (shift: the first chunk's mean,
-    so the variance is not the difference of two large sums). K is read in LN_BLOCK chunks in order: a
-    row's statistics depend on the row, K and LN_BLOCK only. Rows not ``row_ok`` get rstd 0 (finite)."""
-    offs = tl.arange(0, LN_BLOCK)
-    lmask = row_ok[:, None] & (offs < K)[None, :]
-    first = tl.load(a_rows[:, None] + offs[None, :] * s_ak, mask=lmask, other=0.0).to(tl.float32)
-    shift = tl.sum(first, axis=1) / tl.minimum(K, LN_BLOCK)
-    xc = tl.where(lmask, first - shift[:, None], 0.0)
-    s1 = tl.sum(xc, axis=1)
-    s2 = tl.sum(xc * xc, axis=1)
-    for start in range(LN_BLOCK, K, LN_BLOCK):
-        kk = start + offs
-        lmask = row_ok[:, None] & (kk < K)[None, :]
-        xv = tl.load(a_rows[:, None] + kk[None, :] * s_ak, mask=lmask, other=0.0).to(tl.float32)
-        xc = tl.where(lmask, xv - shift[:, None], 0.0)
-        s1 += tl.sum(xc, axis=1)
-        s2 += tl.sum(xc * xc, axis=1)
-    m1 = s1 / K
-    rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - m1 * m1, 0.0) + eps)
-    return shift, m1, tl.where(row_ok, rstd, 0.0)
 
 
 @triton.jit
@@ -175,7 +151,11 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
         b_ptrs = B + kk[:, None] * s_bk + b_n[None, :] * s_bn
 
     if HAS_LN:  # A_MODE == 0: the rows' statistics read A through the same (wrapped) row offsets
-        shift, m1, rstd = _ln_stats(A + a_rows, mask_m if A_M_CONTIG else offs_m >= 0, K, s_ak, eps, LN_BLOCK)
+        # gemv's statistics (K read in LN_BLOCK chunks in order: a row's depend on the row, K and LN_BLOCK
+        # only); rows outside get rstd 0, finite whatever eps
+        row_ok = mask_m if A_M_CONTIG else offs_m >= 0
+        shift, m1, rstd = _row_stats((A + a_rows)[:, None], row_ok, K, s_ak, eps, BLOCK_M, LN_BLOCK)
+        rstd = tl.where(row_ok, rstd, 0.0)
     bias_v = None
     res_v = None
     if PRE_EPI >= 1 and HAS_BIAS:
@@ -506,12 +486,10 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
     args = (a_arg, b_arg, out, out if bias is None else bias, r_arg, work, locks, *plan.ints)
     # descriptors (TMA modes) carry no pointer alignment: only plain operands count
     ptrs = args[2:7] + ((a,) if not a_mode else ()) + ((b,) if not b_mode else ())
-    if plan.kws_pdl is not None and K.pdl_now("gemm"):
-        K.launch_cached(_gemm_kernel, plan.kernels, plan.grid, args, plan.kws_pdl[a_mode][b_mode],
-                        plan.consts_pdl[a_mode][b_mode], (a_mode, b_mode, True), ptrs)
-    else:
-        K.launch_cached(_gemm_kernel, plan.kernels, plan.grid, args, plan.kws[a_mode][b_mode],
-                        plan.consts[a_mode][b_mode], (a_mode, b_mode), ptrs)
+    pdl = plan.kws_pdl is not None and K.pdl_now("gemm")
+    kws, consts = (plan.kws_pdl, plan.consts_pdl) if pdl else (plan.kws, plan.consts)
+    K.launch_cached(_gemm_kernel, plan.kernels, plan.grid, args, kws[a_mode][b_mode], consts[a_mode][b_mode],
+                    (a_mode, b_mode, pdl), ptrs)
     return out
 
 

@@ -575,6 +575,18 @@ SPACE = K.Space(
 )
 
 
+def with_partition(cfg: dict, partition: int, problem: Problem, dtype) -> dict | None:
+    """``cfg`` with its KV chunk set to ``partition`` tokens (0: none): BLOCK_N cut to divide it, and the
+    hand-pipelined loop (PREFETCH) dropped where the space refuses it with that chunk (the plain loop takes
+    any). None if the result is still outside the space."""
+    cfg = dict(cfg, PARTITION=partition)
+    if partition % cfg["BLOCK_N"]:
+        cfg["BLOCK_N"] = math.gcd(partition, cfg["BLOCK_N"])
+    if SPEC.space.why_invalid(cfg, problem, dtype) is not None:
+        cfg.update(PREFETCH=False, EVICT=False, num_stages=2 if cfg["USE_DOT"] else 1)
+    return cfg if SPEC.space.why_invalid(cfg, problem, dtype) is None else None
+
+
 def default_config(p: Problem, dtype) -> dict:
     """Defaults from H100 sweeps (bf16, issue 6; lab/probes/paged_attention_sweep.py), timed with the harness (do_bench,
     L2 flushed) and GPU-only (CUDA graph over the same rotating inputs).

@@ -207,16 +207,10 @@ def serving_paged_config(B, Hq, Hkv, D, capacity, block_size, dtype) -> dict | N
     if not SERVING_PARTITION or capacity <= SERVING_PARTITION:
         return None
     problem = PA.Problem(B, Hq, Hkv, D, capacity, block_size, mixed=True)
-    cfg = dict(PA.SPEC.config_for(problem, dtype, None))
+    cfg = PA.SPEC.config_for(problem, dtype, None)
     if 0 < cfg["PARTITION"] <= SERVING_PARTITION:
         return None
-    cfg["PARTITION"] = SERVING_PARTITION
-    if SERVING_PARTITION % cfg["BLOCK_N"]:
-        cfg["BLOCK_N"] = math.gcd(SERVING_PARTITION, cfg["BLOCK_N"])
-    if PA.SPEC.space.why_invalid(cfg, problem, dtype) is not None:
-        # the hand-pipelined loop (PREFETCH) has its own limits: the plain loop takes any chunk
-        cfg.update(PREFETCH=False, EVICT=False, num_stages=2 if cfg["USE_DOT"] else 1)
-    return cfg if PA.SPEC.space.why_invalid(cfg, problem, dtype) is None else None
+    return PA.with_partition(cfg, SERVING_PARTITION, problem, dtype)
 
 
 def ln_linear(ops, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):

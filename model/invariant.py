@@ -127,14 +127,9 @@ def paged_config(Hq: int, Hkv: int, D: int, block_size: int, capacity: int, dtyp
     # a quarter of the capacity at most: a short-context model still splits a long row's keys
     part = min(PARTITION_TOKENS, 1 << (p.capacity.bit_length() - 3))
     part = part if 16 <= part < p.capacity else 0
-    cfg = dict(cfg, PARTITION=part)
-    if part % cfg["BLOCK_N"]:
-        cfg["BLOCK_N"] = math.gcd(part, cfg["BLOCK_N"])
-    if PA.SPEC.space.constraint(cfg, p, dtype) is not None:     # the hand-pipelined loop needs short chunks
-        cfg = dict(cfg, PREFETCH=False, EVICT=False, num_stages=2 if cfg["USE_DOT"] else 1)
-    why = PA.SPEC.space.why_invalid(cfg, p, dtype)
-    assert why is None, f"paged_attention: pinned {cfg} invalid for {p}: {why}"
-    return cfg
+    pinned = PA.with_partition(cfg, part, p, dtype)
+    assert pinned is not None, f"paged_attention: no valid config with PARTITION={part} from {cfg} for {p}"
+    return pinned
 
 
 # ---------------------------------------------------------------------------------------------------
