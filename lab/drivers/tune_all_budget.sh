@@ -3,7 +3,7 @@
 # of at most ~9 minutes: each call resumes the same storage (kept in /tmp/tune while the machine stays warm; a
 # cold machine restores it from the carried .tune/). The last call (STEP=compare) re-times the winners against
 # the committed store of this GPU.  Everything lands in $OUT/tuneall/ (+ bundle.tgz).
-#   STEP=tune|compare|timers bash lab/drivers/tune_all_budget.sh   (timers: lab/probes/retime_timers.py, ~2 min)
+#   STEP=tune|compare|last|timers bash lab/drivers/tune_all_budget.sh   (timers: lab/probes/retime_timers.py, ~2 min)
 set -uo pipefail
 : "${OUT:?}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -18,13 +18,16 @@ for T in .tune ../.tune; do if [ ! -d $S ] && [ -d $T/h200-budget ]; then mkdir 
 mkdir -p $S/pkg-h100 $OUT/tuneall && ln -sfn $PWD/tuning/configs/nvidia-h100-80gb-hbm3 $S/pkg-h100/
 slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
 echo "slug $slug commit $(cat .commit 2>/dev/null) step ${STEP:-tune}"
-case ${STEP:-tune} in
-  tune) TRITUNE_CONFIGS=$S/pkg-h100 TRITUNE_CONFIG_DIR=$S/h200-budget PYTHONUNBUFFERED=1 timeout -s INT ${TUNE_LIM:-560} \
-          tritune tune all --dtype bf16 --budget 30m --stop-after ${STOP_AFTER:-8m} --export --storage $S/h200-budget.journal \
-          --quiet > $OUT/tuneall/tune_$(date +%H%M%S).log 2>&1; echo "tune rc=$?"; tail -25 $OUT/tuneall/tune_*.log | tail -25 ;;
-  compare) python lab/compare_tune_all.py --new $S/h200-budget/$slug --old tuning/configs/$slug --retime \
+run_tune() { TRITUNE_CONFIGS=$S/pkg-h100 TRITUNE_CONFIG_DIR=$S/h200-budget PYTHONUNBUFFERED=1 timeout -s INT ${TUNE_LIM:-575} \
+          tritune tune all --dtype bf16 --budget 30m --stop-after ${STOP_AFTER:-540s} --export --storage $S/h200-budget.journal \
+          --quiet > $OUT/tuneall/tune_$(date +%H%M%S).log 2>&1; echo "tune rc=$?"; tail -25 $OUT/tuneall/tune_*.log | tail -25; }
+run_compare() { python lab/compare_tune_all.py --new $S/h200-budget/$slug --old tuning/configs/$slug --retime \
           --time-limit ${CMP_LIM:-240} --storage $S/h200-budget.journal --json $OUT/tuneall/compare.json \
-          > $OUT/tuneall/compare.log 2>&1; echo "compare rc=$?"; tail -40 $OUT/tuneall/compare.log ;;
+          > $OUT/tuneall/compare.log 2>&1; echo "compare rc=$?"; tail -40 $OUT/tuneall/compare.log; }
+case ${STEP:-tune} in
+  tune) run_tune ;;
+  compare) run_compare ;;
+  last) run_tune; run_compare ;;   # the budget's last slice, then the comparison, in one call
   timers) python lab/probes/retime_timers.py $OUT/tuneall/timers > $OUT/tuneall/timers.log 2>&1; echo "timers rc=$?"
           tail -45 $OUT/tuneall/timers.log ;;
 esac
