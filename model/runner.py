@@ -240,6 +240,46 @@ def prefill_buckets(buckets, max_rows: int) -> list[int]:
     return sorted(set(buckets) | set(ext))
 
 
+def _int_class(n: int) -> int:
+    """How Triton tells an int argument's variants apart: 1, divisible by 16, or neither."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 0
+
+
+def _context_candidates(n_positions: int, max_seqs: int, budget: int, min_tokens: int):
+    """(query lengths, context lengths) of prefills that continue cached sequences, one or more of every
+    kind the prefill attention's variants depend on: sequences (every count to 64, which holds the default
+    config's small-batch threshold for any head count from 8; past 64 each power-of-two bucket's first
+    and last four, for the counts' residues), longest query (1..16, the suffixes of prefix-cache hits;
+    past 16 each bucket's first two and last two), longest context (each bucket's first value past the
+    query), the packed query total (as is, or the last query shortened to a multiple of 16 or off one).
+    ``min_tokens``: steps with fewer prefill tokens never run eagerly (the device-side step takes them)."""
+    def ends(lo, hi, k):
+        out, b = set(range(1, min(lo, hi) + 1)), lo
+        while b < hi:
+            out |= {x for x in (*range(b + 1, b + 1 + k), *range(2 * b - k + 1, 2 * b + 1)) if x <= hi}
+            b *= 2
+        return sorted(out | {hi})
+
+    Bs, Tqs = ends(64, max_seqs, 4), ends(16, n_positions - 1, 2)
+    for Tq in Tqs:
+        Tks, b = {Tq + 1}, 1
+        while b < n_positions:
+            if b + 1 > Tq + 1:
+                Tks.add(b + 1)
+            b *= 2
+        for B in Bs:
+            total = B * Tq
+            if total - (Tq - 1) > budget:
+                break
+            cuts = {0, total % 16, 1}
+            for cut in cuts:
+                if cut >= Tq or total - cut > budget or total - cut <= min_tokens or (cut and B == 1):
+                    continue
+                q = [Tq] * (B - 1) + [Tq - cut]
+                for Tk in sorted(Tks):
+                    yield q, [Tk] * (B - 1) + [Tk - cut]
+
+
 def _tables_array(context_lens, tables, min_blocks: int = 1) -> np.ndarray:
     """(B, 1 + max blocks) int32: each row's context length, then its block ids (zero-padded)."""
     mb = max(min_blocks, max(len(t.blocks) for t in tables))
@@ -516,6 +556,9 @@ class ModelRunner:
             ctx_lens = [s + n for s, n in zip(starts, seq_lens)]
             idx = np.concatenate([np.asarray(t.blocks, np.int64)[np.arange(m) // bs] * bs + np.arange(m) % bs
                                   for t, m in zip(prefill_tables, ctx_lens)])
+            # the gathered K/V padded to a multiple of 16 rows (unread: cu_k bounds each context): Triton
+            # specialises on the packed total, so an unpadded one would triple the variants to warm up
+            idx = np.concatenate([idx, np.zeros(-len(idx) % 16, np.int64)])
             cu_k = np.zeros(len(ctx_lens) + 1, np.int32)
             np.cumsum(ctx_lens, out=cu_k[1:])
             kw["context"] = (torch.from_numpy(idx).to(dev, non_blocking=True),
@@ -526,6 +569,44 @@ class ModelRunner:
         return logits[:0] if empty else logits
 
     # -------------------------------------------------------------------------------------- warm-up
+    def prefill_variant(self, seq_lens, ctx_lens=None):
+        """The prefill attention launch of a step's prefills (query lengths; context lengths where they
+        continue cached sequences), as Triton tells its variants apart (each compiled on first use): the
+        config of its (sequences, longest query, longest context) bucket, and the int arguments it
+        specialises on (packed query and key totals, row blocks, sequences x heads). None: no kernel."""
+        from tritune.kernels import attention as A
+
+        c = self.config
+        if self.model.backend != "triton" or c.head_dim not in A.HEAD_DIMS or not seq_lens:
+            return None
+        ctx = seq_lens if ctx_lens is None else ctx_lens
+        B, Tq, Tk = len(seq_lens), max(seq_lens), max(ctx)
+        cfg = A.VARLEN_SPEC.config_for(A.Problem(B, c.n_head, c.n_head, Tq, Tk, c.head_dim, True), self.model.dtype)
+        total_k = sum(ctx) if ctx_lens is None else -(-sum(ctx) // 16) * 16    # (eager pads the gather)
+        return (ctx_lens is not None, tuple(sorted(cfg.items())),
+                *map(_int_class, (sum(seq_lens), total_k, -(-Tq // cfg["BLOCK_M"]), B * c.n_head)))
+
+    @torch.inference_mode()
+    def warm_context(self, budget: int, max_num_seqs: int) -> int:
+        """Prefills that continue cached sequences (prefix-cache hits, prefill chunks, a preempted
+        request's recompute) attend through the context path, whose (short query, long context) launches
+        the ladder of whole prompts never makes: one eager prefill per variant (:meth:`prefill_variant`)
+        of every kind a step can make (an H100 HTTP round met them in its first burst of prefix hits: ~1 s
+        of compiling before its requests were added). Returns the prefills run."""
+        if self.prefill_variant([1], [2]) is None:
+            return 0
+        table = type("Table", (), {"blocks": [0] * self.max_blocks})()
+        seen, n = set(), 0
+        for q, ctx in _context_candidates(self.config.n_positions, max_num_seqs, budget, self.graph_prefill_tokens):
+            key = self.prefill_variant(q, ctx)
+            if key in seen:
+                continue
+            seen.add(key)
+            self.eager([[0] * k for k in q], [[-1] * k for k in q], [], [], [], [], [],
+                       prefill_starts=[m - k for k, m in zip(q, ctx)], prefill_tables=[table] * len(q))
+            n += 1
+        return n
+
     @torch.inference_mode()
     def warm_up(self, max_batch_tokens: int, max_num_seqs: int) -> float:
         """Compile the kernel variants a serving run meets, before it runs (seconds taken).
@@ -569,6 +650,7 @@ class ModelRunner:
                             self.eager([[0] * k for k in lens], [[-1] * k for k in lens], [], [], [], [], [])
                     B *= 2
             L *= 2
+        self.warm_context(budget, max_num_seqs)
         if self.graphs is None:
             table = type("Table", (), {"blocks": [0]})()
             for B in [b for b in [1, 2, 3] + sizes if b <= max_num_seqs]:
