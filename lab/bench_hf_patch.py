@@ -139,12 +139,72 @@ def _model(attn="sdpa"):
     return m
 
 
-def _variant(base, patched: bool, compiled: bool):
-    """A copy of ``base``, patched or not; ``compiled``: generate compiles its decode steps
-    (transformers' CompileConfig, see the module docstring)."""
+# --- --part floor: generate's own loop, driving a model that costs ~nothing ---------------------------
+FLOOR_ROWS = 8  # the logits table's rows: the next token is a function of the last one, cycling over 8
+
+
+def _floor_cache(model, cache, ids, kwargs) -> None:
+    """What the loop can see of a cache, kept as HF's layers keep it, at ~no cost: the prefill allocates
+    the static tensors through ``cache.update`` (lazy initialization, static addresses marked) like the
+    real model; a decode step advances the layers' write counters (``cumulative_length``, what
+    ``get_seq_length`` reads) in one foreach kernel. The keys and values written are nothing the loop
+    reads. Older transformers (no counter: positions from the loop's cache_position) advance nothing."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return
+    B, T = ids.shape
+    if not all(getattr(lay, "is_initialized", True) for lay in layers):
+        cfg = model.config
+        kv = torch.zeros(B, cfg.n_head, T, cfg.n_embd // cfg.n_head, dtype=model.dtype, device=ids.device)
+        extra = ({"cache_position": kwargs["cache_position"]},) if kwargs.get("cache_position") is not None else ()
+        for i in range(len(layers)):
+            cache.update(kv, kv, i, *extra)
+        return
+    lens = [lay.cumulative_length for lay in layers if isinstance(getattr(lay, "cumulative_length", None), torch.Tensor)]
+    if lens:
+        torch._foreach_add_(lens, T)
+
+
+def _floor_model(base):
+    """A GPT2LMHeadModel (same class tree, config, generation config, cache handling and output type, so
+    generate's loop runs the same Python) whose forward reads one row of a preallocated logits table:
+    logits = table[last token % 8], one gather on the device. Row j's argmax is a token = j + 1 (mod 8),
+    so the tokens cycle and never hit EOS. Its ms a step is the host cost of generate's own loop: the
+    best any model driven by this generate can do."""
+    import inspect
+
+    from transformers import GPT2LMHeadModel
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    class FloorGPT2(GPT2LMHeadModel):
+        def forward(self, input_ids=None, *args, **kwargs):
+            name = "cache" if "cache" in kwargs else "past_key_values"  # transformers >= 5.2x: cache
+            cache = kwargs.get(name)
+            if cache is not None:
+                _floor_cache(self, cache, input_ids, kwargs)
+            logits = self.floor_logits[input_ids[:, -1] % FLOOR_ROWS].unsqueeze(1)  # (B, 1, V)
+            return CausalLMOutputWithCrossAttentions(logits=logits, **({name: cache} if cache is not None else {}))
+
+    # generate reads the forward's parameters (logits_to_keep, ...): the real model's
+    FloorGPT2.forward.__signature__ = inspect.signature(GPT2LMHeadModel.forward)
+    torch.manual_seed(0)
+    m = FloorGPT2(copy.deepcopy(base.config)).to(base.device, base.dtype).eval()
+    m.generation_config = copy.deepcopy(base.generation_config)
+    V = base.config.vocab_size
+    first = FLOOR_ROWS * ((V // 2) // FLOOR_ROWS)  # a token = 0 (mod 8) in the middle of the vocabulary
+    table = torch.randn(FLOOR_ROWS, V, generator=torch.Generator().manual_seed(5)).clamp_(-3, 3)
+    table[torch.arange(FLOOR_ROWS), first + (torch.arange(FLOOR_ROWS) + 1) % FLOOR_ROWS] = 10.0
+    m.register_buffer("floor_logits", table.to(base.device, base.dtype), persistent=False)
+    return m
+
+
+def _variant(base, patched: bool, compiled: bool, floor: bool = False):
+    """A copy of ``base``, patched or not (or the floor model); ``compiled``: generate compiles its decode
+    steps (transformers' CompileConfig, see the module docstring)."""
     from tritune.model import hf_patch
 
-    m = copy.deepcopy(base)
+    m = _floor_model(base) if floor else copy.deepcopy(base)
     if patched:
         hf_patch.patch(m)
     if compiled:
@@ -159,6 +219,66 @@ def _variant(base, patched: bool, compiled: bool):
     return m
 
 
+@contextlib.contextmanager
+def _gc_watch(out: dict):
+    """Python's garbage collections while inside, into ``out``: {"gen<g>": [collections, seconds]}. A
+    full (gen 2) collection walks every tracked object of the process (after a few compiles, millions):
+    tens of ms in one step, which a mean a step spreads over all."""
+    import gc
+
+    began = {}
+
+    def cb(phase, info):
+        g = info.get("generation")
+        if phase == "start":
+            began[g] = time.perf_counter()
+            return
+        n_s = out.setdefault(f"gen{g}", [0, 0.0])
+        n_s[0] += 1
+        n_s[1] += time.perf_counter() - began.pop(g, time.perf_counter())
+
+    gc.callbacks.append(cb)
+    try:
+        yield out
+    finally:
+        gc.callbacks.remove(cb)
+
+
+def _gc_objects() -> int:
+    import gc
+
+    return len(gc.get_objects())
+
+
+def _host_calibration() -> dict:
+    """The same fixed host work in every row: a pure-Python loop, and 200 tiny in-place ops on the device
+    (host time, synced after): where it grows from row to row, the process (or the machine) got slower,
+    not the row's model."""
+    x = torch.zeros(8, device=_dev())
+
+    def python():
+        d: dict = {}
+        for i in range(20000):
+            d[i & 63] = d.get(i & 63, 0) + i
+
+    def ops():
+        for _ in range(200):
+            x.add_(1)
+
+    out = {}
+    for name, fn in (("python_us", python), ("torch_ops_us", ops)):
+        fn()
+        ts = []
+        for _ in range(5):
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        _sync()
+        out[name] = round(statistics.median(ts) * 1e6, 1)
+    return out
+
+
 @torch.no_grad()
 def bench_generate(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     g = torch.Generator().manual_seed(batch)
@@ -169,23 +289,26 @@ def bench_generate(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     model.generate(ids, **kw)  # warm-up: compiles, records the graphs, fills the tuned-config caches
     _sync()
     warm_s = time.perf_counter() - t0
-    times = []
-    for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        out = model.generate(ids, **kw)
-        _sync()
-        times.append(time.perf_counter() - t0)
+    calib, gcs, times = _host_calibration(), {}, []
+    with _gc_watch(gcs):
+        for _ in range(reps):
+            _sync()
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw)
+            _sync()
+            times.append(time.perf_counter() - t0)
     made = out.shape[1] - prompt
     s = statistics.median(times)
     return {"batch": batch, "prompt": prompt, "new_tokens": made, "s": s, "tok_s": batch * made / s,
-            "ms_per_step": s / made * 1e3, "runs_s": times, "warmup_s": warm_s,
+            "ms_per_step": s / made * 1e3, "runs_s": times, "warmup_s": warm_s, "host_calibration": calib,
+            "gc": gcs, "gc_objects": _gc_objects(),
             "compiled_call": hasattr(model, "_compiled_call"), "compile_s": _compile_s(),
             "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0) - skips0,
             **({"profile": profile_generate(model, ids, kw, made)} if PROFILE["on"] else {})}
 
 
 PROFILE = {"on": False, "top": 12}
+PARTS = ("floor", "generate", "step", "genprof", "prefill", "all")
 
 
 def profile_generate(model, ids, kw, steps: int) -> dict:
@@ -524,7 +647,7 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
     st: dict = {}
 
     def reset(profiling: bool):
-        st.update(calls=0, call_s=0.0, prefill_s=0.0, ptrs=[], events=[], profiling=profiling,
+        st.update(calls=0, call_s=0.0, call_list=[], prefill_s=0.0, ptrs=[], events=[], profiling=profiling,
                   syncs={"prefill": 0, "call": 0}, caught=None, own=0)
 
     def n_warned():
@@ -557,7 +680,8 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
         try:
             return compiled(*a, **k)
         finally:
-            st["call_s"] += time.perf_counter() - t0
+            st["call_list"].append(time.perf_counter() - t0)
+            st["call_s"] += st["call_list"][-1]
             st["calls"] += 1
             if cuda and not st["profiling"]:
                 e1.record()
@@ -583,8 +707,9 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             warm_ptrs.append(set(st["ptrs"]))
         warm_counts = _counter_diff(warm0, _counters())
         reset(False)
-        counts0, tree = _counters(), {}
-        with _count_tree_calls(tree):
+        counts0, tree, gcs = _counters(), {}, {}
+        calib = _host_calibration()
+        with _count_tree_calls(tree), _gc_watch(gcs):
             _sync()
             t0 = time.perf_counter()
             out = model.generate(ids, **kw)
@@ -644,6 +769,9 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             "compiled_calls": timed["calls"], "wall_ms_per_step": wall / steps * 1e3,
             "prefill_ms": timed["prefill_s"] * 1e3, "call_host_us": timed["call_s"] / max(1, timed["calls"]) * 1e6,
             "loop_us": (wall - timed["prefill_s"] - timed["call_s"]) / decode * 1e6,
+            "call_host_us_median": med(timed["call_list"]) * 1e6 if timed["call_list"] else None,
+            "call_host_us_max": max(timed["call_list"]) * 1e6 if timed["call_list"] else None,
+            "gc": gcs, "gc_objects": _gc_objects(), "host_calibration": calib,
             "call_device_us": med(call_dev) if call_dev else None,
             "call_device_us_max": max(call_dev) if call_dev else None,
             "step_device_us": med(step_dev) if step_dev else None,
@@ -699,7 +827,8 @@ def bench_prefill(fn, ids, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--part", choices=("generate", "prefill", "step", "genprof", "all"), default="all")
+    ap.add_argument("--part", default="all", help="comma-separated: " + ", ".join(PARTS)
+                    + " (all: generate, step, prefill)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 32 1 (--part genprof: 32)")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
@@ -717,17 +846,23 @@ def main(argv=None) -> int:
     ap.add_argument("--stub-kernels", action="store_true",
                     help="--smoke: the launchers return empty outputs (host cost without the interpreter's)")
     args = ap.parse_args(argv)
+    parts = set(args.part.split(","))
+    if not parts <= set(PARTS):
+        ap.error(f"--part: {args.part!r}: expected a comma-separated list of {', '.join(PARTS)}")
+    if "all" in parts:
+        parts |= {"generate", "step", "prefill"}
+    one_batch = parts <= {"genprof", "floor"}  # parts that default to batch 32 alone
     PROFILE["on"] = args.profile
     if args.batches is None:
-        args.batches = [32] if args.part == "genprof" else [32, 1]
+        args.batches = [32] if one_batch else [32, 1]
     if args.smoke:
         global VOCAB
         SMOKE["on"], VOCAB, SMOKE["backend"] = True, SMOKE["config"]["vocab_size"], args.smoke_backend
         SMOKE["config"]["n_layer"] = args.smoke_layers
         # --part step keeps up to 48 new tokens (its loop_us: HF's loop a step, not the prefill's share)
         # --part genprof too, and keeps --batches when given (a batch of 32 costs the tiny model little)
-        new = min(args.new, 48) if args.part in ("step", "genprof") else 3
-        batches = args.batches[:1] if args.part == "genprof" and args.batches else [2]
+        new = min(args.new, 48) if parts & {"step", "genprof", "floor"} else 3
+        batches = args.batches[:1] if one_batch and args.batches else [2]
         args.batches, args.prompt, args.new, args.reps, args.prefill = batches, 5, new, 1, [2, 16]
         if args.stub_kernels:
             stub_kernels()
@@ -745,7 +880,9 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
            "model": "GPT-2 small config, random init, bf16", "args": vars(args), "generate": {}, "prefill": {},
            "step": {}, "genprof": {}, "checks": {}}
-    path = os.path.join(args.out_dir, f"hf_patch_{args.part}_{res['date']}_{res['commit']}.json")
+    res["floor"] = {}
+    name = "-".join(p for p in PARTS if p in parts)
+    path = os.path.join(args.out_dir, f"hf_patch_{name}_{res['date']}_{res['commit']}.json")
 
     def save():
         with open(path, "w") as f:
@@ -774,7 +911,15 @@ def main(argv=None) -> int:
         print(table, key, {k: v[k] for k in shown if k in v}, flush=True)
 
     base = _model()
-    if args.part in ("generate", "all"):
+    if "floor" in parts:
+        # the patched row before HF's here (genprof runs HF's first): a row's place in the process shows
+        for b in args.batches:
+            for key, patched, compiled, floor in (("floor+compile", False, True, True), ("floor", False, False, True),
+                                                   ("tritune+compile", True, True, False),
+                                                   ("hf+compile", False, True, False)):
+                row("floor", f"{key} b={b}", lambda: bench_generate(_variant(base, patched, compiled, floor), b,
+                                                                    args.prompt, args.new, args.reps))
+    if "generate" in parts:
         order = [(b, n, p, c) for b in args.batches for c in ((True,) if args.compiled_only else (True, False))
                  for n, p in (("hf", False), ("tritune", True))]
         for b, name, patched, compiled in order:
@@ -782,13 +927,13 @@ def main(argv=None) -> int:
             row("generate", key, lambda: bench_generate(_variant(base, patched, compiled), b, args.prompt,
                                                         args.new, args.reps))
 
-    if args.part in ("step", "all"):
+    if "step" in parts:
         for b in args.batches:
             for name, patched in (("hf", False), ("tritune", True)):
                 row("step", f"{name}+compile b={b}",
                     lambda: bench_step(_variant(base, patched, True), b, args.prompt, args.new, args.reps))
 
-    if args.part == "genprof":  # not in "all": its cProfile'd generate is not a measurement of speed
+    if "genprof" in parts:  # not in "all": its cProfile'd generate is not a measurement of speed
         for b in args.batches:
             for name, patched in (("hf", False), ("tritune", True)):
                 row("genprof", f"{name}+compile b={b}",
@@ -802,7 +947,7 @@ def main(argv=None) -> int:
                 v.pop("_rows", None)
             save()
 
-    if args.part in ("prefill", "all"):
+    if "prefill" in parts:
         def check():  # the patched model's logits against HF's (bf16 both, float64 HF as the reference)
             from tritune.harness import compare as cmp
 
@@ -842,6 +987,17 @@ def main(argv=None) -> int:
         for c in ("hf eager-attention", "hf sdpa", "hf sdpa+compile"):
             if "ms" in p.get(a, {}) and "ms" in p.get(c, {}):
                 ratios[f"prefill {a} vs {c} (speedup)"] = p[c]["ms"] / p[a]["ms"]
+    fl = res["floor"]
+    for b in args.batches:
+        floors = [fl.get(f"{k} b={b}", {}).get("ms_per_step") for k in ("floor+compile", "floor")]
+        floors = [x for x in floors if x]
+        hf = fl.get(f"hf+compile b={b}", {}).get("ms_per_step")
+        if floors and hf:
+            # HF+compile's step over the cheapest loop: the most any model under this generate can gain
+            x = ratios[f"hf+compile / floor b={b}"] = hf / min(floors)
+            res[f"floor_verdict b={b}"] = (
+                f"1.3x reachable through the model (at most {x:.2f}x)" if x >= 1.3 else
+                f"blocked by generate's own loop: at most {x:.2f}x over HF+compile with a model costing nothing")
     res["ratios"] = ratios
     x = ratios.get("tritune+compile / hf+compile b=32")
     res["target_batch32_1.3x"] = None if x is None else x >= 1.3
@@ -852,6 +1008,20 @@ def main(argv=None) -> int:
             print(f"  {k:28s} {v.get('tok_s', float('nan')):9.1f} {v.get('ms_per_step', float('nan')):8.3f} "
                   f"{v.get('compile_s', float('nan')):10.1f} {v.get('warmup_s', float('nan')):10.1f}  "
                   f"{v.get('error', '')[:90]}")
+    if fl:
+        print("\nfloor: generate's loop, a model costing ~nothing   ms/step  runs ms/step        "
+              "calib py/ops us  gc gen2 n/ms  gc objects")
+        for k, v in fl.items():
+            if "error" in v:
+                print(f"  {k:28s} {v['error'][:100]}")
+                continue
+            runs = " ".join(f"{r / max(1, v['new_tokens']) * 1e3:.3f}" for r in v["runs_s"])
+            c, g2 = v["host_calibration"], v["gc"].get("gen2", [0, 0.0])
+            print(f"  {k:47s} {v['ms_per_step']:8.3f}  {runs:20s} {c['python_us']:7.0f}/{c['torch_ops_us']:<6.0f} "
+                  f"{g2[0]:5d}/{g2[1] * 1e3:<7.1f} {v['gc_objects']:10d}")
+        for b in args.batches:
+            if f"floor_verdict b={b}" in res:
+                print(f"  b={b}: {res[f'floor_verdict b={b}']}")
     if p:
         print(f"prefill {args.prefill[0]} x {args.prefill[1]}               ms  compile s  first call s")
         for k, v in p.items():
