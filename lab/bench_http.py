@@ -249,6 +249,21 @@ class Served:
                 "arrival_to_submit_ms": {"p50": q(parse, .5), "max": q(parse, 1)},
                 "submit_to_add_ms": {"p50": q(ipc, .5), "max": q(ipc, 1)}}
 
+    def compiles(self) -> dict:
+        """Triton compiles in the engine since the last call (warm-up excluded): each one a step that
+        waited for a compile (around a second on an H100's host)."""
+        since = getattr(self, "_compiles_seen", 0)
+        if self.mode == "process":
+            if self.engine.down is not None:
+                return {"count": None}
+            r = self.engine.run_sync(self.engine.call("tritune.model.http_bench:jit_compiles", since))
+        else:
+            from tritune.model.http_bench import jit_compiles
+
+            r = jit_compiles(self.engine, since)
+        self._compiles_seen = r.get("total") or since
+        return r
+
     def memory(self) -> dict:
         """The API process's RSS, and the engine's memory where it lives."""
         if self.mode == "process":
@@ -434,18 +449,31 @@ def main() -> int:
                 if args.warmup_http:
                     client(sv.server.url, jsonl, min(args.warmup_http, len(items)), min(args.warmup_http, len(items)),
                            out / f"http_{mode}_warmup.json", min(120, left() - 60), args.client_procs, sv.pid)
+                with contextlib.suppress(Exception):
+                    row["jit_compiles_untimed_warmup"] = sv.compiles()
+                    print(f"[{mode}] Triton compiles after ready, in the untimed warm-up runs: "
+                          f"{row['jit_compiles_untimed_warmup']}", flush=True)
                 for r in range(args.rounds if mode == "process" else args.thread_rounds):
                     if left() < (10 if not gpu else 60):
                         row["note"] = f"stopped after {r} round(s): time limit"
                         break
                     wait_idle(sv.srv)
                     inproc = sv.inprocess(items, min(300, left() - 20))
+                    try:
+                        c_in = sv.compiles()
+                    except Exception:  # noqa: BLE001 (a count, not the measurement)
+                        c_in = {"count": None}
                     print(f"[{mode} {r}] in-process: {inproc['output_tok_s']:.0f} output tok/s, TTFT p50/p99 "
                           f"{_ms(inproc['ttft_ms'], 'p50', 'p99')} ms, ITL p50/p99 "
                           f"{_ms(inproc['itl_ms'], 'p50', 'p99')} ms", flush=True)
                     http = client(sv.server.url, jsonl, len(items), len(items), out / f"http_{mode}_round{r}.json",
                                   min(300, left() - 30), args.client_procs, sv.pid)
                     rr = {"in_process": inproc, "http": http}
+                    with contextlib.suppress(Exception):
+                        rr["jit_compiles"] = {"in_process": c_in, "http": sv.compiles()}
+                        print(f"[{mode} {r}] Triton compiles: in-process {c_in.get('count')}, HTTP "
+                              f"{rr['jit_compiles']['http'].get('count')} {rr['jit_compiles']['http'].get('by_kernel')}",
+                              flush=True)
                     with contextlib.suppress(Exception):
                         rr["ramp"] = sv.ramp(len(items))
                     if rr.get("ramp"):
@@ -496,12 +524,16 @@ def main() -> int:
             ramps = [x["ramp"]["submit_to_add_ms"] for x in row.get("rounds", ()) if x.get("ramp")]
             ttft = [f"{x['http']['ttft_ms']['p50']:.0f}/{x['in_process']['ttft_ms']['p50']:.0f}"
                     for x in row.get("rounds", ()) if "http_cost" in x]
+            jit = [f"{x['jit_compiles']['in_process'].get('count')}/{x['jit_compiles']['http'].get('count')}"
+                   for x in row.get("rounds", ()) if x.get("jit_compiles")]
             parts.append(f"{mode}: " + (f"ERROR {row['error'][:200]}; " if row.get("error") else "")
                          + f"HTTP cost per round {costs}"
                          + (f", best HTTP {best:.0f} tok/s" if best else "")
                          + (f", TTFT p50 HTTP/in-process {ttft} ms" if ttft else "")
                          + (", submit->add p50/max " + str(["%.0f/%.0f" % (q["p50"], q["max"]) for q in ramps])
                             + " ms" if ramps else "")
+                         + (f", Triton compiles after ready in-process/HTTP {jit}" if jit else "")
+                         + (f", ready in {row['setup_s']:.0f} s" if row.get("setup_s") else "")
                          + (f", median {row['http_cost_median']:+.1%}" if "http_cost_median" in row else "")
                          + f" (target <= 10% on the median round: "
                          f"{'met' if row.get('target_http_cost_le_10pct') else 'NOT met'})")

@@ -516,10 +516,32 @@ def bench_engine(*, kind: str, engine: dict, stub: dict | None = None, model: st
 
 
 def warm_up_engine(engine) -> None:
-    """serve-bench's warm-up (every kernel variant compiled, the CUDA graphs captured): on a GPU only."""
+    """serve-bench's warm-up (every kernel variant compiled, the CUDA graphs captured): on a GPU only.
+    Then a log of Triton compiles stays on (:func:`jit_compiles`): any variant met after the server said
+    ready is a compile a request waited for."""
     import torch
 
     if torch.cuda.is_available() and getattr(engine.model, "backend", None) == "triton":
         from tritune.model import serve as S
 
+        t0 = time.perf_counter()
         S.warm_up(engine, engine.config.vocab_size, engine.config.n_positions // 2)
+        engine.notes.append(f"warm-up {time.perf_counter() - t0:.1f} s")
+    from tritune.model.serve import CompileLog
+
+    log = CompileLog()
+    log.__enter__()     # on for the engine's life (this process serves nothing else)
+    engine._compile_log = log
+
+
+def jit_compiles(engine, since: int = 0) -> dict:
+    """Triton compiles (kernel-cache misses) since the warm-up ended, from the ``since``-th on: count, by
+    kernel, the first few with their constexprs (called where the engine lives)."""
+    log = getattr(engine, "_compile_log", None)
+    if log is None:
+        return {"count": None}
+    ev = log.events[since:]
+    out = {"total": len(log.events), "count": len(ev), "by_kernel": {}, "first": ev[:4]}
+    for e in ev:
+        out["by_kernel"][e["kernel"]] = out["by_kernel"].get(e["kernel"], 0) + 1
+    return out
