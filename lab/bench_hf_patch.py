@@ -1,6 +1,6 @@
 """GPU driver: Hugging Face GPT-2 (small config, random init, bf16) with and without tritune.patch.
 
-    python lab/bench_hf_patch.py RESULTS_DIR [--part generate|prefill|step|genprof|all] [--batches 32 1] [--new 128]
+    python lab/bench_hf_patch.py RESULTS_DIR [--part floor,generate,prefill,step,genprof,all (a comma list)] [--batches 32 1] [--new 128]
                                  [--prompt 64] [--reps 3] [--time-limit 280] [--variant-limit 150]
                                  [--smoke [--smoke-backend aot_eager|inductor] [--smoke-layers 2]]
                                  [--compiled-only] [--profile] [--stub-kernels]
@@ -47,6 +47,20 @@ and 1 output, patched and not; guard-tree lines 2958 patched vs 3599; host time 
 patched step's only extra CPU time is inside the graph call (the ops' dispatch, ~15 us an op), which a
 CUDA-graph replay does not run. So the H100's +1.1 ms a step is not host work this side can see:
 measure host_us against step_us and device_us on the GPU.
+floor (``--part floor``): HF ``generate`` (the same batch, prompt, new tokens, static cache, greedy) driving
+a GPT2LMHeadModel whose forward costs ~nothing (``_floor_model``: one gather from a logits table, the cache
+allocated and advanced as HF's layers do, the same output type), eager and compiled (the same recipe),
+then patched+compile and HF+compile (the patched row first: genprof runs HF's first, so a row's place in
+the process shows). Its ms a step is generate's own loop on the host: the best any model can do under this
+generate; ``hf+compile / floor`` above 1.3 is the room the target needs. Every generate and genprof row
+also records a fixed host calibration (a Python loop, 200 tiny device ops) measured in that row, Python's
+GC collections and tracked objects, and who used the CPU during the timed generates (cores of this
+process and of others, busy threads, involuntary context switches): the same Python running slower in
+one row than in another is then either the process (calibration up), the GC, contention, or the row.
+Found (2026-11-24, CPU, --smoke --smoke-backend inductor --stub-kernels, 12 layers, b=32, 48 new): no GC
+collection at all during a generate (HF and patched: tensors die by refcount), ~0 objects surviving a
+generate either way; loop a step 685 us patched vs 688 HF; the floor's loop 0.51 (eager) / 0.65 ms
+(compiled) a step on this CPU.
 --profile: each generate row runs one more generate under torch.profiler and records, per decode step,
 the device's busy time, kernels and CUDA-graph launches, and the top kernels (the GPU work a compiled
 step replays against the host time around it). --compiled-only: only the two compiled rows.
@@ -244,6 +258,50 @@ def _gc_watch(out: dict):
         gc.callbacks.remove(cb)
 
 
+def _cpu_now() -> dict:
+    """Linux counters: the machine's busy jiffies (/proc/stat), this process's CPU time by thread and its
+    involuntary context switches (preempted while runnable: another thread or process took its core)."""
+    out = {"t": time.perf_counter()}
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        out["busy"] = sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # all but idle and iowait
+        with open("/proc/self/status") as f:
+            out["invol"] = next(int(ln.split()[1]) for ln in f if ln.startswith("nonvoluntary_ctxt_switches"))
+        threads = {}
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    st = f.read()
+                name, rest = st[st.index("(") + 1:st.rindex(")")], st[st.rindex(")") + 2:].split()
+                name = "main" if tid == str(os.getpid()) else name
+                threads[tid] = (name, int(rest[11]) + int(rest[12]))  # utime + stime
+        out["threads"] = threads
+    except (OSError, ValueError, StopIteration):  # not Linux: nothing but the wall time
+        pass
+    return out
+
+
+@contextlib.contextmanager
+def _cpu_watch(out: dict):
+    """Who used the CPU while inside, into ``out``: cores busy on the machine, in this process, and in
+    other processes (compile workers, other tenants); this process's busy threads; its involuntary
+    context switches. The same Python running slower with other_cores > 0 or many switches is contention."""
+    a = _cpu_now()
+    try:
+        yield out
+    finally:
+        b = _cpu_now()
+        wall, hz = b["t"] - a["t"], os.sysconf("SC_CLK_TCK")
+        if "busy" in a and "busy" in b and wall > 0:
+            own = {tid: (nm, c - a["threads"].get(tid, (nm, 0))[1]) for tid, (nm, c) in b["threads"].items()}
+            own_cores = sum(c for _, c in own.values()) / hz / wall
+            busy_cores = (b["busy"] - a["busy"]) / hz / wall
+            out.update(wall_s=round(wall, 3), machine_cores=round(busy_cores, 2), own_cores=round(own_cores, 2),
+                       other_cores=round(busy_cores - own_cores, 2), involuntary_switches=b["invol"] - a["invol"],
+                       busy_threads=sorted(f"{nm}:{c / hz / wall:.2f}" for nm, c in own.values() if c / hz / wall > 0.05))
+
+
 def _gc_objects() -> int:
     import gc
 
@@ -289,8 +347,8 @@ def bench_generate(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     model.generate(ids, **kw)  # warm-up: compiles, records the graphs, fills the tuned-config caches
     _sync()
     warm_s = time.perf_counter() - t0
-    calib, gcs, times = _host_calibration(), {}, []
-    with _gc_watch(gcs):
+    calib, gcs, cpu, times = _host_calibration(), {}, {}, []
+    with _gc_watch(gcs), _cpu_watch(cpu):
         for _ in range(reps):
             _sync()
             t0 = time.perf_counter()
@@ -301,7 +359,7 @@ def bench_generate(model, batch: int, prompt: int, new: int, reps: int) -> dict:
     s = statistics.median(times)
     return {"batch": batch, "prompt": prompt, "new_tokens": made, "s": s, "tok_s": batch * made / s,
             "ms_per_step": s / made * 1e3, "runs_s": times, "warmup_s": warm_s, "host_calibration": calib,
-            "gc": gcs, "gc_objects": _gc_objects(),
+            "gc": gcs, "gc_objects": _gc_objects(), "cpu": cpu,
             "compiled_call": hasattr(model, "_compiled_call"), "compile_s": _compile_s(),
             "cudagraph_skips": torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0) - skips0,
             **({"profile": profile_generate(model, ids, kw, made)} if PROFILE["on"] else {})}
@@ -707,9 +765,9 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             warm_ptrs.append(set(st["ptrs"]))
         warm_counts = _counter_diff(warm0, _counters())
         reset(False)
-        counts0, tree, gcs = _counters(), {}, {}
+        counts0, tree, gcs, cpu = _counters(), {}, {}, {}
         calib = _host_calibration()
-        with _count_tree_calls(tree), _gc_watch(gcs):
+        with _count_tree_calls(tree), _gc_watch(gcs), _cpu_watch(cpu):
             _sync()
             t0 = time.perf_counter()
             out = model.generate(ids, **kw)
@@ -771,7 +829,7 @@ def bench_genprof(model, batch: int, prompt: int, new: int) -> dict:
             "loop_us": (wall - timed["prefill_s"] - timed["call_s"]) / decode * 1e6,
             "call_host_us_median": med(timed["call_list"]) * 1e6 if timed["call_list"] else None,
             "call_host_us_max": max(timed["call_list"]) * 1e6 if timed["call_list"] else None,
-            "gc": gcs, "gc_objects": _gc_objects(), "host_calibration": calib,
+            "gc": gcs, "gc_objects": _gc_objects(), "host_calibration": calib, "cpu": cpu,
             "call_device_us": med(call_dev) if call_dev else None,
             "call_device_us_max": max(call_dev) if call_dev else None,
             "step_device_us": med(step_dev) if step_dev else None,
@@ -822,6 +880,12 @@ def bench_prefill(fn, ids, reps: int) -> dict:
         ms.append(a.elapsed_time(b))
     return {"ms": statistics.median(ms), "runs_ms": ms, "tok_s": ids.numel() / statistics.median(ms) * 1e3,
             "first_s": first_s, "compile_s": _compile_s()}
+
+
+def _cpu_cols(c: dict) -> str:
+    if "own_cores" not in c:
+        return "-"
+    return f"{c['own_cores']:5.2f}/{c['other_cores']:<5.2f}  {c['involuntary_switches']:8d}  {' '.join(c['busy_threads'])[:60]}"
 
 
 def main(argv=None) -> int:
@@ -1010,7 +1074,7 @@ def main(argv=None) -> int:
                   f"{v.get('error', '')[:90]}")
     if fl:
         print("\nfloor: generate's loop, a model costing ~nothing   ms/step  runs ms/step        "
-              "calib py/ops us  gc gen2 n/ms  gc objects")
+              "calib py/ops us  gc gen2 n/ms  gc objects  cores own/other  invol.sw  busy threads")
         for k, v in fl.items():
             if "error" in v:
                 print(f"  {k:28s} {v['error'][:100]}")
@@ -1018,7 +1082,7 @@ def main(argv=None) -> int:
             runs = " ".join(f"{r / max(1, v['new_tokens']) * 1e3:.3f}" for r in v["runs_s"])
             c, g2 = v["host_calibration"], v["gc"].get("gen2", [0, 0.0])
             print(f"  {k:47s} {v['ms_per_step']:8.3f}  {runs:20s} {c['python_us']:7.0f}/{c['torch_ops_us']:<6.0f} "
-                  f"{g2[0]:5d}/{g2[1] * 1e3:<7.1f} {v['gc_objects']:10d}")
+                  f"{g2[0]:5d}/{g2[1] * 1e3:<7.1f} {v['gc_objects']:10d}  {_cpu_cols(v.get('cpu', {}))}")
         for b in args.batches:
             if f"floor_verdict b={b}" in res:
                 print(f"  b={b}: {res[f'floor_verdict b={b}']}")
@@ -1065,6 +1129,10 @@ def main(argv=None) -> int:
                   f"{v['loop_us']:8.0f} {v['loop_python_calls_per_step']:14.1f} {v['compiled_calls']:5d}/"
                   f"{v['decode_steps']:<5d} {f(v['call_device_us']):>7s}/{f(v['step_device_us']):<7s} "
                   f"{str(v['cache_addresses_per_generate']):>12s} {sy:>16s}  {json.dumps(tree)}  {json.dumps(dyn)[:200]}")
+            c, g2, f1 = v["host_calibration"], v["gc"].get("gen2", [0, 0.0]), lambda x: "-" if x is None else f"{x:.0f}"
+            print(f"  {'':24s} call host us median/max {f1(v['call_host_us_median'])}/{f1(v['call_host_us_max'])}  "
+                  f"calib py/ops {c['python_us']:.0f}/{c['torch_ops_us']:.0f} us  gc gen2 {g2[0]}x {g2[1] * 1e3:.1f} ms  "
+                  f"objects {v['gc_objects']}  cores own/other, invol.sw, threads {_cpu_cols(v['cpu'])}")
             h = v.get("hf_prefill")
             if h:
                 print(f"  {'  same, HF prefill':24s} {h['wall_ms_per_step']:8.3f} {h['prefill_ms']:10.2f} "

@@ -694,3 +694,71 @@ def test_compiled_generate_steady_state_gpu(tiny_dir):
     assert ours["record_function"] <= hf["record_function"], (ours, hf)
     assert ours["run_eager"] <= hf["run_eager"], (ours, hf)
     assert ours["syncs"] <= hf["syncs"], (ours, hf)
+
+
+def _bench_hf_patch():
+    import pathlib
+
+    lab = str(pathlib.Path(__file__).resolve().parents[1] / "lab")
+    sys.path.insert(0, lab)
+    try:
+        import bench_hf_patch
+    finally:
+        sys.path.remove(lab)
+    return bench_hf_patch
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("compiled", [False, True])
+def test_floor_model_drives_generate_as_gpt2_does(tiny_dir, compiled):
+    """lab/bench_hf_patch.py --part floor: the model that costs ~nothing gets from HF's generate the same
+    arguments a step as GPT-2 (the loop runs the same Python), gives logits of the same type and shape,
+    keeps the static cache as GPT-2 does (allocated in the prefill, its length advanced a step), and its
+    tokens cycle (no stop); compiled (generate's own CompileConfig), one graph and no recompile."""
+    bench = _bench_hf_patch()
+    hf = _load(tiny_dir)
+    floor = bench._floor_model(hf)
+    assert type(floor).__mro__[1] is transformers.GPT2LMHeadModel
+    if compiled:
+        torch._dynamo.reset()
+        cc = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+        cc._compile_all_devices = True
+        floor.generation_config.compile_config = cc
+        floor.generation_config.disable_compile = False
+    seen = {"hf": [], "floor": []}
+
+    def hook(mod, args, kwargs, name):
+        if torch.compiler.is_compiling():  # inside the compiled call: recorded by its wrapper below
+            return
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen[name].append((tuple(sorted(kwargs)), tuple(kwargs["input_ids"].shape),
+                           [int(lay.cumulative_length) for lay in getattr(cache, "layers", ())
+                            if isinstance(getattr(lay, "cumulative_length", None), torch.Tensor)]))
+
+    for name, m in (("hf", hf), ("floor", floor)):
+        m.register_forward_pre_hook(lambda mod, a, k, name=name: hook(mod, a, k, name), with_kwargs=True)
+    if compiled:
+        get = floor.get_compiled_call
+
+        def get_recorded(cc):
+            fn = get(cc)
+
+            def call(*a, **k):
+                hook(None, a, k, "floor")
+                return fn(*a, **k)
+            return call
+        floor.get_compiled_call = get_recorded
+    ids = _ids(3, 5, 11)
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, cache_implementation="static",
+              return_dict_in_generate=True, output_logits=True)
+    frames0 = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
+    ref, got = hf.generate(ids, **kw), floor.generate(ids, **kw)
+    assert seen["floor"] == seen["hf"]
+    assert [tuple(x.shape) for x in got.logits] == [tuple(x.shape) for x in ref.logits]
+    assert {x.dtype for x in got.logits} == {x.dtype for x in ref.logits}
+    toks = got.sequences[:, 5:]
+    assert toks.shape == (3, 10) and len(set(toks[0].tolist())) == bench.FLOOR_ROWS  # a cycle of 8 tokens
+    if compiled:
+        assert hasattr(floor, "_compiled_call")
+        assert torch._dynamo.utils.counters["stats"].get("unique_graphs", 0) - frames0 == 1
+        assert not torch._dynamo.utils.counters["recompiles"]
