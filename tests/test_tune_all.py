@@ -1,4 +1,5 @@
-"""``tritune tune all --budget``: a cap, not a quota (studies stop when converged), the time spent kept in
+"""``tritune tune all --budget``: studies stop when converged, the time left then goes to them again with doubled
+patience (``fill``; ``--no-fill`` stops at convergence), the time spent kept in
 the storage (a killed or cut call resumes with what is left), and the --dry-run plan and estimate.
 Fake evaluations over the sweep tests' plain-torch spec (tests/tritune_sweep_helpers.py): seconds each."""
 from __future__ import annotations
@@ -56,7 +57,7 @@ def test_good_seeds_converge_long_before_the_budget(tmp_path):
     _warm_store({"a": 6, "b": 3})
     storage = str(tmp_path / "s.journal")
     t0 = time.time()
-    rows, near = _budget(storage, 600.0, h.quick, patience=4)
+    rows, near = _budget(storage, 600.0, h.quick, patience=4, fill=False)
     assert near == NEAR and time.time() - t0 < 60
     for r in rows:
         assert r["ledger"]["stop"] == "converged", r["ledger"]
@@ -67,9 +68,32 @@ def test_good_seeds_converge_long_before_the_budget(tmp_path):
     text = tb.summary_table(rows, 600.0, time.time() - t0)
     assert "2 converged" in text and "of 10.0 min spent" in text
     n = [len(s.trials) for s in _studies(storage)]
-    again, _ = _budget(storage, 600.0, h.quick, patience=4)
+    again, _ = _budget(storage, 600.0, h.quick, patience=4, fill=False)
     assert [len(s.trials) for s in _studies(storage)] == n  # finished studies are skipped
     assert [r["ledger"] for r in again] == [r["ledger"] for r in rows]
+
+
+def test_time_left_goes_to_the_converged_studies_with_doubled_patience(tmp_path):
+    """A poor warm seed and patience 1: without fill both studies stop after one draw without a gain; with
+    fill the time left reopens them (patience 2, 4, ...) until their spaces are exhausted or a pass finds
+    nothing: they end on the optimum, and each converged study's ledger names the patience it converged at."""
+    _warm_store({"a": 1, "b": 8})
+    capped = str(tmp_path / "capped.journal")
+    rows, _ = _budget(capped, 600.0, h.quick, patience=1, fill=False)
+    assert all(r["ledger"]["stop"] == "converged" and r["ledger"]["patience"] == 1 for r in rows)
+    n_capped = [r["trials"] for r in rows]
+    filled = str(tmp_path / "filled.journal")
+    logs = []
+    t0 = time.time()
+    rows, _ = _budget(filled, 600.0, h.quick, patience=1, log=logs.append)
+    assert time.time() - t0 < 120
+    assert any("converged studies searched again (patience 2)" in m for m in logs), logs
+    for r, capped_n in zip(rows, n_capped):
+        assert r["trials"] > capped_n
+        assert r["ledger"]["stop"] in ("converged", "exhausted"), r["ledger"]
+        if r["ledger"]["stop"] == "converged":
+            assert r["ledger"]["patience"] >= 2
+        assert r["best_us"] == 1000.0 and r["config"] == {"a": 6, "b": 3}
 
 
 def test_a_gain_resets_the_patience():
@@ -156,7 +180,7 @@ def test_the_budget_ends_studies_and_the_rest_goes_to_a_later_call(tmp_path):
 def test_dry_run_lists_studies_split_and_estimate(tmp_path, capsys):
     _warm_store({"a": 6, "b": 3})
     storage = str(tmp_path / "s.journal")
-    _budget(storage, 600.0, h.quick, patience=4, problems=[h.Problem(64)])
+    _budget(storage, 600.0, h.quick, patience=4, problems=[h.Problem(64)], fill=False)
     text = tb.dry_run([h.TOY], 600.0, storage=storage, dtypes=[torch.float32], problems=PROBLEMS, slug=SLUG,
                       patience=4)
     assert "2 studies, 1 to run (1 finished in the storage)" in text

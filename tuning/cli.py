@@ -173,7 +173,7 @@ def _tune(args) -> int:
             raise UsageError(f"--patience {args.patience}: expected a whole number >= 1")
         if not 0.0 <= args.min_gain < 1.0:
             raise UsageError(f"--min-gain {args.min_gain}: expected a fraction in [0, 1), e.g. 0.02")
-    for opt in ("dry_run", "stop_after", "as_gpu"):
+    for opt in ("dry_run", "stop_after", "as_gpu", "no_fill"):
         if getattr(args, opt, None) and budget is None:
             raise UsageError(f"--{opt.replace('_', '-')} goes with --budget")
     stop_after = None
@@ -237,7 +237,8 @@ def _tune(args) -> int:
                 raise UsageError("--seed-configs and --budget: give one (--budget seeds the nearest GPU's winners)")
             rows, _ = tb.tune_budget(specs, budget, trials=trials, dtypes=args.dtype, problems=problems,
                                      warm_from=args.warm_from, rounds=args.retime_rounds, slug=slug,
-                                     patience=args.patience, min_gain=args.min_gain, stop_after=stop_after, **common)
+                                     patience=args.patience, min_gain=args.min_gain, stop_after=stop_after,
+                                     fill=not getattr(args, "no_fill", False), **common)
             print(tb.summary_table(rows, budget, __import__("time").time() - t0))
             if any((r.get("ledger") or {}).get("stop") not in tb.DONE for r in rows) and tb.spent_s(rows) < budget:
                 print("budget left and studies unfinished: run the same command again to resume")
@@ -358,6 +359,9 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--min-gain", type=float, default=tb.MIN_GAIN, metavar="F",
                        help="with --budget: a gain beats the study's best by more than this fraction, the timing "
                             f"noise (default {tb.MIN_GAIN})")
+        s.add_argument("--no-fill", action="store_true",
+                       help="with --budget: stop once every study converged (default: time left goes to the "
+                            "converged studies again, with doubled patience per pass, until the budget is spent)")
         s.add_argument("--stop-after", default=None, metavar="DURATION",
                        help="with --budget: this call stops after DURATION (e.g. 8m); the time spent is in the "
                             "storage and the same command resumes with what is left of the budget")
