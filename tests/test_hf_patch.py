@@ -719,6 +719,8 @@ def test_floor_model_drives_generate_as_gpt2_does(tiny_dir, compiled):
     hf = _load(tiny_dir)
     floor = bench._floor_model(hf)
     assert type(floor).__mro__[1] is transformers.GPT2LMHeadModel
+    for m in (hf, floor):  # eager unless compiled below (on a GPU, generate compiles by itself for a static
+        m.generation_config.disable_compile = True  # cache, and the hook would see only the prefill)
     if compiled:
         torch._dynamo.reset()
         cc = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
