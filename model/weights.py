@@ -121,7 +121,8 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _expected_shapes(c: GPT2Config) -> dict[str, tuple]:
+def expected_shapes(c: GPT2Config) -> dict[str, tuple]:
+    """Every tensor name of a GPT-2 state dict in this layout -> its shape (also what tests fill at random)."""
     E, F = c.n_embd, c.d_mlp
     shapes = {"wte.weight": (c.vocab_size, E), "wpe.weight": (c.n_positions, E),
               "ln_f.weight": (E,), "ln_f.bias": (E,)}
@@ -142,7 +143,7 @@ def _expected_shapes(c: GPT2Config) -> dict[str, tuple]:
 
 def check_state(c: GPT2Config, state: dict, source: str = "checkpoint") -> None:
     """Every tensor the config implies is present with its shape; no layer beyond n_layer."""
-    for name, shape in _expected_shapes(c).items():
+    for name, shape in expected_shapes(c).items():
         if name not in state:
             raise ValueError(f"{source}: tensor {name!r} is missing (config.json: n_layer={c.n_layer})")
         got = tuple(state[name].shape)

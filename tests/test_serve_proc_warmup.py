@@ -25,15 +25,8 @@ V = 512
 def _stubbed_engine(monkeypatch):
     # GPT-2 small's heads and head dim (the variants depend on them), one layer, a small vocabulary
     cfg = GPT2Config(vocab_size=V, n_positions=1024, n_embd=768, n_layer=1, n_head=12)
-    e, f = cfg.n_embd, 4 * cfg.n_embd
-    shp = {"wte.weight": (V, e), "wpe.weight": (1024, e), "ln_f.weight": (e,), "ln_f.bias": (e,)}
-    for nm, sh in (("ln_1.weight", (e,)), ("ln_1.bias", (e,)), ("attn.c_attn.weight", (e, 3 * e)),
-                   ("attn.c_attn.bias", (3 * e,)), ("attn.c_proj.weight", (e, e)), ("attn.c_proj.bias", (e,)),
-                   ("ln_2.weight", (e,)), ("ln_2.bias", (e,)), ("mlp.c_fc.weight", (e, f)), ("mlp.c_fc.bias", (f,)),
-                   ("mlp.c_proj.weight", (f, e)), ("mlp.c_proj.bias", (e,))):
-        shp["h.0." + nm] = sh
     gen = torch.Generator().manual_seed(0)
-    state = {k: torch.randn(v, generator=gen) * 0.02 for k, v in shp.items()}
+    state = {k: torch.randn(v, generator=gen) * 0.02 for k, v in W.expected_shapes(cfg).items()}
     m = GPT2(cfg, W.to_layout(cfg, state, torch.float32, "cpu"), backend="torch")
     eng = Engine(m, num_blocks=8192, max_num_seqs=256, max_batch_tokens=8192, cuda_graphs="eager")
 

@@ -37,14 +37,7 @@ V = 512
 
 def stubbed_engine():
     cfg = GPT2Config(vocab_size=V, n_positions=1024, n_embd=32, n_layer=1, n_head=2)
-    e, f = 32, 128
-    shp = {"wte.weight": (V, e), "wpe.weight": (1024, e), "ln_f.weight": (e,), "ln_f.bias": (e,)}
-    for nm, sh in (("ln_1.weight", (e,)), ("ln_1.bias", (e,)), ("attn.c_attn.weight", (e, 3 * e)),
-                   ("attn.c_attn.bias", (3 * e,)), ("attn.c_proj.weight", (e, e)), ("attn.c_proj.bias", (e,)),
-                   ("ln_2.weight", (e,)), ("ln_2.bias", (e,)), ("mlp.c_fc.weight", (e, f)), ("mlp.c_fc.bias", (f,)),
-                   ("mlp.c_proj.weight", (f, e)), ("mlp.c_proj.bias", (e,))):
-        shp["h.0." + nm] = sh
-    state = {k: torch.randn(v) * 0.1 for k, v in shp.items()}
+    state = {k: torch.randn(v) * 0.1 for k, v in W.expected_shapes(cfg).items()}
     m = GPT2(cfg, W.to_layout(cfg, state, torch.float32, "cpu"), backend="torch")
     eng = E.Engine(m, num_blocks=56954, max_num_seqs=256, max_batch_tokens=8192, block_size=16, cuda_graphs=False)
     g = DecodeGraphs(m, eng.pool, 64, [1, 2, 4, 8, 16, 32, 64, 128, 256], hist=16, capture=False)
