@@ -27,9 +27,21 @@ Attention, given the mask GPT2Model built (4-D bool for sdpa, additive for eager
   attention_mask, chunked prefill with a past): the model's own attention function (sdpa), stated
   here because tritune's attention kernel takes no mask.
 Training-mode dropout also takes the original forward.
+
+The compiled decode step (``cuda_graphs=True``, the default): HF ``generate`` with a static cache runs its
+decode steps through ``model.get_compiled_call(compile_config)``. The patched model's returns a
+``ThinGraphCall``: the forward compiled by the compile_config with inductor's own CUDA graphs off, and ONE
+``torch.cuda.CUDAGraph`` of it per key (input shapes/strides/dtypes, the static cache's tensor addresses,
+the other kwargs' values), replayed after one ``copy_`` per tensor input. Measured on the H100 (2026-11-24),
+CUDA-graph trees' own Python (invariant checks, node bookkeeping) was ~740-960 us of host time a step,
+about half of a 2.8 ms decode step at batch 32; a replay here is the key, the copies and ``replay()``.
+Whatever the key cannot hold (positional args, autograd or training on, CPU tensors, a cache other than
+StaticLayers, an output that is not tensors and the cache) runs the compiled call as it is.
 """
 from __future__ import annotations
 
+import collections
+import logging
 import types
 
 import torch
@@ -61,9 +73,13 @@ def _check_config(cfg) -> None:
                          f"(expected one of {ATTN_HEAD_DIMS})")
 
 
-def patch(model):
+def patch(model, cuda_graphs: bool = True):
     """Run a ``GPT2LMHeadModel`` (or ``GPT2Model``) on tritune kernels from now on; returns the model.
-    Refuses (ValueError naming the option) config options the kernels do not implement. Idempotent."""
+    Refuses (ValueError naming the option) config options the kernels do not implement. Idempotent.
+    ``cuda_graphs``: generate's compiled decode steps replay one CUDA graph per key (``ThinGraphCall``)
+    instead of torch's CUDA-graph trees; False leaves ``get_compiled_call`` to transformers."""
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs: expected a bool, got {type(cuda_graphs).__name__}")
     try:
         from transformers import GPT2LMHeadModel, GPT2Model
     except ImportError as e:  # pragma: no cover - transformers is a test extra
@@ -78,6 +94,10 @@ def patch(model):
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"model: dtype {dtype} not supported (float32, float16, bfloat16)")
+    if getattr(model, "_tritune_cuda_graphs", None) != cuda_graphs:
+        model.__dict__.pop("_compiled_call", None)  # made for the other setting: the next generate remakes it
+        model._tritune_cuda_graphs = cuda_graphs
+        model.get_compiled_call = types.MethodType(_get_compiled_call, model)
     if getattr(model, "_tritune_patched", False):
         return model
     memo = _StepMemo()
@@ -234,3 +254,258 @@ def _block_forward(self, hidden_states, cache=None, attention_mask=None, encoder
     x = _linear(a, attn.c_proj, residual=x)
     f = _ln_linear(x, self.ln_2, mlp.c_fc, activation="gelu_tanh")
     return _linear(f, mlp.c_proj, residual=x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# generate's decode step as one CUDA graph a key
+log = logging.getLogger(__name__)
+_WEIGHTS_VERSION = [0]  # bumped when a watched module gets a parameter, buffer or submodule assigned
+_WATCHED: set = set()   # ids of the modules of models with a ThinGraphCall (a dead model's ids: a spare bump)
+_HOOKS: list = []
+
+
+def _assigned(module, name, value):
+    if id(module) in _WATCHED:
+        _WEIGHTS_VERSION[0] += 1
+
+
+def _watch_weight_assignments(model) -> None:
+    """A replay is valid while the model's parameters and buffers are the tensors it was captured with:
+    their addresses are checked each replay (``.to``, ``.data =``), their replacement is seen here."""
+    _WATCHED.update(id(m) for m in model.modules())
+    if not _HOOKS:
+        mm = torch.nn.modules.module
+        _HOOKS.extend(reg(_assigned) for reg in (mm.register_module_parameter_registration_hook,
+                                                  mm.register_module_buffer_registration_hook,
+                                                  mm.register_module_module_registration_hook))
+
+
+def _without_cudagraphs(options: dict) -> dict:
+    """torch.compile's kwargs from a CompileConfig's dict, with inductor's CUDA graphs off (the replay's own)."""
+    kw = dict(options)
+    if kw.get("backend", "inductor") != "inductor":
+        return kw
+    if kw.get("options"):  # torch.compile takes a mode or options, not both
+        kw["options"] = {**kw["options"], "triton.cudagraphs": False}
+        kw["mode"] = None
+    else:
+        kw["mode"] = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(kw.get("mode"),
+                                                                                                 kw.get("mode"))
+    return kw
+
+
+def _get_compiled_call(self, compile_config=None):
+    """The patched model's ``get_compiled_call``: transformers' contract (one callable per compile config,
+    kept in ``_compiled_call``), returning a ``ThinGraphCall`` over the forward compiled without CUDA graphs."""
+    if not self._tritune_cuda_graphs:
+        return type(self).get_compiled_call(self, compile_config)
+    compile_config = compile_config or self._default_compile_config()
+    default = getattr(self.generation_config, "compile_config", None) or self._default_compile_config()
+    if not hasattr(self, "_compiled_call") or getattr(self, "_last_compile_config", default) != compile_config:
+        self._last_compile_config = compile_config
+        self._compiled_call = ThinGraphCall(self, torch.compile(self.__call__,
+                                                                **_without_cudagraphs(compile_config.to_dict())))
+    return self._compiled_call
+
+
+_WARM = object()  # an entry's state after its key's first call (the warm-up: the compiled call)
+
+
+class _Graph:
+    __slots__ = ("graph", "inputs", "out_type", "tensors", "caches", "weights")
+
+    def __init__(self, graph, inputs, out_type, tensors, caches, weights):
+        self.graph = graph          # .replay()
+        self.inputs = inputs        # [(kwarg name, static buffer)]: copied into before each replay
+        self.out_type = out_type    # the ModelOutput class the forward returned
+        self.tensors = tensors      # {field: static output tensor}
+        self.caches = caches        # {field: kwarg name}: the call's own cache object goes there
+        self.weights = weights      # (weights version, data_ptrs of the model's parameters and buffers)
+
+
+class ThinGraphCall:
+    """generate's compiled decode call: per key (``key``), the first call runs ``compiled`` on a side
+    stream (the warm-up: compiles, tunes, allocates lazily), the second captures one CUDA graph of it
+    (static input buffers, the outputs in one memory pool shared by all captures) and replays it, later
+    calls copy their tensor inputs into the buffers and replay. The key holds the static cache's tensor
+    addresses, not the cache object (holding it would keep its memory, so the next generate's cache
+    could never land at the same addresses): a replay runs only while the call's cache sits where the
+    graph writes. A replay's logits are overwritten by the next replay, as with CUDA-graph trees: HF
+    copies the last position's at once. Any call that does not fit runs ``compiled`` and is counted in
+    ``stats`` under ``fallback: <reason>``."""
+
+    MAX_GRAPHS = 8      # captures kept (least recently used dropped): batch sizes x live caches in a process
+    require_cuda = True  # the CPU tests stub the capture and lift this
+
+    def __init__(self, model, compiled):
+        self.model, self.compiled = model, compiled
+        self.entries: collections.OrderedDict = collections.OrderedDict()  # key -> _WARM | _Graph | reason
+        self.stats: collections.Counter = collections.Counter()
+        self._pool = self._stream = None
+        self._weights = None
+        _watch_weight_assignments(model)
+
+    # -- the key ------------------------------------------------------------------------------------
+    def key(self, args, kwargs):
+        """A hashable key of everything the captured graph depends on, or a str: why this call can't replay."""
+        if args:
+            return "positional arguments"
+        if self.model.training:
+            return "training mode"
+        if torch.is_grad_enabled():
+            return "autograd on"
+        from transformers.cache_utils import Cache
+
+        parts = [torch.is_inference_mode_enabled()]
+        for name, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                if self.require_cuda and not v.is_cuda:
+                    return f"{name}: not a CUDA tensor"
+                if v.requires_grad:
+                    return f"{name}: requires grad"
+                if not _dense(v):
+                    return f"{name}: overlapping or non-dense strides"
+                parts.append((name, v.shape, v.stride(), v.dtype, v.device))
+            elif isinstance(v, Cache):
+                sig = _cache_key(v)
+                if isinstance(sig, str):
+                    return f"{name}: {sig}"
+                parts.append((name, sig))
+            elif v is None or type(v) in (bool, int, float, str):
+                parts.append((name, type(v), v))
+            else:
+                return f"{name}: a {type(v).__name__} the key cannot hold"
+        return tuple(parts)
+
+    # -- the call -----------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        key = self.key(args, kwargs)
+        entry = key if isinstance(key, str) else self.entries.get(key)
+        if isinstance(entry, _Graph) and entry.weights != self._weights_now(entry.weights[0]):
+            self.entries.clear()  # the weights moved or were replaced: every graph reads the old ones
+            self.stats["invalidated: weights"] += 1
+            entry = None
+        if isinstance(entry, _Graph):
+            self.entries.move_to_end(key)
+            self.stats["replays"] += 1
+            return self._replay(entry, kwargs)
+        if entry is None:
+            self._put(key, _WARM)
+            self.stats["warmups"] += 1
+            return self._warm(kwargs)
+        if entry is not _WARM:  # a reason: this call, or this key, runs the compiled call
+            self.stats[f"fallback: {entry}"] += 1
+            return self.compiled(*args, **kwargs)
+        try:  # second call of this key: capture
+            entry = self._capture(kwargs)
+        except Exception as e:  # noqa: BLE001 - not capturable: this key runs the compiled call from now on
+            entry = f"capture failed: {type(e).__name__}: {e}"[:200]
+            log.warning("tritune.patch: the decode step's CUDA graph: %s; running the compiled call", entry)
+        self._put(key, entry)
+        if isinstance(entry, str):
+            self.stats[f"fallback: {entry}"] += 1
+            return self.compiled(**kwargs)
+        self.stats["captures"] += 1
+        self.stats["replays"] += 1
+        return self._replay(entry, kwargs)
+
+    def _put(self, key, entry) -> None:
+        self.entries[key] = entry
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.MAX_GRAPHS:
+            self.entries.popitem(last=False)
+
+    def _weights_now(self, version=None):
+        if self._weights is None or version != _WEIGHTS_VERSION[0]:
+            self._weights = [*self.model.parameters(), *self.model.buffers()]
+        return _WEIGHTS_VERSION[0], tuple(map(torch.Tensor.data_ptr, self._weights))
+
+    def _warm(self, kwargs):
+        """The key's first call: the compiled call, on a side stream (torch's CUDA-graph recipe: lazy
+        per-stream state and the warm-up's allocations stay off the capture)."""
+        dev = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        if dev is None or dev.type != "cuda":
+            return self.compiled(**kwargs)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        cur = torch.cuda.current_stream(dev)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            out = self.compiled(**kwargs)
+        cur.wait_stream(self._stream)
+        return out
+
+    def _record(self, static_kwargs):
+        """(graph, output) of one capture of the compiled call; a CPU test replaces this."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.compiled(**static_kwargs)
+        return graph, out
+
+    def _capture(self, kwargs):
+        """A _Graph for this call's key, or a str (why not). Capturing runs no kernel: the replay after
+        it is this step."""
+        weights = self._weights_now()
+        inputs, static = [], {}
+        for name, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                buf = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                buf.copy_(v)
+                inputs.append((name, buf))
+                static[name] = buf
+            else:
+                static[name] = v
+        graph, out = self._record(static)
+        from transformers.utils import ModelOutput
+
+        if not isinstance(out, ModelOutput):
+            return f"output: a {type(out).__name__}, not a ModelOutput"
+        by_id = {id(v): n for n, v in kwargs.items() if not isinstance(v, (torch.Tensor, bool, int, float, str))
+                 and v is not None}
+        tensors, caches = {}, {}
+        for field, v in out.items():
+            if isinstance(v, torch.Tensor):
+                tensors[field] = v
+            elif id(v) in by_id:
+                caches[field] = by_id[id(v)]
+            else:
+                return f"output {field}: a {type(v).__name__} (neither a tensor nor the call's cache)"
+        return _Graph(graph, inputs, type(out), tensors, caches, weights)
+
+    @staticmethod
+    def _replay(entry, kwargs):
+        for name, buf in entry.inputs:
+            buf.copy_(kwargs[name])
+        entry.graph.replay()
+        return entry.out_type(**entry.tensors, **{f: kwargs[n] for f, n in entry.caches.items()})
+
+
+def _dense(t) -> bool:
+    """A buffer of t's strides can be made and copied into: no two elements at one address."""
+    if t.is_contiguous():
+        return True
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            return False
+        span = stride * size
+    return True
+
+
+def _cache_key(cache):
+    """The addresses, shapes and dtype of a static cache's tensors (what a captured graph reads and writes
+    in place), or a str: why a graph cannot serve this cache."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or getattr(cache, "offloading", False):
+        return f"a {type(cache).__name__} (no layers, or offloaded)"
+    sig = [type(cache), layers[0].keys.dtype if getattr(layers[0], "keys", None) is not None else None]
+    for lay in layers:
+        if type(lay) is not StaticLayer or not lay.is_initialized:
+            return f"layer {type(lay).__name__} (a graph replays over initialized StaticLayers only)"
+        k, v = lay.keys, lay.values
+        sig.append((k.data_ptr(), v.data_ptr(), lay.cumulative_length.data_ptr(), k.shape, v.shape))
+    return tuple(sig)

@@ -764,3 +764,163 @@ def test_floor_model_drives_generate_as_gpt2_does(tiny_dir, compiled):
         assert hasattr(floor, "_compiled_call")
         assert torch._dynamo.utils.counters["stats"].get("unique_graphs", 0) - frames0 == 1
         assert not torch._dynamo.utils.counters["recompiles"]
+
+
+# --- the decode step as one CUDA graph a key (ThinGraphCall) -----------------------------------------
+class _FakeGraph:
+    """A CUDA graph's contract on the CPU: capturing runs no kernel (the cache is put back as it was),
+    a replay recomputes from the static inputs into the same output tensors."""
+
+    def __init__(self, fn, static):
+        self.fn, self.static = fn, static
+        cache = static.get("cache")
+        saved = [(lay.keys.clone(), lay.values.clone(), lay.cumulative_length.clone()) for lay in cache.layers]
+        self.out = fn(**static)
+        for lay, (k, v, n) in zip(cache.layers, saved):
+            lay.keys.copy_(k), lay.values.copy_(v), lay.cumulative_length.copy_(n)
+
+    def replay(self):
+        new = self.fn(**self.static)
+        for field, t in self.out.items():
+            if isinstance(t, torch.Tensor):
+                t.copy_(new[field])
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """ThinGraphCall with the capture stubbed (CPU tensors allowed); returns the list of graphs made."""
+    made = []
+
+    def record(self, static):
+        made.append(_FakeGraph(self.compiled, static))
+        return made[-1], made[-1].out
+
+    monkeypatch.setattr(hf_patch.ThinGraphCall, "_record", record)
+    monkeypatch.setattr(hf_patch.ThinGraphCall, "require_cuda", False)
+    return made
+
+
+def _thin_model(tiny_dir, **kw):
+    m = hf_patch.patch(_load(tiny_dir), **kw)
+    cc = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless told
+    m.generation_config.compile_config = cc
+    return m
+
+
+@torch.no_grad()
+def test_thin_graph_generate_matches_eager(tiny_dir, fake_graphs):
+    """generate's decode steps through ThinGraphCall (capture stubbed): the same tokens and logits as the
+    patched model eager, one warm-up and one capture per (batch, cache) key, every later step a replay."""
+    model = _thin_model(tiny_dir)
+    new, runs = 5, ((2, 6, 1), (3, 4, 2), (2, 6, 3))  # _generate: 5 new tokens
+    for b, t, seed in runs:
+        ids = _ids(b, t, seed)
+        model.generation_config.disable_compile = True
+        want_seq, want = _generate(model, ids, cache_implementation="static")
+        model.generation_config.disable_compile = False
+        seq, logits = _generate(model, ids, cache_implementation="static")
+        assert torch.equal(seq, want_seq), (b, t)
+        cmp.check(logits, want, torch.float32, what=f"thin-graph generate b={b} t={t}")
+    call = model._compiled_call
+    assert isinstance(call, hf_patch.ThinGraphCall)
+    steps = new - 1  # decode calls a generate (the prefill is eager)
+    assert call.stats == {"warmups": 3, "captures": 3, "replays": 3 * (steps - 1)}, call.stats
+    assert len(fake_graphs) == 3
+
+
+def _thin_generate_calls(model, ids):
+    """generate (5 new tokens, static cache) through the thin call; the kwargs of each decode call."""
+    seen, real = [], hf_patch.ThinGraphCall.__call__
+
+    def spy(self, *a, **k):
+        seen.append(dict(k))
+        return real(self, *a, **k)
+
+    hf_patch.ThinGraphCall.__call__ = spy
+    try:
+        out = _generate(model, ids, cache_implementation="static")
+    finally:
+        hf_patch.ThinGraphCall.__call__ = real
+    return out, seen
+
+
+@torch.no_grad()
+def test_thin_graph_key_and_fallbacks(tiny_dir, fake_graphs):
+    model = _thin_model(tiny_dir)
+    model.generation_config.disable_compile = False
+    _, seen = _thin_generate_calls(model, _ids(2, 5, 7))
+    call, kw = model._compiled_call, seen[-1]
+    key = call.key((), kw)
+    assert isinstance(key, tuple) and call.key((), dict(kw)) == key
+    assert sorted(kw) == ["attention_mask", "cache", "input_ids", "logits_to_keep", "position_ids", "return_dict",
+                          "use_cache"]  # what this transformers passes (a new name: a new key, still exact)
+    assert isinstance(call.key((kw["input_ids"],), {}), str)                 # positional
+    assert "object" in call.key((), {**kw, "odd": object()})                # a kwarg the key can't hold
+    assert call.key((), {**kw, "logits_to_keep": 2}) != key                 # a static value
+    assert call.key((), {**kw, "input_ids": kw["input_ids"].repeat(2, 1)}) != key  # a shape
+    assert "strides" in call.key((), {**kw, "input_ids": kw["input_ids"].expand(2, 3)})
+    lay = kw["cache"].layers[0]
+    keys = lay.keys
+    lay.keys = keys.clone()                                                  # the cache at a new address
+    assert call.key((), kw) != key
+    lay.keys = keys
+    with torch.enable_grad():
+        assert call.key((), kw) == "autograd on"
+    model.train()
+    assert call.key((), kw) == "training mode"
+    model.eval()
+    call.require_cuda = True
+    assert call.key((), kw).endswith(": not a CUDA tensor")
+
+
+@torch.no_grad()
+def test_thin_graph_falls_back_and_invalidates(tiny_dir, fake_graphs, monkeypatch):
+    """A capture that fails runs the compiled call for that key from then on (same tokens); weights moved
+    (.data) or replaced (a new Parameter) drop every graph before the next replay."""
+    model = _thin_model(tiny_dir)
+    ids = _ids(2, 5, 8)
+    model.generation_config.disable_compile = True
+    want, _ = _generate(model, ids, cache_implementation="static")
+    model.generation_config.disable_compile = False
+
+    def broken(self, static):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(hf_patch.ThinGraphCall, "_record", broken)
+        got, _ = _generate(model, ids, cache_implementation="static")
+    assert torch.equal(got, want)
+    stats = model._compiled_call.stats
+    assert stats["warmups"] == 1 and stats["captures"] == 0 and stats["replays"] == 0
+    assert sum(n for k, n in stats.items() if k.startswith("fallback: capture failed")) == 3, stats
+
+    ln = model.transformer.ln_f
+    for n, change in enumerate((lambda: setattr(ln.weight, "data", ln.weight.data.clone()),
+                                lambda: setattr(ln, "bias", torch.nn.Parameter(ln.bias.detach().clone())))):
+        (got, _), seen = _thin_generate_calls(model, ids)
+        assert torch.equal(got, want)
+        call = model._compiled_call
+        assert call.stats["invalidated: weights"] == n
+        change()
+        seen[-1]["cache"].crop(-1)  # room for one more step in the full cache
+        call(**seen[-1])  # the last step's key again (its cache still alive): the graph is dropped, not replayed
+        assert call.stats["invalidated: weights"] == n + 1
+        assert not any(isinstance(e, hf_patch._Graph) for e in call.entries.values())
+
+
+def test_cuda_graphs_option(tiny_dir):
+    m = hf_patch.patch(_load(tiny_dir))
+    cc = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    assert isinstance(m.get_compiled_call(cc), hf_patch.ThinGraphCall)
+    assert m.get_compiled_call(cc) is m.get_compiled_call(cc)
+    hf_patch.patch(m, cuda_graphs=False)
+    assert not isinstance(m.get_compiled_call(cc), hf_patch.ThinGraphCall)
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        hf_patch.patch(m, cuda_graphs="yes")
+    off = hf_patch._without_cudagraphs
+    assert off({"backend": "inductor", "mode": "reduce-overhead"})["mode"] is None
+    assert off({"backend": "inductor", "mode": "max-autotune"})["mode"] == "max-autotune-no-cudagraphs"
+    got = off({"backend": "inductor", "mode": "reduce-overhead", "options": {"triton.cudagraphs": True}})
+    assert got["mode"] is None and got["options"] == {"triton.cudagraphs": False}
+    assert off({"backend": "eager", "mode": "reduce-overhead"})["mode"] == "reduce-overhead"
