@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import logging
 import types
+import weakref
 
 import torch
 
@@ -260,19 +261,20 @@ def _block_forward(self, hidden_states, cache=None, attention_mask=None, encoder
 # generate's decode step as one CUDA graph a key
 log = logging.getLogger(__name__)
 _WEIGHTS_VERSION = [0]  # bumped when a watched module gets a parameter, buffer or submodule assigned
-_WATCHED: set = set()   # ids of the modules of models with a ThinGraphCall (a dead model's ids: a spare bump)
+_WATCHED: dict = {}     # id -> weakref of the modules of models with a ThinGraphCall
 _HOOKS: list = []
 
 
 def _assigned(module, name, value):
-    if id(module) in _WATCHED:
+    ref = _WATCHED.get(id(module))
+    if ref is not None and ref() is module:  # not a new module at a dead one's id
         _WEIGHTS_VERSION[0] += 1
 
 
 def _watch_weight_assignments(model) -> None:
     """A replay is valid while the model's parameters and buffers are the tensors it was captured with:
     their addresses are checked each replay (``.to``, ``.data =``), their replacement is seen here."""
-    _WATCHED.update(id(m) for m in model.modules())
+    _WATCHED.update((id(m), weakref.ref(m)) for m in model.modules())
     if not _HOOKS:
         mm = torch.nn.modules.module
         _HOOKS.extend(reg(_assigned) for reg in (mm.register_module_parameter_registration_hook,

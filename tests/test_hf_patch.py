@@ -924,3 +924,46 @@ def test_cuda_graphs_option(tiny_dir):
     got = off({"backend": "inductor", "mode": "reduce-overhead", "options": {"triton.cudagraphs": True}})
     assert got["mode"] is None and got["options"] == {"triton.cudagraphs": False}
     assert off({"backend": "eager", "mode": "reduce-overhead"})["mode"] == "reduce-overhead"
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_thin_graph_generate_gpu(tiny_dir):
+    """transformers' recipe (CompileConfig reduce-overhead) on the patched model: the decode steps replay
+    ThinGraphCall's CUDA graphs (inductor without its own CUDA graphs). Three generates of different
+    batch sizes and prompt lengths give the tokens (and logits) of the patched model eager; one warm-up
+    and one capture per (batch, cache addresses) key, every later step a replay, no fallback; the repeat
+    of the first shape compiles nothing and the capture itself compiles nothing."""
+    model = hf_patch.patch(_load(tiny_dir))
+    model.generation_config.compile_config = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static",
+              return_dict_in_generate=True, output_logits=True)
+    torch._dynamo.reset()
+    keys, real = [], hf_patch.ThinGraphCall.__call__
+
+    def spy(self, *a, **k):
+        keys.append((k["input_ids"].shape[0], hf_patch._cache_key(k["cache"])))
+        return real(self, *a, **k)
+
+    frames = []
+    hf_patch.ThinGraphCall.__call__ = spy
+    try:
+        for b, t, seed in ((4, 8, 1), (2, 13, 2), (4, 8, 3)):
+            ids = _ids(b, t, seed)
+            model.generation_config.disable_compile = True
+            want = model.generate(ids, **kw)
+            model.generation_config.disable_compile = False
+            got = model.generate(ids, **kw)
+            assert torch.equal(got.sequences, want.sequences), (b, t)
+            cmp.check(torch.stack(got.logits, 1), torch.stack(want.logits, 1), torch.float32,
+                      what=f"thin-graph generate b={b} t={t}")
+            frames.append(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
+    finally:
+        hf_patch.ThinGraphCall.__call__ = real
+    call = model._compiled_call
+    assert isinstance(call, hf_patch.ThinGraphCall)
+    distinct = len(set(keys))
+    assert len(keys) == 3 * 7
+    assert dict(call.stats) == {"warmups": distinct, "captures": distinct, "replays": len(keys) - distinct}, \
+        (call.stats, distinct)
+    assert frames[2] == frames[1] and frames[-1] <= 2, frames  # B=4 again: no compile; at most one a shape
