@@ -896,7 +896,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 32 1 (--part genprof: 32)")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="step, prefill: timed reps")
+    ap.add_argument("--rounds", type=int, default=5, help="floor, generate: interleaved rounds (median)")
     ap.add_argument("--prefill", type=int, nargs=2, default=[8, 1024], metavar=("B", "T"))
     ap.add_argument("--time-limit", type=float, default=280.0, help="seconds for the whole run")
     ap.add_argument("--variant-limit", type=float, default=150.0, help="seconds for one row")
@@ -928,6 +929,7 @@ def main(argv=None) -> int:
         new = min(args.new, 48) if parts & {"step", "genprof", "floor"} else 3
         batches = args.batches[:1] if one_batch and args.batches else [2]
         args.batches, args.prompt, args.new, args.reps, args.prefill = batches, 5, new, 1, [2, 16]
+        args.rounds = min(args.rounds, 2)
         if args.stub_kernels:
             stub_kernels()
     elif not torch.cuda.is_available():
@@ -975,21 +977,92 @@ def main(argv=None) -> int:
         print(table, key, {k: v[k] for k in shown if k in v}, flush=True)
 
     base = _model()
+    def interleaved(table, specs, b):
+        """The rows of one batch timed in interleaved rounds: all compiled and warmed first (no dynamo reset
+        between them), then each round times one generate of every row, in alternating order (A B, B A,
+        ...), each after an untimed generate (what switching models may have evicted is re-made there) and
+        a host calibration; a row's ms a step is its median over the rounds. The process's drift (the host
+        calibration grew 2x through one H100 run) then falls on every row alike."""
+        ids = torch.randint(1, VOCAB, (b, args.prompt), generator=torch.Generator().manual_seed(b)).to(_dev())
+        kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, cache_implementation="static")
+        torch._dynamo.reset()
+        models = {}
+        for key, make in specs:
+            left = deadline - time.monotonic()
+            if left < 15:
+                res[table][key] = {"error": "skipped: --time-limit spent"}
+                continue
+            c0 = _compile_s()
+            try:
+                with _limit(min(args.variant_limit, left)), torch.no_grad():
+                    m = make()
+                    t0 = time.perf_counter()
+                    m.generate(ids, **kw)
+                    _sync()
+                    res[table][key] = {"warmup_s": time.perf_counter() - t0, "runs_s": [], "calibs": [], "cpus": [],
+                                       "gc": {}, "compiled_call": hasattr(m, "_compiled_call")}
+                    models[key] = m
+            except Exception as e:
+                res[table][key] = _error(e)
+            res[table][key]["compile_s"] = round(_compile_s() - c0, 2)
+            save()
+            print(table, key, "warm-up", {k: res[table][key].get(k) for k in ("warmup_s", "compile_s", "error")},
+                  flush=True)
+        keys = list(models)
+        for r in range(args.rounds):
+            if deadline - time.monotonic() < 10:
+                break
+            for key in (keys if r % 2 == 0 else keys[::-1]):
+                m, v = models[key], res[table][key]
+                try:
+                    with _limit(max(5.0, deadline - time.monotonic())), torch.no_grad():
+                        m.generate(ids, **kw)
+                        v["calibs"].append(_host_calibration())
+                        cpu = {}
+                        with _gc_watch(v["gc"]), _cpu_watch(cpu):
+                            _sync()
+                            t0 = time.perf_counter()
+                            out = m.generate(ids, **kw)
+                            _sync()
+                            v["runs_s"].append(time.perf_counter() - t0)
+                        v["cpus"].append(cpu)
+                        v["new_tokens"] = out.shape[1] - args.prompt
+                except Exception as e:
+                    v.update(_error(e))
+                    models.pop(key)
+                    keys.remove(key)
+        for key in (k for k, _ in specs):
+            v = res[table][key]
+            if "error" in v and not v.get("runs_s"):
+                continue
+            if not v.get("runs_s"):
+                v.setdefault("error", "no timed round")
+                continue
+            s = statistics.median(v["runs_s"])
+            mid = min(range(len(v["runs_s"])), key=lambda i: abs(v["runs_s"][i] - s))
+            v.update(batch=b, prompt=args.prompt, s=s, tok_s=b * v["new_tokens"] / s,
+                     ms_per_step=s / v["new_tokens"] * 1e3, rounds=len(v["runs_s"]), cpu=v["cpus"][mid],
+                     host_calibration={f: statistics.median(c[f] for c in v["calibs"]) for f in v["calibs"][0]},
+                     gc_objects=_gc_objects())
+            call = getattr(models.get(key), "_compiled_call", None)
+            if isinstance(getattr(call, "stats", None), dict):  # tritune's ThinGraphCall: captures, replays, fallbacks
+                v["graphs"] = dict(call.stats)
+        save()
+
+    base = _model()
     if "floor" in parts:
-        # the patched row before HF's here (genprof runs HF's first): a row's place in the process shows
         for b in args.batches:
-            for key, patched, compiled, floor in (("floor+compile", False, True, True), ("floor", False, False, True),
-                                                   ("tritune+compile", True, True, False),
-                                                   ("hf+compile", False, True, False)):
-                row("floor", f"{key} b={b}", lambda: bench_generate(_variant(base, patched, compiled, floor), b,
-                                                                    args.prompt, args.new, args.reps))
+            interleaved("floor", [(f"{key} b={b}", lambda p=p, c=c, f=f: _variant(base, p, c, f))
+                                  for key, p, c, f in (("floor+compile", False, True, True),
+                                                       ("floor", False, False, True),
+                                                       ("tritune+compile", True, True, False),
+                                                       ("hf+compile", False, True, False))], b)
     if "generate" in parts:
-        order = [(b, n, p, c) for b in args.batches for c in ((True,) if args.compiled_only else (True, False))
-                 for n, p in (("hf", False), ("tritune", True))]
-        for b, name, patched, compiled in order:
-            key = f"{name}{'+compile' if compiled else ''} b={b}"
-            row("generate", key, lambda: bench_generate(_variant(base, patched, compiled), b, args.prompt,
-                                                        args.new, args.reps))
+        for b in args.batches:
+            rows = [(n, p, c) for c in ((True,) if args.compiled_only else (True, False))
+                    for n, p in (("hf", False), ("tritune", True))]
+            interleaved("generate", [(f"{n}{'+compile' if c else ''} b={b}",
+                                      lambda p=p, c=c: _variant(base, p, c)) for n, p, c in rows], b)
 
     if "step" in parts:
         for b in args.batches:
@@ -1071,7 +1144,7 @@ def main(argv=None) -> int:
         for k, v in g.items():
             print(f"  {k:28s} {v.get('tok_s', float('nan')):9.1f} {v.get('ms_per_step', float('nan')):8.3f} "
                   f"{v.get('compile_s', float('nan')):10.1f} {v.get('warmup_s', float('nan')):10.1f}  "
-                  f"{v.get('error', '')[:90]}")
+                  f"{v.get('error', '')[:90]}{json.dumps(v['graphs'])[:120] if 'graphs' in v else ''}")
     if fl:
         print("\nfloor: generate's loop, a model costing ~nothing   ms/step  runs ms/step        "
               "calib py/ops us  gc gen2 n/ms  gc objects  cores own/other  invol.sw  busy threads")
@@ -1083,6 +1156,8 @@ def main(argv=None) -> int:
             c, g2 = v["host_calibration"], v["gc"].get("gen2", [0, 0.0])
             print(f"  {k:47s} {v['ms_per_step']:8.3f}  {runs:20s} {c['python_us']:7.0f}/{c['torch_ops_us']:<6.0f} "
                   f"{g2[0]:5d}/{g2[1] * 1e3:<7.1f} {v['gc_objects']:10d}  {_cpu_cols(v.get('cpu', {}))}")
+            if "graphs" in v:
+                print(f"  {'':47s} thin CUDA graphs: {json.dumps(v['graphs'])[:150]}")
         for b in args.batches:
             if f"floor_verdict b={b}" in res:
                 print(f"  b={b}: {res[f'floor_verdict b={b}']}")
