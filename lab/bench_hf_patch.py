@@ -50,8 +50,9 @@ measure host_us against step_us and device_us on the GPU.
 floor (``--part floor``): HF ``generate`` (the same batch, prompt, new tokens, static cache, greedy) driving
 a GPT2LMHeadModel whose forward costs ~nothing (``_floor_model``: one gather from a logits table, the cache
 allocated and advanced as HF's layers do, the same output type), eager and compiled (the same recipe),
-then patched+compile and HF+compile (the patched row first: genprof runs HF's first, so a row's place in
-the process shows). Its ms a step is generate's own loop on the host: the best any model can do under this
+then patched+compile and HF+compile. floor and generate time their rows in interleaved rounds (``interleaved``
+in main: all warmed first, then --rounds rounds in alternating order, median), so the process's drift
+(the host calibration doubled through one H100 run) falls on every row alike. Its ms a step is generate's own loop on the host: the best any model can do under this
 generate; ``hf+compile / floor`` above 1.3 is the room the target needs. Every generate and genprof row
 also records a fixed host calibration (a Python loop, 200 tiny device ops) measured in that row, Python's
 GC collections and tracked objects, and who used the CPU during the timed generates (cores of this
