@@ -77,7 +77,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -102,11 +101,10 @@ def _sync():
 
 
 def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except Exception:
-        return "unknown"
+    """The commit measured (the driver's $TRITUNE_COMMIT on the device, whose .git is stale)."""
+    import labgit
+
+    return labgit.commit() or "unknown"
 
 
 def _error(e: BaseException) -> dict:

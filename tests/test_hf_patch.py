@@ -942,7 +942,8 @@ def test_thin_graph_generate_gpu(tiny_dir):
     keys, real = [], hf_patch.ThinGraphCall.__call__
 
     def spy(self, *a, **k):
-        keys.append((k["input_ids"].shape[0], hf_patch._cache_key(k["cache"])))
+        cache = k.get("cache", k.get("past_key_values"))  # the name differs across transformers versions
+        keys.append((k["input_ids"].shape[0], hf_patch._cache_key(cache)))
         return real(self, *a, **k)
 
     frames = []
