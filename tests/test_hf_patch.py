@@ -801,7 +801,7 @@ def fake_graphs(monkeypatch):
 
 
 def _thin_model(tiny_dir, **kw):
-    m = hf_patch.patch(_load(tiny_dir), **kw)
+    m = hf_patch.patch(_load(tiny_dir), **{"cuda_graphs": True, **kw})
     cc = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
     cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless told
     m.generation_config.compile_config = cc
@@ -910,8 +910,11 @@ def test_thin_graph_falls_back_and_invalidates(tiny_dir, fake_graphs, monkeypatc
 
 
 def test_cuda_graphs_option(tiny_dir):
-    m = hf_patch.patch(_load(tiny_dir))
     cc = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    m = hf_patch.patch(_load(tiny_dir))  # off by default
+    assert not isinstance(m.get_compiled_call(cc), hf_patch.ThinGraphCall)
+    m._compiled_call = None
+    m = hf_patch.patch(m, cuda_graphs=True)
     assert isinstance(m.get_compiled_call(cc), hf_patch.ThinGraphCall)
     assert m.get_compiled_call(cc) is m.get_compiled_call(cc)
     hf_patch.patch(m, cuda_graphs=False)
@@ -934,7 +937,7 @@ def test_thin_graph_generate_gpu(tiny_dir):
     batch sizes and prompt lengths give the tokens (and logits) of the patched model eager; one warm-up
     and one capture per (batch, cache addresses) key, every later step a replay, no fallback; the repeat
     of the first shape compiles nothing and the capture itself compiles nothing."""
-    model = hf_patch.patch(_load(tiny_dir))
+    model = hf_patch.patch(_load(tiny_dir), cuda_graphs=True)
     model.generation_config.compile_config = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static",
               return_dict_in_generate=True, output_logits=True)
