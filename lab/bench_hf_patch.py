@@ -107,6 +107,15 @@ def _commit() -> str:
     return labgit.commit() or "unknown"
 
 
+def _ok_rows(rows: dict, width: int):
+    """The rows of a table that ran; a failed row prints its error instead."""
+    for k, v in rows.items():
+        if "error" in v:
+            print(f"  {k:{width}s} {v['error'][:100]}")
+            continue
+        yield k, v
+
+
 def _error(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {e}"[:2000],
             "traceback": "".join(traceback.format_exception(e)[-6:])[-4000:]}
@@ -1147,10 +1156,7 @@ def main(argv=None) -> int:
     if fl:
         print("\nfloor: generate's loop, a model costing ~nothing   ms/step  runs ms/step        "
               "calib py/ops us  gc gen2 n/ms  gc objects  cores own/other  invol.sw  busy threads")
-        for k, v in fl.items():
-            if "error" in v:
-                print(f"  {k:28s} {v['error'][:100]}")
-                continue
+        for k, v in _ok_rows(fl, 28):
             runs = " ".join(f"{r / max(1, v['new_tokens']) * 1e3:.3f}" for r in v["runs_s"])
             c, g2 = v["host_calibration"], v["gc"].get("gen2", [0, 0.0])
             print(f"  {k:47s} {v['ms_per_step']:8.3f}  {runs:20s} {c['python_us']:7.0f}/{c['torch_ops_us']:<6.0f} "
@@ -1175,10 +1181,7 @@ def main(argv=None) -> int:
     if res["step"]:
         print("compiled decode step (us)     host  g.call outside  step  device | profiler: guards region graph |"
               "  loop  inputs(static) outputs guard-lines")
-        for k, v in res["step"].items():
-            if "error" in v:
-                print(f"  {k:24s} {v['error'][:100]}")
-                continue
+        for k, v in _ok_rows(res["step"], 24):
             gr = v["graphs"][-1] if v["graphs"] else {}
             f = lambda x: "     -" if x is None else f"{x:6.0f}"  # noqa: E731
             print(f"  {k:24s} {f(v['host_us'])} {f(v['graph_call_us'])}  {f(v['outside_graph_us'])} {f(v['step_us'])} "
@@ -1189,10 +1192,7 @@ def main(argv=None) -> int:
     if gp:
         print("genprof (one generate)      ms/step prefill ms call host us  loop us  py calls/step"
               "  calls/steps  dev call/step us  cache addrs  syncs pre/call/loop  graph trees  dynamo")
-        for k, v in gp.items():
-            if "error" in v:
-                print(f"  {k:24s} {v['error'][:100]}")
-                continue
+        for k, v in _ok_rows(gp, 24):
             dyn = {f"{c}.{n}": x for c, d in v["dynamo_counters"].items() for n, x in d.items()
                    if c in ("stats", "inductor", "recompiles", "graph_break", "frames") or "cudagraph" in n}
             sy = v["syncs"]
