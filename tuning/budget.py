@@ -450,20 +450,8 @@ after every study stopped on the converged ones, with doubled patience per pass.
         bar.prefix, bar.index = "", 0
         while budget.left() > 0:
             todo = [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]
-            progressed = False
-            for i, job in enumerate(todo):
-                left = budget.left()
-                if left <= 0:
-                    break
-                st = studies[job.name]
-                before = len(search._evaluated(st.get_trials(deepcopy=False)))
-                share_end = time.time() + left / (len(todo) - i) * (1 - RETIME_SHARE)
-                why = _sweep_study(st, job, runner, budget=budget, share_end=share_end, seeds_only=False,
-                                   trials=trials, patience=patience, min_gain=min_gain, seed=seed, progress=bar)
-                progressed |= len(search._evaluated(st.get_trials(deepcopy=False))) > before
-                if budget.left() > 0 and why != "no valid config":
-                    _retime_study(st, job, runner, rounds, budget.end())  # in the worker that compiled them
-                bar.next_job()
+            progressed = _search_pass(todo, studies, runner, budget, bar, lambda st, why, best: why != "no valid config",
+                                      trials=trials, patience=patience, min_gain=min_gain, seed=seed, rounds=rounds)
             if not progressed or not [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]:
                 break
         for job in open_:  # finished studies whose re-timing a budget cut short
@@ -512,26 +500,34 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
             return
         log(f"tune: {budget.left() / 60:.1f} min left: {len(todo)} converged studies searched again "
             f"(patience {level})")
-        progressed = False
         progress.prefix, progress.index, progress.n_jobs = f"patience {level} ", 0, len(todo)
-        for i, job in enumerate(todo):
-            left = budget.left()
-            if left <= 0:
-                return
-            st = studies[job.name]
-            best = search.study_stats(st).get("best_trial")
-            before = len(search._evaluated(st.get_trials(deepcopy=False)))
-            share_end = time.time() + left / (len(todo) - i) * (1 - RETIME_SHARE)
-            why = _sweep_study(st, job, runner, budget=budget, share_end=share_end, seeds_only=False, trials=trials,
-                               patience=level, min_gain=min_gain, seed=seed, progress=progress)
-            progressed |= len(search._evaluated(st.get_trials(deepcopy=False))) > before
-            if why == "converged":
-                _Meter(st).charge(patience=level)
-            if budget.left() > 0 and (search.study_stats(st).get("best_trial") != best or not _retime_done(st)):
-                _retime_study(st, job, runner, rounds, budget.end())
-            progress.next_job()
-        if not progressed:
+        changed = lambda st, why, best: search.study_stats(st).get("best_trial") != best or not _retime_done(st)  # noqa: E731
+        if not _search_pass(todo, studies, runner, budget, progress, changed, trials=trials, patience=level,
+                            min_gain=min_gain, seed=seed, rounds=rounds):
             return
+
+
+def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, trials, patience: int,
+                 min_gain: float, seed: int, rounds: int) -> bool:
+    """One pass over ``todo``: each study searched within an equal share of the budget left (time one does
+    not use goes to the next), then re-timed in the worker that compiled it when ``retime_if(study, why it
+    stopped, its best trial before)``. Returns whether the pass evaluated anything."""
+    progressed = False
+    for i, job in enumerate(todo):
+        left = budget.left()
+        if left <= 0:
+            break
+        st = studies[job.name]
+        best = search.study_stats(st).get("best_trial")
+        before = len(search._evaluated(st.get_trials(deepcopy=False)))
+        share_end = time.time() + left / (len(todo) - i) * (1 - RETIME_SHARE)
+        why = _sweep_study(st, job, runner, budget=budget, share_end=share_end, seeds_only=False, trials=trials,
+                           patience=patience, min_gain=min_gain, seed=seed, progress=progress)
+        progressed |= len(search._evaluated(st.get_trials(deepcopy=False))) > before
+        if budget.left() > 0 and retime_if(st, why, best):
+            _retime_study(st, job, runner, rounds, budget.end())
+        progress.next_job()
+    return progressed
 
 
 def _retime_done(study) -> bool:
