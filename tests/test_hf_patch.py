@@ -359,14 +359,22 @@ def test_gpt2_small_bf16_logits_gpu(monkeypatch):
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @torch.no_grad()
 def test_gpt2_small_compiled_gpu(mode):
+    """The compiled patched model's bf16 logits, held to the model-level rule (``_model_bound``: the table's
+    tolerance or 2 x transformers' own bf16 error on the same input) like the eager test above: twelve
+    bf16 layers set the error, not one kernel (the H200 measured 1.026e-2 at T=17 against the table's 1e-2)."""
     ref = _small(torch.float64)
-    model = hf_patch.patch(copy.deepcopy(ref).to(torch.bfloat16))
+    hf16 = copy.deepcopy(ref).to(torch.bfloat16)
+    model = hf_patch.patch(copy.deepcopy(hf16))
     compiled = torch.compile(model, fullgraph=True, dynamic=True, mode=mode)
     for t in (17, 128, 300):
         ids = _ids(2, t, t, 50257)
         for _ in range(2 if mode else 1):  # reduce-overhead records on the second call
             got = compiled(ids, use_cache=False).logits
-        cmp.check(got, ref(ids).logits, torch.bfloat16, what=f"compiled {mode} T={t}")
+        truth = ref(ids).logits
+        bound, hf_err = _model_bound(hf16(ids, use_cache=False).logits, truth)
+        err = cmp.rel_error(got, truth)
+        assert err <= bound, (f"compiled {mode} T={t}: rel error {err:.3e} (bound {bound:.1e}; "
+                              f"transformers bf16 {hf_err:.3e})")
 
 
 @pytest.mark.parametrize("per_row", [0, 7, 32])
