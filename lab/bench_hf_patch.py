@@ -227,8 +227,8 @@ def _variant(base, patched: bool, compiled: bool, floor: bool = False):
     from tritune.model import hf_patch
 
     m = _floor_model(base) if floor else copy.deepcopy(base)
-    if patched:  # the compiled rows measure the thin CUDA-graph replay (opt-in in tritune.patch)
-        hf_patch.patch(m, cuda_graphs=compiled)
+    if patched:  # tritune.patch's default: the compiled rows replay its thin CUDA graphs
+        hf_patch.patch(m)
     if compiled:
         from transformers import CompileConfig
 
