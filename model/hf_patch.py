@@ -102,8 +102,12 @@ def patch(model, cuda_graphs: bool = True):
         model._tritune_cuda_graphs = cuda_graphs
         if cuda_graphs:
             model.get_compiled_call = types.MethodType(_get_compiled_call, model)
+            model._valid_auto_compile_criteria = types.MethodType(_compile_criteria, model)
+            model.create_masks_for_generate = _DecodeMask(model)
         else:  # transformers' own, with no call in between
-            model.__dict__.pop("get_compiled_call", None)
+            for name in ("get_compiled_call", "_valid_auto_compile_criteria", "create_masks_for_generate",
+                         "_tritune_compiled_steps"):
+                model.__dict__.pop(name, None)
     if getattr(model, "_tritune_patched", False):
         return model
     memo = _StepMemo()
@@ -313,6 +317,50 @@ def _get_compiled_call(self, compile_config=None):
         self._compiled_call = ThinGraphCall(self, torch.compile(self.__call__,
                                                                 **_without_cudagraphs(compile_config.to_dict())))
     return self._compiled_call
+
+
+def _compile_criteria(self, model_kwargs, generation_config):
+    """transformers' ``_valid_auto_compile_criteria`` (asked once at the start of each sampling loop),
+    remembering its answer: a compiled generate's decode steps take :class:`_DecodeMask`."""
+    ok = type(self)._valid_auto_compile_criteria(self, model_kwargs, generation_config)
+    self._tritune_compiled_steps = bool(ok)
+    return ok
+
+
+class _DecodeMask:
+    """The patched model's ``create_masks_for_generate`` (which ``prepare_inputs_for_generation`` calls on the
+    host before every step over a static cache). For a compiled generate's one-token decode steps it returns
+    the 2-D padding mask zero-padded to the cache's length: a fixed shape (one graph key for the whole
+    generate), and the model's forward builds the same 4-D causal mask from it inside the compiled, replayed
+    graph (transformers pads a shorter 2-D mask with zeros to the same length itself) instead of ~20 host
+    ops a step here (masking_utils' sdpa_mask: ~700 us of a 2.5 ms step under cProfile on the H100). Every
+    other call (prefill, eager generate, another cache) gets transformers' own mask."""
+
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+        self.calls = collections.Counter()
+
+    def __call__(self, config=None, inputs_embeds=None, attention_mask=None, **kw):
+        from transformers.masking_utils import create_masks_for_generate
+
+        model = self.model()
+        cache = kw.get("cache", kw.get("past_key_values"))
+        if (model is not None and getattr(model, "_tritune_compiled_steps", False) and inputs_embeds is not None
+                and inputs_embeds.shape[1] == 1 and not isinstance(_cache_key(cache), str)):
+            length = cache.layers[0].keys.shape[-2]
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and attention_mask.shape[1] <= length:
+                self.calls["padded"] += 1
+                return torch.nn.functional.pad(attention_mask, (0, length - attention_mask.shape[1]))
+            pos = kw.get("position_ids")
+            if attention_mask is None and isinstance(pos, torch.Tensor) and pos.ndim == 2:
+                # no padding: a row's position is its cache index; keys up to it are valid (never None here:
+                # an eager forward would read None as causal over the whole static cache)
+                self.calls["positions"] += 1
+                keys = torch.arange(length, device=pos.device)
+                return (keys[None, :] <= pos[:, -1:]).to(torch.long).expand(inputs_embeds.shape[0], length)
+        self.calls["transformers"] += 1
+        return create_masks_for_generate(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                         **kw)
 
 
 _WARM = object()  # an entry's state after its key's first call (the warm-up: the compiled call)

@@ -837,6 +837,33 @@ def test_thin_graph_generate_matches_eager(tiny_dir, fake_graphs):
     assert len(fake_graphs) == 3
 
 
+@torch.no_grad()
+def test_thin_graph_decode_mask_left_padded(tiny_dir, fake_graphs):
+    """A compiled generate's decode steps take the 2-D padding mask padded to the cache's length (one fixed
+    shape; the forward builds the 4-D mask inside the graph): rows left-padded by different amounts give the
+    tokens and logits of the eager generate, whose steps take transformers' own 4-D mask. The prefill and
+    the eager generate keep transformers' mask; turning cuda_graphs off gives transformers' mask back."""
+    model = _thin_model(tiny_dir)
+    ids = _ids(3, 7, 11)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    calls = model.create_masks_for_generate.calls
+    model.generation_config.disable_compile = True
+    want_seq, want = _generate(model, ids, attention_mask=mask, cache_implementation="static")
+    assert calls == {"transformers": 5}, calls  # prefill + 4 steps
+    model.generation_config.disable_compile = False
+    seq, logits = _generate(model, ids, attention_mask=mask, cache_implementation="static")
+    assert calls == {"transformers": 6, "padded": 4}, calls
+    assert torch.equal(seq, want_seq)
+    cmp.check(logits, want, torch.float32, what="thin-graph generate, left-padded rows")
+    call = model._compiled_call
+    assert call.stats == {"warmups": 1, "captures": 1, "replays": 3}, call.stats  # one key: a fixed mask shape
+    hf_patch.patch(model, cuda_graphs=False)
+    assert "create_masks_for_generate" not in model.__dict__ and "_valid_auto_compile_criteria" not in model.__dict__
+
+
 def _thin_generate_calls(model, ids):
     """generate (5 new tokens, static cache) through the thin call; the kwargs of each decode call."""
     seen, real = [], hf_patch.ThinGraphCall.__call__
