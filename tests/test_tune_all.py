@@ -1,7 +1,9 @@
 """``tritune tune all --budget``: studies stop when converged, the time left then goes to them again with doubled
-patience (``fill``; ``--no-fill`` stops at convergence), the time spent kept in
-the storage (a killed or cut call resumes with what is left), and the --dry-run plan and estimate.
-Fake evaluations over the sweep tests' plain-torch spec (tests/tritune_sweep_helpers.py): seconds each."""
+patience (``fill``; ``--no-fill`` stops at convergence), the most promising first, each searched around its best
+(one-step neighbours) and from its nearest buckets' winners; the time spent kept in the storage (a killed or cut
+call resumes with what is left), and the --dry-run plan and estimate.
+Fake evaluations over the sweep tests' plain-torch spec (tests/tritune_sweep_helpers.py) and a 4096-point bowl
+(below): seconds each."""
 from __future__ import annotations
 
 import json
@@ -22,6 +24,7 @@ from tritune.tuning import budget as tb, cli as tcli, search, store
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # worker processes (spawn) inherit it and import the helpers by name
 import tritune_sweep_helpers as h  # noqa: E402
+from tritune import kernels as K  # noqa: E402
 from tritune_sweep_helpers import _wait_for, own_user_store  # noqa: E402,F401 (an autouse fixture)
 
 SLUG = "nvidia-h200"
@@ -87,7 +90,7 @@ def test_time_left_goes_to_the_converged_studies_with_doubled_patience(tmp_path)
     t0 = time.time()
     rows, _ = _budget(filled, 600.0, h.quick, patience=1, log=logs.append)
     assert time.time() - t0 < 120
-    assert any("converged studies searched again (patience 2)" in m for m in logs), logs
+    assert any("fill pass 1: 2 studies searched again (patience 2;" in m for m in logs), logs
     for r, capped_n in zip(rows, n_capped):
         assert r["trials"] > capped_n
         assert r["ledger"]["stop"] in ("converged", "exhausted"), r["ledger"]
@@ -193,3 +196,188 @@ def test_dry_run_lists_studies_split_and_estimate(tmp_path, capsys):
     assert tcli.main(["tune", "sweep_toy", "--budget", "1m", "--as-gpu", SLUG, "--storage", storage]) == 2
     assert tcli.main(["tune", "sweep_toy", "--budget", "10m", "--dry-run", "--storage", storage]) == 0
     assert "estimate" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fill's search: local search around the best, the nearest buckets' winners, studies by promise
+# ---------------------------------------------------------------------------------------------------
+BOWL_PARAMS = {k: list(range(1, 9)) for k in "abcd"}   # 4096 points: a sampler's draw hits the optimum rarely
+
+
+def _bowl_constraint(c, p, dtype):
+    if c["d"] == 7:
+        return "d=7 never fits"
+    if c["a"] > p.n // 8:
+        return "a larger than n/8"
+    return None
+
+
+BOWL = K.KernelSpec(
+    name="tune_all_bowl", run=h._run, reference=lambda x: x.double() * 2, make_inputs=h._make_inputs, problems=None,
+    space=K.Space(params=BOWL_PARAMS, constraint=_bowl_constraint), default_config=lambda p, d: dict.fromkeys("abcd", 1),
+    bucket=lambda p: {"n": p.n}, cost=lambda p, d: K.Cost(1.0, 1.0), problem_of=lambda x, **_: h.Problem(x.numel()),
+    standard_problems=[h.Problem(64)], small_problems=[h.Problem(64)], dtypes=(torch.float32,))
+OPT = {"a": 6, "b": 6, "c": 6, "d": 6}
+
+
+def _bowl(task):
+    """10 µs at OPT, 10 µs more per squared step away: every step towards it a gain of >= 25%."""
+    return {"ok": True, "ms": (10.0 + 10.0 * sum((task.config[k] - OPT[k]) ** 2 for k in OPT)) * 1e-3}
+
+
+@pytest.fixture
+def bowl(monkeypatch):
+    monkeypatch.setitem(K.REGISTRY, BOWL.name, BOWL)
+    return BOWL
+
+
+def _warm(kernel: str, entries: dict) -> None:
+    """The nearest GPU type (an H100) stored ``entries`` (bucket -> config) for ``kernel``."""
+    d = Path(os.environ["TRITUNE_CONFIG_DIR"]) / NEAR
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{kernel}.json").write_text(json.dumps({"format": 1, "kernel": kernel, "gpu": NEAR, "entries": [
+        {"bucket": b, "dtype": "float32", "config": c, "time_us": 1.0, "default_us": 2.0} for b, c in entries.items()]}))
+    store.clear_cache()
+
+
+def _key(cfg) -> tuple:
+    return tuple(sorted(cfg.items()))
+
+
+def test_local_search_walks_to_an_optimum_three_steps_from_the_seed(tmp_path, bowl):
+    """The H100's winner is 3 coordinate steps (a, b, c: +1 each) from the optimum of a 4096-point space, and
+    patience 1 stops the search after one draw. The fill walks from the seed to the optimum through one-step
+    neighbours within 3 neighbourhoods (<= 8 each), without a sampler draw: every neighbour valid, none
+    evaluated twice, each counted in the summary."""
+    seed = {"a": 5, "b": 5, "c": 5, "d": 6}
+    _warm(BOWL.name, {"n=64": seed})
+    storage = str(tmp_path / "s.journal")
+    capped, _ = tb.tune_budget([BOWL], 600.0, storage=str(tmp_path / "capped.journal"), problems=[h.Problem(64)],
+                               dtypes=[torch.float32], slug=SLUG, evaluate=_bowl, isolation="inline", progress=False,
+                               log=lambda m: None, patience=1, fill=False)
+    assert capped[0]["config"] != OPT  # the seeds and one draw: not there
+    logs = []
+    rows, _ = tb.tune_budget([BOWL], 600.0, storage=storage, problems=[h.Problem(64)], dtypes=[torch.float32], slug=SLUG,
+                             evaluate=_bowl, isolation="inline", progress=False, log=logs.append, patience=1)
+    (row,) = rows
+    assert row["config"] == OPT and row["best_us"] == 10.0
+    (st,) = _studies(storage)
+    ev = sorted(search._evaluated(st.trials), key=lambda t: t.number)
+    first = next(i for i, t in enumerate(ev) if t.params == OPT)
+    assert ev[first].user_attrs.get("local"), "the optimum was not reached by the local search"
+    local = [t for t in ev[:first + 1] if t.user_attrs.get("local")]
+    assert len(local) <= 3 * 8, [t.params for t in local]
+    assert first + 1 - len(local) == capped[0]["trials"] == 3  # the default, the warm seed, one draw: then local only
+    # each local trial a valid one-step neighbour of the trial it names, the best at the time it was enqueued
+    by_number = {t.number: t for t in st.trials}
+    for t in (t for t in ev if t.user_attrs.get("local")):
+        assert BOWL.space.why_invalid(t.params, h.Problem(64), torch.float32) is None
+        centre = by_number[t.user_attrs["local_of"]].params
+        moved = [k for k in OPT if t.params[k] != centre[k]]
+        assert len(moved) == 1 and abs(t.params[moved[0]] - centre[moved[0]]) == 1, (centre, t.params)
+    assert len({_key(t.params) for t in ev}) == len(ev), "a config was evaluated twice"
+    assert row["progress"]["local"] == sum(1 for t in ev if t.user_attrs.get("local")) >= 3
+    assert row["progress"]["local_gains"] >= 3
+    text = tb.summary_table(rows, 600.0)
+    assert f"fill: {row['progress']['local']} local-search trials" in text and "local (gains)" in text
+
+
+def test_neighbours_of_the_h100_seeds_on_the_h200s_two_hard_buckets():
+    """The two buckets the H200's 30 min budget missed: each neighbour one valid step from the H100's seed,
+    the committed H200 config reachable step by step (its num_stages 5 only once BLOCK_N is 64: 240 KiB of
+    shared memory with BLOCK_N 128); a boolean's neighbour is its flip; the move that just won goes first."""
+    gemm, gemv = K.get("gemm"), K.get("gemv")
+    gp = next(p for p in gemm.standard_problems if (p.M, p.N, p.K) == (512, 768, 3072))
+    seed = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=4, TMA=False,
+                PERSISTENT=False)
+    ns = tb.neighbours(gemm.space, seed, gp, torch.bfloat16)
+    assert 0 < len(ns) <= 2 * len(seed)
+    for n in ns:
+        assert gemm.space.why_invalid(n, gp, torch.bfloat16) is None
+        (k,) = [k for k in seed if n[k] != seed[k]]
+        ch = gemm.space.params[k]
+        assert abs(ch.index(n[k]) - ch.index(seed[k])) == 1 or isinstance(seed[k], bool)
+    moves = [{k: v for k, v in n.items() if v != seed[k]} for n in ns]
+    for m in ({"BLOCK_N": 64}, {"GROUP_M": 4}, {"num_warps": 8}, {"TMA": True}):
+        assert m in moves
+    assert {"num_stages": 5} not in moves  # invalid here, valid one step later:
+    bn64 = dict(seed, BLOCK_N=64)
+    assert {"num_stages": 5} in [{k: v for k, v in n.items() if v != bn64[k]}
+                                 for n in tb.neighbours(gemm.space, bn64, gp, torch.bfloat16)]
+    vp = next(p for p in gemv.standard_problems if (p.M, p.N, p.K, p.ln) == (1, 768, 3072, False))
+    vseed = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=16, num_warps=1, num_stages=2)
+    moves = [{k: v for k, v in n.items() if v != vseed[k]} for n in tb.neighbours(gemv.space, vseed, vp, torch.bfloat16)]
+    assert {"BLOCK_N": 32} in moves and {"num_stages": 3} in moves
+    s3 = dict(vseed, num_stages=3)
+    assert tb.neighbours(gemv.space, s3, vp, torch.bfloat16, first=("num_stages", 1))[0] == dict(vseed, num_stages=4)
+
+
+def test_fill_passes_go_by_promise():
+    """Gaining studies first (the larger gain first) with 4x the stale ones' share, then open neighbourhoods
+    (2x), then the studies whose last turn found nothing around a fully evaluated best; the shares follow."""
+    assert tb.promise(0.05, False) == "gaining" and tb.promise(0.01, True) == "open"
+    assert tb.promise(0.0, False) == "stale" and tb.promise(0.019, False, min_gain=0.02) == "stale"
+    items = [("s1", "stale", 0.0), ("o1", "open", 0.0), ("g1", "gaining", 0.05), ("s2", "stale", 0.0),
+             ("g2", "gaining", 0.30), ("o2", "open", 0.01)]
+    assert tb.by_promise(items) == [("g2", 4), ("g1", 4), ("o1", 2), ("o2", 2), ("s1", 1), ("s2", 1)]
+
+
+def test_the_pass_shares_follow_the_weights(tmp_path, monkeypatch):
+    """_search_pass: each study's share is its weight over the weights of those still to run, of the time
+    left until the pass's end."""
+    jobs = search.plan([h.TOY], [h.Problem(64), h.Problem(32), h.Problem(16)], [torch.float32], SLUG)
+    st = search.open_storage(str(tmp_path / "s.journal"))
+    studies = {j.name: search.open_study(st, j) for j in jobs}
+    shares = []
+    clock = type("Clock", (), {"t": 1000.0, "time": lambda self: self.t})()
+
+    def fake_sweep(study, job, runner, *, share_end, **kw):  # takes its whole share
+        shares.append((job.bucket, share_end - clock.t, kw["local"]))
+        clock.t = share_end
+        return "budget"
+
+    monkeypatch.setattr(tb, "_sweep_study", fake_sweep)
+    monkeypatch.setattr(tb, "time", clock)
+    budget = tb.Budget(600.0, 0.0, started=clock.t)
+    seen = []
+    turns = tb._search_pass(jobs, studies, None, budget, search.Progress(3, enabled=False), None, trials=None,
+                            patience=2, min_gain=0.02, seed=0, rounds=1, weights=[4, 2, 1], end=clock.t + 70.0,
+                            local=True, before=lambda j, s: seen.append(j.bucket))
+    assert seen == [b for b, _, _ in shares] == ["n=64", "n=32", "n=16"] and all(loc for _, _, loc in shares)
+    assert [round(s, 6) for _, s, _ in shares] == [40, 20, 10]  # 4/7 of 70 s, 2/3 of the 30 left, the rest
+    assert [(j.bucket, why, n) for j, why, n in turns] == [("n=64", "budget", 0), ("n=32", "budget", 0),
+                                                           ("n=16", "budget", 0)]
+
+
+def test_nearest_bucket_winners_are_enqueued_once(tmp_path, bowl):
+    """A study searched again tries the current bests of its 2 nearest buckets (same kernel and dtype) once
+    each; one invalid for its problem is skipped, so is one it already evaluated; a sibling's new best is
+    tried in turn."""
+    problems = [h.Problem(n) for n in (32, 64, 16, 128, 8)]
+    jobs = search.plan([BOWL], problems, [torch.float32], SLUG)
+    st = search.open_storage(str(tmp_path / "s.journal"))
+    studies = {j.name: search.open_study(st, j) for j in jobs}
+    version = search.code_version(BOWL.name)
+    dist = {k: optuna.distributions.CategoricalDistribution(v) for k, v in BOWL_PARAMS.items()}
+
+    def best(job, cfg, value):
+        studies[job.name].add_trial(optuna.trial.create_trial(params=cfg, distributions=dist, value=value, user_attrs={
+            "evaluated": {"seconds": 0.1, "source": version}}))
+
+    j32, j64, j16, j128, j8 = jobs
+    best(j64, {"a": 6, "b": 2, "c": 2, "d": 2}, 5.0)   # a=6 > 32/8: invalid for n=32
+    best(j16, {"a": 2, "b": 3, "c": 3, "d": 3}, 5.0)
+    best(j128, {"a": 1, "b": 4, "c": 4, "d": 4}, 5.0)  # farther than 64 and 16: not tried
+    best(j8, {"a": 1, "b": 5, "c": 5, "d": 5}, 5.0)
+    assert tb.bucket_seed_configs(j32, jobs, studies) == [{"a": 2, "b": 3, "c": 3, "d": 3}]
+    study = studies[j32.name]
+    assert search._enqueue_seeds(study, j32, tb.bucket_seed_configs(j32, jobs, studies), attr="bucket_seed") == 1
+    assert tb.bucket_seed_configs(j32, jobs, studies) == []  # waiting: not again
+    search.run_study(study, j32, _bowl, trials=2, seed_default=False)  # evaluated: not again either
+    assert [bool(t.user_attrs.get("bucket_seed")) for t in search._evaluated(study.trials)] == [True, False]
+    assert tb.bucket_seed_configs(j32, jobs, studies) == []
+    best(j16, {"a": 3, "b": 3, "c": 3, "d": 3}, 4.0)  # the 16's new best, valid for n=32
+    assert tb.bucket_seed_configs(j32, jobs, studies) == [{"a": 3, "b": 3, "c": 3, "d": 3}]
+    # an own evaluated config is not a seed
+    best(j32, {"a": 3, "b": 3, "c": 3, "d": 3}, 6.0)
+    assert tb.bucket_seed_configs(j32, jobs, studies) == []

@@ -61,6 +61,11 @@ MIN_GAIN = 0.02      # a gain beats the best so far by more than this fraction (
 LEDGER = "budget"    # the study user attribute holding the time spent and why the study stopped
 DONE = ("converged", "exhausted", "trials", "no valid config")
 SEED_ATTRS = ("default", "previous", "warm", "seeded")
+LOCAL_MAX = 32       # one-step neighbours evaluated per study turn in the fill (gemm's neighbourhood: <= 18)
+BUCKET_SEEDS = 2     # nearest buckets of the same kernel and dtype whose best a study tries in the fill
+PROMISE = {"gaining": 4, "open": 2, "stale": 1}  # a fill pass's order and the weight of each study's share
+FILL_PASS_SHARE = 0.5  # of the time left, spent by one fill pass (the rest goes to what that pass found)
+FILL_LAST_PASS_S = 60.0  # with less left, one pass takes all of it
 
 # Estimate (``--dry-run``): seconds per evaluated trial on an H100/H200 (compile the config, verify it
 # against the float64 reference on fresh inputs, time it: do_bench 25 ms warm-up + 100 ms), read off the
@@ -230,12 +235,18 @@ class _Meter:
 @dataclasses.dataclass
 class Progress:
     """What a study's trials say about it: evaluated trials, seeds still waiting, sampler trials after
-    the seeds, and how many of those in a row brought no gain."""
+    the seeds, and how many of those in a row brought no gain; of the trials after the seeds, the fill's
+    local-search neighbours (``local``) and nearest-bucket seeds (``bucket_seeds``), and how many of each
+    were a gain (``*_gains``)."""
     evaluated: int = 0
     waiting: int = 0
     sampler: int = 0
     since_gain: int = 0
     best_us: float | None = None
+    local: int = 0
+    local_gains: int = 0
+    bucket_seeds: int = 0
+    bucket_seed_gains: int = 0
 
 
 def study_progress(trials, min_gain: float = MIN_GAIN) -> Progress:
@@ -256,10 +267,17 @@ def study_progress(trials, min_gain: float = MIN_GAIN) -> Progress:
             continue
         p.sampler += 1
         v = t.value if t.state == TrialState.COMPLETE else None
-        if v is not None and (best is None or v < best * (1.0 - min_gain)):
+        gain = v is not None and (best is None or v < best * (1.0 - min_gain))
+        if gain:
             p.since_gain = 0
         else:
             p.since_gain += 1
+        if t.user_attrs.get("local"):
+            p.local += 1
+            p.local_gains += gain
+        elif t.user_attrs.get("bucket_seed"):
+            p.bucket_seeds += 1
+            p.bucket_seed_gains += gain
         if v is not None:
             best = v if best is None else min(best, v)
     p.best_us = best
@@ -268,10 +286,13 @@ def study_progress(trials, min_gain: float = MIN_GAIN) -> Progress:
 
 class _Stop:
     """``run_study``'s ``should_stop``: after the seeds (``seeds_only``: as soon as none waits), or on
-    convergence; charges the time to the ledger each time it is asked (once per proposal)."""
+    convergence; charges the time to the ledger each time it is asked (once per proposal). With ``local``
+    (the fill), the incumbent's unevaluated neighbours come before convergence and before the sampler:
+    one is enqueued whenever no trial waits (:class:`_Local`)."""
 
-    def __init__(self, meter: _Meter, seeds_only: bool, patience: int, min_gain: float):
+    def __init__(self, meter: _Meter, seeds_only: bool, patience: int, min_gain: float, local=None):
         self.meter, self.seeds_only, self.patience, self.min_gain = meter, seeds_only, patience, min_gain
+        self.local = local
         self.reason = None
         self.progress = Progress()
 
@@ -289,10 +310,157 @@ class _Stop:
         if self.seeds_only:
             self.reason = "seeded"
             return True
+        if self.local is not None and self.local.enqueue(self.meter.study, trials):
+            return False
         if p.since_gain >= self.patience:
             self.reason = "converged"
             return True
         return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fill's search: the incumbent's neighbours, the nearest buckets' winners, studies by promise
+# ---------------------------------------------------------------------------------------------------
+def neighbours(space, config: dict, problem, dtype, first: tuple | None = None) -> list[dict]:
+    """The valid one-step neighbours of ``config``: for each parameter, the choice before and the one
+    after its value in the parameter's list (a boolean's flip), in the space's order. ``first``
+    (parameter, step in the list): that move once more goes first, as coordinate descent keeps going the
+    way it just gained."""
+    out = []
+    for k, choices in space.params.items():
+        i = _index(choices, config.get(k))
+        for j in (() if i is None else (i - 1, i + 1)):
+            if 0 <= j < len(choices):
+                c = dict(config, **{k: choices[j]})
+                if not space.why_invalid(c, problem, dtype):
+                    out.append(c)
+    if first is not None and first[0] in space.params:
+        k, d = first
+        i = _index(space.params[k], config.get(k))
+        out.sort(key=lambda c: i is None or _index(space.params[k], c[k]) != i + d)  # stable: the rest keep order
+    return out
+
+
+def _index(choices: list, value) -> int | None:
+    """The position of ``value`` in a choice list (True is not 1 here)."""
+    return next((n for n, c in enumerate(choices) if c == value and isinstance(c, bool) == isinstance(value, bool)),
+                None)
+
+
+def _incumbent(trials):
+    """The best complete trial (the earliest of equal times), or None."""
+    from optuna.trial import TrialState
+
+    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+    return min(ok, key=lambda t: (t.value, t.number)) if ok else None
+
+
+def _taken(trials, params: dict) -> set:
+    """Keys of the configs evaluated (on the current code), running or waiting: none is proposed again."""
+    from optuna.trial import TrialState
+
+    keys = {search.config_key(t.params, params) for t in search._evaluated(trials)}
+    for t in trials:
+        if t.state in (TrialState.RUNNING, TrialState.WAITING):
+            keys.add(search.config_key(t.params or t.system_attrs.get("fixed_params") or {}, params))
+    return keys
+
+
+class _Local:
+    """Coordinate descent around the incumbent for one study turn: whenever no trial waits, the next
+    unevaluated valid one-step neighbour of the current best is enqueued (user attribute ``local``; its
+    centre in ``local_of``), so a neighbour that wins becomes the centre at once (first improvement).
+    At most ``limit`` per turn; the neighbours count as sampler trials for convergence."""
+
+    def __init__(self, job, limit: int = LOCAL_MAX):
+        self.job, self.limit, self.n = job, limit, 0
+
+    def next_config(self, trials) -> tuple[dict, int] | tuple[None, None]:
+        """(the next neighbour to evaluate, the number of the trial it is a neighbour of)."""
+        space, params = self.job.spec.space, self.job.spec.space.params
+        inc = _incumbent(trials)
+        if inc is None:
+            return None, None
+        first = None
+        parent = next((t for t in trials if t.number == inc.user_attrs.get("local_of")), None)
+        if parent is not None:
+            moved = [k for k in params if parent.params.get(k) != inc.params.get(k)]
+            if len(moved) == 1:
+                k = moved[0]
+                i, j = _index(params[k], parent.params.get(k)), _index(params[k], inc.params.get(k))
+                first = (k, j - i) if i is not None and j is not None else None
+        taken = _taken(trials, params)
+        for c in neighbours(space, dict(inc.params), self.job.problem, self.job.dtype, first):
+            if search.config_key(c, params) not in taken:
+                return c, inc.number
+        return None, None
+
+    def enqueue(self, study, trials) -> bool:
+        if self.n >= self.limit:
+            return False
+        cfg, of = self.next_config(trials)
+        if cfg is None:
+            return False
+        study.enqueue_trial(cfg, user_attrs={"local": True, "local_of": of})
+        self.n += 1
+        return True
+
+
+def bucket_seed_configs(job, jobs, studies, limit: int = BUCKET_SEEDS) -> list[dict]:
+    """The current best configs of this run's studies of the same kernel and dtype key whose buckets are
+    nearest to ``job``'s (``store.bucket_distance``; the ``limit`` nearest with a best), keeping those
+    valid for ``job``'s problem and neither evaluated nor enqueued in its study yet."""
+    want = store.parse_bucket(job.bucket)
+    sib = [(store.bucket_distance(want, store.parse_bucket(j.bucket)), j.bucket, j) for j in jobs
+           if j is not job and j.spec.name == job.spec.name and j.key == job.key and j.name in studies]
+    sib = sorted((d, b, j) for d, b, j in sib if math.isfinite(d))
+    params = job.spec.space.params
+    st = studies[job.name]
+    trials = search.current_trials(st.get_trials(deepcopy=False), search.code_version(job.spec.name))
+    taken = _taken(trials, params)
+    taken |= {t.user_attrs.get("bucket_seed") for t in st.get_trials(deepcopy=False)}  # tried on older code too
+    out, n = [], 0
+    for _, _, j in sib:
+        cfg = search.study_stats(studies[j.name]).get("config")
+        if cfg is None:
+            continue
+        n += 1
+        key = search.config_key(cfg, params)
+        if key not in taken and not job.spec.space.why_invalid(cfg, job.problem, job.dtype):
+            out.append(dict(cfg))
+            taken.add(key)
+        if n >= limit:
+            break
+    return out
+
+
+def promise(gain: float, open_: bool, min_gain: float = MIN_GAIN) -> str:
+    """A study's tier for the next fill pass: ``gaining`` (its best improved by more than ``min_gain``
+    in its last turn), ``open`` (else: its incumbent has unevaluated neighbours, or a nearest bucket's
+    winner is untried), ``stale`` (its last turn found nothing, and around its best nothing is left)."""
+    return "gaining" if gain > min_gain else ("open" if open_ else "stale")
+
+
+def by_promise(items: list[tuple]) -> list[tuple]:
+    """``items``: (job, tier, gain) -> (job, weight), gaining first (the larger gain first), then open,
+    then stale, in the plan's order within a tier; the weight is the tier's ``PROMISE``."""
+    rank = list(PROMISE)
+    order = sorted(range(len(items)), key=lambda i: (rank.index(items[i][1]), -items[i][2] if items[i][1] == "gaining"
+                                                     else 0.0, i))
+    return [(items[i][0], PROMISE[items[i][1]]) for i in order]
+
+
+def _last_search_gain(study, job) -> float:
+    """What the search before the fill found: the best seed's time over the best time, less 1 (0 when a
+    seed is the best)."""
+    from optuna.trial import TrialState
+
+    ts = search.current_trials(study.get_trials(deepcopy=False), search.code_version(job.spec.name))
+    ok = [t for t in ts if t.state == TrialState.COMPLETE and t.value is not None]
+    seeds = [t.value for t in ok if any(t.user_attrs.get(a) for a in SEED_ATTRS)]
+    if not ok or not seeds:
+        return 0.0
+    return max(0.0, min(seeds) / min(t.value for t in ok) - 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -350,8 +518,9 @@ def _prepare(storage_obj, jobs, warm, window: float) -> dict:
 
 
 def _sweep_study(study, job, runner, *, budget: Budget, share_end: float, seeds_only: bool, trials: int | None,
-                 patience: int, min_gain: float, seed: int, progress) -> str:
-    """Run one study's seeds (``seeds_only``) or its search; return why it stopped."""
+                 patience: int, min_gain: float, seed: int, progress, local: bool = False) -> str:
+    """Run one study's seeds (``seeds_only``) or its search (``local``: the incumbent's neighbours before
+    the sampler's proposals, see :class:`_Local`); return why it stopped."""
     meter = _Meter(study)
     meter.led["calls"] = meter.led.get("calls", 0) + (0 if seeds_only else 1)
     valid = _study_valid(study, job)
@@ -359,7 +528,7 @@ def _sweep_study(study, job, runner, *, budget: Budget, share_end: float, seeds_
         meter.charge(stop="no valid config")
         return "no valid config"
     hard = budget.end()
-    stop = _Stop(meter, seeds_only, patience, min_gain)
+    stop = _Stop(meter, seeds_only, patience, min_gain, _Local(job) if local and not seeds_only else None)
     deadline = hard if seeds_only else min(hard, share_end)
 
     def show(job_, n, target, failed, best, dl):  # the bar's total: what the study needs at least
@@ -404,7 +573,8 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
     """Tune within ``budget_s`` seconds in all (this call and earlier ones on ``storage``), warm-started
     from ``warm_from`` (default: the nearest stored GPU type); see the module's docstring. ``stop_after``:
     this call stops starting trials after so many seconds (a later call resumes). ``fill``: spend time left
-after every study stopped on the converged ones, with doubled patience per pass. Returns (rows, the GPU
+    after every study stopped on the converged ones (phase 3: doubled patience per pass, by promise, local
+    search around each best, the nearest buckets' winners tried). Returns (rows, the GPU
     type warmed from); each row is the study's stats plus ``seed_us``, ``retimed`` and ``ledger``."""
     import optuna
 
@@ -428,7 +598,8 @@ after every study stopped on the converged ones, with doubled patience per pass.
         f"{len(jobs)} studies; warm start from "
         f"{near + ' (stored winners seeded as first trials)' if near else 'nothing (no stored GPU type of this vendor)'}"
         f"; a study converges after {patience} sampler trials without a gain > {min_gain:.0%}"
-        + ("; time left then goes to the converged studies, with doubled patience per pass" if fill else ""))
+        + ("; time left then goes to the converged studies (doubled patience per pass, the most promising "
+           "first; local search around each best)" if fill else ""))
     open_ = [j for j in jobs if ledger(studies[j.name])["stop"] not in DONE or not _retime_done(studies[j.name])]
     refill = fill and budget.left() > 0 and any(ledger(studies[j.name])["stop"] == "converged" for j in jobs)
     if len(open_) < len(jobs):
@@ -450,9 +621,9 @@ after every study stopped on the converged ones, with doubled patience per pass.
         bar.prefix, bar.index = "", 0
         while budget.left() > 0:
             todo = [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]
-            progressed = _search_pass(todo, studies, runner, budget, bar, lambda st, why, best: why != "no valid config",
-                                      trials=trials, patience=patience, min_gain=min_gain, seed=seed, rounds=rounds)
-            if not progressed or not [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]:
+            turns = _search_pass(todo, studies, runner, budget, bar, lambda st, why, best: why != "no valid config",
+                                 trials=trials, patience=patience, min_gain=min_gain, seed=seed, rounds=rounds)
+            if not any(n for _, _, n in turns) or not [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]:
                 break
         for job in open_:  # finished studies whose re-timing a budget cut short
             st = studies[job.name]
@@ -485,49 +656,105 @@ after every study stopped on the converged ones, with doubled patience per pass.
 
 def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: float, trials, seed: int, rounds: int,
           progress, log) -> None:
-    """Search the converged studies again while budget is left: pass k gives each study converged at a
-    lower patience ``patience * 2**k`` (its ledger keeps the patience it converged at), an equal share of
-    what is left, and re-times it when its best changed. Ends when the budget is spent or a pass evaluates
-    nothing (every study exhausted or stopped otherwise)."""
+    """Phase 3 (see the module's docstring): passes over the converged studies (and those a pass cut on
+    their share) while budget is left, each pass at twice the patience of the one before, ordered and
+    weighted by :func:`promise`, each study's turn starting with its nearest buckets' winners and its
+    incumbent's neighbours; re-timing is deferred to the end (a study's best moves several times in a
+    fill: it is re-timed once), and time for it is kept back."""
     level = patience
-    while budget.left() > 0:
+    gain = {j.name: _last_search_gain(studies[j.name], j) for j in jobs}  # the search before: its last turn
+    cut: set[str] = set()       # ended its last turn on its share, not converged: searched again in the next pass
+    touched: set[str] = set()   # searched in the fill: re-timed at its end when the best moved
+    passes = 0
+    while True:
+        reserve = _retime_reserve([j for j in jobs if j.name in touched], studies, rounds)
+        left = budget.left() - reserve
+        if left <= 0:
+            break
         level *= 2
-        todo = [j for j in jobs if ledger(studies[j.name])["stop"] == "converged"
-                and ledger(studies[j.name]).get("patience", patience) < level]
+        todo = [j for j in jobs if j.name in cut or (ledger(studies[j.name])["stop"] == "converged"
+                                                      and ledger(studies[j.name]).get("patience", patience) < level)]
         if not todo:
             if any(ledger(studies[j.name])["stop"] == "converged" for j in jobs):
                 continue  # every converged study is at this level already: the next pass doubles it again
-            return
-        log(f"tune: {budget.left() / 60:.1f} min left: {len(todo)} converged studies searched again "
-            f"(patience {level})")
-        progress.prefix, progress.index, progress.n_jobs = f"patience {level} ", 0, len(todo)
-        changed = lambda st, why, best: search.study_stats(st).get("best_trial") != best or not _retime_done(st)  # noqa: E731
-        if not _search_pass(todo, studies, runner, budget, progress, changed, trials=trials, patience=level,
-                            min_gain=min_gain, seed=seed, rounds=rounds):
-            return
+            break
+        tiers = []
+        for j in todo:
+            st = studies[j.name]
+            ts = search.current_trials(st.get_trials(deepcopy=False), search.code_version(j.spec.name))
+            open_ = _Local(j).next_config(ts)[0] is not None or bool(bucket_seed_configs(j, jobs, studies))
+            tiers.append((j, promise(gain[j.name], open_, min_gain), gain[j.name]))
+        order = by_promise(tiers)
+        counts = {t: sum(1 for _, tier, _ in tiers if tier == t) for t in PROMISE}
+        pass_s = left if left <= FILL_LAST_PASS_S else left * FILL_PASS_SHARE
+        passes += 1
+        log(f"tune: {budget.left() / 60:.1f} min left: fill pass {passes}: {len(todo)} studies searched again "
+            f"(patience {level}; " + ", ".join(f"{n} {t}" for t, n in counts.items() if n) +
+            f"; this pass up to {pass_s / 60:.1f} min, {reserve / 60:.1f} min kept for re-timing)")
+        progress.prefix, progress.index, progress.n_jobs = f"fill {passes} ", 0, len(todo)
+        before = {j.name: search.study_stats(studies[j.name]).get("best_us") for j in todo}
+
+        def seeds(job, st):  # the nearest buckets' winners, each once, before the neighbours
+            search._enqueue_seeds(st, job, bucket_seed_configs(job, jobs, studies), attr="bucket_seed")
+
+        turns = _search_pass([j for j, _ in order], studies, runner, budget, progress, None, trials=trials,
+                             patience=level, min_gain=min_gain, seed=seed, rounds=rounds, weights=[w for _, w in order],
+                             end=time.time() + pass_s, local=True, before=seeds)
+        for job, why, _ in turns:
+            touched.add(job.name)
+            (cut.add if why == "budget" else cut.discard)(job.name)
+            b, a = before[job.name], search.study_stats(studies[job.name]).get("best_us")
+            gain[job.name] = (b / a - 1.0) if (a and b) else 0.0
+        if not any(n for _, _, n in turns) and not cut & {j.name for j, _, _ in turns}:
+            break
+    for job in jobs:  # the deferred re-timing of the studies whose best moved
+        st = studies[job.name]
+        if job.name in touched and budget.left() > 0 and not _retime_done(st):
+            _retime_study(st, job, runner, rounds, budget.end())
+
+
+def _retime_reserve(jobs, studies, rounds: int) -> float:
+    """Seconds the re-timing of ``jobs`` whose best was not re-timed yet should take: ``rounds`` rounds of
+    their front runners, ``TIME_ONLY_S`` a timing."""
+    n = 0
+    for j in jobs:
+        st = studies[j.name]
+        if not _retime_done(st):
+            c = len(front_runners(st))
+            n += c if c > 1 else 0
+    return n * rounds * TIME_ONLY_S
 
 
 def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, trials, patience: int,
-                 min_gain: float, seed: int, rounds: int) -> bool:
-    """One pass over ``todo``: each study searched within an equal share of the budget left (time one does
-    not use goes to the next), then re-timed in the worker that compiled it when ``retime_if(study, why it
-    stopped, its best trial before)``. Returns whether the pass evaluated anything."""
-    progressed = False
+                 min_gain: float, seed: int, rounds: int, weights=None, end: float | None = None, local: bool = False,
+                 before=None) -> list[tuple]:
+    """One pass over ``todo``: each study searched within its share of the time left until ``end`` (the
+    budget's end by default): ``weights[i]`` over the sum of the weights of those not yet run (equal
+    shares by default; time one does not use goes to the next); ``before(job, study)`` first; then
+    re-timed in the worker that compiled it when ``retime_if(study, why it stopped, its best trial
+    before)`` (``None``: never; no time is kept for it then). Returns (job, why it stopped, trials
+    evaluated) of each study that had its turn."""
+    weights = list(weights) if weights is not None else [1.0] * len(todo)
+    keep = RETIME_SHARE if retime_if is not None else 0.0
+    turns = []
     for i, job in enumerate(todo):
-        left = budget.left()
+        stop_at = budget.end() if end is None else min(end, budget.end())
+        left = stop_at - time.time()
         if left <= 0:
             break
         st = studies[job.name]
+        if before is not None:
+            before(job, st)
         best = search.study_stats(st).get("best_trial")
-        before = len(search._evaluated(st.get_trials(deepcopy=False)))
-        share_end = time.time() + left / (len(todo) - i) * (1 - RETIME_SHARE)
+        n0 = len(search._evaluated(st.get_trials(deepcopy=False)))
+        share_end = time.time() + left * weights[i] / sum(weights[i:]) * (1 - keep)
         why = _sweep_study(st, job, runner, budget=budget, share_end=share_end, seeds_only=False, trials=trials,
-                           patience=patience, min_gain=min_gain, seed=seed, progress=progress)
-        progressed |= len(search._evaluated(st.get_trials(deepcopy=False))) > before
-        if budget.left() > 0 and retime_if(st, why, best):
+                           patience=patience, min_gain=min_gain, seed=seed, progress=progress, local=local)
+        turns.append((job, why, len(search._evaluated(st.get_trials(deepcopy=False))) - n0))
+        if retime_if is not None and budget.left() > 0 and retime_if(st, why, best):
             _retime_study(st, job, runner, rounds, budget.end())
         progress.next_job()
-    return progressed
+    return turns
 
 
 def _retime_done(study) -> bool:
@@ -562,17 +789,27 @@ def summary_table(rows: list[dict], budget_s: float | None = None, wall_s: float
         winner = rt.get("winner") or ("tuned (not re-timed)" if r.get("config") else "-")
         if r.get("config") and not rt and led.get("retime_candidates") == 1:
             winner = "tuned (no rival)"
+        pr = r.get("progress") or {}
         table.append([r.get("kernel"), r.get("bucket"), r.get("dtype"), r.get("trials", 0),
-                      (r.get("progress") or {}).get("sampler", ""), r.get("failed", 0), _stop_label(r),
+                      pr.get("sampler", ""), _local_label(pr), r.get("failed", 0), _stop_label(r),
                       f"{led.get('spent_s', 0.0):.1f}",
                       _fmt(t.get("default", r.get("default_us"))), _fmt(t.get("seed", r.get("seed_us"))),
                       _fmt(t.get("tuned", r.get("best_us"))), winner,
                       f"{def_us / win_us:.2f}x" if win_us and def_us else ""])
-    head = ["kernel", "bucket", "dtype", "trials", "after seeds", "failed", "stopped", "spent s", "default µs",
+    head = ["kernel", "bucket", "dtype", "trials", "after seeds", "local (gains)", "failed", "stopped", "spent s",
+            "default µs",
             "warm seed µs", "tuned µs", "winner", "vs default"]
     text = tabulate(table, headers=head, disable_numparse=True)
     stops = collections.Counter(_stop_label(r) for r in rows)
     text += "\nstudies: " + ", ".join(f"{n} {k}" for k, n in stops.most_common())
+    tot = collections.Counter()
+    for r in rows:
+        tot.update({k: v for k, v in (r.get("progress") or {}).items() if k.startswith(("local", "bucket_seed"))})
+    if tot["local"] or tot["bucket_seeds"]:
+        text += (f"\nfill: {tot['local']} local-search trials (one-step neighbours of a study's best) in "
+                 f"{sum(1 for r in rows if (r.get('progress') or {}).get('local'))} studies, {tot['local_gains']} "
+                 f"of them a gain; {tot['bucket_seeds']} nearest-bucket winners tried, {tot['bucket_seed_gains']} "
+                 f"of them a gain")
     spent = spent_s(rows)
     if budget_s:
         text += f"\nbudget: {spent / 60:.1f} of {budget_s / 60:.1f} min spent (all calls, in the storage)"
@@ -584,6 +821,12 @@ def summary_table(rows: list[dict], budget_s: float | None = None, wall_s: float
         g = math.exp(sum(map(math.log, sp)) / len(sp))
         text += f"\ngeomean of the winners over the default (re-timed side by side): {g:.3f}x over {len(sp)} studies"
     return text
+
+
+def _local_label(progress: dict) -> str:
+    """The fill's local-search trials of a study, and how many of them were a gain: '17 (2)'."""
+    n = progress.get("local", 0)
+    return f"{n} ({progress.get('local_gains', 0)})" if n else ""
 
 
 def _stop_label(row: dict) -> str:
