@@ -214,7 +214,8 @@ def _bowl_constraint(c, p, dtype):
 
 BOWL = K.KernelSpec(
     name="tune_all_bowl", run=h._run, reference=lambda x: x.double() * 2, make_inputs=h._make_inputs, problems=None,
-    space=K.Space(params=BOWL_PARAMS, constraint=_bowl_constraint), default_config=lambda p, d: dict.fromkeys("abcd", 1),
+    space=K.Space(params=BOWL_PARAMS, constraint=_bowl_constraint),
+    default_config=lambda p, d: dict.fromkeys("abcd", 1),
     bucket=lambda p: {"n": p.n}, cost=lambda p, d: K.Cost(1.0, 1.0), problem_of=lambda x, **_: h.Problem(x.numel()),
     standard_problems=[h.Problem(64)], small_problems=[h.Problem(64)], dtypes=(torch.float32,))
 OPT = {"a": 6, "b": 6, "c": 6, "d": 6}
@@ -235,8 +236,9 @@ def _warm(kernel: str, entries: dict) -> None:
     """The nearest GPU type (an H100) stored ``entries`` (bucket -> config) for ``kernel``."""
     d = Path(os.environ["TRITUNE_CONFIG_DIR"]) / NEAR
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"{kernel}.json").write_text(json.dumps({"format": 1, "kernel": kernel, "gpu": NEAR, "entries": [
-        {"bucket": b, "dtype": "float32", "config": c, "time_us": 1.0, "default_us": 2.0} for b, c in entries.items()]}))
+    rows = [{"bucket": b, "dtype": "float32", "config": c, "time_us": 1.0, "default_us": 2.0}
+            for b, c in entries.items()]
+    (d / f"{kernel}.json").write_text(json.dumps({"format": 1, "kernel": kernel, "gpu": NEAR, "entries": rows}))
     store.clear_cache()
 
 
@@ -257,10 +259,12 @@ def test_local_search_walks_to_an_optimum_three_steps_from_the_seed(tmp_path, bo
                                log=lambda m: None, patience=1, fill=False)
     assert capped[0]["config"] != OPT  # the seeds and one draw: not there
     logs = []
-    rows, _ = tb.tune_budget([BOWL], 600.0, storage=storage, problems=[h.Problem(64)], dtypes=[torch.float32], slug=SLUG,
-                             evaluate=_bowl, isolation="inline", progress=False, log=logs.append, patience=1)
+    rows, _ = tb.tune_budget([BOWL], 600.0, storage=storage, problems=[h.Problem(64)], dtypes=[torch.float32],
+                             slug=SLUG, evaluate=_bowl, isolation="inline", progress=False, log=logs.append, patience=1)
     (row,) = rows
     assert row["config"] == OPT and row["best_us"] == 10.0
+    # the draw found nothing: not gaining, but its best's neighbourhood is open
+    assert any("fill pass 1: 1 studies searched again (patience 2; 1 open;" in m for m in logs), logs
     (st,) = _studies(storage)
     ev = sorted(search._evaluated(st.trials), key=lambda t: t.number)
     first = next(i for i, t in enumerate(ev) if t.params == OPT)
@@ -306,7 +310,8 @@ def test_neighbours_of_the_h100_seeds_on_the_h200s_two_hard_buckets():
                                  for n in tb.neighbours(gemm.space, bn64, gp, torch.bfloat16)]
     vp = next(p for p in gemv.standard_problems if (p.M, p.N, p.K, p.ln) == (1, 768, 3072, False))
     vseed = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=16, num_warps=1, num_stages=2)
-    moves = [{k: v for k, v in n.items() if v != vseed[k]} for n in tb.neighbours(gemv.space, vseed, vp, torch.bfloat16)]
+    moves = [{k: v for k, v in n.items() if v != vseed[k]}
+             for n in tb.neighbours(gemv.space, vseed, vp, torch.bfloat16)]
     assert {"BLOCK_N": 32} in moves and {"num_stages": 3} in moves
     s3 = dict(vseed, num_stages=3)
     assert tb.neighbours(gemv.space, s3, vp, torch.bfloat16, first=("num_stages", 1))[0] == dict(vseed, num_stages=4)

@@ -29,10 +29,31 @@ unlucky once does not lose on it. The re-timing is stored on the study (``retime
 its winner.
 
 Phase 3, time left once every study has stopped (``fill``, the default), is not handed back: the converged
-studies are searched again, in turn, with twice the patience (then 4x, ...), each re-timed again when its
-best changed, until the budget is spent or a pass finds nothing to evaluate. A study that converged on a
-seed after 6 draws is rarely at its optimum (on the H200, two buckets ended 12-17% behind a longer
-tune's winner with 9 of 30 minutes unused); ``fill=False`` (``--no-fill``) stops at convergence instead.
+studies are searched again, in passes, each pass at twice the patience of the one before (12, 24, ...), until
+the budget is spent or a pass finds nothing to evaluate. A study that converged on a seed after 6 random
+draws is rarely at its optimum (on the H200, two buckets ended 11-15% behind a longer tune's winner, and in
+a 9 min fill spread over 134 studies most got 3-5 draws); so a study's turn in the fill
+
+- first tries the current bests of this run's two nearest buckets of the same kernel and dtype
+  (``store.bucket_distance``; each config once per study, valid ones only: user attribute ``bucket_seed``);
+- then walks from its best by coordinate descent (:class:`_Local`): whenever no trial waits, the next
+  unevaluated valid one-step neighbour of the current best (the choice before or after it in one
+  parameter's list; a boolean flipped) is evaluated (``local``), so a neighbour that wins becomes the centre
+  at once, and the move that won is tried again first. The BLOCK_N 128 -> 64, stages 4 -> 5 path of the
+  H200's gemm M=512,N=768,K=3072 needs that order: stages 5 does not fit with BLOCK_N 128. At most
+  ``LOCAL_MAX`` neighbours a turn;
+- then hands the study back to its sampler until the pass's patience. Neighbours and nearest-bucket seeds
+  count as sampler trials for convergence (a gain resets the patience).
+
+Each pass is ordered by promise (:func:`promise`): first the studies whose best improved by more than
+``MIN_GAIN`` in their last turn (the larger gain first; before the first pass, the search of phase 2
+counts), then those whose best has unevaluated neighbours or an untried nearest-bucket winner, last
+those whose last turn found nothing around a fully explored best; their shares of the pass weigh 4, 2 and
+1 (``PROMISE``). A pass spends at most half the time left (``FILL_PASS_SHARE``; all of it under a minute), so
+the next pass can give the rest to what this one found; a study its share cut short is searched again in
+the next pass. Re-timing waits for the end of the fill (a study's best moves several times in it; it is
+re-timed once), and the time it should take (``TIME_ONLY_S`` a timing) is kept back from the passes.
+``fill=False`` (``--no-fill``) stops at convergence instead.
 
 Kill-safe and resumable: the time each study spends (sweep and re-timing) is added to its ``budget``
 user attribute after every trial, and the budget left is the budget less the sum over the plan's studies.
@@ -413,12 +434,10 @@ def bucket_seed_configs(job, jobs, studies, limit: int = BUCKET_SEEDS) -> list[d
     want = store.parse_bucket(job.bucket)
     sib = [(store.bucket_distance(want, store.parse_bucket(j.bucket)), j.bucket, j) for j in jobs
            if j is not job and j.spec.name == job.spec.name and j.key == job.key and j.name in studies]
-    sib = sorted((d, b, j) for d, b, j in sib if math.isfinite(d))
+    sib = sorted((x for x in sib if math.isfinite(x[0])), key=lambda x: x[:2])
     params = job.spec.space.params
     st = studies[job.name]
-    trials = search.current_trials(st.get_trials(deepcopy=False), search.code_version(job.spec.name))
-    taken = _taken(trials, params)
-    taken |= {t.user_attrs.get("bucket_seed") for t in st.get_trials(deepcopy=False)}  # tried on older code too
+    taken = _taken(search.current_trials(st.get_trials(deepcopy=False), search.code_version(job.spec.name)), params)
     out, n = [], 0
     for _, _, j in sib:
         cfg = search.study_stats(studies[j.name]).get("config")
@@ -934,7 +953,8 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
              f"{est['retime'] / 60:.1f} min + worker start = {total / 60:.1f} min"
              + (f" > the {left / 60:.1f} min left: the budget ends it (studies stop 'budget')" if total > left
                 else f", within the {left / 60:.1f} min left; phase 3 (unless --no-fill) gives the rest to the "
-                     f"converged studies, patience doubled per pass")]
+                     f"converged studies (patience doubled per pass, the most promising first, local search around "
+                     f"each best)")]
     return "\n".join(lines)
 
 

@@ -361,7 +361,9 @@ def add_parser(subparsers, name: str) -> None:
                             f"noise (default {tb.MIN_GAIN})")
         s.add_argument("--no-fill", action="store_true",
                        help="with --budget: stop once every study converged (default: time left goes to the "
-                            "converged studies again, with doubled patience per pass, until the budget is spent)")
+                            "converged studies again, with doubled patience per pass, the most promising first, "
+                            "each searched around its best (one-step neighbours) and from its nearest buckets' "
+                            "winners, until the budget is spent)")
         s.add_argument("--stop-after", default=None, metavar="DURATION",
                        help="with --budget: this call stops after DURATION (e.g. 8m); the time spent is in the "
                             "storage and the same command resumes with what is left of the budget")
