@@ -4,6 +4,8 @@
 # cold machine restores it from the carried .tune/). The last call (STEP=compare) re-times the winners against
 # the committed store of this GPU.  Everything lands in $OUT/tuneall/ (+ bundle.tgz).
 #   STEP=tune|compare|last|timers bash lab/drivers/tune_all_budget.sh   (timers: lab/probes/retime_timers.py, ~2 min)
+# A slice of it: KERNELS="gemm gemv" BUDGET=7m (a proportional budget); OLD=<store folder> compares against
+# another store than the committed one (e.g. the committed store as of an earlier commit, carried in .tune/).
 set -uo pipefail
 : "${OUT:?}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -19,9 +21,9 @@ mkdir -p $S/pkg-h100 $OUT/tuneall && ln -sfn $PWD/tuning/configs/nvidia-h100-80g
 slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
 echo "slug $slug commit $(cat .commit 2>/dev/null) step ${STEP:-tune}"
 run_tune() { TRITUNE_CONFIGS=$S/pkg-h100 TRITUNE_CONFIG_DIR=$S/h200-budget PYTHONUNBUFFERED=1 timeout -s INT ${TUNE_LIM:-575} \
-          tritune tune all --dtype bf16 --budget 30m --stop-after ${STOP_AFTER:-540s} --export --storage $S/h200-budget.journal \
+          tritune tune ${KERNELS:-all} --dtype bf16 --budget ${BUDGET:-30m} --stop-after ${STOP_AFTER:-540s} --export --storage $S/h200-budget.journal \
           --quiet > $OUT/tuneall/tune_$(date +%H%M%S).log 2>&1; echo "tune rc=$?"; tail -25 $OUT/tuneall/tune_*.log | tail -25; }
-run_compare() { python lab/compare_tune_all.py --new $S/h200-budget/$slug --old tuning/configs/$slug --retime \
+run_compare() { python lab/compare_tune_all.py --new $S/h200-budget/$slug --old ${OLD:-tuning/configs/$slug} --retime \
           --time-limit ${CMP_LIM:-240} --storage $S/h200-budget.journal --json $OUT/tuneall/compare.json \
           > $OUT/tuneall/compare.log 2>&1; echo "compare rc=$?"; tail -40 $OUT/tuneall/compare.log; }
 case ${STEP:-tune} in
