@@ -328,12 +328,12 @@ def test_fill_passes_go_by_promise():
 
 
 def test_the_pass_shares_follow_the_weights(tmp_path, monkeypatch):
-    """_search_pass: each study's share is its weight over the weights of those still to run, of the time
-    left until the pass's end."""
+    """_search_pass: each study's share is its weight over the weights of those still to run, of the time left
+    until the pass's end less what is kept back (asked before each turn), RETIME_SHARE of it for re-timing."""
     jobs = search.plan([h.TOY], [h.Problem(64), h.Problem(32), h.Problem(16)], [torch.float32], SLUG)
     st = search.open_storage(str(tmp_path / "s.journal"))
     studies = {j.name: search.open_study(st, j) for j in jobs}
-    shares = []
+    shares, kept = [], []
     clock = type("Clock", (), {"t": 1000.0, "time": lambda self: self.t})()
 
     def fake_sweep(study, job, runner, *, share_end, **kw):  # takes its whole share
@@ -343,13 +343,18 @@ def test_the_pass_shares_follow_the_weights(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tb, "_sweep_study", fake_sweep)
     monkeypatch.setattr(tb, "time", clock)
-    budget = tb.Budget(600.0, 0.0, started=clock.t)
+    budget = tb.Budget(100.0, 0.0, started=clock.t)   # ends at 1100: 30 s after the pass's end
     seen = []
-    turns = tb._search_pass(jobs, studies, None, budget, search.Progress(3, enabled=False), None, trials=None,
-                            patience=2, min_gain=0.02, seed=0, rounds=1, weights=[4, 2, 1], end=clock.t + 70.0,
-                            local=True, before=lambda j, s: seen.append(j.bucket))
+    turns = tb._search_pass(jobs, studies, None, budget, search.Progress(3, enabled=False),
+                            lambda st, why, best: False, trials=None, patience=2, min_gain=0.02, seed=0, rounds=1,
+                            weights=[4, 2, 1], end=clock.t + 70.0, local=True,
+                            before=lambda j, s: seen.append(j.bucket), keep=lambda: kept.append(1) or 35.0)
     assert seen == [b for b, _, _ in shares] == ["n=64", "n=32", "n=16"] and all(loc for _, _, loc in shares)
-    assert [round(s, 6) for _, s, _ in shares] == [40, 20, 10]  # 4/7 of 70 s, 2/3 of the 30 left, the rest
+    left, want = 65.0, []  # the budget's end less 35 s kept back comes before the pass's end
+    for w, rest in ((4, 7), (2, 3), (1, 1)):
+        want.append(left * w / rest * (1 - tb.RETIME_SHARE))
+        left -= want[-1]
+    assert [round(s, 6) for _, s, _ in shares] == [round(x, 6) for x in want] and len(kept) == 3
     assert [(j.bucket, why, n) for j, why, n in turns] == [("n=64", "budget", 0), ("n=32", "budget", 0),
                                                            ("n=16", "budget", 0)]
 

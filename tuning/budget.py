@@ -51,8 +51,9 @@ counts), then those whose best has unevaluated neighbours or an untried nearest-
 those whose last turn found nothing around a fully explored best; their shares of the pass weigh 4, 2 and
 1 (``PROMISE``). A pass spends at most half the time left (``FILL_PASS_SHARE``; all of it under a minute), so
 the next pass can give the rest to what this one found; a study its share cut short is searched again in
-the next pass. Re-timing waits for the end of the fill (a study's best moves several times in it; it is
-re-timed once), and the time it should take (``TIME_ONLY_S`` a timing) is kept back from the passes.
+the next pass. A study is re-timed after its turn when its best changed, except after a turn its share
+cut short: its best is likely to move again in the next pass, so it is re-timed once, at the end of the
+fill, and the time that should take (its last re-timing's) is kept back from every turn until then.
 ``fill=False`` (``--no-fill``) stops at convergence instead.
 
 Kill-safe and resumable: the time each study spends (sweep and re-timing) is added to its ``budget``
@@ -579,9 +580,21 @@ def _retime_study(study, job, runner, rounds: int, deadline: float | None = None
     charged to the study."""
     meter = _Meter(study)
     cands = front_runners(study)
+    t0 = time.time()
     out = retime(study, job, runner, rounds, deadline) if len(cands) > 1 else None
-    meter.charge(retimed=out is not None, retime_candidates=len(cands))
+    meter.charge(retimed=out is not None, retime_candidates=len(cands),
+                 **({"retime_s": round(time.time() - t0, 3)} if out is not None else {}))
     return out
+
+
+def _retime_estimate(study, rounds: int) -> float:
+    """Seconds a re-timing of the study's front runners should take: its last one's, else ``rounds``
+    rounds of them at ``TIME_ONLY_S`` a timing (nothing when there is no rival)."""
+    led = ledger(study)
+    if isinstance(led.get("retime_s"), (int, float)):
+        return float(led["retime_s"])
+    n = len(front_runners(study))
+    return rounds * n * TIME_ONLY_S if n > 1 else 0.0
 
 
 def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None = None, dtypes=None, problems=None,
@@ -678,16 +691,26 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
     """Phase 3 (see the module's docstring): passes over the converged studies (and those a pass cut on
     their share) while budget is left, each pass at twice the patience of the one before, ordered and
     weighted by :func:`promise`, each study's turn starting with its nearest buckets' winners and its
-    incumbent's neighbours; re-timing is deferred to the end (a study's best moves several times in a
-    fill: it is re-timed once), and time for it is kept back."""
+    incumbent's neighbours. A study is re-timed after its turn when its best changed, unless its share cut
+    the turn short: it is searched again in the next pass, and re-timed once at the end; the time those
+    deferred re-timings should take is kept back from every turn."""
     level = patience
     gain = {j.name: _last_search_gain(studies[j.name], j) for j in jobs}  # the search before: its last turn
-    cut: set[str] = set()       # ended its last turn on its share, not converged: searched again in the next pass
-    touched: set[str] = set()   # searched in the fill: re-timed at its end when the best moved
+    cut: set[str] = set()          # ended its last turn on its share: searched again in the next pass
+    deferred: dict[str, float] = {}  # name -> seconds its re-timing should take, for those cut with a new best
+    by_name = {j.name: j for j in jobs}
     passes = 0
+
+    def retime_if(st, why, best):
+        changed = search.study_stats(st).get("best_trial") != best or not _retime_done(st)
+        if why == "budget" and changed:
+            deferred[st.study_name] = _retime_estimate(st, rounds)
+            return False
+        deferred.pop(st.study_name, None)
+        return changed
+
     while True:
-        reserve = _retime_reserve([j for j in jobs if j.name in touched], studies, rounds)
-        left = budget.left() - reserve
+        left = budget.left() - sum(deferred.values())
         if left <= 0:
             break
         level *= 2
@@ -709,55 +732,43 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
         passes += 1
         log(f"tune: {budget.left() / 60:.1f} min left: fill pass {passes}: {len(todo)} studies searched again "
             f"(patience {level}; " + ", ".join(f"{n} {t}" for t, n in counts.items() if n) +
-            f"; this pass up to {pass_s / 60:.1f} min, {reserve / 60:.1f} min kept for re-timing)")
+            f"; this pass up to {pass_s / 60:.1f} min)")
         progress.prefix, progress.index, progress.n_jobs = f"fill {passes} ", 0, len(todo)
         before = {j.name: search.study_stats(studies[j.name]).get("best_us") for j in todo}
 
         def seeds(job, st):  # the nearest buckets' winners, each once, before the neighbours
             search._enqueue_seeds(st, job, bucket_seed_configs(job, jobs, studies), attr="bucket_seed")
 
-        turns = _search_pass([j for j, _ in order], studies, runner, budget, progress, None, trials=trials,
+        turns = _search_pass([j for j, _ in order], studies, runner, budget, progress, retime_if, trials=trials,
                              patience=level, min_gain=min_gain, seed=seed, rounds=rounds, weights=[w for _, w in order],
-                             end=time.time() + pass_s, local=True, before=seeds)
+                             end=time.time() + pass_s, local=True, before=seeds, keep=lambda: sum(deferred.values()))
         for job, why, _ in turns:
-            touched.add(job.name)
             (cut.add if why == "budget" else cut.discard)(job.name)
             b, a = before[job.name], search.study_stats(studies[job.name]).get("best_us")
             gain[job.name] = (b / a - 1.0) if (a and b) else 0.0
         if not any(n for _, _, n in turns) and not cut & {j.name for j, _, _ in turns}:
             break
-    for job in jobs:  # the deferred re-timing of the studies whose best moved
-        st = studies[job.name]
-        if job.name in touched and budget.left() > 0 and not _retime_done(st):
-            _retime_study(st, job, runner, rounds, budget.end())
-
-
-def _retime_reserve(jobs, studies, rounds: int) -> float:
-    """Seconds the re-timing of ``jobs`` whose best was not re-timed yet should take: ``rounds`` rounds of
-    their front runners, ``TIME_ONLY_S`` a timing."""
-    n = 0
-    for j in jobs:
-        st = studies[j.name]
-        if not _retime_done(st):
-            c = len(front_runners(st))
-            n += c if c > 1 else 0
-    return n * rounds * TIME_ONLY_S
+    for name in list(deferred):  # the deferred re-timings: the best of each changed in a turn cut short
+        if budget.left() <= 0:
+            break
+        if not _retime_done(studies[name]):
+            _retime_study(studies[name], by_name[name], runner, rounds, budget.end())
+        deferred.pop(name)
 
 
 def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, trials, patience: int,
                  min_gain: float, seed: int, rounds: int, weights=None, end: float | None = None, local: bool = False,
-                 before=None) -> list[tuple]:
+                 before=None, keep=None) -> list[tuple]:
     """One pass over ``todo``: each study searched within its share of the time left until ``end`` (the
-    budget's end by default): ``weights[i]`` over the sum of the weights of those not yet run (equal
-    shares by default; time one does not use goes to the next); ``before(job, study)`` first; then
-    re-timed in the worker that compiled it when ``retime_if(study, why it stopped, its best trial
-    before)`` (``None``: never; no time is kept for it then). Returns (job, why it stopped, trials
-    evaluated) of each study that had its turn."""
+    budget's end by default, less ``keep()`` seconds kept back, asked before each turn):
+    ``weights[i]`` over the sum of the weights of those not yet run (equal shares by default; time one
+    does not use goes to the next), ``RETIME_SHARE`` of it kept for re-timing; ``before(job, study)``
+    first; then re-timed in the worker that compiled it when ``retime_if(study, why it stopped, its best
+    trial before)``. Returns (job, why it stopped, trials evaluated) of each study that had its turn."""
     weights = list(weights) if weights is not None else [1.0] * len(todo)
-    keep = RETIME_SHARE if retime_if is not None else 0.0
     turns = []
     for i, job in enumerate(todo):
-        stop_at = budget.end() if end is None else min(end, budget.end())
+        stop_at = min(budget.end() - (keep() if keep is not None else 0.0), budget.end() if end is None else end)
         left = stop_at - time.time()
         if left <= 0:
             break
@@ -766,11 +777,11 @@ def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, 
             before(job, st)
         best = search.study_stats(st).get("best_trial")
         n0 = len(search._evaluated(st.get_trials(deepcopy=False)))
-        share_end = time.time() + left * weights[i] / sum(weights[i:]) * (1 - keep)
+        share_end = time.time() + left * weights[i] / sum(weights[i:]) * (1 - RETIME_SHARE)
         why = _sweep_study(st, job, runner, budget=budget, share_end=share_end, seeds_only=False, trials=trials,
                            patience=patience, min_gain=min_gain, seed=seed, progress=progress, local=local)
         turns.append((job, why, len(search._evaluated(st.get_trials(deepcopy=False))) - n0))
-        if retime_if is not None and budget.left() > 0 and retime_if(st, why, best):
+        if budget.left() > 0 and retime_if(st, why, best):
             _retime_study(st, job, runner, rounds, budget.end())
         progress.next_job()
     return turns
