@@ -246,44 +246,96 @@ def _key(cfg) -> tuple:
     return tuple(sorted(cfg.items()))
 
 
-def test_local_search_walks_to_an_optimum_three_steps_from_the_seed(tmp_path, bowl):
-    """The H100's winner is 3 coordinate steps (a, b, c: +1 each) from the optimum of a 4096-point space, and
-    patience 1 stops the search after one draw. The fill walks from the seed to the optimum through one-step
-    neighbours within 3 neighbourhoods (<= 8 each), without a sampler draw: every neighbour valid, none
-    evaluated twice, each counted in the summary."""
-    seed = {"a": 5, "b": 5, "c": 5, "d": 6}
-    _warm(BOWL.name, {"n=64": seed})
-    storage = str(tmp_path / "s.journal")
-    capped, _ = tb.tune_budget([BOWL], 600.0, storage=str(tmp_path / "capped.journal"), problems=[h.Problem(64)],
-                               dtypes=[torch.float32], slug=SLUG, evaluate=_bowl, isolation="inline", progress=False,
-                               log=lambda m: None, patience=1, fill=False)
-    assert capped[0]["config"] != OPT  # the seeds and one draw: not there
-    logs = []
-    rows, _ = tb.tune_budget([BOWL], 600.0, storage=storage, problems=[h.Problem(64)], dtypes=[torch.float32],
-                             slug=SLUG, evaluate=_bowl, isolation="inline", progress=False, log=logs.append, patience=1)
-    (row,) = rows
-    assert row["config"] == OPT and row["best_us"] == 10.0
-    # the draw found nothing: not gaining, but its best's neighbourhood is open
-    assert any("fill pass 1: 1 studies searched again (patience 2; 1 open;" in m for m in logs), logs
-    (st,) = _studies(storage)
-    ev = sorted(search._evaluated(st.trials), key=lambda t: t.number)
-    first = next(i for i, t in enumerate(ev) if t.params == OPT)
-    assert ev[first].user_attrs.get("local"), "the optimum was not reached by the local search"
-    local = [t for t in ev[:first + 1] if t.user_attrs.get("local")]
-    assert len(local) <= 3 * 8, [t.params for t in local]
-    assert first + 1 - len(local) == capped[0]["trials"] == 3  # the default, the warm seed, one draw: then local only
-    # each local trial a valid one-step neighbour of the trial it names, the best at the time it was enqueued
+def _bowl_budget(storage, **kw):
+    return tb.tune_budget([BOWL], kw.pop("budget_s", 600.0), storage=storage, problems=kw.pop("problems", [h.Problem(64)]),
+                          dtypes=[torch.float32], slug=SLUG, evaluate=_bowl, isolation="inline", progress=False,
+                          log=kw.pop("log", lambda m: None), **kw)
+
+
+def _check_local_trials(st, problem) -> None:
+    """Each local trial a valid one-step neighbour of the trial it names (the best when it was enqueued);
+    no config evaluated twice."""
+    ev = search._evaluated(st.trials)
     by_number = {t.number: t for t in st.trials}
     for t in (t for t in ev if t.user_attrs.get("local")):
-        assert BOWL.space.why_invalid(t.params, h.Problem(64), torch.float32) is None
+        assert BOWL.space.why_invalid(t.params, problem, torch.float32) is None
         centre = by_number[t.user_attrs["local_of"]].params
         moved = [k for k in OPT if t.params[k] != centre[k]]
         assert len(moved) == 1 and abs(t.params[moved[0]] - centre[moved[0]]) == 1, (centre, t.params)
     assert len({_key(t.params) for t in ev}) == len(ev), "a config was evaluated twice"
-    assert row["progress"]["local"] == sum(1 for t in ev if t.user_attrs.get("local")) >= 3
-    assert row["progress"]["local_gains"] >= 3
+
+
+def test_phase2_walks_from_the_seed_to_an_optimum_before_any_draw(tmp_path, bowl):
+    """The H100's winner is 3 coordinate steps (a, b, c: +1 each) from the optimum of a 4096-point space. Phase 2
+    (no fill, patience 1) walks there through one-step neighbours within 3 neighbourhoods (<= 8 each), evaluates
+    the optimum's whole neighbourhood and converges without one sampler draw: every neighbour valid, none
+    evaluated twice, each counted in the summary."""
+    _warm(BOWL.name, {"n=64": {"a": 5, "b": 5, "c": 5, "d": 6}})
+    storage = str(tmp_path / "s.journal")
+    rows, _ = _bowl_budget(storage, patience=1, fill=False)
+    (row,) = rows
+    assert row["config"] == OPT and row["best_us"] == 10.0 and row["ledger"]["stop"] == "converged"
+    (st,) = _studies(storage)
+    ev = sorted(search._evaluated(st.trials), key=lambda t: t.number)
+    roles = ["seed" if t.user_attrs.get("default") or t.user_attrs.get("warm") else
+             "local" if t.user_attrs.get("local") else "sampler" for t in ev]
+    assert roles[:2] == ["seed", "seed"] and set(roles[2:]) == {"local"}, roles  # no draw at all
+    first = next(i for i, t in enumerate(ev) if t.params == OPT)
+    assert first - 2 <= 3 * 8
+    around = {_key(n) for n in tb.neighbours(BOWL.space, OPT, h.Problem(64), torch.float32)}
+    assert around <= {_key(t.params) for t in ev}, "the optimum's neighbourhood was not exhausted"
+    _check_local_trials(st, h.Problem(64))
+    p = row["progress"]
+    assert p["local"] == p["sampler"] == len(ev) - 2 and p["local_gains"] >= 3
+    assert p["since_gain"] == len(ev) - first - 1 > 0  # after the optimum: the rest of its neighbourhood
     text = tb.summary_table(rows, 600.0)
-    assert f"fill: {row['progress']['local']} local-search trials" in text and "local (gains)" in text
+    assert f"local search: {p['local']} trials" in text and "local (gains)" in text
+
+
+def test_an_exhausted_neighbourhood_hands_over_to_the_sampler(tmp_path):
+    """The warm seed is the optimum: its 4 neighbours bring no gain, then the sampler proposes until the
+    patience (6) is reached; a draw that takes the lead opens its own neighbourhood to the descent."""
+    _warm_store({"a": 6, "b": 3})
+    storage = str(tmp_path / "s.journal")
+    rows, _ = _budget(storage, 600.0, h.quick, patience=6, fill=False, problems=[h.Problem(64)])
+    (row,) = rows
+    assert row["ledger"]["stop"] == "converged" and row["config"] == {"a": 6, "b": 3}
+    (st,) = _studies(storage)
+    ev = sorted(search._evaluated(st.trials), key=lambda t: t.number)
+    roles = ["seed" if t.user_attrs.get("default") or t.user_attrs.get("warm") else
+             "local" if t.user_attrs.get("local") else "sampler" for t in ev]
+    assert roles == ["seed"] * 2 + ["local"] * 4 + ["sampler"] * 2, roles
+    assert {_key(t.params) for t in ev[2:6]} == {_key({"a": a, "b": b}) for a, b in ((5, 3), (7, 3), (6, 2), (6, 4))}
+    assert row["progress"]["since_gain"] == 6 and row["progress"]["local"] == 4
+    # a draw far away that wins (as a seeded trial would): the descent resumes around it, not the sampler
+    (job,) = search.plan([h.TOY], [h.Problem(64)], [torch.float32], SLUG)
+    dist = {k: optuna.distributions.CategoricalDistribution(v) for k, v in h.TOY.space.params.items()}
+    st.add_trial(optuna.trial.create_trial(params={"a": 2, "b": 7}, distributions=dist, value=0.5, user_attrs={
+        "evaluated": {"seconds": 0.1, "source": search.code_version(h.TOY.name)}}))
+    winner = st.trials[-1]
+    cfg, of = tb._Local(job).next_config(search.current_trials(st.trials, search.code_version(h.TOY.name)))
+    assert of == winner.number and cfg == {"a": 1, "b": 7}
+
+
+def test_the_fill_continues_a_descent_its_turn_cut_short(tmp_path, bowl, monkeypatch):
+    """With 4 neighbours a turn (LOCAL_MAX), phase 2 stops its descent half-way, where patience 1 ends it
+    (a call without fill); the next call's fill continues the same descent (the study gaining, so first)
+    and reaches the optimum through local trials; a trial cap ends the fill's passes."""
+    monkeypatch.setattr(tb, "LOCAL_MAX", 4)
+    _warm(BOWL.name, {"n=64": {"a": 5, "b": 5, "c": 5, "d": 6}})
+    storage = str(tmp_path / "s.journal")
+    (row,), _ = _bowl_budget(storage, patience=1, fill=False)
+    assert row["config"] != OPT and row["ledger"]["stop"] == "converged" and row["progress"]["local"] == 4
+    n2 = row["trials"]
+    logs = []
+    (row,), _ = _bowl_budget(storage, patience=1, log=logs.append, trials=24)
+    assert row["config"] == OPT and row["ledger"]["stop"] == "trials" and row["trials"] == 24
+    assert any("fill pass 1: 1 studies searched again (patience 2; 1 gaining;" in m for m in logs), logs
+    (st,) = _studies(storage)
+    ev = sorted(search._evaluated(st.trials), key=lambda t: t.number)
+    first = next(i for i, t in enumerate(ev) if t.params == OPT)
+    assert first >= n2 and ev[first].user_attrs.get("local"), "the fill's descent did not reach the optimum"
+    _check_local_trials(st, h.Problem(64))
 
 
 def test_neighbours_of_the_h100_seeds_on_the_h200s_two_hard_buckets():

@@ -9,16 +9,27 @@
    h20: ``h``), then the closest model number (an H200 warm-starts from the H100).
 
 The run has three phases. First the seeds (1-3) of every study, so that each bucket has its warm-started
-result before any study explores (the seeds are what make a short budget good). Then the search: each
-unfinished study in turn gets an equal share of the budget left (time a study does not use goes to the
-next ones) and its sampler proposes until the study
+result before any study explores (the seeds are what make a short budget good). Then the search (phase 2):
+each unfinished study in turn gets an equal share of the budget left (time a study does not use goes to
+the next ones) and walks from its best seed by coordinate descent (:class:`_Local`): whenever no trial
+waits, the next unevaluated valid one-step neighbour of the current best (the choice before or after it
+in one parameter's list; a boolean flipped) is evaluated (user attribute ``local``), so a neighbour that
+wins becomes the centre at once (first improvement), and the move that won is tried again first. The
+BLOCK_N 128 -> 64, stages 4 -> 5 path of the H200's gemm M=512,N=768,K=3072 needs that order: stages 5
+does not fit with BLOCK_N 128. At most ``LOCAL_MAX`` neighbours a turn. Only once the current best's
+neighbourhood is evaluated does the study's sampler propose (Optuna's TPE, whose first proposals are
+random draws: under a short budget, the neighbours of a warm seed are the better use of a trial; on the
+H200, phase 2's draws took 20 of the 30 min and still left two buckets 11-15% behind); a draw that wins
+opens its own neighbourhood to the descent. The study stops when it
 
-- converged: ``PATIENCE`` evaluated sampler trials in a row (after the seeds) brought no gain, a gain
-  being a time below the best so far by more than ``MIN_GAIN`` (the run-to-run spread of do_bench's
-  median; smaller differences are noise that the re-timing below would not trust either);
+- converged: ``PATIENCE`` evaluated trials in a row after the seeds (neighbours and draws alike) brought
+  no gain, a gain being a time below the best so far by more than ``MIN_GAIN`` (the run-to-run spread of
+  do_bench's median; smaller differences are noise that the re-timing below would not trust either).
+  The neighbourhood comes first: a study converges only on a best whose neighbours are all evaluated
+  (or ``LOCAL_MAX`` of them were in this turn);
 - exhausted its space (every valid point evaluated), or reached ``--trials``;
 - ran out of its share, or of the budget (``budget``): it is resumed by a later pass or call while
-  budget is left.
+  budget is left (its descent goes on from its best).
 
 Then its front runners (every config that was ever the study's best, and every seed: see
 ``front_runners``) are re-timed side by side, in interleaved rounds with the order rotated each round,
@@ -30,18 +41,16 @@ its winner.
 
 Phase 3, time left once every study has stopped (``fill``, the default), is not handed back: the converged
 studies are searched again, in passes, each pass at twice the patience of the one before (12, 24, ...), until
-the budget is spent or a pass finds nothing to evaluate. A study that converged on a seed after 6 random
-draws is rarely at its optimum (on the H200, two buckets ended 11-15% behind a longer tune's winner, and in
-a 9 min fill spread over 134 studies most got 3-5 draws); so a study's turn in the fill
+the budget is spent or a pass finds nothing to evaluate. The patience counts the trials since the last gain,
+so a study whose neighbourhood outlasted a pass's patience gets only its nearest buckets' winners in that
+pass, and sampler trials in a later one (a pass that evaluated nothing is followed by the next level while a
+study is converged). A study's turn in the fill
 
 - first tries the current bests of this run's two nearest buckets of the same kernel and dtype
   (``store.bucket_distance``; each config once per study, valid ones only: user attribute ``bucket_seed``);
-- then walks from its best by coordinate descent (:class:`_Local`): whenever no trial waits, the next
-  unevaluated valid one-step neighbour of the current best (the choice before or after it in one
-  parameter's list; a boolean flipped) is evaluated (``local``), so a neighbour that wins becomes the centre
-  at once, and the move that won is tried again first. The BLOCK_N 128 -> 64, stages 4 -> 5 path of the
-  H200's gemm M=512,N=768,K=3072 needs that order: stages 5 does not fit with BLOCK_N 128. At most
-  ``LOCAL_MAX`` neighbours a turn;
+- then goes on with phase 2's descent from its best (the same :class:`_Local`): a nearest bucket's winner
+  that took the lead, or a draw of the pass before, opens a new neighbourhood, and a turn that
+  ``LOCAL_MAX`` cut short is continued;
 - then hands the study back to its sampler until the pass's patience. Neighbours and nearest-bucket seeds
   count as sampler trials for convergence (a gain resets the patience).
 
@@ -59,7 +68,8 @@ fill, and the time that should take (its last re-timing's) is kept back from eve
 Kill-safe and resumable: the time each study spends (sweep and re-timing) is added to its ``budget``
 user attribute after every trial, and the budget left is the budget less the sum over the plan's studies.
 The same command on the same ``--storage`` skips finished studies (converged, exhausted, trial cap;
-re-timed), continues a killed one (its abandoned trial is retried, see ``search.reap``) and spends only
+re-timed), continues a killed one (its abandoned trial is retried with its role, a neighbour as a
+neighbour, see ``search.reap``; the descent skips every config evaluated before) and spends only
 what is left, so a 30 min budget can run as several shorter calls (``--stop-after``). A kill loses at
 most the time of the trial in flight from the accounting.
 """
@@ -83,7 +93,7 @@ MIN_GAIN = 0.02      # a gain beats the best so far by more than this fraction (
 LEDGER = "budget"    # the study user attribute holding the time spent and why the study stopped
 DONE = ("converged", "exhausted", "trials", "no valid config")
 SEED_ATTRS = ("default", "previous", "warm", "seeded")
-LOCAL_MAX = 32       # one-step neighbours evaluated per study turn in the fill (gemm's neighbourhood: <= 18)
+LOCAL_MAX = 32       # one-step neighbours evaluated per study turn, phase 2 and fill (gemm's neighbourhood: <= 18)
 BUCKET_SEEDS = 2     # nearest buckets of the same kernel and dtype whose best a study tries in the fill
 PROMISE = {"gaining": 4, "open": 2, "stale": 1}  # a fill pass's order and the weight of each study's share
 FILL_PASS_SHARE = 0.5  # of the time left, spent by one fill pass (the rest goes to what that pass found)
@@ -257,9 +267,9 @@ class _Meter:
 @dataclasses.dataclass
 class Progress:
     """What a study's trials say about it: evaluated trials, seeds still waiting, sampler trials after
-    the seeds, and how many of those in a row brought no gain; of the trials after the seeds, the fill's
-    local-search neighbours (``local``) and nearest-bucket seeds (``bucket_seeds``), and how many of each
-    were a gain (``*_gains``)."""
+    the seeds, and how many of those in a row brought no gain; of the trials after the seeds, the
+    local-search neighbours (``local``, phase 2 and the fill) and the fill's nearest-bucket seeds
+    (``bucket_seeds``), and how many of each were a gain (``*_gains``)."""
     evaluated: int = 0
     waiting: int = 0
     sampler: int = 0
@@ -309,8 +319,8 @@ def study_progress(trials, min_gain: float = MIN_GAIN) -> Progress:
 class _Stop:
     """``run_study``'s ``should_stop``: after the seeds (``seeds_only``: as soon as none waits), or on
     convergence; charges the time to the ledger each time it is asked (once per proposal). With ``local``
-    (the fill), the incumbent's unevaluated neighbours come before convergence and before the sampler:
-    one is enqueued whenever no trial waits (:class:`_Local`)."""
+    (phase 2 and the fill), the incumbent's unevaluated neighbours come before convergence and before the
+    sampler: one is enqueued whenever no trial waits (:class:`_Local`)."""
 
     def __init__(self, meter: _Meter, seeds_only: bool, patience: int, min_gain: float, local=None):
         self.meter, self.seeds_only, self.patience, self.min_gain = meter, seeds_only, patience, min_gain
@@ -341,7 +351,7 @@ class _Stop:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The fill's search: the incumbent's neighbours, the nearest buckets' winners, studies by promise
+# The search: the incumbent's neighbours (phase 2 and the fill); the fill's nearest buckets' winners and order
 # ---------------------------------------------------------------------------------------------------
 def neighbours(space, config: dict, problem, dtype, first: tuple | None = None) -> list[dict]:
     """The valid one-step neighbours of ``config``: for each parameter, the choice before and the one
@@ -389,13 +399,14 @@ def _taken(trials, params: dict) -> set:
 
 
 class _Local:
-    """Coordinate descent around the incumbent for one study turn: whenever no trial waits, the next
-    unevaluated valid one-step neighbour of the current best is enqueued (user attribute ``local``; its
-    centre in ``local_of``), so a neighbour that wins becomes the centre at once (first improvement).
-    At most ``limit`` per turn; the neighbours count as sampler trials for convergence."""
+    """Coordinate descent around the incumbent for one study turn (phase 2's and the fill's): whenever no
+    trial waits, the next unevaluated valid one-step neighbour of the current best is enqueued (user
+    attribute ``local``; its centre in ``local_of``), so a neighbour that wins becomes the centre at once
+    (first improvement). At most ``limit`` (``LOCAL_MAX``) per turn; the neighbours count as sampler trials
+    for convergence."""
 
-    def __init__(self, job, limit: int = LOCAL_MAX):
-        self.job, self.limit, self.n = job, limit, 0
+    def __init__(self, job, limit: int | None = None):
+        self.job, self.limit, self.n = job, LOCAL_MAX if limit is None else limit, 0
 
     def next_config(self, trials) -> tuple[dict, int] | tuple[None, None]:
         """(the next neighbour to evaluate, the number of the trial it is a neighbour of)."""
@@ -539,8 +550,8 @@ def _prepare(storage_obj, jobs, warm, window: float) -> dict:
 
 def _sweep_study(study, job, runner, *, budget: Budget, share_end: float, seeds_only: bool, trials: int | None,
                  patience: int, min_gain: float, seed: int, progress, local: bool = False) -> str:
-    """Run one study's seeds (``seeds_only``) or its search (``local``: the incumbent's neighbours before
-    the sampler's proposals, see :class:`_Local`); return why it stopped."""
+    """Run one study's seeds (``seeds_only``) or its search (``local``, phase 2 and the fill: the
+    incumbent's neighbours before the sampler's proposals, see :class:`_Local`); return why it stopped."""
     meter = _Meter(study)
     meter.led["calls"] = meter.led.get("calls", 0) + (0 if seeds_only else 1)
     valid = _study_valid(study, job)
@@ -605,8 +616,8 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
     """Tune within ``budget_s`` seconds in all (this call and earlier ones on ``storage``), warm-started
     from ``warm_from`` (default: the nearest stored GPU type); see the module's docstring. ``stop_after``:
     this call stops starting trials after so many seconds (a later call resumes). ``fill``: spend time left
-    after every study stopped on the converged ones (phase 3: doubled patience per pass, by promise, local
-    search around each best, the nearest buckets' winners tried). Returns (rows, the GPU
+    after every study stopped on the converged ones (phase 3: doubled patience per pass, by promise, the
+    nearest buckets' winners tried, the local search continued). Returns (rows, the GPU
     type warmed from); each row is the study's stats plus ``seed_us``, ``retimed`` and ``ledger``."""
     import optuna
 
@@ -629,9 +640,10 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
     log(f"tune: budget {budget_s / 60:.1f} min, {spent / 60:.1f} min of it spent by earlier calls; "
         f"{len(jobs)} studies; warm start from "
         f"{near + ' (stored winners seeded as first trials)' if near else 'nothing (no stored GPU type of this vendor)'}"
-        f"; a study converges after {patience} sampler trials without a gain > {min_gain:.0%}"
+        f"; a study walks from its best by one-step neighbours, then its sampler proposes, and it converges "
+        f"after {patience} trials without a gain > {min_gain:.0%}"
         + ("; time left then goes to the converged studies (doubled patience per pass, the most promising "
-           "first; local search around each best)" if fill else ""))
+           "first; the nearest buckets' winners tried, the local search continued)" if fill else ""))
     open_ = [j for j in jobs if ledger(studies[j.name])["stop"] not in DONE or not _retime_done(studies[j.name])]
     refill = fill and budget.left() > 0 and any(ledger(studies[j.name])["stop"] == "converged" for j in jobs)
     if len(open_) < len(jobs):
@@ -654,7 +666,8 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
         while budget.left() > 0:
             todo = [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]
             turns = _search_pass(todo, studies, runner, budget, bar, lambda st, why, best: why != "no valid config",
-                                 trials=trials, patience=patience, min_gain=min_gain, seed=seed, rounds=rounds)
+                                 trials=trials, patience=patience, min_gain=min_gain, seed=seed, rounds=rounds,
+                                 local=True)
             if not any(n for _, _, n in turns) or not [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]:
                 break
         for job in open_:  # finished studies whose re-timing a budget cut short
@@ -747,6 +760,9 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
             b, a = before[job.name], search.study_stats(studies[job.name]).get("best_us")
             gain[job.name] = (b / a - 1.0) if (a and b) else 0.0
         if not any(n for _, _, n in turns) and not cut & {j.name for j, _, _ in turns}:
+            if any(ledger(studies[j.name])["stop"] == "converged" for j, _, _ in turns):
+                continue  # each ran this level out before it (a neighbourhood without a gain is longer than
+                # the patience): the doubled level gives it sampler trials (its run without a gain is finite)
             break
     for name in list(deferred):  # the deferred re-timings: the best of each changed in a turn cut short
         if budget.left() <= 0:
@@ -836,10 +852,10 @@ def summary_table(rows: list[dict], budget_s: float | None = None, wall_s: float
     for r in rows:
         tot.update({k: v for k, v in (r.get("progress") or {}).items() if k.startswith(("local", "bucket_seed"))})
     if tot["local"] or tot["bucket_seeds"]:
-        text += (f"\nfill: {tot['local']} local-search trials (one-step neighbours of a study's best) in "
+        text += (f"\nlocal search: {tot['local']} trials (one-step neighbours of a study's best) in "
                  f"{sum(1 for r in rows if (r.get('progress') or {}).get('local'))} studies, {tot['local_gains']} "
-                 f"of them a gain; {tot['bucket_seeds']} nearest-bucket winners tried, {tot['bucket_seed_gains']} "
-                 f"of them a gain")
+                 f"of them a gain; fill: {tot['bucket_seeds']} nearest-bucket winners tried, "
+                 f"{tot['bucket_seed_gains']} of them a gain")
     spent = spent_s(rows)
     if budget_s:
         text += f"\nbudget: {spent / 60:.1f} of {budget_s / 60:.1f} min spent (all calls, in the storage)"
@@ -854,7 +870,7 @@ def summary_table(rows: list[dict], budget_s: float | None = None, wall_s: float
 
 
 def _local_label(progress: dict) -> str:
-    """The fill's local-search trials of a study, and how many of them were a gain: '17 (2)'."""
+    """A study's local-search trials (phase 2 and the fill), and how many of them were a gain: '17 (2)'."""
     n = progress.get("local", 0)
     return f"{n} ({progress.get('local_gains', 0)})" if n else ""
 
@@ -941,15 +957,21 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
                                          .get_trials(deepcopy=False)))
         spent += led["spent_s"]
         n_seeds = min(len(seeds), n_valid)
-        need = min(n_valid, n_seeds + patience) if trials is None else min(n_valid, trials, n_seeds + patience)
+        # phase 2 evaluates at least the best seed's neighbourhood (this GPU's entry, else the nearest GPU's
+        # winner, else the default: the likeliest best), longer than the patience where the space is large
+        centre = dict(default, **(prev or (warm[0] if warm else {})))
+        n_local = len(neighbours(job.spec.space, centre, job.problem, job.dtype))
+        after = n_seeds + max(patience, n_local)
+        need = min(n_valid, after) if trials is None else min(n_valid, trials, after)
         if led["stop"] not in DONE:
             n_open += 1
             est["seeds"] += max(0, n_seeds - done) * per
             est["search"] += max(0, need - max(done, n_seeds)) * per
             est["retime"] += rounds * min(RETIME_MAX, n_seeds + 2) * TIME_ONLY_S if n_seeds > 1 else 0.0
-        rows.append([job.spec.name, job.bucket, job.key, n_valid, n_seeds, len(warm), done,
+        rows.append([job.spec.name, job.bucket, job.key, n_valid, n_seeds, len(warm), n_local, done,
                      led["stop"] or "", f"{per:.2f}{'' if job.spec.name in measured else '*'}"])
-    head = ["kernel", "bucket", "dtype", "valid points", "seeds", "warm", "evaluated", "stopped", "s/trial"]
+    head = ["kernel", "bucket", "dtype", "valid points", "seeds", "warm", "neighbours", "evaluated", "stopped",
+            "s/trial"]
     left = max(0.0, budget_s - spent)
     total = est["seeds"] + est["search"] + est["retime"] + (WORKER_START_S if n_open else 0.0)
     lines = [tabulate(rows, headers=head, disable_numparse=True), "",
@@ -957,15 +979,16 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
              f"({len(jobs) - n_open} finished in the storage)",
              f"budget {budget_s / 60:.1f} min, {spent / 60:.1f} min spent, {left / 60:.1f} min left: phase 1 runs "
              f"every study's seeds; phase 2 gives each unfinished study an equal share of what is left "
-             f"(~{left / max(1, n_open):.1f} s each now, {1 - RETIME_SHARE:.0%} search, the rest re-timing)",
+             f"(~{left / max(1, n_open):.1f} s each now, {1 - RETIME_SHARE:.0%} search, the rest re-timing): "
+             f"local search from its best seed (one-step neighbours, first improvement), then its sampler",
              f"estimate (s/trial: * = compile + verify + time from the H100/H200 tuning logs, else measured in "
-             f"this storage): seeds {est['seeds'] / 60:.1f} min + search to convergence ({patience} sampler "
-             f"trials without a gain each) {est['search'] / 60:.1f} min + re-timing ({rounds} rounds) "
+             f"this storage): seeds {est['seeds'] / 60:.1f} min + search to convergence (at least the best "
+             f"seed's neighbours, and {patience} trials without a gain each) {est['search'] / 60:.1f} min + re-timing ({rounds} rounds) "
              f"{est['retime'] / 60:.1f} min + worker start = {total / 60:.1f} min"
              + (f" > the {left / 60:.1f} min left: the budget ends it (studies stop 'budget')" if total > left
                 else f", within the {left / 60:.1f} min left; phase 3 (unless --no-fill) gives the rest to the "
-                     f"converged studies (patience doubled per pass, the most promising first, local search around "
-                     f"each best)")]
+                     f"converged studies (patience doubled per pass, the most promising first, the nearest "
+                     f"buckets' winners tried, the local search continued)")]
     return "\n".join(lines)
 
 

@@ -672,7 +672,8 @@ def _is_dead(t, now: float, window: float) -> bool:
     return now - start > window
 
 
-_CARRIED = ("default", "previous", "seeded", "warm", "forced")
+# a retried trial keeps its role: a seed's, or tune all --budget's local-search and nearest-bucket marks
+_CARRIED = ("default", "previous", "seeded", "warm", "forced", "local", "local_of", "bucket_seed")
 
 
 def reap(study, window: float) -> int:
