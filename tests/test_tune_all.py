@@ -1,7 +1,8 @@
-"""``tritune tune all --budget``: studies stop when converged, the time left then goes to them again with doubled
-patience (``fill``; ``--no-fill`` stops at convergence), the most promising first, each searched around its best
-(one-step neighbours) and from its nearest buckets' winners; the time spent kept in the storage (a killed or cut
-call resumes with what is left), and the --dry-run plan and estimate.
+"""``tritune tune all --budget``: each study walks from its best seed through one-step neighbours before its sampler
+proposes, and stops when converged; the time left then goes to them again with doubled patience (``fill``;
+``--no-fill`` stops at convergence), the most promising first, each searched around its best and from its nearest
+buckets' winners; the time spent kept in the storage (a killed or cut call resumes with what is left, no local
+point evaluated again), and the --dry-run plan and estimate.
 Fake evaluations over the sweep tests' plain-torch spec (tests/tritune_sweep_helpers.py) and a 4096-point bowl
 (below): seconds each."""
 from __future__ import annotations
@@ -55,8 +56,8 @@ def _budget(storage, seconds, evaluate, **kw):
 
 
 def test_good_seeds_converge_long_before_the_budget(tmp_path):
-    """The H100's winner is the optimum: after it, PATIENCE sampler trials without a gain and the study
-    stops ('converged'); the call takes seconds of a 10-minute budget, and a rerun does nothing."""
+    """The H100's winner is the optimum: its 4 neighbours bring no gain, which is the patience (4), and the
+    study stops ('converged'); the call takes seconds of a 10-minute budget, and a rerun does nothing."""
     _warm_store({"a": 6, "b": 3})
     storage = str(tmp_path / "s.journal")
     t0 = time.time()
@@ -65,8 +66,8 @@ def test_good_seeds_converge_long_before_the_budget(tmp_path):
     for r in rows:
         assert r["ledger"]["stop"] == "converged", r["ledger"]
         assert r["best_us"] == 1000.0 and r["config"] == {"a": 6, "b": 3}
-        assert r["progress"]["sampler"] == 4 and r["progress"]["since_gain"] == 4
-        assert r["trials"] == 2 + 4  # the default, the warm seed, then 4 sampler trials
+        assert r["progress"]["sampler"] == r["progress"]["local"] == 4 and r["progress"]["since_gain"] == 4
+        assert r["trials"] == 2 + 4  # the default, the warm seed, then its 4 neighbours
         assert 0 < r["ledger"]["spent_s"] < time.time() - t0
     text = tb.summary_table(rows, 600.0, time.time() - t0)
     assert "2 converged" in text and "of 10.0 min spent" in text
@@ -77,9 +78,10 @@ def test_good_seeds_converge_long_before_the_budget(tmp_path):
 
 
 def test_time_left_goes_to_the_converged_studies_with_doubled_patience(tmp_path):
-    """A poor warm seed and patience 1: without fill both studies stop after one draw without a gain; with
-    fill the time left reopens them (patience 2, 4, ...) until their spaces are exhausted or a pass finds
-    nothing: they end on the optimum, and each converged study's ledger names the patience it converged at."""
+    """A poor warm seed and patience 1: without fill both studies stop once the descent from the default
+    found nothing around its best; with fill the time left reopens them (patience 2, 4, ...) until their
+    spaces are exhausted: they end on the optimum, and each converged study's ledger names the patience it
+    converged at."""
     _warm_store({"a": 1, "b": 8})
     capped = str(tmp_path / "capped.journal")
     rows, _ = _budget(capped, 600.0, h.quick, patience=1, fill=False)
@@ -99,6 +101,21 @@ def test_time_left_goes_to_the_converged_studies_with_doubled_patience(tmp_path)
         assert r["best_us"] == 1000.0 and r["config"] == {"a": 6, "b": 3}
 
 
+def test_a_fill_pass_that_evaluates_nothing_is_followed_by_the_next_level(tmp_path):
+    """The warm seed is the optimum: phase 2 evaluates its 4 neighbours (no gain), so patience 1 converged it
+    4 trials without a gain ago; the fill's passes at patience 2 and 4 evaluate nothing, the one at 8 gets
+    4 sampler draws (the fill does not end on an empty pass while a study is converged), the one at 16 the
+    2 left to the trial cap."""
+    _warm_store({"a": 6, "b": 3})
+    logs = []
+    (row,), _ = _budget(str(tmp_path / "s.journal"), 600.0, h.quick, patience=1, trials=12, log=logs.append,
+                        problems=[h.Problem(64)])
+    assert row["ledger"]["stop"] == "trials" and row["trials"] == 12 and row["progress"]["local"] == 4
+    passes = [m.split(": ", 2)[2] for m in logs if "fill pass" in m]
+    assert [p.split(" (")[1].split(";")[0] for p in passes] == ["patience 2", "patience 4", "patience 8",
+                                                                   "patience 16"], logs
+
+
 def test_a_gain_resets_the_patience():
     """Gains are counted only beyond the noise: 2% better resets the count, 1% better does not."""
     def trial(n, v, **attrs):
@@ -114,8 +131,9 @@ def test_a_gain_resets_the_patience():
 
 
 def test_a_killed_call_resumes_with_the_budget_left(tmp_path):
-    """SIGKILL in the middle of a trial; the time spent until the last finished trial is in the storage;
-    the rerun continues the killed study (its trial retried, no config evaluated twice) and spends only
+    """SIGKILL in the middle of a trial of phase 2's descent (no warm seed: it walks from the default); the
+    time spent until the last finished trial is in the storage; the rerun continues the killed study (its
+    trial retried as a local one, around the same centre; no local point evaluated again) and spends only
     what is left; with nothing left a call evaluates nothing."""
     storage = str(tmp_path / "s.journal")
     marks = tmp_path / "marks"
@@ -140,6 +158,7 @@ def test_a_killed_call_resumes_with_the_budget_left(tmp_path):
     assert led["stop"] is None and len(search._evaluated(st.trials)) == 5
     assert 5 * 0.4 <= led["spent_s"] < killed_after  # the finished trials' time (each 0.4 s), not the killed one
     assert [t.state for t in st.trials].count(TrialState.RUNNING) == 1
+    assert [bool(t.user_attrs.get("local")) for t in st.trials] == [False] + [True] * 5  # the default, then local
 
     logs = []
     rows, _ = _budget(storage, 120.0, h.quick, problems=[h.Problem(64)], slug="triton-interpreter", patience=30,
@@ -152,7 +171,10 @@ def test_a_killed_call_resumes_with_the_budget_left(tmp_path):
     ev = search._evaluated(st.trials)
     assert len({tuple(sorted(t.params.items())) for t in ev}) == 12, "a config was evaluated twice"
     (abandoned,) = [t for t in st.trials if t.user_attrs.get("abandoned")]
-    assert [t.params for t in st.trials if t.user_attrs.get("retry_of") == abandoned.number] == [abandoned.params]
+    (retry,) = [t for t in st.trials if t.user_attrs.get("retry_of") == abandoned.number]
+    assert retry.params == abandoned.params and retry in ev
+    assert retry.user_attrs["local"] and retry.user_attrs["local_of"] == abandoned.user_attrs["local_of"]
+    assert row["progress"]["local"] == 11 and row["config"] == {"a": 6, "b": 3}  # the default, then the descent
 
     # a new study on the same storage and budget: the budget is spent, nothing runs (--stop-after 0 too)
     spent = row["ledger"]["spent_s"]
@@ -189,6 +211,11 @@ def test_dry_run_lists_studies_split_and_estimate(tmp_path, capsys):
     assert "2 studies, 1 to run (1 finished in the storage)" in text
     assert "converged" in text and "warm start from nvidia-h100-80gb-hbm3" in text
     assert "estimate" in text and "min left" in text
+    # phase 2's local search: the best seed's (the warm optimum's) 4 neighbours, counted before the patience
+    assert "local search from its best seed" in text and "at least the best seed's neighbours" in text
+    head, rule, *body = text.splitlines()
+    col = head.split().index("neighbours") - 1  # "valid points" is one column of two words
+    assert [line.split()[col] for line in body[:2]] == ["4", "4"]
     # the CLI: one line and exit 2 for the options that need --budget
     assert tcli.main(["tune", "sweep_toy", "--dry-run", "--storage", storage]) == 2
     assert "--dry-run goes with --budget" in capsys.readouterr().err
@@ -199,7 +226,7 @@ def test_dry_run_lists_studies_split_and_estimate(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The fill's search: local search around the best, the nearest buckets' winners, studies by promise
+# The search: local search around the best (phase 2 and the fill); the fill's nearest buckets' winners, promise
 # ---------------------------------------------------------------------------------------------------
 BOWL_PARAMS = {k: list(range(1, 9)) for k in "abcd"}   # 4096 points: a sampler's draw hits the optimum rarely
 
