@@ -354,8 +354,8 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--retime-rounds", type=int, default=tb.RETIME_ROUNDS, metavar="N",
                        help=f"with --budget: interleaved rounds of the side-by-side re-timing (default {tb.RETIME_ROUNDS})")
         s.add_argument("--patience", type=int, default=tb.PATIENCE, metavar="K",
-                       help="with --budget: a study has converged after K sampler trials (after its seeds) "
-                            f"without a gain (default {tb.PATIENCE})")
+                       help="with --budget: a study has converged after K trials (after its seeds: its best's "
+                            f"one-step neighbours, then its sampler's) without a gain (default {tb.PATIENCE})")
         s.add_argument("--min-gain", type=float, default=tb.MIN_GAIN, metavar="F",
                        help="with --budget: a gain beats the study's best by more than this fraction, the timing "
                             f"noise (default {tb.MIN_GAIN})")
