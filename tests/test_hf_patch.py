@@ -213,6 +213,43 @@ def test_compile_fullgraph_no_recompile(pair):
 
 
 @torch.no_grad()
+def test_compiled_causal_forward_takes_tritune_attention(pair, monkeypatch):
+    """No attention_mask and no static cache: plainly causal. Eager transformers drops the mask itself;
+    compiled it materialises a dense (B, 1, T, T) one, which the layers must not hand to sdpa: the
+    compiled graph calls tritune.attention in every layer and sdpa never (aot_eager backend, its graph
+    read off). The same holds for a chunk over a DynamicCache with a past (bottom-right causal): logits
+    equal to the float64 unpatched model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, ref = pair
+    L = model.config.n_layer
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    ids = _ids(2, 9, 5)
+    cmp.check(compiled(ids, use_cache=False).logits, ref(ids).logits, torch.float32, what="compiled causal forward")
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert sum("tritune.attention" in t for t in targets) == L, targets
+    assert not [t for t in targets if "scaled_dot_product" in t], "sdpa in the compiled causal forward"
+
+    # eager, a 5-token chunk after a 7-token past in a DynamicCache, no mask: the layers' attention is ours
+    calls = []
+    real = hf_patch.EAGER.attention
+    monkeypatch.setattr(hf_patch.EAGER, "attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    full = _ids(2, 12, 6)
+    past = model(full[:, :7], use_cache=True).past_key_values
+    got = model(full[:, 7:], past_key_values=past, use_cache=True).logits
+    want = ref(full).logits[:, 7:]
+    cmp.check(got, want, torch.float32, what="chunk over a DynamicCache, no mask")
+    assert len(calls) == 2 * L and all(c[2] == 5 for c in calls[L:]), calls
+
+
+@torch.no_grad()
 def test_compiled_forward_static_cache_generate(tiny_dir, pair):
     """HF's static-cache recipe (the forward under torch.compile, fullgraph): the prefill (sdpa: the
     mask is materialized while tracing) and the decode steps (paged_attention over the mask's keys)
