@@ -274,7 +274,7 @@ def _key(cfg) -> tuple:
 
 
 def _bowl_budget(storage, **kw):
-    return tb.tune_budget([BOWL], kw.pop("budget_s", 600.0), storage=storage, problems=kw.pop("problems", [h.Problem(64)]),
+    return tb.tune_budget([BOWL], 600.0, storage=storage, problems=[h.Problem(64)],
                           dtypes=[torch.float32], slug=SLUG, evaluate=_bowl, isolation="inline", progress=False,
                           log=kw.pop("log", lambda m: None), **kw)
 

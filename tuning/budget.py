@@ -983,8 +983,8 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
              f"local search from its best seed (one-step neighbours, first improvement), then its sampler",
              f"estimate (s/trial: * = compile + verify + time from the H100/H200 tuning logs, else measured in "
              f"this storage): seeds {est['seeds'] / 60:.1f} min + search to convergence (at least the best "
-             f"seed's neighbours, and {patience} trials without a gain each) {est['search'] / 60:.1f} min + re-timing ({rounds} rounds) "
-             f"{est['retime'] / 60:.1f} min + worker start = {total / 60:.1f} min"
+             f"seed's neighbours, and {patience} trials without a gain each) {est['search'] / 60:.1f} min + "
+             f"re-timing ({rounds} rounds) {est['retime'] / 60:.1f} min + worker start = {total / 60:.1f} min"
              + (f" > the {left / 60:.1f} min left: the budget ends it (studies stop 'budget')" if total > left
                 else f", within the {left / 60:.1f} min left; phase 3 (unless --no-fill) gives the rest to the "
                      f"converged studies (patience doubled per pass, the most promising first, the nearest "
