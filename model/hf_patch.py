@@ -18,9 +18,9 @@ with autograd on or on fake tensors they go through ``torch.ops.tritune``.
 
 Attention, given the mask GPT2Model built (4-D bool for sdpa, additive for eager, or None):
 - no mask: causal ``tritune.attention`` (bottom-right aligned: right for prefill, for a decode step over
-  a DynamicCache, and for no cache). The same when the model got no attention_mask and no static cache but
-  transformers built a causal mask anyway (it does under torch.compile): ``_model_forward``. A prefill into a longer static cache without a mask (sdpa's
-  top-left causal) attends to the first Tq keys.
+  a DynamicCache, and for no cache). The same when the model got no attention_mask and no static cache
+  but transformers built a causal mask anyway (it does under torch.compile): ``_model_forward``. A
+  prefill into a longer static cache without a mask (sdpa's top-left causal) attends to the first Tq keys.
 - a mask and one query token (a decode step over a StaticCache, or any padded batch): the valid keys of
   each row are gathered through a block table into ``tritune.paged_attention`` with a block size of 1,
   so any key mask is exact and nothing syncs with the host (CUDA graphs, torch.compile).
@@ -374,11 +374,11 @@ class _DecodeMask:
         from transformers.masking_utils import create_masks_for_generate
 
         model = self.model()
-        cache = kw.get("cache", kw.get("past_key_values"))
+        length = _static_length(kw.get("cache", kw.get("past_key_values")))
         if (model is not None and getattr(model, "_tritune_compiled_steps", False) and inputs_embeds is not None
-                and inputs_embeds.shape[1] == 1 and not isinstance(_cache_key(cache), str)):
-            length = cache.layers[0].keys.shape[-2]
-            if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and attention_mask.shape[1] <= length:
+                and inputs_embeds.shape[1] == 1 and length is not None):
+            if (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
+                    and attention_mask.shape[1] <= length):
                 self.calls["padded"] += 1
                 return torch.nn.functional.pad(attention_mask, (0, length - attention_mask.shape[1]))
             pos = kw.get("position_ids")
@@ -391,6 +391,18 @@ class _DecodeMask:
         self.calls["transformers"] += 1
         return create_masks_for_generate(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                          **kw)
+
+
+def _static_length(cache) -> int | None:
+    """The key length of a static cache whose layers are initialized StaticLayers (read off the first: the
+    step's host work, unlike ``_cache_key``, reads no address), else None."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or getattr(cache, "offloading", False):
+        return None
+    first = layers[0]
+    return first.keys.shape[-2] if type(first) is StaticLayer and first.is_initialized else None
 
 
 _WARM = object()  # an entry's state after its key's first call (the warm-up: the compiled call)
