@@ -6,7 +6,7 @@
 # rms (the example kernel's bench), hf (lab/bench_hf_patch.py; hfnopdl: the same with TRITUNE_PDL=0; genprof: its
 # --part genprof), launches (lab/probes/invariant_decode_launches.py), retime (lab/probes/retime_timers.py), http (lab/bench_http.py), quant
 # (lab/eval_quant.py), serving (lab/bench_serving_features.py), invariant (lab/bench_batch_invariance.py),
-# fa3 (lab/bench_attention_fa3_grid.py), fused (lab/bench_fused_decode.py), preflight (the attention Hopper-path tests),
+# fa3 (lab/bench_attention_fa3_grid.py), fused (lab/bench_fused_decode.py), pgemv (lab/probes/persistent_gemv_bandwidth.py), preflight (the attention Hopper-path tests),
 # tuneall (tune all --budget $BUDGET warm-started from the H100 store, then compare_tune_all).
 set -uo pipefail
 : "${OUT:?}"
@@ -56,6 +56,7 @@ for ph in ${PHASES:?}; do case $ph in
   serving) t serving $(( ${SERV_LIM:-270} + 20 )) python lab/bench_serving_features.py $W/serving --time-limit ${SERV_LIM:-270} ${SERV_ARGS:-} ;;
   invariant) t invariant $(( ${INV_LIM:-200} + 30 )) python lab/bench_batch_invariance.py --out $W/invariant -n ${INV_N:-512} --budget-s ${INV_LIM:-200} ${INV_ARGS:-} ;;
   fa3) t fa3 $(( ${FA3_LIM:-180} + 40 )) python lab/bench_attention_fa3_grid.py $W/fa3 --budget-s ${FA3_LIM:-180} --emit ;;
+  pgemv) t pgemv ${PG_LIM:-200} python lab/probes/persistent_gemv_bandwidth.py --out $W/pgemv.json --quick --time-limit $(( ${PG_LIM:-200} - 30 )) ;;
   fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ;;
   rerun) mapfile -t NODES < ${RERUN_FILE:?}
     TRITUNE_TEST_LOG=$W/rerun_tests.log t rerun ${RERUN_LIM:-200} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider "${NODES[@]}" ;;
