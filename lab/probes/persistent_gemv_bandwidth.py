@@ -39,6 +39,16 @@ MODES = {"fma_acc2": 0, "fma_sum": 1, "dot16": 2, "dot64": 3}
 
 
 @triton.jit
+def _xw(X, W, k0, offs_k0, offs_n, nm, N, K):
+    """x[k0:k0+BK] as float32 and the (BK, BN) weight block at (k0, offs_n), zeros outside."""
+    ok = k0 + offs_k0
+    km = ok < K
+    x = tl.load(X + ok, mask=km, other=0.0).to(tl.float32)
+    w = tl.load(W + ok[:, None].to(tl.int64) * N + offs_n[None, :], mask=km[:, None] & nm[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
 def _pgemv(X, W, Y, N, K, P, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr):
     """y (N,) = x (K,) @ W (K, N), W row-major (N contiguous); program pid takes tiles pid, pid + P, ..."""
     pid = tl.program_id(0)
@@ -51,33 +61,22 @@ def _pgemv(X, W, Y, N, K, P, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.conste
         if MODE == 0:
             acc2 = tl.zeros((BK, BN), dtype=tl.float32)
             for k0 in tl.range(0, K, BK, num_stages=STAGES):
-                ok = k0 + offs_k0
-                km = ok < K
-                x = tl.load(X + ok, mask=km, other=0.0).to(tl.float32)
-                w = tl.load(W + ok[:, None].to(tl.int64) * N + offs_n[None, :], mask=km[:, None] & nm[None, :],
-                            other=0.0)
+                x, w = _xw(X, W, k0, offs_k0, offs_n, nm, N, K)
                 acc2 += x[:, None] * w.to(tl.float32)
             acc = tl.sum(acc2, axis=0)
         elif MODE == 1:
             acc = tl.zeros((BN,), dtype=tl.float32)
             for k0 in tl.range(0, K, BK, num_stages=STAGES):
-                ok = k0 + offs_k0
-                km = ok < K
-                x = tl.load(X + ok, mask=km, other=0.0).to(tl.float32)
-                w = tl.load(W + ok[:, None].to(tl.int64) * N + offs_n[None, :], mask=km[:, None] & nm[None, :],
-                            other=0.0)
+                x, w = _xw(X, W, k0, offs_k0, offs_n, nm, N, K)
                 acc += tl.sum(x[:, None] * w.to(tl.float32), axis=0)
         else:
             BM: tl.constexpr = 16 if MODE == 2 else 64
             rows = tl.arange(0, BM)
             acc_t = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in tl.range(0, K, BK, num_stages=STAGES):
-                ok = k0 + offs_k0
-                km = ok < K
-                x = tl.load(X + ok[None, :] + rows[:, None] * 0, mask=(rows[:, None] == 0) & km[None, :], other=0.0)
-                w = tl.load(W + ok[:, None].to(tl.int64) * N + offs_n[None, :], mask=km[:, None] & nm[None, :],
-                            other=0.0)
-                acc_t = tl.dot(x, w, acc_t)
+                x, w = _xw(X, W, k0, offs_k0, offs_n, nm, N, K)
+                xt = tl.where(rows[:, None] == 0, x[None, :], 0.0).to(w.dtype)   # x as row 0 of the tile
+                acc_t = tl.dot(xt, w, acc_t)
             acc = tl.sum(tl.where(rows[:, None] == 0, acc_t, 0.0), axis=0)
         tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=nm)
 
