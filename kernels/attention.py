@@ -15,9 +15,13 @@ outputs 0 and its lse is −inf.
 
 The Hopper path (config keys, tuned like the rest): TMA=1 reads Q/K/V and writes O through per-(sequence,
 head) tensor descriptors made on the device (TMA zero-fills the row tail and the head dim padded to a
-power of two, and clips the store), WARP_SPEC=1 asks Triton to warp-specialize the unmasked key loop
-(TMA producer / MMA consumer), LAZY_RESCALE=1 rescales acc only when a row max grew by more than 2^8.
-A layout TMA cannot read (D not unit-stride, rows or bases not 16-byte aligned) runs the pointer path.
+power of two, and clips the store); TMA=2 through 4-D (B, H, T, D) descriptors made once on the host
+(dense only: no per-program descriptor writes and fences, which cost the short sequences most).
+WARP_SPEC picks the unmasked key loop's schedule: 1 asks Triton to warp-specialize it (TMA producer /
+MMA consumer), 2 issues each key block's scores one block ahead, so q·kᵀ of block j+1 runs on the
+tensor cores while block j's exponentials run. LAZY_RESCALE=1 rescales acc only when a row max grew
+by more than 2^8. A layout TMA cannot read (D not unit-stride, rows or bases not 16-byte aligned) runs
+the pointer path.
 
 GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
 take the same kernel with per-sequence offsets read from cu_seqlens.
@@ -41,78 +45,134 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _load_kv(src, start_n, cols, offs_d, mask_d, seqlen_k, stride_n, b, kvh,
+             MASKED: tl.constexpr, PAD_D: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """Key/value rows start_n..start_n+BLOCK_N. TMA=2: a host-built (B, H, T, D) descriptor, TMA=1: the
+    program's own (T, D) descriptor (both zero-fill rows past the sequence and columns past D), else pointers."""
+    if TMA == 2:
+        x = src.load([b, kvh, start_n, 0]).reshape([BLOCK_N, BLOCK_D])
+    elif TMA == 1:
+        x = src.load([start_n, 0])
+    else:
+        ptrs = src + cols[:, None] * stride_n + offs_d[None, :]
+        if MASKED:
+            kv_mask = (cols < seqlen_k)[:, None]
+            if PAD_D:
+                kv_mask = kv_mask & mask_d[None, :]
+            x = tl.load(ptrs, mask=kv_mask, other=0.0)
+        elif PAD_D:
+            x = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+    """Fold raw scores s (one key block) into the running max and denominator: returns p (base-2
+    exponentials against the new reference max) and acc, l_i rescaled to that max."""
+    if MASKED:
+        visible = (cols < seqlen_k)[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + delta)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with nothing visible yet keeps m = −inf: subtract 0 instead (exp2(−inf − −inf) is NaN)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    elif LAZY_RESCALE:
+        # Rescale only when some row's max grew by more than 8 (a factor 2^8): otherwise keep the
+        # stale max as the reference; p <= 2^8 stays exact enough in fp16/bf16 and l, acc cannot
+        # overflow float32. Most blocks past the first few skip the multiply of the whole acc tile.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        if tl.max(m_new - m_i, 0) > 8.0:
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.math.exp2(s * qk_scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    return p, acc, l_i, m_i
+
+
+@triton.jit
 def _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
-                lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale,
+                lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, IEEE: tl.constexpr,
-                TMA: tl.constexpr, WARP_SPEC: tl.constexpr, LAZY_RESCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+                TMA: tl.constexpr, WARP_SPEC: tl.constexpr, LAZY_RESCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr):
     """Fold keys lo..hi (lo a multiple of BLOCK_N) into (acc, l_i, m_i). k_src/v_src are tensor
     descriptors under TMA (rows past the sequence and columns past D arrive as zeros), else base pointers."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if TMA:
-            k = k_src.load([start_n, 0])
-            v = v_src.load([start_n, 0])
-        else:
-            k_ptrs = k_src + cols[:, None] * stride_kn + offs_dk[None, :]
-            v_ptrs = v_src + cols[:, None] * stride_vn + offs_dv[None, :]
-            if MASKED:
-                kv_mask = (cols < seqlen_k)[:, None]
-                if PAD_D:
-                    kv_mask = kv_mask & mask_d[None, :]
-                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            elif PAD_D:
-                k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if MASKED:
-            visible = (cols < seqlen_k)[None, :]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + delta)
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a row with nothing visible yet keeps m = −inf: subtract 0 instead (exp2(−inf − −inf) is NaN)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_sub[:, None])
-            alpha = tl.math.exp2(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        elif LAZY_RESCALE:
-            # Rescale only when some row's max grew by more than 8 (a factor 2^8): otherwise keep the
-            # stale max as the reference; p <= 2^8 stays exact enough in fp16/bf16 and l, acc cannot
-            # overflow float32. Most blocks past the first few skip the multiply of the whole acc tile.
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            if tl.max(m_new - m_i, 0) > 8.0:
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            p = tl.math.exp2(s * qk_scale - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.math.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+        k = _load_kv(k_src, start_n, cols, offs_dk, mask_d, seqlen_k, stride_kn, b, kvh,
+                     MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        v = _load_kv(v_src, start_n, cols, offs_dv, mask_d, seqlen_k, stride_vn, b, kvh,
+                     MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        s = _dot(q, tl.trans(k), None, IEEE)
+        p, acc, l_i, m_i = _softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
+                                         MASKED, CAUSAL, LAZY_RESCALE)
+        acc = _dot(p.to(v.dtype), v, acc, IEEE)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK,
+def _attn_inner_ahead(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
+                      hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                      PAD_D: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The unmasked keys 0..hi (hi >= BLOCK_N, a multiple of it) with the scores one block ahead: block
+    j+1's q·kᵀ is issued before block j's softmax, so the tensor cores work on it while the exp2s of
+    block j run (FA3's intra-warpgroup overlap, written out instead of left to the scheduler). Costs a
+    second score tile in registers."""
+    k = _load_kv(k_src, 0, offs_n, offs_dk, mask_d, seqlen_k, stride_kn, b, kvh,
+                 False, PAD_D, TMA, BLOCK_N, BLOCK_D)
+    s = _dot(q, tl.trans(k), None, IEEE)
+    for start_n in tl.range(0, hi - BLOCK_N, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        nxt = start_n + BLOCK_N
+        k = _load_kv(k_src, nxt, nxt + offs_n, offs_dk, mask_d, seqlen_k, stride_kn, b, kvh,
+                     False, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        s_next = _dot(q, tl.trans(k), None, IEEE)
+        p, acc, l_i, m_i = _softmax_step(s, acc, l_i, m_i, offs_m, start_n + offs_n, seqlen_k, delta, qk_scale,
+                                         False, False, LAZY_RESCALE)
+        v = _load_kv(v_src, start_n, start_n + offs_n, offs_dv, mask_d, seqlen_k, stride_vn, b, kvh,
+                     False, PAD_D, TMA, BLOCK_N, BLOCK_D)
+        acc = _dot(p.to(v.dtype), v, acc, IEEE)
+        s = s_next
+    last = hi - BLOCK_N
+    p, acc, l_i, m_i = _softmax_step(s, acc, l_i, m_i, offs_m, last + offs_n, seqlen_k, delta, qk_scale,
+                                     False, False, LAZY_RESCALE)
+    v = _load_kv(v_src, last, last + offs_n, offs_dv, mask_d, seqlen_k, stride_vn, b, kvh,
+                 False, PAD_D, TMA, BLOCK_N, BLOCK_D)
+    acc = _dot(p.to(v.dtype), v, acc, IEEE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK, DescQ, DescK, DescV, DescO,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
@@ -179,7 +239,13 @@ def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK,
         offs_dv = offs_d * stride_vd
         offs_do = offs_d * stride_od
 
-    if TMA:
+    if TMA == 2:
+        # Descriptors built once on the host over the whole (B, H, T, D) tensors (dense launches only):
+        # no per-program descriptor writes and fences; the T and D bounds still zero-fill and clip.
+        k_src = DescK
+        v_src = DescV
+        q = DescQ.load([b, h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
+    elif TMA == 1:
         # One 2-D descriptor per (sequence, head): its bounds are the sequence's rows and D, so TMA
         # zero-fills the tail rows and the padded head dim (BLOCK_D > D) and clips the store.
         # The launcher checks the 16-byte alignment TMA needs (base and row strides).
@@ -214,17 +280,25 @@ def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK,
         hi = seqlen_k
     lo = full_blocks * BLOCK_N
     # stage 1: the blocks every row sees in full, no mask; stage 2: the diagonal and the key tail, masked
+    if WARP_SPEC == 2:
+        if lo > 0:
+            acc, l_i, m_i = _attn_inner_ahead(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv,
+                                              mask_d, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                                              PAD_D, IEEE, TMA, LAZY_RESCALE, BLOCK_N, BLOCK_D)
+    else:
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
+                                    0, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                                    False, CAUSAL, PAD_D, IEEE, TMA, WARP_SPEC == 1, LAZY_RESCALE, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
-                                0, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale,
-                                False, CAUSAL, PAD_D, IEEE, TMA, WARP_SPEC, LAZY_RESCALE, BLOCK_N)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
-                                lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale,
-                                True, CAUSAL, PAD_D, IEEE, TMA, False, False, BLOCK_N)
+                                lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                                True, CAUSAL, PAD_D, IEEE, TMA, False, False, BLOCK_N, BLOCK_D)
 
     # rows that saw no key: l = 0, acc = 0 -> output 0 (not 0/0)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
-    if TMA:
+    if TMA == 2:
+        DescO.store([b, h, start_m, 0], acc.to(O.dtype.element_ty).reshape([1, 1, BLOCK_M, BLOCK_D]))
+    elif TMA == 1:
         desc_o = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, D], strides=[stride_om, 1],
                                            block_shape=[BLOCK_M, BLOCK_D])
         desc_o.store([start_m, 0], acc.to(O.dtype.element_ty))
@@ -337,7 +411,10 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
     scale = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     meta = dict(D=p.D, VARLEN=varlen, CAUSAL=p.causal, STORE_LSE=store_lse, HEADS_INNER=bool(cfg["HEADS_INNER"]),
                 D_CONTIG=d_contig, IEEE=dtype == torch.float32 and K.fp32_precision() == "ieee", NEG_SCALE=scale < 0,
-                TMA=bool(cfg["TMA"]) and tma_ok, WARP_SPEC=bool(cfg["WARP_SPEC"]) and tma_ok,
+                # TMA=2 (host-built descriptors over (B, H, T, D)) needs the dense layout: a packed batch's
+                # sequences are no descriptor dimension, so varlen takes the per-program descriptors instead
+                TMA=(min(cfg["TMA"], 1) if varlen else cfg["TMA"]) if tma_ok else 0,
+                WARP_SPEC=cfg["WARP_SPEC"] if cfg["WARP_SPEC"] != 1 or tma_ok else 0,
                 LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -346,7 +423,8 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
         cfg_key=None if config is not None else spec.config_key(p, dtype),
         scalars=(p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, abs(scale) * LOG2E),
         # scale < 0: the kernel negates q and takes |scale| (negating fp16/bf16/fp32 is exact)
-        meta=meta, meta_ptr=dict(meta, TMA=False, WARP_SPEC=False) if meta["TMA"] else meta)
+        meta=meta, meta_ptr=dict(meta, TMA=0, WARP_SPEC=0 if meta["WARP_SPEC"] == 1 else meta["WARP_SPEC"])
+        if meta["TMA"] else meta)
 
 
 def _tma_strides_ok(e: int, *tensor_strides) -> bool:
@@ -420,9 +498,22 @@ def _launch_meta(plan, q, k, v, out) -> dict:
     meta = plan.meta
     if meta["TMA"]:
         meta = meta if _aligned(q, k, v, out) else plan.meta_ptr
-        if meta["TMA"] and q.is_cuda:
+        if meta["TMA"] == 1 and q.is_cuda:
             _ensure_allocator()
     return meta
+
+
+def _descs(meta, q, k, v, out) -> tuple:
+    """The kernel's DescQ/K/V/O arguments: under TMA=2 host-built descriptors over the 4-D (B, H, T, D)
+    tensors (their T and D bounds zero-fill a tile's tail and clip the store, as the per-program ones
+    do), else the tensors themselves (unused)."""
+    if meta["TMA"] != 2:
+        return q, k, v, out
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bd = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_D"]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, bd])
+                 for t, rows in ((q, bm), (k, bn), (v, bn), (out, bm)))
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False, out=None,
@@ -453,8 +544,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.grid:
         meta = _launch_meta(plan, q, k, v, out)
-        _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, q, q, *plan.strides, *plan.scalars,
-                             **meta)
+        _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, q, q, *_descs(meta, q, k, v, out),
+                             *plan.strides, *plan.scalars, **meta)
     return (out, lse) if return_lse else out
 
 
@@ -553,8 +644,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.grid:
         meta = _launch_meta(plan, q, k, v, out)
-        _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, *plan.strides,
-                             *plan.scalars, **meta)
+        _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, q, k, v, out,
+                             *plan.strides, *plan.scalars, **meta)
     return (out, lse) if return_lse else out
 
 
@@ -606,10 +697,14 @@ SPACE = K.Space(
         "num_warps": [2, 4, 8],
         "num_stages": [1, 2, 3, 4, 5],
         "HEADS_INNER": [0, 1],
-        # The Hopper path: Q/K/V/O through TMA tensor descriptors (sm90+), the key loop warp-specialized
-        # into TMA producer and MMA consumer warps (needs TMA), and lazy softmax rescaling.
-        "TMA": [0, 1],
-        "WARP_SPEC": [0, 1],
+        # The Hopper path: Q/K/V/O through TMA tensor descriptors (sm90+; 1: made by each program on the
+        # device, 2: made once on the host over the (B, H, T, D) tensors, no per-program cost), the
+        # unmasked key loop's schedule (WARP_SPEC 0: Triton's pipeliner alone, 1: warp-specialized into
+        # TMA producer and MMA consumer warps, needs TMA, 2: each block's scores issued one block ahead of
+        # its softmax), and lazy softmax rescaling. The loop schedule shares one key so that configs
+        # stored before schedule 2 existed stay points of the space.
+        "TMA": [0, 1, 2],
+        "WARP_SPEC": [0, 1, 2],
         "LAZY_RESCALE": [0, 1],
     },
 )
@@ -658,9 +753,15 @@ def _constraint(c, p, dtype) -> str | None:
         return "BLOCK_N larger than the keys"
     if bm < 8 * w:
         return "idle warps (fewer than 8 rows a warp)"
-    if c["WARP_SPEC"] and not c["TMA"]:
+    if c["WARP_SPEC"] == 1 and not c["TMA"]:
         return "WARP_SPEC needs TMA (the producer warps issue TMA loads)"
-    if c["WARP_SPEC"] and c["num_warps"] < 8 and not c["LAZY_RESCALE"]:
+    if c["WARP_SPEC"] == 1 and c["TMA"] == 2:
+        # triton's own Hopper attention (tutorial 06) makes its descriptors on the device when it
+        # warp-specializes; host-built ones are not known to go through that pass
+        return "WARP_SPEC=1 takes the per-program descriptors (TMA=1), not host-built ones"
+    if c["TMA"] == 2 and isinstance(p, VarlenProblem):
+        return "TMA=2: a packed batch's sequences are no descriptor dimension (varlen runs TMA=1)"
+    if c["WARP_SPEC"] == 1 and c["num_warps"] < 8 and not c["LAZY_RESCALE"]:
         # triton 3.6 on sm90 aborts in its warp-specialization pass (TaskIdPropagation.cpp:162, "isa<scf::IfOp>
         # || isa<scf::ForOp>") for this combination (H100, D=64, 4 warps, 3 stages), in the GPU test suite
         return "WARP_SPEC with fewer than 8 warps needs LAZY_RESCALE (triton 3.6's warp-specialization pass aborts)"
@@ -669,7 +770,8 @@ def _constraint(c, p, dtype) -> str | None:
     bd = triton.next_power_of_2(p.D)
     if dtype == torch.float32 and (bm > 64 or bn > 64):
         return "fp32 takes the FMA path (ieee dots): tiles of at most 64 x 64"
-    per_thread = (bm * bd + bm * bn) // (32 * w)
+    # the accumulator and one score tile per thread; scores one block ahead hold a second score tile
+    per_thread = (bm * bd + (2 if c["WARP_SPEC"] == 2 else 1) * bm * bn) // (32 * w)
     if per_thread > 192:
         return f"{per_thread} float32 accumulators/scores per thread (register spills)"
     if not _SMEM:

@@ -327,12 +327,28 @@ def test_config_corners_causal(bm, bn, warps, stages, tq, tk):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The Hopper path: TMA descriptors, warp specialization, lazy rescaling; every valid combination of the
-# three, dense and packed, on block edges and off, every head dim class (padded and not)
+# The Hopper path: TMA descriptors (per program, host-built), the key loop's schedules (warp-specialized,
+# scores one block ahead), lazy rescaling; every valid combination of the three, dense and packed, on
+# block edges and off, every head dim class (padded and not)
 def _hopper_points():
     keys = ("TMA", "WARP_SPEC", "LAZY_RESCALE")
-    pts = [dict(zip(keys, v)) for v in ((0, 0, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1))]
+    pts = [dict(zip(keys, (t, w, lz))) for t in (0, 1, 2) for w in (0, 1, 2) for lz in (0, 1)
+           if (t, w, lz) != (0, 0, 0) and not (w == 1 and t != 1)]  # the default, and combinations the space refuses
     return [pytest.param(p, id="-".join(f"{k.lower()}{v}" for k, v in p.items())) for p in pts]
+
+
+def test_hopper_points_cover_the_space():
+    """Every value of the three keys appears, and every omitted combination is one the space refuses."""
+    p = P(2, 4, 2, 300, 517, 64, True)
+    base = dict(A.default_config(p, torch.bfloat16), num_warps=8, BLOCK_M=128)
+    listed = [tuple(x.values[0].values()) for x in _hopper_points()]
+    for t in A.SPACE.params["TMA"]:
+        for w in A.SPACE.params["WARP_SPEC"]:
+            for lz in A.SPACE.params["LAZY_RESCALE"]:
+                if (t, w, lz) == (0, 0, 0) or (t, w, lz) in listed:
+                    continue
+                cfg = dict(base, TMA=t, WARP_SPEC=w, LAZY_RESCALE=lz)
+                assert A.SPACE.why_invalid(cfg, p, torch.bfloat16), cfg
 
 
 @pytest.mark.parametrize("hopper", _hopper_points())
@@ -348,7 +364,32 @@ def test_hopper_path_configs(hopper, D, causal):
     _dense(p, dtype, seed=D, config=_config(p, dtype, **hopper, **small))
     _dense(p, dtype, seed=D + 1, layout="bthd", config=_config(p, dtype, **hopper, **small))
     vp = VP((tq // 3, 0, 1, tq), (tk // 3, 5, 1, tk), 4, 2, D, causal)
-    _varlen(vp, dtype, seed=D + 2, config=_config(vp, dtype, **hopper, **small))
+    # a packed batch has no host-built descriptors (TMA=2 is no point of its space; its launcher runs TMA=1)
+    _varlen(vp, dtype, seed=D + 2, config=_config(vp, dtype, **dict(hopper, TMA=min(hopper["TMA"], 1)), **small))
+
+
+def test_host_descriptors_on_a_packed_batch_run_the_per_program_ones():
+    """An explicit TMA=2 config handed to attention_varlen (its dense Problem admits it) launches TMA=1."""
+    vp = VP((7, 0, 19), (9, 3, 19), 4, 2, 64, True)
+    cfg = dict(A.default_config(P(3, 4, 2, 19, 19, 64, True), torch.float16), TMA=2, BLOCK_M=16, BLOCK_N=16,
+               num_warps=2, num_stages=1, WARP_SPEC=0)
+    _varlen(vp, torch.float16, seed=5, config=cfg)
+    plan = next(pl for pl in A._VARLEN_PLANS.values() if pl.cfg is not None and pl.cfg.get("TMA") == 2)
+    assert plan.meta["TMA"] == 1
+    assert A.SPACE.why_invalid(cfg, vp, torch.float16).startswith("TMA=2")
+
+
+@pytest.mark.parametrize("tma", [0, 2])
+@pytest.mark.parametrize("tk", [15, 16, 17, 32, 47, 80])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_scores_ahead_every_unmasked_block_count(tma, tk, causal):
+    """WARP_SPEC=2 (scores one block ahead): no unmasked block (the loop is skipped), exactly one (only
+    the epilogue block), and several, with and without a masked key tail; queries shorter than the
+    keys under causal alignment give tiles with different unmasked counts. fp32: exact enough to see
+    a block folded twice or dropped."""
+    p = P(1, 2, 1, min(tk, 20), tk, 32, causal)
+    cfg = _config(p, torch.float32, BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1, WARP_SPEC=2, TMA=tma)
+    _dense(p, torch.float32, seed=tk, config=cfg)
 
 
 @pytest.mark.parametrize("layout", ["sliced", "transposed", "offset"])
