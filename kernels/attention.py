@@ -399,11 +399,12 @@ class _Plan:
 
 
 def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse: bool,
-          tma_ok: bool = False) -> _Plan:
+          tma_ok: bool = False, host_ok: bool = False) -> _Plan:
     """Config, grid and launch parameters for problem ``p`` (B, Hq, Hkv, Tq, Tk, D, causal). ``tma_ok``:
     the strides allow TMA (see :func:`_tma_strides_ok`); a config asking for TMA on a layout that does
     not allow it runs the pointer path (``meta_ptr``), as does a launch whose base pointers are not
-    16-byte aligned (checked per launch: the plan is keyed on strides, not addresses)."""
+    16-byte aligned (checked per launch: the plan is keyed on strides, not addresses). ``host_ok``: the
+    4-D (B, H, T, D) views also suit host-built descriptors (dense, no zero stride); else TMA=2 runs TMA=1."""
     cfg = spec.config_for(p, dtype, config)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_m = triton.cdiv(p.Tq, block_m)
@@ -412,8 +413,9 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
     meta = dict(D=p.D, VARLEN=varlen, CAUSAL=p.causal, STORE_LSE=store_lse, HEADS_INNER=bool(cfg["HEADS_INNER"]),
                 D_CONTIG=d_contig, IEEE=dtype == torch.float32 and K.fp32_precision() == "ieee", NEG_SCALE=scale < 0,
                 # TMA=2 (host-built descriptors over (B, H, T, D)) needs the dense layout: a packed batch's
-                # sequences are no descriptor dimension, so varlen takes the per-program descriptors instead
-                TMA=(min(cfg["TMA"], 1) if varlen else cfg["TMA"]) if tma_ok else 0,
+                # sequences are no descriptor dimension, so varlen takes the per-program descriptors instead;
+                # so does a broadcast (zero-stride) batch or head dim, which the 2-D per-program ones never see
+                TMA=(cfg["TMA"] if host_ok else min(cfg["TMA"], 1)) if tma_ok else 0,
                 WARP_SPEC=cfg["WARP_SPEC"] if cfg["WARP_SPEC"] != 1 or tma_ok else 0,
                 LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
@@ -485,8 +487,9 @@ def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> _Plan:
     lse_strides = (Hq * Tq, Tq, 1) if return_lse else (0, 0, 0)
     d_contig = q.stride(-1) == k.stride(-1) == v.stride(-1) == out_strides[-1] == 1
     tma_ok = _tma_strides_ok(q.element_size(), q.stride(), k.stride(), v.stride(), out_strides)
+    host_ok = all(x > 0 for st in (q.stride(), k.stride(), v.stride(), out_strides) for x in st[:-1])
     plan = _plan(SPEC, Problem(B, Hq, Hkv, Tq, Tk, D, bool(causal)), config, q.dtype, scale, d_contig,
-                 False, bool(return_lse), tma_ok)
+                 False, bool(return_lse), tma_ok, host_ok)
     plan.out_shape = shape
     plan.strides = (*q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides)
     return plan

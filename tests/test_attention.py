@@ -379,6 +379,20 @@ def test_host_descriptors_on_a_packed_batch_run_the_per_program_ones():
     assert A.SPACE.why_invalid(cfg, vp, torch.float16).startswith("TMA=2")
 
 
+def test_host_descriptors_with_a_broadcast_head_run_the_per_program_ones():
+    """k and v expanded over the heads (head stride 0): TMA=2's 4-D descriptors would carry that zero
+    stride, so the launch takes TMA=1, whose per-(batch, head) descriptors never see it."""
+    p = P(1, 4, 1, 24, 24, 32, True)
+    q, k, v = A.make_inputs(p, torch.float16, DEV, 8).args
+    ke, ve = k.expand(1, 4, 24, 32), v.expand(1, 4, 24, 32)
+    cfg = _config(p, torch.float16, TMA=2, BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    got = A.attention(q, ke, ve, causal=True, config=cfg)
+    cmp.check(got, ref.attention(q, ke, ve, causal=True), torch.float16, A.SPEC.accumulation(torch.float16),
+              what="broadcast kv head, TMA=2")
+    plan = next(pl for pl in A._PLANS.values() if pl.strides[4:8] == tuple(ke.stride()) and pl.cfg == cfg)
+    assert plan.meta["TMA"] == 1
+
+
 @pytest.mark.parametrize("tma", [0, 2])
 @pytest.mark.parametrize("tk", [15, 16, 17, 32, 47, 80])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
