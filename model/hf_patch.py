@@ -113,7 +113,12 @@ def patch(model, cuda_graphs: bool = True):
     if getattr(model, "_tritune_patched", False):
         return model
     memo = _StepMemo()
-    base._tritune_forward_params = list(inspect.signature(base.forward).parameters)
+    params = list(inspect.signature(base.forward).parameters)
+    cache_name = "past_key_values" if "past_key_values" in params else "cache"
+    # (name, position) of the two arguments _model_forward reads: plain ints and strs, so a compiled
+    # forward guards on nothing more (a list of names costs a guard per name)
+    base._tritune_arg_pos = tuple((n, params.index(n) if n in params else 1 << 30)
+                                  for n in ("attention_mask", cache_name))
     _swap(base, _model_forward)
     base._tritune_memo = memo
     for block in base.h:
@@ -169,16 +174,10 @@ def _model_forward(self, *args, **kwargs):
     against 8.6 ms eager). The layers take causal ``tritune.attention`` then, bottom-right aligned: the
     keys that mask allows, with or without a past in a DynamicCache. Decided from the arguments alone
     (names read at patch time): nothing is traced."""
-    names = self._tritune_forward_params
-
-    def arg(name):
-        if name in kwargs:
-            return kwargs[name]
-        i = names.index(name) if name in names else len(args)
-        return args[i] if i < len(args) else None
-
-    cache = arg("past_key_values") if "past_key_values" in names else arg("cache")
-    self._tritune_memo.causal = arg("attention_mask") is None and not getattr(cache, "is_compileable", False)
+    (mask_name, mask_at), (cache_name, cache_at) = self._tritune_arg_pos
+    mask = kwargs[mask_name] if mask_name in kwargs else args[mask_at] if mask_at < len(args) else None
+    cache = kwargs[cache_name] if cache_name in kwargs else args[cache_at] if cache_at < len(args) else None
+    self._tritune_memo.causal = mask is None and not getattr(cache, "is_compileable", False)
     return self._tritune_original_forward(*args, **kwargs)
 
 
