@@ -967,7 +967,7 @@ def test_thin_graph_key_and_fallbacks(tiny_dir, fake_graphs):
     assert call.key((), kw) == "training mode"
     model.eval()
     call.require_cuda = True
-    assert call.key((), kw).endswith(": not a CUDA tensor")
+    assert call.key((), {**kw, "input_ids": kw["input_ids"].cpu()}).endswith(": not a CUDA tensor")
 
 
 @torch.no_grad()
