@@ -206,6 +206,20 @@ def test_trials_timed_on_other_kernel_code_are_not_reused_or_exported(tmp_path, 
     assert len(v2) == 3 and row["best_us"] == min(t.value for t in v2)
 
 
+def test_a_space_that_gained_a_value_resumes_in_a_study_of_its_own(tmp_path, monkeypatch):
+    """A new kernel version whose space gained a choice (attention's TMA=2): the storage's old study holds
+    trials of the old choices, which Optuna would refuse to mix ("dynamic value space"), so the new space
+    tunes in its own study, and the old one stays as it was."""
+    row, storage = _tune(toy_spec(SMALL, _odd), tmp_path, quadratic, trials=4)
+    monkeypatch.setattr(search, "code_version", lambda kernel: "v2")
+    wider = {"a": SMALL["a"] + [14], "b": SMALL["b"]}
+    row2, _ = _tune(toy_spec(wider, _odd), tmp_path, quadratic, trials=4)
+    assert row2["trials"] == 4 and row2["study"] != row["study"]
+    names = optuna.get_all_study_names(search.open_storage(storage))
+    assert sorted(names) == sorted([row["study"], row2["study"]])
+    assert all(n.startswith("toy:") and ":space-" in n for n in names)
+
+
 def test_interrupted_sweep_resumes_without_losing_trials(tmp_path):
     spec = toy_spec(GRID, _odd)
     with pytest.raises(KeyboardInterrupt):

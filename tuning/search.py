@@ -477,8 +477,15 @@ def store_key(dtype) -> str:
     return fn(dtype) if fn is not None else dtype_name(dtype)
 
 
-def study_name(kernel: str, bucket: str, dtype, slug: str) -> str:
-    return f"{kernel}:{bucket}:{dtype_name(dtype)}:{slug}"
+def study_name(kernel: str, bucket: str, dtype, slug: str, params: dict | None = None) -> str:
+    """kernel:bucket:dtype:slug, and with the space's parameters a short hash of their names and choices:
+    Optuna keeps one set of choices per parameter and study, so a kernel whose space gained a value (a new
+    version) continues in a study of its own instead of failing on the old one's trials."""
+    name = f"{kernel}:{bucket}:{dtype_name(dtype)}:{slug}"
+    if params:
+        sig = json.dumps(sorted((k, list(v)) for k, v in params.items()), default=str)
+        name += f":space-{zlib.crc32(sig.encode()) & 0xFFFFFFFF:08x}"
+    return name
 
 
 def config_key(config: dict, params: dict | None) -> str:
@@ -526,7 +533,8 @@ class Job:
 
         self.bucket = self.bucket or kernels.bucket_key(self.spec.bucket(self.problem))
         self.key = self.key or store_key(self.dtype)
-        self.name = self.name or study_name(self.spec.name, self.bucket, self.key, self.slug)
+        self.name = self.name or study_name(self.spec.name, self.bucket, self.key, self.slug,
+                                            getattr(getattr(self.spec, "space", None), "params", None))
 
     def label(self) -> str:
         return f"{self.spec.name} {self.bucket} {self.key}"
