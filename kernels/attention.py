@@ -487,7 +487,9 @@ def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> _Plan:
     lse_strides = (Hq * Tq, Tq, 1) if return_lse else (0, 0, 0)
     d_contig = q.stride(-1) == k.stride(-1) == v.stride(-1) == out_strides[-1] == 1
     tma_ok = _tma_strides_ok(q.element_size(), q.stride(), k.stride(), v.stride(), out_strides)
-    host_ok = all(x > 0 for st in (q.stride(), k.stride(), v.stride(), out_strides) for x in st[:-1])
+    # and no empty dimension: a descriptor's shape must be positive (Tk = 0: no keys, every row outputs 0)
+    host_ok = (all(x > 0 for st in (q.stride(), k.stride(), v.stride(), out_strides) for x in st[:-1])
+               and min(B, Hq, Hkv, Tq, Tk) > 0)
     plan = _plan(SPEC, Problem(B, Hq, Hkv, Tq, Tk, D, bool(causal)), config, q.dtype, scale, d_contig,
                  False, bool(return_lse), tma_ok, host_ok)
     plan.out_shape = shape
@@ -795,7 +797,8 @@ def default_config(p, dtype) -> dict:
     heads' row blocks together only while every head's K/V fits in L2 together; past that, one head's
     row blocks run side by side and share its K/V in L2 (1.3x at 4 x 32 heads x 4096, D=128). fp32 takes
     the FMA path (ieee dots): small tiles. Head dims past 128 (a 256-wide fp32 accumulator): 64-key
-    blocks, two stages. On sm90+ fp16/bf16 prefill of 8k queries and more takes the TMA path."""
+    blocks, two stages. On sm90+ fp16/bf16 takes the TMA path: host-built descriptors at D <= 128, per-program
+    ones for 8k queries and more past that."""
     bd = triton.next_power_of_2(p.D)
     if dtype == torch.float32:
         bm, bn, warps, stages = 64, 32, 4, 2
@@ -812,9 +815,12 @@ def default_config(p, dtype) -> dict:
     while warps > 2 and bm < 8 * warps:
         warps //= 2
     kv_bytes = 2 * p.B * p.Hkv * p.Tk * p.D * (torch.finfo(dtype).bits // 8)
-    # TMA only where the H100 FA3-grid sweep picked it (lab/logs/h100/benches_2026-11-24_6b00e06/fa3.log):
-    # 8k and 16k queries; at 1k-2k the pointer path won, at 4k it split by mask
-    tma = int(dtype != torch.float32 and p.Tq >= 8192 and capability() >= (9, 0))
+    # Host-built descriptors (TMA=2) at D <= 128: they won 17 of the 20 rows of the H100 FA3-grid sweep
+    # (lab/logs/h100/attention_fa3_grid_sweep_new_2026-11-25_12718f8: 1.02-1.16x over the pointer path, most at
+    # D=128 and 1k-4k queries; the 3 others within 8%). Per-program descriptors (TMA=1) past D=128 only
+    # where the earlier sweep picked them (lab/logs/h100/benches_2026-11-24_6b00e06/fa3.log): 8k+ queries.
+    hopper = dtype != torch.float32 and capability() >= (9, 0)
+    tma = (2 if bd <= 128 else int(p.Tq >= 8192)) if hopper else 0
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
            "HEADS_INNER": int(kv_bytes <= 32 << 20), "TMA": tma, "WARP_SPEC": 0, "LAZY_RESCALE": 0}
     while SPACE.constraint(cfg, p, dtype) and cfg["num_stages"] > 1:
