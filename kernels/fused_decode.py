@@ -52,9 +52,9 @@ LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ, s_lk, s_ln,
-                 SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ):
+                 SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM):
     """(weights, bias, stride along K, stride along N, N, K, split) of GEMV stage s (kind 1 = attention is
-    never asked: its caller skips to the next stage)."""
+    never asked: its caller skips to the next stage). split 0: stream-K (see _unit)."""
     layer = s // 5 + tl.zeros((), dtype=tl.int64)   # s is a plain int in the interpreter
     kind = s % 5
     z = s * 0                   # every branch assigns tensors: an int argument equal to 1 arrives as a constant
@@ -65,7 +65,7 @@ def _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ, s_
         s_wn = z + s_ln
         n = z                   # set by the caller (V)
         k = z + E
-        split = z + 1
+        split = z + SPLIT_LM
     elif kind == 0:
         w = WQKV + layer * E * 3 * E
         b = BQKV + layer * 3 * E
@@ -124,17 +124,43 @@ def _load_w(w, offs_k, offs_n, k_bound, n_bound, s_wk, s_wn, is_lm, LM_KMAJOR: t
 
 
 @triton.jit
+def _unit(t, pid, P, split, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(column tile, K block, last block of its segment) of step t of program pid in a GEMV stage, and the
+    program's step count. Two decompositions of the (tile, K block) grid:
+
+    split >= 1 (uniform split-K): work item = (tile, one of ``split`` K slices); program pid takes items
+      pid, pid + P, ...: a stage has tiles x split equal items, so a shape whose tile count is no multiple
+      of P leaves programs idle (GPT-2 small's qkv: 72 tiles on 132 SMs).
+    split == 0 (stream-K): the tiles' K blocks in one row-major sequence of U = tiles x kb units, cut into
+      Pe = min(P, U) contiguous ranges [pid·U // Pe, (pid+1)·U // Pe): every program has floor(U/Pe) or
+      one more, whatever the shape; a range may begin or end inside a tile (a partial, merged in _finish)."""
+    kbt = tl.cdiv(k, BLOCK_K)
+    tiles = tl.cdiv(n, BLOCK_N)
+    sp = tl.maximum(split, 1)
+    kt = tl.cdiv(kbt, sp)                       # K blocks of a uniform slice
+    U = tiles * kbt
+    Pe = tl.minimum(P, U)
+    lo = pid * U // Pe
+    hi = tl.where(pid < Pe, (pid + 1) * U // Pe, lo)
+    u = lo + t
+    item = pid + (t // kt) * P
+    stream = split == 0
+    tile = tl.where(stream, u // kbt, item // sp)
+    kblk = tl.where(stream, u % kbt, (item % sp) * kt + t % kt)
+    steps = tl.where(stream, hi - lo, tl.maximum(tl.cdiv(tiles * sp - pid, P), 0) * kt)
+    last = tl.where(stream, (kblk == kbt - 1) | (t == steps - 1), t % kt == kt - 1)
+    return tile, kblk, last, steps
+
+
+@triton.jit
 def _first_block(pid, P, w, s_wk, s_wn, n, k, split, is_lm,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LM_KMAJOR: tl.constexpr):
-    """The first weight block of program pid's first work item in a GEMV stage (zeros when it has none):
+    """The first weight block of program pid's first step in a GEMV stage (zeros when it has none):
     loaded before a barrier wait, consumed after it."""
-    kt = tl.cdiv(tl.cdiv(k, BLOCK_K), split)
-    items = tl.cdiv(n, BLOCK_N) * split
-    tile = pid // split
-    ks = pid % split
-    offs_k = ks * kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    tile, kblk, last, steps = _unit(0, pid, P, split, n, k, BLOCK_N, BLOCK_K)
+    offs_k = kblk * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_live = tl.where(pid < items, n, 0)   # (a scalar condition in the mask: the interpreter's masks go int32)
+    n_live = tl.where(steps > 0, n, 0)   # (a scalar condition in the mask: the interpreter's masks go int32)
     return _load_w(w, offs_k, offs_n, k, n_live, s_wk, s_wn, is_lm, LM_KMAJOR)
 
 
@@ -208,28 +234,21 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
     else:
         mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
         rstd = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    kt = tl.cdiv(tl.cdiv(k, BLOCK_K), split)
-    items = tl.cdiv(n, BLOCK_N) * split
-    mine = tl.maximum(tl.cdiv(items - pid, P), 0)
-    steps = mine * kt
+    tile0, kblk0, last0, steps = _unit(0, pid, P, split, n, k, BLOCK_N, BLOCK_K)
     wv = wpre
     k0 = tl.where(steps > 0, k, 0)
-    xr, lw, lb = _load_x(Xin, rows, s_x, (pid % split) * kt * BLOCK_K + offs_kb, k0, mm, has_ln, LnW, LnB)
+    xr, lw, lb = _load_x(Xin, rows, s_x, kblk0 * BLOCK_K + offs_kb, k0, mm, has_ln, LnW, LnB)
     acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(0, steps):
-        j = t // kt
-        kb = t % kt
-        item = pid + j * P
-        tile = item // split
-        ks = item % split
-        offs_k = (ks * kt + kb) * BLOCK_K + offs_kb
+        tile, kblk, last, steps_ = _unit(t, pid, P, split, n, k, BLOCK_N, BLOCK_K)
+        offs_k = kblk * BLOCK_K + offs_kb
         km = offs_k < k
         # the next step's weight block and input rows, issued before this step's math
         t1 = t + 1
-        item1 = pid + (t1 // kt) * P
-        offs_k1 = ((item1 % split) * kt + t1 % kt) * BLOCK_K + offs_kb
-        offs_n1 = (item1 // split) * BLOCK_N + offs_nb
+        tile1, kblk1, last1, steps1 = _unit(t1, pid, P, split, n, k, BLOCK_N, BLOCK_K)
+        offs_k1 = kblk1 * BLOCK_K + offs_kb
+        offs_n1 = tile1 * BLOCK_N + offs_nb
         n1 = tl.where(t1 < steps, n, 0)
         w_next = _load_w(w, offs_k1, offs_n1, k, n1, s_wk, s_wn, kind == 5, LM_KMAJOR)
         k1 = tl.where(t1 < steps, k, 0)
@@ -247,25 +266,57 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
         else:               # a few rows: tensor cores (the normalised rows rounded to the weights' dtype)
             acc = tl.dot(xv.to(wv.dtype), wv, acc, input_precision="ieee")
         wv = w_next
-        if kb == kt - 1:
+        if last:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=0)[None, :]
                 acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-            _gemv_finish(acc, tile, ks, split, kind, s, M, n, rows, mm, bias, X, QKV, Hb, Logits, s_log,
-                         KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid,
-                         BLOCK_M, BLOCK_N, DEBUG)
+            _gemv_finish(acc, tile, kblk, t, split, kind, s, M, n, k, rows, mm, bias, X, QKV, Hb, Logits, s_log,
+                         KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid, P,
+                         BLOCK_M, BLOCK_N, BLOCK_K, DEBUG)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
-def _gemv_finish(acc, tile, ks, split, kind, s, M, n, rows, mm, bias, X, QKV, Hb, Logits, s_log,
-                 KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEBUG: tl.constexpr):
-    """A work item's partial product: alone (split 1), or stored and, by the tile's last arrival, summed
-    over the K slices in order; then the stage's epilogue."""
+def _gemv_finish(acc, tile, kblk, t, split, kind, s, M, n, k, rows, mm, bias, X, QKV, Hb, Logits, s_log,
+                 KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid, P,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEBUG: tl.constexpr):
+    """A segment's partial product (its last K block is kblk, reached at step t): alone (split 1, or a
+    stream-K range covering the whole tile), or stored and, by the tile's last arrival, summed over the
+    tile's segments in a fixed order (K order: the sum does not depend on arrival order); then the epilogue."""
     offs_b = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    done = ks >= 0
-    if split > 1:
+    done = kblk >= 0
+    if split == 0:
+        # stream-K: program p owns units [lo(p), lo(p+1)), lo(p) = p·U // Pe. Tile `tile` (units [u0, u1)) has
+        # the segments of programs owner(u0)..owner(u1 - 1), owner(u) = ((u + 1)·Pe - 1) // U (the largest p
+        # with lo(p) <= u; no program in between is empty since Pe <= U). A program's partials go to one of
+        # two slots: 0 for the segment its range begins with, 1 for the one it ends with (only the first
+        # program of a tile can have begun before it; every later one begins in it).
+        kbt = tl.cdiv(k, BLOCK_K)
+        U = tl.cdiv(n, BLOCK_N) * kbt
+        Pe = tl.minimum(P, U)
+        lo = pid * U // Pe
+        hi = (pid + 1) * U // Pe
+        u0 = tile * kbt
+        u1 = u0 + kbt
+        seg_lo = tl.maximum(lo, u0)
+        if (seg_lo != u0) | (hi < u1):
+            live = (offs_b // BLOCK_N) < M
+            slot = tl.where(seg_lo == lo, 0, 1)
+            tl.store(Work + (pid * 2 + slot).to(tl.int64) * BLOCK_M * BLOCK_N + offs_b, acc, mask=live)
+            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+            p0 = ((u0 + 1) * Pe - 1) // U
+            p1 = (u1 * Pe - 1) // U
+            ticket = tl.atomic_add(Tick + tile, 1, sem="acq_rel", scope="gpu")
+            done = ticket == p1 - p0
+            if done:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for i in range(p0, p1 + 1):
+                    sl = tl.where((i == p0) & (i * U // Pe < u0), 1, 0)
+                    acc += tl.load(Work + (i * 2 + sl).to(tl.int64) * BLOCK_M * BLOCK_N + offs_b, mask=live,
+                                   other=0.0, cache_modifier=".cg")
+                tl.store(Tick + tile, 0)
+    elif split > 1:
+        ks = kblk // tl.cdiv(tl.cdiv(k, BLOCK_K), split)
         base = Work + tile.to(tl.int64) * split * BLOCK_M * BLOCK_N
         live = (offs_b // BLOCK_N) < M       # only the real rows' partials travel through L2
         tl.store(base + ks * BLOCK_M * BLOCK_N + offs_b, acc, mask=live)
@@ -400,14 +451,14 @@ def _attn_stage(pid, P, M, H, D, C, n_split, qk_scale, QKV, A, KC, VC, BT, s_bt,
 # Sizes that change between models or steps but say nothing about alignment stay runtime values: each
 # specialisation (a value == 1 or divisible by 16) would be another compile of a large kernel.
 @triton.jit(do_not_specialize=["s_log", "stage_lo", "stage_hi", "M", "L", "V", "H", "SPLIT_QKV", "SPLIT_O",
-                               "SPLIT_FC", "SPLIT_PROJ", "n_split", "debug_spin"])
+                               "SPLIT_FC", "SPLIT_PROJ", "SPLIT_LM", "n_split", "debug_spin"])
 def _fused_decode_kernel(
         X, QKV, A, Hb, Logits, s_log,
         LN1W, LN1B, WQKV, BQKV, WO, BO, LN2W, LN2B, WFC, BFC, WPROJ, BPROJ, LNFW, LNFB, LMH, s_lk, s_ln,
         KC, VC, s_kv_layer, Slots, BT, s_bt, Ctx, block_size,
         Work, Tick, AWork, ATick, Bar, Dbg,
         stage_lo, stage_hi, M, L, E, F, V, H, D, eps, qk_scale,
-        SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, n_split, debug_spin,
+        SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM, n_split, debug_spin,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LM_KMAJOR: tl.constexpr, SYNC: tl.constexpr,
         DEBUG: tl.constexpr):
@@ -421,7 +472,7 @@ def _fused_decode_kernel(
         if g % 5 == 1:
             g = stage_lo + 1 + pid * 0
     w, b, s_wk, s_wn, n, k, split = _gemv_params(g, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ,
-                                                 s_lk, s_ln, SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ)
+                                                 s_lk, s_ln, SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM)
     if g == 5 * L:
         n = V
     wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
@@ -438,7 +489,7 @@ def _fused_decode_kernel(
         else:
             w, b, s_wk, s_wn, n, k, split = _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC,
                                                          BPROJ, s_lk, s_ln, SPLIT_QKV, SPLIT_O, SPLIT_FC,
-                                                         SPLIT_PROJ)
+                                                         SPLIT_PROJ, SPLIT_LM)
             if kind == 5:
                 n = V
             # the rows this stage reads, and the LayerNorm before it (kinds 0, 3, 5)
@@ -470,7 +521,7 @@ def _fused_decode_kernel(
                 g = _next_gemv_stage(s, L)
                 w, b, s_wk, s_wn, n, k, split = _gemv_params(g, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO,
                                                              BFC, BPROJ, s_lk, s_ln, SPLIT_QKV, SPLIT_O,
-                                                             SPLIT_FC, SPLIT_PROJ)
+                                                             SPLIT_FC, SPLIT_PROJ, SPLIT_LM)
                 if g == 5 * L:
                     n = V
                 wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
@@ -498,8 +549,10 @@ def _fused_decode_kernel(
 # ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
-    """How a step is split. ``programs`` 0: one per SM. ``split_*`` 0: picked so a stage's work items
-    cover the programs (K slices of at least 2 blocks)."""
+    """How a step is split. ``programs`` 0: one per SM. ``split_*`` >= 1: that many uniform K slices per
+    column tile (1: none); 0: picked by shape (:func:`plan_splits`). ``stream_k`` (for the stages whose
+    split is 0, the LM head included): 0 picks per stage whichever of stream-K and the best uniform split
+    has the lighter busiest program; 1 never stream-K (uniform splits only); 2 always stream-K."""
     block_n: int = 32
     block_k: int = 128
     block_t: int = 32
@@ -510,12 +563,13 @@ class Config:
     split_fc: int = 0
     split_proj: int = 0
     kv_split: int = 0
+    stream_k: int = 0
     faster: int = 0         # measured faster than the per-op path here (what fused_decode="auto" follows)
 
     SPACE = {"block_n": [16, 32, 64, 128], "block_k": [32, 64, 128, 256, 512], "block_t": [16, 32, 64],
              "num_warps": [2, 4, 8], "programs": [0], "split_qkv": [0, 1, 2, 4], "split_o": [0, 1, 2, 4, 8],
              "split_fc": [0, 1, 2], "split_proj": [0, 1, 2, 4, 8], "kv_split": [0, 1, 2, 4, 8, 16],
-             "faster": [0, 1]}
+             "stream_k": [0, 1, 2], "faster": [0, 1]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -527,6 +581,8 @@ class Config:
                 raise ValueError(f"config: {key} must be a non-negative int, got {v!r}")
             if key.startswith("block_") and v & (v - 1):
                 raise ValueError(f"config: {key} must be a power of two, got {v}")
+        if d.get("stream_k", 0) > 2:
+            raise ValueError(f"config: stream_k must be 0 (auto), 1 (off) or 2 (on), got {d['stream_k']}")
         return cls(**d)
 
 
@@ -541,10 +597,52 @@ def auto_split(n: int, k: int, block_n: int, block_k: int, programs: int, want: 
         return max(1, min(want, kb))
     tiles = triton.cdiv(n, block_n)
 
-    def cost(split):
-        return triton.cdiv(tiles * split, programs) * (triton.cdiv(kb, split) + (1.5 if split > 1 else 0.0))
+    return min(range(1, min(kb, 16) + 1), key=lambda sp: (split_cost(n, k, block_n, block_k, programs, sp), sp))
 
-    return min(range(1, min(kb, 16) + 1), key=lambda sp: (cost(sp), sp))
+
+TICKET = 1.5    # a partial's store + ticket (an L2 atomic round trip the program waits on), in block loads
+
+
+def split_cost(n: int, k: int, block_n: int, block_k: int, programs: int, split: int) -> float:
+    """The busiest program's time in a GEMV stage, in weight-block loads: uniform ``split`` >= 1,
+    ceil(items / P) x (blocks a slice + a ticket when split); stream-K (0), ceil(U / P) blocks + a ticket
+    for each end of its range that falls inside a tile (none when the ranges are whole tiles)."""
+    kb, tiles = triton.cdiv(k, block_k), triton.cdiv(n, block_n)
+    if split:
+        return triton.cdiv(tiles * split, programs) * (triton.cdiv(kb, split) + (TICKET if split > 1 else 0.0))
+    units = tiles * kb
+    pe = min(programs, units)
+    per = triton.cdiv(units, pe)
+    aligned = units % pe == 0 and per % kb == 0
+    return per + (0 if aligned else (2 if per > 1 else 1)) * TICKET
+
+
+def plan_splits(E: int, F: int, V: int, cfg: "Config", programs: int) -> tuple:
+    """The five GEMV stages' splits (qkv, out-proj, fc, proj, LM head) as the kernel takes them: >= 1
+    uniform K slices, 0 stream-K. The LM head takes 1 or stream-K (a uniform split's scratch would be
+    vocab-sized)."""
+    bn, bk, P = cfg.block_n, cfg.block_k, programs
+    out = []
+    for n, k, want in ((3 * E, E, cfg.split_qkv), (E, E, cfg.split_o), (F, E, cfg.split_fc),
+                       (E, F, cfg.split_proj), (V, E, -1)):
+        if want > 0:
+            out.append(auto_split(n, k, bn, bk, P, want))
+            continue
+        best = 1 if want < 0 else auto_split(n, k, bn, bk, P)
+        if cfg.stream_k == 2 or (cfg.stream_k == 0 and split_cost(n, k, bn, bk, P, 0) < split_cost(n, k, bn, bk, P, best)):
+            best = 0
+        out.append(best)
+    return tuple(out)
+
+
+def work_floats(splits: tuple, E: int, F: int, V: int, cfg: "Config", programs: int, block_m_: int) -> int:
+    """float32 scratch the split partials need: tiles x split tiles for a uniform split, two tiles a
+    program for stream-K."""
+    bn = cfg.block_n
+    sizes = [triton.cdiv(n, bn) * s for n, s in zip((3 * E, E, F, E, V), splits) if s > 1]
+    if 0 in splits:
+        sizes.append(2 * programs)
+    return max(sizes, default=1) * block_m_ * bn
 
 
 def kv_split(M: int, H: int, programs: int, want: int = 0) -> int:

@@ -165,11 +165,10 @@ class FusedDecode:
         sms = 4 if dev.interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         P = min(cfg.programs or sms, sms) if self.sync else (cfg.programs or sms)
         bn, bk = cfg.block_n, cfg.block_k
-        splits = (FK.auto_split(3 * E, E, bn, bk, P, cfg.split_qkv), FK.auto_split(E, E, bn, bk, P, cfg.split_o),
-                  FK.auto_split(F, E, bn, bk, P, cfg.split_fc), FK.auto_split(E, F, bn, bk, P, cfg.split_proj))
+        splits = FK.plan_splits(E, F, V, cfg, P)
         n_split = FK.kv_split(M, H, P, cfg.kv_split)
         BM = FK.block_m(M, self.dtype)
-        work = max(triton.cdiv(n, bn) * s for n, s in zip((3 * E, E, F, E), splits)) * BM * bn
+        work = FK.work_floats(splits, E, F, V, cfg, P, BM)
         ticks = max(triton.cdiv(n, bn) for n in (3 * E, E, F, E, V))
         BD = triton.next_power_of_2(c.head_dim)
         awork = M * H * n_split * (BD + 2)

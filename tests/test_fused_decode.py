@@ -125,6 +125,38 @@ def test_split_k_and_kv_split_configs():
     check_step(m, [33, 6], config=cfg)
 
 
+@pytest.mark.parametrize("programs", [5, 13])   # 13: more programs than some stages' (tile, K block) units
+def test_stream_k_equals_no_split_and_reference(programs):
+    """Every GEMV stage (the LM head included) as stream-K: ranges of (tile, K block) units that begin and
+    end inside tiles, partials merged by the tile's last arrival; odd widths (E 40, MLP 160, head dim 20,
+    vocab 101 over 16-wide tiles). Against the reference, the per-op path, and the same step with no
+    split at all (each program whole tiles over the full K)."""
+    m = random_model(2, 40, 2, vocab=101, seed=21)
+    base = {"block_n": 16, "block_k": 16, "block_t": 16, "num_warps": 1, "programs": programs}
+    fd, got = check_step(m, [9, 3, 17], config=dict(base, stream_k=2))
+    assert fd._plan(3)[2] == (0, 0, 0, 0, 0)
+    fd1, off = check_step(m, [9, 3, 17], config=dict(base, stream_k=1, split_qkv=1, split_o=1, split_fc=1,
+                                                     split_proj=1))
+    assert fd1._plan(3)[2] == (1, 1, 1, 1, 1)
+    assert rel_error(got, off) <= tolerance(m.dtype)
+
+
+def test_split_plan_by_shape():
+    """stream_k=0 takes stream-K only where the busiest program gets lighter: 140 column tiles on 132
+    programs (uniform: 2 tiles x 6 blocks; stream-K: 7 blocks + 2 tickets); GPT-2 small's stages keep
+    their uniform splits. stream_k=1 never, 2 always (explicit splits still win)."""
+    from tritune.kernels import fused_decode as FK
+
+    cfg = FK.Config(block_n=32, block_k=128)
+    assert FK.plan_splits(768, 3072, 50257, cfg, 132) == (1, 3, 1, 5, 1)
+    assert FK.plan_splits(768, 140 * 32, 50257, cfg, 132)[2] == 0
+    assert FK.plan_splits(768, 140 * 32, 50257, replace(cfg, stream_k=1), 132)[2] == 1
+    assert FK.plan_splits(768, 3072, 50257, replace(cfg, stream_k=2, split_o=2), 132) == (0, 2, 0, 0, 0)
+    assert FK.work_floats((0, 2, 0, 0, 0), 768, 3072, 50257, cfg, 132, 1) == max(2 * 132, 24 * 2) * 32
+    with pytest.raises(ValueError, match="stream_k"):
+        FK.Config.from_dict({"stream_k": 3})
+
+
 def test_shared_weights_keep_values():
     """share_weights: the model's layers become views of the stack (one copy), values unchanged."""
     m = random_model(2, 64, 2, seed=12)
