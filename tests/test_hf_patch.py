@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 import shutil
 import signal
 import sys
@@ -484,6 +485,58 @@ def test_compiled_decode_step_does_only_the_step(tiny_dir):
             for d in filter(None, (x.strip() for x in shape.split(","))):
                 numel *= int(d)
             assert numel < cache_numel, f"a cache-sized buffer in the step: {ln}"
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or (shutil.which("g++") is None and shutil.which("c++") is None),
+                    reason="counts inductor's C++ (CPU) wrapper; needs a C++ compiler")
+@torch.no_grad()
+def test_compiled_prefill_launches_what_eager_launches(pair):
+    """torch.compile (inductor, default mode) of a patched causal prefill without a cache generates the
+    eager path's program and no more: per layer 4 ``linear`` ops and one causal ``attention`` whose q, k, v
+    are views of the qkv ``linear``'s output (reinterpret_tensor, never a copy), one elementwise kernel a
+    layer (the heads' transpose to (B, T, C): eager's reshape copy) and one for the embeddings; ln_f's
+    ``layer_norm`` and the head's ``linear`` once; no aten fallback (mm, sdpa, copy_, clone) and no buffer
+    of a (T, T) mask. So what the compiled prefill adds over eager on the GPU is host work per op, not
+    device work: each ``torch.ops.tritune`` call in the generated program goes through the dispatcher
+    (custom_op's Python autograd and backend layers, ~12 us an op on this CPU) where eager calls the
+    op's body (``torch_ops.EAGER``); lab/bench_hf_patch.py --part prefill measures both on the GPU."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, ref = pair
+    L = model.config.n_layer
+    B, T = 2, 24
+    ids = _ids(B, T, 21)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: model(x, use_cache=False).logits, fullgraph=True)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got, codes = run_and_get_code(compiled, ids)
+    cmp.check(got, ref(ids).logits, torch.float32, what="compiled prefill")
+    assert len(codes) == 1, f"{len(codes)} programs"
+    body = _call_body(codes[0])
+    calls = [ln for ln in body if "(" in ln and not ln.startswith(("#", "assert_", "del "))]
+    ours = [ln for ln in calls if "torch.ops.tritune." in ln]
+    assert sum("tritune.linear." in ln for ln in ours) == 4 * L + 1, ours
+    attn = [ln for ln in ours if "tritune.attention." in ln]
+    assert len(attn) == L and len(ours) == 5 * L + 2, ours
+    assert sum("tritune.layer_norm." in ln for ln in ours) == 1, ours
+    alias = dict(ln.split(" = ") for ln in body if re.fullmatch(r"buf\d+ = buf\d+", ln))  # the op's result renamed
+    for i, ln in enumerate(ours):  # each attention's q, k, v: three views of the linear just before it
+        if "tritune.attention." in ln:
+            views = set(re.findall(r"reinterpret_tensor\((buf\d+),", ln))
+            qkv = ours[i - 1].split(" = ", 1)[0]
+            assert "tritune.linear." in ours[i - 1] and {alias.get(b, b) for b in views} == {qkv}, (ours[i - 1], ln)
+            assert len(re.findall(r"reinterpret_tensor\(buf", ln)) == 3, ln
+            assert ", True," in ln, f"not causal: {ln}"
+    kernels = [ln for ln in calls if ln.startswith("cpp_fused")]
+    assert len(kernels) == L + 1, kernels
+    aten = [ln for ln in calls if "torch.ops.aten." in ln or "extern_kernels." in ln]
+    assert not aten, f"aten fallbacks in the compiled prefill: {aten}"
+    assert not [ln for ln in body if ".copy_(" in ln or ".clone(" in ln], "copies in the compiled prefill"
+    for ln in body:
+        if "empty_strided" in ln:
+            shape = ln.split("((", 1)[1].split(")", 1)[0]
+            dims = [int(d) for d in (x.strip() for x in shape.split(",")) if d]
+            assert dims[-2:] != [T, T], f"a (T, T) mask buffer: {ln}"
 
 
 def _decode_step_graph(model) -> tuple:
