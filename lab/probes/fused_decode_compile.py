@@ -28,7 +28,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 KERNEL_FILE = Path(__file__).resolve().parents[2] / "kernels" / "fused_decode.py"
 I32_PTRS = {"Slots", "BT", "Ctx", "Tick", "ATick", "Bar", "Dbg"}
 F32_PTRS = {"Work", "AWork"}
-SIZES = {"M", "L", "E", "F", "V", "H", "D", "SPLIT_QKV", "SPLIT_O", "SPLIT_FC", "SPLIT_PROJ"}  # ints, not pointers
+SIZES = {"M", "L", "E", "F", "V", "H", "D", "SPLIT_QKV", "SPLIT_O", "SPLIT_FC", "SPLIT_PROJ", "SPLIT_LM"}  # ints, not pointers
 DIV16 = {"E", "F", "D", "block_size", "s_kv_layer", "s_bt", "s_ln", "s_log"}
 
 
