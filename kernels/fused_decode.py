@@ -12,8 +12,9 @@ and one final stage ``logits = LN_f(x) @ lm_head``. Stage s of layer l is number
 
 Why one launch: at batch 1 a GPT-2-small step reads 249 MB of weights (83 us at 3 TB/s) but ran as ~60
 kernels, each paying a launch, a ramp-up and a tail. Here the grid is one program per SM, all resident at
-once; a stage's programs split its work (GEMV stages: BLOCK_N-column tiles, optionally split along K;
-attention: (row, head, KV chunk)), and stages are separated by a grid barrier in global memory: an
+once; a stage's programs split its work (GEMV stages: BLOCK_N-column tiles, optionally cut into uniform
+K slices, or stream-K: each program one contiguous range of the stage's (tile, K block) units, so every
+program has work whatever the tile count; attention: (row, head, KV chunk)), and stages are separated by a grid barrier in global memory: an
 arrival counter per stage (``atomic_add(.., 1, sem="release")`` after a program's stores), on which every
 program then spins with acquire loads until all P have arrived. Before it spins, a program issues the
 loads of its first weight block of the next GEMV stage, so the weight stream overlaps the barrier wait
@@ -21,8 +22,9 @@ loads of its first weight block of the next GEMV stage, so the weight stream ove
 program that needs the normalized rows (M x E floats from L2: cheaper than a stage of its own).
 
 Counters: the last program to leave (an exit ticket) zeroes every counter, so the next launch (a CUDA
-graph replay) finds them at zero without a memset. Split-K and split-KV partial results are merged by the
-last arrival of each tile (a per-tile ticket, reset by that program), in a fixed order: deterministic.
+graph replay) finds them at zero without a memset. Split-K, stream-K and split-KV partial results are merged
+by the last arrival of each tile (a per-tile ticket, reset by that program), in a fixed order (K order):
+for a given config and program count the logits do not depend on which program finishes first.
 
 Data written inside the launch by other programs (x, qkv, a, h, the new K/V, partials) is read with
 ``cache_modifier=".cg"`` (L2, never a stale L1 line).

@@ -2,6 +2,7 @@
 per-op step and against the memory floor, all in one run; and where each path's time goes.
 
     python lab/bench_fused_decode.py OUTDIR [--steps 256] [--reps 5] [--time-limit 230] [--export]
+                                     [--models gpt2-small] [--batches 1] [--variants auto,off,uniform,stream]
 
 Rows: GPT-2 small (random init), the packaged model (model/default) and GPT-2 medium (random init), bf16,
 batch 1 and 8. For each: the device-side decode step as the engine runs it (tritune.model.graphs:
@@ -11,6 +12,9 @@ step reads (every layer and the LM head once) over the copy bandwidth measured h
 Per-stage time of the fused step: launches that stop after stage k (``FusedDecode(..., stages=k)``),
 differences summed by stage kind. Per-kernel time of the per-op step: torch.profiler over graph replays.
 The greedy tokens of both paths are compared (``tokens_equal``: the fraction of equal steps).
+``--variants``: the fused step timed once per split variant of its GEMV stages (``VARIANTS``: "off", each
+program whole column tiles over the full K; "uniform", K slices by shape; "stream", stream-K everywhere;
+"auto", the default plan), each with its own stage split, against the one per-op measurement of the row.
 
 Writes OUTDIR/fused_decode.json after every row (a cut-off run keeps what it measured) and prints a table.
 ``--export``: also writes the measured verdict (``faster``) with the config into the user store's
@@ -145,6 +149,44 @@ def stage_split(fd, x, slots, bt, ctx, n_layer, reps=10):
     return split
 
 
+# Split variants of the fused step's GEMV stages (--variants): overrides of the config the step would take
+# (tuned store or default). All share one compiled kernel (splits are runtime arguments).
+VARIANTS = {
+    "auto": {},                                   # per stage by shape (kernels.fused_decode.plan_splits)
+    "off": {"split_qkv": 1, "split_o": 1, "split_fc": 1, "split_proj": 1, "stream_k": 1},   # whole K a program
+    "uniform": {"stream_k": 1},                   # uniform K slices by shape, never stream-K
+    "stream": {"stream_k": 2},                    # stream-K in every stage, the LM head included
+}
+
+
+def fused_variant(model, kv, B, base, overrides, args, s_op, tok_op, floor, deadline, mb, start, steps, bs):
+    from tritune.model import fused_decode as FD
+    from tritune.model.graphs import DecodeGraphs
+
+    c = model.config
+    fm = FD.fused_model(model.with_ops(model.ops), kv, max_rows=B, config=dict(base, **overrides))
+    fd = fm.fused
+    plan = fd._plan(B)
+    v = {"config": dataclasses.asdict(plan[0]), "programs": plan[1], "splits": list(plan[2]), "kv_split": plan[3]}
+    fused = DecodeGraphs(fm, kv, mb, [B], hist=max(16, steps))
+    s_fd, tok_fd = time_graph(fused, B, start, steps, args.reps, bs)
+    fd.check()
+    v["fused_tok_s"] = round(B / s_fd, 1)
+    v["fused_us_per_step"] = round(s_fd * 1e6, 1)
+    v["speedup"] = round(s_op / s_fd, 3)
+    v["tokens_equal"] = round(sum(a == b for a, b in zip(tok_op, tok_fd)) / max(1, len(tok_op)), 3)
+    v["fused_of_floor"] = round(floor / s_fd, 3)
+    v["weight_bytes"] = fd.weight_bytes
+    if time.time() < deadline - 20:
+        x = torch.randn(B, c.n_embd, device=DEV, dtype=model.dtype)
+        v["fused_stage_us"] = stage_split(fd, x, fused.slots[:B], fused.bt[:B], fused.ctx[:B].clone(), c.n_layer,
+                                          reps=3 if c.n_layer > 12 else 5)
+        fd.check()
+    del fused, fm, fd
+    torch.cuda.empty_cache()
+    return v
+
+
 def bench_row(name, model, B, args, bw, deadline):
     from tritune.model import fused_decode as FD
     from tritune.model.gpt2 import PagedKVCache
@@ -164,31 +206,37 @@ def bench_row(name, model, B, args, bw, deadline):
     row["per_op_us_per_step"] = round(s_op * 1e6, 1)
     row["per_op_kernels_us"] = profile_graph(per_op, B)
     del per_op
-    fm = FD.fused_model(model.with_ops(model.ops), kv, max_rows=B)
-    fd = fm.fused
-    row["config"] = dataclasses.asdict(fd.config_for(B))
     row["bucket"] = FD.bucket(c, B, model.dtype)
     row["dtype"] = str(model.dtype).replace("torch.", "")
-    row["programs"], row["splits"], row["kv_split"] = fd._plan(B)[1], fd._plan(B)[2], fd._plan(B)[3]
-    fused = DecodeGraphs(fm, kv, mb, [B], hist=max(16, steps))
-    s_fd, tok_fd = time_graph(fused, B, start, steps, args.reps, bs)
-    fd.check()
-    row["fused_tok_s"] = round(B / s_fd, 1)
-    row["fused_us_per_step"] = round(s_fd * 1e6, 1)
-    row["speedup"] = round(s_op / s_fd, 3)
-    row["tokens_equal"] = round(sum(a == b for a, b in zip(tok_op, tok_fd)) / max(1, len(tok_op)), 3)
-    row["weight_bytes"] = fd.weight_bytes
-    floor = fd.weight_bytes / bw
+    fd0 = FD.FusedDecode(model, kv, max_rows=B)     # the config the step takes here (store or default)
+    base, wb = dataclasses.asdict(fd0.config_for(B)), fd0.weight_bytes
+    del fd0
+    floor = wb / bw
+    row["weight_bytes"] = wb
     row["floor_us_per_step"] = round(floor * 1e6, 1)
     row["floor_tok_s"] = round(B / floor, 1)
-    row["fused_of_floor"] = round(floor / s_fd, 3)
-    if time.time() < deadline - 20:
-        x = torch.randn(B, c.n_embd, device=DEV, dtype=model.dtype)
-        row["fused_stage_us"] = stage_split(fd, x, fused.slots[:B], fused.bt[:B], fused.ctx[:B].clone(), c.n_layer,
-                                            reps=3 if c.n_layer > 12 else 5)
-        fd.check()
+    row["variants"] = {}
+    for vname in args.variants:
+        if time.time() > deadline - 15:
+            row["variants"][vname] = {"error": "time limit"}
+            continue
+        try:
+            row["variants"][vname] = fused_variant(model, kv, B, base, VARIANTS[vname], args, s_op, tok_op, floor, deadline,
+                                                   mb, start, steps, bs)
+        except Exception as e:  # noqa: BLE001  (a variant that fails is recorded; the others still run)
+            row["variants"][vname] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    ok = {k: v for k, v in row["variants"].items() if "error" not in v}
+    if not ok:
+        raise RuntimeError("every fused variant failed: " + "; ".join(v["error"][:300] for v in row["variants"].values()))
+    # the row's fused figures: the first variant asked for (the step as the engine takes it by default: "auto")
+    first = next(iter(ok.values()))
+    row.update({k: first[k] for k in ("config", "programs", "splits", "kv_split", "fused_tok_s", "fused_us_per_step",
+                                      "speedup", "tokens_equal", "fused_of_floor") if k in first})
+    if "fused_stage_us" in first:
+        row["fused_stage_us"] = first["fused_stage_us"]
+    row["best_variant"] = max(ok, key=lambda k: ok[k]["fused_tok_s"])
     row["seconds"] = round(time.time() - t0, 1)
-    del fused, fm, fd, kv
+    del kv
     torch.cuda.empty_cache()
     return row
 
@@ -201,9 +249,18 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=230.0, help="seconds; rows not started by then are skipped")
     ap.add_argument("--models", default="gpt2-small,packaged,gpt2-medium")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--variants", default="auto",
+                    help="comma-separated split variants of the fused step's GEMV stages, timed in turn in one "
+                         f"row (first: the row's figures): {', '.join(VARIANTS)}")
     ap.add_argument("--export", action="store_true", help="store the measured verdict for fused_decode='auto'")
     ap.add_argument("--export-root", default=None, help="store root for --export (default: the user store)")
     a = ap.parse_args(argv)
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    bad = [v for v in a.variants if v not in VARIANTS]
+    if bad or not a.variants:
+        print(f"bench_fused_decode: --variants: unknown {bad or '(none)'}; choose from {', '.join(VARIANTS)}",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_fused_decode: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -243,8 +300,14 @@ def main(argv=None) -> int:
             continue
         print(f"{r['model']:<12} {r['batch']:>2} {r['per_op_tok_s']:>13.0f} {r['fused_tok_s']:>12.0f} "
               f"{r['speedup']:>6.2f} {r['floor_tok_s']:>12.0f} {r['fused_of_floor']:>8.2f} {r['tokens_equal']:>9.2f}")
-        if "fused_stage_us" in r:
-            print("    fused stages (us/step): " + ", ".join(f"{k} {v}" for k, v in r["fused_stage_us"].items()))
+        for vn, v in r["variants"].items():
+            if "error" in v:
+                print(f"    {vn:<8} error: {v['error'][:150]}")
+                continue
+            print(f"    {vn:<8} fused {v['fused_tok_s']:>8.0f} tok/s  x{v['speedup']:.2f}  of floor {v['fused_of_floor']:.2f}"
+                  f"  tokens eq {v['tokens_equal']:.2f}  splits {v['splits']}")
+            if "fused_stage_us" in v:
+                print("             stages (us/step): " + ", ".join(f"{k} {x}" for k, x in v["fused_stage_us"].items()))
         print("    per-op kernels (us/step): " + ", ".join(f"{k.split('_kernel')[0]} {v}"
                                                          for k, v in list(r["per_op_kernels_us"].items())[:5]))
     for s in res["skipped"]:
@@ -253,9 +316,10 @@ def main(argv=None) -> int:
         from tritune.model import fused_decode as FD
         from tritune.tuning import store
 
-        entries = [{"bucket": r["bucket"], "dtype": r["dtype"], "config": dict(r["config"], faster=int(r["speedup"] > 1.0)),
-                    "time_us": r["fused_us_per_step"], "default_us": r["per_op_us_per_step"]}
-                   for r in res["rows"] if "error" not in r]
+        # the fastest variant's config: the same plan again on this GPU (split and stream_k keys as timed)
+        best = [(r, r["variants"][r["best_variant"]]) for r in res["rows"] if "error" not in r]
+        entries = [{"bucket": r["bucket"], "dtype": r["dtype"], "config": dict(v["config"], faster=int(v["speedup"] > 1.0)),
+                    "time_us": v["fused_us_per_step"], "default_us": r["per_op_us_per_step"]} for r, v in best]
         if entries:
             p = store.write(FD.KERNEL, entries, root=Path(a.export_root) if a.export_root else None)
             print(f"exported {len(entries)} entries to {p}")
