@@ -16,7 +16,22 @@ one generate (median of --reps, after a warm-up generate that compiles and recor
 says whether the compiled call ran and how many CUDA-graph skips inductor counted.
 prefill: 8 x 1024 tokens, one forward without a cache: patched (eager and compiled), HF eager attention,
 HF sdpa eager, HF sdpa under torch.compile; median ms over CUDA-event-timed reps; and the patched
-model's logits against HF's (float64 HF as the reference).
+model's logits against HF's (float64 HF as the reference). Each row also records host_ms (the call's
+time until it returns, every launch queued: near ms means host-bound). Rows added to find why patched +
+compile was slower than patched eager (H100, e9041e3: 10.32 against 8.38 ms): the compiled patched
+prefill under inference_mode (the dispatcher skips the custom ops' Python autograd layer), both compiled
+models under mode="reduce-overhead" (a CUDA-graph replay: no host work, ms is the kernels' own time),
+and ``dispatch`` (``bench_dispatch``): one op's host cost as eager calls it and through torch.ops.
+Found on the CPU (2026-11-25, inductor, tests/test_hf_patch.py::test_compiled_prefill_launches_what_
+eager_launches): the compiled prefill launches what eager does and no more (5 tritune ops a layer, q/k/v
+as views, one transpose kernel a layer, no aten fallback, copy or mask). What it adds is host time: each
+of its 62 ops (12 layers) goes through the dispatcher and custom_op's Python layers (autograd_impl,
+redispatch, backend_impl, a dynamo-disable wrapper): 13-17 us a call against 2.7-3.6 for the body eager
+calls (torch_ops.EAGER), 7.4 under inference_mode; plus dynamo's guards a call. With stub kernels
+(--smoke --stub-kernels, 12 layers, best of 5 x 300 calls) a forward's host time was 979 us eager
+against 1440 compiled (no_grad), 866 against 978 (inference_mode). Eager patched at 8 x 1024 issues ~100
+launches whose kernels are short (GPT-2 small: tens of us each), so its host time is close to its
+device time and any host work the compiled graph adds shows up as wall time.
 
 Every row records compile_s (torch.compile's own total: dynamo + AOT + inductor, from
 torch._dynamo.utils.calculate_time_spent after the row's reset; also for a row that failed or timed out)
@@ -417,7 +432,9 @@ def stub_kernels() -> None:
     gemm.gemm = lambda a, b, bias=None, **k: a.new_empty((*a.shape[:-1], b.shape[1]))
     layer_norm.layer_norm = lambda x, *a, **k: torch.empty_like(x)
     paged_attention.paged_attention = lambda q, *a, **k: torch.empty_like(q)
-    attention.attention = lambda q, *a, **k: torch.empty_like(q)
+    # contiguous (B, H, T, D) as the launcher's: empty_like would keep q's transposed strides, which a compiled
+    # graph's output check refuses against the op's fake
+    attention.attention = lambda q, *a, **k: torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 class _GraphCounts:
@@ -873,21 +890,53 @@ def bench_prefill(fn, ids, reps: int) -> dict:
     first_s = time.perf_counter() - t0
     for _ in range(0 if SMOKE["on"] else 2):
         fn(ids)
-    ms = []
+    ms, host = [], []
     for _ in range(reps):
         if SMOKE["on"]:  # no CUDA events on the CPU
             t0 = time.perf_counter()
             fn(ids)
             ms.append((time.perf_counter() - t0) * 1e3)
+            host.append(ms[-1])
             continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         fn(ids)
+        host.append((time.perf_counter() - t0) * 1e3)  # the call returned: every launch queued, none waited for
         b.record()
         torch.cuda.synchronize()
         ms.append(a.elapsed_time(b))
-    return {"ms": statistics.median(ms), "runs_ms": ms, "tok_s": ids.numel() / statistics.median(ms) * 1e3,
-            "first_s": first_s, "compile_s": _compile_s()}
+    # host_ms close to ms: the forward is host-bound (the device waits for launches); far below: device-bound
+    return {"ms": statistics.median(ms), "runs_ms": ms, "host_ms": statistics.median(host), "host_runs_ms": host,
+            "tok_s": ids.numel() / statistics.median(ms) * 1e3, "first_s": first_s, "compile_s": _compile_s()}
+
+
+def bench_dispatch(n: int) -> dict:
+    """Host us a call of one tritune op, three ways: the op's body as eager patched layers call it
+    (``torch_ops.EAGER``), ``torch.ops.tritune`` under no_grad (what a compiled graph's inductor wrapper
+    calls: custom_op's autograd and backend layers in Python), and the same under inference_mode (no
+    autograd layer). A (16, 768) x (768, 768) linear (gemm past gemv's 8 rows): a few us on the device,
+    so n back-to-back calls are host-bound and their wall time a call is the host's cost."""
+    from tritune.kernels import torch_ops
+
+    g = torch.Generator().manual_seed(6)
+    dt = torch.float32 if SMOKE["on"] else torch.bfloat16
+    x, w, bias = (torch.randn(*s, generator=g).to(_dev(), dt) for s in ((16, 768), (768, 768), (768,)))
+    ways = {"eager_body_us": (torch.no_grad, torch_ops.EAGER["linear"]),
+            "op_no_grad_us": (torch.no_grad, torch.ops.tritune.linear.default),
+            "op_inference_mode_us": (torch.inference_mode, torch.ops.tritune.linear.default)}
+    out = {}
+    for name, (mode, fn) in ways.items():
+        with mode():
+            for _ in range(3):
+                fn(x, w, bias, None, x)
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn(x, w, bias, None, x)
+            _sync()
+            out[name] = (time.perf_counter() - t0) / n * 1e6
+    return out
 
 
 def _cpu_cols(c: dict) -> str:
@@ -1112,13 +1161,29 @@ def main(argv=None) -> int:
         def fwd(m):
             return lambda x: m(x, use_cache=False).logits
 
+        def inference(f):  # the call (and so the compile) under inference_mode: the dispatcher skips autograd
+            def run(x):
+                with torch.inference_mode():
+                    return f(x)
+            return run
+
         prefill = (("tritune", lambda: fwd(_variant(base, True, False))),
                    ("tritune+compile", lambda: torch.compile(fwd(_variant(base, True, False)), fullgraph=True)),
+                   ("tritune+compile inference_mode",
+                    lambda: inference(torch.compile(fwd(_variant(base, True, False)), fullgraph=True))),
                    ("hf eager-attention", lambda: fwd(_model("eager"))),
                    ("hf sdpa", lambda: fwd(base)),
                    ("hf sdpa+compile", lambda: torch.compile(fwd(base), fullgraph=True)))
+        if not args.smoke:  # CUDA graphs: no host work a replay, so ms is the kernels' own time (the device floor)
+            ro = dict(fullgraph=True, mode="reduce-overhead")
+            prefill += (("tritune+compile reduce-overhead", lambda: torch.compile(fwd(_variant(base, True, False)), **ro)),
+                        ("hf sdpa+compile reduce-overhead", lambda: torch.compile(fwd(base), **ro)))
         for name, make in prefill:
             row("prefill", name, lambda: bench_prefill(make(), ids, 1 if args.smoke else max(args.reps, 10)))
+        # the compiled patched prefill calls 5 ops a layer + ln_f + head (test_compiled_prefill_launches_what_eager_
+        # launches): their dispatch, which eager skips, is its extra host time
+        row("prefill", "dispatch", lambda: {**bench_dispatch(5 if args.smoke and not args.stub_kernels else 300),
+                                            "ops_per_forward": 5 * base.config.n_layer + 2})
 
     # ratios (the targets)
     g, p = res["generate"], res["prefill"]
@@ -1128,8 +1193,8 @@ def main(argv=None) -> int:
             x, y = g.get(f"{a} b={b}", {}), g.get(f"{c} b={b}", {})
             if "tok_s" in x and "tok_s" in y:
                 ratios[f"{a} / {c} b={b}"] = x["tok_s"] / y["tok_s"]
-    for a in ("tritune", "tritune+compile"):
-        for c in ("hf eager-attention", "hf sdpa", "hf sdpa+compile"):
+    for a in ("tritune", "tritune+compile", "tritune+compile inference_mode", "tritune+compile reduce-overhead"):
+        for c in ("hf eager-attention", "hf sdpa", "hf sdpa+compile", "hf sdpa+compile reduce-overhead"):
             if "ms" in p.get(a, {}) and "ms" in p.get(c, {}):
                 ratios[f"prefill {a} vs {c} (speedup)"] = p[c]["ms"] / p[a]["ms"]
     fl = res["floor"]
@@ -1167,10 +1232,31 @@ def main(argv=None) -> int:
             if f"floor_verdict b={b}" in res:
                 print(f"  b={b}: {res[f'floor_verdict b={b}']}")
     if p:
-        print(f"prefill {args.prefill[0]} x {args.prefill[1]}               ms  compile s  first call s")
+        print(f"prefill {args.prefill[0]} x {args.prefill[1]}                         ms   host ms  compile s  first call s")
         for k, v in p.items():
-            print(f"  {k:28s} {v.get('ms', float('nan')):9.3f} {v.get('compile_s', float('nan')):10.1f} "
-                  f"{v.get('first_s', float('nan')):13.1f}  {v.get('error', '')[:90]}")
+            if k == "dispatch":
+                continue
+            print(f"  {k:38s} {v.get('ms', float('nan')):9.3f} {v.get('host_ms', float('nan')):9.3f} "
+                  f"{v.get('compile_s', float('nan')):10.1f} {v.get('first_s', float('nan')):13.1f}  "
+                  f"{v.get('error', '')[:90]}")
+        d = p.get("dispatch", {})
+        if "ops_per_forward" in d:
+            n = d["ops_per_forward"]
+            extra = {k: n * (d[k] - d["eager_body_us"]) / 1e3 for k in ("op_no_grad_us", "op_inference_mode_us")}
+            print(f"  dispatch: a linear call on the host {d['eager_body_us']:.1f} us as eager calls it, "
+                  f"{d['op_no_grad_us']:.1f} through torch.ops (no_grad), {d['op_inference_mode_us']:.1f} (inference_mode); "
+                  f"x {n} ops a forward = +{extra['op_no_grad_us']:.2f} / +{extra['op_inference_mode_us']:.2f} ms of host")
+            e, c = p.get("tritune", {}), p.get("tritune+compile", {})
+            if "ms" in e and "ms" in c:
+                print(f"  measured: tritune+compile - tritune = {c['ms'] - e['ms']:+.2f} ms; host ms / ms: "
+                      f"tritune {e['host_ms'] / e['ms']:.2f}, tritune+compile {c['host_ms'] / c['ms']:.2f} "
+                      f"(near 1: host-bound)")
+            r = p.get("tritune+compile reduce-overhead", {})
+            if "ms" in r and "ms" in e:
+                print(f"  device floor (CUDA graph replay, no host): {r['ms']:.2f} ms; eager's host share at least "
+                      f"{e['ms'] - r['ms']:+.2f} ms, compiled's {c.get('ms', float('nan')) - r['ms']:+.2f} ms")
+            res["prefill_dispatch_extra_ms"] = extra
+            save()
     for k, v in g.items():
         pr = v.get("profile")
         if pr:
