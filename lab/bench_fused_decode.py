@@ -323,7 +323,8 @@ def main(argv=None) -> int:
         if entries:
             p = store.write(FD.KERNEL, entries, root=Path(a.export_root) if a.export_root else None)
             print(f"exported {len(entries)} entries to {p}")
-    return 0 if all("error" not in r for r in res["rows"]) else 1
+    return 0 if all("error" not in r and all("error" not in v for v in r["variants"].values())
+                    for r in res["rows"]) else 1
 
 
 if __name__ == "__main__":
