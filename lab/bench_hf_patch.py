@@ -911,6 +911,28 @@ def bench_prefill(fn, ids, reps: int) -> dict:
             "tok_s": ids.numel() / statistics.median(ms) * 1e3, "first_s": first_s, "compile_s": _compile_s()}
 
 
+@contextlib.contextmanager
+def direct_kernels():
+    """The non-mutating ops a prefill calls (linear, layer_norm, attention) with their bodies registered
+    straight at the device's backend and autograd keys for the duration (a Library removed on exit):
+    ``torch.ops.tritune.<op>`` then costs the C++ dispatcher and the body, without custom_op's Python
+    layers (autograd_impl, redispatch, backend_impl, the dynamo-disable wrapper). A measurement of what
+    a leaner registration in kernels/torch_ops.py would save, not a fix: the autograd-key kernel here
+    makes outputs that carry no grad_fn, so it is only sound with autograd off (the prefill rows); and
+    tracing would hand it fake tensors: compile before entering."""
+    from tritune.kernels import torch_ops
+
+    dev = "CPU" if SMOKE["on"] else "CUDA"
+    lib = torch.library.Library("tritune", "IMPL")
+    try:
+        for name in ("linear", "layer_norm", "attention"):
+            for key in (dev, "Autograd" + dev):
+                lib.impl(name, torch_ops.EAGER[name], key)
+        yield
+    finally:
+        lib._destroy()
+
+
 def bench_dispatch(n: int) -> dict:
     """Host us a call of one tritune op, three ways: the op's body as eager patched layers call it
     (``torch_ops.EAGER``), ``torch.ops.tritune`` under no_grad (what a compiled graph's inductor wrapper
@@ -924,10 +946,11 @@ def bench_dispatch(n: int) -> dict:
     x, w, bias = (torch.randn(*s, generator=g).to(_dev(), dt) for s in ((16, 768), (768, 768), (768,)))
     ways = {"eager_body_us": (torch.no_grad, torch_ops.EAGER["linear"]),
             "op_no_grad_us": (torch.no_grad, torch.ops.tritune.linear.default),
-            "op_inference_mode_us": (torch.inference_mode, torch.ops.tritune.linear.default)}
+            "op_inference_mode_us": (torch.inference_mode, torch.ops.tritune.linear.default),
+            "op_direct_us": (torch.no_grad, torch.ops.tritune.linear.default)}
     out = {}
     for name, (mode, fn) in ways.items():
-        with mode():
+        with mode(), (direct_kernels() if name == "op_direct_us" else contextlib.nullcontext()):
             for _ in range(3):
                 fn(x, w, bias, None, x)
             _sync()
@@ -1178,12 +1201,23 @@ def main(argv=None) -> int:
             ro = dict(fullgraph=True, mode="reduce-overhead")
             prefill += (("tritune+compile reduce-overhead", lambda: torch.compile(fwd(_variant(base, True, False)), **ro)),
                         ("hf sdpa+compile reduce-overhead", lambda: torch.compile(fwd(base), **ro)))
+        reps = 1 if args.smoke else max(args.reps, 10)
         for name, make in prefill:
-            row("prefill", name, lambda: bench_prefill(make(), ids, 1 if args.smoke else max(args.reps, 10)))
+            row("prefill", name, lambda: bench_prefill(make(), ids, reps))
+
+        def direct():  # the compiled patched prefill with the ops' dispatch cut to the C++ dispatcher + body
+            fn = torch.compile(fwd(_variant(base, True, False)), fullgraph=True)
+            with torch.no_grad():
+                fn(ids)  # compiled outside: tracing runs the ops on fake tensors, which the bodies cannot take
+            compile_s = _compile_s()
+            with direct_kernels():
+                return {**bench_prefill(fn, ids, reps), "compile_s": compile_s}
+
+        row("prefill", "tritune+compile direct kernels", direct)
         # the compiled patched prefill calls 5 ops a layer + ln_f + head (test_compiled_prefill_launches_what_eager_
         # launches): their dispatch, which eager skips, is its extra host time
-        row("prefill", "dispatch", lambda: {**bench_dispatch(5 if args.smoke and not args.stub_kernels else 300),
-                                            "ops_per_forward": 5 * base.config.n_layer + 2})
+        n = 5 if args.smoke and not args.stub_kernels else 300
+        row("prefill", "dispatch", lambda: {**bench_dispatch(n), "ops_per_forward": 5 * base.config.n_layer + 2})
 
     # ratios (the targets)
     g, p = res["generate"], res["prefill"]
@@ -1193,7 +1227,8 @@ def main(argv=None) -> int:
             x, y = g.get(f"{a} b={b}", {}), g.get(f"{c} b={b}", {})
             if "tok_s" in x and "tok_s" in y:
                 ratios[f"{a} / {c} b={b}"] = x["tok_s"] / y["tok_s"]
-    for a in ("tritune", "tritune+compile", "tritune+compile inference_mode", "tritune+compile reduce-overhead"):
+    for a in ("tritune", "tritune+compile", "tritune+compile inference_mode", "tritune+compile direct kernels",
+              "tritune+compile reduce-overhead"):
         for c in ("hf eager-attention", "hf sdpa", "hf sdpa+compile", "hf sdpa+compile reduce-overhead"):
             if "ms" in p.get(a, {}) and "ms" in p.get(c, {}):
                 ratios[f"prefill {a} vs {c} (speedup)"] = p[c]["ms"] / p[a]["ms"]
@@ -1242,10 +1277,12 @@ def main(argv=None) -> int:
         d = p.get("dispatch", {})
         if "ops_per_forward" in d:
             n = d["ops_per_forward"]
-            extra = {k: n * (d[k] - d["eager_body_us"]) / 1e3 for k in ("op_no_grad_us", "op_inference_mode_us")}
-            print(f"  dispatch: a linear call on the host {d['eager_body_us']:.1f} us as eager calls it, "
-                  f"{d['op_no_grad_us']:.1f} through torch.ops (no_grad), {d['op_inference_mode_us']:.1f} (inference_mode); "
-                  f"x {n} ops a forward = +{extra['op_no_grad_us']:.2f} / +{extra['op_inference_mode_us']:.2f} ms of host")
+            ways = ("op_no_grad_us", "op_inference_mode_us", "op_direct_us")
+            extra = {k: n * (d[k] - d["eager_body_us"]) / 1e3 for k in ways}
+            print(f"  dispatch: a linear call on the host {d['eager_body_us']:.1f} us as eager calls it; through "
+                  f"torch.ops {d['op_no_grad_us']:.1f} (no_grad), {d['op_inference_mode_us']:.1f} (inference_mode), "
+                  f"{d['op_direct_us']:.1f} (direct kernels); x {n} ops a forward = "
+                  + " / ".join(f"+{extra[k]:.2f}" for k in ways) + " ms of host")
             e, c = p.get("tritune", {}), p.get("tritune+compile", {})
             if "ms" in e and "ms" in c:
                 print(f"  measured: tritune+compile - tritune = {c['ms'] - e['ms']:+.2f} ms; host ms / ms: "
