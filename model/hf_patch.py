@@ -173,7 +173,11 @@ def _model_forward(self, *args, **kwargs):
     every layer to sdpa with a dense mask (measured on the H100: a compiled 8 x 1024 prefill 9.6 ms
     against 8.6 ms eager). The layers take causal ``tritune.attention`` then, bottom-right aligned: the
     keys that mask allows, with or without a past in a DynamicCache. Decided from the arguments alone
-    (names read at patch time): nothing is traced."""
+    (names read at patch time): nothing is traced. With that, the compiled prefill launches what eager does
+    (tests/test_hf_patch.py::test_compiled_prefill_launches_what_eager_launches) and still measured slower
+    (H100, e9041e3: 10.3 against 8.4 ms): its 62 ops go through the dispatcher and custom_op's Python
+    layers (~13 us a call on the CPU against ~3 for the body eager calls), host time that a prefill of
+    short kernels does not hide; lab/bench_hf_patch.py --part prefill separates host from device."""
     (mask_name, mask_at), (cache_name, cache_at) = self._tritune_arg_pos
     mask = kwargs[mask_name] if mask_name in kwargs else args[mask_at] if mask_at < len(args) else None
     cache = kwargs[cache_name] if cache_name in kwargs else args[cache_at] if cache_at < len(args) else None
