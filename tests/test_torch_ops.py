@@ -8,6 +8,7 @@ interpreter); the GPU tests compile with inductor, with and without CUDA graphs 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -493,3 +494,134 @@ def test_varlen_op_default_is_the_launchers():
     arg = next(a for a in OPS.attention_varlen.default._schema.arguments if a.name == "validate")
     assert str(arg.type) == "Optional[bool]" and arg.default_value is None, (arg.type, arg.default_value)
     assert inspect.signature(torch_ops.EAGER["attention_varlen"]).parameters["validate"].default is None
+
+
+# --- the runtime path: the body at the device keys, an autograd fast path, custom_op for the rest --------
+MUTATING = ("gemv_kv", "write_kv")
+
+
+def test_the_device_keys_run_the_bodies_not_custom_ops_wrappers():
+    """Structural form of the host-cost check: at CPU and CUDA the registered kernel is the op's body
+    itself (torch_ops.EAGER), at AutogradCPU/AutogradCUDA a non-mutating op has the fast path; a mutating
+    op keeps custom_op's Autograd and ADInplaceOrView kernels (the version bump of what it writes)."""
+    for name in torch_ops.OPS:
+        qual = f"tritune::{name}"
+        for d in ("CPU", "CUDA"):
+            assert torch_ops.registered(name, d) is torch_ops.EAGER[name], (name, d)
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, d)
+            fast = torch_ops.registered(name, "Autograd" + d)
+            if name in MUTATING:
+                assert fast is None
+            else:
+                assert fast is not None and fast.__name__ == f"{name}_autograd_fast", (name, d)
+                assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "Autograd" + d)
+        if name in MUTATING:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "ADInplaceOrView")
+
+
+def _stub_ops(tag):
+    """Two custom ops over one stub body (counting its calls): ``plain`` as custom_op registers it,
+    ``lean`` with torch_ops' registration on top."""
+    calls = []
+    out = torch.ones(4)
+
+    def body(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        calls.append(type(x))
+        return out.clone() if x.requires_grad else out.new_empty(0)
+
+    ops, lib = {}, torch.library.Library(f"tritune_stub_{tag}", "FRAGMENT")
+    for kind in ("plain", "lean"):
+        op = torch.library.custom_op(f"tritune_stub_{tag}::{kind}", mutates_args=())(body)
+        op.register_fake(lambda x, w, bias=None, residual=None: x.new_empty(4))
+        if kind == "lean":
+            torch_ops._lean(kind, op, body, mutating=False, lib=lib)
+        ops[kind] = op
+    return ops, calls, lib
+
+
+def _us_per_call(fn, args, n=2000, rounds=9):
+    import statistics
+    import time
+
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(*args)
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
+def test_host_cost_through_torch_ops_is_near_the_body_call():
+    """A stub body (no launch): through torch.ops the lean op's host cost a call is the dispatcher's call
+    into one Python kernel, a few us; custom_op's layers cost ~3x that (CPU: ~8.7 vs ~2.6 us a call,
+    inference_mode 1.8). Bounds generous for a shared CPU: the lean op within half custom_op's cost and
+    under 2x the cost the body pays under inference_mode, where no autograd kernel runs."""
+    ops, calls, lib = _stub_ops("cost")
+    x, w, b = torch.randn(16, 8), torch.randn(8, 8), torch.randn(8)
+    plain, lean = ops["plain"]._opoverload, ops["lean"]._opoverload
+    with torch.no_grad():
+        lean(x, w, b, x)
+        assert len(calls) == 1
+        t_plain, t_lean = _us_per_call(plain, (x, w, b, x)), _us_per_call(lean, (x, w, b, x))
+    with torch.inference_mode():
+        t_inf = _us_per_call(lean, (x, w, b, x))
+    assert t_lean < 0.5 * t_plain, (t_lean, t_plain)
+    assert t_lean < 2.0 * t_inf + 1.0, (t_lean, t_inf)
+    lib._destroy()
+
+
+def test_fast_path_hands_fakes_modes_and_grads_to_custom_op():
+    """The fast path runs the body only for plain tensors with no gradient wanted: a fake tensor still
+    gets the fake, a dispatch mode still sees the op, and an input that requires grad gets custom_op's
+    grad_fn (whose backward says no formula is registered, as before)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops, calls, lib = _stub_ops("paths")
+    lean = ops["lean"]._opoverload
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    with FakeTensorMode() as mode:
+        y = lean(mode.from_tensor(x), mode.from_tensor(w))
+    assert y.shape == (4,) and not calls  # the fake, never the body
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        lean(x, w)
+    assert lean in seen and len(calls) == 1
+
+    lean(x, w)  # grad mode on, nothing requires grad: the fast path, no grad_fn
+    assert len(calls) == 2
+    xg = x.clone().requires_grad_()
+    y = lean(xg, w)
+    assert len(calls) == 3 and y.grad_fn is not None
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert lean(xg, w).grad_fn is None and len(calls) == 4
+    lib._destroy()
+
+
+def test_op_with_a_backward_still_differentiates():
+    """An op given a backward after the lean registration (register_autograd): the slow path is
+    custom_op's own autograd kernel, which reads the formula when the call comes."""
+    def body(x: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+        return x * (2.0 if scale is None else scale)
+
+    lib = torch.library.Library("tritune_stub_grad", "FRAGMENT")
+    op = torch.library.custom_op("tritune_stub_grad::scale", mutates_args=())(body)
+    op.register_fake(lambda x, scale=None: torch.empty_like(x))
+    torch_ops._lean("scale", op, body, mutating=False, lib=lib)
+    op.register_autograd(lambda ctx, g: (g * 3.0, None), setup_context=lambda ctx, inputs, output: None)
+    x = torch.randn(5, requires_grad=True)
+    op(x, 3.0).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((5,), 3.0))
+    torch.library.opcheck(op, (torch.randn(5), 3.0))
+    lib._destroy()
