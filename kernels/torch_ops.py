@@ -74,13 +74,13 @@ def _op(name: str, mutates_args: tuple):
 # custom_op's (``CompositeExplicitAutograd`` and the ``Autograd`` alias):
 # - the body itself at CPU and CUDA (custom_op's own ``register_kernel(device)`` adds the same
 #   backend_impl wrapper, so it is no leaner);
-# - at AutogradCPU/AutogradCUDA of a non-mutating op, ``fast``: the body when the inputs are plain
+# - at AutogradCPU/AutogradCUDA, ``fast``: the body when the inputs are plain
 #   tensors (nothing between autograd and the backend: no fake, functional, batched or subclass tensor,
 #   no dispatch mode) and no input needs a gradient, else custom_op's own autograd kernel (so a fake
 #   tensor still reaches the fake, and an input that requires grad gets custom_op's grad_fn).
-# What remains is the dispatcher's call into one Python function and the fast path's two checks. A
-# mutating op keeps custom_op's Autograd and ADInplaceOrView kernels (the version-counter bump of its
-# mutated arguments); only its backend is the body. The compiled graph
+# What remains is the dispatcher's call into one Python function and the fast path's two checks. For a
+# mutating op the fast path also bumps the version counters of what it writes, as custom_op's
+# ADInplaceOrView kernel (which it skips, and which stays for the other paths) does. The compiled graph
 # calls an op inside dynamo's disable (dynamo wraps every compiled graph), so the body needs no wrapper.
 _LIB = torch.library.Library(_NS, "IMPL")
 _DEVICES = ("CPU", "CUDA")
@@ -99,22 +99,27 @@ def _plain(keyset) -> bool:
 
 def _lean(name: str, op, fn, mutating: bool, lib=None) -> None:
     """Register ``fn`` (the body of custom_op ``op``, ``name`` in ``lib``'s namespace, this module's by
-    default) at the device keys, and a non-mutating op's autograd fast path."""
+    default) at the device keys, and the autograd fast path."""
     lib, kernels = (_LIB, _KERNELS) if lib is None else (lib, {})
     for dev in _DEVICES:
         lib.impl(name, fn, dev)
         kernels[name, dev] = fn
-    if mutating:
-        return
     try:  # custom_op's autograd kernel, for the calls the fast path hands on (torch-internal API)
         from torch._library.autograd import make_autograd_impl
+        from torch.autograd.graph import increment_version
         slow = make_autograd_impl(op._opoverload, op)
         grad_on, any_grad, _ = torch.is_grad_enabled, torch._C._any_requires_grad, torch._C.DispatchKeySet.raw_repr
     except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch: custom_op's path
         return
+    schema = op._opoverload._schema
+    # a mutated argument is never optional here (see gemv_kv), so it is always among the positional args
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    assert bool(written) == mutating and not any(a.kwarg_only for a in schema.arguments), name
 
     def fast(keyset, *args, **kwargs):
         if _plain(keyset) and not (grad_on() and any_grad(*args, **kwargs)):
+            for i in written:  # what custom_op's ADInplaceOrView kernel does, which this path skips
+                increment_version(args[i])
             return fn(*args, **kwargs)
         return slow(keyset, *args, **kwargs)
 

@@ -194,8 +194,16 @@ def test_write_kv_mutates_caches(dtype):
     k, v, kc, vc, slots = _kv_case(dtype)
     torch.library.opcheck(OPS.write_kv.default, (k, v, kc.clone(), vc.clone(), slots, True))
     want_k, want_v = ref_pa.write_kv(k, v, kc, vc, slots)
+    before = kc._version, vc._version, k._version
     assert OPS.write_kv(k, v, kc, vc, slots) is None
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    # the caches' version counters move as for any in-place op (the autograd fast path bumps them, as
+    # custom_op's ADInplaceOrView kernel would), with and without grad mode; the inputs' do not
+    assert kc._version > before[0] and vc._version > before[1] and k._version == before[2]
+    with torch.no_grad():
+        seen = kc._version
+        OPS.write_kv(k, v, kc, vc, slots)
+        assert kc._version > seen
 
 
 def test_gemv_writes_kv_through_the_op():
@@ -502,19 +510,16 @@ MUTATING = ("gemv_kv", "write_kv")
 
 def test_the_device_keys_run_the_bodies_not_custom_ops_wrappers():
     """Structural form of the host-cost check: at CPU and CUDA the registered kernel is the op's body
-    itself (torch_ops.EAGER), at AutogradCPU/AutogradCUDA a non-mutating op has the fast path; a mutating
-    op keeps custom_op's Autograd and ADInplaceOrView kernels (the version bump of what it writes)."""
+    itself (torch_ops.EAGER), at AutogradCPU/AutogradCUDA the fast path; a mutating op keeps custom_op's
+    ADInplaceOrView kernel (the version bump of what it writes) for the calls the fast path hands on."""
     for name in torch_ops.OPS:
         qual = f"tritune::{name}"
         for d in ("CPU", "CUDA"):
             assert torch_ops.registered(name, d) is torch_ops.EAGER[name], (name, d)
             assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, d)
             fast = torch_ops.registered(name, "Autograd" + d)
-            if name in MUTATING:
-                assert fast is None
-            else:
-                assert fast is not None and fast.__name__ == f"{name}_autograd_fast", (name, d)
-                assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "Autograd" + d)
+            assert fast is not None and fast.__name__ == f"{name}_autograd_fast", (name, d)
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "Autograd" + d)
         if name in MUTATING:
             assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "ADInplaceOrView")
 
