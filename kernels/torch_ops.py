@@ -22,6 +22,7 @@ registrations cost ~1 ms each, once a process, and need nothing but torch.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -84,6 +85,22 @@ def _op(name: str, mutates_args: tuple):
 # calls an op inside dynamo's disable (dynamo wraps every compiled graph), so the body needs no wrapper.
 _LIB = torch.library.Library(_NS, "IMPL")
 _DEVICES = ("CPU", "CUDA")
+
+
+def _lean_wanted() -> bool:
+    """The lean path leans on torch internals: on by default where the test suite has verified it (torch
+    2.13, the CPU suite); TRITUNE_LEAN_DISPATCH=1/0 forces it on/off (torch 2.11, the GPU machines' torch:
+    not yet run there)."""
+    env = os.environ.get("TRITUNE_LEAN_DISPATCH", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    try:
+        return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+    except ValueError:
+        return False
+
+
+LEAN = _lean_wanted()
 _PLAIN: dict = {}  # DispatchKeySet.raw_repr() -> whether the backend is the next kernel after autograd
 _KERNELS: dict = {}  # (op name, dispatch key) -> the Python kernel registered there
 
@@ -100,6 +117,8 @@ def _plain(keyset) -> bool:
 def _lean(name: str, op, fn, mutating: bool, lib=None) -> None:
     """Register ``fn`` (the body of custom_op ``op``, ``name`` in ``lib``'s namespace, this module's by
     default) at the device keys, and the autograd fast path."""
+    if lib is None and not LEAN:
+        return
     lib, kernels = (_LIB, _KERNELS) if lib is None else (lib, {})
     for dev in _DEVICES:
         lib.impl(name, fn, dev)
