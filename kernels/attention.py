@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune import kernels as K
 from tritune.harness import strategies as S
@@ -514,8 +515,6 @@ def _descs(meta, q, k, v, out) -> tuple:
     do), else the tensors themselves (unused)."""
     if meta["TMA"] != 2:
         return q, k, v, out
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     bm, bn, bd = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_D"]
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, bd])
                  for t, rows in ((q, bm), (k, bn), (v, bn), (out, bm)))
