@@ -50,6 +50,8 @@ for ph in ${PHASES:?}; do case $ph in
   genprof) t genprof ${GP_LIM:-220} python lab/bench_hf_patch.py $W/genprof --part genprof --batches 32 --time-limit $(( ${GP_LIM:-220} - 20 )) ;;
   launches) t launches 120 python lab/probes/invariant_decode_launches.py --out $W/launches ;;
   retime) t retime 200 python lab/probes/retime_timers.py $W/retime ;;
+  hflean) TRITUNE_LEAN_DISPATCH=1 t hf_lean ${HF_LIM:-300} python lab/bench_hf_patch.py $W/hf_lean ${HF_ARGS:-} ;;
+  leantests) TRITUNE_LEAN_DISPATCH=1 TRITUNE_TEST_LOG=$W/lean_tests.log t leantests ${TESTS_LIM:-300} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider ${LEAN_TEST_ARGS:?} ;;
   hfnopdl) TRITUNE_PDL=0 t hf_nopdl ${HF_LIM:-300} python lab/bench_hf_patch.py $W/hf_nopdl ${HF_ARGS:-} ;;
   http) t http $(( ${HTTP_LIM:-270} + 30 )) python lab/bench_http.py $W/http --time-limit ${HTTP_LIM:-270} ${HTTP_ARGS:-} ;;
   quant) t quant 300 python lab/eval_quant.py --out $W/eval_quant.json ;;
@@ -57,7 +59,7 @@ for ph in ${PHASES:?}; do case $ph in
   invariant) t invariant $(( ${INV_LIM:-200} + 30 )) python lab/bench_batch_invariance.py --out $W/invariant -n ${INV_N:-512} --budget-s ${INV_LIM:-200} ${INV_ARGS:-} ;;
   fa3) t fa3 $(( ${FA3_LIM:-180} + 40 )) python lab/bench_attention_fa3_grid.py $W/fa3 --budget-s ${FA3_LIM:-180} --emit ;;
   pgemv) t pgemv ${PG_LIM:-200} python lab/probes/persistent_gemv_bandwidth.py --out $W/pgemv.json --quick --time-limit $(( ${PG_LIM:-200} - 30 )) ;;
-  fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ;;
+  fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ${FD_ARGS:-} ;;
   rerun) mapfile -t NODES < ${RERUN_FILE:?}
     TRITUNE_TEST_LOG=$W/rerun_tests.log t rerun ${RERUN_LIM:-200} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider "${NODES[@]}" ;;
   preflight) t preflight ${PRE_LIM:-150} python -m pytest -x -q -p no:cacheprovider -n 16 tests/test_attention.py -k "hopper or tma" ;;
