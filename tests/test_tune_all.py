@@ -212,7 +212,8 @@ def test_dry_run_lists_studies_split_and_estimate(tmp_path, capsys):
     assert "converged" in text and "warm start from nvidia-h100-80gb-hbm3" in text
     assert "estimate" in text and "min left" in text
     # phase 2's local search: the best seed's (the warm optimum's) 4 neighbours, counted before the patience
-    assert "local search from its best seed" in text and "at least the best seed's neighbours" in text
+    assert "its nearest buckets' bests, local search from its best" in text
+    assert "at least the best seed's neighbours" in text
     head, rule, *body = text.splitlines()
     col = head.split().index("neighbours") - 1  # "valid points" is one column of two words
     assert [line.split()[col] for line in body[:2]] == ["4", "4"]
@@ -470,3 +471,57 @@ def test_nearest_bucket_winners_are_enqueued_once(tmp_path, bowl):
     # an own evaluated config is not a seed
     best(j32, {"a": 3, "b": 3, "c": 3, "d": 3}, 6.0)
     assert tb.bucket_seed_configs(j32, jobs, studies) == []
+
+
+def test_phase2_retimes_each_study_once_after_its_search_and_a_cut_call_leaves_them_to_the_next(tmp_path, bowl,
+                                                                                                monkeypatch):
+    """Phase 2 re-times at its end, once per study (not after every turn), each after its last trial; a call
+    that --stop-after cuts in phase 2 re-times nothing (the next call's search would move the bests again) and
+    the next call does."""
+    done = []
+    real = tb._retime_study
+
+    def spy(study, job, runner, rounds, deadline=None):
+        done.append((job.bucket, len(search._evaluated(study.get_trials(deepcopy=False)))))
+        return real(study, job, runner, rounds, deadline)
+
+    monkeypatch.setattr(tb, "_retime_study", spy)
+    problems = [h.Problem(64), h.Problem(128)]
+    rows, _ = tb.tune_budget([BOWL], 600.0, storage=str(tmp_path / "a.journal"), problems=problems,
+                             dtypes=[torch.float32], slug=SLUG, evaluate=_bowl, isolation="inline", progress=False,
+                             log=lambda m: None, patience=2, fill=False)
+    assert sorted(b for b, _ in done) == ["n=128", "n=64"]
+    assert {b: n for b, n in done} == {r["bucket"]: r["trials"] for r in rows}
+    assert all(r["retimed"] is not None or len(tb.front_runners(
+        optuna.load_study(study_name=r["study"], storage=search.open_storage(str(tmp_path / "a.journal"))))) < 2
+        for r in rows)
+
+    def slow_bowl(task):
+        time.sleep(0.02)
+        return _bowl(task)
+
+    done.clear()
+    storage = str(tmp_path / "b.journal")
+    rows, _ = tb.tune_budget([BOWL], 600.0, storage=storage, problems=problems, dtypes=[torch.float32], slug=SLUG,
+                             evaluate=slow_bowl, isolation="inline", progress=False, log=lambda m: None, patience=2,
+                             fill=False, stop_after=0.3)
+    assert done == [] and any(r["ledger"]["stop"] not in tb.DONE for r in rows)
+    rows, _ = tb.tune_budget([BOWL], 600.0, storage=storage, problems=problems, dtypes=[torch.float32], slug=SLUG,
+                             evaluate=slow_bowl, isolation="inline", progress=False, log=lambda m: None, patience=2,
+                             fill=False)
+    assert sorted(b for b, _ in done) == ["n=128", "n=64"]
+    assert all(r["ledger"]["stop"] == "converged" for r in rows)
+
+
+def test_phase2_tries_the_nearest_buckets_best_before_walking(tmp_path, bowl):
+    """No warm store: the n=64 study walks from the default to the optimum; the n=128 study's turn, next,
+    first tries that best (a ``bucket_seed``) and so starts at the optimum instead of walking there."""
+    rows, _ = tb.tune_budget([BOWL], 600.0, storage=str(tmp_path / "s.journal"), problems=[h.Problem(64), h.Problem(128)],
+                             dtypes=[torch.float32], slug=SLUG, evaluate=_bowl, isolation="inline", progress=False,
+                             log=lambda m: None, patience=2, fill=False)
+    r64, r128 = rows
+    assert r64["config"] == OPT == r128["config"]
+    st = optuna.load_study(study_name=r128["study"], storage=search.open_storage(str(tmp_path / "s.journal")))
+    ev = sorted(search._evaluated(st.trials), key=lambda t: t.number)
+    assert ev[1].user_attrs.get("bucket_seed") and ev[1].params == OPT   # right after the default
+    assert r128["trials"] < r64["trials"]

@@ -221,3 +221,31 @@ def test_a_noisy_first_measurement_cannot_pick_the_winner(tmp_path, monkeypatch)
         assert e["config"] == {"a": 7, "b": 7} and e["time_us"] == 2000.0
     finally:
         store.clear_cache()
+
+
+def test_the_retime_is_a_race_the_close_calls_get_every_round(monkeypatch):
+    """Five front runners: after RACE_AFTER rounds each, those more than RACE_MARGIN behind the leading median
+    drop out (their medians stand in the result); the two within it are timed every round, and the winner is
+    the lower median of the two."""
+    monkeypatch.setattr(search, "code_version", lambda kernel: None)
+    spec = _spec(name="timer_race")
+    st = optuna.create_study(direction="minimize")
+    st.set_user_attr("kernel", spec.name)
+    st.set_user_attr("default_config", {"a": 1, "b": 1})
+    true = {1: 20.0, 2: 10.0, 3: 10.4, 4: 13.0, 5: 30.0}   # a=2 and a=3 within 15%; 4 (30% behind) drops out
+    for a, v, attrs in [(1, 20.0, {"default": True}), (2, 11.0, {"warm": "k1"}), (3, 10.5, {}), (4, 10.8, {"warm": "k2"}),
+                        (5, 9.0, {"warm": "k3"})]:    # a=5: lucky once in the sweep, the best there
+        st.add_trial(_trial({"a": a, "b": a}, v, attrs))
+    calls = []
+
+    def evaluate(task):
+        calls.append(task.config["a"])
+        return {"ok": True, "ms": true[task.config["a"]] * 1e-3}
+
+    job = search.plan([spec], [P(64)], [torch.float32], "nvidia-h200")[0]
+    out = tb.retime(st, job, search.InlineRunner(evaluate), rounds=5)
+    counts = {a: calls.count(a) for a in true}
+    assert counts == {1: 2, 2: 5, 3: 5, 4: 2, 5: 2} and out["rounds"] == 5
+    assert out["config"] == {"a": 2, "b": 2} and out["time_us"] == 10.0 and out["times_us"]["default"] == 20.0
+    by_a = {c["config"]["a"]: c["retime_us"] for c in out["candidates"]}
+    assert by_a == {1: 20.0, 2: 10.0, 3: 10.4, 4: 13.0, 5: 30.0}

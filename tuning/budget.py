@@ -11,7 +11,10 @@
 The run has three phases. First the seeds (1-3) of every study, so that each bucket has its warm-started
 result before any study explores (the seeds are what make a short budget good). Then the search (phase 2):
 each unfinished study in turn gets an equal share of the budget left (time a study does not use goes to
-the next ones) and walks from its best seed by coordinate descent (:class:`_Local`): whenever no trial
+the next ones; the time its re-timing should take is kept back, see below), first tries the current bests of
+this run's two nearest buckets of the same kernel and dtype (``bucket_seed``: a winner moves between
+neighbouring buckets more often than between GPU types; each config once per study), then walks from its
+best by coordinate descent (:class:`_Local`): whenever no trial
 waits, the next unevaluated valid one-step neighbour of the current best (the choice before or after it
 in one parameter's list; a boolean flipped) is evaluated (user attribute ``local``), so a neighbour that
 wins becomes the centre at once (first improvement), and the move that won is tried again first. The
@@ -31,12 +34,17 @@ opens its own neighbourhood to the descent. The study stops when it
 - ran out of its share, or of the budget (``budget``): it is resumed by a later pass or call while
   budget is left (its descent goes on from its best).
 
-Then its front runners (every config that was ever the study's best, and every seed: see
-``front_runners``) are re-timed side by side, in interleaved rounds with the order rotated each round,
+At the end of phase 2, once per study (not after each of its turns: the next turn, or the next call's,
+moves its best again; a call that ``--stop-after`` cuts leaves them to the next call, and the time they
+should take, ``RETIME_EST_S`` or the study's last re-timing, is kept back from the budget's end), its front
+runners (every config that was ever the study's best, and every seed: see ``front_runners``) are
+re-timed side by side, in interleaved rounds with the order rotated each round,
 in the worker process that swept it (compiled already), by the evaluator of the sweep (one timer:
 CUDA-graph replay for short problems, see ``harness.bench.timing_mode``): the winner is the lowest median
 over the rounds, so a config that was lucky once in the sweep does not win on noise, and a seed that was
-unlucky once does not lose on it. The re-timing is stored on the study (``retimed``); the export takes
+unlucky once does not lose on it. The re-timing is a race: every front runner gets ``RACE_AFTER`` rounds,
+then those more than ``RACE_MARGIN`` behind the leading median drop out, and the rounds left go to the
+close calls (on the H200 the re-timings after every turn had taken a third of a 30 min budget). The re-timing is stored on the study (``retimed``); the export takes
 its winner.
 
 Phase 3, time left once every study has stopped (``fill``, the default), is not handed back: the converged
@@ -106,7 +114,12 @@ FILL_LAST_PASS_S = 60.0  # with less left, one pass takes all of it
 TRIAL_S = {"gemm": 0.8, "gemv": 0.8, "attention": 1.3, "attention_varlen": 1.3, "paged_attention": 1.0,
            "quant_matmul": 1.2, "gelu": 0.6, "layer_norm": 0.6}
 TRIAL_S_OTHER = 1.0
-TIME_ONLY_S = 0.2    # one timing without compile or verification (a re-timing round of one config)
+TIME_ONLY_S = 0.12   # one timing without compile or verification (a re-timing round of one config): 0.106 s
+# on average over the 1,805 timings of the H200 run's last re-timings (lab/logs/h200/tune_all_budget_descent_*)
+RACE_AFTER = 2       # re-timing rounds every front runner gets before clear losers drop out
+RACE_MARGIN = 0.15   # a front runner this far behind the leading median after RACE_AFTER rounds drops out
+RETIME_EST_S = (2 * 4 + 3 * 2) * TIME_ONLY_S  # a study's re-timing, for the time kept back: ~4 front runners
+# for RACE_AFTER rounds, then the close two for the rest
 WORKER_START_S = 15.0
 
 
@@ -196,7 +209,10 @@ def front_runners(study, limit: int = None) -> list[dict]:
 def retime(study, job, runner, rounds: int = RETIME_ROUNDS, deadline: float | None = None) -> dict | None:
     """Time the front runners (:func:`front_runners`) side by side in ``rounds`` interleaved rounds, the
     order rotated each round, through ``runner`` (the sweep's own evaluator: the same timer as every
-    trial); the winner is the lowest median. Stores and returns {"winner" (its roles joined by "+"),
+    trial); the winner is the lowest median. A race: after ``RACE_AFTER`` rounds, a config whose median
+    is more than ``RACE_MARGIN`` behind the leading median is not timed again (its median so far stands),
+    and the re-timing ends when one config is left ("rounds" says how many ran): every front runner,
+    an unlucky seed too, gets its ``RACE_AFTER`` fair timings, and the rounds go to the close calls. Stores and returns {"winner" (its roles joined by "+"),
     "config", "time_us", "default_us", "times_us" (per role: tuned, seed (the fastest seed), default),
     "rounds", "best_trial", "candidates" (each config's roles, sweep and re-time µs)}. No round starts
     after ``deadline`` (the budget's end) once one round is done: "rounds" says how many ran."""
@@ -205,12 +221,19 @@ def retime(study, job, runner, rounds: int = RETIME_ROUNDS, deadline: float | No
         return None
     times: list[list] = [[] for _ in cands]
     n = len(cands)
+    racing = list(range(n))   # still timed: a clear loser drops out after RACE_AFTER rounds (see RACE_MARGIN)
     done_rounds = 0
     for r in range(rounds):
         if r and deadline is not None and time.time() >= deadline:
             break
+        if r >= RACE_AFTER:
+            now = {i: statistics.median(times[i]) for i in racing if times[i]}
+            lead = min(now.values(), default=None)
+            racing = [i for i in racing if i in now and now[i] <= lead * (1.0 + RACE_MARGIN)]
+            if len(racing) < 2:
+                break
         done_rounds += 1
-        for i in [(r + k) % n for k in range(n)]:
+        for i in [racing[(r + k) % len(racing)] for k in range(len(racing))]:
             res = runner(search.Task(job.spec.name, job.problem, job.dtype, cands[i]["config"], 0, spec=job.spec,
                                      verify=False))
             if res.get("ok"):
@@ -514,9 +537,19 @@ class Budget:
     def left(self) -> float:
         return max(0.0, self.end() - time.time())
 
+    def total_end(self) -> float:
+        """The wall-clock time at which the whole budget is spent (this call's ``--stop-after`` aside):
+        what the time kept back for re-timings is kept back from."""
+        return self.started + max(0.0, self.total_s - self.spent_before_s)
+
 
 def _study_valid(study, job) -> set:
-    return {search.config_key(p, job.spec.space.params) for p in job.spec.space.points(job.problem, job.dtype)}
+    """The keys of the job's valid points (enumerated once per job: every turn of a study asks)."""
+    got = job.__dict__.get("_valid_keys")
+    if got is None:
+        got = job.__dict__["_valid_keys"] = {search.config_key(p, job.spec.space.params)
+                                             for p in job.spec.space.points(job.problem, job.dtype)}
+    return got
 
 
 def _exhausted(study, job, valid: set) -> bool:
@@ -605,7 +638,8 @@ def _retime_estimate(study, rounds: int) -> float:
     if isinstance(led.get("retime_s"), (int, float)):
         return float(led["retime_s"])
     n = len(front_runners(study))
-    return rounds * n * TIME_ONLY_S if n > 1 else 0.0
+    race = min(rounds, RACE_AFTER) * n + max(0, rounds - RACE_AFTER) * min(n, 2)
+    return race * TIME_ONLY_S if n > 1 else 0.0
 
 
 def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None = None, dtypes=None, problems=None,
@@ -661,19 +695,38 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
                 _sweep_study(st, job, runner, budget=budget, share_end=budget.end(), seeds_only=True, trials=trials,
                              patience=patience, min_gain=min_gain, seed=seed, progress=bar)
                 bar.next_job()
-        # phase 2: the search, in passes while budget is left and a pass evaluates something
+        # phase 2: the search, in passes while budget is left and a pass evaluates something. The
+        # re-timings come at the end of the phase, one per study (not one per turn: a study's best moves
+        # again in its next turn, or the next call's), and the time they should take is kept back from
+        # the budget's end (not from this call's: a call cut by --stop-after leaves them to the next).
         bar.prefix, bar.index = "", 0
-        while budget.left() > 0:
+        reserve = {j.name: (0.0 if _retime_done(studies[j.name]) else RETIME_EST_S) for j in open_
+                   if ledger(studies[j.name])["stop"] != "no valid config"}
+
+        def note_turn(st, why, best):  # after a turn: what its re-timing should take now; none now
+            reserve[st.study_name] = 0.0 if why == "no valid config" or _retime_done(st) else \
+                _retime_estimate(st, rounds)
+            return False
+
+        def bucket_seeds(job, st):  # this run's nearest buckets' bests, each once, before the neighbours
+            search._enqueue_seeds(st, job, bucket_seed_configs(job, jobs, studies), attr="bucket_seed")
+
+        def keep() -> float:
+            return sum(reserve.values())
+
+        while budget.left() > 0 and budget.total_end() - keep() > time.time():
             todo = [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]
-            turns = _search_pass(todo, studies, runner, budget, bar, lambda st, why, best: why != "no valid config",
-                                 trials=trials, patience=patience, min_gain=min_gain, seed=seed, rounds=rounds,
-                                 local=True)
+            turns = _search_pass(todo, studies, runner, budget, bar, note_turn, trials=trials, patience=patience,
+                                 min_gain=min_gain, seed=seed, rounds=rounds, local=True, before=bucket_seeds,
+                                 keep=keep, retime_share=0.0)
             if not any(n for _, _, n in turns) or not [j for j in open_ if ledger(studies[j.name])["stop"] not in DONE]:
                 break
-        for job in open_:  # finished studies whose re-timing a budget cut short
+        for job in open_:  # the re-timings of phase 2 (and of finished studies whose re-timing a budget cut short)
             st = studies[job.name]
-            if budget.left() > 0 and ledger(st)["stop"] in DONE[:3] and not _retime_done(st):
+            if budget.left() > 0 and ledger(st)["stop"] != "no valid config" and not _retime_done(st) \
+                    and search.study_stats(st).get("config") is not None:
                 _retime_study(st, job, runner, rounds, budget.end())
+            reserve.pop(job.name, None)
         if fill:  # phase 3: the time left goes to the converged studies, patience doubled per pass
             _fill(jobs, studies, runner, budget, patience=patience, min_gain=min_gain, trials=trials, seed=seed,
                   rounds=rounds, progress=bar, log=log)
@@ -774,17 +827,18 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
 
 def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, trials, patience: int,
                  min_gain: float, seed: int, rounds: int, weights=None, end: float | None = None, local: bool = False,
-                 before=None, keep=None) -> list[tuple]:
+                 before=None, keep=None, retime_share: float = RETIME_SHARE) -> list[tuple]:
     """One pass over ``todo``: each study searched within its share of the time left until ``end`` (the
     budget's end by default, less ``keep()`` seconds kept back, asked before each turn):
     ``weights[i]`` over the sum of the weights of those not yet run (equal shares by default; time one
-    does not use goes to the next), ``RETIME_SHARE`` of it kept for re-timing; ``before(job, study)``
+    does not use goes to the next), ``retime_share`` of it kept for re-timing; ``before(job, study)``
     first; then re-timed in the worker that compiled it when ``retime_if(study, why it stopped, its best
     trial before)``. Returns (job, why it stopped, trials evaluated) of each study that had its turn."""
     weights = list(weights) if weights is not None else [1.0] * len(todo)
     turns = []
     for i, job in enumerate(todo):
-        stop_at = min(budget.end() - (keep() if keep is not None else 0.0), budget.end() if end is None else end)
+        stop_at = min(budget.total_end() - (keep() if keep is not None else 0.0), budget.end(),
+                      budget.end() if end is None else end)
         left = stop_at - time.time()
         if left <= 0:
             break
@@ -793,7 +847,7 @@ def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, 
             before(job, st)
         best = search.study_stats(st).get("best_trial")
         n0 = len(search._evaluated(st.get_trials(deepcopy=False)))
-        share_end = time.time() + left * weights[i] / sum(weights[i:]) * (1 - RETIME_SHARE)
+        share_end = time.time() + left * weights[i] / sum(weights[i:]) * (1 - retime_share)
         why = _sweep_study(st, job, runner, budget=budget, share_end=share_end, seeds_only=False, trials=trials,
                            patience=patience, min_gain=min_gain, seed=seed, progress=progress, local=local)
         turns.append((job, why, len(search._evaluated(st.get_trials(deepcopy=False))) - n0))
@@ -967,7 +1021,9 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
             n_open += 1
             est["seeds"] += max(0, n_seeds - done) * per
             est["search"] += max(0, need - max(done, n_seeds)) * per
-            est["retime"] += rounds * min(RETIME_MAX, n_seeds + 2) * TIME_ONLY_S if n_seeds > 1 else 0.0
+            n_fr = min(RETIME_MAX, n_seeds + 2)
+            est["retime"] += (min(rounds, RACE_AFTER) * n_fr + max(0, rounds - RACE_AFTER) * 2) * TIME_ONLY_S \
+                if n_seeds > 1 else 0.0
         rows.append([job.spec.name, job.bucket, job.key, n_valid, n_seeds, len(warm), n_local, done,
                      led["stop"] or "", f"{per:.2f}{'' if job.spec.name in measured else '*'}"])
     head = ["kernel", "bucket", "dtype", "valid points", "seeds", "warm", "neighbours", "evaluated", "stopped",
@@ -979,8 +1035,9 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
              f"({len(jobs) - n_open} finished in the storage)",
              f"budget {budget_s / 60:.1f} min, {spent / 60:.1f} min spent, {left / 60:.1f} min left: phase 1 runs "
              f"every study's seeds; phase 2 gives each unfinished study an equal share of what is left "
-             f"(~{left / max(1, n_open):.1f} s each now, {1 - RETIME_SHARE:.0%} search, the rest re-timing): "
-             f"local search from its best seed (one-step neighbours, first improvement), then its sampler",
+             f"(~{left / max(1, n_open):.1f} s each now, less the re-timing at the phase's end): "
+             f"its nearest buckets' bests, local search from its best (one-step neighbours, first improvement), "
+             f"then its sampler",
              f"estimate (s/trial: * = compile + verify + time from the H100/H200 tuning logs, else measured in "
              f"this storage): seeds {est['seeds'] / 60:.1f} min + search to convergence (at least the best "
              f"seed's neighbours, and {patience} trials without a gain each) {est['search'] / 60:.1f} min + "
