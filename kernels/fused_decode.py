@@ -53,22 +53,15 @@ LOG2E = 1.4426950408889634
 # Stage descriptors
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ, s_lk, s_ln,
-                 SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM):
-    """(weights, bias, stride along K, stride along N, N, K, split) of GEMV stage s (kind 1 = attention is
-    never asked: its caller skips to the next stage). split 0: stream-K (see _unit)."""
+def _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, BQKV, BO, BFC, BPROJ,
+                 SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ):
+    """(weights, bias, stride along K, stride along N, N, K, split) of layer GEMV stage s < 5·L (kind 1 =
+    attention is never asked: its caller skips to the next stage; the LM head has its own call site, with
+    its own weight layout). split 0: stream-K (see _unit)."""
     layer = s // 5 + tl.zeros((), dtype=tl.int64)   # s is a plain int in the interpreter
     kind = s % 5
     z = s * 0                   # every branch assigns tensors: an int argument equal to 1 arrives as a constant
-    if s == 5 * L:              # the LM head (E, V), any strides (the tied wte^T view: K contiguous)
-        w = LMH
-        b = BO
-        s_wk = z + s_lk
-        s_wn = z + s_ln
-        n = z                   # set by the caller (V)
-        k = z + E
-        split = z + SPLIT_LM
-    elif kind == 0:
+    if kind == 0:
         w = WQKV + layer * E * 3 * E
         b = BQKV + layer * 3 * E
         s_wk = z + 3 * E
@@ -104,16 +97,18 @@ def _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ, s_
 
 
 @triton.jit
-def _load_w(w, offs_k, offs_n, k_bound, n_bound, s_wk, s_wn, is_lm, LM_KMAJOR: tl.constexpr):
+def _load_w(w, offs_k, offs_n, k_bound, n_bound, s_wk, s_wn, IS_LM: tl.constexpr, LM_KMAJOR: tl.constexpr):
     """A weight block (zeros outside [0, k_bound) x [0, n_bound)). The unit stride is a literal (not a
     runtime stride of 1), and strides and bounds are rounded down to multiples of 8, which they are (the
     driver requires n_embd and the MLP width % 8 == 0): the compiler then knows 16-byte alignment and the
     loads vectorise (tl.multiple_of cannot mark these values: they are loop-carried). Layer weights run
-    along N; the LM head along K when it is the tied wte^T view (its V columns are no multiple of 8)."""
+    along N; the LM head along K when it is the tied wte^T view (its V columns are no multiple of 8).
+    IS_LM is a compile-time switch: the two layouts in one code path (a runtime branch) cost a layout
+    conversion of every block and ~40 registers a thread (sm90 ptxas: 16 KB blocks spilled)."""
     ok = offs_k.to(tl.int64)
     on = offs_n.to(tl.int64)
     kb = (k_bound // 8) * 8
-    if is_lm:
+    if IS_LM:
         mask = (offs_k < kb)[:, None] & (offs_n < n_bound)[None, :]
         if LM_KMAJOR:   # the column stride is n_embd, a multiple of 8
             v = tl.load(w + ok[:, None] + on[None, :] * ((s_wn // 8) * 8), mask=mask, other=0.0)
@@ -155,15 +150,15 @@ def _unit(t, pid, P, split, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _first_block(pid, P, w, s_wk, s_wn, n, k, split, is_lm,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LM_KMAJOR: tl.constexpr):
+def _first_block(pid, P, w, s_wk, s_wn, n, k, split,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_LM: tl.constexpr, LM_KMAJOR: tl.constexpr):
     """The first weight block of program pid's first step in a GEMV stage (zeros when it has none):
     loaded before a barrier wait, consumed after it."""
     tile, kblk, last, steps = _unit(0, pid, P, split, n, k, BLOCK_N, BLOCK_K)
     offs_k = kblk * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_live = tl.where(steps > 0, n, 0)   # (a scalar condition in the mask: the interpreter's masks go int32)
-    return _load_w(w, offs_k, offs_n, k, n_live, s_wk, s_wn, is_lm, LM_KMAJOR)
+    return _load_w(w, offs_k, offs_n, k, n_live, s_wk, s_wn, IS_LM, LM_KMAJOR)
 
 
 @triton.jit
@@ -223,7 +218,7 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
                 w, bias, s_wk, s_wn, n, k, split,
                 X, QKV, Hb, Logits, s_log, KC, VC, Slots, C, Work, Tick, Dbg, debug_spin,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
-                LM_KMAJOR: tl.constexpr, DEBUG: tl.constexpr):
+                IS_LM: tl.constexpr, LM_KMAJOR: tl.constexpr, DEBUG: tl.constexpr):
     """y = epilogue(LN?(xin) @ w): program pid takes work items pid, pid + P, ... (item = (column tile,
     K slice)); its first weight block is ``wpre``, every later one is loaded a step ahead of its use."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -252,7 +247,7 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
         offs_k1 = kblk1 * BLOCK_K + offs_kb
         offs_n1 = tile1 * BLOCK_N + offs_nb
         n1 = tl.where(t1 < steps, n, 0)
-        w_next = _load_w(w, offs_k1, offs_n1, k, n1, s_wk, s_wn, kind == 5, LM_KMAJOR)
+        w_next = _load_w(w, offs_k1, offs_n1, k, n1, s_wk, s_wn, IS_LM, LM_KMAJOR)
         k1 = tl.where(t1 < steps, k, 0)
         xr_next, lw_next, lb_next = _load_x(Xin, rows, s_x, offs_k1, k1, mm, has_ln, LnW, LnB)
         xm = mm[:, None] & km[None, :]
@@ -448,6 +443,35 @@ def _attn_stage(pid, P, M, H, D, C, n_split, qk_scale, QKV, A, KC, VC, BT, s_bt,
 
 
 # ---------------------------------------------------------------------------------------------------
+# The grid barrier's wait
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _ld_acquire(ptr):
+    """One 32-bit load with acquire semantics at GPU scope (PTX ld.acquire.gpu; GPU only)."""
+    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _barrier_wait(bar, P, spins, Dbg, POLL: tl.constexpr, DEBUG: tl.constexpr):
+    """Spin until all P programs have arrived at counter ``bar`` (acquire: their stores are then visible).
+    Bounded over the whole launch: a grid that is not all resident (it must be) sets an error flag and
+    runs on with wrong results instead of hanging the GPU (2^22 polls, a few seconds; a normal step polls
+    a few hundred times). DEBUG >= 1: no wait (the wrong-dependency tests)."""
+    if DEBUG == 0:
+        if POLL == 1:   # plain acquire loads: a poll is a read at L2, not a read-modify-write queued there
+            while (_ld_acquire(bar) < P) & (spins < 4194304):
+                spins += 1
+        else:
+            while (tl.atomic_add(bar, 0, sem="acquire", scope="gpu") < P) & (spins < 4194304):
+                spins += 1
+        if spins >= 4194304:
+            tl.atomic_max(Dbg + 1, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+    return spins
+
+
+# ---------------------------------------------------------------------------------------------------
 # The persistent kernel
 # ---------------------------------------------------------------------------------------------------
 # Sizes that change between models or steps but say nothing about alignment stay runtime values: each
@@ -463,47 +487,40 @@ def _fused_decode_kernel(
         SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM, n_split, debug_spin,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LM_KMAJOR: tl.constexpr, SYNC: tl.constexpr,
-        DEBUG: tl.constexpr):
+        POLL: tl.constexpr, DEBUG: tl.constexpr):
     """logits = LM head of GPT-2's layers over x (M, E) (see the module docstring): stages
     [stage_lo, stage_hi) of 5·L + 1, separated by grid barriers when SYNC."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_stages = 5 * L + 1
+    layers_hi = tl.minimum(stage_hi, 5 * L)     # the layer stages [stage_lo, layers_hi); the LM head after
     g = stage_lo + pid * 0
     if g < 5 * L:
         if g % 5 == 1:
             g = stage_lo + 1 + pid * 0
-    w, b, s_wk, s_wn, n, k, split = _gemv_params(g, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC, BPROJ,
-                                                 s_lk, s_ln, SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM)
-    if g == 5 * L:
-        n = V
-    wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
+    if g >= 5 * L:      # no layer stage runs (the LM head alone): a valid block, never used
+        g = 5 * L - 1 + pid * 0
+    w, b, s_wk, s_wn, n, k, split = _gemv_params(g, L, E, F, WQKV, WO, WFC, WPROJ, BQKV, BO, BFC, BPROJ,
+                                                 SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ)
+    wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, BLOCK_N, BLOCK_K, False, LM_KMAJOR)
     spins = pid * 0
-    for s in range(stage_lo, stage_hi):
+    for s in range(stage_lo, layers_hi):
         kind = s % 5
-        if s == 5 * L:
-            kind = s * 0 + 5
         layer = s // 5 + tl.zeros((), dtype=tl.int64)   # s is a plain int in the interpreter
         if kind == 1:
             _attn_stage(pid, P, M, H, D, E, n_split, qk_scale, QKV, A, KC + layer * s_kv_layer,
                         VC + layer * s_kv_layer, BT, s_bt, Ctx, block_size, AWork, ATick, Dbg, debug_spin,
                         BLOCK_T, BLOCK_D, DEBUG)
         else:
-            w, b, s_wk, s_wn, n, k, split = _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO, BFC,
-                                                         BPROJ, s_lk, s_ln, SPLIT_QKV, SPLIT_O, SPLIT_FC,
-                                                         SPLIT_PROJ, SPLIT_LM)
-            if kind == 5:
-                n = V
-            # the rows this stage reads, and the LayerNorm before it (kinds 0, 3, 5)
+            w, b, s_wk, s_wn, n, k, split = _gemv_params(s, L, E, F, WQKV, WO, WFC, WPROJ, BQKV, BO, BFC,
+                                                         BPROJ, SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ)
+            # the rows this stage reads, and the LayerNorm before it (kinds 0, 3)
             xin = X
             s_x = E
-            has_ln = (kind == 0) | (kind == 3) | (kind == 5)
-            lnw = LNFW
-            lnb = LNFB
-            if kind == 0:
-                lnw = LN1W + layer * E
-                lnb = LN1B + layer * E
-            elif kind == 3:
+            has_ln = (kind == 0) | (kind == 3)
+            lnw = LN1W + layer * E
+            lnb = LN1B + layer * E
+            if kind == 3:
                 lnw = LN2W + layer * E
                 lnb = LN2B + layer * E
             elif kind == 2:
@@ -514,29 +531,29 @@ def _fused_decode_kernel(
             _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, xin, s_x, has_ln, lnw, lnb,
                         w, b, s_wk, s_wn, n, k, split,
                         X, QKV, Hb, Logits, s_log, KC + layer * s_kv_layer, VC + layer * s_kv_layer, Slots, E,
-                        Work, Tick, Dbg, debug_spin, BLOCK_M, BLOCK_N, BLOCK_K, LN_BLOCK, LM_KMAJOR, DEBUG)
+                        Work, Tick, Dbg, debug_spin, BLOCK_M, BLOCK_N, BLOCK_K, LN_BLOCK, False, LM_KMAJOR, DEBUG)
         if s + 1 < stage_hi:
             if SYNC:
                 tl.debug_barrier()      # all of this program's stores are issued before its arrival
                 tl.atomic_add(Bar + s, 1, sem="release", scope="gpu")
             if kind != 1:               # after attention, the o-proj block is already in registers
                 g = _next_gemv_stage(s, L)
-                w, b, s_wk, s_wn, n, k, split = _gemv_params(g, L, E, F, WQKV, WO, WFC, WPROJ, LMH, BQKV, BO,
-                                                             BFC, BPROJ, s_lk, s_ln, SPLIT_QKV, SPLIT_O,
-                                                             SPLIT_FC, SPLIT_PROJ, SPLIT_LM)
-                if g == 5 * L:
-                    n = V
-                wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, g == 5 * L, BLOCK_N, BLOCK_K, LM_KMAJOR)
+                if g < 5 * L:           # (the LM head's first block is loaded after the wait: another layout)
+                    w, b, s_wk, s_wn, n, k, split = _gemv_params(g, L, E, F, WQKV, WO, WFC, WPROJ, BQKV, BO,
+                                                                 BFC, BPROJ, SPLIT_QKV, SPLIT_O, SPLIT_FC,
+                                                                 SPLIT_PROJ)
+                    wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, BLOCK_N, BLOCK_K, False, LM_KMAJOR)
             if SYNC:
-                if DEBUG == 0:
-                    # bounded over the whole launch: a grid that is not all resident (it must be) sets an
-                    # error flag and runs on with wrong results instead of hanging the GPU (2^22 polls,
-                    # a few seconds; a normal step polls a few hundred times)
-                    while (tl.atomic_add(Bar + s, 0, sem="acquire", scope="gpu") < P) & (spins < 4194304):
-                        spins += 1
-                    if spins >= 4194304:
-                        tl.atomic_max(Dbg + 1, 1, sem="relaxed", scope="gpu")
-                tl.debug_barrier()
+                spins = _barrier_wait(Bar + s, P, spins, Dbg, POLL, DEBUG)
+    if stage_hi > 5 * L:    # the LM head: logits = LN_f(x) @ lm_head, (E, V) with any strides
+        s = 5 * L + pid * 0
+        zero = pid * 0
+        wlm = _first_block(pid, P, LMH, zero + s_lk, zero + s_ln, zero + V, zero + E, zero + SPLIT_LM,
+                           BLOCK_N, BLOCK_K, True, LM_KMAJOR)
+        _gemv_stage(pid, P, wlm, s, zero + 5, M, E, F, eps, X, E, True, LNFW, LNFB,
+                    LMH, BO, zero + s_lk, zero + s_ln, zero + V, zero + E, zero + SPLIT_LM,
+                    X, QKV, Hb, Logits, s_log, KC, VC, Slots, E,
+                    Work, Tick, Dbg, debug_spin, BLOCK_M, BLOCK_N, BLOCK_K, LN_BLOCK, True, LM_KMAJOR, DEBUG)
     if SYNC:  # the last program out zeroes the counters for the next launch
         tl.debug_barrier()
         ticket = tl.atomic_add(Bar + n_stages, 1, sem="acq_rel", scope="gpu")
@@ -566,12 +583,13 @@ class Config:
     split_proj: int = 0
     kv_split: int = 0
     stream_k: int = 0
+    poll: int = 0           # the barrier's spin: 0 atomic read-modify-writes, 1 ld.acquire loads
     faster: int = 0         # measured faster than the per-op path here (what fused_decode="auto" follows)
 
     SPACE = {"block_n": [16, 32, 64, 128], "block_k": [32, 64, 128, 256, 512], "block_t": [16, 32, 64],
              "num_warps": [2, 4, 8], "programs": [0], "split_qkv": [0, 1, 2, 4], "split_o": [0, 1, 2, 4, 8],
              "split_fc": [0, 1, 2], "split_proj": [0, 1, 2, 4, 8], "kv_split": [0, 1, 2, 4, 8, 16],
-             "stream_k": [0, 1, 2], "faster": [0, 1]}
+             "stream_k": [0, 1, 2], "poll": [0, 1], "faster": [0, 1]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -585,6 +603,8 @@ class Config:
                 raise ValueError(f"config: {key} must be a power of two, got {v}")
         if d.get("stream_k", 0) > 2:
             raise ValueError(f"config: stream_k must be 0 (auto), 1 (off) or 2 (on), got {d['stream_k']}")
+        if d.get("poll", 0) > 1:
+            raise ValueError(f"config: poll must be 0 (atomics) or 1 (acquire loads), got {d['poll']}")
         return cls(**d)
 
 
@@ -681,5 +701,6 @@ def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int
         stage_lo, hi, M, L, E, F, V, H, D, eps, LOG2E / D ** 0.5,
         *splits, n_split, debug_spin,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LN_BLOCK=triton.next_power_of_2(E),
-        BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), LM_KMAJOR=a["s_lk"] == 1, SYNC=sync, DEBUG=debug,
+        BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), LM_KMAJOR=a["s_lk"] == 1, SYNC=sync, POLL=cfg.poll,
+        DEBUG=debug,
         num_warps=cfg.num_warps, num_stages=1)

@@ -3,6 +3,7 @@ per-op step and against the memory floor, all in one run; and where each path's 
 
     python lab/bench_fused_decode.py OUTDIR [--steps 256] [--reps 5] [--time-limit 230] [--export]
                                      [--models gpt2-small] [--batches 1] [--variants auto,off,uniform,stream]
+                                     [--configs 'NAME={"block_k": 256, "block_n": 64};...'] [--stage-split first]
 
 Rows: GPT-2 small (random init), the packaged model (model/default) and GPT-2 medium (random init), bf16,
 batch 1 and 8. For each: the device-side decode step as the engine runs it (tritune.model.graphs:
@@ -15,6 +16,9 @@ The greedy tokens of both paths are compared (``tokens_equal``: the fraction of 
 ``--variants``: the fused step timed once per split variant of its GEMV stages (``VARIANTS``: "off", each
 program whole column tiles over the full K; "uniform", K slices by shape; "stream", stream-K everywhere;
 "auto", the default plan), each with its own stage split, against the one per-op measurement of the row.
+``--configs``: more named variants, each a JSON object of Config overrides (tile sizes, warps, poll...):
+a config sweep in one run (each distinct tile/warp/poll combination is one compile). ``--stage-split``:
+the per-stage split for the first variant only (default), every variant, or none.
 
 Writes OUTDIR/fused_decode.json after every row (a cut-off run keeps what it measured) and prints a table.
 ``--export``: also writes the measured verdict (``faster``) with the config into the user store's
@@ -159,7 +163,8 @@ VARIANTS = {
 }
 
 
-def fused_variant(model, kv, B, base, overrides, args, s_op, tok_op, floor, deadline, mb, start, steps, bs):
+def fused_variant(model, kv, B, base, overrides, args, s_op, tok_op, floor, deadline, mb, start, steps, bs,
+                  want_split=True):
     from tritune.model import fused_decode as FD
     from tritune.model.graphs import DecodeGraphs
 
@@ -177,7 +182,7 @@ def fused_variant(model, kv, B, base, overrides, args, s_op, tok_op, floor, dead
     v["tokens_equal"] = round(sum(a == b for a, b in zip(tok_op, tok_fd)) / max(1, len(tok_op)), 3)
     v["fused_of_floor"] = round(floor / s_fd, 3)
     v["weight_bytes"] = fd.weight_bytes
-    if time.time() < deadline - 20:
+    if want_split and time.time() < deadline - 20:
         x = torch.randn(B, c.n_embd, device=DEV, dtype=model.dtype)
         v["fused_stage_us"] = stage_split(fd, x, fused.slots[:B], fused.bt[:B], fused.ctx[:B].clone(), c.n_layer,
                                           reps=3 if c.n_layer > 12 else 5)
@@ -216,13 +221,14 @@ def bench_row(name, model, B, args, bw, deadline):
     row["floor_us_per_step"] = round(floor * 1e6, 1)
     row["floor_tok_s"] = round(B / floor, 1)
     row["variants"] = {}
-    for vname in args.variants:
+    for i, vname in enumerate(args.variants):
+        want_split = args.stage_split == "all" or (args.stage_split == "first" and i == 0)
         if time.time() > deadline - 15:
             row["variants"][vname] = {"error": "time limit"}
             continue
         try:
             row["variants"][vname] = fused_variant(model, kv, B, base, VARIANTS[vname], args, s_op, tok_op, floor, deadline,
-                                                   mb, start, steps, bs)
+                                                   mb, start, steps, bs, want_split)
         except Exception as e:  # noqa: BLE001  (a variant that fails is recorded; the others still run)
             row["variants"][vname] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     ok = {k: v for k, v in row["variants"].items() if "error" not in v}
@@ -252,10 +258,25 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="auto",
                     help="comma-separated split variants of the fused step's GEMV stages, timed in turn in one "
                          f"row (first: the row's figures): {', '.join(VARIANTS)}")
+    ap.add_argument("--configs", default="",
+                    help="more variants: 'NAME=JSON;NAME=JSON', each JSON an object of Config overrides")
+    ap.add_argument("--stage-split", default="first", choices=["first", "all", "none"],
+                    help="which variants get the per-stage split (launches stopping after each stage)")
     ap.add_argument("--export", action="store_true", help="store the measured verdict for fused_decode='auto'")
     ap.add_argument("--export-root", default=None, help="store root for --export (default: the user store)")
     a = ap.parse_args(argv)
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    for item in filter(None, (c.strip() for c in a.configs.split(";"))):
+        name, _, js = item.partition("=")
+        try:
+            over = json.loads(js)
+            from tritune.kernels.fused_decode import Config
+            Config.from_dict(over)
+        except (ValueError, TypeError) as e:
+            print(f"bench_fused_decode: --configs: {name}: {e}", file=sys.stderr)
+            return 2
+        VARIANTS[name.strip()] = over
+        a.variants.append(name.strip())
     bad = [v for v in a.variants if v not in VARIANTS]
     if bad or not a.variants:
         print(f"bench_fused_decode: --variants: unknown {bad or '(none)'}; choose from {', '.join(VARIANTS)}",

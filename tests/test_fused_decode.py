@@ -271,18 +271,21 @@ def test_gpu_fused_equals_per_op(shape, ctx_lens, label):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["stream", "off"])
+@pytest.mark.parametrize("variant", ["stream", "off", "wide_poll"])
 @pytest.mark.parametrize("ctx_lens", [[300], [1024, 1, 517, 64, 9]], ids=["B1", "B5"])
 def test_gpu_split_variants(variant, ctx_lens):
     """GPT-2 small's shapes in one persistent launch with stream-K in every GEMV stage (partials and
-    tickets under real concurrency) or with no split at all: the reference and per-op logits, and the
+    tickets under real concurrency), with no split at all, or with 32 KB weight blocks and acquire-load
+    polling at the barriers: the reference and per-op logits, and the
     same logits bit for bit over 20 launches (the merge order is fixed; the tickets reset)."""
     m = random_model(12, 768, 12, n_positions=1024, vocab=50257, dtype=torch.bfloat16, seed=3)
     cfg = {"stream": {"stream_k": 2}, "off": {"split_qkv": 1, "split_o": 1, "split_fc": 1, "split_proj": 1,
-                                            "stream_k": 1}}[variant]
-    cfg = dict(block_n=32, block_k=128, block_t=32, num_warps=8, **cfg)
+                                            "stream_k": 1},
+           # 32 KB weight blocks and the barrier polled with acquire loads
+           "wide_poll": {"block_k": 256, "block_n": 64, "poll": 1, "stream_k": 2}}[variant]
+    cfg = {**dict(block_n=32, block_k=128, block_t=32, num_warps=8), **cfg}
     fd, got = check_step(m, ctx_lens, pad_row=len(ctx_lens) > 2, config=cfg)
-    assert (0 in fd._plan(len(ctx_lens))[2]) == (variant == "stream")
+    assert (0 in fd._plan(len(ctx_lens))[2]) == (variant != "off")
     cache, ids, pos, slots, bt, ctx = step_case(m, ctx_lens)
     fd = FusedDecode(m, cache, config=cfg)
     x = m.embed(ids, pos)

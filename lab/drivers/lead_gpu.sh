@@ -59,6 +59,13 @@ for ph in ${PHASES:?}; do case $ph in
   invariant) t invariant $(( ${INV_LIM:-200} + 30 )) python lab/bench_batch_invariance.py --out $W/invariant -n ${INV_N:-512} --budget-s ${INV_LIM:-200} ${INV_ARGS:-} ;;
   fa3) t fa3 $(( ${FA3_LIM:-180} + 40 )) python lab/bench_attention_fa3_grid.py $W/fa3 --budget-s ${FA3_LIM:-180} --emit ;;
   pgemv) t pgemv ${PG_LIM:-200} python lab/probes/persistent_gemv_bandwidth.py --out $W/pgemv.json --quick --time-limit $(( ${PG_LIM:-200} - 30 )) ;;
+  fdsweep) # the fused step's config sweep (FD_CFG: a file of --configs), GPT-2 small batch 1, every variant's stage split;
+    # then every model at batch 1 and 8 with the old default and FD_PICK's variants
+    t fdsweep $(( ${FD_LIM:-150} + 40 )) python lab/bench_fused_decode.py $W/fdsweep --time-limit ${FD_LIM:-150} --models gpt2-small \
+      --batches 1 --variants auto --configs "$(cat ${FD_CFG:?})" --stage-split all --reps 3 --steps 128
+    t fdrows $(( ${FD_LIM2:-150} + 40 )) python lab/bench_fused_decode.py $W/fdrows --time-limit ${FD_LIM2:-150} \
+      --models gpt2-small,gpt2-medium,packaged --batches 1,8 --variants auto --configs "$(grep -oE "(${FD_PICK:-k256n64p|k256n64})=[^;]*" ${FD_CFG} | paste -sd';')" \
+      --reps 3 --steps 128 ;;
   fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ${FD_ARGS:-} ;;
   rerun) mapfile -t NODES < ${RERUN_FILE:?}
     TRITUNE_TEST_LOG=$W/rerun_tests.log t rerun ${RERUN_LIM:-200} python -m pytest -n 16 --dist worksteal -q -p no:cacheprovider "${NODES[@]}" ;;
