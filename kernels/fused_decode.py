@@ -446,25 +446,17 @@ def _attn_stage(pid, P, M, H, D, C, n_split, qk_scale, QKV, A, KC, VC, BT, s_bt,
 # The grid barrier's wait
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _ld_acquire(ptr):
-    """One 32-bit load with acquire semantics at GPU scope (PTX ld.acquire.gpu; GPU only)."""
-    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _barrier_wait(bar, P, spins, Dbg, POLL: tl.constexpr, DEBUG: tl.constexpr):
+def _barrier_wait(bar, P, spins, Dbg, DEBUG: tl.constexpr):
     """Spin until all P programs have arrived at counter ``bar`` (acquire: their stores are then visible).
     Bounded over the whole launch: a grid that is not all resident (it must be) sets an error flag and
     runs on with wrong results instead of hanging the GPU (2^22 polls, a few seconds; a normal step polls
-    a few hundred times). DEBUG >= 1: no wait (the wrong-dependency tests)."""
+    a few hundred times). DEBUG >= 1: no wait (the wrong-dependency tests). The poll, an atomic add of 0 with
+    acquire semantics, compiles to a plain ``ld.global.gpu.acquire`` (PTX, triton 3.6 and 3.9), issued by
+    one thread: an inline-asm acquire load measured the same (H100, lab/logs/h100/
+    fused_decode_tiles_poll_2026-11-28_826404b); the arrival is a ``red.global.gpu.release.add``."""
     if DEBUG == 0:
-        if POLL == 1:   # plain acquire loads: a poll is a read at L2, not a read-modify-write queued there
-            while (_ld_acquire(bar) < P) & (spins < 4194304):
-                spins += 1
-        else:
-            while (tl.atomic_add(bar, 0, sem="acquire", scope="gpu") < P) & (spins < 4194304):
-                spins += 1
+        while (tl.atomic_add(bar, 0, sem="acquire", scope="gpu") < P) & (spins < 4194304):
+            spins += 1
         if spins >= 4194304:
             tl.atomic_max(Dbg + 1, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
@@ -487,7 +479,7 @@ def _fused_decode_kernel(
         SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM, n_split, debug_spin,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LM_KMAJOR: tl.constexpr, SYNC: tl.constexpr,
-        POLL: tl.constexpr, DEBUG: tl.constexpr):
+        DEBUG: tl.constexpr):
     """logits = LM head of GPT-2's layers over x (M, E) (see the module docstring): stages
     [stage_lo, stage_hi) of 5·L + 1, separated by grid barriers when SYNC."""
     pid = tl.program_id(0)
@@ -544,7 +536,7 @@ def _fused_decode_kernel(
                                                                  SPLIT_PROJ)
                     wpre = _first_block(pid, P, w, s_wk, s_wn, n, k, split, BLOCK_N, BLOCK_K, False, LM_KMAJOR)
             if SYNC:
-                spins = _barrier_wait(Bar + s, P, spins, Dbg, POLL, DEBUG)
+                spins = _barrier_wait(Bar + s, P, spins, Dbg, DEBUG)
     if stage_hi > 5 * L:    # the LM head: logits = LN_f(x) @ lm_head, (E, V) with any strides
         s = 5 * L + pid * 0
         zero = pid * 0
@@ -583,13 +575,12 @@ class Config:
     split_proj: int = 0
     kv_split: int = 0
     stream_k: int = 0
-    poll: int = 0           # the barrier's spin: 0 atomic read-modify-writes, 1 ld.acquire loads
     faster: int = 0         # measured faster than the per-op path here (what fused_decode="auto" follows)
 
     SPACE = {"block_n": [16, 32, 64, 128], "block_k": [32, 64, 128, 256, 512], "block_t": [16, 32, 64],
              "num_warps": [2, 4, 8], "programs": [0], "split_qkv": [0, 1, 2, 4], "split_o": [0, 1, 2, 4, 8],
              "split_fc": [0, 1, 2], "split_proj": [0, 1, 2, 4, 8], "kv_split": [0, 1, 2, 4, 8, 16],
-             "stream_k": [0, 1, 2], "poll": [0, 1], "faster": [0, 1]}
+             "stream_k": [0, 1, 2], "faster": [0, 1]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -603,8 +594,6 @@ class Config:
                 raise ValueError(f"config: {key} must be a power of two, got {v}")
         if d.get("stream_k", 0) > 2:
             raise ValueError(f"config: stream_k must be 0 (auto), 1 (off) or 2 (on), got {d['stream_k']}")
-        if d.get("poll", 0) > 1:
-            raise ValueError(f"config: poll must be 0 (atomics) or 1 (acquire loads), got {d['poll']}")
         return cls(**d)
 
 
@@ -701,6 +690,5 @@ def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int
         stage_lo, hi, M, L, E, F, V, H, D, eps, LOG2E / D ** 0.5,
         *splits, n_split, debug_spin,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LN_BLOCK=triton.next_power_of_2(E),
-        BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), LM_KMAJOR=a["s_lk"] == 1, SYNC=sync, POLL=cfg.poll,
-        DEBUG=debug,
+        BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), LM_KMAJOR=a["s_lk"] == 1, SYNC=sync, DEBUG=debug,
         num_warps=cfg.num_warps, num_stages=1)

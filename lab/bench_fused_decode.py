@@ -10,8 +10,8 @@ batch 1 and 8. For each: the device-side decode step as the engine runs it (trit
 embedding, model, greedy argmax fed back, one CUDA graph replayed ``--steps`` times from position 64),
 timed with CUDA events over ``--reps`` runs (median), per-op and fused; the floor is the weight bytes a
 step reads (every layer and the LM head once) over the copy bandwidth measured here (1 GiB device copy).
-Per-stage time of the fused step: launches that stop after stage k (``FusedDecode(..., stages=k)``),
-differences summed by stage kind. Per-kernel time of the per-op step: torch.profiler over graph replays.
+Per-stage time of the fused step: launches that stop after stage k (``FusedDecode(..., stages=k)``), each
+replayed in a CUDA graph, differences summed by stage kind (and each kind's median stage). Per-kernel time of the per-op step: torch.profiler over graph replays.
 The greedy tokens of both paths are compared (``tokens_equal``: the fraction of equal steps).
 ``--variants``: the fused step timed once per split variant of its GEMV stages (``VARIANTS``: "off", each
 program whole column tiles over the full K; "uniform", K slices by shape; "stream", stream-K everywhere;
@@ -125,31 +125,47 @@ def profile_graph(g, B, steps=10):
 
 
 def stage_split(fd, x, slots, bt, ctx, n_layer, reps=10):
-    """us per step by stage kind of the fused step: launches stopping after stage k, differenced."""
+    """us per step by stage kind of the fused step: launches stopping after stage k, each captured in a CUDA
+    graph with a copy of the input rows (the step overwrites them) and replayed ``reps`` times (median),
+    differenced. (Eager launches carried 110-260 us of launch cost whose spread swamped the stages.)"""
     kinds = ["qkv+ln1+kv write", "attention", "out-proj+residual", "fc+ln2+gelu", "proj+residual"]
+    xx = x.clone()
+
+    def body(k):
+        xx.copy_(x)
+        fd(xx, slots, bt, ctx, stages=k)
 
     def t(k):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body(k)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body(k)
         ts = []
-        for _ in range(reps):
+        for _ in range(reps + 1):
             ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            xx = x.clone()
             ev[0].record()
-            fd(xx, slots, bt, ctx, stages=k)
+            g.replay()
             ev[1].record()
             torch.cuda.synchronize()
             ts.append(ev[0].elapsed_time(ev[1]) * 1e3)
-        return statistics.median(ts)
+        del g
+        return statistics.median(ts[1:])
 
     n = 5 * n_layer + 1
-    stage_ks = list(range(1, n + 1))
-    tk = [t(k) for k in stage_ks]
-    per = [tk[0]] + [b - a for a, b in zip(tk, tk[1:])]
+    tk = [t(k) for k in range(0, n + 1)]     # tk[0]: the launch with no stage (counter reset, the copy)
+    per = [b - a for a, b in zip(tk, tk[1:])]
     split = dict.fromkeys(kinds + ["lm head+lnf"], 0.0)
     for s, us in enumerate(per):
         split["lm head+lnf" if s == n - 1 else kinds[s % 5]] += us
     split = {k: round(v, 1) for k, v in split.items()}
-    split["first stage incl. launch"] = round(tk[0], 1)
-    split["whole step (eager launch)"] = round(tk[-1], 1)
+    split["launch, no stage (graph)"] = round(tk[0], 1)
+    split["whole step (graph)"] = round(tk[-1], 1)
+    split["layer stages us each, median by kind"] = {
+        kinds[j]: round(statistics.median(per[j:n - 1:5]), 2) for j in range(5)}
     return split
 
 

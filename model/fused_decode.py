@@ -152,8 +152,12 @@ class FusedDecode:
                 warnings.warn(f"tritune: ignoring the stored fused_decode config {stored}: {e}", stacklevel=3)
         if dev.interpreted():
             return FK.Config(block_n=32, block_k=64, block_t=16, num_warps=1, programs=INTERPRETER_PROGRAMS)
-        # 8 KB weight blocks: 224 registers a thread at 8 warps with no spill (sm90 ptxas); 256-deep K blocks
-        # or 64-wide N tiles spill at M = 1
+        # One row: 16 KB weight blocks (256 x 32; 228 registers a thread at 8 warps, no spill, sm90 ptxas).
+        # H100, GPT-2 small: 475 us a step against 582 with 8 KB blocks (128 x 32); 256 x 64 and 512 x 32
+        # within 2% (lab/logs/h100/fused_decode_tiles_poll_2026-11-28_826404b). More rows (64-row tensor-core
+        # tiles): 8 KB blocks, 8599 against 8344 tok/s with 256 x 64 at batch 8.
+        if M == 1:
+            return FK.Config(block_n=32, block_k=256, block_t=32, num_warps=8)
         return FK.Config(block_n=32, block_k=128, block_t=32, num_warps=8)
 
     def _plan(self, M: int):

@@ -91,10 +91,15 @@ def check_step(model, ctx_lens, *, pad_row=False, config=None, **run):
     # Against float64: the harness tolerance bounds one kernel's rounding; a deep bf16 stack compounds it (the
     # per-op path itself is 2.0e-2 off at 48 layers x 1600 on the H100), so the bar is the per-op path's own
     # error where that is larger, and the fused path may not be worse than it by more than a rounding's width.
+    # Where the per-op path is within the tolerance of float64, the fused path must be too (the harness's
+    # bar, against float64). Not "within the tolerance of the per-op output": two paths that each round
+    # their bf16 activations differently are each ~1% off at 12 layers, and their difference is up to the
+    # sum (H100: 1.08-1.16e-2 between paths with the per-op path 0.93e-2 off float64).
     err, err_op = rel_error(got[rows], ref[rows]), rel_error(want[rows], ref[rows])
-    assert err <= max(tol, err_op + tol / 4), (err, err_op)
-    if err_op <= tol:   # where the per-op path is within the tolerance of float64, the two paths agree within it
-        assert rel_error(got[rows], want[rows]) <= tol, (rel_error(got[rows], want[rows]), err_op)
+    diff = rel_error(got[rows], want[rows])
+    assert err <= max(tol, err_op + tol / 4), (err, err_op, diff)
+    if err_op <= tol:
+        assert err <= tol, (err, err_op, diff)
     assert rel_error(c_fd.k, c_op.k) <= tol and rel_error(c_fd.v, c_op.v) <= tol
     return fd, got
 
@@ -271,18 +276,16 @@ def test_gpu_fused_equals_per_op(shape, ctx_lens, label):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["stream", "off", "wide_poll"])
+@pytest.mark.parametrize("variant", ["stream", "off", "wide"])
 @pytest.mark.parametrize("ctx_lens", [[300], [1024, 1, 517, 64, 9]], ids=["B1", "B5"])
 def test_gpu_split_variants(variant, ctx_lens):
     """GPT-2 small's shapes in one persistent launch with stream-K in every GEMV stage (partials and
-    tickets under real concurrency), with no split at all, or with 32 KB weight blocks and acquire-load
-    polling at the barriers: the reference and per-op logits, and the
+    tickets under real concurrency), with no split at all, or with 32 KB weight blocks: the reference and per-op logits, and the
     same logits bit for bit over 20 launches (the merge order is fixed; the tickets reset)."""
     m = random_model(12, 768, 12, n_positions=1024, vocab=50257, dtype=torch.bfloat16, seed=3)
     cfg = {"stream": {"stream_k": 2}, "off": {"split_qkv": 1, "split_o": 1, "split_fc": 1, "split_proj": 1,
                                             "stream_k": 1},
-           # 32 KB weight blocks and the barrier polled with acquire loads
-           "wide_poll": {"block_k": 256, "block_n": 64, "poll": 1, "stream_k": 2}}[variant]
+           "wide": {"block_k": 256, "block_n": 64, "stream_k": 2}}[variant]    # 32 KB weight blocks
     cfg = {**dict(block_n=32, block_k=128, block_t=32, num_warps=8), **cfg}
     fd, got = check_step(m, ctx_lens, pad_row=len(ctx_lens) > 2, config=cfg)
     assert (0 in fd._plan(len(ctx_lens))[2]) == (variant != "off")

@@ -62,7 +62,7 @@ for ph in ${PHASES:?}; do case $ph in
   fdsweep) # the fused step's config sweep (FD_CFG: a file of --configs), GPT-2 small batch 1, every variant's stage split;
     # then every model at batch 1 and 8 with the old default and FD_PICK's variants
     t fdsweep $(( ${FD_LIM:-150} + 40 )) python lab/bench_fused_decode.py $W/fdsweep --time-limit ${FD_LIM:-150} --models gpt2-small \
-      --batches 1 --variants auto --configs "$(cat ${FD_CFG:?})" --stage-split all --reps 3 --steps 128
+      --batches 1 --variants auto --configs "$(grep -v '^#' ${FD_CFG:?})" --stage-split all --reps 3 --steps 128
     t fdrows $(( ${FD_LIM2:-150} + 40 )) python lab/bench_fused_decode.py $W/fdrows --time-limit ${FD_LIM2:-150} \
       --models gpt2-small,gpt2-medium,packaged --batches 1,8 --variants auto --configs "$(grep -oE "(${FD_PICK:-k256n64p|k256n64})=[^;]*" ${FD_CFG} | paste -sd';')" \
       --reps 3 --steps 128 ;;
