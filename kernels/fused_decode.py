@@ -226,15 +226,26 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
     rows = offs_m.to(tl.int64)
     offs_kb = tl.arange(0, BLOCK_K)
     offs_nb = tl.arange(0, BLOCK_N)
+    # Issued together, before anything waits on them: the first input block, the first tile's bias and (one
+    # row) its residual, then the LayerNorm's rows (each load a round trip to L2 or HBM; one after the other
+    # they were a chain of ~0.5-1 us steps at the head of every stage)
+    tile0, kblk0, last0, steps = _unit(0, pid, P, split, n, k, BLOCK_N, BLOCK_K)
+    wv = wpre
+    k0 = tl.where(steps > 0, k, 0)
+    xr, lw, lb = _load_x(Xin, rows, s_x, kblk0 * BLOCK_K + offs_kb, k0, mm, has_ln, LnW, LnB)
+    cols0 = tile0 * BLOCK_N + offs_nb
+    # (scalar conditions as bounds, not in the masks: the interpreter's masks would turn int32)
+    b0 = tl.load(bias + cols0, mask=cols0 < tl.where((steps > 0) & (kind != 5), n, 0), other=0.0).to(tl.float32)
+    if BLOCK_M == 1:
+        n_res = tl.where((steps > 0) & ((kind == 2) | (kind == 4)), n, 0)
+        r0 = tl.load(X + cols0[None, :], mask=(cols0 < n_res)[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        r0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if has_ln:
         mean, rstd = _row_stats(Xin, M, E, eps, BLOCK_M, LN_BLOCK)
     else:
         mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
         rstd = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    tile0, kblk0, last0, steps = _unit(0, pid, P, split, n, k, BLOCK_N, BLOCK_K)
-    wv = wpre
-    k0 = tl.where(steps > 0, k, 0)
-    xr, lw, lb = _load_x(Xin, rows, s_x, kblk0 * BLOCK_K + offs_kb, k0, mm, has_ln, LnW, LnB)
     acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(0, steps):
@@ -268,18 +279,20 @@ def _gemv_stage(pid, P, wpre, s, kind, M, E, F, eps, Xin, s_x, has_ln, LnW, LnB,
                 acc = tl.sum(acc2, axis=0)[None, :]
                 acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
             _gemv_finish(acc, tile, kblk, t, split, kind, s, M, n, k, rows, mm, bias, X, QKV, Hb, Logits, s_log,
-                         KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid, P,
+                         KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid, P, tile0, b0, r0,
                          BLOCK_M, BLOCK_N, BLOCK_K, DEBUG)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
 def _gemv_finish(acc, tile, kblk, t, split, kind, s, M, n, k, rows, mm, bias, X, QKV, Hb, Logits, s_log,
-                 KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid, P,
+                 KC, VC, Slots, C, Work, Tick, E, F, Dbg, debug_spin, pid, P, tile0, b0, r0,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEBUG: tl.constexpr):
     """A segment's partial product (its last K block is kblk, reached at step t): alone (split 1, or a
     stream-K range covering the whole tile), or stored and, by the tile's last arrival, summed over the
-    tile's segments in a fixed order (K order: the sum does not depend on arrival order); then the epilogue."""
+    tile's segments in a fixed order (K order: the sum does not depend on arrival order); then the epilogue.
+    ``b0``, ``r0``: the bias and (one row) residual of the program's first tile ``tile0``, loaded at the
+    stage's start."""
     offs_b = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     done = kblk >= 0
     if split == 0:
@@ -332,14 +345,21 @@ def _gemv_finish(acc, tile, kblk, t, split, kind, s, M, n, k, rows, mm, bias, X,
         nm = cols < n
         mask = mm[:, None] & nm[None, :]
         y = acc
+        first = tile == tile0
         if kind != 5:
-            y += tl.load(bias + cols, mask=nm, other=0.0).to(tl.float32)[None, :]
+            if first:
+                y += b0[None, :]
+            else:
+                y += tl.load(bias + cols, mask=nm, other=0.0).to(tl.float32)[None, :]
         if kind == 3:       # tanh GELU as x·sigmoid(2z): no tanh, no overflow
             z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
             y = y / (1.0 + tl.exp(-2.0 * z))
         if (kind == 2) | (kind == 4):
-            y += tl.load(X + rows[:, None] * E + cols[None, :], mask=mask, other=0.0,
-                         cache_modifier=".cg").to(tl.float32)
+            if first & (BLOCK_M == 1):
+                y += r0
+            else:
+                y += tl.load(X + rows[:, None] * E + cols[None, :], mask=mask, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
         if kind == 0:
             out = y.to(QKV.dtype.element_ty)
             tl.store(QKV + rows[:, None] * n + cols[None, :], out, mask=mask)
@@ -373,12 +393,15 @@ def _debug_delay(Dbg, pid, debug_spin):
 # The attention stage
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_stage(pid, P, M, H, D, C, n_split, qk_scale, QKV, A, KC, VC, BT, s_bt, Ctx, block_size,
+def _attn_stage(pid, P, M, H, D, C, n_split, kv_min_chunk, qk_scale, QKV, A, KC, VC, BT, s_bt, Ctx, block_size,
                 AWork, ATick, Dbg, debug_spin,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DEBUG: tl.constexpr):
     """a[m, head h] = softmax(q·K^T·scale)·V over row m's ctx[m] cached tokens (the new one included:
-    written by the qkv stage). Work item (m, h, chunk): chunk c of n_split equal token ranges (multiples of
-    BLOCK_T); with n_split > 1 the chunks' (max, sum, acc) are merged by the last arrival, in order."""
+    written by the qkv stage). Work item (m, h, chunk): chunk c of a row's n_eff equal token ranges
+    (multiples of BLOCK_T), n_eff = min(n_split, ceil(ctx[m] / kv_min_chunk)) read at run time: a short
+    context is one chunk, stored directly, with no partials and no ticket (that merge is a chain of L2
+    round trips: a partial's store, the ticket, the last arrival's loads); with n_eff > 1 the chunks'
+    (max, sum, acc) are merged by the last arrival, in order. Items with c >= n_eff do nothing."""
     offs_d = tl.arange(0, BLOCK_D)
     dm = offs_d < D
     offs_t = tl.arange(0, BLOCK_T)
@@ -388,58 +411,60 @@ def _attn_stage(pid, P, M, H, D, C, n_split, qk_scale, QKV, A, KC, VC, BT, s_bt,
         h = (item // n_split) % H
         c = item % n_split
         ctx = tl.load(Ctx + m)
-        chunk = tl.cdiv(tl.cdiv(ctx, n_split), BLOCK_T) * BLOCK_T
-        t_lo = c * chunk
-        t_hi = tl.minimum(ctx, t_lo + chunk)
-        q = tl.load(QKV + m * 3 * C + h * D + offs_d, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        q = q * qk_scale
-        m_i = tl.full((), float("-inf"), tl.float32)
-        l_i = tl.zeros((), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for t0 in range(t_lo, t_hi, BLOCK_T):
-            tt = t0 + offs_t
-            tm = tt < t_hi
-            blk = tl.load(BT + m * s_bt + tt // block_size, mask=tm, other=0).to(tl.int64)
-            at = (blk * block_size + tt % block_size) * C + h * D
-            kvm = tm[:, None] & dm[None, :]
-            kk = tl.load(KC + at[:, None] + offs_d[None, :], mask=kvm, other=0.0, cache_modifier=".cg")
-            vv = tl.load(VC + at[:, None] + offs_d[None, :], mask=kvm, other=0.0, cache_modifier=".cg")
-            sc = tl.sum(q[None, :] * kk.to(tl.float32), axis=1)
-            sc = tl.where(tm, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-            p = tl.exp2(sc - m_new)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * vv.to(tl.float32), axis=0)
-            m_i = m_new
-        row = (m * H + h).to(tl.int64)
-        if n_split == 1:
-            if DEBUG == 2:
-                _debug_delay(Dbg, pid, debug_spin)
-            tl.store(A + m * C + h * D + offs_d, (acc / l_i).to(A.dtype.element_ty), mask=dm)
-        else:
-            part = AWork + (row * n_split + c) * (BLOCK_D + 2)
-            tl.store(part + offs_d, acc)
-            tl.store(part + BLOCK_D, m_i)
-            tl.store(part + BLOCK_D + 1, l_i)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(ATick + row, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_split - 1:
-                base = AWork + row * n_split * (BLOCK_D + 2)
-                mx = tl.full((), float("-inf"), tl.float32)
-                for i in range(0, n_split):
-                    mx = tl.maximum(mx, tl.load(base + i * (BLOCK_D + 2) + BLOCK_D, cache_modifier=".cg"))
-                tot = tl.zeros((), dtype=tl.float32)
-                o = tl.zeros((BLOCK_D,), dtype=tl.float32)
-                for i in range(0, n_split):   # an empty chunk has max -inf and weight exp2(-inf) = 0
-                    pi = base + i * (BLOCK_D + 2)
-                    wgt = tl.exp2(tl.load(pi + BLOCK_D, cache_modifier=".cg") - mx)
-                    tot += wgt * tl.load(pi + BLOCK_D + 1, cache_modifier=".cg")
-                    o += wgt * tl.load(pi + offs_d, cache_modifier=".cg")
-                tl.store(ATick + row, 0)
+        n_eff = tl.maximum(tl.minimum(n_split, tl.cdiv(ctx, kv_min_chunk)), 1)
+        if c < n_eff:                   # (a short context needs fewer chunks: the other items do nothing)
+            chunk = tl.cdiv(tl.cdiv(ctx, n_eff), BLOCK_T) * BLOCK_T
+            t_lo = c * chunk
+            t_hi = tl.minimum(ctx, t_lo + chunk)
+            q = tl.load(QKV + m * 3 * C + h * D + offs_d, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            q = q * qk_scale
+            m_i = tl.full((), float("-inf"), tl.float32)
+            l_i = tl.zeros((), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for t0 in range(t_lo, t_hi, BLOCK_T):
+                tt = t0 + offs_t
+                tm = tt < t_hi
+                blk = tl.load(BT + m * s_bt + tt // block_size, mask=tm, other=0).to(tl.int64)
+                at = (blk * block_size + tt % block_size) * C + h * D
+                kvm = tm[:, None] & dm[None, :]
+                kk = tl.load(KC + at[:, None] + offs_d[None, :], mask=kvm, other=0.0, cache_modifier=".cg")
+                vv = tl.load(VC + at[:, None] + offs_d[None, :], mask=kvm, other=0.0, cache_modifier=".cg")
+                sc = tl.sum(q[None, :] * kk.to(tl.float32), axis=1)
+                sc = tl.where(tm, sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+                p = tl.exp2(sc - m_new)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, axis=0)
+                acc = acc * alpha + tl.sum(p[:, None] * vv.to(tl.float32), axis=0)
+                m_i = m_new
+            row = (m * H + h).to(tl.int64)
+            if n_eff == 1:
                 if DEBUG == 2:
                     _debug_delay(Dbg, pid, debug_spin)
-                tl.store(A + m * C + h * D + offs_d, (o / tot).to(A.dtype.element_ty), mask=dm)
+                tl.store(A + m * C + h * D + offs_d, (acc / l_i).to(A.dtype.element_ty), mask=dm)
+            else:
+                part = AWork + (row * n_split + c) * (BLOCK_D + 2)
+                tl.store(part + offs_d, acc)
+                tl.store(part + BLOCK_D, m_i)
+                tl.store(part + BLOCK_D + 1, l_i)
+                tl.debug_barrier()
+                ticket = tl.atomic_add(ATick + row, 1, sem="acq_rel", scope="gpu")
+                if ticket == n_eff - 1:
+                    base = AWork + row * n_split * (BLOCK_D + 2)
+                    mx = tl.full((), float("-inf"), tl.float32)
+                    for i in range(0, n_eff):
+                        mx = tl.maximum(mx, tl.load(base + i * (BLOCK_D + 2) + BLOCK_D, cache_modifier=".cg"))
+                    tot = tl.zeros((), dtype=tl.float32)
+                    o = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                    for i in range(0, n_eff):   # an empty chunk has max -inf and weight exp2(-inf) = 0
+                        pi = base + i * (BLOCK_D + 2)
+                        wgt = tl.exp2(tl.load(pi + BLOCK_D, cache_modifier=".cg") - mx)
+                        tot += wgt * tl.load(pi + BLOCK_D + 1, cache_modifier=".cg")
+                        o += wgt * tl.load(pi + offs_d, cache_modifier=".cg")
+                    tl.store(ATick + row, 0)
+                    if DEBUG == 2:
+                        _debug_delay(Dbg, pid, debug_spin)
+                    tl.store(A + m * C + h * D + offs_d, (o / tot).to(A.dtype.element_ty), mask=dm)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -469,14 +494,15 @@ def _barrier_wait(bar, P, spins, Dbg, DEBUG: tl.constexpr):
 # Sizes that change between models or steps but say nothing about alignment stay runtime values: each
 # specialisation (a value == 1 or divisible by 16) would be another compile of a large kernel.
 @triton.jit(do_not_specialize=["s_log", "stage_lo", "stage_hi", "M", "L", "V", "H", "SPLIT_QKV", "SPLIT_O",
-                               "SPLIT_FC", "SPLIT_PROJ", "SPLIT_LM", "n_split", "debug_spin"])
+                               "SPLIT_FC", "SPLIT_PROJ", "SPLIT_LM", "n_split", "kv_min_chunk",
+                               "debug_spin"])
 def _fused_decode_kernel(
         X, QKV, A, Hb, Logits, s_log,
         LN1W, LN1B, WQKV, BQKV, WO, BO, LN2W, LN2B, WFC, BFC, WPROJ, BPROJ, LNFW, LNFB, LMH, s_lk, s_ln,
         KC, VC, s_kv_layer, Slots, BT, s_bt, Ctx, block_size,
         Work, Tick, AWork, ATick, Bar, Dbg,
         stage_lo, stage_hi, M, L, E, F, V, H, D, eps, qk_scale,
-        SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM, n_split, debug_spin,
+        SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM, n_split, kv_min_chunk, debug_spin,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LM_KMAJOR: tl.constexpr, SYNC: tl.constexpr,
         DEBUG: tl.constexpr):
@@ -500,7 +526,7 @@ def _fused_decode_kernel(
         kind = s % 5
         layer = s // 5 + tl.zeros((), dtype=tl.int64)   # s is a plain int in the interpreter
         if kind == 1:
-            _attn_stage(pid, P, M, H, D, E, n_split, qk_scale, QKV, A, KC + layer * s_kv_layer,
+            _attn_stage(pid, P, M, H, D, E, n_split, kv_min_chunk, qk_scale, QKV, A, KC + layer * s_kv_layer,
                         VC + layer * s_kv_layer, BT, s_bt, Ctx, block_size, AWork, ATick, Dbg, debug_spin,
                         BLOCK_T, BLOCK_D, DEBUG)
         else:
@@ -574,12 +600,14 @@ class Config:
     split_fc: int = 0
     split_proj: int = 0
     kv_split: int = 0
+    kv_min_chunk: int = 128  # tokens: a row's context is cut into min(kv_split, ceil(ctx / this)) chunks
     stream_k: int = 0
     faster: int = 0         # measured faster than the per-op path here (what fused_decode="auto" follows)
 
     SPACE = {"block_n": [16, 32, 64, 128], "block_k": [32, 64, 128, 256, 512], "block_t": [16, 32, 64],
              "num_warps": [2, 4, 8], "programs": [0], "split_qkv": [0, 1, 2, 4], "split_o": [0, 1, 2, 4, 8],
              "split_fc": [0, 1, 2], "split_proj": [0, 1, 2, 4, 8], "kv_split": [0, 1, 2, 4, 8, 16],
+             "kv_min_chunk": [16, 32, 64, 128, 256, 512],
              "stream_k": [0, 1, 2], "faster": [0, 1]}
 
     @classmethod
@@ -592,6 +620,8 @@ class Config:
                 raise ValueError(f"config: {key} must be a non-negative int, got {v!r}")
             if key.startswith("block_") and v & (v - 1):
                 raise ValueError(f"config: {key} must be a power of two, got {v}")
+        if d.get("kv_min_chunk", 1) < 1:
+            raise ValueError(f"config: kv_min_chunk must be >= 1 (tokens), got {d['kv_min_chunk']}")
         if d.get("stream_k", 0) > 2:
             raise ValueError(f"config: stream_k must be 0 (auto), 1 (off) or 2 (on), got {d['stream_k']}")
         return cls(**d)
@@ -688,7 +718,7 @@ def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int
         a["KC"], a["VC"], a["s_kv_layer"], a["Slots"], a["BT"], a["s_bt"], a["Ctx"], a["block_size"],
         a["Work"], a["Tick"], a["AWork"], a["ATick"], a["Bar"], a["Dbg"],
         stage_lo, hi, M, L, E, F, V, H, D, eps, LOG2E / D ** 0.5,
-        *splits, n_split, debug_spin,
+        *splits, n_split, cfg.kv_min_chunk, debug_spin,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LN_BLOCK=triton.next_power_of_2(E),
         BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), LM_KMAJOR=a["s_lk"] == 1, SYNC=sync, DEBUG=debug,
         num_warps=cfg.num_warps, num_stages=1)

@@ -151,7 +151,9 @@ class FusedDecode:
             except ValueError as e:
                 warnings.warn(f"tritune: ignoring the stored fused_decode config {stored}: {e}", stacklevel=3)
         if dev.interpreted():
-            return FK.Config(block_n=32, block_k=64, block_t=16, num_warps=1, programs=INTERPRETER_PROGRAMS)
+            # chunks of 16 tokens: the small test contexts take both the one-chunk and the merged path
+            return FK.Config(block_n=32, block_k=64, block_t=16, num_warps=1, programs=INTERPRETER_PROGRAMS,
+                             kv_min_chunk=16)
         # One row: 16 KB weight blocks (256 x 32; 228 registers a thread at 8 warps, no spill, sm90 ptxas).
         # H100, GPT-2 small: 475 us a step against 582 with 8 KB blocks (128 x 32); 256 x 64 and 512 x 32
         # within 2% (lab/logs/h100/fused_decode_tiles_poll_2026-11-28_826404b). More rows (64-row tensor-core
