@@ -503,7 +503,8 @@ def _fused_decode_kernel(
         Work, Tick, AWork, ATick, Bar, Dbg,
         stage_lo, stage_hi, M, L, E, F, V, H, D, eps, qk_scale,
         SPLIT_QKV, SPLIT_O, SPLIT_FC, SPLIT_PROJ, SPLIT_LM, n_split, kv_min_chunk, debug_spin,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LM_BLOCK_N: tl.constexpr,
+        LM_BLOCK_K: tl.constexpr, LN_BLOCK: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LM_KMAJOR: tl.constexpr, SYNC: tl.constexpr,
         DEBUG: tl.constexpr):
     """logits = LM head of GPT-2's layers over x (M, E) (see the module docstring): stages
@@ -567,11 +568,11 @@ def _fused_decode_kernel(
         s = 5 * L + pid * 0
         zero = pid * 0
         wlm = _first_block(pid, P, LMH, zero + s_lk, zero + s_ln, zero + V, zero + E, zero + SPLIT_LM,
-                           BLOCK_N, BLOCK_K, True, LM_KMAJOR)
+                           LM_BLOCK_N, LM_BLOCK_K, True, LM_KMAJOR)
         _gemv_stage(pid, P, wlm, s, zero + 5, M, E, F, eps, X, E, True, LNFW, LNFB,
                     LMH, BO, zero + s_lk, zero + s_ln, zero + V, zero + E, zero + SPLIT_LM,
                     X, QKV, Hb, Logits, s_log, KC, VC, Slots, E,
-                    Work, Tick, Dbg, debug_spin, BLOCK_M, BLOCK_N, BLOCK_K, LN_BLOCK, True, LM_KMAJOR, DEBUG)
+                    Work, Tick, Dbg, debug_spin, BLOCK_M, LM_BLOCK_N, LM_BLOCK_K, LN_BLOCK, True, LM_KMAJOR, DEBUG)
     if SYNC:  # the last program out zeroes the counters for the next launch
         tl.debug_barrier()
         ticket = tl.atomic_add(Bar + n_stages, 1, sem="acq_rel", scope="gpu")
@@ -601,14 +602,25 @@ class Config:
     split_proj: int = 0
     kv_split: int = 0
     kv_min_chunk: int = 128  # tokens: a row's context is cut into min(kv_split, ceil(ctx / this)) chunks
+    lm_block_n: int = 0     # the LM head's weight blocks (its own call site, after the layers' loop: its
+    lm_block_k: int = 0     # registers are not live beside theirs); 0: block_n / block_k
     stream_k: int = 0
     faster: int = 0         # measured faster than the per-op path here (what fused_decode="auto" follows)
 
     SPACE = {"block_n": [16, 32, 64, 128], "block_k": [32, 64, 128, 256, 512], "block_t": [16, 32, 64],
              "num_warps": [2, 4, 8], "programs": [0], "split_qkv": [0, 1, 2, 4], "split_o": [0, 1, 2, 4, 8],
              "split_fc": [0, 1, 2], "split_proj": [0, 1, 2, 4, 8], "kv_split": [0, 1, 2, 4, 8, 16],
-             "kv_min_chunk": [16, 32, 64, 128, 256, 512],
+             "kv_min_chunk": [16, 32, 64, 128, 256, 512], "lm_block_n": [0, 16, 32, 64, 128],
+             "lm_block_k": [0, 64, 128, 256, 512],
              "stream_k": [0, 1, 2], "faster": [0, 1]}
+
+    @property
+    def lm_bn(self) -> int:
+        return self.lm_block_n or self.block_n
+
+    @property
+    def lm_bk(self) -> int:
+        return self.lm_block_k or self.block_k
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -618,7 +630,7 @@ class Config:
         for key, v in d.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"config: {key} must be a non-negative int, got {v!r}")
-            if key.startswith("block_") and v & (v - 1):
+            if (key.startswith("block_") or key.startswith("lm_block_")) and v & (v - 1):
                 raise ValueError(f"config: {key} must be a power of two, got {v}")
         if d.get("kv_min_chunk", 1) < 1:
             raise ValueError(f"config: kv_min_chunk must be >= 1 (tokens), got {d['kv_min_chunk']}")
@@ -662,10 +674,11 @@ def plan_splits(E: int, F: int, V: int, cfg: "Config", programs: int) -> tuple:
     """The five GEMV stages' splits (qkv, out-proj, fc, proj, LM head) as the kernel takes them: >= 1
     uniform K slices, 0 stream-K. The LM head takes 1 or stream-K (a uniform split's scratch would be
     vocab-sized)."""
-    bn, bk, P = cfg.block_n, cfg.block_k, programs
+    P = programs
     out = []
     for n, k, want in ((3 * E, E, cfg.split_qkv), (E, E, cfg.split_o), (F, E, cfg.split_fc),
                        (E, F, cfg.split_proj), (V, E, -1)):
+        bn, bk = (cfg.lm_bn, cfg.lm_bk) if want < 0 else (cfg.block_n, cfg.block_k)
         if want > 0:
             out.append(auto_split(n, k, bn, bk, P, want))
             continue
@@ -678,12 +691,15 @@ def plan_splits(E: int, F: int, V: int, cfg: "Config", programs: int) -> tuple:
 
 def work_floats(splits: tuple, E: int, F: int, V: int, cfg: "Config", programs: int, block_m_: int) -> int:
     """float32 scratch the split partials need: tiles x split tiles for a uniform split, two tiles a
-    program for stream-K."""
-    bn = cfg.block_n
-    sizes = [triton.cdiv(n, bn) * s for n, s in zip((3 * E, E, F, E, V), splits) if s > 1]
-    if 0 in splits:
-        sizes.append(2 * programs)
-    return max(sizes, default=1) * block_m_ * bn
+    program for stream-K (tiles of the LM head's own width there)."""
+    sizes = [1]
+    for i, (n, s) in enumerate(zip((3 * E, E, F, E, V), splits)):
+        bn = cfg.lm_bn if i == 4 else cfg.block_n
+        if s > 1:
+            sizes.append(triton.cdiv(n, bn) * s * bn)
+        elif s == 0:
+            sizes.append(2 * programs * bn)
+    return max(sizes) * block_m_
 
 
 def kv_split(M: int, H: int, programs: int, want: int = 0) -> int:
@@ -719,6 +735,7 @@ def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int
         a["Work"], a["Tick"], a["AWork"], a["ATick"], a["Bar"], a["Dbg"],
         stage_lo, hi, M, L, E, F, V, H, D, eps, LOG2E / D ** 0.5,
         *splits, n_split, cfg.kv_min_chunk, debug_spin,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LN_BLOCK=triton.next_power_of_2(E),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LM_BLOCK_N=cfg.lm_bn, LM_BLOCK_K=cfg.lm_bk,
+        LN_BLOCK=triton.next_power_of_2(E),
         BLOCK_T=cfg.block_t, BLOCK_D=triton.next_power_of_2(D), LM_KMAJOR=a["s_lk"] == 1, SYNC=sync, DEBUG=debug,
         num_warps=cfg.num_warps, num_stages=1)

@@ -152,8 +152,9 @@ class FusedDecode:
                 warnings.warn(f"tritune: ignoring the stored fused_decode config {stored}: {e}", stacklevel=3)
         if dev.interpreted():
             # chunks of 16 tokens: the small test contexts take both the one-chunk and the merged path
+            # and the LM head in blocks of its own
             return FK.Config(block_n=32, block_k=64, block_t=16, num_warps=1, programs=INTERPRETER_PROGRAMS,
-                             kv_min_chunk=16)
+                             kv_min_chunk=16, lm_block_n=16, lm_block_k=32)
         # One row: 16 KB weight blocks (256 x 32; 228 registers a thread at 8 warps, no spill, sm90 ptxas).
         # H100, GPT-2 small: 475 us a step against 582 with 8 KB blocks (128 x 32); 256 x 64 and 512 x 32
         # within 2% (lab/logs/h100/fused_decode_tiles_poll_2026-11-28_826404b). More rows (64-row tensor-core
@@ -175,7 +176,7 @@ class FusedDecode:
         n_split = FK.kv_split(M, H, P, cfg.kv_split)
         BM = FK.block_m(M, self.dtype)
         work = FK.work_floats(splits, E, F, V, cfg, P, BM)
-        ticks = max(triton.cdiv(n, bn) for n in (3 * E, E, F, E, V))
+        ticks = max(max(triton.cdiv(n, bn) for n in (3 * E, E, F, E)), triton.cdiv(V, cfg.lm_bn))
         BD = triton.next_power_of_2(c.head_dim)
         awork = M * H * n_split * (BD + 2)
         d = self.device

@@ -160,6 +160,12 @@ def test_split_plan_by_shape():
     assert FK.work_floats((0, 2, 0, 0, 0), 768, 3072, 50257, cfg, 132, 1) == max(2 * 132, 24 * 2) * 32
     with pytest.raises(ValueError, match="stream_k"):
         FK.Config.from_dict({"stream_k": 3})
+    # the LM head in blocks of its own: its stream-K partials are tiles of its width
+    lm = replace(cfg, stream_k=2, lm_block_n=64, lm_block_k=256)
+    assert FK.work_floats(FK.plan_splits(768, 3072, 50257, lm, 132), 768, 3072, 50257, lm, 132, 1) == 2 * 132 * 64
+    for bad in ({"lm_block_n": 48}, {"kv_min_chunk": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            FK.Config.from_dict(bad)
 
 
 def test_shared_weights_keep_values():
@@ -285,7 +291,8 @@ def test_gpu_split_variants(variant, ctx_lens):
     m = random_model(12, 768, 12, n_positions=1024, vocab=50257, dtype=torch.bfloat16, seed=3)
     cfg = {"stream": {"stream_k": 2}, "off": {"split_qkv": 1, "split_o": 1, "split_fc": 1, "split_proj": 1,
                                             "stream_k": 1},
-           "wide": {"block_k": 256, "block_n": 64, "stream_k": 2}}[variant]    # 32 KB weight blocks
+           # 32 KB weight blocks, the LM head's too
+           "wide": {"block_k": 256, "block_n": 64, "stream_k": 2, "lm_block_n": 64, "lm_block_k": 256}}[variant]
     cfg = {**dict(block_n=32, block_k=128, block_t=32, num_warps=8), **cfg}
     fd, got = check_step(m, ctx_lens, pad_row=len(ctx_lens) > 2, config=cfg)
     assert (0 in fd._plan(len(ctx_lens))[2]) == (variant != "off")

@@ -46,13 +46,14 @@ def load_kernel():
     return mod._fused_decode_kernel
 
 
-def compile_one(fn, dtype, block_m, block_k, block_n, warps, debug, a_ln=1024):
+def compile_one(fn, dtype, block_m, block_k, block_n, warps, debug, a_ln=1024, lm_n=0, lm_k=0):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(fn.fn).parameters)
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LN_BLOCK=a_ln, BLOCK_T=32, BLOCK_D=64,
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LM_BLOCK_N=lm_n or block_n,
+                  LM_BLOCK_K=lm_k or block_k, LN_BLOCK=a_ln, BLOCK_T=32, BLOCK_D=64,
                   LM_KMAJOR=True, SYNC=True, DEBUG=debug)
     sig = {}
     for n in names:
@@ -98,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-n", type=int, default=32)
     ap.add_argument("--warps", type=int, default=8)
     ap.add_argument("--debug", type=int, default=0)
+    ap.add_argument("--lm-block-n", type=int, default=0, help="the LM head's block (0: --block-n)")
+    ap.add_argument("--lm-block-k", type=int, default=0, help="the LM head's block (0: --block-k)")
     ap.add_argument("--ln-block", type=int, default=1024, help="next power of 2 of n_embd (1024: GPT-2 small)")
     a = ap.parse_args(argv)
     import triton
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
     for dt in a.dtype:
         for bm in a.block_m:
             try:
-                ptx = compile_one(fn, dt, bm, a.block_k, a.block_n, a.warps, a.debug, a.ln_block)
+                ptx = compile_one(fn, dt, bm, a.block_k, a.block_n, a.warps, a.debug, a.ln_block, a.lm_block_n, a.lm_block_k)
             except Exception as e:  # noqa: BLE001  (a failing variant is the answer, not a crash)
                 print(f"{dt} BLOCK_M={bm}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 bad += 1
