@@ -601,7 +601,11 @@ class Config:
     split_fc: int = 0
     split_proj: int = 0
     kv_split: int = 0
-    kv_min_chunk: int = 128  # tokens: a row's context is cut into min(kv_split, ceil(ctx / this)) chunks
+    # tokens: a row's context is cut into min(kv_split, ceil(ctx / this)) chunks. 1: always kv_split. H100,
+    # GPT-2 small, contexts 64-192: 128 (one chunk a head, no merge) made the attention stage 10.2 us
+    # against 6.4 (lab/logs/h100/fused_decode_kv_chunks_lm_blocks_2026-11-28_f1b7899): its 6 steps of 32
+    # tokens in one program are a longer chain than the split's merge
+    kv_min_chunk: int = 1
     lm_block_n: int = 0     # the LM head's weight blocks (its own call site, after the layers' loop: its
     lm_block_k: int = 0     # registers are not live beside theirs); 0: block_n / block_k
     stream_k: int = 0
@@ -610,7 +614,7 @@ class Config:
     SPACE = {"block_n": [16, 32, 64, 128], "block_k": [32, 64, 128, 256, 512], "block_t": [16, 32, 64],
              "num_warps": [2, 4, 8], "programs": [0], "split_qkv": [0, 1, 2, 4], "split_o": [0, 1, 2, 4, 8],
              "split_fc": [0, 1, 2], "split_proj": [0, 1, 2, 4, 8], "kv_split": [0, 1, 2, 4, 8, 16],
-             "kv_min_chunk": [16, 32, 64, 128, 256, 512], "lm_block_n": [0, 16, 32, 64, 128],
+             "kv_min_chunk": [1, 16, 32, 64, 128, 256, 512], "lm_block_n": [0, 16, 32, 64, 128],
              "lm_block_k": [0, 64, 128, 256, 512],
              "stream_k": [0, 1, 2], "faster": [0, 1]}
 

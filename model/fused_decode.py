@@ -155,13 +155,15 @@ class FusedDecode:
             # and the LM head in blocks of its own
             return FK.Config(block_n=32, block_k=64, block_t=16, num_warps=1, programs=INTERPRETER_PROGRAMS,
                              kv_min_chunk=16, lm_block_n=16, lm_block_k=32)
-        # One row: 16 KB weight blocks (256 x 32; 228 registers a thread at 8 warps, no spill, sm90 ptxas).
+        # One row: 16 KB weight blocks (256 x 32; 233 registers a thread at 8 warps, no spill, sm90 ptxas).
         # H100, GPT-2 small: 475 us a step against 582 with 8 KB blocks (128 x 32); 256 x 64 and 512 x 32
         # within 2% (lab/logs/h100/fused_decode_tiles_poll_2026-11-28_826404b). More rows (64-row tensor-core
-        # tiles): 8 KB blocks, 8599 against 8344 tok/s with 256 x 64 at batch 8.
+        # tiles): 8 KB blocks, 8599 against 8344 tok/s with 256 x 64 at batch 8. The LM head in 64-wide
+        # blocks (its own call site): 44.7 -> 32.8 us a step at batch 1, 8542 -> 8943 tok/s at batch 8
+        # (lab/logs/h100/fused_decode_kv_chunks_lm_blocks_2026-11-28_f1b7899).
         if M == 1:
-            return FK.Config(block_n=32, block_k=256, block_t=32, num_warps=8)
-        return FK.Config(block_n=32, block_k=128, block_t=32, num_warps=8)
+            return FK.Config(block_n=32, block_k=256, block_t=32, num_warps=8, lm_block_n=64)
+        return FK.Config(block_n=32, block_k=128, block_t=32, num_warps=8, lm_block_n=64)
 
     def _plan(self, M: int):
         p = self._plans.get(M)
