@@ -291,7 +291,13 @@ def main(argv=None) -> int:
             return cmd_test(argparse.Namespace(pytest_args=argv[1:]))
         args = build_parser().parse_args(argv)
         if getattr(args, "kernels", None) and args.command in ("bench", "tune", "configs"):
-            resolve_kernels(args.kernels)  # an unknown name: one line now, not a traceback later
+            from tritune.tuning.store import CONFIG_KINDS
+
+            # an unknown name: one line now, not a traceback later (`configs` also shows the stored
+            # configs of launches that are no kernel: the fused decode step)
+            names = [k for k in args.kernels if not (args.command == "configs" and k in CONFIG_KINDS)]
+            if names:
+                resolve_kernels(names)
         return int(args.func(args) or 0)
     except (UsageError, plugins.PluginError) as e:
         print(f"tritune: error: {e}", file=sys.stderr)

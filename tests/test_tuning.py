@@ -555,6 +555,24 @@ def test_configs_shows_the_store_and_marks_invalid_entries(temp_store, tmp_path,
     assert "3 invalid entries" in out
 
 
+def test_configs_judges_the_fused_decode_entries_by_their_config_class(temp_store, tmp_path, capsys):
+    """The fused decode step's store entries (no registered kernel: its launcher takes a model) are
+    checked by its Config: valid ones show as active, a mistyped key or a block of 48 as invalid."""
+    from tritune.harness.cli import main
+
+    _store_file(tmp_path / "packaged", "fused_decode", [
+        _entry("E=768,F=3072,H=12,M=1", {"block_n": 32, "block_k": 256, "lm_block_n": 64}),
+        _entry("E=768,F=3072,H=12,M=8", {"block_n": 48}),
+        _entry("E=1024,F=4096,H=16,M=1", {"blok_n": 32})])
+    store.clear_cache()
+    assert main(["configs", "fused_decode"]) == 0
+    lines = {ln.split()[1]: ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fused_decode ")}
+    assert lines["E=768,F=3072,H=12,M=1"].rstrip().endswith("active")
+    assert "INVALID: config: block_n must be a power of two" in lines["E=768,F=3072,H=12,M=8"]
+    assert "INVALID: config: unknown fused_decode parameter(s) ['blok_n']" in lines["E=1024,F=4096,H=16,M=1"]
+    assert main(["configs", "no_such_kernel"]) == 2
+
+
 def test_a_gpu_without_tuned_configs_warns_once_naming_the_command(temp_store, monkeypatch):
     monkeypatch.setattr(dev, "interpreted", lambda: False)
     monkeypatch.setattr(store, "_WARNED_UNTUNED", [])

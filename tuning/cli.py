@@ -309,7 +309,11 @@ def cmd_configs(args) -> int:
         old = {id(e) for e in store.stale(spec or kernel, [e for e, *_ in rows])}
         for e, layer, path, overridden in rows:
             t, d = e.get("time_us"), e.get("default_us")
-            why = store.why_invalid(spec, e) if spec is not None else "no registered kernel of this name"
+            if spec is not None:
+                why = store.why_invalid(spec, e)
+            else:
+                check = store.config_check(kernel)
+                why = "no registered kernel of this name" if check is None else check(e["config"])
             if why:
                 status = f"INVALID: {why} (never used: the heuristic default runs)"
                 n_bad += 1

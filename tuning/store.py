@@ -140,6 +140,30 @@ def _spec(kernel):
     return None if kernels is None else getattr(kernels, "REGISTRY", {}).get(kernel)
 
 
+# Stored configs of launches that are no registered kernel (the model's fused decode step, whose launcher
+# takes a whole model): name -> (module, class with a ``from_dict`` that raises ValueError on a bad config).
+CONFIG_KINDS = {"fused_decode": ("tritune.kernels.fused_decode", "Config")}
+
+
+def config_check(kernel: str):
+    """For a stored name that is no registered kernel but a known config kind: a function config -> why it
+    is invalid (None: valid). None for an unknown name."""
+    where = CONFIG_KINDS.get(kernel)
+    if where is None:
+        return None
+    import importlib
+
+    cls = getattr(importlib.import_module(where[0]), where[1])
+
+    def why(config: dict) -> str | None:
+        try:
+            cls.from_dict(dict(config))
+        except (ValueError, TypeError) as e:
+            return str(e)
+        return None
+    return why
+
+
 def kernel_name(kernel) -> str:
     return kernel if isinstance(kernel, str) else kernel.name
 
