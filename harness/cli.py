@@ -28,6 +28,7 @@ COMMANDS = {
     "serve": "tritune.model.server",
     "eval": "tritune.model.eval",
     "quantize": "tritune.model.quantize",
+    "tune-decode": "tritune.model.fused_tune",
 }
 PLUGINS = COMMANDS  # the older name
 

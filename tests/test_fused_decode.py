@@ -354,3 +354,41 @@ def test_gpu_engine_graphs_same_tokens():
         if fused:
             eng.runner.graphs.model.fused.check()
     assert outs[0] == outs[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# tritune tune-decode: the step's config searched, verified and stored like a kernel's
+# ---------------------------------------------------------------------------------------------------
+def test_tune_decode_verifies_records_failures_and_stores(tmp_path, monkeypatch, capsys):
+    """Every point is checked against float64 before it is timed; a point that fails is a row of the
+    table, not a crash; --export writes an entry the fused step and `tritune configs` accept."""
+    import json
+
+    from tritune.harness.cli import main
+    from tritune.kernels.fused_decode import Config
+    from tritune.model import fused_tune
+
+    real = fused_tune.candidates
+    monkeypatch.setattr(fused_tune, "candidates",
+                        lambda cur, points, seed: real(cur, points, seed) + [dict(cur, block_t=3)])
+    monkeypatch.setenv("TRITUNE_CONFIG_DIR", str(tmp_path / "user"))
+    assert main(["tune-decode", "--points", "1", "--reps", "1", "--export", "--configs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "block_t must be a power of two" in out          # the bad point, recorded
+    assert "2/3" in out                                     # two of three points verified
+    (path,) = tmp_path.glob("*/fused_decode.json")
+    (entry,) = json.loads(path.read_text())["entries"]
+    assert entry["bucket"] == "E=64,F=256,H=2,M=1" and entry["trials"] == 3
+    Config.from_dict(entry["config"])
+    assert main(["configs", "fused_decode", "--configs-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].rstrip().endswith("active")
+
+
+@pytest.mark.parametrize("argv,msg", [(["--batches", "9"], "--batches"), (["--batches", "x"], "--batches"),
+                                      (["--model", "/no/such/dir"], "--model"), (["--points", "-1"], "--points")])
+def test_tune_decode_refuses_bad_arguments_in_one_line(argv, msg, capsys):
+    from tritune.harness.cli import main
+
+    assert main(["tune-decode", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0] and "Traceback" not in err[0]
