@@ -15,33 +15,18 @@ import torch
 
 from tritune.harness import device as dev
 from tritune.harness.compare import poison, rel_error, tolerance
-from tritune.model import weights as W
-from tritune.model.config import GPT2Config
 from tritune.model.fused_decode import FusedDecode, choose, fused_model, why_not
-from tritune.model.gpt2 import GPT2, PagedKVCache
+from tritune.model.gpt2 import PagedKVCache
 from tritune.references.fused_decode import fused_decode as reference
 
 DEVICE = "cpu" if dev.interpreted() else "cuda"
 
 
 def random_model(n_layer, n_embd, n_head, *, n_positions=64, vocab=101, dtype=torch.float32, seed=0):
-    """Random GPT-2 weights, wide enough that logits differ from token to token."""
-    g = torch.Generator().manual_seed(seed)
-    cfg = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab)
-    E, F = n_embd, 4 * n_embd
-    s = E ** -0.5
-    state = {"wte.weight": torch.randn(vocab, E, generator=g), "wpe.weight": 0.5 * torch.randn(n_positions, E, generator=g),
-             "ln_f.weight": 1 + 0.1 * torch.randn(E, generator=g), "ln_f.bias": 0.1 * torch.randn(E, generator=g)}
-    for i in range(n_layer):
-        for name, shape, std in (("ln_1.weight", (E,), 0.1), ("ln_1.bias", (E,), 0.1),
-                                 ("attn.c_attn.weight", (E, 3 * E), 2 * s), ("attn.c_attn.bias", (3 * E,), 0.1),
-                                 ("attn.c_proj.weight", (E, E), s), ("attn.c_proj.bias", (E,), 0.1),
-                                 ("ln_2.weight", (E,), 0.1), ("ln_2.bias", (E,), 0.1),
-                                 ("mlp.c_fc.weight", (E, F), s), ("mlp.c_fc.bias", (F,), 0.1),
-                                 ("mlp.c_proj.weight", (F, E), 0.5 * s), ("mlp.c_proj.bias", (E,), 0.1)):
-            t = std * torch.randn(shape, generator=g)
-            state[f"h.{i}.{name}"] = t + 1 if name.startswith("ln_") and name.endswith("weight") else t
-    return GPT2(cfg, W.to_layout(cfg, state, dtype, DEVICE), backend="triton")
+    """Random GPT-2 weights, wide enough that logits differ from token to token (``tritune tune-decode``'s)."""
+    from tritune.model.fused_tune import random_model as rm
+
+    return rm(n_layer, n_embd, n_head, dtype, DEVICE, n_positions=n_positions, vocab=vocab, seed=seed)
 
 
 def step_case(model, ctx_lens, *, block_size=4, seed=1, pad_row=False):

@@ -152,21 +152,9 @@ def main(argv=None) -> int:
         for s in range(n_long):   # each stage against float64 from the kernel's own (bf16) input
             want = X[s].double() @ W[s].double()
             errs.append(((X[s + 1].double() - want).norm() / want.norm()).item())
-        times = {}
-        for n in (n_short, n_long):
-            gr = torch.cuda.CUDAGraph()
-            run(n)
-            with torch.cuda.graph(gr):
-                run(n)
-            ts = []
-            for _ in range(21):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                gr.replay()
-                e1.record()
-                torch.cuda.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1e3)
-            times[n] = sorted(ts)[10]
+        from tritune.model.fused_tune import time_us
+
+        times = {n: time_us(lambda n=n: run(n), 20) for n in (n_short, n_long)}
         per = (times[n_long] - times[n_short]) / (n_long - n_short)
         row = {"staged": staged, "us_per_stage": round(per, 3), "max_rel_error": max(errs),
                "weight_gb_s": round(E * E * 2 / (per * 1e-6) / 1e9, 1)}

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tritune.model.fused_tune import time_us
+
 VARIANTS = {"atomic": 0, "ldacq": 1, "relaxed": 2, "volatile": 3}
 
 
@@ -67,30 +69,6 @@ def _empty(Err):
         tl.store(Err, 1)
 
 
-def graph_us(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -111,8 +89,8 @@ def main(argv=None) -> int:
                     bar.zero_()
                     _barriers[(P,)](bar, err, n, MODE=mode, num_warps=warps)
                 return f
-            t0 = graph_us(run(0))
-            tn = graph_us(run(a.n))
+            t0 = time_us(run(0), 20)
+            tn = time_us(run(a.n), 20)
             row = {"variant": name, "warps": warps, "us_per_barrier": round((tn - t0) / a.n, 3),
                    "launch_us": round(t0, 2), "timed_out": int(err.item())}
             res["rows"].append(row)
@@ -121,7 +99,7 @@ def main(argv=None) -> int:
     def empties():
         for _ in range(a.n):
             _empty[(P,)](err, num_warps=8)
-    t_empty = graph_us(empties)
+    t_empty = time_us(empties, 20)
     res["kernel_boundary_us"] = round(t_empty / a.n, 3)
     print({"kernel_boundary_us (empty kernel, 1 program/SM, in a graph)": res["kernel_boundary_us"]})
     with open(a.out, "w") as f:
