@@ -136,24 +136,9 @@ def stage_split(fd, x, slots, bt, ctx, n_layer, reps=10):
         fd(xx, slots, bt, ctx, stages=k)
 
     def t(k):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body(k)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            body(k)
-        ts = []
-        for _ in range(reps + 1):
-            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev[0].record()
-            g.replay()
-            ev[1].record()
-            torch.cuda.synchronize()
-            ts.append(ev[0].elapsed_time(ev[1]) * 1e3)
-        del g
-        return statistics.median(ts[1:])
+        from tritune.model.fused_tune import time_us
+
+        return time_us(lambda: body(k), reps)
 
     n = 5 * n_layer + 1
     tk = [t(k) for k in range(0, n + 1)]     # tk[0]: the launch with no stage (counter reset, the copy)

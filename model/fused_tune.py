@@ -146,17 +146,12 @@ def time_us(fn, reps: int) -> float:
 
 def try_point(step: Step, cfg: dict, reps: int) -> dict:
     """Verify one config on ``step``, then time it: a row of the table (``error`` set when it failed)."""
-    import copy
-
     from tritune.harness.compare import rel_error, tolerance
     from tritune.model.fused_decode import FusedDecode
 
     row = {"config": cfg}
     try:
-        cache = copy.copy(step.cache)
-        cache.k, cache.v = step.cache.k.clone(), step.cache.v.clone()
-        cache.k_caches, cache.v_caches = list(cache.k.unbind(0)), list(cache.v.unbind(0))
-        fd = FusedDecode(step.model, cache, max_rows=step.M, config=cfg)
+        fd = FusedDecode(step.model, step.cache.clone(), max_rows=step.M, config=cfg)
         got = fd(step.x.clone(), step.slots, step.bt, step.ctx).clone()
         fd.check()
         tol = tolerance(step.model.dtype)

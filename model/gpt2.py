@@ -283,6 +283,15 @@ class PagedKVCache:
     def capacity(self) -> int:
         return self.num_blocks * self.block_size
 
+    def clone(self) -> "PagedKVCache":
+        """A copy with its own K/V tensors (same values): one step's writes leave this cache as it is."""
+        import copy
+
+        out = copy.copy(self)
+        out.k, out.v = self.k.clone(), self.v.clone()
+        out.k_caches, out.v_caches = list(out.k.unbind(0)), list(out.v.unbind(0))
+        return out
+
 
 # ---------------------------------------------------------------------------------------------------
 # The model

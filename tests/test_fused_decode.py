@@ -50,22 +50,15 @@ def step_case(model, ctx_lens, *, block_size=4, seed=1, pad_row=False):
                                                                                      device=DEVICE)
 
 
-def clone_cache(cache):
-    out = copy.copy(cache)
-    out.k, out.v = cache.k.clone(), cache.v.clone()
-    out.k_caches, out.v_caches = list(out.k.unbind(0)), list(out.v.unbind(0))
-    return out
-
-
 def check_step(model, ctx_lens, *, pad_row=False, config=None, **run):
     """Fused vs per-op decode vs the float64 reference: logits and the caches they leave."""
     cache, ids, pos, slots, bt, ctx = step_case(model, ctx_lens, pad_row=pad_row)
     x = model.embed(ids, pos)
     ref = reference(x, model.w, cache.k_caches, cache.v_caches, slots, bt, ctx, n_head=model.config.n_head,
                     eps=model.config.layer_norm_epsilon)
-    c_op = clone_cache(cache)
+    c_op = cache.clone()
     want = model.decode(ids, pos, c_op, slots, bt, ctx)
-    c_fd = clone_cache(cache)
+    c_fd = cache.clone()
     fd = FusedDecode(model, c_fd, config=config)
     for t in (fd.logits, fd.QKV, fd.A, fd.Hb):   # every scratch row read before it is written shows as NaN
         poison(t)
@@ -182,10 +175,10 @@ def test_missing_barrier_gives_wrong_logits():
     cache, ids, pos, slots, bt, ctx = step_case(m, [10, 4])
     x = m.embed(ids, pos)
     ref = reference(x, m.w, cache.k_caches, cache.v_caches, slots, bt, ctx, n_head=2)
-    fd = FusedDecode(m, clone_cache(cache))
+    fd = FusedDecode(m, cache.clone())
     right = fd(x.clone(), slots, bt, ctx).clone()
     assert rel_error(right, ref) <= tolerance(m.dtype)
-    fd = FusedDecode(m, clone_cache(cache))
+    fd = FusedDecode(m, cache.clone())
     wrong = fd(x.clone(), slots, bt, ctx, per_stage=False)   # sync=False on the interpreter: no barriers
     assert not rel_error(wrong, ref) <= 100 * tolerance(m.dtype)
 
@@ -195,7 +188,7 @@ def test_stage_prefix_runs_only_those_stages():
     new token's K/V are in the cache and nothing after it ran."""
     m = random_model(1, 64, 2, seed=8)
     cache, ids, pos, slots, bt, ctx = step_case(m, [6])
-    c_op, c_fd = clone_cache(cache), clone_cache(cache)
+    c_op, c_fd = cache.clone(), cache.clone()
     m.decode(ids, pos, c_op, slots, bt, ctx)
     fd = FusedDecode(m, c_fd)
     poison(fd.A)
@@ -313,9 +306,9 @@ def test_gpu_missing_barrier_gives_wrong_logits():
     x = m.embed(ids, pos)
     ref = reference(x, m.w, cache.k_caches, cache.v_caches, slots, bt, ctx, n_head=4)
     tol = tolerance(m.dtype)
-    ok = FusedDecode(m, clone_cache(cache))
+    ok = FusedDecode(m, cache.clone())
     assert rel_error(ok(x.clone(), slots, bt, ctx), ref) <= tol
-    fd = FusedDecode(m, clone_cache(cache))
+    fd = FusedDecode(m, cache.clone())
     bad = fd(x.clone(), slots, bt, ctx, debug=2, debug_spin=2000)
     torch.cuda.synchronize()
     assert not rel_error(bad, ref) <= 10 * tol
