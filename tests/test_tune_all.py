@@ -7,6 +7,8 @@ Fake evaluations over the sweep tests' plain-torch spec (tests/tritune_sweep_hel
 (below): seconds each."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -439,8 +441,28 @@ def test_the_pass_shares_follow_the_weights(tmp_path, monkeypatch):
                                                            ("n=16", "budget", 0)]
 
 
+def test_nearest_bucket_winners_fewest_fields_apart_first(tmp_path, monkeypatch):
+    """Siblings one bucket field apart (the same weight shape at another M) come before those two fields
+    apart, however near those are by distance."""
+    two = dataclasses.replace(BOWL, name="tune_all_bowl2", bucket=lambda p: {"m": p.n // 1000, "k": p.n % 1000})
+    monkeypatch.setitem(K.REGISTRY, two.name, two)
+    problems = [h.Problem(n) for n in (1064, 16064, 1256, 2128)]   # (m, k): target, m apart, k apart, both
+    jobs = search.plan([two], problems, [torch.float32], SLUG)
+    st = search.open_storage(str(tmp_path / "s.journal"))
+    studies = {j.name: search.open_study(st, j) for j in jobs}
+    version = search.code_version(two.name)
+    dist = {k: optuna.distributions.CategoricalDistribution(v) for k, v in BOWL_PARAMS.items()}
+    by = {j.bucket: j for j in jobs}
+    for b, a in (("m=16,k=64", 2), ("m=1,k=256", 4), ("m=2,k=128", 3)):
+        studies[by[b].name].add_trial(optuna.trial.create_trial(params={"a": a, "b": 1, "c": 1, "d": 1}, distributions=dist,
+                                                            value=5.0, user_attrs={"evaluated": {"seconds": 0.1,
+                                                                                                 "source": version}}))
+    # by distance alone the (2, 128) sibling (|log2| 1 + 1) would come before (16, 64) (|log2| 4)
+    assert [c["a"] for c in tb.bucket_seed_configs(by["m=1,k=64"], jobs, studies, limit=2)] == [4, 2]
+
+
 def test_nearest_bucket_winners_are_enqueued_once(tmp_path, bowl):
-    """A study searched again tries the current bests of its 2 nearest buckets (same kernel and dtype) once
+    """A study searched again tries the current bests of its 3 nearest buckets (same kernel and dtype) once
     each; one invalid for its problem is skipped, so is one it already evaluated; a sibling's new best is
     tried in turn."""
     problems = [h.Problem(n) for n in (32, 64, 16, 128, 8)]
@@ -457,20 +479,23 @@ def test_nearest_bucket_winners_are_enqueued_once(tmp_path, bowl):
     j32, j64, j16, j128, j8 = jobs
     best(j64, {"a": 6, "b": 2, "c": 2, "d": 2}, 5.0)   # a=6 > 32/8: invalid for n=32
     best(j16, {"a": 2, "b": 3, "c": 3, "d": 3}, 5.0)
-    best(j128, {"a": 1, "b": 4, "c": 4, "d": 4}, 5.0)  # farther than 64 and 16: not tried
-    best(j8, {"a": 1, "b": 5, "c": 5, "d": 5}, 5.0)
-    assert tb.bucket_seed_configs(j32, jobs, studies) == [{"a": 2, "b": 3, "c": 3, "d": 3}]
+    best(j128, {"a": 1, "b": 4, "c": 4, "d": 4}, 5.0)  # as far as 8: the third by name
+    best(j8, {"a": 1, "b": 5, "c": 5, "d": 5}, 5.0)    # fourth: not tried
+    assert tb.bucket_seed_configs(j32, jobs, studies) == [{"a": 2, "b": 3, "c": 3, "d": 3},
+                                                          {"a": 1, "b": 4, "c": 4, "d": 4}]
+    assert tb.bucket_seed_configs(j32, jobs, studies, limit=2) == [{"a": 2, "b": 3, "c": 3, "d": 3}]
     study = studies[j32.name]
-    assert search._enqueue_seeds(study, j32, tb.bucket_seed_configs(j32, jobs, studies), attr="bucket_seed") == 1
-    assert tb.bucket_seed_configs(j32, jobs, studies) == []  # waiting: not again
+    assert search._enqueue_seeds(study, j32, tb.bucket_seed_configs(j32, jobs, studies, limit=2),
+                                 attr="bucket_seed") == 1
+    assert tb.bucket_seed_configs(j32, jobs, studies, limit=2) == []  # waiting: not again
     search.run_study(study, j32, _bowl, trials=2, seed_default=False)  # evaluated: not again either
     assert [bool(t.user_attrs.get("bucket_seed")) for t in search._evaluated(study.trials)] == [True, False]
-    assert tb.bucket_seed_configs(j32, jobs, studies) == []
+    assert tb.bucket_seed_configs(j32, jobs, studies, limit=2) == []
     best(j16, {"a": 3, "b": 3, "c": 3, "d": 3}, 4.0)  # the 16's new best, valid for n=32
-    assert tb.bucket_seed_configs(j32, jobs, studies) == [{"a": 3, "b": 3, "c": 3, "d": 3}]
+    assert tb.bucket_seed_configs(j32, jobs, studies, limit=2) == [{"a": 3, "b": 3, "c": 3, "d": 3}]
     # an own evaluated config is not a seed
     best(j32, {"a": 3, "b": 3, "c": 3, "d": 3}, 6.0)
-    assert tb.bucket_seed_configs(j32, jobs, studies) == []
+    assert tb.bucket_seed_configs(j32, jobs, studies, limit=2) == []
 
 
 def test_phase2_retimes_each_study_once_after_its_search_and_a_cut_call_leaves_them_to_the_next(tmp_path, bowl,

@@ -12,7 +12,7 @@ The run has three phases. First the seeds (1-3) of every study, so that each buc
 result before any study explores (the seeds are what make a short budget good). Then the search (phase 2):
 each unfinished study in turn gets an equal share of the budget left (time a study does not use goes to
 the next ones; the time its re-timing should take is kept back, see below), first tries the current bests of
-this run's two nearest buckets of the same kernel and dtype (``bucket_seed``: a winner moves between
+this run's three nearest buckets of the same kernel and dtype (``bucket_seed``: a winner moves between
 neighbouring buckets more often than between GPU types; each config once per study), then walks from its
 best by coordinate descent (:class:`_Local`): whenever no trial
 waits, the next unevaluated valid one-step neighbour of the current best (the choice before or after it
@@ -54,8 +54,8 @@ so a study whose neighbourhood outlasted a pass's patience gets only its nearest
 pass, and sampler trials in a later one (a pass that evaluated nothing is followed by the next level while a
 study is converged). A study's turn in the fill
 
-- first tries the current bests of this run's two nearest buckets of the same kernel and dtype
-  (``store.bucket_distance``; each config once per study, valid ones only: user attribute ``bucket_seed``);
+- first tries the current bests of this run's three nearest buckets of the same kernel and dtype
+  (fewest bucket fields apart, then ``store.bucket_distance``; each config once per study, valid ones only: user attribute ``bucket_seed``);
 - then goes on with phase 2's descent from its best (the same :class:`_Local`): a nearest bucket's winner
   that took the lead, or a draw of the pass before, opens a new neighbourhood, and a turn that
   ``LOCAL_MAX`` cut short is continued;
@@ -102,7 +102,7 @@ LEDGER = "budget"    # the study user attribute holding the time spent and why t
 DONE = ("converged", "exhausted", "trials", "no valid config")
 SEED_ATTRS = ("default", "previous", "warm", "seeded")
 LOCAL_MAX = 32       # one-step neighbours evaluated per study turn, phase 2 and fill (gemm's neighbourhood: <= 18)
-BUCKET_SEEDS = 2     # nearest buckets of the same kernel and dtype whose best a study tries in the fill
+BUCKET_SEEDS = 3     # nearest buckets of the same kernel and dtype whose best a study tries in the fill
 PROMISE = {"gaining": 4, "open": 2, "stale": 1}  # a fill pass's order and the weight of each study's share
 FILL_PASS_SHARE = 0.5  # of the time left, spent by one fill pass (the rest goes to what that pass found)
 FILL_LAST_PASS_S = 60.0  # with less left, one pass takes all of it
@@ -464,17 +464,27 @@ class _Local:
 
 def bucket_seed_configs(job, jobs, studies, limit: int = BUCKET_SEEDS) -> list[dict]:
     """The current best configs of this run's studies of the same kernel and dtype key whose buckets are
-    nearest to ``job``'s (``store.bucket_distance``; the ``limit`` nearest with a best), keeping those
-    valid for ``job``'s problem and neither evaluated nor enqueued in its study yet."""
+    nearest to ``job``'s (the ``limit`` nearest with a best: fewest fields apart first, then
+    ``store.bucket_distance`` without its per-field cap, which guards the store's runtime fallback; a seed
+    here is verified and timed), keeping those valid for ``job``'s problem and neither evaluated nor
+    enqueued in its study yet. On the H200 the int4 M=1 N=4096 K=4096 study never tried its M=16 sibling's
+    best (7.8 us against its own 9.7): M=16 was past the cap, and its two nearest by distance were M=1
+    buckets of other weight shapes."""
     want = store.parse_bucket(job.bucket)
-    sib = [(store.bucket_distance(want, store.parse_bucket(j.bucket)), j.bucket, j) for j in jobs
-           if j is not job and j.spec.name == job.spec.name and j.key == job.key and j.name in studies]
-    sib = sorted((x for x in sib if math.isfinite(x[0])), key=lambda x: x[:2])
+    sib = []
+    for j in jobs:
+        if j is job or j.spec.name != job.spec.name or j.key != job.key or j.name not in studies:
+            continue
+        other = store.parse_bucket(j.bucket)
+        d = store.bucket_distance(want, other, max_field_log2=math.inf)   # a seed is verified and timed: no cap
+        if math.isfinite(d):   # fewest fields apart first: M=1 and M=16 of one weight shape before M=1 of another
+            sib.append((sum(want[k] != other[k] for k in want), d, j.bucket, j))
+    sib.sort(key=lambda x: x[:3])
     params = job.spec.space.params
     st = studies[job.name]
     taken = _taken(search.current_trials(st.get_trials(deepcopy=False), search.code_version(job.spec.name)), params)
     out, n = [], 0
-    for _, _, j in sib:
+    for *_, j in sib:
         cfg = search.study_stats(studies[j.name]).get("config")
         if cfg is None:
             continue

@@ -87,17 +87,18 @@ def parse_bucket(key: str) -> dict:
     return out
 
 
-def bucket_distance(a: dict, b: dict) -> float:
+def bucket_distance(a: dict, b: dict, max_field_log2: float | None = None) -> float:
     """Sum over numeric fields of |log2 a - log2 b|; inf when the keys or a non-numeric field differ, or
-    when one numeric field is more than MAX_FIELD_LOG2 away."""
+    when one numeric field is more than ``max_field_log2`` (default MAX_FIELD_LOG2) away."""
     if set(a) != set(b):
         return math.inf
+    cap = MAX_FIELD_LOG2 if max_field_log2 is None else max_field_log2
     d = 0.0
     for k in a:
         x, y = a[k], b[k]
         if isinstance(x, int) and isinstance(y, int) and x > 0 and y > 0:
             f = abs(math.log2(x) - math.log2(y))
-            if f > MAX_FIELD_LOG2:
+            if f > cap:
                 return math.inf
             d += f
         elif x != y:

@@ -6,6 +6,7 @@
 #   STEP=tune|compare|last|timers bash lab/drivers/tune_all_budget.sh   (timers: lab/probes/retime_timers.py, ~2 min)
 # A slice of it: KERNELS="gemm gemv" BUDGET=7m (a proportional budget); OLD=<store folder> compares against
 # another store than the committed one (e.g. the committed store as of an earlier commit, carried in .tune/).
+# RESUME=lab/logs/h200/<run> resumes a run whose journal (h200-budget.journal.xz) and store were committed there.
 set -uo pipefail
 : "${OUT:?}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -16,6 +17,11 @@ if [ ! -f /tmp/installed ]; then
 fi
 export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)   # the benches stamp this commit (the device copy's .git is stale)
 S=/tmp/tune
+if [ -n "${RESUME:-}" ] && [ ! -d $S ]; then   # a committed run's journal (xz) and store: RESUME=lab/logs/<gpu>/<run>
+  mkdir -p $S/h200-budget && cp -r $RESUME/store $S/h200-budget/nvidia-h200 \
+  && python -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
+       $RESUME/h200-budget.journal.xz $S/h200-budget.journal && echo "restored storage from $RESUME" || exit 1
+fi
 for T in .tune ../.tune; do if [ ! -d $S ] && [ -d $T/h200-budget ]; then mkdir -p $S && cp -r $T/h200-budget $T/h200-budget.journal $S/; echo "restored storage from $T"; fi; done
 mkdir -p $S/pkg-h100 $OUT/tuneall && ln -sfn $PWD/tuning/configs/nvidia-h100-80gb-hbm3 $S/pkg-h100/
 slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
