@@ -7,7 +7,7 @@
 # --part genprof), launches (lab/probes/invariant_decode_launches.py), retime (lab/probes/retime_timers.py), http (lab/bench_http.py), quant
 # (lab/eval_quant.py), serving (lab/bench_serving_features.py), invariant (lab/bench_batch_invariance.py),
 # fa3 (lab/bench_attention_fa3_grid.py), fused (lab/bench_fused_decode.py), pgemv (lab/probes/persistent_gemv_bandwidth.py), preflight (the attention Hopper-path tests),
-# chain (lab/probes/stage_chain_floor.py), gluon (lab/probes/gluon_staged_weights.py), tunedecode (tritune tune-decode, exported under w/store),
+# expsplit (lab/probes/attention_exp_split.py), chain (lab/probes/stage_chain_floor.py), gluon (lab/probes/gluon_staged_weights.py), tunedecode (tritune tune-decode, exported under w/store),
 # tuneall (tune all --budget $BUDGET warm-started from the H100 store, then compare_tune_all).
 set -uo pipefail
 : "${OUT:?}"
@@ -68,6 +68,7 @@ for ph in ${PHASES:?}; do case $ph in
       --models gpt2-small,gpt2-medium,packaged --batches 1,8 --variants auto --configs "$(grep -oE "(${FD_PICK:-k256n64p|k256n64})=[^;]*" ${FD_CFG} | paste -sd';')" \
       --reps 3 --steps 128 ;;
   fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ${FD_ARGS:-} ;;
+  expsplit) t expsplit ${ES_LIM:-240} python lab/probes/attention_exp_split.py --out $W/attention_exp_split.json ${ES_ARGS:-} ;;
   chain) t chain ${CH_LIM:-150} python lab/probes/stage_chain_floor.py --out $W/stage_chain_floor.json ;;
   gluon) t gluon ${GL_LIM:-150} python lab/probes/gluon_staged_weights.py --out $W/gluon_staged_weights.json ;;
   tunedecode) t tunedecode ${TD_LIM:-200} tritune tune-decode --shape gpt2-small --batches ${TD_BATCHES:-1,8} --points ${TD_POINTS:-8} \
