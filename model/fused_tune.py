@@ -113,7 +113,10 @@ class Step:
 
 
 def time_us(fn, reps: int) -> float:
-    """Median µs of ``fn``: CUDA-graph replays on a GPU, wall clock of single calls under the interpreter."""
+    """Median µs of ``fn``: CUDA-graph replays on a GPU, wall clock of single calls under the interpreter.
+    One call a graph, with programmatic dependent launch as the engine has it: ``harness.bench.graph_ms``
+    and ``replay_ms`` switch it off (they repeat one kernel back to back), and a decode step's own
+    launches overlap through it."""
     import torch
 
     from tritune.harness import device as dev
