@@ -376,7 +376,7 @@ def test_neighbours_of_the_h100_seeds_on_the_h200s_two_hard_buckets():
     gp = next(p for p in gemm.standard_problems if (p.M, p.N, p.K) == (512, 768, 3072))
     seed = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=4, TMA=False,
                 PERSISTENT=False)
-    ns = tb.neighbours(gemm.space, seed, gp, torch.bfloat16)
+    ns = tb.neighbours(gemm.space, seed, gp, torch.bfloat16, repair=0)
     assert 0 < len(ns) <= 2 * len(seed)
     for n in ns:
         assert gemm.space.why_invalid(n, gp, torch.bfloat16) is None
@@ -389,15 +389,37 @@ def test_neighbours_of_the_h100_seeds_on_the_h200s_two_hard_buckets():
     assert {"num_stages": 5} not in moves  # invalid here, valid one step later:
     bn64 = dict(seed, BLOCK_N=64)
     assert {"num_stages": 5} in [{k: v for k, v in n.items() if v != bn64[k]}
-                                 for n in tb.neighbours(gemm.space, bn64, gp, torch.bfloat16)]
+                                 for n in tb.neighbours(gemm.space, bn64, gp, torch.bfloat16, repair=0)]
     vp = next(p for p in gemv.standard_problems if (p.M, p.N, p.K, p.ln) == (1, 768, 3072, False))
     vseed = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=16, num_warps=1, num_stages=2)
     moves = [{k: v for k, v in n.items() if v != vseed[k]}
-             for n in tb.neighbours(gemv.space, vseed, vp, torch.bfloat16)]
+             for n in tb.neighbours(gemv.space, vseed, vp, torch.bfloat16, repair=0)]
     assert {"BLOCK_N": 32} in moves and {"num_stages": 3} in moves
     s3 = dict(vseed, num_stages=3)
     assert tb.neighbours(gemv.space, s3, vp, torch.bfloat16, first=("num_stages", 1))[0] == dict(vseed, num_stages=4)
 
+
+def test_refused_moves_are_repaired_across_the_constraint():
+    """quant_matmul int4 M=1 4096x4096 on the H200: the study sat on the GEMV path (BLOCK_M 1, 4 warps);
+    BLOCK_M 1 -> 8 is refused there (idle warps), so the tiled path (the committed winner: BLOCK_M 8) was
+    out of one-step reach. Repaired moves come after every plain one, valid, keep the moved value, and
+    differ in at most REPAIR_STEPS more steps; repair=0 gives the plain moves alone."""
+    qm = K.get("quant_matmul")
+    p = next(p for p in qm.standard_problems if (p.bits, p.M, p.N, p.K) == (4, 1, 4096, 4096))
+    best = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=1)
+    plain = tb.neighbours(qm.space, best, p, torch.bfloat16, repair=0)
+    assert all(n["BLOCK_M"] == 1 for n in plain)
+    ns = tb.neighbours(qm.space, best, p, torch.bfloat16)
+    assert ns[:len(plain)] == plain and len(ns) > len(plain)
+    tiled = [n for n in ns[len(plain):] if n["BLOCK_M"] == 8]
+    assert tiled, "BLOCK_M 8 reachable in one repaired move"
+    ch = qm.space.params
+    for n in ns[len(plain):]:
+        assert qm.space.why_invalid(n, p, torch.bfloat16) is None
+        steps = [abs(ch[k].index(n[k]) - ch[k].index(best[k])) for k in best if n[k] != best[k]]
+        assert 2 <= sum(steps) <= 1 + tb.REPAIR_STEPS
+    assert dict(best, BLOCK_M=8, num_warps=1) in tiled or dict(best, BLOCK_M=8, BLOCK_N=64) in tiled
+    assert len({tuple(sorted(n.items())) for n in ns}) == len(ns)
 
 def test_fill_passes_go_by_promise():
     """Gaining studies first (the larger gain first) with 4x the stale ones' share, then open neighbourhoods

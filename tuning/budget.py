@@ -84,6 +84,7 @@ most the time of the trial in flight from the accounting.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import statistics
@@ -102,6 +103,8 @@ LEDGER = "budget"    # the study user attribute holding the time spent and why t
 DONE = ("converged", "exhausted", "trials", "no valid config")
 SEED_ATTRS = ("default", "previous", "warm", "seeded")
 LOCAL_MAX = 32       # one-step neighbours evaluated per study turn, phase 2 and fill (gemm's neighbourhood: <= 18)
+REPAIR_STEPS = 2     # extra steps in other parameters that may make a refused one-step move valid (neighbours)
+REPAIR_KEEP = 1      # repaired configs kept per refused move (each is a trial before a study can converge)
 BUCKET_SEEDS = 3     # nearest buckets of the same kernel and dtype whose best a study tries in the fill
 PROMISE = {"gaining": 4, "open": 2, "stale": 1}  # a fill pass's order and the weight of each study's share
 FILL_PASS_SHARE = 0.5  # of the time left, spent by one fill pass (the rest goes to what that pass found)
@@ -376,12 +379,21 @@ class _Stop:
 # ---------------------------------------------------------------------------------------------------
 # The search: the incumbent's neighbours (phase 2 and the fill); the fill's nearest buckets' winners and order
 # ---------------------------------------------------------------------------------------------------
-def neighbours(space, config: dict, problem, dtype, first: tuple | None = None) -> list[dict]:
+def neighbours(space, config: dict, problem, dtype, first: tuple | None = None,
+               repair: int | None = None) -> list[dict]:
     """The valid one-step neighbours of ``config``: for each parameter, the choice before and the one
     after its value in the parameter's list (a boolean's flip), in the space's order. ``first``
     (parameter, step in the list): that move once more goes first, as coordinate descent keeps going the
-    way it just gained."""
-    out = []
+    way it just gained.
+
+    Then the repaired moves (``repair`` extra steps at most, ``REPAIR_STEPS`` by default, 0: none): a move
+    that the space's constraint refuses, made valid by the fewest steps in the other parameters (at most
+    ``REPAIR_KEEP`` such configs a move, single-parameter repairs first). A constraint splits a space into
+    regions that no one-step walk crosses: quant_matmul's GEMV path (BLOCK_M 1, one stage) and its tiled
+    path (BLOCK_M >= 8 needs BLOCK_M x BLOCK_N >= 4 x threads): on the H200 the int4 M=1 4096x4096 study
+    converged at 9.7 us on the GEMV path, the tiled path's best being 7.2 (BLOCK_M 1 -> 8 at BLOCK_N 16,
+    4 warps is refused: idle warps; with 1 warp, two steps more, it is valid)."""
+    out, refused = [], []
     for k, choices in space.params.items():
         i = _index(choices, config.get(k))
         for j in (() if i is None else (i - 1, i + 1)):
@@ -389,11 +401,64 @@ def neighbours(space, config: dict, problem, dtype, first: tuple | None = None) 
                 c = dict(config, **{k: choices[j]})
                 if not space.why_invalid(c, problem, dtype):
                     out.append(c)
+                else:
+                    refused.append((k, c))
     if first is not None and first[0] in space.params:
         k, d = first
         i = _index(space.params[k], config.get(k))
         out.sort(key=lambda c: i is None or _index(space.params[k], c[k]) != i + d)  # stable: the rest keep order
+    steps = REPAIR_STEPS if repair is None else repair
+    if steps > 0:
+        seen = {search.config_key(c, space.params) for c in out}
+        for k, c in refused:
+            for r in _repairs(space, c, k, problem, dtype, steps):
+                key = search.config_key(r, space.params)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(r)
     return out
+
+
+def _repairs(space, c: dict, moved: str, problem, dtype, steps: int) -> list[dict]:
+    """Valid configs that keep ``c[moved]`` and differ from ``c`` in the fewest steps (up to ``steps``) of
+    the other parameters: all the configs at the least distance that has one, at most ``REPAIR_KEEP``, in
+    the space's order (one parameter moved before two, the smaller step first, down before up)."""
+    others = [k for k in space.params if k != moved and _index(space.params[k], c.get(k)) is not None]
+
+    def shifted(base: dict, moves) -> dict | None:
+        d = dict(base)
+        for k, s in moves:
+            ch = space.params[k]
+            j = _index(ch, base[k]) + s
+            if isinstance(base[k], bool) and abs(s) > 1 or not 0 <= j < len(ch):
+                return None
+            d[k] = ch[j]
+        return d
+
+    for dist in range(1, steps + 1):
+        found = []
+        combos = []
+        for n_par in range(1, dist + 1):
+            for ks in itertools.combinations(others, n_par):
+                for sizes in _compositions(dist, n_par):
+                    for signs in itertools.product((-1, 1), repeat=n_par):
+                        combos.append(list(zip(ks, [a * b for a, b in zip(sizes, signs)])))
+        for moves in combos:
+            d = shifted(c, moves)
+            if d is not None and not space.why_invalid(d, problem, dtype):
+                found.append(d)
+                if len(found) >= REPAIR_KEEP:
+                    return found
+        if found:
+            return found
+    return []
+
+
+def _compositions(total: int, parts: int) -> list[tuple]:
+    """Ordered ways of writing ``total`` as ``parts`` positive integers."""
+    if parts == 1:
+        return [(total,)]
+    return [(a,) + rest for a in range(1, total - parts + 2) for rest in _compositions(total - a, parts - 1)]
 
 
 def _index(choices: list, value) -> int | None:
