@@ -137,6 +137,8 @@ def test_one_timer_for_trials_retime_and_comparison(tmp_path, monkeypatch):
     st = optuna.load_study(study_name=rows[0]["study"], storage=search.open_storage(storage))
     timed = [t for t in st.trials if t.user_attrs.get("evaluated")]
     assert timed and all(t.user_attrs["evaluated"].get("timer") == "graph" for t in timed)
+    # where a trial's seconds went: the first launch (the compile on a GPU), the reference and check, the timing
+    assert all(set(t.user_attrs["evaluated"]["phases"]) == {"launch_s", "check_s", "time_s"} for t in timed)
     n_sweep = len(rec.calls)
     job = search.plan([spec], [P(64)], [torch.float32], "nvidia-h200")[0]
     out = tb.retime(st, job, search.InlineRunner(ev), rounds=2)

@@ -193,14 +193,18 @@ class Evaluator:
             return {"ok": False, "error": f"invalid config: {why}"}
         device = dev.device()
         worst = None
+        clock = time.perf_counter
+        phases = {}   # seconds: the first launch (compiles the config), the reference and the check, the timing
         if task.verify:
             worst = 0.0
             case = spec.make_inputs(problem, dtype, device, task.seed)
             for o in _as_list(case.out):
                 cmp.poison(o)
+            t = clock()
             got = spec.run(*case.args, out=case.out, config=config, **case.kwargs)
             if not dev.interpreted():
                 torch.cuda.synchronize()  # surface asynchronous launch errors inside this trial
+            phases["launch_s"], t = clock() - t, clock()
             ref = spec.reference(*case.args, **case.kwargs)
             got_l, ref_l = _as_list(got), _as_list(ref)
             if len(got_l) != len(ref_l):
@@ -211,6 +215,8 @@ class Evaluator:
                     return {"ok": False, "error": f"wrong answer: {c}"}
                 worst = max(worst, c.error)
             del case, got, ref, got_l, ref_l
+            phases["check_s"] = clock() - t
+        t = clock()
         mode = bench.timing_mode(spec, problem, dtype, force=self.mode)
         key = (spec.name, repr(problem), str(dtype), mode)
         if self._rotation_key != key:
@@ -225,7 +231,9 @@ class Evaluator:
             ms = float(bench.time_ms(fn, mode))
         if not (ms > 0 and math.isfinite(ms)):
             return {"ok": False, "error": f"timer returned {ms!r}"}
-        return {"ok": True, "ms": ms, "timer": mode, **({} if worst is None else {"rel_error": worst})}
+        phases["time_s"] = clock() - t
+        return {"ok": True, "ms": ms, "timer": mode, "phases": {k: round(v, 4) for k, v in phases.items()},
+                **({} if worst is None else {"rel_error": worst})}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -842,6 +850,8 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
                 facts["rel_error"] = float(res["rel_error"])
             if "timer" in res:
                 facts["timer"] = str(res["timer"])
+            if isinstance(res.get("phases"), dict):
+                facts["phases"] = res["phases"]
             trial.set_user_attr("evaluated", facts)  # one journal write per evaluated trial
             if res.get("ok"):
                 return float(res["ms"]) * 1e3
