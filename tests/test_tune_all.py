@@ -572,3 +572,87 @@ def test_phase2_tries_the_nearest_buckets_best_before_walking(tmp_path, bowl):
     ev = sorted(search._evaluated(st.trials), key=lambda t: t.number)
     assert ev[1].user_attrs.get("bucket_seed") and ev[1].params == OPT   # right after the default
     assert r128["trials"] < r64["trials"]
+
+
+class _RecordingPool:
+    """Stands in for tuning.precompile.Precompiler: records what the sweep hands over."""
+    made: list = []
+
+    def __init__(self, helpers=None, modules=()):
+        self.helpers, self.modules, self.tasks, self.closed = helpers, modules, [], False
+        _RecordingPool.made.append(self)
+
+    def submit(self, task):
+        self.tasks.append((task.problem, dict(task.config)))
+        return True
+
+    def stats(self):
+        return {"helpers": self.helpers, "submitted": len(self.tasks), "compiled": 0, "failed": 0}
+
+    def close(self):
+        self.closed = True
+
+
+def test_precompile_gets_the_seeds_and_neighbours_before_they_are_evaluated(tmp_path, monkeypatch):
+    """With helpers, every seed of every study goes to them before phase 1 starts, and each neighbour of a
+    study's best before the descent evaluates it; the pool is closed when the call ends. (The sampler's
+    proposals are not known ahead and are compiled by the sweep.)"""
+    from tritune.tuning import precompile
+
+    _warm_store({"a": 4, "b": 3})
+    _RecordingPool.made = []
+    monkeypatch.setattr(precompile, "Precompiler", _RecordingPool)
+    storage = str(tmp_path / "s.journal")
+    evaluated = []
+
+    def ev(task):
+        evaluated.append((task.problem, dict(task.config), len(_RecordingPool.made[-1].tasks)))
+        return h.quick(task)
+
+    rows, _ = _budget(storage, 600.0, ev, patience=4, fill=False, precompile_helpers=2)
+    (pool,) = _RecordingPool.made
+    assert pool.closed and pool.helpers == 2 and "tritune_sweep_helpers" in pool.modules
+    handed = pool.tasks
+    assert handed and tb._PRE is None
+    seeds = [(p, {"a": 1, "b": 1}) for p in PROBLEMS] + [(p, {"a": 4, "b": 3}) for p in PROBLEMS]
+    first_eval = evaluated[0][2]
+    for s in seeds:  # all handed over before the first evaluation
+        assert s in handed[:first_eval], s
+    for st in _studies(storage):
+        for t in st.trials:
+            if t.user_attrs.get("local"):
+                p = next(p for p in PROBLEMS if f"n={p.n}" in st.study_name)
+                i = next(i for i, (pp, c, _) in enumerate(evaluated) if pp == p and c == t.params)
+                assert (p, t.params) in handed[:evaluated[i][2]], t.params  # handed over before its evaluation
+
+
+def test_precompile_pool_runs_configs_in_a_helper_process(tmp_path):
+    """The real pool: a spawned helper imports the spec's module and runs each config once (on the
+    interpreter its launches are plain runs; on a GPU they are compiles); a config handed over twice
+    runs once; no helper under the interpreter by default."""
+    from tritune.tuning import precompile
+
+    assert precompile.helpers_wanted() == 0
+    with precompile.Precompiler(helpers=1, modules=("tritune_sweep_helpers",)) as pre:
+        tasks = [search.Task(h.TOY.name, h.Problem(64), torch.float32, {"a": a, "b": 1}, 0, spec=h.TOY)
+                 for a in (1, 2)]
+        assert all(pre.submit(t) for t in tasks) and not pre.submit(tasks[0])
+        t0 = time.time()
+        while len(pre.done) < 2 and time.time() - t0 < 120:
+            time.sleep(0.1)
+        assert pre.stats() == {"helpers": 1, "submitted": 2, "compiled": 2, "failed": 0}, pre.done
+    assert pre._pool is None and not pre.submit(tasks[1])
+
+
+def test_precompile_helpers_setting_is_checked(monkeypatch, capsys):
+    """A mistyped TRITUNE_PRECOMPILE or --precompile is refused by name (one line, exit 2)."""
+    from tritune.tuning import precompile
+
+    monkeypatch.setenv("TRITUNE_PRECOMPILE", "many")
+    with pytest.raises(ValueError, match="TRITUNE_PRECOMPILE"):
+        precompile.helpers_wanted()
+    monkeypatch.setenv("TRITUNE_PRECOMPILE", "0")
+    assert precompile.helpers_wanted() == 0
+    r = subprocess.run([sys.executable, "-m", "tritune.tuning.cli", "tune", "gelu", "--budget", "1m", "--precompile", "-1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--precompile -1" in r.stderr and "Traceback" not in r.stderr

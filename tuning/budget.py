@@ -73,6 +73,13 @@ cut short: its best is likely to move again in the next pass, so it is re-timed 
 fill, and the time that should take (its last re-timing's) is kept back from every turn until then.
 ``fill=False`` (``--no-fill``) stops at convergence instead.
 
+Compiling ahead (:mod:`tritune.tuning.precompile`): a config's first launch compiles it, three quarters of a
+trial's time on the H200. Helper processes (``--precompile N``; default the CPU cores less two, at most 8)
+compile what the sweep will evaluate next (every study's seeds before phase 1, a study's nearest buckets'
+winners and its best's unevaluated neighbours at the start of its turn and of the next study's, the
+neighbours again whenever the best moves) into triton's cache, where the sweep's own first launch finds it;
+the sweep still launches, verifies and times every config itself.
+
 Kill-safe and resumable: the time each study spends (sweep and re-timing) is added to its ``budget``
 user attribute after every trial, and the budget left is the budget less the sum over the plan's studies.
 The same command on the same ``--storage`` skips finished studies (converged, exhausted, trial cap;
@@ -91,7 +98,7 @@ import statistics
 import sys
 import time
 
-from tritune.tuning import search, store
+from tritune.tuning import precompile, search, store
 
 RETIME_ROUNDS = 5
 RETIME_MAX = 6       # configs re-timed side by side per study (see front_runners)
@@ -486,6 +493,33 @@ def _taken(trials, params: dict) -> set:
     return keys
 
 
+_PRE = None   # the Precompiler of the running tune_budget call (tuning.precompile), or None
+
+
+def _prefetch(job, configs) -> None:
+    """Hand ``configs`` of ``job`` to the precompile helpers (no-op without them)."""
+    if _PRE is None:
+        return
+    for c in configs:
+        _PRE.submit(search.Task(job.spec.name, job.problem, job.dtype, dict(c), 0, spec=job.spec))
+
+
+def _prefetch_study(job, study) -> None:
+    """What a study's next turn evaluates first: its waiting trials (seeds), then the unevaluated
+    neighbours of its best."""
+    if _PRE is None:
+        return
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    _prefetch(job, [t.system_attrs.get("fixed_params") or t.params for t in trials if t.state == TrialState.WAITING])
+    inc = _incumbent(trials)
+    if inc is not None:
+        taken = _taken(trials, job.spec.space.params)
+        _prefetch(job, [c for c in neighbours(job.spec.space, dict(inc.params), job.problem, job.dtype)
+                        if search.config_key(c, job.spec.space.params) not in taken])
+
+
 class _Local:
     """Coordinate descent around the incumbent for one study turn (phase 2's and the fill's): whenever no
     trial waits, the next unevaluated valid one-step neighbour of the current best is enqueued (user
@@ -511,10 +545,10 @@ class _Local:
                 i, j = _index(params[k], parent.params.get(k)), _index(params[k], inc.params.get(k))
                 first = (k, j - i) if i is not None and j is not None else None
         taken = _taken(trials, params)
-        for c in neighbours(space, dict(inc.params), self.job.problem, self.job.dtype, first):
-            if search.config_key(c, params) not in taken:
-                return c, inc.number
-        return None, None
+        todo = [c for c in neighbours(space, dict(inc.params), self.job.problem, self.job.dtype, first)
+                if search.config_key(c, params) not in taken]
+        _prefetch(self.job, todo)   # compiled by the helpers while the sweep evaluates them one by one
+        return (todo[0], inc.number) if todo else (None, None)
 
     def enqueue(self, study, trials) -> bool:
         if self.n >= self.limit:
@@ -721,10 +755,13 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
                 warm_from: str | None = None, rounds: int = RETIME_ROUNDS, progress: bool = True,
                 slug: str | None = None, evaluate=None, isolation: str = "auto", timeout: float = search.TASK_TIMEOUT,
                 seed: int = 0, log=None, patience: int = PATIENCE, min_gain: float = MIN_GAIN,
-                stop_after: float | None = None, fill: bool = True) -> tuple[list[dict], str | None]:
+                stop_after: float | None = None, fill: bool = True,
+                precompile_helpers: int | None = None) -> tuple[list[dict], str | None]:
     """Tune within ``budget_s`` seconds in all (this call and earlier ones on ``storage``), warm-started
     from ``warm_from`` (default: the nearest stored GPU type); see the module's docstring. ``stop_after``:
-    this call stops starting trials after so many seconds (a later call resumes). ``fill``: spend time left
+    this call stops starting trials after so many seconds (a later call resumes). ``precompile_helpers``:
+    processes compiling the configs the sweep tries next (:mod:`tritune.tuning.precompile`; default
+    ``TRITUNE_PRECOMPILE`` or the CPU cores less two, at most 8; none under the interpreter). ``fill``: spend time left
     after every study stopped on the converged ones (phase 3: doubled patience per pass, by promise, the
     nearest buckets' winners tried, the local search continued). Returns (rows, the GPU
     type warmed from); each row is the study's stats plus ``seed_us``, ``retimed`` and ``ledger``."""
@@ -759,7 +796,15 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
         log(f"tune: {len(jobs) - len(open_)} studies finished in earlier calls (skipped)")
     runner = search.make_runner(evaluate, isolation, timeout=timeout) if open_ or refill else None
     bar = search.Progress(len(open_), enabled=progress)
+    global _PRE
+    pre = precompile.Precompiler(helpers=precompile_helpers if runner is not None else 0,
+                                 modules=precompile.modules_of(specs))
+    if pre.helpers:
+        log(f"tune: {pre.helpers} helper processes compile the configs the sweep tries next ({precompile.ENV}=0: none)")
+    _PRE = pre if pre.helpers else None
     try:
+        for job in open_:   # phase 1's seeds, every study's, handed to the helpers at once
+            _prefetch_study(job, studies[job.name])
         # phase 1: every study's seeds
         for job in open_:
             if budget.left() <= 0:
@@ -809,6 +854,12 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
         log("tune: interrupted; finished trials and the time spent are in the storage: the same command resumes")
         raise
     finally:
+        _PRE = None
+        if pre.helpers:
+            st_ = pre.stats()
+            log(f"tune: precompile helpers: {st_['submitted']} configs handed over, {st_['compiled']} compiled, "
+                f"{st_['failed']} failed (compiled by the sweep instead)")
+        pre.close()
         if runner is not None:
             runner.close()
         bar.next_job()
@@ -920,6 +971,9 @@ def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, 
         st = studies[job.name]
         if before is not None:
             before(job, st)
+        _prefetch_study(job, st)
+        if i + 1 < len(todo):   # the helpers work one study ahead
+            _prefetch_study(todo[i + 1], studies[todo[i + 1].name])
         best = search.study_stats(st).get("best_trial")
         n0 = len(search._evaluated(st.get_trials(deepcopy=False)))
         share_end = time.time() + left * weights[i] / sum(weights[i:]) * (1 - retime_share)

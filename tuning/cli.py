@@ -171,6 +171,8 @@ def _tune(args) -> int:
             raise UsageError("--budget runs one worker and no sampler comparison")
         if args.patience < 1:
             raise UsageError(f"--patience {args.patience}: expected a whole number >= 1")
+        if args.precompile is not None and args.precompile < 0:
+            raise UsageError(f"--precompile {args.precompile}: expected a number of helper processes >= 0")
         if not 0.0 <= args.min_gain < 1.0:
             raise UsageError(f"--min-gain {args.min_gain}: expected a fraction in [0, 1), e.g. 0.02")
     for opt in ("dry_run", "stop_after", "as_gpu", "no_fill"):
@@ -238,7 +240,8 @@ def _tune(args) -> int:
             rows, _ = tb.tune_budget(specs, budget, trials=trials, dtypes=args.dtype, problems=problems,
                                      warm_from=args.warm_from, rounds=args.retime_rounds, slug=slug,
                                      patience=args.patience, min_gain=args.min_gain, stop_after=stop_after,
-                                     fill=not getattr(args, "no_fill", False), **common)
+                                     fill=not getattr(args, "no_fill", False), precompile_helpers=args.precompile,
+                                     **common)
             print(tb.summary_table(rows, budget, __import__("time").time() - t0))
             if any((r.get("ledger") or {}).get("stop") not in tb.DONE for r in rows) and tb.spent_s(rows) < budget:
                 print("budget left and studies unfinished: run the same command again to resume")
@@ -368,6 +371,10 @@ def add_parser(subparsers, name: str) -> None:
                             "converged studies again, with doubled patience per pass, the most promising first, "
                             "each searched around its best (one-step neighbours) and from its nearest buckets' "
                             "winners, until the budget is spent)")
+        s.add_argument("--precompile", type=int, default=None, metavar="N",
+                       help="with --budget: N helper processes compile the configs the sweep tries next (its "
+                            "seeds, its best's neighbours) while it times others; 0: none (default: "
+                            "$TRITUNE_PRECOMPILE, else the CPU cores less two, at most 8; none on the interpreter)")
         s.add_argument("--stop-after", default=None, metavar="DURATION",
                        help="with --budget: this call stops after DURATION (e.g. 8m); the time spent is in the "
                             "storage and the same command resumes with what is left of the budget")

@@ -3,7 +3,9 @@
 # of at most ~9 minutes: each call resumes the same storage (kept in /tmp/tune while the machine stays warm; a
 # cold machine restores it from the carried .tune/). The last call (STEP=compare) re-times the winners against
 # the committed store of this GPU.  Everything lands in $OUT/tuneall/ (+ bundle.tgz).
-#   STEP=tune|compare|last|timers bash lab/drivers/tune_all_budget.sh   (timers: lab/probes/retime_timers.py, ~2 min)
+#   STEP=tune|compare|last|timers|ab bash lab/drivers/tune_all_budget.sh   (timers: lab/probes/retime_timers.py, ~2 min)
+# ab: the precompile helpers on and off (tuning/precompile.py), `tune gemv --budget ${AB_BUDGET:-75s}` each in a
+# fresh storage and triton cache, the trial counts and each trial's phases compared (lab/probes/precompile_ab.py)
 # A slice of it: KERNELS="gemm gemv" BUDGET=7m (a proportional budget); OLD=<store folder> compares against
 # another store than the committed one (e.g. the committed store as of an earlier commit, carried in .tune/).
 # RESUME=lab/logs/h200/<run> resumes a run whose journal (h200-budget.journal.xz) and store were committed there.
@@ -36,6 +38,14 @@ case ${STEP:-tune} in
   tune) run_tune ;;
   compare) run_compare ;;
   last) run_tune; run_compare ;;   # the budget's last slice, then the comparison, in one call
+  ab) for H in 0 default; do
+        rm -rf /tmp/tcache_ab; mkdir -p $OUT/tuneall/ab_$H
+        ( [ $H = 0 ] && export TRITUNE_PRECOMPILE=0; TRITON_CACHE_DIR=/tmp/tcache_ab TRITUNE_CONFIGS=$S/pkg-h100 \
+          TRITUNE_CONFIG_DIR=$OUT/tuneall/ab_$H PYTHONUNBUFFERED=1 timeout -s INT 200 tritune tune ${AB_KERNELS:-gemv} \
+          --dtype bf16 --budget ${AB_BUDGET:-75s} --storage $OUT/tuneall/ab_$H/journal --quiet > $OUT/tuneall/ab_$H.log 2>&1 )
+        echo "ab $H rc=$?"; grep -E "precompile|studies:|local search|budget:" $OUT/tuneall/ab_$H.log
+      done
+      python lab/probes/precompile_ab.py $OUT/tuneall/ab_0/journal $OUT/tuneall/ab_default/journal | tee $OUT/tuneall/ab.txt ;;
   timers) python lab/probes/retime_timers.py $OUT/tuneall/timers > $OUT/tuneall/timers.log 2>&1; echo "timers rc=$?"
           tail -45 $OUT/tuneall/timers.log ;;
 esac
