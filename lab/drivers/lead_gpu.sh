@@ -69,7 +69,9 @@ for ph in ${PHASES:?}; do case $ph in
       --reps 3 --steps 128 ;;
   fused) t fused $(( ${FD_LIM:-180} + 40 )) python lab/bench_fused_decode.py $W/fd --time-limit ${FD_LIM:-180} ${FD_ARGS:-} ;;
   expsplit) t expsplit ${ES_LIM:-240} python lab/probes/attention_exp_split.py --out $W/attention_exp_split.json ${ES_ARGS:-} ;;
-  chain) t chain ${CH_LIM:-150} python lab/probes/stage_chain_floor.py --out $W/stage_chain_floor.json ;;
+  chain) for v in ${CH_VARIANTS:-4:8 1:8 2:8 1:16 2:16}; do   # warps:BN (E / BN programs, all resident)
+           t chain_w${v%%:*}_bn${v##*:} ${CH_LIM:-150} python lab/probes/stage_chain_floor.py --warps ${v%%:*} --BN ${v##*:} \
+             --out $W/stage_chain_floor_w${v%%:*}_bn${v##*:}.json; done ;;
   gluon) t gluon ${GL_LIM:-150} python lab/probes/gluon_staged_weights.py --out $W/gluon_staged_weights.json ;;
   tunedecode) t tunedecode ${TD_LIM:-200} tritune tune-decode --shape gpt2-small --batches ${TD_BATCHES:-1,8} --points ${TD_POINTS:-8} \
       --export --configs-dir $W/store ;;
