@@ -578,8 +578,8 @@ class _RecordingPool:
     """Stands in for tuning.precompile.Precompiler: records what the sweep hands over."""
     made: list = []
 
-    def __init__(self, helpers=None, modules=()):
-        self.helpers, self.modules, self.tasks, self.closed = helpers, modules, [], False
+    def __init__(self, helpers=None):
+        self.helpers, self.tasks, self.closed = helpers, [], False
         _RecordingPool.made.append(self)
 
     def submit(self, task):
@@ -611,7 +611,7 @@ def test_precompile_gets_the_seeds_and_neighbours_before_they_are_evaluated(tmp_
 
     rows, _ = _budget(storage, 600.0, ev, patience=4, fill=False, precompile_helpers=2)
     (pool,) = _RecordingPool.made
-    assert pool.closed and pool.helpers == 2 and "tritune_sweep_helpers" in pool.modules
+    assert pool.closed and pool.helpers == 2
     handed = pool.tasks
     assert handed and tb._PRE is None
     seeds = [(p, {"a": 1, "b": 1}) for p in PROBLEMS] + [(p, {"a": 4, "b": 3}) for p in PROBLEMS]
@@ -633,7 +633,7 @@ def test_precompile_pool_runs_configs_in_a_helper_process(tmp_path):
     from tritune.tuning import precompile
 
     assert precompile.helpers_wanted() == 0
-    with precompile.Precompiler(helpers=1, modules=("tritune_sweep_helpers",)) as pre:
+    with precompile.Precompiler(helpers=1) as pre:
         tasks = [search.Task(h.TOY.name, h.Problem(64), torch.float32, {"a": a, "b": 1}, 0, spec=h.TOY)
                  for a in (1, 2)]
         assert all(pre.submit(t) for t in tasks) and not pre.submit(tasks[0])

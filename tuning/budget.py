@@ -428,34 +428,23 @@ def neighbours(space, config: dict, problem, dtype, first: tuple | None = None,
 
 def _repairs(space, c: dict, moved: str, problem, dtype, steps: int) -> list[dict]:
     """Valid configs that keep ``c[moved]`` and differ from ``c`` in the fewest steps (up to ``steps``) of
-    the other parameters: all the configs at the least distance that has one, at most ``REPAIR_KEEP``, in
-    the space's order (one parameter moved before two, the smaller step first, down before up)."""
-    others = [k for k in space.params if k != moved and _index(space.params[k], c.get(k)) is not None]
-
-    def shifted(base: dict, moves) -> dict | None:
-        d = dict(base)
-        for k, s in moves:
-            ch = space.params[k]
-            j = _index(ch, base[k]) + s
-            if isinstance(base[k], bool) and abs(s) > 1 or not 0 <= j < len(ch):
-                return None
-            d[k] = ch[j]
-        return d
-
+    the other parameters: at most ``REPAIR_KEEP`` of them at the least distance that has one, in the
+    space's order (one parameter moved before two, the smaller step first, down before up)."""
+    pos = {k: _index(ch, c.get(k)) for k, ch in space.params.items() if k != moved}
+    others = [k for k, i in pos.items() if i is not None]
     for dist in range(1, steps + 1):
         found = []
-        combos = []
         for n_par in range(1, dist + 1):
             for ks in itertools.combinations(others, n_par):
                 for sizes in _compositions(dist, n_par):
                     for signs in itertools.product((-1, 1), repeat=n_par):
-                        combos.append(list(zip(ks, [a * b for a, b in zip(sizes, signs)])))
-        for moves in combos:
-            d = shifted(c, moves)
-            if d is not None and not space.why_invalid(d, problem, dtype):
-                found.append(d)
-                if len(found) >= REPAIR_KEEP:
-                    return found
+                        js = [pos[k] + a * b for k, a, b in zip(ks, sizes, signs)]
+                        if all(0 <= j < len(space.params[k]) for k, j in zip(ks, js)):
+                            d = dict(c, **{k: space.params[k][j] for k, j in zip(ks, js)})
+                            if not space.why_invalid(d, problem, dtype):
+                                found.append(d)
+                                if len(found) >= REPAIR_KEEP:
+                                    return found
         if found:
             return found
     return []
@@ -797,8 +786,7 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
     runner = search.make_runner(evaluate, isolation, timeout=timeout) if open_ or refill else None
     bar = search.Progress(len(open_), enabled=progress)
     global _PRE
-    pre = precompile.Precompiler(helpers=precompile_helpers if runner is not None else 0,
-                                 modules=precompile.modules_of(specs))
+    pre = precompile.Precompiler(helpers=precompile_helpers if runner is not None else 0)
     if pre.helpers:
         log(f"tune: {pre.helpers} helper processes compile the configs the sweep tries next ({precompile.ENV}=0: none)")
     _PRE = pre if pre.helpers else None

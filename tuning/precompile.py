@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
-import sys
 
 ENV = "TRITUNE_PRECOMPILE"
 MAX_HELPERS = 8
@@ -66,15 +65,8 @@ def _compile_only() -> None:
     jit.KernelInterface.__getitem__ = getitem
 
 
-def _helper_init(modules: tuple) -> None:
-    import importlib
-
+def _helper_init() -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    for m in modules:  # the plugins and test modules whose kernels the sweep tunes
-        try:
-            importlib.import_module(m)
-        except Exception:
-            pass
     _compile_only()
 
 
@@ -115,15 +107,13 @@ class Precompiler:
     """A pool of helper processes compiling submitted configs ahead of the sweep (first submitted, first
     compiled; each config once). ``helpers=0`` is a no-op pool. Use as a context manager, or ``close()``."""
 
-    def __init__(self, helpers: int | None = None, modules: tuple = ()):
+    def __init__(self, helpers: int | None = None):
         self.helpers = helpers_wanted() if helpers is None else helpers
         self.submitted: set[str] = set()
         self.done: dict[str, str | None] = {}
         self._pool = None
         if self.helpers > 0:
-            ctx = multiprocessing.get_context("spawn")
-            mods = tuple(m for m in modules if m and m != "__main__")
-            self._pool = ctx.Pool(self.helpers, initializer=_helper_init, initargs=(mods,))
+            self._pool = multiprocessing.get_context("spawn").Pool(self.helpers, initializer=_helper_init)
 
     def submit(self, task) -> bool:
         """Queue ``task`` (a :class:`tritune.tuning.search.Task`) unless it was queued before."""
@@ -133,7 +123,7 @@ class Precompiler:
         if key in self.submitted:
             return False
         self.submitted.add(key)
-        task = task.__class__(**{**task.__dict__, "spec": None})  # helpers look the kernel up by name
+        task = task.__class__(**{**task.__dict__, "spec": None})  # by name: a helper imports task.module
         try:
             self._pool.apply_async(compile_task, (task,), callback=self._done)
         except Exception:  # a closed or broken pool: the sweep compiles everything itself
@@ -165,19 +155,3 @@ class Precompiler:
     def __exit__(self, *exc):
         self.close()
         return False
-
-    def __del__(self):  # pragma: no cover - interpreter shutdown
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-def modules_of(specs) -> tuple:
-    """The modules defining ``specs`` (a helper imports them so plugin kernels register there too)."""
-    out = []
-    for s in specs:
-        m = getattr(getattr(s, "run", None), "__module__", None)
-        if m and m not in out and m in sys.modules:
-            out.append(m)
-    return tuple(out)
