@@ -656,3 +656,19 @@ def test_precompile_helpers_setting_is_checked(monkeypatch, capsys):
     r = subprocess.run([sys.executable, "-m", "tritune.tuning.cli", "tune", "gelu", "--budget", "1m", "--precompile", "-1"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--precompile -1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_precompile_helpers_on_a_gpu(monkeypatch):
+    """On a GPU (not the interpreter) the default is the CPU cores less two, at most 8; the setting wins."""
+    from tritune.harness import device as dev
+    from tritune.tuning import precompile
+
+    monkeypatch.setattr(dev, "interpreted", lambda: False)
+    monkeypatch.setattr(dev, "device", lambda: "cuda")
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("TRITUNE_PRECOMPILE", raising=False)
+    assert precompile.helpers_wanted() == 8
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 2)
+    assert precompile.helpers_wanted() == 0
+    monkeypatch.setenv("TRITUNE_PRECOMPILE", "3")
+    assert precompile.helpers_wanted() == 3

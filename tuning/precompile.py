@@ -44,7 +44,7 @@ def helpers_wanted() -> int:
             n = -1
         if n < 0:
             raise ValueError(f"{ENV}={raw!r}: expected a number of helper processes >= 0 (0 turns them off)")
-    if dev.interpreted() or dev.device().type != "cuda":
+    if dev.interpreted() or dev.device() != "cuda":
         return 0
     return min(64, n) if n is not None else max(0, min(MAX_HELPERS, (os.cpu_count() or 1) - 2))
 
