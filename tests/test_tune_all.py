@@ -672,3 +672,33 @@ def test_precompile_helpers_on_a_gpu(monkeypatch):
     assert precompile.helpers_wanted() == 0
     monkeypatch.setenv("TRITUNE_PRECOMPILE", "3")
     assert precompile.helpers_wanted() == 3
+
+
+def test_the_fill_walks_the_neighbours_of_runners_up():
+    """Once the best's neighbours are all evaluated, the fill's descent (beam) goes on around the runners-up
+    within RUNNER_UP of it, a seed first (a basin found elsewhere), then the fastest; phase 2 (beam 0) and a
+    runner-up too slow stop there."""
+    (job,) = search.plan([h.TOY], [h.Problem(64)], [torch.float32], SLUG)
+    dist = {k: optuna.distributions.CategoricalDistribution(v) for k, v in h.TOY.space.params.items()}
+    src = {"evaluated": {"seconds": 0.1, "source": search.code_version(h.TOY.name)}}
+    st = optuna.create_study(study_name="beam")
+
+    def add(a, b, value, **attrs):
+        st.add_trial(optuna.trial.create_trial(params={"a": a, "b": b}, distributions=dist, value=value,
+                                               user_attrs={**src, **attrs}))
+        return st.trials[-1]
+
+    add(6, 3, 1.0)                                      # the best, its 4 neighbours evaluated and slower
+    for a, b in ((5, 3), (7, 3), (6, 2), (6, 4)):
+        add(a, b, 1.5, local=True)
+    fast = add(1, 1, 1.04)                              # a runner-up found by the sampler
+    seed = add(2, 7, 1.08, warm=True)                   # the warm seed: within 10%
+    add(8, 8, 1.2, warm=True)                           # too slow to be a centre
+    ts = search.current_trials(st.trials, search.code_version(h.TOY.name))
+    assert tb._Local(job).next_config(ts) == (None, None)
+    cfg, of = tb._Local(job, beam=tb.BEAM).next_config(ts)
+    assert of == seed.number and abs(cfg["a"] - 2) + abs(cfg["b"] - 7) == 1
+    inc = tb._incumbent(ts)
+    assert [t.number for t in tb.runners_up(ts, inc, 3, h.TOY.space.params)] == [seed.number, fast.number]
+    assert tb.runners_up(ts, inc, 3, h.TOY.space.params, within=0.05) == [fast]
+    assert tb.runners_up(ts, inc, 0, h.TOY.space.params) == []

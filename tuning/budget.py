@@ -58,7 +58,8 @@ study is converged). A study's turn in the fill
   (fewest bucket fields apart, then ``store.bucket_distance``; each config once per study, valid ones only: user attribute ``bucket_seed``);
 - then goes on with phase 2's descent from its best (the same :class:`_Local`): a nearest bucket's winner
   that took the lead, or a draw of the pass before, opens a new neighbourhood, and a turn that
-  ``LOCAL_MAX`` cut short is continued;
+  ``LOCAL_MAX`` cut short is continued; once the best's neighbours are all evaluated, those of up to
+  ``BEAM`` runners-up within ``RUNNER_UP`` of it (seeds first), for pairs of moves each worse alone;
 - then hands the study back to its sampler until the pass's patience. Neighbours and nearest-bucket seeds
   count as sampler trials for convergence (a gain resets the patience).
 
@@ -110,6 +111,8 @@ LEDGER = "budget"    # the study user attribute holding the time spent and why t
 DONE = ("converged", "exhausted", "trials", "no valid config")
 SEED_ATTRS = ("default", "previous", "warm", "seeded")
 LOCAL_MAX = 32       # one-step neighbours evaluated per study turn, phase 2 and fill (gemm's neighbourhood: <= 18)
+BEAM = 3             # the fill: runners-up whose neighbours are walked once the best's are all evaluated
+RUNNER_UP = 0.10     # ... a runner-up: within this fraction of the best (seeds first, then the fastest)
 REPAIR_STEPS = 2     # extra steps in other parameters that may make a refused one-step move valid (neighbours)
 REPAIR_KEEP = 1      # repaired configs kept per refused move (each is a trial before a study can converge)
 BUCKET_SEEDS = 3     # nearest buckets of the same kernel and dtype whose best a study tries in the fill
@@ -509,15 +512,47 @@ def _prefetch_study(job, study) -> None:
                         if search.config_key(c, job.spec.space.params) not in taken])
 
 
+_SEED_ATTRS = ("default", "warm", "previous", "seeded", "bucket_seed")
+
+
+def runners_up(trials, inc, beam: int, params: dict, within: float | None = None) -> list:
+    """Up to ``beam`` complete trials of distinct configs other than the incumbent ``inc``'s, within
+    ``within`` (``RUNNER_UP``) of its time: seeds (the default, the stored, warm and nearest buckets'
+    winners: basins found elsewhere) first, then the fastest."""
+    from optuna.trial import TrialState
+
+    if beam <= 0 or inc is None:
+        return []
+    within = RUNNER_UP if within is None else within
+    seen = {search.config_key(inc.params, params)}
+    out = []
+    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
+          and t.value <= inc.value * (1.0 + within)]
+    for t in sorted(ok, key=lambda t: (not any(t.user_attrs.get(k) for k in _SEED_ATTRS), t.value, t.number)):
+        key = search.config_key(t.params, params)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+            if len(out) == beam:
+                break
+    return out
+
+
 class _Local:
     """Coordinate descent around the incumbent for one study turn (phase 2's and the fill's): whenever no
     trial waits, the next unevaluated valid one-step neighbour of the current best is enqueued (user
     attribute ``local``; its centre in ``local_of``), so a neighbour that wins becomes the centre at once
     (first improvement). At most ``limit`` (``LOCAL_MAX``) per turn; the neighbours count as sampler trials
-    for convergence."""
+    for convergence.
 
-    def __init__(self, job, limit: int | None = None):
-        self.job, self.limit, self.n = job, LOCAL_MAX if limit is None else limit, 0
+    ``beam`` (the fill's, ``BEAM``): once the best's neighbours are all evaluated, those of up to ``beam``
+    runners-up (distinct configs within ``RUNNER_UP`` of the best; seeds first, the fastest next). Two moves
+    that are each worse alone are out of a one-step walk's reach: on the H200, gemm M=1 N=2304 K=768 with
+    the LayerNorm prologue and KV epilogue sat at 8.9 us on BLOCK_K 128, 2 warps, while BLOCK_K 256 with 4
+    warps takes 7.2; the H100's seed (BLOCK_K 256, 2 warps, 9.1 us, 2% behind) is one step from it."""
+
+    def __init__(self, job, limit: int | None = None, beam: int = 0):
+        self.job, self.limit, self.n, self.beam = job, LOCAL_MAX if limit is None else limit, 0, beam
 
     def next_config(self, trials) -> tuple[dict, int] | tuple[None, None]:
         """(the next neighbour to evaluate, the number of the trial it is a neighbour of)."""
@@ -534,10 +569,14 @@ class _Local:
                 i, j = _index(params[k], parent.params.get(k)), _index(params[k], inc.params.get(k))
                 first = (k, j - i) if i is not None and j is not None else None
         taken = _taken(trials, params)
-        todo = [c for c in neighbours(space, dict(inc.params), self.job.problem, self.job.dtype, first)
-                if search.config_key(c, params) not in taken]
-        _prefetch(self.job, todo)   # compiled by the helpers while the sweep evaluates them one by one
-        return (todo[0], inc.number) if todo else (None, None)
+        for centre in [inc] + runners_up(trials, inc, self.beam, params):
+            todo = [c for c in neighbours(space, dict(centre.params), self.job.problem, self.job.dtype,
+                                          first if centre is inc else None)
+                    if search.config_key(c, params) not in taken]
+            if todo:
+                _prefetch(self.job, todo)   # compiled by the helpers while the sweep evaluates them one by one
+                return todo[0], centre.number
+        return None, None
 
     def enqueue(self, study, trials) -> bool:
         if self.n >= self.limit:
@@ -680,7 +719,7 @@ def _prepare(storage_obj, jobs, warm, window: float) -> dict:
 
 
 def _sweep_study(study, job, runner, *, budget: Budget, share_end: float, seeds_only: bool, trials: int | None,
-                 patience: int, min_gain: float, seed: int, progress, local: bool = False) -> str:
+                 patience: int, min_gain: float, seed: int, progress, local: bool = False, beam: int = 0) -> str:
     """Run one study's seeds (``seeds_only``) or its search (``local``, phase 2 and the fill: the
     incumbent's neighbours before the sampler's proposals, see :class:`_Local`); return why it stopped."""
     meter = _Meter(study)
@@ -690,7 +729,7 @@ def _sweep_study(study, job, runner, *, budget: Budget, share_end: float, seeds_
         meter.charge(stop="no valid config")
         return "no valid config"
     hard = budget.end()
-    stop = _Stop(meter, seeds_only, patience, min_gain, _Local(job) if local and not seeds_only else None)
+    stop = _Stop(meter, seeds_only, patience, min_gain, _Local(job, beam=beam) if local and not seeds_only else None)
     deadline = hard if seeds_only else min(hard, share_end)
 
     def show(job_, n, target, failed, best, dl):  # the bar's total: what the study needs at least
@@ -904,7 +943,7 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
         for j in todo:
             st = studies[j.name]
             ts = search.current_trials(st.get_trials(deepcopy=False), search.code_version(j.spec.name))
-            open_ = _Local(j).next_config(ts)[0] is not None or bool(bucket_seed_configs(j, jobs, studies))
+            open_ = _Local(j, beam=BEAM).next_config(ts)[0] is not None or bool(bucket_seed_configs(j, jobs, studies))
             tiers.append((j, promise(gain[j.name], open_, min_gain), gain[j.name]))
         order = by_promise(tiers)
         counts = {t: sum(1 for _, tier, _ in tiers if tier == t) for t in PROMISE}
@@ -921,7 +960,8 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
 
         turns = _search_pass([j for j, _ in order], studies, runner, budget, progress, retime_if, trials=trials,
                              patience=level, min_gain=min_gain, seed=seed, rounds=rounds, weights=[w for _, w in order],
-                             end=time.time() + pass_s, local=True, before=seeds, keep=lambda: sum(deferred.values()))
+                             end=time.time() + pass_s, local=True, before=seeds, keep=lambda: sum(deferred.values()),
+                             beam=BEAM)
         for job, why, _ in turns:
             (cut.add if why == "budget" else cut.discard)(job.name)
             b, a = before[job.name], search.study_stats(studies[job.name]).get("best_us")
@@ -941,7 +981,7 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
 
 def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, trials, patience: int,
                  min_gain: float, seed: int, rounds: int, weights=None, end: float | None = None, local: bool = False,
-                 before=None, keep=None, retime_share: float = RETIME_SHARE) -> list[tuple]:
+                 before=None, keep=None, retime_share: float = RETIME_SHARE, beam: int = 0) -> list[tuple]:
     """One pass over ``todo``: each study searched within its share of the time left until ``end`` (the
     budget's end by default, less ``keep()`` seconds kept back, asked before each turn):
     ``weights[i]`` over the sum of the weights of those not yet run (equal shares by default; time one
@@ -966,7 +1006,8 @@ def _search_pass(todo, studies, runner, budget: Budget, progress, retime_if, *, 
         n0 = len(search._evaluated(st.get_trials(deepcopy=False)))
         share_end = time.time() + left * weights[i] / sum(weights[i:]) * (1 - retime_share)
         why = _sweep_study(st, job, runner, budget=budget, share_end=share_end, seeds_only=False, trials=trials,
-                           patience=patience, min_gain=min_gain, seed=seed, progress=progress, local=local)
+                           patience=patience, min_gain=min_gain, seed=seed, progress=progress, local=local,
+                           beam=beam)
         turns.append((job, why, len(search._evaluated(st.get_trials(deepcopy=False))) - n0))
         if budget.left() > 0 and retime_if(st, why, best):
             _retime_study(st, job, runner, rounds, budget.end())
