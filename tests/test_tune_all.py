@@ -702,3 +702,20 @@ def test_the_fill_walks_the_neighbours_of_runners_up():
     assert [t.number for t in tb.runners_up(ts, inc, 3, h.TOY.space.params)] == [seed.number, fast.number]
     assert tb.runners_up(ts, inc, 3, h.TOY.space.params, within=0.05) == [fast]
     assert tb.runners_up(ts, inc, 0, h.TOY.space.params) == []
+
+
+def test_a_fill_cut_by_stop_after_resumes_in_the_fill(tmp_path):
+    """A study the fill of an earlier call cut (that call ended by --stop-after: ledger stop 'budget',
+    fill_cut = the pass's level) resumes in the next call's fill at that level, not in phase 2 with its
+    re-timing; a finished turn clears the mark."""
+    _warm_store({"a": 6, "b": 3})
+    storage = str(tmp_path / "s.journal")
+    _budget(storage, 600.0, h.quick, patience=4, fill=False)
+    for st in _studies(storage):
+        st.set_user_attr(tb.LEDGER, {**tb.ledger(st), "stop": "budget", "fill_cut": 16})
+    logs = []
+    rows, _ = _budget(storage, 600.0, h.quick, patience=4, log=logs.append, trials=12)
+    assert any("2 studies resume the fill" in m for m in logs), logs
+    assert any("fill pass 1: 2 studies searched again (patience 16;" in m for m in logs), logs
+    for r in rows:
+        assert "fill_cut" not in r["ledger"] and r["ledger"]["stop"] != "budget", r["ledger"]

@@ -818,10 +818,18 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
         f"after {patience} trials without a gain > {min_gain:.0%}"
         + ("; time left then goes to the converged studies (doubled patience per pass, the most promising "
            "first; the nearest buckets' winners tried, the local search continued)" if fill else ""))
-    open_ = [j for j in jobs if ledger(studies[j.name])["stop"] not in DONE or not _retime_done(studies[j.name])]
-    refill = fill and budget.left() > 0 and any(ledger(studies[j.name])["stop"] == "converged" for j in jobs)
-    if len(open_) < len(jobs):
-        log(f"tune: {len(jobs) - len(open_)} studies finished in earlier calls (skipped)")
+    # a study an earlier call's fill cut on its share (a call ended by --stop-after) resumes in the fill,
+    # at that pass's level, its re-timing deferred to the fill's end: not phase 2 again, nor re-timed now
+    resumed = {j.name: ledger(studies[j.name])["fill_cut"] for j in jobs if fill
+               and ledger(studies[j.name])["stop"] == "budget" and ledger(studies[j.name]).get("fill_cut")}
+    open_ = [j for j in jobs if j.name not in resumed
+             and (ledger(studies[j.name])["stop"] not in DONE or not _retime_done(studies[j.name]))]
+    refill = fill and budget.left() > 0 and (bool(resumed) or any(ledger(studies[j.name])["stop"] == "converged"
+                                                                  for j in jobs))
+    if len(open_) + len(resumed) < len(jobs):
+        log(f"tune: {len(jobs) - len(open_) - len(resumed)} studies finished in earlier calls (skipped)")
+    if resumed:
+        log(f"tune: {len(resumed)} studies resume the fill where an earlier call stopped it")
     runner = search.make_runner(evaluate, isolation, timeout=timeout) if open_ or refill else None
     bar = search.Progress(len(open_), enabled=progress)
     global _PRE
@@ -876,7 +884,7 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
             reserve.pop(job.name, None)
         if fill:  # phase 3: the time left goes to the converged studies, patience doubled per pass
             _fill(jobs, studies, runner, budget, patience=patience, min_gain=min_gain, trials=trials, seed=seed,
-                  rounds=rounds, progress=bar, log=log)
+                  rounds=rounds, progress=bar, log=log, resumed=resumed)
     except KeyboardInterrupt:
         log("tune: interrupted; finished trials and the time spent are in the storage: the same command resumes")
         raise
@@ -906,18 +914,24 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
 
 
 def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: float, trials, seed: int, rounds: int,
-          progress, log) -> None:
+          progress, log, resumed: dict | None = None) -> None:
     """Phase 3 (see the module's docstring): passes over the converged studies (and those a pass cut on
     their share) while budget is left, each pass at twice the patience of the one before, ordered and
     weighted by :func:`promise`, each study's turn starting with its nearest buckets' winners and its
     incumbent's neighbours. A study is re-timed after its turn when its best changed, unless its share cut
     the turn short: it is searched again in the next pass, and re-timed once at the end; the time those
-    deferred re-timings should take is kept back from every turn."""
-    level = patience
+    deferred re-timings should take is kept back from every turn.
+
+    ``resumed`` (name -> the pass level it was cut at, the ledger's ``fill_cut``): the studies an earlier
+    call's fill cut (a call that ``--stop-after`` ended): they start in ``cut`` at the lowest such level,
+    their re-timing deferred, so a run in slices spends its fill as one call would."""
+    resumed = resumed or {}
+    level = max(patience, min(resumed.values()) // 2) if resumed else patience
     gain = {j.name: _last_search_gain(studies[j.name], j) for j in jobs}  # the search before: its last turn
-    cut: set[str] = set()          # ended its last turn on its share: searched again in the next pass
-    deferred: dict[str, float] = {}  # name -> seconds its re-timing should take, for those cut with a new best
+    cut: set[str] = set(resumed)   # ended its last turn on its share: searched again in the next pass
     by_name = {j.name: j for j in jobs}
+    deferred: dict[str, float] = {n: _retime_estimate(studies[n], rounds) for n in resumed  # name -> seconds its
+                                  if not _retime_done(studies[n])}   # re-timing should take, cut with a new best
     passes = 0
 
     def retime_if(st, why, best):
@@ -943,7 +957,7 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
         for j in todo:
             st = studies[j.name]
             ts = search.current_trials(st.get_trials(deepcopy=False), search.code_version(j.spec.name))
-            open_ = _Local(j, beam=BEAM).next_config(ts)[0] is not None or bool(bucket_seed_configs(j, jobs, studies))
+            open_ = _Local(j).next_config(ts)[0] is not None or bool(bucket_seed_configs(j, jobs, studies))
             tiers.append((j, promise(gain[j.name], open_, min_gain), gain[j.name]))
         order = by_promise(tiers)
         counts = {t: sum(1 for _, tier, _ in tiers if tier == t) for t in PROMISE}
@@ -964,6 +978,11 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
                              beam=BEAM)
         for job, why, _ in turns:
             (cut.add if why == "budget" else cut.discard)(job.name)
+            st = studies[job.name]
+            led = ledger(st)
+            if (why == "budget") != bool(led.get("fill_cut")) or (why == "budget" and led["fill_cut"] != level):
+                led.pop("fill_cut", None)
+                st.set_user_attr(LEDGER, {**led, **({"fill_cut": level} if why == "budget" else {})})
             b, a = before[job.name], search.study_stats(studies[job.name]).get("best_us")
             gain[job.name] = (b / a - 1.0) if (a and b) else 0.0
         if not any(n for _, _, n in turns) and not cut & {j.name for j, _, _ in turns}:
