@@ -711,8 +711,10 @@ def test_a_fill_cut_by_stop_after_resumes_in_the_fill(tmp_path):
     _warm_store({"a": 6, "b": 3})
     storage = str(tmp_path / "s.journal")
     _budget(storage, 600.0, h.quick, patience=4, fill=False)
-    for st in _studies(storage):
-        st.set_user_attr(tb.LEDGER, {**tb.ledger(st), "stop": "budget", "fill_cut": 16})
+    a, b = _studies(storage)
+    a.set_user_attr(tb.LEDGER, {**tb.ledger(a), "stop": "budget", "fill_cut": 16})
+    b.set_user_attr(tb.LEDGER, {**tb.ledger(b), "stop": "budget", "patience": 8})  # cut before the mark existed
+    assert tb._fill_cut_level(tb.ledger(b)) == 16 and tb._fill_cut_level({"stop": "budget"}) is None
     logs = []
     rows, _ = _budget(storage, 600.0, h.quick, patience=4, log=logs.append, trials=12)
     assert any("2 studies resume the fill" in m for m in logs), logs

@@ -820,8 +820,7 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
            "first; the nearest buckets' winners tried, the local search continued)" if fill else ""))
     # a study an earlier call's fill cut on its share (a call ended by --stop-after) resumes in the fill,
     # at that pass's level, its re-timing deferred to the fill's end: not phase 2 again, nor re-timed now
-    resumed = {j.name: ledger(studies[j.name])["fill_cut"] for j in jobs if fill
-               and ledger(studies[j.name])["stop"] == "budget" and ledger(studies[j.name]).get("fill_cut")}
+    resumed = {j.name: lv for j in jobs if fill and (lv := _fill_cut_level(ledger(studies[j.name])))}
     open_ = [j for j in jobs if j.name not in resumed
              and (ledger(studies[j.name])["stop"] not in DONE or not _retime_done(studies[j.name]))]
     refill = fill and budget.left() > 0 and (bool(resumed) or any(ledger(studies[j.name])["stop"] == "converged"
@@ -911,6 +910,17 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
             search.current_trials(st.get_trials(deepcopy=False), search.code_version(job.spec.name)), min_gain))
         rows.append(row)
     return rows, near
+
+
+def _fill_cut_level(led: dict) -> int | None:
+    """The fill pass's patience level a study was cut at in an earlier call, or None: its ledger's
+    ``fill_cut``; else, for a study stopped on the budget after it had converged (only the fill searches a
+    converged study), the level after the one it converged at."""
+    if led.get("stop") != "budget":
+        return None
+    if led.get("fill_cut"):
+        return int(led["fill_cut"])
+    return 2 * int(led["patience"]) if isinstance(led.get("patience"), int) and led["patience"] > 0 else None
 
 
 def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: float, trials, seed: int, rounds: int,
