@@ -19,12 +19,12 @@ if [ ! -f /tmp/installed ]; then
 fi
 export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)   # the benches stamp this commit (the device copy's .git is stale)
 S=/tmp/tune
-if [ -n "${RESUME:-}" ] && [ ! -d $S ]; then   # a committed run's journal (xz) and store: RESUME=lab/logs/<gpu>/<run>
+if [ -n "${RESUME:-}" ] && [ ! -f $S/h200-budget.journal ]; then   # (not on the storage a warm machine holds)   # a committed run's journal (xz) and store: RESUME=lab/logs/<gpu>/<run>
   mkdir -p $S/h200-budget && cp -r $RESUME/store $S/h200-budget/nvidia-h200 \
   && python -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
        $RESUME/h200-budget.journal.xz $S/h200-budget.journal && echo "restored storage from $RESUME" || exit 1
 fi
-for T in .tune ../.tune; do if [ ! -d $S ] && [ -d $T/h200-budget ]; then mkdir -p $S && cp -r $T/h200-budget $T/h200-budget.journal $S/; echo "restored storage from $T"; fi; done
+for T in .tune ../.tune; do if [ ! -f $S/h200-budget.journal ] && [ -d $T/h200-budget ]; then mkdir -p $S && cp -r $T/h200-budget $T/h200-budget.journal $S/; echo "restored storage from $T"; fi; done
 mkdir -p $S/pkg-h100 $OUT/tuneall && ln -sfn $PWD/tuning/configs/nvidia-h100-80gb-hbm3 $S/pkg-h100/
 slug=$(python -c "from tritune.harness import device; print(device.gpu_slug())")
 echo "slug $slug commit $(cat .commit 2>/dev/null) step ${STEP:-tune}"
