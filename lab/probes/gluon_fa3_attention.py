@@ -97,13 +97,13 @@ def _softmax_pv(S, j, acc, m_i, l_i, v_bufs, v_ready, qk_scale, q_first, CAUSAL:
 @gluon.jit
 def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup: 64 query rows against every K/V tile of the ring."""
-    q_desc, k_desc, v_desc, o_desc = descs
+    o_desc = descs[3]
     q_smem, k_bufs, v_bufs = bufs
     q_bar, k_ready, v_ready, empty = bars
-    q_row0, kv_row0, n_tiles, qk_scale, Tq = scal
+    q_row0, n_tiles, qk_scale, Tq = scal[0], scal[2], scal[3], scal[4]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
-    BN: gl.constexpr = k_bufs.type.shape[1]
     D: gl.constexpr = k_bufs.type.shape[2]
+    BN: gl.constexpr = k_bufs.type.shape[1]
     BMc: gl.constexpr = q_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
