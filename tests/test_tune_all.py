@@ -659,15 +659,21 @@ def test_precompile_helpers_setting_is_checked(monkeypatch, capsys):
 
 
 def test_precompile_helpers_on_a_gpu(monkeypatch):
-    """On a GPU (not the interpreter) the default is the CPU cores less two, at most 8; the setting wins."""
+    """On a GPU (not the interpreter) the default is the CPU cores less two, at most 8, at most one per
+    10 GiB of GPU memory; the setting wins."""
     from tritune.harness import device as dev
     from tritune.tuning import precompile
 
     monkeypatch.setattr(dev, "interpreted", lambda: False)
     monkeypatch.setattr(dev, "device", lambda: "cuda")
     monkeypatch.setattr(precompile.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(precompile, "_gpu_memory_gib", lambda: 79.1)   # an H100
     monkeypatch.delenv("TRITUNE_PRECOMPILE", raising=False)
+    assert precompile.helpers_wanted() == 7
+    monkeypatch.setattr(precompile, "_gpu_memory_gib", lambda: 139.8)  # an H200
     assert precompile.helpers_wanted() == 8
+    monkeypatch.setattr(precompile, "_gpu_memory_gib", lambda: 23.6)   # a 24 GB card
+    assert precompile.helpers_wanted() == 2
     monkeypatch.setattr(precompile.os, "cpu_count", lambda: 2)
     assert precompile.helpers_wanted() == 0
     monkeypatch.setenv("TRITUNE_PRECOMPILE", "3")

@@ -374,7 +374,8 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--precompile", type=int, default=None, metavar="N",
                        help="with --budget: N helper processes compile the configs the sweep tries next (its "
                             "seeds, its best's neighbours) while it times others; 0: none (default: "
-                            "$TRITUNE_PRECOMPILE, else the CPU cores less two, at most 8; none on the interpreter)")
+                            "$TRITUNE_PRECOMPILE, else the CPU cores less two, at most 8 and one per 10 GiB of GPU "
+                            "memory; none on the interpreter)")
         s.add_argument("--stop-after", default=None, metavar="DURATION",
                        help="with --budget: this call stops after DURATION (e.g. 8m); the time spent is in the "
                             "storage and the same command resumes with what is left of the budget")

@@ -17,8 +17,8 @@ launches are compiles); the inputs' random fill and a launcher's own torch ops (
 split-K buffer's zero fill) are the only GPU work, once per study. Under the interpreter there is nothing to
 compile and no helper is started.
 
-``TRITUNE_PRECOMPILE``: the number of helpers (default: the CPU cores less two, at most 8; ``0`` turns
-it off)."""
+``TRITUNE_PRECOMPILE``: the number of helpers (default: the CPU cores less two, at most 8, and at most one
+per 10 GiB of GPU memory; ``0`` turns it off)."""
 from __future__ import annotations
 
 import collections
@@ -30,9 +30,20 @@ MAX_HELPERS = 8
 _INPUTS_KEPT = 3   # studies whose inputs a helper keeps
 
 
+GIB_PER_HELPER = 10   # of GPU memory a default helper may take: its CUDA context and a few studies' inputs
+
+
+def _gpu_memory_gib() -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+
+
 def helpers_wanted() -> int:
-    """Helpers to start: ``TRITUNE_PRECOMPILE`` if set (0: none), else the CPU cores less two, at most 8;
-    none under the interpreter or without a GPU."""
+    """Helpers to start: ``TRITUNE_PRECOMPILE`` if set (0: none), else the CPU cores less two, at most 8
+    and at most one per ``GIB_PER_HELPER`` GiB of GPU memory (each holds a CUDA context and the inputs of
+    its last few studies, which must not crowd out the sweep's own trials: 8 on an 80 GB H100, 2 on a
+    24 GB card); none under the interpreter or without a GPU."""
     from tritune.harness import device as dev
 
     raw = os.environ.get(ENV, "").strip()
@@ -46,7 +57,9 @@ def helpers_wanted() -> int:
             raise ValueError(f"{ENV}={raw!r}: expected a number of helper processes >= 0 (0 turns them off)")
     if dev.interpreted() or dev.device() != "cuda":
         return 0
-    return min(64, n) if n is not None else max(0, min(MAX_HELPERS, (os.cpu_count() or 1) - 2))
+    if n is not None:
+        return min(64, n)
+    return max(0, min(MAX_HELPERS, (os.cpu_count() or 1) - 2, int(_gpu_memory_gib() // GIB_PER_HELPER)))
 
 
 # ---------------------------------------------------------------------------------------------------
