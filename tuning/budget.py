@@ -1178,7 +1178,7 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
     measured = _measured_trial_s(storage_obj, jobs) if storage_obj is not None else {}
     rows, est = [], {"seeds": 0.0, "search": 0.0, "retime": 0.0}
     spent = 0.0
-    n_open = 0
+    n_open = n_fill = 0
     for job in jobs:
         per = measured.get(job.spec.name, TRIAL_S.get(job.spec.name, TRIAL_S_OTHER))
         params = job.spec.space.params
@@ -1204,7 +1204,9 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
         n_local = len(neighbours(job.spec.space, centre, job.problem, job.dtype))
         after = n_seeds + max(patience, n_local)
         need = min(n_valid, after) if trials is None else min(n_valid, trials, after)
-        if led["stop"] not in DONE:
+        if _fill_cut_level(led):
+            n_fill += 1   # resumes in the fill (phase 3), not in phases 1 and 2
+        elif led["stop"] not in DONE:
             n_open += 1
             est["seeds"] += max(0, n_seeds - done) * per
             est["search"] += max(0, need - max(done, n_seeds)) * per
@@ -1219,12 +1221,13 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
     total = est["seeds"] + est["search"] + est["retime"] + (WORKER_START_S if n_open else 0.0)
     lines = [tabulate(rows, headers=head, disable_numparse=True), "",
              f"GPU type {slug}; warm start from {near or 'nothing'}; {len(jobs)} studies, {n_open} to run "
-             f"({len(jobs) - n_open} finished in the storage)",
-             f"budget {budget_s / 60:.1f} min, {spent / 60:.1f} min spent, {left / 60:.1f} min left: phase 1 runs "
-             f"every study's seeds; phase 2 gives each unfinished study an equal share of what is left "
-             f"(~{left / max(1, n_open):.1f} s each now, less the re-timing at the phase's end): "
-             f"its nearest buckets' bests, local search from its best (one-step neighbours, first improvement), "
-             f"then its sampler",
+             f"({len(jobs) - n_open - n_fill} finished in the storage"
+             + (f", {n_fill} resume the fill where an earlier call stopped it" if n_fill else "") + ")",
+             f"budget {budget_s / 60:.1f} min, {spent / 60:.1f} min spent, {left / 60:.1f} min left: "
+             + (f"phase 1 runs every study's seeds; phase 2 gives each unfinished study an equal share of what is "
+                f"left (~{left / n_open:.1f} s each now, less the re-timing at the phase's end): its nearest "
+                f"buckets' bests, local search from its best (one-step neighbours, first improvement), then its "
+                f"sampler" if n_open else "phases 1 and 2 have nothing left to run"),
              f"estimate (s/trial: * = compile + verify + time from the H100/H200 tuning logs, else measured in "
              f"this storage): seeds {est['seeds'] / 60:.1f} min + search to convergence (at least the best "
              f"seed's neighbours, and {patience} trials without a gain each) {est['search'] / 60:.1f} min + "
