@@ -321,16 +321,15 @@ def _reference(q, k, v, causal):
     return torch.softmax(s, -1) @ vd
 
 
-def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False) -> int:
+def check(schedules) -> list[dict]:
+    """Each schedule against float64 on small odd batches and heads, GQA, both dtypes, causal or not; the
+    output poisoned with NaN before each launch (every element must be written)."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tritune.harness.compare import tolerance
 
     torch.manual_seed(0)
-    rows, ok = [], True
-    # correctness first: small odd batches and heads, GQA, both dtypes
+    rows = []
     for dtype in (torch.bfloat16, torch.float16):
         for (B, H, HKV, T, D, c) in ((1, 3, 3, 256, 64, False), (2, 4, 2, 384, 128, True), (1, 2, 1, 512, 64, True),
                                      (3, 2, 2, 128, 128, False)):
@@ -339,26 +338,53 @@ def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False)
             v = torch.randn(B, HKV, T, D, device="cuda", dtype=dtype)
             ref = _reference(q, k, v, c)
             tol = tolerance(dtype)
-            for sch in SCHEDULES:
+            for sch in schedules:
+                err = None
                 try:
-                    o, launch = prepare(q, k, v, c, SCHEDULE=sch)   # poisoned: every element must be written
+                    o, launch = prepare(q, k, v, c, SCHEDULE=sch)
                     o.fill_(float("nan"))
                     launch()
                     torch.cuda.synchronize()
                     rel = ((o.double() - ref).norm() / ref.norm()).item()
                 except Exception as e:  # noqa: BLE001
-                    rel = float("nan")
-                    print(f"check schedule {sch} B={B} H={H}/{HKV} T={T} D={D} causal={c} {dtype}: "
-                          f"{type(e).__name__}: {e}"[:500])
+                    rel, err = float("nan"), f"{type(e).__name__}: {e}"[:500]
                 good = rel == rel and rel <= tol
-                ok &= good
                 print(f"check schedule {sch} B={B} H={H}/{HKV} T={T} D={D} causal={int(c)} {str(dtype)[6:]}: "
-                      f"rel {rel:.2e} (tol {tol:.1e}) {'ok' if good else 'WRONG'}")
+                      f"rel {rel:.2e} (tol {tol:.1e}) {'ok' if good else 'WRONG'}{' ' + err if err else ''}", flush=True)
                 rows.append({"check": True, "schedule": sch, "B": B, "H": H, "H_KV": HKV, "T": T, "D": D,
-                             "causal": c, "dtype": str(dtype), "rel_err": rel, "tol": tol, "ok": good})
-    if not ok:
-        print("wrong results: not timed")
-    elif not check_only:
+                             "causal": c, "dtype": str(dtype), "rel_err": rel, "tol": tol, "ok": good,
+                             **({"error": err} if err else {})})
+    return rows
+
+
+def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False) -> int:
+    """Each schedule checked in its own process (a schedule whose barriers deadlock hangs only that process,
+    which is killed after 150 s), then the correct ones timed at FA3's grid."""
+    import subprocess
+    import tempfile
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows, good = [], []
+    for sch in SCHEDULES:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            try:
+                r = subprocess.run([sys.executable, __file__, "--check-schedule", str(sch), "--out", f.name],
+                                   timeout=150, capture_output=True, text=True)
+                print(r.stdout, end="", flush=True)
+                got = json.load(open(f.name))["rows"] if r.returncode in (0, 1) else []
+                if r.returncode not in (0, 1):
+                    print(f"schedule {sch}: the check process failed (exit {r.returncode}): {r.stderr[-800:]}", flush=True)
+            except subprocess.TimeoutExpired:
+                print(f"schedule {sch}: the check did not finish in 150 s (a barrier deadlock?)", flush=True)
+                got = [{"check": True, "schedule": sch, "ok": False, "error": "timeout 150 s"}]
+        rows += got or [{"check": True, "schedule": sch, "ok": False, "error": "no result"}]
+        if got and all(x["ok"] for x in got):
+            good.append(sch)
+    print(f"correct schedules: {good}", flush=True)
+    if good and not check_only:
         from tritune.kernels.attention import attention as tritune_attention
         grid = [(16384 // T, T) for T in ((1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384))]
         for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16):
@@ -369,7 +395,7 @@ def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False)
                         q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype) for _ in range(3))
                         flops = 4 * B * H * T * T * D * (0.5 if causal else 1.0)
                         r = {"B": B, "H": H, "T": T, "D": D, "causal": causal, "dtype": str(dtype)}
-                        fns = {f"gluon_s{sch}": prepare(q, k, v, causal, SCHEDULE=sch)[1] for sch in SCHEDULES}
+                        fns = {f"gluon_s{sch}": prepare(q, k, v, causal, SCHEDULE=sch)[1] for sch in good}
                         fns["sdpa_default"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
                         def flash():
@@ -384,15 +410,15 @@ def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False)
                                 r[name + "_tflops"] = flops / ms / 1e9
                             except Exception as e:  # noqa: BLE001
                                 r[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
-                        best = min((r[f"gluon_s{sch}_us"] for sch in SCHEDULES if f"gluon_s{sch}_us" in r), default=None)
+                        best = min((r[f"gluon_s{sch}_us"] for sch in good if f"gluon_s{sch}_us" in r), default=None)
                         if best and "sdpa_default_us" in r:
                             r["best_gluon_vs_sdpa_default"] = r["sdpa_default_us"] / best
                         rows.append(r)
-                        print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in r.items()})
+                        print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in r.items()}, flush=True)
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    return 0 if ok else 1
+    return 0 if good else 1
 
 
 def main(argv=None) -> int:
@@ -400,6 +426,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="compile for sm90 offline and stop")
     ap.add_argument("--quick", action="store_true", help="bf16 and three sequence lengths only")
     ap.add_argument("--check-only", action="store_true", help="the float64 checks only, no timing")
+    ap.add_argument("--check-schedule", type=int, default=None, help=argparse.SUPPRESS)   # one schedule's checks
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.compile:
@@ -409,6 +436,12 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
         return 0 if all("error" not in r for r in res.values()) else 1
+    if a.check_schedule is not None:
+        rows = check([a.check_schedule])
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+        return 0 if all(r["ok"] for r in rows) else 1
     return run_gpu(a.out, a.quick, a.check_only)
 
 
