@@ -17,7 +17,12 @@ configs. What Triton's pipeliner does not give is FA3's structure, which Gluon c
 - causal: heaviest query tiles first, the diagonal tile masked, later tiles never loaded.
 
 Limits of the probe (not of the design): Tq and Tk multiples of 128, contiguous (B, H, T, D) tensors,
-D in {64, 128}, causal with Tq == Tk. Q/K/V/O are 2-D TMA descriptors over (B*H*T, D).
+D in {64, 128}, causal with Tq == Tk. Q/K/V/O are 2-D TMA descriptors over (B*H*T, D). The way past them,
+checked to compile for sm90 under triton 3.6: 4-D descriptors over the tensors' own (B, H, T, D) strides
+with blocks [1, 1, rows, D padded to a power of two] (TMA zero-fills the rows past T and the columns past
+D on loads and clips them on stores), the shared buffers viewed as 2-D for wgmma with ``.reshape``; the
+last K tile's columns past Tk masked to -inf; causal aligned bottom-right (key j visible to query i when
+j <= i + Tk - Tq).
 
     python lab/probes/gluon_fa3_attention.py --compile          # offline sm90 compile, any machine (no torch)
     python lab/probes/gluon_fa3_attention.py --out F.json       # GPU: check against float64, time at FA3's grid
