@@ -16,13 +16,14 @@ configs. What Triton's pipeliner does not give is FA3's structure, which Gluon c
   ping-pong on top of 1 (the warpgroups take turns issuing their GEMM pair, ordered by two mbarriers);
 - causal: heaviest query tiles first, the diagonal tile masked, later tiles never loaded.
 
-Limits of the probe (not of the design): Tq and Tk multiples of 128, contiguous (B, H, T, D) tensors,
-D in {64, 128}, causal with Tq == Tk. Q/K/V/O are 2-D TMA descriptors over (B*H*T, D). The way past them,
-checked to compile for sm90 under triton 3.6: 4-D descriptors over the tensors' own (B, H, T, D) strides
-with blocks [1, 1, rows, D padded to a power of two] (TMA zero-fills the rows past T and the columns past
-D on loads and clips them on stores), the shared buffers viewed as 2-D for wgmma with ``.reshape``; the
-last K tile's columns past Tk masked to -inf; causal aligned bottom-right (key j visible to query i when
-j <= i + Tk - Tq).
+Two descriptor forms (``RANK``): 2-D over (B*H*T, D) where the tensors are contiguous, Tq a multiple of
+128, Tk of the key tile and D a power of two (FA3's grid); else 4-D over the tensors' own (B, H, T, D)
+strides with blocks [1, 1, rows, D padded to a power of two] (TMA zero-fills the rows past T and the
+columns past D on loads and clips them on stores; the shared tiles are viewed as 2-D for wgmma with
+``.reshape``; the last key tile's columns past Tk are masked). Head dims: multiples of 16 up to 256
+(``plan``: 128-key tiles up to D 128, 64-key tiles above, so shared memory stays <= 192 KB and the
+consumers' registers hold S, the next S, P and the output); GQA; causal aligned bottom-right (key j
+visible to query i when j <= i + Tk - Tq), Tq <= Tk. Not yet: varlen, the LSE output, dropout.
 
     python lab/probes/gluon_fa3_attention.py --compile          # offline sm90 compile, any machine (no torch)
     python lab/probes/gluon_fa3_attention.py --out F.json       # GPU: check against float64, time at FA3's grid
@@ -52,40 +53,64 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, WG: gl.constexpr):
+def _tile(buf, RANK: gl.constexpr):
+    """A (rows, D) view of a TMA tile: the buffer itself (2-D descriptors), or its (1, 1, rows, D) view
+    reshaped (4-D descriptors over (B, H, T, D))."""
+    if RANK == 4:
+        return buf.reshape([buf.type.shape[2], buf.type.shape[3]])
+    else:
+        return buf
+
+
+@gluon.jit
+def _loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
+            WG: gl.constexpr):
     """The producer (one warp): Q of both consumers once, then K and V tiles into the ring."""
-    q_desc, k_desc, v_desc, o_desc = descs
+    q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
     q_smem, k_bufs, v_bufs = bufs
     q_bar, k_ready, v_ready, empty = bars[0], bars[1], bars[2], bars[3]
-    q_row0, kv_row0, n_tiles = scal[0], scal[1], scal[2]
+    q_row0, kv_row0, n_tiles, b, h, hk, q_start = scal[0], scal[1], scal[2], scal[6], scal[7], scal[8], scal[9]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
-    BN: gl.constexpr = k_bufs.type.shape[1]
+    BMc: gl.constexpr = q_smem.type.shape[RANK - 1]
+    BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
     for i in gl.static_range(2):
         mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + i * q_desc.block_type.shape[0], 0], q_bar.index(i),
-                                        q_smem.index(i))
+        if RANK == 4:
+            tma.async_copy_global_to_shared(q_desc, [b, h, q_start + i * BMc, 0], q_bar.index(i), q_smem.index(i))
+        else:
+            tma.async_copy_global_to_shared(q_desc, [q_row0 + i * BMc, 0], q_bar.index(i), q_smem.index(i))
     for j in range(n_tiles):
         s = j % STAGES
         ph = (j // STAGES) & 1
         mbarrier.wait(empty.index(s), ph ^ 1)          # both consumers done with the slot's last tile
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row0 + j * BN, 0], k_ready.index(s), k_bufs.index(s))
+        if RANK == 4:
+            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], k_ready.index(s), k_bufs.index(s))
+        else:
+            tma.async_copy_global_to_shared(k_desc, [kv_row0 + j * BN, 0], k_ready.index(s), k_bufs.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row0 + j * BN, 0], v_ready.index(s), v_bufs.index(s))
+        if RANK == 4:
+            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], v_ready.index(s), v_bufs.index(s))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [kv_row0 + j * BN, 0], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
-def _softmax(S, j, m_i, l_i, qk_scale, q_first, CAUSAL: gl.constexpr, dtype: gl.constexpr,
+def _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL: gl.constexpr, dtype: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Online softmax of S tile j (masked on the diagonal when causal). Returns (P as wgmma's register A
-    operand, the output's rescale factor in the output's row layout, m, l)."""
+    """Online softmax of S tile j: keys past Tk masked (a ragged last tile), and when causal the keys past
+    each row's diagonal (key j visible to query i when j <= i + offset, offset = Tk - Tq). Returns (P as
+    wgmma's register A operand, the output's rescale factor in the output's row layout, m, l)."""
     BMc: gl.constexpr = S.type.shape[0]
     BN: gl.constexpr = S.type.shape[1]
+    cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     if CAUSAL:
-        if (j + 1) * BN > q_first:   # the tile crosses the diagonal of some row of this warpgroup
-            rows = q_first + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
-            cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        if (j + 1) * BN > q_first + offset:   # the tile crosses the diagonal of some row of this warpgroup
+            rows = q_first + offset + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
             S = gl.where(cols[None, :] > rows[:, None], -float("inf"), S)
+    else:
+        if (j + 1) * BN > Tk:
+            S = gl.where(cols[None, :] >= Tk, -float("inf"), S)
     m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
     p = gl.exp2(S * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
@@ -95,7 +120,8 @@ def _softmax(S, j, m_i, l_i, qk_scale, q_first, CAUSAL: gl.constexpr, dtype: gl.
 
 
 @gluon.jit
-def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, WG: gl.constexpr):
+def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
+              WG: gl.constexpr):
     """One consumer warpgroup: 64 query rows against every K/V tile of the ring.
 
     SCHEDULE 0: QK^T of tile j+1 issued, the softmax of tile j under it, then P_j @ V_j; 1 (FA3's order):
@@ -105,17 +131,19 @@ def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.conste
     o_desc = descs[3]
     q_smem, k_bufs, v_bufs = bufs
     q_bar, k_ready, v_ready, empty, sched = bars
-    q_row0, n_tiles, qk_scale, Tq = scal[0], scal[2], scal[3], scal[4]
+    q_row0, n_tiles, qk_scale, Tq, Tk = scal[0], scal[2], scal[3], scal[4], scal[5]
+    b, h, q_start = scal[6], scal[7], scal[9]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
-    D: gl.constexpr = k_bufs.type.shape[2]
-    BN: gl.constexpr = k_bufs.type.shape[1]
-    BMc: gl.constexpr = q_smem.type.shape[1]
+    D: gl.constexpr = k_bufs.type.shape[RANK]
+    BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
+    BMc: gl.constexpr = q_smem.type.shape[RANK - 1]
     dt: gl.constexpr = v_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    q_first = q_row0 % Tq + WG * BMc   # this warpgroup's first query position in its sequence
+    q_first = q_start + WG * BMc   # this warpgroup's first query position in its sequence
+    offset = Tk - Tq
 
-    q = q_smem.index(WG)
+    q = _tile(q_smem.index(WG), RANK)
     mbarrier.wait(q_bar.index(WG), 0)
     m_i = gl.full([BMc], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BMc], gl.float32, gl.SliceLayout(1, s_layout))
@@ -123,77 +151,87 @@ def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.conste
     s0 = gl.zeros([BMc, BN], gl.float32, s_layout)
 
     mbarrier.wait(k_ready.index(0), 0)
-    S = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+    S = warpgroup_mma(q, _tile(k_bufs.index(0), RANK).permute((1, 0)), s0, use_acc=False, is_async=True)
     S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
     if SCHEDULE == 0:
         for j in range(n_tiles - 1):
             sn = (j + 1) % STAGES
             mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
-            S_next = warpgroup_mma(q, k_bufs.index(sn).permute((1, 0)), s0, use_acc=False, is_async=True)
-            p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, CAUSAL, dt, s_layout, o_layout)
+            S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
+                                   is_async=True)
+            p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
+                                             o_layout)
             acc = acc * alpha[:, None]
             mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_bufs.index(j % STAGES), acc, is_async=True)
+            acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
             S_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(S_next, acc))
             mbarrier.arrive(empty.index(j % STAGES), count=1)
             S = S_next
         j = n_tiles - 1
-        p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, CAUSAL, dt, s_layout, o_layout)
+        p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
+                                         o_layout)
         acc = acc * alpha[:, None]
     else:
-        p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, CAUSAL, dt, s_layout, o_layout)
+        p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
+                                         o_layout)
         for j in range(n_tiles - 1):
             sn = (j + 1) % STAGES
             mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
             mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
             if SCHEDULE == 2:   # this warpgroup's turn to issue (the first warpgroup's first turn is free)
                 mbarrier.wait(sched.index(WG), (j & 1) ^ (1 - WG))
-            S_next = warpgroup_mma(q, k_bufs.index(sn).permute((1, 0)), s0, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_bufs.index(j % STAGES), acc, is_async=True)
+            S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
+                                   is_async=True)
+            acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
             if SCHEDULE == 2:
                 mbarrier.arrive(sched.index(1 - WG), count=1)
             S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))   # QK^T done, P_j @ V_j running
-            p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, CAUSAL, dt, s_layout,
-                                             o_layout)
+            p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt,
+                                             s_layout, o_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(j % STAGES), count=1)
             acc = acc * alpha[:, None]
         j = n_tiles - 1
     mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_bufs.index(j % STAGES), acc, is_async=True)
+    acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index(j % STAGES), count=1)
 
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    q.store(out.to(q_smem.dtype))          # Q's buffer is this warpgroup's own: it holds O on the way out
+    q.store(out.to(dt))          # Q's buffer is this warpgroup's own: it holds O on the way out
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row0 + WG * BMc, 0], q)
+    if RANK == 4:   # rows past Tq and columns past D are clipped by the descriptor
+        tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], q_smem.index(WG))
+    else:
+        tma.async_copy_shared_to_global(o_desc, [q_row0 + WG * BMc, 0], q_smem.index(WG))
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, num_warps: gl.constexpr):
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
+             num_warps: gl.constexpr):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    BMc: gl.constexpr = q_desc.block_type.shape[0]
-    BN: gl.constexpr = k_desc.block_type.shape[0]
-    D: gl.constexpr = k_desc.block_type.shape[1]
+    BMc: gl.constexpr = q_desc.block_type.shape[RANK - 2]
+    BN: gl.constexpr = k_desc.block_type.shape[RANK - 2]
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
     if CAUSAL:   # the longest rows first
         pid_m = gl.num_programs(0) - 1 - pid_m
     b = bh // H
     h = bh % H
-    q_row0 = bh * Tq + pid_m * (2 * BMc)
-    kv_row0 = (b * H_KV + h // (H // H_KV)) * Tk
-    if CAUSAL:
-        n_tiles = gl.cdiv((pid_m + 1) * (2 * BMc), BN)
+    hk = h // (H // H_KV)
+    q_start = pid_m * (2 * BMc)
+    q_row0 = bh * Tq + q_start
+    kv_row0 = (b * H_KV + hk) * Tk
+    if CAUSAL:   # keys up to the diagonal of the CTA's last row (bottom-right aligned)
+        n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
     else:
-        n_tiles = Tk // BN
+        n_tiles = gl.cdiv(Tk, BN)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BMc, D], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -210,11 +248,11 @@ def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV,
     descs = (q_desc, k_desc, v_desc, o_desc)
     bufs = (q_smem, k_bufs, v_bufs)
     bars = (q_bar, k_ready, v_ready, empty, sched)
-    scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq)
+    scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start)
     gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 0)),
-        (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 1)),
-        (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 1)),
+        (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0)),
+        (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
+        (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
     ], [4, 1], [240, 24])
 
 
@@ -226,47 +264,82 @@ def _gl_dtype(torch_dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
 
 
-def fa3_attention(q, k, v, causal: bool, sm_scale: float | None = None, BN: int = 128, STAGES: int | None = None,
-                  SCHEDULE: int = 2, maxnreg: int = 168):
-    """q (B, H, Tq, D), k and v (B, H_KV, Tk, D), contiguous bf16/fp16; T multiples of 128. Returns o."""
-    o, launch = prepare(q, k, v, causal, sm_scale, BN, STAGES, SCHEDULE, maxnreg)
+def fa3_attention(q, k, v, causal: bool, sm_scale: float | None = None, **kw):
+    """q (B, H, Tq, D), k and v (B, H_KV, Tk, D), bf16/fp16. Returns o (B, H, Tq, D)."""
+    o, launch = prepare(q, k, v, causal, sm_scale, **kw)
     launch()
     return o
 
 
-def prepare(q, k, v, causal: bool, sm_scale: float | None = None, BN: int = 128, STAGES: int | None = None,
-            SCHEDULE: int = 2, maxnreg: int = 168):
-    """(o, a callable launching the kernel into o with descriptors built once): what the timing runs."""
+def _pow2(n: int) -> int:
+    return 1 << max(4, (n - 1).bit_length())
+
+
+def plan(D: int) -> tuple[int, int, int]:
+    """(D padded to a power of two, BN, STAGES) for a head dim: shared memory <= 192 KB, and at D 256 a
+    64-key tile so the consumers' 240 registers hold S, the next S, P and the output."""
+    Dp = _pow2(D)
+    return Dp, (128 if Dp <= 128 else 64), (3 if Dp <= 64 else 2)
+
+
+def prepare(q, k, v, causal: bool, sm_scale: float | None = None, BN: int | None = None, STAGES: int | None = None,
+            SCHEDULE: int = 2, maxnreg: int = 168, rank: int | None = None):
+    """(o, a callable launching the kernel into o with descriptors built once): what the timing runs.
+    ``rank`` 2: descriptors over (B*H*T, D) (contiguous tensors, Tq a multiple of 128, Tk of BN, D a power
+    of two); 4: over (B, H, T, D) with the tensors' strides (any T, D a multiple of 16 up to 256, any
+    strides TMA takes); default: 2 where it applies."""
+    import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, H, Tq, D = q.shape
     H_KV, Tk = k.shape[1], k.shape[2]
-    if Tq % (CONSUMERS * BM) or Tk % BN or D not in (64, 128) or H % H_KV or (causal and Tq != Tk):
-        raise ValueError(f"gluon_fa3_attention: unsupported shape q {tuple(q.shape)} k {tuple(k.shape)} "
-                         f"(T multiples of {CONSUMERS * BM} and {BN}, D 64 or 128, causal with Tq == Tk)")
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    o = q.new_empty(q.shape)
+    Dp, bn, st = plan(D)
+    BN, STAGES = BN or bn, STAGES or st
+    why = None
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        why = "bf16 or fp16, one dtype"
+    elif D % 16 or D > 256 or H % H_KV or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        why = "D a multiple of 16 up to 256, H a multiple of H_KV, k and v alike"
+    elif causal and Tq > Tk:
+        why = "causal with Tq <= Tk"
+    elif any(t.stride(-1) != 1 or any((st_ * t.element_size()) % 16 for st_ in t.stride()[:-1]) for t in (q, k, v)):
+        why = "the last dim contiguous and the other strides 16-byte multiples (TMA)"
+    if why:
+        raise ValueError(f"gluon_fa3_attention: unsupported q {tuple(q.shape)} {tuple(q.stride())}, "
+                         f"k {tuple(k.shape)}: {why}")
+    flat = all(t.is_contiguous() for t in (q, k, v)) and Tq % (CONSUMERS * BM) == 0 and Tk % BN == 0 and D == Dp
+    rank = rank or (2 if flat else 4)
+    if rank == 2 and not flat:
+        raise ValueError("gluon_fa3_attention: rank 2 needs contiguous tensors, Tq % 128 == 0, Tk % BN == 0, "
+                         "D a power of two")
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dt = _gl_dtype(q.dtype)
-    lq = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
-    lkv = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, D), [BM, D], lq)
-    o_desc = TensorDescriptor.from_tensor(o.view(-1, D), [BM, D], lq)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [BN, D], lkv)
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [BN, D], lkv)
+    if rank == 2:
+        lq = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
+        lkv = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+        q_desc = TensorDescriptor.from_tensor(q.view(-1, D), [BM, D], lq)
+        o_desc = TensorDescriptor.from_tensor(o.view(-1, D), [BM, D], lq)
+        k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [BN, D], lkv)
+        v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [BN, D], lkv)
+    else:
+        lq = gl.NVMMASharedLayout.get_default_for([1, 1, BM, Dp], dt)
+        lkv = gl.NVMMASharedLayout.get_default_for([1, 1, BN, Dp], dt)
+        q_desc, o_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BM, Dp], lq) for t in (q, o))
+        k_desc, v_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BN, Dp], lkv) for t in (k, v))
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)) * LOG2E
-    grid = (Tq // (CONSUMERS * BM), B * H)
-    stages = STAGES or (2 if D == 128 else 3)
+    grid = (triton.cdiv(Tq, CONSUMERS * BM), B * H)
 
     def launch():
-        _fa3_fwd[grid](q_desc, k_desc, v_desc, o_desc, scale, Tq, Tk, H, H_KV, STAGES=stages, CAUSAL=causal,
-                       SCHEDULE=SCHEDULE, num_warps=4, maxnreg=maxnreg)
+        _fa3_fwd[grid](q_desc, k_desc, v_desc, o_desc, scale, Tq, Tk, H, H_KV, STAGES=STAGES, CAUSAL=causal,
+                       SCHEDULE=SCHEDULE, RANK=rank, num_warps=4, maxnreg=maxnreg)
     return o, launch
 
 
-def compile_offline(points=((64, 128, 3), (128, 128, 2)), causal=(False, True), schedules=(0, 1, 2),
-                    maxnreg=168) -> dict:
-    """Compile for sm90 without a GPU: (D, BN, STAGES) points x causal x schedules. Shared memory, the
-    wgmma / setmaxnreg / TMA counts in the PTX, and ptxas's registers and spills."""
+def compile_offline(points=((2, 64), (2, 128), (4, 32), (4, 80), (4, 128), (4, 192), (4, 256)),
+                    causal=(False, True), schedules=(0, 1, 2), maxnreg=168) -> dict:
+    """Compile for sm90 without a GPU: (descriptor rank, D) points (``plan(D)``'s tiles) x causal x
+    schedules. Shared memory, the wgmma / setmaxnreg / TMA counts in the PTX, and ptxas's registers and
+    spills."""
     import os
     import re
     import subprocess
@@ -278,19 +351,23 @@ def compile_offline(points=((64, 128, 3), (128, 128, 2)), causal=(False, True), 
 
     ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
     out = {}
-    for D, BN, STAGES in points:
+    for rank, D in points:
+        Dp, BN, STAGES = plan(D)
+        lead = [1, 1] if rank == 4 else []
         for c in causal:
             for sch in schedules:
-                lq = gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16)
-                lkv = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
-                dq, dkv = f"tensordesc<bf16[{BM}, {D}],{lq!r}>", f"tensordesc<bf16[{BN}, {D}],{lkv!r}>"
+                lq = gl.NVMMASharedLayout.get_default_for(lead + [BM, Dp], gl.bfloat16)
+                lkv = gl.NVMMASharedLayout.get_default_for(lead + [BN, Dp], gl.bfloat16)
+                bq, bkv = ", ".join(map(str, lead + [BM, Dp])), ", ".join(map(str, lead + [BN, Dp]))
+                dq, dkv = f"tensordesc<bf16[{bq}],{lq!r}>", f"tensordesc<bf16[{bkv}],{lkv!r}>"
                 sig = {"q_desc": dq, "k_desc": dkv, "v_desc": dkv, "o_desc": dq, "qk_scale": "fp32", "Tq": "i32",
                        "Tk": "i32", "H": "i32", "H_KV": "i32", "STAGES": "constexpr", "CAUSAL": "constexpr",
-                       "SCHEDULE": "constexpr", "num_warps": "constexpr"}
+                       "SCHEDULE": "constexpr", "RANK": "constexpr", "num_warps": "constexpr"}
                 names = list(sig)
                 consts = {(names.index("STAGES"),): STAGES, (names.index("CAUSAL"),): c,
-                          (names.index("SCHEDULE"),): sch, (names.index("num_warps"),): 4}
-                key = f"D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
+                          (names.index("SCHEDULE"),): sch, (names.index("RANK"),): rank,
+                          (names.index("num_warps"),): 4}
+                key = f"rank={rank},D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
                 try:
                     src = GluonASTSource(_fa3_fwd, sig, constexprs=consts)
                     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -320,27 +397,37 @@ def _reference(q, k, v, causal):
     g = q.shape[1] // k.shape[1]
     qd, kd, vd = q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
     s = qd @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        T = q.shape[2]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if causal:   # bottom-right: key j visible to query i when j <= i + Tk - Tq
+        Tq, Tk = q.shape[2], k.shape[2]
+        s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(1 + Tk - Tq), float("-inf"))
     return torch.softmax(s, -1) @ vd
 
 
 def check(schedules) -> list[dict]:
-    """Each schedule against float64 on small odd batches and heads, GQA, both dtypes, causal or not; the
-    output poisoned with NaN before each launch (every element must be written)."""
+    """Each schedule against float64, both dtypes, causal or not; the output poisoned with NaN before each
+    launch (every element must be written). The flat path (rank 2) on small odd batches and heads and GQA;
+    the general one (rank 4) on ragged lengths, every head-dim class, Tq < Tk and (B, T, H, D) views."""
     import torch
 
     from tritune.harness.compare import tolerance
 
     torch.manual_seed(0)
     rows = []
+    shapes = ((1, 3, 3, 256, 256, 64, False, False), (2, 4, 2, 384, 384, 128, True, False),
+              (1, 2, 1, 512, 512, 64, True, False), (3, 2, 2, 128, 128, 128, False, False),
+              (2, 4, 2, 200, 333, 80, False, False), (1, 3, 1, 77, 77, 32, True, False),
+              (1, 2, 2, 130, 260, 256, True, False), (2, 2, 1, 128, 192, 192, False, False),
+              (1, 2, 2, 100, 100, 96, True, False), (1, 2, 2, 256, 129, 160, False, False),
+              (1, 4, 4, 256, 256, 128, True, True), (2, 4, 2, 150, 300, 64, False, True))
     for dtype in (torch.bfloat16, torch.float16):
-        for (B, H, HKV, T, D, c) in ((1, 3, 3, 256, 64, False), (2, 4, 2, 384, 128, True), (1, 2, 1, 512, 64, True),
-                                     (3, 2, 2, 128, 128, False)):
-            q = torch.randn(B, H, T, D, device="cuda", dtype=dtype)
-            k = torch.randn(B, HKV, T, D, device="cuda", dtype=dtype)
-            v = torch.randn(B, HKV, T, D, device="cuda", dtype=dtype)
+        for (B, H, HKV, Tq, Tk, D, c, btHd) in shapes:
+            if btHd:   # (B, T, H, D) buffers seen as (B, H, T, D): strided, not contiguous
+                q = torch.randn(B, Tq, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+                k, v = (torch.randn(B, Tk, HKV, D, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(2))
+            else:
+                q = torch.randn(B, H, Tq, D, device="cuda", dtype=dtype)
+                k, v = (torch.randn(B, HKV, Tk, D, device="cuda", dtype=dtype) for _ in range(2))
+            T = f"{Tq}x{Tk}{' (B,T,H,D)' if btHd else ''}"
             ref = _reference(q, k, v, c)
             tol = tolerance(dtype)
             for sch in schedules:
@@ -357,7 +444,8 @@ def check(schedules) -> list[dict]:
                 print(f"check schedule {sch} B={B} H={H}/{HKV} T={T} D={D} causal={int(c)} {str(dtype)[6:]}: "
                       f"rel {rel:.2e} (tol {tol:.1e}) {'ok' if good else 'WRONG'}{' ' + err if err else ''}", flush=True)
                 rows.append({"check": True, "schedule": sch, "B": B, "H": H, "H_KV": HKV, "T": T, "D": D,
-                             "causal": c, "dtype": str(dtype), "rel_err": rel, "tol": tol, "ok": good,
+                             "Tq": Tq, "Tk": Tk, "strided": btHd, "causal": c, "dtype": str(dtype), "rel_err": rel,
+                             "tol": tol, "ok": good,
                              **({"error": err} if err else {})})
     return rows
 
