@@ -512,9 +512,6 @@ def _prefetch_study(job, study) -> None:
                         if search.config_key(c, job.spec.space.params) not in taken])
 
 
-_SEED_ATTRS = ("default", "warm", "previous", "seeded", "bucket_seed")
-
-
 def runners_up(trials, inc, beam: int, params: dict, within: float | None = None) -> list:
     """Up to ``beam`` complete trials of distinct configs other than the incumbent ``inc``'s, within
     ``within`` (``RUNNER_UP``) of its time: seeds (the default, the stored, warm and nearest buckets'
@@ -528,7 +525,8 @@ def runners_up(trials, inc, beam: int, params: dict, within: float | None = None
     out = []
     ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
           and t.value <= inc.value * (1.0 + within)]
-    for t in sorted(ok, key=lambda t: (not any(t.user_attrs.get(k) for k in _SEED_ATTRS), t.value, t.number)):
+    seeds = SEED_ATTRS + ("bucket_seed",)
+    for t in sorted(ok, key=lambda t: (not any(t.user_attrs.get(k) for k in seeds), t.value, t.number)):
         key = search.config_key(t.params, params)
         if key not in seen:
             seen.add(key)
@@ -988,11 +986,10 @@ def _fill(jobs, studies, runner, budget: Budget, *, patience: int, min_gain: flo
                              beam=BEAM)
         for job, why, _ in turns:
             (cut.add if why == "budget" else cut.discard)(job.name)
-            st = studies[job.name]
-            led = ledger(st)
-            if (why == "budget") != bool(led.get("fill_cut")) or (why == "budget" and led["fill_cut"] != level):
-                led.pop("fill_cut", None)
-                st.set_user_attr(LEDGER, {**led, **({"fill_cut": level} if why == "budget" else {})})
+            led, mark = ledger(studies[job.name]), (level if why == "budget" else None)
+            if led.get("fill_cut") != mark:   # where a later call resumes it (see _fill_cut_level)
+                led = {k: v for k, v in led.items() if k != "fill_cut"}
+                studies[job.name].set_user_attr(LEDGER, {**led, **({"fill_cut": mark} if mark else {})})
             b, a = before[job.name], search.study_stats(studies[job.name]).get("best_us")
             gain[job.name] = (b / a - 1.0) if (a and b) else 0.0
         if not any(n for _, _, n in turns) and not cut & {j.name for j, _, _ in turns}:

@@ -42,8 +42,8 @@ def _gpu_memory_gib() -> float:
 def helpers_wanted() -> int:
     """Helpers to start: ``TRITUNE_PRECOMPILE`` if set (0: none), else the CPU cores less two, at most 8
     and at most one per ``GIB_PER_HELPER`` GiB of GPU memory (each holds a CUDA context and the inputs of
-    its last few studies, which must not crowd out the sweep's own trials: 8 on an 80 GB H100, 2 on a
-    24 GB card); none under the interpreter or without a GPU."""
+    its last few studies, which must not crowd out the sweep's own trials: 7 on an 80 GB H100, 8 on an
+    H200, 2 on a 24 GB card); none under the interpreter or without a GPU."""
     from tritune.harness import device as dev
 
     raw = os.environ.get(ENV, "").strip()
