@@ -101,6 +101,8 @@ def main(argv=None) -> int:
 
     from tabulate import tabulate
 
+    from tritune.tuning import store
+
     new, old = load(Path(args.new)), load(Path(args.old))
     both = sorted(set(new) & set(old))
     if not both:
@@ -146,10 +148,16 @@ def main(argv=None) -> int:
     print(tabulate(rows, headers=["kernel", "bucket", "dtype", "budgeted µs", "committed µs", "ratio", "config",
                                   "budget winner", "timer", ""], disable_numparse=True))
     only_old = sorted(set(old) - set(new))
+    # stored configs of launches that are no kernel (the fused decode step: `tritune tune-decode`, not `tune all`)
+    apart = [k for k in only_old if k[0] in store.CONFIG_KINDS]
+    only_old = [k for k in only_old if k[0] not in store.CONFIG_KINDS]
+    if apart:
+        print(f"\n{len(apart)} committed entries of launches that `tune all` does not tune (tritune tune-decode): "
+              + ", ".join(f"{k} {b} {d}" for k, b, d in apart))
     if only_old:
         print(f"\n{len(only_old)} committed buckets the budgeted run did not export: "
               + ", ".join(f"{k} {b} {d}" for k, b, d in only_old[:12]) + (" ..." if len(only_old) > 12 else ""))
-    verdict = {"compared": len(ratios), "committed": len(old), "missing": len(only_old) + len(both) - len(ratios),
+    verdict = {"compared": len(ratios), "committed": len(old) - len(apart), "missing": len(only_old) + len(both) - len(ratios),
                "how": "re-timed side by side, interleaved, one process" if args.retime else "recorded times"}
     if ratios:
         g = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
         status = ("MET" if met else "NOT MET") if not verdict["missing"] else ("INCOMPLETE" if met else "NOT MET")
         verdict.update(geomean=round(g, 4), worst=round(worst, 4), worst_bucket=" ".join(wkey),
                        worse_than_target=n_worse, status=status)
-        print(f"\ngeomean budgeted/committed {g:.4f} over {len(ratios)} of {len(old)} committed buckets "
+        print(f"\ngeomean budgeted/committed {g:.4f} over {len(ratios)} of {verdict['committed']} committed buckets "
               f"({verdict['how']}); worst {worst:.3f} ({' '.join(wkey)}); {n_worse} bucket(s) worse than "
               f"{args.worst_target:.2f}; target: geomean <= {args.geomean_target:.2f}, none worse than "
               f"{args.worst_target:.2f} -> {status}")

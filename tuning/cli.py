@@ -245,6 +245,9 @@ def _tune(args) -> int:
             print(tb.summary_table(rows, budget, __import__("time").time() - t0))
             if any((r.get("ledger") or {}).get("stop") not in tb.DONE for r in rows) and tb.spent_s(rows) < budget:
                 print("budget left and studies unfinished: run the same command again to resume")
+            if "all" in args.kernels:   # the model's fused decode step is stored beside the kernels but is no bucket
+                print("the fused decode step (a model's launch, not a kernel bucket) is tuned apart: "
+                      "tritune tune-decode --shape gpt2-small --batches 1,8 --export")
         else:
             rows = search.tune(specs, problems, args.dtype, trials=trials, sampler=args.sampler, workers=args.workers,
                                time_budget=args.time_budget, seed_configs=seeds, **common)
