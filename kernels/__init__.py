@@ -122,6 +122,10 @@ class KernelSpec:
     peers: dict = field(default_factory=dict)       # name -> peer(case) -> zero-arg callable or None
     bad_inputs: Callable | None = None              # bad_inputs(device) -> [(label, thunk, exc_type)]
     interpreter_skip: dict = field(default_factory=dict)  # dtype -> reason it cannot run interpreted
+    # seeds(problem, dtype) -> [config]: points every tuning study tries first, beside the default and the
+    # stored entry: the way into a region of the space that one-step moves do not reach (attention's Gluon
+    # kernel fixes five keys at once); invalid ones are skipped
+    seeds: Callable | None = None
     description: str = ""
 
     def config_for(self, problem, dtype, config: dict | None = None) -> dict:

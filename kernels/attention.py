@@ -21,7 +21,11 @@ WARP_SPEC picks the unmasked key loop's schedule: 1 asks Triton to warp-speciali
 MMA consumer), 2 issues each key block's scores one block ahead, so q·kᵀ of block j+1 runs on the
 tensor cores while block j's exponentials run. LAZY_RESCALE=1 rescales acc only when a row max grew
 by more than 2^8. A layout TMA cannot read (D not unit-stride, rows or bases not 16-byte aligned) runs
-the pointer path.
+the pointer path. WARP_SPEC 3, 4, 5 (sm90 only, fp16/bf16, dense) run another kernel: FlashAttention-3's
+structure written in Gluon (``kernels/_attention_gluon.py``: two consumer warpgroups and a one-warp TMA
+producer in warp-specialized partitions, schedule WARP_SPEC − 3); a call it does not take (an lse
+output, a negative scale, a layout or base TMA cannot read, no keys) runs the plain kernel with the
+default config instead.
 
 GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
 take the same kernel with per-sequence offsets read from cu_seqlens.
@@ -39,6 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune import kernels as K
 from tritune.harness import strategies as S
+from tritune.kernels import _attention_gluon as G
 from tritune.references import attention as ref
 
 LOG2E = 1.4426950408889634
@@ -397,6 +402,8 @@ class _Plan:
     cfg: dict | None = None
     cfg_key: tuple | None = None     # the config-cache key a tuned/default config came from (K.PlanCache)
     meta_ptr: dict = field(default_factory=dict)  # meta on the pointer path (TMA refused by the addresses)
+    gluon: dict | None = None        # the Gluon FA3 kernel's launch arguments (WARP_SPEC 3-5), else None
+    fallback: "_Plan | None" = None  # with gluon: the plain kernel's plan (default config) for bases TMA refuses
 
 
 def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse: bool,
@@ -407,6 +414,8 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
     16-byte aligned (checked per launch: the plan is keyed on strides, not addresses). ``host_ok``: the
     4-D (B, H, T, D) views also suit host-built descriptors (dense, no zero stride); else TMA=2 runs TMA=1."""
     cfg = spec.config_for(p, dtype, config)
+    if cfg["WARP_SPEC"] >= 3:
+        return _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_m = triton.cdiv(p.Tq, block_m)
     num_bh = p.B * p.Hq
@@ -428,6 +437,21 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
         # scale < 0: the kernel negates q and takes |scale| (negating fp16/bf16/fp32 is exact)
         meta=meta, meta_ptr=dict(meta, TMA=0, WARP_SPEC=0 if meta["WARP_SPEC"] == 1 else meta["WARP_SPEC"])
         if meta["TMA"] else meta)
+
+
+def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> _Plan:
+    """A WARP_SPEC 3-5 config: the Gluon kernel where it takes the call, else the plain kernel with the
+    default config (an lse output, a negative scale, strides TMA cannot read or no keys; the config itself
+    was already checked against the problem: sm90, fp16/bf16, dense, causal with Tq <= Tk)."""
+    scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
+    plain = _plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
+    plain.cfg_key = None if config is not None else spec.config_key(p, dtype)
+    if varlen or store_lse or scale_f < 0 or not (tma_ok and host_ok):
+        return plain
+    return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
+                 gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],
+                            schedule=cfg["WARP_SPEC"] - 3),
+                 fallback=plain)
 
 
 def _tma_strides_ok(e: int, *tensor_strides) -> bool:
@@ -493,8 +517,9 @@ def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> _Plan:
                and min(B, Hq, Hkv, Tq, Tk) > 0)
     plan = _plan(SPEC, Problem(B, Hq, Hkv, Tq, Tk, D, bool(causal)), config, q.dtype, scale, d_contig,
                  False, bool(return_lse), tma_ok, host_ok)
-    plan.out_shape = shape
-    plan.strides = (*q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides)
+    for pl in (plan, plan.fallback) if plan.fallback is not None else (plan,):
+        pl.out_shape = shape
+        pl.strides = (*q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides)
     return plan
 
 
@@ -546,6 +571,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
     else:
         K.check_no_alias(out, (("q", q), ("k", k), ("v", v)))
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
+    if plan.gluon is not None:
+        if _aligned(q, k, v, out):
+            G.launch(q, k, v, out, **plan.gluon)
+            return out
+        plan = plan.fallback   # a base TMA cannot read (e.g. a view one element in)
     if plan.grid:
         meta = _launch_meta(plan, q, k, v, out)
         _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, q, q, *_descs(meta, q, k, v, out),
@@ -708,7 +738,9 @@ SPACE = K.Space(
         # its softmax), and lazy softmax rescaling. The loop schedule shares one key so that configs
         # stored before schedule 2 existed stay points of the space.
         "TMA": [0, 1, 2],
-        "WARP_SPEC": [0, 1, 2],
+        # 3, 4, 5: the Gluon FA3-structured kernel (kernels/_attention_gluon.py), its GEMM schedule 0, 1, 2
+        # (2: the two warpgroups ping-pong); it fixes 128-row CTAs of 4 + 4 + 1 warps and host-built descriptors
+        "WARP_SPEC": [0, 1, 2, 3, 4, 5],
         "LAZY_RESCALE": [0, 1],
     },
 )
@@ -750,7 +782,38 @@ def smem_bytes(c, D: int, dtype) -> int:
     return e * (c["BLOCK_M"] * bd + 2 * buffers * c["BLOCK_N"] * bd + c["BLOCK_M"] * c["BLOCK_N"] + o_stage)
 
 
+def _gluon_constraint(c, p, dtype) -> str | None:
+    """The Gluon path's points: one canonical value of every key it does not read, its own tiles."""
+    from tritune.harness import device as dev
+
+    if dev.interpreted() or not G.AVAILABLE or capability()[0] != 9:
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel) run on sm90 GPUs only (not the interpreter)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): fp16 and bf16 only"
+    if isinstance(p, VarlenProblem):
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): dense batches only (varlen runs the plain kernel)"
+    if p.causal and p.Tq > p.Tk:
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): causal needs Tq <= Tk"
+    if (c["BLOCK_M"], c["num_warps"], c["HEADS_INNER"], c["TMA"], c["LAZY_RESCALE"]) != (G.ROWS, 4, 0, 2, 0):
+        return ("WARP_SPEC 3-5 (the Gluon FA3 kernel) take BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, "
+                "LAZY_RESCALE=0 (the keys it does not read, fixed)")
+    bd = triton.next_power_of_2(p.D)
+    if c["BLOCK_N"] not in ((64, 128) if bd <= 128 else (64,)):
+        # two score tiles and the output per consumer thread: 240 registers hold 128-key tiles up to D=128
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): BLOCK_N 64 or 128 up to D=128, 64 past it"
+    if not 2 <= c["num_stages"] <= 4:
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): 2 to 4 stages"
+    if not _SMEM:
+        _SMEM.append(_smem_budget())
+    need = G.smem_bytes(p.D, c["BLOCK_N"], c["num_stages"])
+    if need > _SMEM[0]:
+        return f"needs {need} B of shared memory (budget {_SMEM[0]})"
+    return None
+
+
 def _constraint(c, p, dtype) -> str | None:
+    if c["WARP_SPEC"] >= 3:
+        return _gluon_constraint(c, p, dtype)
     bm, bn, w = c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]
     if bm > max(16, triton.next_power_of_2(p.Tq)):
         return "BLOCK_M larger than the queries"
@@ -827,6 +890,17 @@ def default_config(p, dtype) -> dict:
     while SPACE.constraint(cfg, p, dtype) and cfg["BLOCK_N"] > 16:  # D=256 with few warps: smaller key blocks
         cfg["BLOCK_N"] //= 2
     return cfg
+
+
+def gluon_seeds(p, dtype) -> list[dict]:
+    """Every tuning study's way into the Gluon kernel (WARP_SPEC 3-5 fix five keys at once, which no
+    one-step move reaches): FA3's two schedules at the tile the probe measured (128-key tiles up to D=128,
+    64 past it; 3 stages up to D=64, else 2). Nothing where the kernel cannot run."""
+    bd = triton.next_power_of_2(p.D)
+    base = dict(default_config(p, dtype), BLOCK_M=G.ROWS, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
+                BLOCK_N=128 if bd <= 128 else 64, num_stages=3 if bd <= 64 else 2)
+    seeds = [dict(base, WARP_SPEC=w) for w in (4, 5)]
+    return [c for c in seeds if not SPACE.why_invalid(c, p, dtype)]
 
 
 def varlen_default_config(p, dtype) -> dict:
@@ -1100,6 +1174,7 @@ SPEC = K.register(K.KernelSpec(
     vendor_name="sdpa (torch's default dispatch)",
     peers={"sdpa_flash": _sdpa_peer("FLASH_ATTENTION"), "sdpa_efficient": _sdpa_peer("EFFICIENT_ATTENTION"),
            "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION"), "flex": _flex},
+    seeds=gluon_seeds,
     **_COMMON,
 ))
 

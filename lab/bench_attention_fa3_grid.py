@@ -76,6 +76,17 @@ def sweep_new(default: dict, D: int, causal: bool) -> list[dict]:
     return _unique(cands)
 
 
+def sweep_gluon(default: dict, D: int) -> list[dict]:
+    """The Gluon FA3-structured kernel (attention's WARP_SPEC 3-5) beside the default: FA3's two schedules
+    (4: intra-warpgroup overlap, 5: plus ping-pong) at 64- and 128-key tiles, 2 and 3 stages (the space
+    refuses what does not fit), and schedule 3 at the probe's tile."""
+    g = dict(default, BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0)
+    bn0 = 128 if D <= 128 else 64
+    cands = [default] + [dict(g, WARP_SPEC=w, BLOCK_N=bn, num_stages=st) for w in (5, 4) for bn in (bn0, 64, 128)
+                         for st in (2, 3)] + [dict(g, WARP_SPEC=3, BLOCK_N=bn0, num_stages=2)]
+    return _unique(cands)
+
+
 def _unique(cands: list[dict]) -> list[dict]:
     out, seen = [], set()
     for c in cands:
@@ -114,8 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--rows", default="all", help='all | worst | "D=128,T=1024,causal;D=64,T=2048,full"')
-    ap.add_argument("--sweep", choices=("grid", "new"), default="grid",
-                    help="grid: the Hopper keys around the default; new: the A/B of the newer points")
+    ap.add_argument("--sweep", choices=("grid", "new", "gluon"), default="grid",
+                    help="grid: the Hopper keys around the default; new: the A/B of the newer points; gluon: the "
+                         "Gluon FA3 kernel's points (both dtypes)")
     ap.add_argument("--rounds", type=int, default=1, help="time each candidate this many times (alternating order)")
     ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to force, or none")
     args = ap.parse_args(argv)
@@ -195,6 +207,8 @@ def main(argv=None) -> int:
                         default = A.default_config(p, dtype)
                         if args.sweep == "new":
                             cands = sweep_new(default, D, causal)
+                        elif args.sweep == "gluon":
+                            cands = sweep_gluon(default, D)
                         elif dname == "bf16":
                             cands = sweep(default, D)
                         else:
@@ -258,7 +272,7 @@ def main(argv=None) -> int:
                         traceback.print_exc()
                     rows.append(row)
                     print(_line(row), flush=True)
-                    if args.sweep == "new":
+                    if args.sweep in ("new", "gluon"):
                         for rec in row.get("sweep", []):
                             print("    " + _cand_line(rec, row), flush=True)
                     torch.cuda.empty_cache()

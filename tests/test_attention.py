@@ -447,6 +447,124 @@ def test_lazy_rescale_with_growing_scores(lazy, scale):
     _check_lse(lse, want_lse, f"lazy={lazy} scale={scale}")
 
 
+# ---------------------------------------------------------------------------------------------------
+# WARP_SPEC 3-5: the Gluon FA3-structured kernel (kernels/_attention_gluon.py), sm90 GPUs only
+GLUON = GPU and A.G.AVAILABLE and A.capability()[0] == 9
+needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FA3 kernel runs on sm90 GPUs only")
+
+
+def _gluon_cfg(p, dtype, schedule=2, bn=None, stages=2):
+    bn = bn or (128 if triton_pow2(p.D) <= 128 else 64)
+    cfg = dict(A.default_config(p, dtype), BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
+               WARP_SPEC=3 + schedule, BLOCK_N=bn, num_stages=stages)
+    why = A.SPACE.why_invalid(cfg, p, dtype)
+    assert why is None, why
+    return cfg
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _gluon_plan(cfg):
+    return next(pl for pl in A._PLANS.values() if pl.cfg == cfg)
+
+
+def test_gluon_points_are_refused_where_the_kernel_cannot_run():
+    """Off sm90 (the interpreter included) every WARP_SPEC 3-5 point is refused with the reason; on sm90
+    only the canonical values of the keys the kernel does not read, fp16/bf16, dense and Tq <= Tk causal."""
+    p = P(2, 4, 2, 300, 517, 64, True)
+    cfg = dict(A.default_config(p, torch.float16), BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
+               WARP_SPEC=4, BLOCK_N=64, num_stages=2)
+    why = A.SPACE.why_invalid(cfg, p, torch.float16)
+    if not GLUON:
+        assert why and "sm90" in why
+        with pytest.raises(ValueError, match="sm90"):
+            A.attention(*A.make_inputs(p, torch.float16, DEV, 0).args, causal=True, config=cfg)
+        return
+    assert why is None
+    assert "fp16 and bf16" in A.SPACE.why_invalid(cfg, p, torch.float32)
+    assert "dense" in A.SPACE.why_invalid(cfg, VP((300, 7), (517, 9), 4, 2, 64, True), torch.float16)
+    assert "Tq <= Tk" in A.SPACE.why_invalid(cfg, P(2, 4, 2, 517, 300, 64, True), torch.float16)
+    assert "BLOCK_M=128" in A.SPACE.why_invalid(dict(cfg, num_warps=8), p, torch.float16)
+    assert "BLOCK_N 64" in A.SPACE.why_invalid(dict(cfg, BLOCK_N=128), P(1, 2, 2, 256, 256, 256, False),
+                                               torch.float16)
+    assert "shared memory" in A.SPACE.why_invalid(dict(cfg, BLOCK_N=128, num_stages=4), P(1, 2, 2, 256, 256, 128,
+                                                                                           False), torch.float16)
+
+
+@needs_gluon
+@pytest.mark.parametrize("schedule", [0, 1, 2])
+@pytest.mark.parametrize("D", A.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal):
+    """Every head dim and schedule, both dtypes: ragged lengths (4-D descriptors over the tensors'
+    strides), (B, T, H, D) views, GQA, Tq < Tk causal, and FA3's flat case (2-D descriptors)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        p = P(2, 4, 2, 300, 517, D, causal)
+        cfg = _gluon_cfg(p, dtype, schedule)
+        _dense(p, dtype, seed=D + schedule, config=cfg, lse=False)
+        assert _gluon_plan(cfg).gluon is not None
+        _dense(p, dtype, seed=D + 7, layout="bthd", config=cfg, lse=False)
+        flat = P(1, 3, 1, 256, 384, D, causal)
+        _dense(flat, dtype, seed=D + 9, config=_gluon_cfg(flat, dtype, schedule), lse=False)
+
+
+@needs_gluon
+@pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
+def test_gluon_every_tile_and_stage_count(D):
+    """Every (BLOCK_N, num_stages) the space admits, with the ping-pong schedule, causal and not; key counts
+    below, at and past a tile and the ring's depth."""
+    for bn in A.SPACE.params["BLOCK_N"]:
+        for st in A.SPACE.params["num_stages"]:
+            for tk, causal in ((40, False), (128, True), (700, True), (1000, False)):
+                p = P(1, 2, 1, min(tk, 300), tk, D, causal)
+                cfg = dict(A.default_config(p, torch.bfloat16), BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2,
+                           LAZY_RESCALE=0, WARP_SPEC=5, BLOCK_N=bn, num_stages=st)
+                if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
+                    continue
+                _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
+
+
+@needs_gluon
+def test_gluon_config_on_calls_it_does_not_take_runs_the_plain_kernel():
+    """An lse output, a negative scale, a base one element off, a layout TMA cannot read, no keys: the
+    plain kernel with the default config, right answers."""
+    p = P(1, 4, 2, 200, 260, 64, True)
+    dtype = torch.bfloat16
+    cfg = _gluon_cfg(p, dtype)
+    _dense(p, dtype, seed=3, config=cfg, lse=True)
+    _dense(p, dtype, seed=4, config=cfg, scale=-0.2, lse=False)
+    _dense(p, dtype, seed=5, config=cfg, layout="sliced", lse=False)
+    q, k, v = A.make_inputs(p, dtype, DEV, 6).args
+    shifted = [torch.empty(t.numel() + 1, dtype=dtype, device=DEV)[1:].view(t.shape).copy_(t) for t in (q, k, v)]
+    got = A.attention(*shifted, causal=True, config=cfg)
+    cmp.check(got, ref.attention(q, k, v, causal=True), dtype, A.SPEC.accumulation(dtype), what="gluon, offset base")
+    empty = P(1, 4, 2, 200, 0, 64, False)
+    e_cfg = _gluon_cfg(P(1, 4, 2, 200, 128, 64, False), dtype)
+    q, k, v = A.make_inputs(empty, dtype, DEV, 7).args
+    assert torch.equal(A.attention(q, k, v, config=e_cfg), torch.zeros_like(q))
+
+
+@needs_gluon
+def test_gluon_path_in_a_cuda_graph():
+    """Host-built descriptors are launch parameters: a captured launch replays on new values."""
+    p = P(2, 4, 2, 256, 256, 128, True)
+    cfg = _gluon_cfg(p, torch.bfloat16)
+    q, k, v = A.make_inputs(p, torch.bfloat16, DEV, 8).args
+    out = torch.empty_like(q)
+    A.attention(q, k, v, causal=True, out=out, config=cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        A.attention(q, k, v, causal=True, out=out, config=cfg)
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    cmp.poison(out)
+    g.replay()
+    cmp.check(out, ref.attention(q, k, v, causal=True), torch.bfloat16, A.SPEC.accumulation(torch.bfloat16),
+              what="gluon in a CUDA graph")
+
+
 def test_varlen_checks_a_cu_seqlens_tensor_once(monkeypatch):
     """By default the values of a cu_seqlens tensor are read back once; launching with the same
     unmodified tensor again reads nothing (no host sync on the hot path); an in-place change, or

@@ -785,6 +785,7 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
     if seed_default:
         _ensure_default(study, job)
         _ensure_previous(study, job)
+        _ensure_spec_seeds(study, job)
     free_streak = 0
     version = code_version(spec)
     while True:
@@ -909,6 +910,12 @@ def _ensure_previous(study, job: Job) -> None:
         return
     if prev is not None and prev != job.spec.default_config(job.problem, job.dtype):
         _enqueue_seeds(study, job, [prev], attr="previous")
+
+
+def _ensure_spec_seeds(study, job: Job) -> None:
+    """Enqueue the spec's own seeds (``KernelSpec.seeds``), each once, as seeded trials."""
+    if job.spec.seeds is not None:
+        _enqueue_seeds(study, job, list(job.spec.seeds(job.problem, job.dtype)))
 
 
 def _enqueue_seeds(study, job: Job, configs: list[dict], attr: str = "seeded") -> int:
@@ -1175,6 +1182,7 @@ def tune(kernels_, problems=None, dtypes=None, *, trials: int = 40, sampler: str
             if seed_default:
                 _ensure_default(study, job)
                 _ensure_previous(study, job)
+                _ensure_spec_seeds(study, job)
             if seed_configs:
                 mine = [c for c in seed_configs if set(c) <= set(job.spec.space.params)]
                 if len(mine) < len(seed_configs):

@@ -36,224 +36,26 @@ attention with its stored config.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import pathlib
 import sys
 
 import triton
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
 
-BM = 64            # query rows a consumer warpgroup
-SCHEDULES = (0, 1, 2)   # see _consumer
+# The kernel is the registered one's (kernels/_attention_gluon.py, attention's WARP_SPEC 3-5), loaded by path
+# so that --compile runs without torch (a triton-only environment).
+_spec = importlib.util.spec_from_file_location(
+    "_attention_gluon", pathlib.Path(__file__).resolve().parents[2] / "kernels" / "_attention_gluon.py")
+G = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(G)
+_fa3_fwd = G._fa3_fwd
+BM = G.BM          # query rows a consumer warpgroup
+SCHEDULES = (0, 1, 2)   # see the module's docstring
 CONSUMERS = 2      # consumer warpgroups a CTA (128 query rows)
 LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _tile(buf, RANK: gl.constexpr):
-    """A (rows, D) view of a TMA tile: the buffer itself (2-D descriptors), or its (1, 1, rows, D) view
-    reshaped (4-D descriptors over (B, H, T, D))."""
-    if RANK == 4:
-        return buf.reshape([buf.type.shape[2], buf.type.shape[3]])
-    else:
-        return buf
-
-
-@gluon.jit
-def _loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-            WG: gl.constexpr):
-    """The producer (one warp): Q of both consumers once, then K and V tiles into the ring."""
-    q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
-    q_smem, k_bufs, v_bufs = bufs
-    q_bar, k_ready, v_ready, empty = bars[0], bars[1], bars[2], bars[3]
-    q_row0, kv_row0, n_tiles, b, h, hk, q_start = scal[0], scal[1], scal[2], scal[6], scal[7], scal[8], scal[9]
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
-    BMc: gl.constexpr = q_smem.type.shape[RANK - 1]
-    BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
-    for i in gl.static_range(2):
-        mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
-        if RANK == 4:
-            tma.async_copy_global_to_shared(q_desc, [b, h, q_start + i * BMc, 0], q_bar.index(i), q_smem.index(i))
-        else:
-            tma.async_copy_global_to_shared(q_desc, [q_row0 + i * BMc, 0], q_bar.index(i), q_smem.index(i))
-    for j in range(n_tiles):
-        s = j % STAGES
-        ph = (j // STAGES) & 1
-        mbarrier.wait(empty.index(s), ph ^ 1)          # both consumers done with the slot's last tile
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        if RANK == 4:
-            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], k_ready.index(s), k_bufs.index(s))
-        else:
-            tma.async_copy_global_to_shared(k_desc, [kv_row0 + j * BN, 0], k_ready.index(s), k_bufs.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        if RANK == 4:
-            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], v_ready.index(s), v_bufs.index(s))
-        else:
-            tma.async_copy_global_to_shared(v_desc, [kv_row0 + j * BN, 0], v_ready.index(s), v_bufs.index(s))
-
-
-@gluon.jit
-def _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL: gl.constexpr, dtype: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Online softmax of S tile j: keys past Tk masked (a ragged last tile), and when causal the keys past
-    each row's diagonal (key j visible to query i when j <= i + offset, offset = Tk - Tq). Returns (P as
-    wgmma's register A operand, the output's rescale factor in the output's row layout, m, l)."""
-    BMc: gl.constexpr = S.type.shape[0]
-    BN: gl.constexpr = S.type.shape[1]
-    cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-    if CAUSAL:
-        if (j + 1) * BN > q_first + offset:   # the tile crosses the diagonal of some row of this warpgroup
-            rows = q_first + offset + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
-            S = gl.where(cols[None, :] > rows[:, None], -float("inf"), S)
-    else:
-        if (j + 1) * BN > Tk:
-            S = gl.where(cols[None, :] >= Tk, -float("inf"), S)
-    m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
-    p = gl.exp2(S * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
-
-
-@gluon.jit
-def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-              WG: gl.constexpr):
-    """One consumer warpgroup: 64 query rows against every K/V tile of the ring.
-
-    SCHEDULE 0: QK^T of tile j+1 issued, the softmax of tile j under it, then P_j @ V_j; 1 (FA3's order):
-    QK^T of tile j+1 and P_j @ V_j issued back to back, the softmax of tile j+1 under P_j @ V_j;
-    2: 1, the two warpgroups taking turns to issue their pair of GEMMs (FA3's ping-pong, through two
-    mbarriers), so one's softmax runs while the other's GEMMs do."""
-    o_desc = descs[3]
-    q_smem, k_bufs, v_bufs = bufs
-    q_bar, k_ready, v_ready, empty, sched = bars
-    q_row0, n_tiles, qk_scale, Tq, Tk = scal[0], scal[2], scal[3], scal[4], scal[5]
-    b, h, q_start = scal[6], scal[7], scal[9]
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
-    D: gl.constexpr = k_bufs.type.shape[RANK]
-    BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
-    BMc: gl.constexpr = q_smem.type.shape[RANK - 1]
-    dt: gl.constexpr = v_bufs.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    q_first = q_start + WG * BMc   # this warpgroup's first query position in its sequence
-    offset = Tk - Tq
-
-    q = _tile(q_smem.index(WG), RANK)
-    mbarrier.wait(q_bar.index(WG), 0)
-    m_i = gl.full([BMc], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BMc], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BMc, D], gl.float32, o_layout)
-    s0 = gl.zeros([BMc, BN], gl.float32, s_layout)
-
-    mbarrier.wait(k_ready.index(0), 0)
-    S = warpgroup_mma(q, _tile(k_bufs.index(0), RANK).permute((1, 0)), s0, use_acc=False, is_async=True)
-    S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
-    if SCHEDULE == 0:
-        for j in range(n_tiles - 1):
-            sn = (j + 1) % STAGES
-            mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
-            S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
-                                   is_async=True)
-            p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
-                                             o_layout)
-            acc = acc * alpha[:, None]
-            mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-            acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
-            S_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(S_next, acc))
-            mbarrier.arrive(empty.index(j % STAGES), count=1)
-            S = S_next
-        j = n_tiles - 1
-        p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
-                                         o_layout)
-        acc = acc * alpha[:, None]
-    else:
-        p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
-                                         o_layout)
-        for j in range(n_tiles - 1):
-            sn = (j + 1) % STAGES
-            mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
-            mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-            if SCHEDULE == 2:   # this warpgroup's turn to issue (the first warpgroup's first turn is free)
-                mbarrier.wait(sched.index(WG), (j & 1) ^ (1 - WG))
-            S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
-                                   is_async=True)
-            acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
-            if SCHEDULE == 2:
-                mbarrier.arrive(sched.index(1 - WG), count=1)
-            S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))   # QK^T done, P_j @ V_j running
-            p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt,
-                                             s_layout, o_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(j % STAGES), count=1)
-            acc = acc * alpha[:, None]
-        j = n_tiles - 1
-    mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-    acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index(j % STAGES), count=1)
-
-    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    q.store(out.to(dt))          # Q's buffer is this warpgroup's own: it holds O on the way out
-    fence_async_shared()
-    if RANK == 4:   # rows past Tq and columns past D are clipped by the descriptor
-        tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], q_smem.index(WG))
-    else:
-        tma.async_copy_shared_to_global(o_desc, [q_row0 + WG * BMc, 0], q_smem.index(WG))
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-             num_warps: gl.constexpr):
-    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    BMc: gl.constexpr = q_desc.block_type.shape[RANK - 2]
-    BN: gl.constexpr = k_desc.block_type.shape[RANK - 2]
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    if CAUSAL:   # the longest rows first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    b = bh // H
-    h = bh % H
-    hk = h // (H // H_KV)
-    q_start = pid_m * (2 * BMc)
-    q_row0 = bh * Tq + q_start
-    kv_row0 = (b * H_KV + hk) * Tk
-    if CAUSAL:   # keys up to the diagonal of the CTA's last row (bottom-right aligned)
-        n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
-    else:
-        n_tiles = gl.cdiv(Tk, BN)
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(sched.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)      # both consumers release a slot
-
-    descs = (q_desc, k_desc, v_desc, o_desc)
-    bufs = (q_smem, k_bufs, v_bufs)
-    bars = (q_bar, k_ready, v_ready, empty, sched)
-    scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start)
-    gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0)),
-        (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
-        (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
-    ], [4, 1], [240, 24])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -336,10 +138,10 @@ def prepare(q, k, v, causal: bool, sm_scale: float | None = None, BN: int | None
 
 
 def compile_offline(points=((2, 64), (2, 128), (4, 32), (4, 80), (4, 128), (4, 192), (4, 256)),
-                    causal=(False, True), schedules=(0, 1, 2), maxnreg=168) -> dict:
-    """Compile for sm90 without a GPU: (descriptor rank, D) points (``plan(D)``'s tiles) x causal x
-    schedules. Shared memory, the wgmma / setmaxnreg / TMA counts in the PTX, and ptxas's registers and
-    spills."""
+                    causal=(False, True), schedules=(0, 1, 2), maxnreg=168, tiles=None) -> dict:
+    """Compile for sm90 without a GPU: (descriptor rank, D) points (``plan(D)``'s tiles, or each of
+    ``tiles(D)``'s (BN, STAGES)) x causal x schedules. Shared memory, the wgmma / setmaxnreg / TMA counts in
+    the PTX, and ptxas's registers and spills."""
     import os
     import re
     import subprocess
@@ -351,8 +153,8 @@ def compile_offline(points=((2, 64), (2, 128), (4, 32), (4, 80), (4, 128), (4, 1
 
     ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
     out = {}
-    for rank, D in points:
-        Dp, BN, STAGES = plan(D)
+    for rank, D, BN, STAGES in [(r, d, *t) for r, d in points for t in (tiles(d) if tiles else [plan(d)[1:]])]:
+        Dp = plan(D)[0]
         lead = [1, 1] if rank == 4 else []
         for c in causal:
             for sch in schedules:
@@ -517,13 +319,20 @@ def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compile", action="store_true", help="compile for sm90 offline and stop")
+    ap.add_argument("--compile-space", action="store_true",
+                    help="compile every tile/stage point of the registered space for sm90 offline and stop")
     ap.add_argument("--quick", action="store_true", help="bf16 and three sequence lengths only")
     ap.add_argument("--check-only", action="store_true", help="the float64 checks only, no timing")
     ap.add_argument("--check-schedule", type=int, default=None, help=argparse.SUPPRESS)   # one schedule's checks
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if a.compile:
-        res = compile_offline()
+    if a.compile or a.compile_space:
+        # --compile-space: every (BLOCK_N, num_stages) the registered space allows (attention's WARP_SPEC 3-5:
+        # BLOCK_N 64/128 up to D 128, 64 past it; 2-4 stages within 227 KB of shared memory), causal, 3 schedules
+        res = compile_offline(points=((4, 32), (4, 64), (4, 80), (4, 128), (4, 256)), causal=(True,),
+                              tiles=lambda D: [(bn, st) for bn in ((64, 128) if D <= 128 else (64,))
+                                               for st in (2, 3, 4) if G.smem_bytes(D, bn, st) <= 227 * 1024]
+                              ) if a.compile_space else compile_offline()
         print(json.dumps(res, indent=1))
         if a.out:
             with open(a.out, "w") as f:

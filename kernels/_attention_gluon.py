@@ -1,0 +1,283 @@
+"""The attention kernel's FlashAttention-3-structured Hopper path, written in Gluon (sm90 only).
+
+``kernels/attention.py`` runs this for the configs ``WARP_SPEC`` 3, 4 and 5 (tuned like every other
+point of its space); everything else about the call (checks, plan cache, fallbacks) stays there.
+
+One CTA owns 128 query rows of one (batch, head) as **two consumer warpgroups of 64 rows**, each in its own
+``gl.warp_specialize`` partition, so one warpgroup's softmax runs under the other's tensor-core work. A
+**one-warp producer** TMA-loads both warpgroups' Q once and K, V tiles into a ``STAGES``-deep ring (K and V
+on separate barriers, so QK^T starts as soon as K lands; a slot is freed when both consumers finished its
+P @ V). P @ V takes P from registers (wgmma's A operand). ``SCHEDULE`` orders a consumer's GEMMs:
+0, QK^T of tile j+1 issued before the softmax of tile j; 1, FA3's intra-warpgroup order (QK^T of j+1 and
+P_j @ V_j issued together, the softmax of j+1 under P_j @ V_j); 2, 1 plus FA3's ping-pong (the two
+warpgroups take turns issuing their GEMM pair, ordered by two mbarriers). Causal: heaviest query tiles
+first, keys past the CTA's last diagonal never loaded; query i sees key j when j <= i + Tk - Tq (Tq <= Tk).
+
+Descriptors (``RANK``): 2-D over (B*H*T, D) where the tensors are contiguous, Tq a multiple of 128, Tk of
+the key tile and D a power of two; else 4-D over the tensors' own (B, H, T, D) strides, blocks
+[1, 1, rows, D padded to a power of two] (TMA zero-fills rows past T and columns past D on loads and clips
+them on stores). The launcher in attention.py only comes here for fp16/bf16, D a multiple of 16 up to
+256, no LSE output, a non-negative scale, every stride TMA-readable and every base 16-byte aligned.
+
+Measured before it was registered (``lab/probes/gluon_fa3_attention.py``, H200, bf16): 579 TF/s at
+16k non-causal, D=128 (default SDPA, cuDNN: 617), 0.79-0.94x cuDNN over FA3's grid.
+"""
+from __future__ import annotations
+
+import math
+
+import triton
+
+try:  # Gluon is triton's; a build without it (or without its Hopper module) has no such path
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    AVAILABLE = True
+except Exception:  # noqa: BLE001 - any import failure means: not available here
+    AVAILABLE = False
+
+BM = 64            # query rows a consumer warpgroup
+ROWS = 2 * BM      # query rows a CTA (two consumer warpgroups)
+MAXNREG = 168      # the launch's register cap; the partitions set theirs with setmaxnreg (240 / 24)
+
+
+def smem_bytes(D: int, BN: int, stages: int, elem: int = 2) -> int:
+    """Q of both warpgroups (it holds O on the way out) and a K and a V tile for every stage."""
+    Dp = triton.next_power_of_2(max(D, 16))
+    return elem * (ROWS * Dp + 2 * stages * BN * Dp) + 1024   # + barriers and alignment
+
+
+if AVAILABLE:
+    @gluon.jit
+    def _tile(buf, RANK: gl.constexpr):
+        """A (rows, D) view of a TMA tile: the buffer (2-D descriptors) or its (1, 1, rows, D) view reshaped."""
+        if RANK == 4:
+            return buf.reshape([buf.type.shape[2], buf.type.shape[3]])
+        else:
+            return buf
+
+    @gluon.jit
+    def _loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
+                WG: gl.constexpr):
+        """The producer (one warp): Q of both consumers once, then K and V tiles into the ring."""
+        q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
+        q_smem, k_bufs, v_bufs = bufs
+        q_bar, k_ready, v_ready, empty = bars[0], bars[1], bars[2], bars[3]
+        q_row0, kv_row0, n_tiles, b, h, hk, q_start = scal[0], scal[1], scal[2], scal[6], scal[7], scal[8], scal[9]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BMc: gl.constexpr = q_smem.type.shape[RANK - 1]
+        BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
+        for i in gl.static_range(2):
+            mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
+            if RANK == 4:
+                tma.async_copy_global_to_shared(q_desc, [b, h, q_start + i * BMc, 0], q_bar.index(i), q_smem.index(i))
+            else:
+                tma.async_copy_global_to_shared(q_desc, [q_row0 + i * BMc, 0], q_bar.index(i), q_smem.index(i))
+        for j in range(n_tiles):
+            s = j % STAGES
+            ph = (j // STAGES) & 1
+            mbarrier.wait(empty.index(s), ph ^ 1)          # both consumers done with the slot's last tile
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            if RANK == 4:
+                tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], k_ready.index(s), k_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(k_desc, [kv_row0 + j * BN, 0], k_ready.index(s), k_bufs.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            if RANK == 4:
+                tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], v_ready.index(s), v_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [kv_row0 + j * BN, 0], v_ready.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL: gl.constexpr, dtype: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """Online softmax of S tile j: keys past Tk masked (a ragged last tile), and when causal the keys past
+        each row's diagonal. Returns (P as wgmma's register A operand, the rescale factor in the output's row
+        layout, m, l)."""
+        BMc: gl.constexpr = S.type.shape[0]
+        BN: gl.constexpr = S.type.shape[1]
+        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL:
+            if (j + 1) * BN > q_first + offset:   # the tile crosses the diagonal of some row of this warpgroup
+                rows = q_first + offset + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
+                S = gl.where(cols[None, :] > rows[:, None], -float("inf"), S)
+        else:
+            if (j + 1) * BN > Tk:
+                S = gl.where(cols[None, :] >= Tk, -float("inf"), S)
+        m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
+        p = gl.exp2(S * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
+
+    @gluon.jit
+    def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
+                  WG: gl.constexpr):
+        """One consumer warpgroup: 64 query rows against every K/V tile of the ring (schedules: module doc)."""
+        o_desc = descs[3]
+        q_smem, k_bufs, v_bufs = bufs
+        q_bar, k_ready, v_ready, empty, sched = bars
+        q_row0, n_tiles, qk_scale, Tq, Tk = scal[0], scal[2], scal[3], scal[4], scal[5]
+        b, h, q_start = scal[6], scal[7], scal[9]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        D: gl.constexpr = k_bufs.type.shape[RANK]
+        BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
+        BMc: gl.constexpr = q_smem.type.shape[RANK - 1]
+        dt: gl.constexpr = v_bufs.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        q_first = q_start + WG * BMc   # this warpgroup's first query position in its sequence
+        offset = Tk - Tq
+
+        q = _tile(q_smem.index(WG), RANK)
+        mbarrier.wait(q_bar.index(WG), 0)
+        m_i = gl.full([BMc], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BMc], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BMc, D], gl.float32, o_layout)
+        s0 = gl.zeros([BMc, BN], gl.float32, s_layout)
+
+        mbarrier.wait(k_ready.index(0), 0)
+        S = warpgroup_mma(q, _tile(k_bufs.index(0), RANK).permute((1, 0)), s0, use_acc=False, is_async=True)
+        S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
+        if SCHEDULE == 0:
+            for j in range(n_tiles - 1):
+                sn = (j + 1) % STAGES
+                mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
+                S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
+                                       is_async=True)
+                p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt,
+                                                 s_layout, o_layout)
+                acc = acc * alpha[:, None]
+                mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+                acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
+                S_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(S_next, acc))
+                mbarrier.arrive(empty.index(j % STAGES), count=1)
+                S = S_next
+            j = n_tiles - 1
+            p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
+                                             o_layout)
+            acc = acc * alpha[:, None]
+        else:
+            p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
+                                             o_layout)
+            for j in range(n_tiles - 1):
+                sn = (j + 1) % STAGES
+                mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+                if SCHEDULE == 2:   # this warpgroup's turn to issue (the first warpgroup's first turn is free)
+                    mbarrier.wait(sched.index(WG), (j & 1) ^ (1 - WG))
+                S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
+                                       is_async=True)
+                acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
+                if SCHEDULE == 2:
+                    mbarrier.arrive(sched.index(1 - WG), count=1)
+                S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))   # QK^T done, P_j @ V_j running
+                p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
+                                                 dt, s_layout, o_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(j % STAGES), count=1)
+                acc = acc * alpha[:, None]
+            j = n_tiles - 1
+        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+        acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(j % STAGES), count=1)
+
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        q.store(out.to(dt))          # Q's buffer is this warpgroup's own: it holds O on the way out
+        fence_async_shared()
+        if RANK == 4:   # rows past Tq and columns past D are clipped by the descriptor
+            tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], q_smem.index(WG))
+        else:
+            tma.async_copy_shared_to_global(o_desc, [q_row0 + WG * BMc, 0], q_smem.index(WG))
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
+                 num_warps: gl.constexpr):
+        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+        BMc: gl.constexpr = q_desc.block_type.shape[RANK - 2]
+        BN: gl.constexpr = k_desc.block_type.shape[RANK - 2]
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        if CAUSAL:   # the longest rows first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        b = bh // H
+        h = bh % H
+        hk = h // (H // H_KV)
+        q_start = pid_m * (2 * BMc)
+        q_row0 = bh * Tq + q_start
+        kv_row0 = (b * H_KV + hk) * Tk
+        if CAUSAL:   # keys up to the diagonal of the CTA's last row (bottom-right aligned)
+            n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
+        else:
+            n_tiles = gl.cdiv(Tk, BN)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+            mbarrier.init(sched.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)      # both consumers release a slot
+
+        descs = (q_desc, k_desc, v_desc, o_desc)
+        bufs = (q_smem, k_bufs, v_bufs)
+        bars = (q_bar, k_ready, v_ready, empty, sched)
+        scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start)
+        gl.warp_specialize([
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
+            (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
+        ], [4, 1], [240, 24])
+
+
+def flat_ok(q, k, v, out, BN: int) -> bool:
+    """The 2-D (B*H*T, D) descriptors apply: every tensor contiguous, no tile crossing a head."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    return (all(t.is_contiguous() for t in (q, k, v, out)) and Tq % ROWS == 0 and Tk % BN == 0
+            and D == triton.next_power_of_2(D))
+
+
+def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int) -> None:
+    """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller).
+    ``qk_scale``: the softmax scale times log2(e), non-negative."""
+    import torch
+
+    B, H, Tq, D = q.shape
+    H_KV, Tk = k.shape[1], k.shape[2]
+    Dp = triton.next_power_of_2(D)
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    if flat_ok(q, k, v, out, BN):
+        rank = 2
+        lq = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
+        lkv = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+        q_desc = GluonDescriptor.from_tensor(q.view(-1, D), [BM, D], lq)
+        o_desc = GluonDescriptor.from_tensor(out.view(-1, D), [BM, D], lq)
+        k_desc = GluonDescriptor.from_tensor(k.view(-1, D), [BN, D], lkv)
+        v_desc = GluonDescriptor.from_tensor(v.view(-1, D), [BN, D], lkv)
+    else:
+        rank = 4
+        lq = gl.NVMMASharedLayout.get_default_for([1, 1, BM, Dp], dt)
+        lkv = gl.NVMMASharedLayout.get_default_for([1, 1, BN, Dp], dt)
+        q_desc, o_desc = (GluonDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BM, Dp], lq) for t in (q, out))
+        k_desc, v_desc = (GluonDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BN, Dp], lkv) for t in (k, v))
+    grid = (triton.cdiv(Tq, ROWS), B * H)
+    _fa3_fwd[grid](q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, STAGES=stages, CAUSAL=causal,
+                   SCHEDULE=schedule, RANK=rank, num_warps=4, maxnreg=MAXNREG)
+

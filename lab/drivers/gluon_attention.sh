@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# attention's Gluon FA3 path (WARP_SPEC 3-5) on an sm90 machine, in one call: its tests on one GPU while FA3's
+# grid (bench_attention_fa3_grid.py --sweep gluon --emit: the Gluon points beside the default, every SDPA
+# backend, bf16 and fp16) runs on the other (on a one-GPU machine the two run one after the other).
+#   bash lab/drivers/gluon_attention.sh        (TEST_LIM, FA3_LIM, FA3_ARGS; results in $OUT/bundle.tgz)
+set -uo pipefail
+: "${OUT:?}"
+W=$OUT/w; mkdir -p $W
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+python -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { cat $W/install.log; exit 1; }
+export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)
+NG=$(nvidia-smi -L | wc -l); echo "gpus $NG commit $(cat .commit 2>/dev/null)" | tee $W/summary.txt
+tests() { CUDA_VISIBLE_DEVICES=0 timeout ${TEST_LIM:-300} python -m pytest -q -p no:cacheprovider -n 8 --dist worksteal \
+            tests/test_attention.py -k "gluon or hopper or head_dim" --durations=8 > $W/tests.log 2>&1
+          echo "tests rc=$?" >> $W/summary.txt; tail -15 $W/tests.log >> $W/summary.txt; }
+grid() { CUDA_VISIBLE_DEVICES=$(( NG > 1 ? 1 : 0 )) timeout $(( ${FA3_LIM:-380} + 40 )) python lab/bench_attention_fa3_grid.py \
+            $W/fa3 --sweep gluon --emit --budget-s ${FA3_LIM:-380} ${FA3_ARGS:-} > $W/fa3.log 2>&1
+         echo "fa3 rc=$?" >> $W/summary.txt; grep -E "^(bf16|fp16) D=" $W/fa3.log >> $W/summary.txt; tail -30 $W/fa3.log >> $W/summary.txt; }
+if [ "$NG" -gt 1 ]; then tests & grid & wait; else tests; grid; fi
+tar -czf $OUT/bundle.tgz -C $OUT w && cp $W/summary.txt $OUT/summary.txt && cat $OUT/summary.txt | cut -c1-250 | tail -80
