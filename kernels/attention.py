@@ -894,11 +894,13 @@ def default_config(p, dtype) -> dict:
 
 def gluon_seeds(p, dtype) -> list[dict]:
     """Every tuning study's way into the Gluon kernel (WARP_SPEC 3-5 fix five keys at once, which no
-    one-step move reaches): FA3's two schedules at the tile the probe measured (128-key tiles up to D=128,
-    64 past it; 3 stages up to D=64, else 2). Nothing where the kernel cannot run."""
+    one-step move reaches): FA3's two schedules at the tile that won most of FA3's grid on the H200
+    (128-key tiles up to D=128, 64 past it; 3 stages where they fit, else 2:
+    lab/logs/h200/attention_fa3_grid_gluon_2026-11-28_d9eae70). Nothing where the kernel cannot run."""
     bd = triton.next_power_of_2(p.D)
+    bn = 128 if bd <= 128 else 64
     base = dict(default_config(p, dtype), BLOCK_M=G.ROWS, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
-                BLOCK_N=128 if bd <= 128 else 64, num_stages=3 if bd <= 64 else 2)
+                BLOCK_N=bn, num_stages=3 if G.smem_bytes(p.D, bn, 3) <= 227 * 1024 else 2)
     seeds = [dict(base, WARP_SPEC=w) for w in (4, 5)]
     return [c for c in seeds if not SPACE.why_invalid(c, p, dtype)]
 
