@@ -24,8 +24,8 @@ by more than 2^8. A layout TMA cannot read (D not unit-stride, rows or bases not
 the pointer path. WARP_SPEC 3, 4, 5 (sm90 only, fp16/bf16, dense) run another kernel: FlashAttention-3's
 structure written in Gluon (``kernels/_attention_gluon.py``: two consumer warpgroups and a one-warp TMA
 producer in warp-specialized partitions, schedule WARP_SPEC − 3); a call it does not take (an lse
-output, a negative scale, a layout or base TMA cannot read, no keys) runs the plain kernel with the
-default config instead.
+output, a negative scale, a layout or base TMA cannot read, no keys, the interpreter) runs the plain
+kernel with the default config instead.
 
 GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
 take the same kernel with per-sequence offsets read from cu_seqlens.
@@ -441,12 +441,14 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
 
 def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> _Plan:
     """A WARP_SPEC 3-5 config: the Gluon kernel where it takes the call, else the plain kernel with the
-    default config (an lse output, a negative scale, strides TMA cannot read or no keys; the config itself
-    was already checked against the problem: sm90, fp16/bf16, dense, causal with Tq <= Tk)."""
+    default config (the interpreter, an lse output, a negative scale, strides TMA cannot read or no keys;
+    the config itself was already checked against the problem: sm90, fp16/bf16, dense, causal with Tq <= Tk)."""
     scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     plain = _plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
     plain.cfg_key = None if config is not None else spec.config_key(p, dtype)
-    if varlen or store_lse or scale_f < 0 or not (tma_ok and host_ok):
+    from tritune.harness import device as dev
+
+    if dev.interpreted() or varlen or store_lse or scale_f < 0 or not (tma_ok and host_ok):
         return plain
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],
@@ -786,8 +788,10 @@ def _gluon_constraint(c, p, dtype) -> str | None:
     """The Gluon path's points: one canonical value of every key it does not read, its own tiles."""
     from tritune.harness import device as dev
 
-    if dev.interpreted() or not G.AVAILABLE or capability()[0] != 9:
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel) run on sm90 GPUs only (not the interpreter)"
+    # the interpreter counts as a Hopper here too (stored sm90 entries stay valid points on a CPU); it cannot
+    # run Gluon, so its launches take the plain kernel (_gluon_plan)
+    if not dev.interpreted() and (not G.AVAILABLE or capability()[0] != 9):
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel) run on sm90 GPUs only"
     if dtype not in (torch.float16, torch.bfloat16):
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): fp16 and bf16 only"
     if isinstance(p, VarlenProblem):

@@ -349,6 +349,22 @@ def test_seed_configs_are_evaluated_first_once(tmp_path):
     assert sum(1 for t in st.trials if t.user_attrs.get("seeded")) == 2
 
 
+def test_a_specs_own_seeds_are_evaluated_first_once(tmp_path):
+    """KernelSpec.seeds (attention's way into its Gluon kernel): after the default, each valid seed is
+    timed before the sampler's proposals, once (a resumed study does not enqueue it again)."""
+    import dataclasses
+
+    spec = dataclasses.replace(toy_spec(SMALL, _odd, default={"a": 7, "b": 1}, name="toy_seeds"),
+                               seeds=lambda p, d: [{"a": 11, "b": 5}, {"a": 12, "b": 5}])   # 12+5 odd: invalid
+    row, storage = _tune(spec, tmp_path, quadratic, trials=2)
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    ev = [t for t in st.trials if t.user_attrs.get("evaluated")]
+    assert [t.params for t in ev] == [{"a": 7, "b": 1}, {"a": 11, "b": 5}]
+    row, storage = _tune(spec, tmp_path, quadratic, trials=4)
+    st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
+    assert sum(1 for t in st.trials if t.user_attrs.get("seeded")) == 1
+
+
 def test_corrupt_or_foreign_store_files_warn_and_fall_back(temp_store):
     spec = K.get("gelu")
     p = gelu_mod.Problem(4096)
