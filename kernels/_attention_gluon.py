@@ -24,7 +24,6 @@ Measured before it was registered (``lab/probes/gluon_fa3_attention.py``, H200, 
 """
 from __future__ import annotations
 
-import math
 
 import triton
 
@@ -254,30 +253,31 @@ def flat_ok(q, k, v, out, BN: int) -> bool:
             and D == triton.next_power_of_2(D))
 
 
-def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int) -> None:
-    """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller).
-    ``qk_scale``: the softmax scale times log2(e), non-negative."""
+def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
+    """(q, k, v, o descriptors, rank, grid) for (B, H, T, D) tensors TMA can read: ``rank`` 2 (the flat
+    form, where :func:`flat_ok`), 4 (over the tensors' own strides), or None: 2 where it applies."""
     import torch
 
     B, H, Tq, D = q.shape
-    H_KV, Tk = k.shape[1], k.shape[2]
     Dp = triton.next_power_of_2(D)
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    if flat_ok(q, k, v, out, BN):
-        rank = 2
+    rank = rank or (2 if flat_ok(q, k, v, out, BN) else 4)
+    if rank == 2:
         lq = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
         lkv = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
-        q_desc = GluonDescriptor.from_tensor(q.view(-1, D), [BM, D], lq)
-        o_desc = GluonDescriptor.from_tensor(out.view(-1, D), [BM, D], lq)
-        k_desc = GluonDescriptor.from_tensor(k.view(-1, D), [BN, D], lkv)
-        v_desc = GluonDescriptor.from_tensor(v.view(-1, D), [BN, D], lkv)
+        descs = tuple(GluonDescriptor.from_tensor(t.view(-1, D), [rows, D], lay)
+                      for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
     else:
-        rank = 4
         lq = gl.NVMMASharedLayout.get_default_for([1, 1, BM, Dp], dt)
         lkv = gl.NVMMASharedLayout.get_default_for([1, 1, BN, Dp], dt)
-        q_desc, o_desc = (GluonDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BM, Dp], lq) for t in (q, out))
-        k_desc, v_desc = (GluonDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BN, Dp], lkv) for t in (k, v))
-    grid = (triton.cdiv(Tq, ROWS), B * H)
-    _fa3_fwd[grid](q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, STAGES=stages, CAUSAL=causal,
-                   SCHEDULE=schedule, RANK=rank, num_warps=4, maxnreg=MAXNREG)
+        descs = tuple(GluonDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, Dp], lay)
+                      for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
+    return descs, rank, (triton.cdiv(Tq, ROWS), B * H)
 
+
+def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int) -> None:
+    """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller).
+    ``qk_scale``: the softmax scale times log2(e), non-negative."""
+    descs, rank, grid = descriptors(q, k, v, out, BN)
+    _fa3_fwd[grid](*descs, qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1], STAGES=stages, CAUSAL=causal,
+                   SCHEDULE=schedule, RANK=rank, num_warps=4, maxnreg=MAXNREG)

@@ -61,11 +61,6 @@ LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------------
-def _gl_dtype(torch_dtype):
-    import torch
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
-
-
 def fa3_attention(q, k, v, causal: bool, sm_scale: float | None = None, **kw):
     """q (B, H, Tq, D), k and v (B, H_KV, Tk, D), bf16/fp16. Returns o (B, H, Tq, D)."""
     o, launch = prepare(q, k, v, causal, sm_scale, **kw)
@@ -91,7 +86,6 @@ def prepare(q, k, v, causal: bool, sm_scale: float | None = None, BN: int | None
     of two); 4: over (B, H, T, D) with the tensors' strides (any T, D a multiple of 16 up to 256, any
     strides TMA takes); default: 2 where it applies."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, H, Tq, D = q.shape
     H_KV, Tk = k.shape[1], k.shape[2]
@@ -115,21 +109,8 @@ def prepare(q, k, v, causal: bool, sm_scale: float | None = None, BN: int | None
         raise ValueError("gluon_fa3_attention: rank 2 needs contiguous tensors, Tq % 128 == 0, Tk % BN == 0, "
                          "D a power of two")
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dt = _gl_dtype(q.dtype)
-    if rank == 2:
-        lq = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
-        lkv = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
-        q_desc = TensorDescriptor.from_tensor(q.view(-1, D), [BM, D], lq)
-        o_desc = TensorDescriptor.from_tensor(o.view(-1, D), [BM, D], lq)
-        k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [BN, D], lkv)
-        v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [BN, D], lkv)
-    else:
-        lq = gl.NVMMASharedLayout.get_default_for([1, 1, BM, Dp], dt)
-        lkv = gl.NVMMASharedLayout.get_default_for([1, 1, BN, Dp], dt)
-        q_desc, o_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BM, Dp], lq) for t in (q, o))
-        k_desc, v_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BN, Dp], lkv) for t in (k, v))
+    (q_desc, k_desc, v_desc, o_desc), rank, grid = G.descriptors(q, k, v, o, BN, rank)
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)) * LOG2E
-    grid = (triton.cdiv(Tq, CONSUMERS * BM), B * H)
 
     def launch():
         _fa3_fwd[grid](q_desc, k_desc, v_desc, o_desc, scale, Tq, Tk, H, H_KV, STAGES=STAGES, CAUSAL=causal,
