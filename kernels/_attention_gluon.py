@@ -197,6 +197,22 @@ if AVAILABLE:
         tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _barriers(N: gl.constexpr, COUNT: gl.constexpr):
+        """N mbarriers, each completing after COUNT arrivals."""
+        bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(N):
+            mbarrier.init(bars.index(i), count=COUNT)
+        return bars
+
+    @gluon.jit
+    def _kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
+        """The K/V ring: STAGES K and V tiles, a ready barrier for each (the producer's TMA), and an empty
+        barrier for each slot that both consumers release."""
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        return k_bufs, v_bufs, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, 2)
+
+    @gluon.jit
     def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
                  num_warps: gl.constexpr):
@@ -219,20 +235,9 @@ if AVAILABLE:
             n_tiles = gl.cdiv(Tk, BN)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(q_bar.index(i), count=1)
-            mbarrier.init(sched.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)      # both consumers release a slot
+        q_bar = _barriers(2, 1)
+        sched = _barriers(2, 1)
+        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES)
 
         descs = (q_desc, k_desc, v_desc, o_desc)
         bufs = (q_smem, k_bufs, v_bufs)

@@ -7,7 +7,7 @@
 # --part genprof), launches (lab/probes/invariant_decode_launches.py), retime (lab/probes/retime_timers.py), http (lab/bench_http.py), quant
 # (lab/eval_quant.py), serving (lab/bench_serving_features.py), invariant (lab/bench_batch_invariance.py),
 # fa3 (lab/bench_attention_fa3_grid.py), fused (lab/bench_fused_decode.py), pgemv (lab/probes/persistent_gemv_bandwidth.py), preflight (the attention Hopper-path tests),
-# expsplit (lab/probes/attention_exp_split.py), chain (lab/probes/stage_chain_floor.py), gluon (lab/probes/gluon_staged_weights.py), gfa3 (lab/probes/gluon_fa3_attention.py), tunedecode (tritune tune-decode, exported under w/store),
+# expsplit (lab/probes/attention_exp_split.py), chain (lab/probes/stage_chain_floor.py), gluon (lab/probes/gluon_staged_weights.py), gfa3 (lab/probes/gluon_fa3_attention.py), gpers (lab/probes/gluon_fa3_persistent.py), tunedecode (tritune tune-decode, exported under w/store),
 # tuneall (tune all --budget $BUDGET warm-started from the H100 store, then compare_tune_all).
 set -uo pipefail
 : "${OUT:?}"
@@ -74,6 +74,7 @@ for ph in ${PHASES:?}; do case $ph in
              --out $W/stage_chain_floor_w${v%%:*}_bn${v##*:}.json; done ;;
   gluon) t gluon ${GL_LIM:-150} python lab/probes/gluon_staged_weights.py --out $W/gluon_staged_weights.json ;;
   gfa3) t gfa3 ${GF_LIM:-300} python lab/probes/gluon_fa3_attention.py --out $W/gluon_fa3.json ${GF_ARGS:-} ;;   # GF_ARGS=--quick|--check-only
+  gpers) t gpers ${GP_LIM:-300} python lab/probes/gluon_fa3_persistent.py --out $W/gluon_fa3_persistent.json ${GPF_ARGS:-} ;;   # GPF_ARGS=--quick
   tunedecode) t tunedecode ${TD_LIM:-200} tritune tune-decode --shape gpt2-small --batches ${TD_BATCHES:-1,8} --points ${TD_POINTS:-8} \
       --export --configs-dir $W/store ;;
   rerun) mapfile -t NODES < ${RERUN_FILE:?}

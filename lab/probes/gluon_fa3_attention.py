@@ -233,21 +233,17 @@ def check(schedules) -> list[dict]:
     return rows
 
 
-def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False) -> int:
-    """Each schedule checked in its own process (a schedule whose barriers deadlock hangs only that process,
-    which is killed after 150 s), then the correct ones timed at FA3's grid."""
+def run_checks(script: str, schedules) -> tuple[list[dict], list]:
+    """Each schedule's ``--check-schedule`` run of ``script`` in its own process (a schedule whose barriers
+    deadlock hangs only that process, killed after 150 s): (every check row, the schedules that passed)."""
     import subprocess
     import tempfile
 
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     rows, good = [], []
-    for sch in SCHEDULES:
+    for sch in schedules:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             try:
-                r = subprocess.run([sys.executable, __file__, "--check-schedule", str(sch), "--out", f.name],
+                r = subprocess.run([sys.executable, script, "--check-schedule", str(sch), "--out", f.name],
                                    timeout=150, capture_output=True, text=True)
                 print(r.stdout, end="", flush=True)
                 got = json.load(open(f.name))["rows"] if r.returncode in (0, 1) else []
@@ -259,6 +255,16 @@ def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False)
         rows += got or [{"check": True, "schedule": sch, "ok": False, "error": "no result"}]
         if got and all(x["ok"] for x in got):
             good.append(sch)
+    return rows, good
+
+
+def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False) -> int:
+    """Each schedule checked in its own process, then the correct ones timed at FA3's grid."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows, good = run_checks(__file__, SCHEDULES)
     print(f"correct schedules: {good}", flush=True)
     if good and not check_only:
         from tritune.kernels.attention import attention as tritune_attention
