@@ -439,6 +439,13 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
         if meta["TMA"] else meta)
 
 
+def _gluon_runs_here() -> bool:
+    """Gluon kernels run on a GPU, never in the interpreter (whose WARP_SPEC 3-5 points run the plain kernel)."""
+    from tritune.harness import device as dev
+
+    return not dev.interpreted()
+
+
 def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> _Plan:
     """A WARP_SPEC 3-5 config: the Gluon kernel where it takes the call, else the plain kernel with the
     default config (the interpreter, an lse output, a negative scale, strides TMA cannot read or no keys;
@@ -446,9 +453,7 @@ def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse,
     scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     plain = _plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
     plain.cfg_key = None if config is not None else spec.config_key(p, dtype)
-    from tritune.harness import device as dev
-
-    if dev.interpreted() or varlen or store_lse or scale_f < 0 or not (tma_ok and host_ok):
+    if not _gluon_runs_here() or varlen or store_lse or scale_f < 0 or not (tma_ok and host_ok):
         return plain
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],

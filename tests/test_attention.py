@@ -497,6 +497,43 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
                                                                                            False), torch.float16)
 
 
+def test_which_calls_the_gluon_kernel_takes(monkeypatch):
+    """The routing of a WARP_SPEC 3-5 config, on any machine (the Gluon launch replaced by a recorder that
+    writes the reference): a plain dense call takes it with the schedule and tile of the config and the
+    softmax scale in base 2; an lse output, a negative scale, a base one element off, a layout TMA cannot
+    read and a packed batch run the plain kernel."""
+    calls = []
+
+    def fake_launch(q, k, v, out, **kw):
+        calls.append(kw)
+        out.copy_(ref.attention(q, k, v, causal=kw["causal"]).to(out.dtype))
+
+    p = P(1, 4, 2, 24, 40, 64, True)
+    dtype = torch.float16
+    cfg = dict(A.default_config(p, dtype), BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
+               WARP_SPEC=5, BLOCK_N=64, num_stages=3)
+    if A.SPACE.why_invalid(cfg, p, dtype):
+        pytest.skip(f"no WARP_SPEC 3-5 here: {A.SPACE.why_invalid(cfg, p, dtype)}")
+    monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
+    monkeypatch.setattr(A.G, "launch", fake_launch)
+    A._PLANS.clear()
+    try:
+        _dense(p, dtype, seed=11, config=cfg, lse=False)
+        assert calls == [dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)]
+        calls.clear()
+        _dense(p, dtype, seed=12, config=cfg, lse=True)
+        _dense(p, dtype, seed=13, config=cfg, scale=-0.3, lse=False)
+        _dense(p, dtype, seed=14, config=cfg, layout="transposed", lse=False)
+        q, k, v = A.make_inputs(p, dtype, DEV, 15).args
+        shifted = [torch.empty(t.numel() + 1, dtype=dtype, device=DEV)[1:].view(t.shape).copy_(t) for t in (q, k, v)]
+        cmp.check(A.attention(*shifted, causal=True, config=cfg), ref.attention(q, k, v, causal=True), dtype,
+                  A.SPEC.accumulation(dtype), what="offset base")
+        _varlen(VP((7, 24), (9, 40), 4, 2, 64, True), dtype, seed=16, config=cfg)
+        assert calls == []
+    finally:
+        A._PLANS.clear()
+
+
 @needs_gluon
 @pytest.mark.parametrize("schedule", [0, 1, 2])
 @pytest.mark.parametrize("D", A.HEAD_DIMS)
