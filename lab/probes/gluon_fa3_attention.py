@@ -186,6 +186,23 @@ def _reference(q, k, v, causal):
     return torch.softmax(s, -1) @ vd
 
 
+def poisoned_check(make, ref, tol) -> tuple[float, bool, str | None]:
+    """``make()`` -> (output, launch): the output poisoned with NaN, launched, compared with the float64
+    reference. (relative error, within ``tol``, the error message of a launch that raised)."""
+    import torch
+
+    err = None
+    try:
+        o, launch = make()
+        o.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        rel = ((o.double() - ref).norm() / ref.norm()).item()
+    except Exception as e:  # noqa: BLE001 - a failed launch is a failed check
+        rel, err = float("nan"), f"{type(e).__name__}: {e}"[:500]
+    return rel, rel == rel and rel <= tol, err
+
+
 def check(schedules) -> list[dict]:
     """Each schedule against float64, both dtypes, causal or not; the output poisoned with NaN before each
     launch (every element must be written). The flat path (rank 2) on small odd batches and heads and GQA;
@@ -214,16 +231,7 @@ def check(schedules) -> list[dict]:
             ref = _reference(q, k, v, c)
             tol = tolerance(dtype)
             for sch in schedules:
-                err = None
-                try:
-                    o, launch = prepare(q, k, v, c, SCHEDULE=sch)
-                    o.fill_(float("nan"))
-                    launch()
-                    torch.cuda.synchronize()
-                    rel = ((o.double() - ref).norm() / ref.norm()).item()
-                except Exception as e:  # noqa: BLE001
-                    rel, err = float("nan"), f"{type(e).__name__}: {e}"[:500]
-                good = rel == rel and rel <= tol
+                rel, good, err = poisoned_check(lambda: prepare(q, k, v, c, SCHEDULE=sch), ref, tol)
                 print(f"check schedule {sch} B={B} H={H}/{HKV} T={T} D={D} causal={int(c)} {str(dtype)[6:]}: "
                       f"rel {rel:.2e} (tol {tol:.1e}) {'ok' if good else 'WRONG'}{' ' + err if err else ''}", flush=True)
                 rows.append({"check": True, "schedule": sch, "B": B, "H": H, "H_KV": HKV, "T": T, "D": D,
@@ -297,10 +305,17 @@ def run_gpu(out_path: str | None, quick: bool = False, check_only: bool = False)
                             r["best_gluon_vs_sdpa_default"] = r["sdpa_default_us"] / best
                         rows.append(r)
                         print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in r.items()}, flush=True)
+    write_rows(out_path, rows)
+    return 0 if good else 1
+
+
+def write_rows(out_path: str | None, rows: list[dict]) -> None:
+    """The GPU run's rows (checks and timings) as JSON, with the device's name."""
+    import torch
+
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    return 0 if good else 1
 
 
 def main(argv=None) -> int:
