@@ -803,6 +803,8 @@ def _gluon_constraint(c, p, dtype) -> str | None:
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): dense batches only (varlen runs the plain kernel)"
     if p.causal and p.Tq > p.Tk:
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): causal needs Tq <= Tk"
+    if p.B * p.Hq > 65535:   # its grid is (query tiles, batch x heads): CUDA caps the second dimension
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): at most 65,535 batch x heads"
     if (c["BLOCK_M"], c["num_warps"], c["HEADS_INNER"], c["TMA"], c["LAZY_RESCALE"]) != (G.ROWS, 4, 0, 2, 0):
         return ("WARP_SPEC 3-5 (the Gluon FA3 kernel) take BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, "
                 "LAZY_RESCALE=0 (the keys it does not read, fixed)")

@@ -490,6 +490,7 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
     assert "fp16 and bf16" in A.SPACE.why_invalid(cfg, p, torch.float32)
     assert "dense" in A.SPACE.why_invalid(cfg, VP((300, 7), (517, 9), 4, 2, 64, True), torch.float16)
     assert "Tq <= Tk" in A.SPACE.why_invalid(cfg, P(2, 4, 2, 517, 300, 64, True), torch.float16)
+    assert "65,535" in A.SPACE.why_invalid(cfg, P(4096, 32, 8, 300, 517, 64, True), torch.float16)
     assert "BLOCK_M=128" in A.SPACE.why_invalid(dict(cfg, num_warps=8), p, torch.float16)
     assert "BLOCK_N 64" in A.SPACE.why_invalid(dict(cfg, BLOCK_N=128), P(1, 2, 2, 256, 256, 256, False),
                                                torch.float16)
