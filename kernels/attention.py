@@ -448,12 +448,15 @@ def _gluon_runs_here() -> bool:
 
 def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> _Plan:
     """A WARP_SPEC 3-5 config: the Gluon kernel where it takes the call, else the plain kernel with the
-    default config (the interpreter, an lse output, a negative scale, strides TMA cannot read or no keys;
-    the config itself was already checked against the problem: sm90, fp16/bf16, dense, causal with Tq <= Tk)."""
+    default config (the interpreter, an lse output, a negative scale, strides TMA cannot read, no keys, or
+    a problem of the config's bucket that the Gluon kernel does not take: causal Tq > Tk, too many heads)."""
     scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     plain = _plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
     plain.cfg_key = None if config is not None else spec.config_key(p, dtype)
-    if not _gluon_runs_here() or varlen or store_lse or scale_f < 0 or not (tma_ok and host_ok):
+    # the config cache is per bucket, so a config that came from it was checked against the bucket's first
+    # problem only: this problem's own limits (causal Tq <= Tk, the grid's batch x heads) are checked here
+    if (not _gluon_runs_here() or varlen or store_lse or scale_f < 0 or not (tma_ok and host_ok)
+            or _gluon_constraint(cfg, p, dtype) is not None):
         return plain
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],

@@ -531,6 +531,14 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
                   A.SPEC.accumulation(dtype), what="offset base")
         _varlen(VP((7, 24), (9, 40), 4, 2, 64, True), dtype, seed=16, config=cfg)
         assert calls == []
+        # a config cached for its bucket from one problem, launched on another of the bucket that the Gluon
+        # kernel does not take (causal with Tq > Tk: rows that see no key)
+        wide = P(1, 4, 2, 60, 50, 64, True)
+        assert A.SPEC.bucket(wide) == A.SPEC.bucket(P(1, 4, 2, 40, 60, 64, True))
+        assert A.SPACE.why_invalid(cfg, P(1, 4, 2, 40, 60, 64, True), dtype) is None
+        monkeypatch.setattr(A.SPEC, "config_for", lambda problem, dt, config=None: cfg if config is None else config)
+        _dense(wide, dtype, seed=17, lse=False)
+        assert calls == []
     finally:
         A._PLANS.clear()
 
