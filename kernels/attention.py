@@ -906,17 +906,23 @@ def default_config(p, dtype) -> dict:
     return cfg
 
 
+def gluon_config(p, dtype, schedule: int = 2, BLOCK_N: int | None = None, num_stages: int = 2) -> dict:
+    """The point of the space that runs the Gluon kernel with GEMM ``schedule`` (WARP_SPEC 3 + schedule),
+    its key tile (default: 128 up to D=128, 64 past it) and ring depth; the keys it does not read at their
+    one value. Not checked against the problem (``SPACE.why_invalid`` says)."""
+    bn = BLOCK_N or (128 if triton.next_power_of_2(p.D) <= 128 else 64)
+    return dict(default_config(p, dtype), BLOCK_M=G.ROWS, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
+                WARP_SPEC=3 + schedule, BLOCK_N=bn, num_stages=num_stages)
+
+
 def gluon_seeds(p, dtype) -> list[dict]:
     """Every tuning study's way into the Gluon kernel (WARP_SPEC 3-5 fix five keys at once, which no
     one-step move reaches): FA3's two schedules at the tile that won most of FA3's grid on the H200
-    (128-key tiles up to D=128, 64 past it; 3 stages where they fit, else 2:
-    lab/logs/h200/attention_fa3_grid_gluon_2026-11-28_d9eae70). Nothing where the kernel cannot run."""
-    bd = triton.next_power_of_2(p.D)
-    bn = 128 if bd <= 128 else 64
-    base = dict(default_config(p, dtype), BLOCK_M=G.ROWS, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
-                BLOCK_N=bn, num_stages=3 if G.smem_bytes(p.D, bn, 3) <= 227 * 1024 else 2)
-    seeds = [dict(base, WARP_SPEC=w) for w in (4, 5)]
-    return [c for c in seeds if not SPACE.why_invalid(c, p, dtype)]
+    (the default key tile; 3 stages where they fit, else 2:
+    lab/logs/h200/attention_fa3_grid_gluon_2026-11-28_d9eae70). The tuner skips those the problem refuses."""
+    bn = gluon_config(p, dtype)["BLOCK_N"]
+    stages = 3 if G.smem_bytes(p.D, bn, 3) <= 227 * 1024 else 2
+    return [gluon_config(p, dtype, schedule, num_stages=stages) for schedule in (1, 2)]
 
 
 def varlen_default_config(p, dtype) -> dict:

@@ -76,15 +76,14 @@ def sweep_new(default: dict, D: int, causal: bool) -> list[dict]:
     return _unique(cands)
 
 
-def sweep_gluon(default: dict, D: int) -> list[dict]:
-    """The Gluon FA3-structured kernel (attention's WARP_SPEC 3-5) beside the default: FA3's two schedules
-    (4: intra-warpgroup overlap, 5: plus ping-pong) at 64- and 128-key tiles, 2 and 3 stages (the space
-    refuses what does not fit), and schedule 3 at the probe's tile."""
-    g = dict(default, BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0)
-    bn0 = 128 if D <= 128 else 64
-    cands = [default] + [dict(g, WARP_SPEC=w, BLOCK_N=bn, num_stages=st) for w in (5, 4) for bn in (bn0, 64, 128)
-                         for st in (2, 3)] + [dict(g, WARP_SPEC=3, BLOCK_N=bn0, num_stages=2)]
-    return _unique(cands)
+def sweep_gluon(A, p, dtype) -> list[dict]:
+    """The Gluon FA3-structured kernel (attention's WARP_SPEC 3-5, ``A.gluon_config``) beside the default:
+    FA3's two schedules (1: intra-warpgroup overlap, 2: plus ping-pong) at 64- and 128-key tiles, 2 and 3
+    stages (the space refuses what does not fit), and schedule 0 at the default tile."""
+    bn0 = A.gluon_config(p, dtype)["BLOCK_N"]
+    cands = [A.default_config(p, dtype)] + [A.gluon_config(p, dtype, sch, bn, st) for sch in (2, 1)
+                                            for bn in (bn0, 64, 128) for st in (2, 3)]
+    return _unique(cands + [A.gluon_config(p, dtype, 0)])
 
 
 def _unique(cands: list[dict]) -> list[dict]:
@@ -208,7 +207,7 @@ def main(argv=None) -> int:
                         if args.sweep == "new":
                             cands = sweep_new(default, D, causal)
                         elif args.sweep == "gluon":
-                            cands = sweep_gluon(default, D)
+                            cands = sweep_gluon(A, p, dtype)
                         elif dname == "bf16":
                             cands = sweep(default, D)
                         else:

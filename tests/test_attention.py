@@ -453,17 +453,11 @@ GLUON = GPU and A.G.AVAILABLE and A.capability()[0] == 9
 needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FA3 kernel runs on sm90 GPUs only")
 
 
-def _gluon_cfg(p, dtype, schedule=2, bn=None, stages=2):
-    bn = bn or (128 if triton_pow2(p.D) <= 128 else 64)
-    cfg = dict(A.default_config(p, dtype), BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
-               WARP_SPEC=3 + schedule, BLOCK_N=bn, num_stages=stages)
+def _gluon_cfg(p, dtype, schedule=2):
+    cfg = A.gluon_config(p, dtype, schedule)
     why = A.SPACE.why_invalid(cfg, p, dtype)
     assert why is None, why
     return cfg
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _gluon_plan(cfg):
@@ -475,8 +469,7 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
     as a Hopper (stored sm90 entries stay valid) and runs such a point on the plain kernel, right. Everywhere
     only the canonical values of the keys the kernel does not read, fp16/bf16, dense and Tq <= Tk causal."""
     p = P(2, 4, 2, 300, 517, 64, True) if GPU else P(1, 2, 1, 20, 37, 64, True)
-    cfg = dict(A.default_config(p, torch.float16), BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
-               WARP_SPEC=4, BLOCK_N=64, num_stages=2)
+    cfg = A.gluon_config(p, torch.float16, schedule=1, BLOCK_N=64)
     why = A.SPACE.why_invalid(cfg, p, torch.float16)
     if GPU and not GLUON:
         assert why and "sm90" in why
@@ -511,8 +504,7 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
 
     p = P(1, 4, 2, 24, 40, 64, True)
     dtype = torch.float16
-    cfg = dict(A.default_config(p, dtype), BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
-               WARP_SPEC=5, BLOCK_N=64, num_stages=3)
+    cfg = A.gluon_config(p, dtype, schedule=2, BLOCK_N=64, num_stages=3)
     if A.SPACE.why_invalid(cfg, p, dtype):
         pytest.skip(f"no WARP_SPEC 3-5 here: {A.SPACE.why_invalid(cfg, p, dtype)}")
     monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
@@ -569,8 +561,7 @@ def test_gluon_every_tile_and_stage_count(D):
         for st in A.SPACE.params["num_stages"]:
             for tk, causal in ((40, False), (128, True), (700, True), (1000, False)):
                 p = P(1, 2, 1, min(tk, 300), tk, D, causal)
-                cfg = dict(A.default_config(p, torch.bfloat16), BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2,
-                           LAZY_RESCALE=0, WARP_SPEC=5, BLOCK_N=bn, num_stages=st)
+                cfg = A.gluon_config(p, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
                 if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
                     continue
                 _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)

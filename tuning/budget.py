@@ -708,9 +708,7 @@ def _prepare(storage_obj, jobs, warm, window: float) -> dict:
             "tpe", job.spec.space, search._seed(0, job.name, "tpe")))
         if ledger(study)["stop"] not in DONE:
             search.reap(study, window)
-            search._ensure_default(study, job)
-            search._ensure_previous(study, job)
-            search._ensure_spec_seeds(study, job)
+            search.ensure_seeds(study, job)
             if warm is not None:
                 search._enqueue_seeds(study, job, warm(job), attr="warm")
         studies[job.name] = study

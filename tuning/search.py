@@ -783,9 +783,7 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
     rng = random.Random(_seed(seed, job.name, "forced"))
     inflight_window = (getattr(runner, "timeout", None) or 3600.0) + 120.0
     if seed_default:
-        _ensure_default(study, job)
-        _ensure_previous(study, job)
-        _ensure_spec_seeds(study, job)
+        ensure_seeds(study, job)
     free_streak = 0
     version = code_version(spec)
     while True:
@@ -912,8 +910,11 @@ def _ensure_previous(study, job: Job) -> None:
         _enqueue_seeds(study, job, [prev], attr="previous")
 
 
-def _ensure_spec_seeds(study, job: Job) -> None:
-    """Enqueue the spec's own seeds (``KernelSpec.seeds``), each once, as seeded trials."""
+def ensure_seeds(study, job: Job) -> None:
+    """Every study's own seeds, each enqueued once: the heuristic default, the store's entry for its bucket
+    and the spec's seeds (``KernelSpec.seeds``, as seeded trials)."""
+    _ensure_default(study, job)
+    _ensure_previous(study, job)
     if job.spec.seeds is not None:
         _enqueue_seeds(study, job, list(job.spec.seeds(job.problem, job.dtype)))
 
@@ -1180,9 +1181,7 @@ def tune(kernels_, problems=None, dtypes=None, *, trials: int = 40, sampler: str
         for job in jobs:  # after the default and the stored config (each enqueued once)
             study = open_study(storage_obj, job)
             if seed_default:
-                _ensure_default(study, job)
-                _ensure_previous(study, job)
-                _ensure_spec_seeds(study, job)
+                ensure_seeds(study, job)
             if seed_configs:
                 mine = [c for c in seed_configs if set(c) <= set(job.spec.space.params)]
                 if len(mine) < len(seed_configs):
