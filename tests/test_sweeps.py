@@ -82,3 +82,23 @@ def test_a_config_that_segfaults_is_one_failed_trial(tmp_path):
     assert bad.params == {"a": 3, "b": 2}
     assert bad.user_attrs["error"] == f"worker died (exit code {-signal.SIGSEGV})"
     assert row["config"] is not None
+
+
+def test_a_config_held_by_another_trial_is_not_timed_twice():
+    """Two workers proposing one config at once (or one proposing what another is timing, or what a
+    retry waits to time): the trial that claims it second yields, without launching."""
+    st = optuna.create_study()
+    params = h.TOY.space.params
+    dists = {k: optuna.distributions.CategoricalDistribution(v) for k, v in params.items()}
+    other = st.ask(dists)
+    cfg = dict(other.params)
+    st.enqueue_trial(cfg)
+    mine = st.ask(dists)
+    assert mine.params == cfg
+    assert search._claim(st, mine.number, cfg, params, None, {}) == (None, other.number)
+    st.tell(other, 3.0)
+    st.tell(mine, state=TrialState.PRUNED)
+    queued = optuna.create_study()
+    queued.enqueue_trial(cfg, user_attrs={"retry_of": 0})
+    assert search._claim(queued, 99, cfg, params, None, {}) == (None, 0)
+    assert search._claim(queued, 99, dict(cfg, a=cfg["a"] % 8 + 1), params, None, {}) == (None, None)

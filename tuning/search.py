@@ -17,6 +17,9 @@ Trial outcomes, all recorded in the study with their reason in ``user_attrs``:
   failed) because TPE learns from pruned trials (they join its "bad" group) but ignores failed ones.
 - ``duplicate_of``: the sampler proposed a config this study already evaluated; the earlier outcome is
   copied without launching.
+- ``PRUNED`` + ``busy_with``: another unfinished trial (another worker's, or a queued seed or retry)
+  holds the same config; it times it, this one launches nothing. With several workers, no config is
+  timed twice.
 
 ``--trials N`` counts *evaluated* trials (those that launched: complete or failed), so constraint-pruned
 and duplicate proposals are free: they cost milliseconds, not a compile. A study also ends once every
@@ -828,7 +831,10 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
             if why:
                 trial.set_user_attr("invalid", why)
                 raise optuna.TrialPruned(why)
-            prev = done.get(config_key(config, params))
+            prev, busy = _claim(study, trial.number, config, params, version, done)
+            if busy is not None:  # another trial holds this config: it will time it
+                trial.set_user_attr("busy_with", busy)
+                raise optuna.TrialPruned(f"trial {busy} holds this config")
             if prev is not None:
                 trial.set_user_attr("duplicate_of", prev.number)
                 if prev.state == TrialState.COMPLETE:
@@ -860,6 +866,31 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
         study.optimize(objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
         free_streak = 0 if outcome["evaluated"] else free_streak + 1
     _record_default(study)
+
+
+def _claim(study, number: int, config: dict, params, version, done: dict):
+    """Whether trial ``number`` may time ``config``, asked after its parameters are in the storage:
+    ``(prev, None)`` with the trial that already timed it on the current code (``done``, the loop's
+    snapshot, or one that finished since), or ``(None, other)`` when another unfinished trial holds the
+    same config (waiting, running, or running in a dead process and about to be retried). Two trials
+    that claim one config at once both see the other and both yield, never both time it."""
+    from optuna.trial import TrialState
+
+    key = config_key(config, params)
+    ts = study.get_trials(deepcopy=False)
+    for t in ts:
+        if t.number == number:
+            continue
+        if t.state in (TrialState.WAITING, TrialState.RUNNING):
+            held = t.params or t.system_attrs.get("fixed_params") or {}
+            if held and config_key(held, params) == key:
+                return None, t.number
+    prev = done.get(key)
+    if prev is None:
+        for t in _evaluated(current_trials(ts, version)):
+            if config_key(t.params, params) == key and (prev is None or t.state == TrialState.COMPLETE):
+                prev = t
+    return prev, None
 
 
 def _surplus(study, number: int, trials: int, version, window: float) -> bool:
