@@ -17,7 +17,12 @@ Descriptors (``RANK``): 2-D over (B*H*T, D) where the tensors are contiguous, Tq
 the key tile and D a power of two; else 4-D over the tensors' own (B, H, T, D) strides, blocks
 [1, 1, rows, D padded to a power of two] (TMA zero-fills rows past T and columns past D on loads and clips
 them on stores). The launcher in attention.py only comes here for fp16/bf16, D a multiple of 16 up to
-256, no LSE output, a non-negative scale, every stride TMA-readable and every base 16-byte aligned.
+256, no LSE output, a positive scale, every stride TMA-readable and every base 16-byte aligned.
+
+Packed batches (``attention_varlen``: ``_fa3_fwd_varlen``) run the same partitions over 2-D descriptors that
+each CTA makes on the device for its (sequence, head), bounded by the sequence's rows: TMA zero-fills past
+a sequence's end and clips the store there, so no tile reads or writes another sequence's rows. A
+sequence may have more queries than keys (causal): rows that see no key output 0 (``GUARD``).
 
 Measured before it was registered (``lab/probes/gluon_fa3_attention.py``, H200, bf16): 579 TF/s at
 16k non-causal, D=128 (default SDPA, cuDNN: 617), 0.79-0.94x cuDNN over FA3's grid.
@@ -90,11 +95,12 @@ if AVAILABLE:
                 tma.async_copy_global_to_shared(v_desc, [kv_row0 + j * BN, 0], v_ready.index(s), v_bufs.index(s))
 
     @gluon.jit
-    def _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL: gl.constexpr, dtype: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr):
+    def _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL: gl.constexpr, GUARD: gl.constexpr,
+                 dtype: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
         """Online softmax of S tile j: keys past Tk masked (a ragged last tile), and when causal the keys past
-        each row's diagonal. Returns (P as wgmma's register A operand, the rescale factor in the output's row
-        layout, m, l)."""
+        each row's diagonal. ``GUARD``: some rows may have seen no key yet (a packed sequence with more
+        queries than keys): their max stays -inf and must not turn the exponentials into NaN. Returns (P as
+        wgmma's register A operand, the rescale factor in the output's row layout, m, l)."""
         BMc: gl.constexpr = S.type.shape[0]
         BN: gl.constexpr = S.type.shape[1]
         cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
@@ -106,15 +112,19 @@ if AVAILABLE:
             if (j + 1) * BN > Tk:
                 S = gl.where(cols[None, :] >= Tk, -float("inf"), S)
         m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
-        p = gl.exp2(S * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+        if GUARD:
+            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = gl.exp2(S * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
 
     @gluon.jit
     def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-                  WG: gl.constexpr):
+                  WG: gl.constexpr, GUARD: gl.constexpr):
         """One consumer warpgroup: 64 query rows against every K/V tile of the ring (schedules: module doc)."""
         o_desc = descs[3]
         q_smem, k_bufs, v_bufs = bufs
@@ -149,7 +159,7 @@ if AVAILABLE:
                 mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
                 S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
                                        is_async=True)
-                p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt,
+                p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
                                                  s_layout, o_layout)
                 acc = acc * alpha[:, None]
                 mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
@@ -158,12 +168,12 @@ if AVAILABLE:
                 mbarrier.arrive(empty.index(j % STAGES), count=1)
                 S = S_next
             j = n_tiles - 1
-            p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
-                                             o_layout)
+            p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
+                                             s_layout, o_layout)
             acc = acc * alpha[:, None]
         else:
-            p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
-                                             o_layout)
+            p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
+                                             s_layout, o_layout)
             for j in range(n_tiles - 1):
                 sn = (j + 1) % STAGES
                 mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
@@ -177,7 +187,7 @@ if AVAILABLE:
                     mbarrier.arrive(sched.index(1 - WG), count=1)
                 S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))   # QK^T done, P_j @ V_j running
                 p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
-                                                 dt, s_layout, o_layout)
+                                                 GUARD, dt, s_layout, o_layout)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(j % STAGES), count=1)
                 acc = acc * alpha[:, None]
@@ -187,6 +197,8 @@ if AVAILABLE:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(j % STAGES), count=1)
 
+        if GUARD:   # rows that saw no key: l = 0 and acc = 0, output 0 (not 0/0)
+            l_i = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         q.store(out.to(dt))          # Q's buffer is this warpgroup's own: it holds O on the way out
         fence_async_shared()
@@ -244,9 +256,79 @@ if AVAILABLE:
         bars = (q_bar, k_ready, v_ready, empty, sched)
         scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start)
         gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0)),
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, False)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, False)),
             (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
+        ], [4, 1], [240, 24])
+
+
+if AVAILABLE:
+    @gluon.jit
+    def _fa3_fwd_varlen(Q, K, V, O, CuQ, CuK, stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
+                        stride_om, stride_oh, qk_scale, total_q, total_k, H, H_KV,
+                        D: gl.constexpr, DP: gl.constexpr, BN: gl.constexpr, LQ: gl.constexpr, LKV: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, num_warps: gl.constexpr):
+        """Packed sequences: q (total_q, H, D), k/v (total_k, H_KV, D); sequence b owns rows
+        cu_seqlens[b]:cu_seqlens[b+1]. The partitions are the dense kernel's, over 2-D descriptors made on
+        the device for this CTA's (sequence, head): their bounds are the sequence's rows and D, so TMA
+        zero-fills past a sequence's end (never another sequence's rows) and clips the store at it. Causal
+        is bottom-right aligned per sequence; a sequence with more queries than keys has rows that see no
+        key: they output 0 (the plain kernel's answer), and a CTA all of whose rows see none writes its
+        zeros without loading anything. Each sequence is clamped to the packed totals, as in the plain
+        kernel, so unchecked cu_seqlens can give wrong rows but no access outside the tensors."""
+        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+        BMc: gl.constexpr = 64   # BM: query rows a consumer warpgroup
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // (H // H_KV)
+        qs = gl.minimum(gl.maximum(gl.load(CuQ + b), 0), total_q)
+        Tq = gl.minimum(gl.maximum(gl.load(CuQ + b + 1) - qs, 0), total_q - qs)
+        ks = gl.minimum(gl.maximum(gl.load(CuK + b), 0), total_k)
+        Tk = gl.minimum(gl.maximum(gl.load(CuK + b + 1) - ks, 0), total_k - ks)
+        n_m = gl.cdiv(Tq, 2 * BMc)
+        if pid_m >= n_m:   # the grid is sized by the longest sequence
+            return
+        if CAUSAL:   # the sequence's longest rows first
+            pid_m = n_m - 1 - pid_m
+        q_start = pid_m * (2 * BMc)
+        if CAUSAL:
+            n_tiles = gl.cdiv(gl.maximum(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), 0), BN)
+        else:
+            n_tiles = gl.cdiv(Tk, BN)
+        o_base = O + qs.to(gl.int64) * stride_om + h.to(gl.int64) * stride_oh
+        if n_tiles == 0:   # no row of this CTA sees a key
+            zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            rows = q_start + gl.arange(0, 2 * BMc, layout=gl.SliceLayout(1, zl))
+            cols = gl.arange(0, DP, layout=gl.SliceLayout(0, zl))
+            gl.store(o_base + rows.to(gl.int64)[:, None] * stride_om + cols[None, :],
+                     gl.zeros([2 * BMc, DP], O.dtype.element_ty, zl),
+                     mask=(rows < Tq)[:, None] & (cols < D)[None, :])
+            return
+        q_desc = tma.make_tensor_descriptor(Q + qs.to(gl.int64) * stride_qm + h.to(gl.int64) * stride_qh,
+                                            shape=[Tq, D], strides=[stride_qm, 1], block_shape=[BMc, DP], layout=LQ)
+        k_desc = tma.make_tensor_descriptor(K + ks.to(gl.int64) * stride_km + hk.to(gl.int64) * stride_kh,
+                                            shape=[Tk, D], strides=[stride_km, 1], block_shape=[BN, DP], layout=LKV)
+        v_desc = tma.make_tensor_descriptor(V + ks.to(gl.int64) * stride_vm + hk.to(gl.int64) * stride_vh,
+                                            shape=[Tk, D], strides=[stride_vm, 1], block_shape=[BN, DP], layout=LKV)
+        o_desc = tma.make_tensor_descriptor(o_base, shape=[Tq, D], strides=[stride_om, 1], block_shape=[BMc, DP],
+                                            layout=LQ)
+
+        q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BMc, DP], LQ)
+        q_bar = _barriers(2, 1)
+        sched = _barriers(2, 1)
+        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES)
+
+        descs = (q_desc, k_desc, v_desc, o_desc)
+        bufs = (q_smem, k_bufs, v_bufs)
+        bars = (q_bar, k_ready, v_ready, empty, sched)
+        # the descriptors are the sequence's own: rows count from its start (q_row0 = q_start, kv_row0 = 0)
+        scal = (q_start, 0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start)
+        gl.warp_specialize([
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 0, CAUSAL)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 1, CAUSAL)),
+            (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 1)),
         ], [4, 1], [240, 24])
 
 
@@ -282,7 +364,32 @@ def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
 
 def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int) -> None:
     """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller).
-    ``qk_scale``: the softmax scale times log2(e), non-negative."""
+    ``qk_scale``: the softmax scale times log2(e), positive."""
     descs, rank, grid = descriptors(q, k, v, out, BN)
     _fa3_fwd[grid](*descs, qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1], STAGES=stages, CAUSAL=causal,
                    SCHEDULE=schedule, RANK=rank, num_warps=4, maxnreg=MAXNREG)
+
+
+def varlen_layouts(dtype, D: int, BN: int) -> tuple:
+    """(D padded to a power of two, Q/O tile layout, K/V tile layout) of the packed kernel's descriptors."""
+    Dp = triton.next_power_of_2(D)
+    return Dp, gl.NVMMASharedLayout.get_default_for([BM, Dp], dtype), gl.NVMMASharedLayout.get_default_for([BN, Dp],
+                                                                                                          dtype)
+
+
+def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool, qk_scale: float,
+                  BN: int, stages: int, schedule: int) -> None:
+    """Write attention_varlen(q, k, v, ...) into ``out`` (q, out (total_q, H, D), k, v (total_k, H_KV, D), unit
+    stride along D, 16-byte aligned bases and strides: checked by the caller, as is the allocator the device
+    descriptors need). ``qk_scale``: the softmax scale times log2(e), positive."""
+    import torch
+
+    total_q, H, D = q.shape
+    total_k, H_KV, _ = k.shape
+    Dp, lq, lkv = varlen_layouts(gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, D, BN)
+    grid = (triton.cdiv(max_seqlen_q, ROWS), (cu_seqlens_q.shape[0] - 1) * H)
+    _fa3_fwd_varlen[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, q.stride(0), q.stride(1), k.stride(0),
+                          k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), qk_scale, total_q,
+                          total_k, H, H_KV,
+                          D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule,
+                          num_warps=4, maxnreg=MAXNREG)

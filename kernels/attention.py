@@ -21,11 +21,12 @@ WARP_SPEC picks the unmasked key loop's schedule: 1 asks Triton to warp-speciali
 MMA consumer), 2 issues each key block's scores one block ahead, so q·kᵀ of block j+1 runs on the
 tensor cores while block j's exponentials run. LAZY_RESCALE=1 rescales acc only when a row max grew
 by more than 2^8. A layout TMA cannot read (D not unit-stride, rows or bases not 16-byte aligned) runs
-the pointer path. WARP_SPEC 3, 4, 5 (sm90 only, fp16/bf16, dense) run another kernel: FlashAttention-3's
+the pointer path. WARP_SPEC 3, 4, 5 (sm90 only, fp16/bf16) run another kernel: FlashAttention-3's
 structure written in Gluon (``kernels/_attention_gluon.py``: two consumer warpgroups and a one-warp TMA
-producer in warp-specialized partitions, schedule WARP_SPEC − 3); a call it does not take (an lse
-output, a negative scale, a layout or base TMA cannot read, no keys, the interpreter) runs the plain
-kernel with the default config instead.
+producer in warp-specialized partitions, schedule WARP_SPEC − 3), dense or packed (varlen: descriptors
+made on the device per sequence and head); a call it does not take (an lse output, a scale <= 0, a
+layout or base TMA cannot read, a dense call without keys, the interpreter) runs the plain kernel with
+the default config instead.
 
 GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
 take the same kernel with per-sequence offsets read from cu_seqlens.
@@ -332,6 +333,12 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class PackedProblem(Problem):
+    """A packed launch as its launcher sees it without reading cu_seqlens: the batch, and the longest query
+    and key sequences as Tq and Tk (a sequence may have more queries than keys where Tq <= Tk)."""
+
+
+@dataclass(frozen=True)
 class VarlenProblem:
     seqlens_q: tuple       # per-sequence query lengths (0 allowed)
     seqlens_k: tuple       # per-sequence key lengths
@@ -448,14 +455,17 @@ def _gluon_runs_here() -> bool:
 
 def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> _Plan:
     """A WARP_SPEC 3-5 config: the Gluon kernel where it takes the call, else the plain kernel with the
-    default config (the interpreter, an lse output, a negative scale, strides TMA cannot read, no keys, or
-    a problem of the config's bucket that the Gluon kernel does not take: causal Tq > Tk, too many heads)."""
+    default config (the interpreter, an lse output, a scale <= 0, strides TMA cannot read, a dense call
+    without keys, or a problem of the config's bucket that the Gluon kernel does not take: dense causal
+    Tq > Tk, too many heads)."""
     scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     plain = _plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
     plain.cfg_key = None if config is not None else spec.config_key(p, dtype)
     # the config cache is per bucket, so a config that came from it was checked against the bucket's first
     # problem only: this problem's own limits (causal Tq <= Tk, the grid's batch x heads) are checked here
-    if (not _gluon_runs_here() or varlen or store_lse or scale_f < 0 or not (tma_ok and host_ok)
+    # a packed batch takes descriptors made on the device (host_ok is the host-built 4-D ones' condition)
+    # a zero scale too: the Gluon softmax scales masked (-inf) scores, and -inf x 0 is NaN
+    if (not _gluon_runs_here() or store_lse or scale_f <= 0 or not tma_ok or not (varlen or host_ok)
             or _gluon_constraint(cfg, p, dtype) is not None):
         return plain
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
@@ -641,8 +651,8 @@ def _longest_cached(name, cu, total, always: bool) -> int:
 
 def varlen_problem_of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, **_):
     """The shape a launcher configures for: batch and longest lengths (no need to read cu_seqlens)."""
-    return Problem(cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], int(max_seqlen_q), int(max_seqlen_k),
-                   q.shape[2], bool(causal))
+    return PackedProblem(cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], int(max_seqlen_q), int(max_seqlen_k),
+                         q.shape[2], bool(causal))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal: bool = False,
@@ -686,6 +696,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         K.check_no_alias(out, (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                                ("cu_seqlens_k", cu_seqlens_k)))
     lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    if plan.gluon is not None:
+        if _aligned(q, k, v, out):
+            _ensure_allocator()   # the kernel makes its descriptors on the device
+            G.launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, **plan.gluon)
+            return out
+        plan = plan.fallback
     if plan.grid:
         meta = _launch_meta(plan, q, k, v, out)
         _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, q, k, v, out,
@@ -718,17 +734,19 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         return _Plan(out_shape=shape)
     out_strides = out.stride() if out is not None else (Hq * D, D, 1)
     lse_strides = (Hq, 1) if return_lse else (0, 0)
-    problem = Problem(B, Hq, Hkv, max_seqlen_q, max_seqlen_k, D, bool(causal))
+    problem = PackedProblem(B, Hq, Hkv, max_seqlen_q, max_seqlen_k, D, bool(causal))
     d_contig = q.stride(-1) == k.stride(-1) == v.stride(-1) == out_strides[-1] == 1
     tma_ok = _tma_strides_ok(q.element_size(), q.stride(), k.stride(), v.stride(), out_strides)
     plan = _plan(VARLEN_SPEC, problem, config, q.dtype, scale, d_contig, True, bool(return_lse), tma_ok)
-    plan.out_shape = shape
-    # packed tensors have no batch stride: the sequence offset comes from cu_seqlens
-    plan.strides = (0, q.stride(1), q.stride(0), q.stride(2), 0, k.stride(1), k.stride(0), k.stride(2),
-                    0, v.stride(1), v.stride(0), v.stride(2), 0, out_strides[1], out_strides[0], out_strides[2],
-                    0, lse_strides[1], lse_strides[0])
-    # the kernel clamps each sequence to the packed totals (passed where the dense launch passes Tq, Tk)
-    plan.scalars = (plan.scalars[0], plan.scalars[1], total_q, total_k, *plan.scalars[4:])
+    for pl in (plan, plan.fallback) if plan.fallback is not None else (plan,):
+        pl.out_shape = shape
+        # packed tensors have no batch stride: the sequence offset comes from cu_seqlens
+        pl.strides = (0, q.stride(1), q.stride(0), q.stride(2), 0, k.stride(1), k.stride(0), k.stride(2),
+                      0, v.stride(1), v.stride(0), v.stride(2), 0, out_strides[1], out_strides[0], out_strides[2],
+                      0, lse_strides[1], lse_strides[0])
+        # the kernel clamps each sequence to the packed totals (passed where the dense launch passes Tq, Tk)
+        if pl.scalars:   # the plain kernel's (a Gluon plan passes its own)
+            pl.scalars = (pl.scalars[0], pl.scalars[1], total_q, total_k, *pl.scalars[4:])
     return plan
 
 
@@ -802,10 +820,9 @@ def _gluon_constraint(c, p, dtype) -> str | None:
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel) run on sm90 GPUs only"
     if dtype not in (torch.float16, torch.bfloat16):
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): fp16 and bf16 only"
-    if isinstance(p, VarlenProblem):
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): dense batches only (varlen runs the plain kernel)"
-    if p.causal and p.Tq > p.Tk:
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): causal needs Tq <= Tk"
+    # a packed sequence's rows that see no key are the kernel's own case (they output 0); a dense call's are not
+    if p.causal and p.Tq > p.Tk and not isinstance(p, (VarlenProblem, PackedProblem)):
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): dense causal needs Tq <= Tk"
     if p.B * p.Hq > 65535:   # its grid is (query tiles, batch x heads): CUDA caps the second dimension
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): at most 65,535 batch x heads"
     if (c["BLOCK_M"], c["num_warps"], c["HEADS_INNER"], c["TMA"], c["LAZY_RESCALE"]) != (G.ROWS, 4, 0, 2, 0):
@@ -1212,5 +1229,6 @@ VARLEN_SPEC = K.register(K.KernelSpec(
                                      12, 12, 64, True)],
     small_problems=[VarlenProblem((5, 0, 17, 1), (5, 3, 17, 1), 4, 2, 64, True)],
     layouts=("contiguous", "sliced"),
+    seeds=gluon_seeds,
     **{**_COMMON, "default_config": varlen_default_config},
 ))

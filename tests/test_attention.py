@@ -70,17 +70,19 @@ def _dense(problem: P, dtype, *, scale=None, layout="contiguous", seed=0, config
     return case, out, lse_
 
 
-def _varlen(problem: VP, dtype, *, scale=None, layout="contiguous", seed=0, config=None):
+def _varlen(problem: VP, dtype, *, scale=None, layout="contiguous", seed=0, config=None, lse=True):
     case = A.make_varlen_inputs(problem, dtype, DEV, seed, layout)
     cmp.poison(case.out)
     what = f"{problem} {_id(dtype)} {layout} scale={scale} cfg={config}"
-    out, lse = A.attention_varlen(*case.args, out=case.out, scale=scale, return_lse=True, config=config,
-                                  **case.kwargs)
+    got = A.attention_varlen(*case.args, out=case.out, scale=scale, return_lse=lse, config=config, **case.kwargs)
+    out, lse_ = got if lse else (got, None)
     want_out, want_lse = ref.attention_varlen(*case.args, scale=scale, return_lse=True, **case.kwargs)
-    assert out is case.out and lse.shape == (sum(problem.seqlens_q), problem.Hq)
+    assert out is case.out
     cmp.check(out, want_out, dtype, A.SPEC.accumulation(dtype), what=what)
-    _check_lse(lse, want_lse, what)
-    return case, out, lse
+    if lse:
+        assert lse_.shape == (sum(problem.seqlens_q), problem.Hq)
+        _check_lse(lse_, want_lse, what)
+    return case, out, lse_
 
 
 def _naive(q, k, v, causal, scale):
@@ -467,7 +469,8 @@ def _gluon_plan(cfg):
 def test_gluon_points_are_refused_where_the_kernel_cannot_run():
     """On a GPU other than sm90 every WARP_SPEC 3-5 point is refused with the reason; the interpreter counts
     as a Hopper (stored sm90 entries stay valid) and runs such a point on the plain kernel, right. Everywhere
-    only the canonical values of the keys the kernel does not read, fp16/bf16, dense and Tq <= Tk causal."""
+    only the canonical values of the keys the kernel does not read, fp16/bf16, and a dense causal call's
+    Tq <= Tk (a packed batch's sequences may have more queries than keys: their rows see no key, output 0)."""
     p = P(2, 4, 2, 300, 517, 64, True) if GPU else P(1, 2, 1, 20, 37, 64, True)
     cfg = A.gluon_config(p, torch.float16, schedule=1, BLOCK_N=64)
     why = A.SPACE.why_invalid(cfg, p, torch.float16)
@@ -481,7 +484,8 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
         _dense(p, torch.float16, seed=1, config=cfg, lse=False)
         assert all(pl.gluon is None for pl in A._PLANS.values())   # the plain kernel ran
     assert "fp16 and bf16" in A.SPACE.why_invalid(cfg, p, torch.float32)
-    assert "dense" in A.SPACE.why_invalid(cfg, VP((300, 7), (517, 9), 4, 2, 64, True), torch.float16)
+    assert A.SPACE.why_invalid(cfg, VP((300, 7, 40), (517, 9, 0), 4, 2, 64, True), torch.float16) is None
+    assert A.SPACE.why_invalid(cfg, A.PackedProblem(2, 4, 2, 517, 300, 64, True), torch.float16) is None
     assert "Tq <= Tk" in A.SPACE.why_invalid(cfg, P(2, 4, 2, 517, 300, 64, True), torch.float16)
     assert "65,535" in A.SPACE.why_invalid(cfg, P(4096, 32, 8, 300, 517, 64, True), torch.float16)
     assert "BLOCK_M=128" in A.SPACE.why_invalid(dict(cfg, num_warps=8), p, torch.float16)
@@ -494,13 +498,18 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
 def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     """The routing of a WARP_SPEC 3-5 config, on any machine (the Gluon launch replaced by a recorder that
     writes the reference): a plain dense call takes it with the schedule and tile of the config and the
-    softmax scale in base 2; an lse output, a negative scale, a base one element off, a layout TMA cannot
-    read and a packed batch run the plain kernel."""
+    softmax scale in base 2, and so does a packed batch (with its longest query sequence, which sizes the
+    grid), sequences with more queries than keys included; an lse output, a scale <= 0, a base one
+    element off and a layout TMA cannot read run the plain kernel."""
     calls = []
 
     def fake_launch(q, k, v, out, **kw):
         calls.append(kw)
         out.copy_(ref.attention(q, k, v, causal=kw["causal"]).to(out.dtype))
+
+    def fake_launch_varlen(q, k, v, out, cu_q, cu_k, max_q, **kw):
+        calls.append(dict(kw, max_seqlen_q=max_q))
+        out.copy_(ref.attention_varlen(q, k, v, cu_q, cu_k, causal=kw["causal"]).to(out.dtype))
 
     p = P(1, 4, 2, 24, 40, 64, True)
     dtype = torch.float16
@@ -509,19 +518,36 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
         pytest.skip(f"no WARP_SPEC 3-5 here: {A.SPACE.why_invalid(cfg, p, dtype)}")
     monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
     monkeypatch.setattr(A.G, "launch", fake_launch)
+    monkeypatch.setattr(A.G, "launch_varlen", fake_launch_varlen)
     A._PLANS.clear()
+    A._VARLEN_PLANS.clear()
     try:
         _dense(p, dtype, seed=11, config=cfg, lse=False)
         assert calls == [dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)]
         calls.clear()
         _dense(p, dtype, seed=12, config=cfg, lse=True)
         _dense(p, dtype, seed=13, config=cfg, scale=-0.3, lse=False)
+        _dense(p, dtype, seed=13, config=cfg, scale=0.0, lse=False)
         _dense(p, dtype, seed=14, config=cfg, layout="transposed", lse=False)
         q, k, v = A.make_inputs(p, dtype, DEV, 15).args
         shifted = [torch.empty(t.numel() + 1, dtype=dtype, device=DEV)[1:].view(t.shape).copy_(t) for t in (q, k, v)]
         cmp.check(A.attention(*shifted, causal=True, config=cfg), ref.attention(q, k, v, causal=True), dtype,
                   A.SPEC.accumulation(dtype), what="offset base")
-        _varlen(VP((7, 24), (9, 40), 4, 2, 64, True), dtype, seed=16, config=cfg)
+        assert calls == []
+        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)
+        _varlen(VP((7, 24, 0), (9, 40, 5), 4, 2, 64, True), dtype, seed=16, config=cfg, lse=False)
+        assert calls == [dict(taken, max_seqlen_q=24)]
+        calls.clear()
+        _varlen(VP((30, 5), (10, 12), 4, 2, 64, True), dtype, seed=18, config=cfg, lse=False)  # 30 queries, 10 keys
+        assert calls == [dict(taken, max_seqlen_q=30)]
+        calls.clear()
+        _varlen(VP((7, 24), (9, 40), 4, 2, 64, True), dtype, seed=19, config=cfg, lse=True)
+        case = A.make_varlen_inputs(VP((7, 24), (9, 40), 4, 2, 64, True), dtype, DEV, 20)
+        q, k, v, *rest = case.args
+        shifted = [torch.empty(t.numel() + 1, dtype=dtype, device=DEV)[1:].view(t.shape).copy_(t) for t in (q, k, v)]
+        cmp.check(A.attention_varlen(*shifted, *rest, causal=True, config=cfg),
+                  ref.attention_varlen(q, k, v, *rest, causal=True), dtype, A.SPEC.accumulation(dtype),
+                  what="varlen, offset base")
         assert calls == []
         # a config cached for its bucket from one problem, launched on another of the bucket that the Gluon
         # kernel does not take (causal with Tq > Tk: rows that see no key)
@@ -533,6 +559,7 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
         assert calls == []
     finally:
         A._PLANS.clear()
+        A._VARLEN_PLANS.clear()
 
 
 @needs_gluon
@@ -550,6 +577,71 @@ def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal):
         _dense(p, dtype, seed=D + 7, layout="bthd", config=cfg, lse=False)
         flat = P(1, 3, 1, 256, 384, D, causal)
         _dense(flat, dtype, seed=D + 9, config=_gluon_cfg(flat, dtype, schedule), lse=False)
+
+
+@needs_gluon
+@pytest.mark.parametrize("schedule", [0, 1, 2])
+@pytest.mark.parametrize("D", A.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal):
+    """Packed batches on the Gluon kernel (descriptors made on the device per sequence and head), both
+    dtypes: ragged lengths across tile boundaries, an empty query sequence, an empty key sequence, more
+    queries than keys (causal: rows that see no key output 0; a CTA none of whose rows sees one), GQA,
+    and views sliced from wider buffers."""
+    vp = VP((300, 0, 129, 5, 77, 260), (517, 40, 0, 5, 30, 3), 4, 2, D, causal)
+    for dtype in (torch.bfloat16, torch.float16):
+        cfg = _gluon_cfg(vp, dtype, schedule)
+        _varlen(vp, dtype, seed=D + schedule, config=cfg, lse=False)
+        assert next(pl for pl in A._VARLEN_PLANS.values() if pl.cfg == cfg).gluon is not None
+        _varlen(vp, dtype, seed=D + 5, layout="sliced", config=cfg, lse=False)
+        # q, k, v as views of one fused (total, Hq + 2 Hkv, D) projection: strided, and TMA-readable
+        q, k, v, cq, ck, mq, mk = A.make_varlen_inputs(VP((300, 129, 5), (300, 129, 5), 4, 2, D, causal), dtype,
+                                                       DEV, D + 6).args
+        fused = torch.cat([q, k, v], dim=1)
+        views = fused[:, :4], fused[:, 4:6], fused[:, 6:]
+        got = cmp.poison(torch.empty_like(q))
+        A.attention_varlen(*views, cq, ck, mq, mk, causal=causal, out=got, config=cfg)
+        cmp.check(got, ref.attention_varlen(q, k, v, cq, ck, causal=causal), dtype, A.SPEC.accumulation(dtype),
+                  what=f"gluon varlen, fused qkv views, D={D}")
+
+
+@needs_gluon
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gluon_varlen_every_tile_and_stage_count(D):
+    """Every (BLOCK_N, num_stages) the space admits on a packed batch, ping-pong schedule, causal and not."""
+    for causal in (False, True):
+        vp = VP((1, 200, 64, 333), (40, 700, 64, 128), 2, 1, D, causal)
+        for bn in A.SPACE.params["BLOCK_N"]:
+            for st in A.SPACE.params["num_stages"]:
+                cfg = A.gluon_config(vp, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
+                if A.SPACE.why_invalid(cfg, vp, torch.bfloat16):
+                    continue
+                _varlen(vp, torch.bfloat16, seed=bn + st, config=cfg, lse=False)
+
+
+@needs_gluon
+def test_gluon_varlen_in_a_cuda_graph():
+    """The packed kernel makes its descriptors from cu_seqlens at each launch: a captured launch replays
+    on new lengths (same totals; one sequence now has more queries than keys) and new values; a
+    max_seqlen_q above the longest only adds CTAs that exit."""
+    dtype = torch.bfloat16
+    vp = VP((200, 57, 0, 300), (256, 60, 9, 300), 4, 2, 128, True)
+    cfg = _gluon_cfg(vp, dtype)
+    q, k, v, cq, ck, mq, mk = A.make_varlen_inputs(vp, dtype, DEV, 21).args
+    out = torch.empty_like(q)
+    A.attention_varlen(q, k, v, cq, ck, mq + 100, mk, causal=True, out=out, config=cfg)
+    acc = A.SPEC.accumulation(dtype)
+    cmp.check(out, ref.attention_varlen(q, k, v, cq, ck, causal=True), dtype, acc, what="gluon varlen, eager")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        A.attention_varlen(q, k, v, cq, ck, mq + 100, mk, causal=True, out=out, config=cfg, validate=False)
+    cq.copy_(A._cu((100, 157, 0, 300), DEV))
+    ck.copy_(A._cu((56, 260, 9, 300), DEV))
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    cmp.poison(out)
+    g.replay()
+    cmp.check(out, ref.attention_varlen(q, k, v, cq, ck, causal=True), dtype, acc, what="gluon varlen in a CUDA graph")
 
 
 @needs_gluon

@@ -2,8 +2,8 @@
 # attention's Gluon FA3 path (WARP_SPEC 3-5) on an sm90 machine, in one call: its tests on one GPU while FA3's
 # grid (bench_attention_fa3_grid.py --sweep gluon --emit: the Gluon points beside the default, every SDPA
 # backend, bf16 and fp16) runs on the other (on a one-GPU machine the two run one after the other); then
-# `tritune tune attention --trials 4` for bf16 and fp16 (the default, the stored entry and the Gluon seeds of
-# every standard bucket), exported under $W/store_<dtype> (TUNE=0 skips it).
+# `tritune tune attention attention_varlen --trials 4` for bf16 and fp16 (the default, the stored entry and the
+# Gluon seeds of every standard bucket, dense and packed), exported under $W/store_<dtype> (TUNE=0 skips it).
 #   bash lab/drivers/gluon_attention.sh        (TEST_LIM, FA3_LIM, FA3_ARGS, TUNE; results in $OUT/bundle.tgz)
 set -uo pipefail
 : "${OUT:?}"
@@ -19,7 +19,7 @@ tests() { CUDA_VISIBLE_DEVICES=0 timeout ${TEST_LIM:-300} python -m pytest -q -p
 grid() { CUDA_VISIBLE_DEVICES=$(( NG > 1 ? 1 : 0 )) timeout $(( ${FA3_LIM:-380} + 40 )) python lab/bench_attention_fa3_grid.py \
             $W/fa3 --sweep gluon --emit --budget-s ${FA3_LIM:-380} ${FA3_ARGS:-} > $W/fa3.log 2>&1
          echo "fa3 rc=$?" >> $W/summary.txt; grep -E "^(bf16|fp16) D=" $W/fa3.log >> $W/summary.txt; tail -30 $W/fa3.log >> $W/summary.txt; }
-tune() { CUDA_VISIBLE_DEVICES=$1 timeout ${TUNE_LIM:-150} tritune tune attention --dtype $2 --trials 4 --export \
+tune() { CUDA_VISIBLE_DEVICES=$1 timeout ${TUNE_LIM:-150} tritune tune attention attention_varlen --dtype $2 --trials 4 --export \
            --configs-dir $W/store_$2 --storage $W/attn_$2.journal --quiet > $W/tune_$2.log 2>&1
          echo "tune $2 rc=$?" >> $W/summary.txt; grep -E "^attention|geomean" $W/tune_$2.log | cut -c1-200 >> $W/summary.txt; }
 if [ "$NG" -gt 1 ]; then tests & grid & wait; else tests; grid; fi

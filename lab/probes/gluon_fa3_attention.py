@@ -123,16 +123,8 @@ def compile_offline(points=((2, 64), (2, 128), (4, 32), (4, 80), (4, 128), (4, 1
     """Compile for sm90 without a GPU: (descriptor rank, D) points (``plan(D)``'s tiles, or each of
     ``tiles(D)``'s (BN, STAGES)) x causal x schedules. Shared memory, the wgmma / setmaxnreg / TMA counts in
     the PTX, and ptxas's registers and spills."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton.backends.nvidia as nv
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
     out = {}
     for rank, D, BN, STAGES in [(r, d, *t) for r, d in points for t in (tiles(d) if tiles else [plan(d)[1:]])]:
         Dp = plan(D)[0]
@@ -151,27 +143,70 @@ def compile_offline(points=((2, 64), (2, 128), (4, 32), (4, 80), (4, 128), (4, 1
                           (names.index("SCHEDULE"),): sch, (names.index("RANK"),): rank,
                           (names.index("num_warps"),): 4}
                 key = f"rank={rank},D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
-                try:
-                    src = GluonASTSource(_fa3_fwd, sig, constexprs=consts)
-                    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                          options={"num_warps": 4, "maxnreg": maxnreg})
-                except Exception as e:  # noqa: BLE001 - a failed compile is the answer
-                    out[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-                    continue
-                ptx = kern.asm["ptx"]
-                row = {"shared_bytes": kern.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
-                       "setmaxnreg": ptx.count("setmaxnreg"), "tma_loads": ptx.count("cp.async.bulk.tensor")}
-                with tempfile.TemporaryDirectory() as tmp:
-                    f = os.path.join(tmp, "k.ptx")
-                    with open(f, "w") as fh:
-                        fh.write(ptx)
-                    r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f, "-o", os.path.join(tmp, "k.cubin")],
-                                       capture_output=True, text=True)
-                m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-                g = re.search(r"Used (\d+) registers", r.stderr)
-                row.update(spill_stores=int(m.group(1)) if m else None, spill_loads=int(m.group(2)) if m else None,
-                           registers=int(g.group(1)) if g else None)
-                out[key] = row
+                out[key] = _compile_row(GluonASTSource(_fa3_fwd, sig, constexprs=consts), maxnreg)
+    return out
+
+
+def _compile_row(src, maxnreg: int) -> dict:
+    """One sm90 compile: shared memory, global scratch (device-made descriptors), the wgmma / setmaxnreg /
+    TMA counts in the PTX, ptxas's registers and spills; or the error."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+    from triton.backends.compiler import GPUTarget
+
+    try:
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+    except Exception as e:  # noqa: BLE001 - a failed compile is the answer
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    ptx = kern.asm["ptx"]
+    row = {"shared_bytes": kern.metadata.shared, "scratch_bytes": kern.metadata.global_scratch_size,
+           "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
+           "tma_loads": ptx.count("cp.async.bulk.tensor")}
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        f = os.path.join(tmp, "k.ptx")
+        with open(f, "w") as fh:
+            fh.write(ptx)
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f, "-o", os.path.join(tmp, "k.cubin")],
+                           capture_output=True, text=True)
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    g = re.search(r"Used (\d+) registers", r.stderr)
+    row.update(spill_stores=int(m.group(1)) if m else None, spill_loads=int(m.group(2)) if m else None,
+               registers=int(g.group(1)) if g else None)
+    return row
+
+
+def compile_varlen_offline(dims=(32, 64, 80, 96, 128, 160, 192, 224, 256), causal=(False, True), schedules=(0, 1, 2),
+                           tiles=None, maxnreg: int = 168) -> dict:
+    """The packed (varlen) kernel (``_fa3_fwd_varlen``: descriptors made on the device per sequence and head)
+    compiled for sm90 without a GPU, bf16: each head dim at ``tiles(D)``'s (BN, STAGES) (default: the Gluon
+    seeds' tile, 3 stages where they fit) x causal x schedules."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def seed_tile(D):
+        bn = 128 if _pow2(D) <= 128 else 64
+        return [(bn, 3 if G.smem_bytes(D, bn, 3) <= 227 * 1024 else 2)]
+
+    out = {}
+    for D in dims:
+        for BN, STAGES in (tiles or seed_tile)(D):
+            Dp, lq, lkv = G.varlen_layouts(gl.bfloat16, D, BN)
+            sig = {n: "*bf16" for n in ("Q", "K", "V", "O")} | {"CuQ": "*i32", "CuK": "*i32"}
+            sig |= {f"stride_{t}{d}": "i32" for t in "qkvo" for d in "mh"}
+            sig |= {"qk_scale": "fp32", "total_q": "i32", "total_k": "i32", "H": "i32", "H_KV": "i32"}
+            for c in causal:
+                for sch in schedules:
+                    vals = dict(D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=STAGES, CAUSAL=c, SCHEDULE=sch, num_warps=4)
+                    full = sig | {n: "constexpr" for n in vals}
+                    names = list(full)
+                    consts = {(names.index(n),): v for n, v in vals.items()}
+                    key = f"varlen,D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
+                    out[key] = _compile_row(GluonASTSource(G._fa3_fwd_varlen, full, constexprs=consts), maxnreg)
+                    print(key, out[key], flush=True)
     return out
 
 
@@ -323,11 +358,19 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="compile for sm90 offline and stop")
     ap.add_argument("--compile-space", action="store_true",
                     help="compile every tile/stage point of the registered space for sm90 offline and stop")
+    ap.add_argument("--compile-varlen", action="store_true",
+                    help="compile the packed (varlen) kernel for sm90 offline, every head dim, and stop")
     ap.add_argument("--quick", action="store_true", help="bf16 and three sequence lengths only")
     ap.add_argument("--check-only", action="store_true", help="the float64 checks only, no timing")
     ap.add_argument("--check-schedule", type=int, default=None, help=argparse.SUPPRESS)   # one schedule's checks
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.compile_varlen:
+        res = compile_varlen_offline()
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0 if all("error" not in r for r in res.values()) else 1
     if a.compile or a.compile_space:
         # --compile-space: every (BLOCK_N, num_stages) the registered space allows (attention's WARP_SPEC 3-5:
         # BLOCK_N 64/128 up to D 128, 64 past it; 2-4 stages within 227 KB of shared memory), causal, 3 schedules
