@@ -131,8 +131,8 @@ def _p_consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.cons
         S = warpgroup_mma(q, G._tile(k_bufs.index(it % STAGES), 4).permute((1, 0)), s0, use_acc=False,
                           is_async=True)
         S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
-        p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt, s_layout,
-                                         o_layout)
+        p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, False, dt,
+                                         s_layout, o_layout)
         for j in range(n_tiles - 1):
             c = it + j
             n = c + 1
@@ -146,8 +146,8 @@ def _p_consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.cons
             if SCHEDULE == 2:
                 mbarrier.arrive(sched.index(1 - WG), count=1)
             S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))
-            p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, dt,
-                                             s_layout, o_layout)
+            p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
+                                             False, dt, s_layout, o_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(c % STAGES), count=1)
             acc = acc * alpha[:, None]
