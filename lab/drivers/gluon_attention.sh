@@ -3,8 +3,10 @@
 # grid (bench_attention_fa3_grid.py --sweep gluon --emit: the Gluon points beside the default, every SDPA
 # backend, bf16 and fp16) runs on the other (on a one-GPU machine the two run one after the other); then
 # `tritune tune attention attention_varlen --trials 4` for bf16 and fp16 (the default, the stored entry and the
-# Gluon seeds of every standard bucket, dense and packed), exported under $W/store_<dtype> (TUNE=0 skips it).
-#   bash lab/drivers/gluon_attention.sh        (TEST_LIM, FA3_LIM, FA3_ARGS, TUNE; results in $OUT/bundle.tgz)
+# Gluon seeds of every standard bucket, dense and packed), exported under $W/store_<dtype> (TUNE=0 skips it);
+# then `tritune bench attention attention_varlen --dtype bf16` on the committed store into $W/results (the
+# maintained results/<gpu>/ files: copy them over; BENCH=0 skips it).
+#   bash lab/drivers/gluon_attention.sh   (TEST_LIM, FA3_LIM, FA3_ARGS, TUNE, TUNE_LIM, BENCH, BENCH_LIM; $OUT/bundle.tgz)
 set -uo pipefail
 : "${OUT:?}"
 W=$OUT/w; mkdir -p $W
@@ -24,4 +26,9 @@ tune() { CUDA_VISIBLE_DEVICES=$1 timeout ${TUNE_LIM:-150} tritune tune attention
          echo "tune $2 rc=$?" >> $W/summary.txt; grep -E "^attention|geomean" $W/tune_$2.log | cut -c1-200 >> $W/summary.txt; }
 if [ "$NG" -gt 1 ]; then tests & grid & wait; else tests; grid; fi
 if [ "${TUNE:-1}" = 1 ]; then if [ "$NG" -gt 1 ]; then tune 0 bf16 & tune 1 fp16 & wait; else tune 0 bf16; tune 0 fp16; fi; fi
+if [ "${BENCH:-1}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_LIM:-300} tritune bench attention attention_varlen --dtype bf16 \
+    --results-dir $W/results > $W/bench.log 2>&1
+  echo "bench rc=$?" >> $W/summary.txt; tail -25 $W/bench.log | cut -c1-220 >> $W/summary.txt
+fi
 tar -czf $OUT/bundle.tgz -C $OUT w && cp $W/summary.txt $OUT/summary.txt && cat $OUT/summary.txt | cut -c1-250 | tail -80
