@@ -17,7 +17,8 @@ Descriptors (``RANK``): 2-D over (B*H*T, D) where the tensors are contiguous, Tq
 the key tile and D a power of two; else 4-D over the tensors' own (B, H, T, D) strides, blocks
 [1, 1, rows, D padded to a power of two] (TMA zero-fills rows past T and columns past D on loads and clips
 them on stores). The launcher in attention.py only comes here for fp16/bf16, D a multiple of 16 up to
-256, no LSE output, a positive scale, every stride TMA-readable and every base 16-byte aligned.
+256, a positive scale, every stride TMA-readable and every base 16-byte aligned; an lse output is written by
+the consumers beside O (``STORE_LSE``).
 
 Packed batches (``attention_varlen``: ``_fa3_fwd_varlen``) run the same partitions over 2-D descriptors that
 each CTA makes on the device for its (sequence, head), bounded by the sequence's rows: TMA zero-fills past
@@ -124,7 +125,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-                  WG: gl.constexpr, GUARD: gl.constexpr):
+                  WG: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr):
         """One consumer warpgroup: 64 query rows against every K/V tile of the ring (schedules: module doc)."""
         o_desc = descs[3]
         q_smem, k_bufs, v_bufs = bufs
@@ -197,6 +198,11 @@ if AVAILABLE:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(j % STAGES), count=1)
 
+        if STORE_LSE:   # natural log of each row's softmax denominator; a row that saw no key: -inf
+            lse_row0, lse_stride = scal[10], scal[11]
+            rows = q_first + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
+            gl.store(lse_row0 + rows.to(gl.int64) * lse_stride, (m_i + gl.log2(l_i)) * 0.6931471805599453,
+                     mask=rows < Tq)
         if GUARD:   # rows that saw no key: l = 0 and acc = 0, output 0 (not 0/0)
             l_i = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -225,9 +231,9 @@ if AVAILABLE:
         return k_bufs, v_bufs, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, 2)
 
     @gluon.jit
-    def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV,
+    def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, LSE, stride_lb, stride_lh, stride_lm,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 STORE_LSE: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         BMc: gl.constexpr = q_desc.block_type.shape[RANK - 2]
         BN: gl.constexpr = k_desc.block_type.shape[RANK - 2]
@@ -254,10 +260,11 @@ if AVAILABLE:
         descs = (q_desc, k_desc, v_desc, o_desc)
         bufs = (q_smem, k_bufs, v_bufs)
         bars = (q_bar, k_ready, v_ready, empty, sched)
-        scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start)
+        lse_row0 = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
         gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, False)),
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, False)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, False, STORE_LSE)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, False, STORE_LSE)),
             (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
         ], [4, 1], [240, 24])
 
@@ -265,9 +272,10 @@ if AVAILABLE:
 if AVAILABLE:
     @gluon.jit
     def _fa3_fwd_varlen(Q, K, V, O, CuQ, CuK, stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
-                        stride_om, stride_oh, qk_scale, total_q, total_k, H, H_KV,
+                        stride_om, stride_oh, qk_scale, total_q, total_k, H, H_KV, LSE, stride_lh, stride_lm,
                         D: gl.constexpr, DP: gl.constexpr, BN: gl.constexpr, LQ: gl.constexpr, LKV: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, num_warps: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, STORE_LSE: gl.constexpr,
+                        num_warps: gl.constexpr):
         """Packed sequences: q (total_q, H, D), k/v (total_k, H_KV, D); sequence b owns rows
         cu_seqlens[b]:cu_seqlens[b+1]. The partitions are the dense kernel's, over 2-D descriptors made on
         the device for this CTA's (sequence, head): their bounds are the sequence's rows and D, so TMA
@@ -298,13 +306,17 @@ if AVAILABLE:
         else:
             n_tiles = gl.cdiv(Tk, BN)
         o_base = O + qs.to(gl.int64) * stride_om + h.to(gl.int64) * stride_oh
-        if n_tiles == 0:   # no row of this CTA sees a key
+        lse_row0 = LSE + qs.to(gl.int64) * stride_lm + h.to(gl.int64) * stride_lh
+        if n_tiles == 0:   # no row of this CTA sees a key: out 0, lse -inf
             zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             rows = q_start + gl.arange(0, 2 * BMc, layout=gl.SliceLayout(1, zl))
             cols = gl.arange(0, DP, layout=gl.SliceLayout(0, zl))
             gl.store(o_base + rows.to(gl.int64)[:, None] * stride_om + cols[None, :],
                      gl.zeros([2 * BMc, DP], O.dtype.element_ty, zl),
                      mask=(rows < Tq)[:, None] & (cols < D)[None, :])
+            if STORE_LSE:
+                gl.store(lse_row0 + rows.to(gl.int64) * stride_lm,
+                         gl.full([2 * BMc], -float("inf"), gl.float32, gl.SliceLayout(1, zl)), mask=rows < Tq)
             return
         q_desc = tma.make_tensor_descriptor(Q + qs.to(gl.int64) * stride_qm + h.to(gl.int64) * stride_qh,
                                             shape=[Tq, D], strides=[stride_qm, 1], block_shape=[BMc, DP], layout=LQ)
@@ -324,10 +336,10 @@ if AVAILABLE:
         bufs = (q_smem, k_bufs, v_bufs)
         bars = (q_bar, k_ready, v_ready, empty, sched)
         # the descriptors are the sequence's own: rows count from its start (q_row0 = q_start, kv_row0 = 0)
-        scal = (q_start, 0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start)
+        scal = (q_start, 0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
         gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 0, CAUSAL)),
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 1, CAUSAL)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 0, CAUSAL, STORE_LSE)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 1, CAUSAL, STORE_LSE)),
             (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 1)),
         ], [4, 1], [240, 24])
 
@@ -362,11 +374,14 @@ def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
     return descs, rank, (triton.cdiv(Tq, ROWS), B * H)
 
 
-def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int) -> None:
-    """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller).
-    ``qk_scale``: the softmax scale times log2(e), positive."""
+def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int, lse=None) -> None:
+    """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller), and each
+    row's log-sum-exp into ``lse`` (B, H, Tq) float32 if given. ``qk_scale``: the softmax scale times log2(e),
+    positive."""
     descs, rank, grid = descriptors(q, k, v, out, BN)
-    _fa3_fwd[grid](*descs, qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1], STAGES=stages, CAUSAL=causal,
+    ls = lse.stride() if lse is not None else (0, 0, 0)
+    _fa3_fwd[grid](*descs, qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1], out if lse is None else lse,
+                   *ls, STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal,
                    SCHEDULE=schedule, RANK=rank, num_warps=4, maxnreg=MAXNREG)
 
 
@@ -378,18 +393,20 @@ def varlen_layouts(dtype, D: int, BN: int) -> tuple:
 
 
 def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool, qk_scale: float,
-                  BN: int, stages: int, schedule: int) -> None:
+                  BN: int, stages: int, schedule: int, lse=None) -> None:
     """Write attention_varlen(q, k, v, ...) into ``out`` (q, out (total_q, H, D), k, v (total_k, H_KV, D), unit
     stride along D, 16-byte aligned bases and strides: checked by the caller, as is the allocator the device
-    descriptors need). ``qk_scale``: the softmax scale times log2(e), positive."""
+    descriptors need), and each row's log-sum-exp into ``lse`` (total_q, H) float32 if given. ``qk_scale``: the
+    softmax scale times log2(e), positive."""
     import torch
 
     total_q, H, D = q.shape
     total_k, H_KV, _ = k.shape
     Dp, lq, lkv = varlen_layouts(gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, D, BN)
+    ls = (lse.stride(1), lse.stride(0)) if lse is not None else (0, 0)   # (per head, per row)
     grid = (triton.cdiv(max_seqlen_q, ROWS), (cu_seqlens_q.shape[0] - 1) * H)
     _fa3_fwd_varlen[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, q.stride(0), q.stride(1), k.stride(0),
                           k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), qk_scale, total_q,
-                          total_k, H, H_KV,
+                          total_k, H, H_KV, out if lse is None else lse, *ls,
                           D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule,
-                          num_warps=4, maxnreg=MAXNREG)
+                          STORE_LSE=lse is not None, num_warps=4, maxnreg=MAXNREG)

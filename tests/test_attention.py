@@ -499,17 +499,23 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     """The routing of a WARP_SPEC 3-5 config, on any machine (the Gluon launch replaced by a recorder that
     writes the reference): a plain dense call takes it with the schedule and tile of the config and the
     softmax scale in base 2, and so does a packed batch (with its longest query sequence, which sizes the
-    grid), sequences with more queries than keys included; an lse output, a scale <= 0, a base one
-    element off and a layout TMA cannot read run the plain kernel."""
+    grid), sequences with more queries than keys included; with an lse output, the launch gets the lse
+    tensor to write. A scale <= 0, a base one element off and a layout TMA cannot read run the plain kernel."""
     calls = []
 
-    def fake_launch(q, k, v, out, **kw):
-        calls.append(kw)
-        out.copy_(ref.attention(q, k, v, causal=kw["causal"]).to(out.dtype))
+    def fake_launch(q, k, v, out, lse=None, **kw):
+        calls.append(dict(kw, lse=lse is not None))
+        want, want_lse = ref.attention(q, k, v, causal=kw["causal"], return_lse=True)
+        out.copy_(want.to(out.dtype))
+        if lse is not None:
+            lse.copy_(want_lse)
 
-    def fake_launch_varlen(q, k, v, out, cu_q, cu_k, max_q, **kw):
-        calls.append(dict(kw, max_seqlen_q=max_q))
-        out.copy_(ref.attention_varlen(q, k, v, cu_q, cu_k, causal=kw["causal"]).to(out.dtype))
+    def fake_launch_varlen(q, k, v, out, cu_q, cu_k, max_q, lse=None, **kw):
+        calls.append(dict(kw, max_seqlen_q=max_q, lse=lse is not None))
+        want, want_lse = ref.attention_varlen(q, k, v, cu_q, cu_k, causal=kw["causal"], return_lse=True)
+        out.copy_(want.to(out.dtype))
+        if lse is not None:
+            lse.copy_(want_lse)
 
     p = P(1, 4, 2, 24, 40, 64, True)
     dtype = torch.float16
@@ -522,10 +528,11 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     A._PLANS.clear()
     A._VARLEN_PLANS.clear()
     try:
+        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)
         _dense(p, dtype, seed=11, config=cfg, lse=False)
-        assert calls == [dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)]
-        calls.clear()
         _dense(p, dtype, seed=12, config=cfg, lse=True)
+        assert calls == [dict(taken, lse=False), dict(taken, lse=True)]
+        calls.clear()
         _dense(p, dtype, seed=13, config=cfg, scale=-0.3, lse=False)
         _dense(p, dtype, seed=13, config=cfg, scale=0.0, lse=False)
         _dense(p, dtype, seed=14, config=cfg, layout="transposed", lse=False)
@@ -534,14 +541,10 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
         cmp.check(A.attention(*shifted, causal=True, config=cfg), ref.attention(q, k, v, causal=True), dtype,
                   A.SPEC.accumulation(dtype), what="offset base")
         assert calls == []
-        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)
         _varlen(VP((7, 24, 0), (9, 40, 5), 4, 2, 64, True), dtype, seed=16, config=cfg, lse=False)
-        assert calls == [dict(taken, max_seqlen_q=24)]
+        _varlen(VP((30, 5), (10, 12), 4, 2, 64, True), dtype, seed=18, config=cfg, lse=True)  # 30 queries, 10 keys
+        assert calls == [dict(taken, max_seqlen_q=24, lse=False), dict(taken, max_seqlen_q=30, lse=True)]
         calls.clear()
-        _varlen(VP((30, 5), (10, 12), 4, 2, 64, True), dtype, seed=18, config=cfg, lse=False)  # 30 queries, 10 keys
-        assert calls == [dict(taken, max_seqlen_q=30)]
-        calls.clear()
-        _varlen(VP((7, 24), (9, 40), 4, 2, 64, True), dtype, seed=19, config=cfg, lse=True)
         case = A.make_varlen_inputs(VP((7, 24), (9, 40), 4, 2, 64, True), dtype, DEV, 20)
         q, k, v, *rest = case.args
         shifted = [torch.empty(t.numel() + 1, dtype=dtype, device=DEV)[1:].view(t.shape).copy_(t) for t in (q, k, v)]
@@ -568,11 +571,12 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal):
     """Every head dim and schedule, both dtypes: ragged lengths (4-D descriptors over the tensors'
-    strides), (B, T, H, D) views, GQA, Tq < Tk causal, and FA3's flat case (2-D descriptors)."""
+    strides) with the lse output, (B, T, H, D) views, GQA, Tq < Tk causal, and FA3's flat case (2-D
+    descriptors)."""
     for dtype in (torch.bfloat16, torch.float16):
         p = P(2, 4, 2, 300, 517, D, causal)
         cfg = _gluon_cfg(p, dtype, schedule)
-        _dense(p, dtype, seed=D + schedule, config=cfg, lse=False)
+        _dense(p, dtype, seed=D + schedule, config=cfg, lse=True)
         assert _gluon_plan(cfg).gluon is not None
         _dense(p, dtype, seed=D + 7, layout="bthd", config=cfg, lse=False)
         flat = P(1, 3, 1, 256, 384, D, causal)
@@ -586,12 +590,12 @@ def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal):
 def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal):
     """Packed batches on the Gluon kernel (descriptors made on the device per sequence and head), both
     dtypes: ragged lengths across tile boundaries, an empty query sequence, an empty key sequence, more
-    queries than keys (causal: rows that see no key output 0; a CTA none of whose rows sees one), GQA,
-    and views sliced from wider buffers."""
+    queries than keys (causal: rows that see no key output 0, lse -inf; a CTA none of whose rows sees
+    one), the lse output, GQA, and views sliced from wider buffers."""
     vp = VP((300, 0, 129, 5, 77, 260), (517, 40, 0, 5, 30, 3), 4, 2, D, causal)
     for dtype in (torch.bfloat16, torch.float16):
         cfg = _gluon_cfg(vp, dtype, schedule)
-        _varlen(vp, dtype, seed=D + schedule, config=cfg, lse=False)
+        _varlen(vp, dtype, seed=D + schedule, config=cfg, lse=True)
         assert next(pl for pl in A._VARLEN_PLANS.values() if pl.cfg == cfg).gluon is not None
         _varlen(vp, dtype, seed=D + 5, layout="sliced", config=cfg, lse=False)
         # q, k, v as views of one fused (total, Hq + 2 Hkv, D) projection: strided, and TMA-readable
@@ -661,8 +665,8 @@ def test_gluon_every_tile_and_stage_count(D):
 
 @needs_gluon
 def test_gluon_config_on_calls_it_does_not_take_runs_the_plain_kernel():
-    """An lse output, a negative scale, a base one element off, a layout TMA cannot read, no keys: the
-    plain kernel with the default config, right answers."""
+    """A negative scale, a base one element off, a layout TMA cannot read, no keys: the plain kernel with
+    the default config, right answers (and an lse output, which the Gluon kernel writes)."""
     p = P(1, 4, 2, 200, 260, 64, True)
     dtype = torch.bfloat16
     cfg = _gluon_cfg(p, dtype)

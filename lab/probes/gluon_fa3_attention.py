@@ -113,16 +113,16 @@ def prepare(q, k, v, causal: bool, sm_scale: float | None = None, BN: int | None
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)) * LOG2E
 
     def launch():
-        _fa3_fwd[grid](q_desc, k_desc, v_desc, o_desc, scale, Tq, Tk, H, H_KV, STAGES=STAGES, CAUSAL=causal,
-                       SCHEDULE=SCHEDULE, RANK=rank, num_warps=4, maxnreg=maxnreg)
+        _fa3_fwd[grid](q_desc, k_desc, v_desc, o_desc, scale, Tq, Tk, H, H_KV, o, 0, 0, 0, STAGES=STAGES,
+                       CAUSAL=causal, SCHEDULE=SCHEDULE, RANK=rank, STORE_LSE=False, num_warps=4, maxnreg=maxnreg)
     return o, launch
 
 
 def compile_offline(points=((2, 64), (2, 128), (4, 32), (4, 80), (4, 128), (4, 192), (4, 256)),
-                    causal=(False, True), schedules=(0, 1, 2), maxnreg=168, tiles=None) -> dict:
+                    causal=(False, True), schedules=(0, 1, 2), maxnreg=168, tiles=None, lse: bool = False) -> dict:
     """Compile for sm90 without a GPU: (descriptor rank, D) points (``plan(D)``'s tiles, or each of
-    ``tiles(D)``'s (BN, STAGES)) x causal x schedules. Shared memory, the wgmma / setmaxnreg / TMA counts in
-    the PTX, and ptxas's registers and spills."""
+    ``tiles(D)``'s (BN, STAGES)) x causal x schedules; ``lse``: with the lse output. Shared memory, the wgmma /
+    setmaxnreg / TMA counts in the PTX, and ptxas's registers and spills."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     out = {}
@@ -136,13 +136,15 @@ def compile_offline(points=((2, 64), (2, 128), (4, 32), (4, 80), (4, 128), (4, 1
                 bq, bkv = ", ".join(map(str, lead + [BM, Dp])), ", ".join(map(str, lead + [BN, Dp]))
                 dq, dkv = f"tensordesc<bf16[{bq}],{lq!r}>", f"tensordesc<bf16[{bkv}],{lkv!r}>"
                 sig = {"q_desc": dq, "k_desc": dkv, "v_desc": dkv, "o_desc": dq, "qk_scale": "fp32", "Tq": "i32",
-                       "Tk": "i32", "H": "i32", "H_KV": "i32", "STAGES": "constexpr", "CAUSAL": "constexpr",
-                       "SCHEDULE": "constexpr", "RANK": "constexpr", "num_warps": "constexpr"}
+                       "Tk": "i32", "H": "i32", "H_KV": "i32", "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32",
+                       "stride_lm": "i32", "STAGES": "constexpr", "CAUSAL": "constexpr", "SCHEDULE": "constexpr",
+                       "RANK": "constexpr", "STORE_LSE": "constexpr", "num_warps": "constexpr"}
                 names = list(sig)
                 consts = {(names.index("STAGES"),): STAGES, (names.index("CAUSAL"),): c,
                           (names.index("SCHEDULE"),): sch, (names.index("RANK"),): rank,
-                          (names.index("num_warps"),): 4}
-                key = f"rank={rank},D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
+                          (names.index("STORE_LSE"),): lse, (names.index("num_warps"),): 4}
+                key = (f"rank={rank},D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
+                       + (",lse=1" if lse else ""))
                 out[key] = _compile_row(GluonASTSource(_fa3_fwd, sig, constexprs=consts), maxnreg)
     return out
 
@@ -181,10 +183,10 @@ def _compile_row(src, maxnreg: int) -> dict:
 
 
 def compile_varlen_offline(dims=(32, 64, 80, 96, 128, 160, 192, 224, 256), causal=(False, True), schedules=(0, 1, 2),
-                           tiles=None, maxnreg: int = 168) -> dict:
+                           tiles=None, maxnreg: int = 168, lse: bool = False) -> dict:
     """The packed (varlen) kernel (``_fa3_fwd_varlen``: descriptors made on the device per sequence and head)
     compiled for sm90 without a GPU, bf16: each head dim at ``tiles(D)``'s (BN, STAGES) (default: the Gluon
-    seeds' tile, 3 stages where they fit) x causal x schedules."""
+    seeds' tile, 3 stages where they fit) x causal x schedules; ``lse``: with the lse output."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def seed_tile(D):
@@ -197,14 +199,17 @@ def compile_varlen_offline(dims=(32, 64, 80, 96, 128, 160, 192, 224, 256), causa
             Dp, lq, lkv = G.varlen_layouts(gl.bfloat16, D, BN)
             sig = {n: "*bf16" for n in ("Q", "K", "V", "O")} | {"CuQ": "*i32", "CuK": "*i32"}
             sig |= {f"stride_{t}{d}": "i32" for t in "qkvo" for d in "mh"}
-            sig |= {"qk_scale": "fp32", "total_q": "i32", "total_k": "i32", "H": "i32", "H_KV": "i32"}
+            sig |= {"qk_scale": "fp32", "total_q": "i32", "total_k": "i32", "H": "i32", "H_KV": "i32", "LSE": "*fp32",
+                    "stride_lh": "i32", "stride_lm": "i32"}
             for c in causal:
                 for sch in schedules:
-                    vals = dict(D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=STAGES, CAUSAL=c, SCHEDULE=sch, num_warps=4)
+                    vals = dict(D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=STAGES, CAUSAL=c, SCHEDULE=sch,
+                                STORE_LSE=lse, num_warps=4)
                     full = sig | {n: "constexpr" for n in vals}
                     names = list(full)
                     consts = {(names.index(n),): v for n, v in vals.items()}
-                    key = f"varlen,D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
+                    key = (f"varlen,D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
+                           + (",lse=1" if lse else ""))
                     out[key] = _compile_row(GluonASTSource(G._fa3_fwd_varlen, full, constexprs=consts), maxnreg)
                     print(key, out[key], flush=True)
     return out
@@ -360,13 +365,14 @@ def main(argv=None) -> int:
                     help="compile every tile/stage point of the registered space for sm90 offline and stop")
     ap.add_argument("--compile-varlen", action="store_true",
                     help="compile the packed (varlen) kernel for sm90 offline, every head dim, and stop")
+    ap.add_argument("--lse", action="store_true", help="with --compile*: the kernels with the lse output")
     ap.add_argument("--quick", action="store_true", help="bf16 and three sequence lengths only")
     ap.add_argument("--check-only", action="store_true", help="the float64 checks only, no timing")
     ap.add_argument("--check-schedule", type=int, default=None, help=argparse.SUPPRESS)   # one schedule's checks
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.compile_varlen:
-        res = compile_varlen_offline()
+        res = compile_varlen_offline(lse=a.lse)
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
@@ -376,8 +382,8 @@ def main(argv=None) -> int:
         # BLOCK_N 64/128 up to D 128, 64 past it; 2-4 stages within 227 KB of shared memory), causal, 3 schedules
         res = compile_offline(points=((4, 32), (4, 64), (4, 80), (4, 128), (4, 256)), causal=(True,),
                               tiles=lambda D: [(bn, st) for bn in ((64, 128) if D <= 128 else (64,))
-                                               for st in (2, 3, 4) if G.smem_bytes(D, bn, st) <= 227 * 1024]
-                              ) if a.compile_space else compile_offline()
+                                               for st in (2, 3, 4) if G.smem_bytes(D, bn, st) <= 227 * 1024],
+                              lse=a.lse) if a.compile_space else compile_offline(lse=a.lse)
         print(json.dumps(res, indent=1))
         if a.out:
             with open(a.out, "w") as f:
