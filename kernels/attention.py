@@ -462,18 +462,17 @@ def _gluon_runs_here() -> bool:
 def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> _Plan:
     """A WARP_SPEC 3-5 config: the Gluon kernel where it takes the call, else the plain kernel with the
     default config (the interpreter, a scale <= 0, strides TMA cannot read, an lse output while
-    ``GLUON_LSE`` is off, a dense call
-    without keys, or a problem of the config's bucket that the Gluon kernel does not take: dense causal
-    Tq > Tk, too many heads)."""
+    ``GLUON_LSE`` is off, a dense call without keys, or a problem of the config's bucket that the Gluon
+    kernel does not take: dense causal Tq > Tk, too many heads)."""
     scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     plain = _plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
     plain.cfg_key = None if config is not None else spec.config_key(p, dtype)
     # the config cache is per bucket, so a config that came from it was checked against the bucket's first
     # problem only: this problem's own limits (causal Tq <= Tk, the grid's batch x heads) are checked here
-    # a packed batch takes descriptors made on the device (host_ok is the host-built 4-D ones' condition)
-    # a zero scale too: the Gluon softmax scales masked (-inf) scores, and -inf x 0 is NaN
-    if (not _gluon_runs_here() or scale_f <= 0 or not tma_ok or (store_lse and not GLUON_LSE) or not (varlen or host_ok)
-            or _gluon_constraint(cfg, p, dtype) is not None):
+    # not a zero scale either: the Gluon softmax scales masked (-inf) scores, and -inf x 0 is NaN; a packed
+    # batch takes descriptors made on the device (host_ok is the host-built 4-D descriptors' condition)
+    if (not _gluon_runs_here() or scale_f <= 0 or not tma_ok or (store_lse and not GLUON_LSE)
+            or not (varlen or host_ok) or _gluon_constraint(cfg, p, dtype) is not None):
         return plain
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],
