@@ -17,9 +17,9 @@ Trial outcomes, all recorded in the study with their reason in ``user_attrs``:
   failed) because TPE learns from pruned trials (they join its "bad" group) but ignores failed ones.
 - ``duplicate_of``: the sampler proposed a config this study already evaluated; the earlier outcome is
   copied without launching.
-- ``PRUNED`` + ``busy_with``: another unfinished trial (another worker's, or a queued seed or retry)
+- ``FAIL`` + ``busy_with``: another unfinished trial (another worker's, or a queued seed or retry)
   holds the same config; it times it, this one launches nothing. With several workers, no config is
-  timed twice.
+  timed twice. Failed, not pruned, so that TPE ignores it rather than learning the config is bad.
 
 ``--trials N`` counts *evaluated* trials (those that launched: complete or failed), so constraint-pruned
 and duplicate proposals are free: they cost milliseconds, not a compile. A study also ends once every
@@ -727,8 +727,9 @@ def reap(study, window: float) -> int:
         ts = study.get_trials(deepcopy=False)
     retried = {t.user_attrs.get("retry_of") for t in ts}
     for t in ts:
-        abandoned = (t.state == TrialState.FAIL and "error" not in t.user_attrs and "duplicate_of" not in t.user_attrs
-                     and "invalid" not in t.user_attrs and "retry_of" not in t.user_attrs and t.params)
+        launched_nothing = any(k in t.user_attrs for k in ("duplicate_of", "busy_with", "invalid"))
+        abandoned = (t.state == TrialState.FAIL and "error" not in t.user_attrs and not launched_nothing
+                     and "retry_of" not in t.user_attrs and t.params)
         if abandoned and t.number not in retried:
             attrs = {k: t.user_attrs[k] for k in _CARRIED if k in t.user_attrs}
             study.enqueue_trial(dict(t.params), user_attrs={**attrs, "retry_of": t.number},
@@ -834,7 +835,7 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
             prev, busy = _claim(study, trial.number, config, params, version, done)
             if busy is not None:  # another trial holds this config: it will time it
                 trial.set_user_attr("busy_with", busy)
-                raise optuna.TrialPruned(f"trial {busy} holds this config")
+                raise TrialFailed(f"trial {busy} holds this config")
             if prev is not None:
                 trial.set_user_attr("duplicate_of", prev.number)
                 if prev.state == TrialState.COMPLETE:
