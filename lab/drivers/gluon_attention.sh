@@ -5,8 +5,10 @@
 # `tritune tune attention attention_varlen --trials 4` for bf16 and fp16 (the default, the stored entry and the
 # Gluon seeds of every standard bucket, dense and packed), exported under $W/store_<dtype> (TUNE=0 skips it);
 # then `tritune bench attention attention_varlen --dtype bf16` on the committed store into $W/results (the
-# maintained results/<gpu>/ files: copy them over; BENCH=0 skips it).
-#   bash lab/drivers/gluon_attention.sh   (TEST_LIM, FA3_LIM, FA3_ARGS, TUNE, TUNE_LIM, BENCH, BENCH_LIM; $OUT/bundle.tgz)
+# maintained results/<gpu>/ files: copy them over; BENCH=0 skips it). After the tests, on their GPU, the
+# persistent probe (lab/probes/gluon_fa3_persistent.py --quick; PERS=0 skips it, GP_LIM its limit).
+#   bash lab/drivers/gluon_attention.sh   (TEST_LIM, FA3_LIM, FA3_ARGS, TUNE, TUNE_LIM, BENCH, BENCH_LIM, PERS,
+#   GP_LIM; $OUT/bundle.tgz)
 set -uo pipefail
 : "${OUT:?}"
 W=$OUT/w; mkdir -p $W
@@ -17,7 +19,11 @@ export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)
 NG=$(nvidia-smi -L | wc -l); echo "gpus $NG commit $(cat .commit 2>/dev/null)" | tee $W/summary.txt
 tests() { CUDA_VISIBLE_DEVICES=0 timeout ${TEST_LIM:-300} python -m pytest -q -p no:cacheprovider -n 8 --dist worksteal \
             tests/test_attention.py -k "gluon or hopper or head_dim" --durations=8 > $W/tests.log 2>&1
-          echo "tests rc=$?" >> $W/summary.txt; tail -15 $W/tests.log >> $W/summary.txt; }
+          echo "tests rc=$?" >> $W/summary.txt; tail -15 $W/tests.log >> $W/summary.txt
+          if [ "${PERS:-1}" = 1 ]; then   # the persistent probe (checks, then its quick grid) on the same GPU
+            CUDA_VISIBLE_DEVICES=0 timeout ${GP_LIM:-300} python lab/probes/gluon_fa3_persistent.py \
+              --out $W/gluon_fa3_persistent.json --quick > $W/persistent.log 2>&1
+            echo "persistent rc=$?" >> $W/summary.txt; tail -20 $W/persistent.log | cut -c1-250 >> $W/summary.txt; fi; }
 grid() { CUDA_VISIBLE_DEVICES=$(( NG > 1 ? 1 : 0 )) timeout $(( ${FA3_LIM:-380} + 40 )) python lab/bench_attention_fa3_grid.py \
             $W/fa3 --sweep gluon --emit --budget-s ${FA3_LIM:-380} ${FA3_ARGS:-} > $W/fa3.log 2>&1
          echo "fa3 rc=$?" >> $W/summary.txt; grep -E "^(bf16|fp16) D=" $W/fa3.log >> $W/summary.txt; tail -30 $W/fa3.log >> $W/summary.txt; }
