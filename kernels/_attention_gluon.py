@@ -231,6 +231,25 @@ if AVAILABLE:
         return k_bufs, v_bufs, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, 2)
 
     @gluon.jit
+    def _partitions(descs, scal, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                    RANK: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr):
+        """A CTA's shared memory (both warpgroups' Q, the K/V ring) and barriers, then its partitions: the two
+        consumer warpgroups and the producer warp. ``scal``: (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b,
+        h, kv head, q_start, lse row 0, lse row stride)."""
+        q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_bar = _barriers(2, 1)
+        sched = _barriers(2, 1)
+        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES)
+        bufs = (q_smem, k_bufs, v_bufs)
+        bars = (q_bar, k_ready, v_ready, empty, sched)
+        gl.warp_specialize([
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, GUARD, STORE_LSE)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, GUARD, STORE_LSE)),
+            (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
+        ], [4, 1], [240, 24])
+
+    @gluon.jit
     def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, LSE, stride_lb, stride_lh, stride_lm,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
                  STORE_LSE: gl.constexpr, num_warps: gl.constexpr):
@@ -252,21 +271,9 @@ if AVAILABLE:
         else:
             n_tiles = gl.cdiv(Tk, BN)
 
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        q_bar = _barriers(2, 1)
-        sched = _barriers(2, 1)
-        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES)
-
-        descs = (q_desc, k_desc, v_desc, o_desc)
-        bufs = (q_smem, k_bufs, v_bufs)
-        bars = (q_bar, k_ready, v_ready, empty, sched)
         lse_row0 = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
-        gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, False, STORE_LSE)),
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, False, STORE_LSE)),
-            (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
-        ], [4, 1], [240, 24])
+        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, RANK, False, STORE_LSE)
 
 
 if AVAILABLE:
@@ -327,21 +334,9 @@ if AVAILABLE:
         o_desc = tma.make_tensor_descriptor(o_base, shape=[Tq, D], strides=[stride_om, 1], block_shape=[BMc, DP],
                                             layout=LQ)
 
-        q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BMc, DP], LQ)
-        q_bar = _barriers(2, 1)
-        sched = _barriers(2, 1)
-        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES)
-
-        descs = (q_desc, k_desc, v_desc, o_desc)
-        bufs = (q_smem, k_bufs, v_bufs)
-        bars = (q_bar, k_ready, v_ready, empty, sched)
         # the descriptors are the sequence's own: rows count from its start (q_row0 = q_start, kv_row0 = 0)
         scal = (q_start, 0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
-        gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 0, CAUSAL, STORE_LSE)),
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 1, CAUSAL, STORE_LSE)),
-            (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, 1)),
-        ], [4, 1], [240, 24])
+        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, 2, CAUSAL, STORE_LSE)
 
 
 def flat_ok(q, k, v, out, BN: int) -> bool:
