@@ -30,6 +30,7 @@ Measured before it was registered (``lab/probes/gluon_fa3_attention.py``, H200, 
 """
 from __future__ import annotations
 
+import functools
 
 import triton
 
@@ -357,13 +358,11 @@ def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     rank = rank or (2 if flat_ok(q, k, v, out, BN) else 4)
     if rank == 2:
-        lq = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
-        lkv = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+        lq, lkv = _layout((BM, D), dt), _layout((BN, D), dt)
         descs = tuple(GluonDescriptor.from_tensor(t.view(-1, D), [rows, D], lay)
                       for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
     else:
-        lq = gl.NVMMASharedLayout.get_default_for([1, 1, BM, Dp], dt)
-        lkv = gl.NVMMASharedLayout.get_default_for([1, 1, BN, Dp], dt)
+        lq, lkv = _layout((1, 1, BM, Dp), dt), _layout((1, 1, BN, Dp), dt)
         descs = tuple(GluonDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, Dp], lay)
                       for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
     return descs, rank, (triton.cdiv(Tq, ROWS), B * H)
@@ -380,11 +379,16 @@ def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int,
                    SCHEDULE=schedule, RANK=rank, num_warps=4, maxnreg=MAXNREG)
 
 
+@functools.lru_cache(maxsize=None)
+def _layout(block: tuple, dtype):
+    """The shared-memory layout of a TMA tile (made once per shape and dtype, not per launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
 def varlen_layouts(dtype, D: int, BN: int) -> tuple:
     """(D padded to a power of two, Q/O tile layout, K/V tile layout) of the packed kernel's descriptors."""
     Dp = triton.next_power_of_2(D)
-    return Dp, gl.NVMMASharedLayout.get_default_for([BM, Dp], dtype), gl.NVMMASharedLayout.get_default_for([BN, Dp],
-                                                                                                          dtype)
+    return Dp, _layout((BM, Dp), dtype), _layout((BN, Dp), dtype)
 
 
 def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool, qk_scale: float,

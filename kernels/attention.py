@@ -804,6 +804,13 @@ def _smem_budget() -> int:
 _SMEM = []
 
 
+def _smem_limit() -> int:
+    """This device's shared memory per block (measured once)."""
+    if not _SMEM:
+        _SMEM.append(_smem_budget())
+    return _SMEM[0]
+
+
 def smem_bytes(c, D: int, dtype) -> int:
     """Shared memory the kernel needs, by the pipeliner's rule: Q once, K and V tiles for each load in
     flight (num_stages − 1, at least 1), and a P tile for the layout change before the second dot; the
@@ -840,11 +847,9 @@ def _gluon_constraint(c, p, dtype) -> str | None:
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): BLOCK_N 64 or 128 up to D=128, 64 past it"
     if not 2 <= c["num_stages"] <= 4:
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): 2 to 4 stages"
-    if not _SMEM:
-        _SMEM.append(_smem_budget())
     need = G.smem_bytes(p.D, c["BLOCK_N"], c["num_stages"])
-    if need > _SMEM[0]:
-        return f"needs {need} B of shared memory (budget {_SMEM[0]})"
+    if need > _smem_limit():
+        return f"needs {need} B of shared memory (budget {_smem_limit()})"
     return None
 
 
@@ -879,10 +884,8 @@ def _constraint(c, p, dtype) -> str | None:
     per_thread = (bm * bd + (2 if c["WARP_SPEC"] == 2 else 1) * bm * bn) // (32 * w)
     if per_thread > 192:
         return f"{per_thread} float32 accumulators/scores per thread (register spills)"
-    if not _SMEM:
-        _SMEM.append(_smem_budget())
-    if smem_bytes(c, p.D, dtype) > _SMEM[0]:
-        return f"needs {smem_bytes(c, p.D, dtype)} B of shared memory (budget {_SMEM[0]})"
+    if smem_bytes(c, p.D, dtype) > _smem_limit():
+        return f"needs {smem_bytes(c, p.D, dtype)} B of shared memory (budget {_smem_limit()})"
     return None
 
 
@@ -944,7 +947,7 @@ def gluon_seeds(p, dtype) -> list[dict]:
     (the default key tile; 3 stages where they fit, else 2:
     lab/logs/h200/attention_fa3_grid_gluon_2026-11-28_d9eae70). The tuner skips those the problem refuses."""
     bn = gluon_config(p, dtype)["BLOCK_N"]
-    stages = 3 if G.smem_bytes(p.D, bn, 3) <= 227 * 1024 else 2
+    stages = 3 if G.smem_bytes(p.D, bn, 3) <= _smem_limit() else 2
     return [gluon_config(p, dtype, schedule, num_stages=stages) for schedule in (1, 2)]
 
 

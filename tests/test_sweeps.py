@@ -93,12 +93,12 @@ def test_a_config_held_by_another_trial_is_not_timed_twice():
     st.enqueue_trial(cfg)
     mine = st.ask(dists)
     assert mine.params == cfg
-    assert search._claim(st, mine.number, cfg, params, None, {}) == (None, other.number)
+    assert search._claim(st, mine.number, cfg, params, None) == (None, other.number)
     mine.set_user_attr("busy_with", other.number)
     st.tell(other, 3.0)
     st.tell(mine, state=TrialState.FAIL)
     assert search.reap(st, 3600.0) == 0 and len(st.trials) == 2   # a yielded trial is not retried
     queued = optuna.create_study()
     queued.enqueue_trial(cfg, user_attrs={"retry_of": 0})
-    assert search._claim(queued, 99, cfg, params, None, {}) == (None, 0)
-    assert search._claim(queued, 99, dict(cfg, a=cfg["a"] % 8 + 1), params, None, {}) == (None, None)
+    assert search._claim(queued, 99, cfg, params, None) == (None, 0)
+    assert search._claim(queued, 99, dict(cfg, a=cfg["a"] % 8 + 1), params, None) == (None, None)

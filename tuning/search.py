@@ -795,11 +795,7 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
         all_ts = study.get_trials(deepcopy=False)
         keep = {t.number for t in current_trials(all_ts, version)}
         ts = [t for t in all_ts if t.number in keep or not t.state.is_finished()]
-        done: dict[str, Any] = {}
-        for t in _evaluated(ts):
-            k = config_key(t.params, params)
-            if k not in done or (done[k].state != TrialState.COMPLETE and t.state == TrialState.COMPLETE):
-                done[k] = t
+        done = _by_config(_evaluated(ts), params)
         n_eval = len(_evaluated(ts))
         now = time.time()
         running = [t for t in ts if t.state == TrialState.RUNNING and t.datetime_start is not None
@@ -832,7 +828,7 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
             if why:
                 trial.set_user_attr("invalid", why)
                 raise optuna.TrialPruned(why)
-            prev, busy = _claim(study, trial.number, config, params, version, done)
+            prev, busy = _claim(study, trial.number, config, params, version)
             if busy is not None:  # another trial holds this config: it will time it
                 trial.set_user_attr("busy_with", busy)
                 raise TrialFailed(f"trial {busy} holds this config")
@@ -869,12 +865,24 @@ def run_study(study, job: Job, runner, *, trials: int, sampler_name: str = "tpe"
     _record_default(study)
 
 
-def _claim(study, number: int, config: dict, params, version, done: dict):
-    """Whether trial ``number`` may time ``config``, asked after its parameters are in the storage:
-    ``(prev, None)`` with the trial that already timed it on the current code (``done``, the loop's
-    snapshot, or one that finished since), or ``(None, other)`` when another unfinished trial holds the
-    same config (waiting, running, or running in a dead process and about to be retried). Two trials
-    that claim one config at once both see the other and both yield, never both time it."""
+def _by_config(evaluated, params) -> dict:
+    """Evaluated trials by config key: the first of each config, or its first complete one."""
+    from optuna.trial import TrialState
+
+    done: dict[str, Any] = {}
+    for t in evaluated:
+        k = config_key(t.params, params)
+        if k not in done or (done[k].state != TrialState.COMPLETE and t.state == TrialState.COMPLETE):
+            done[k] = t
+    return done
+
+
+def _claim(study, number: int, config: dict, params, version):
+    """Whether trial ``number`` may time ``config``, asked after its parameters are in the storage (the
+    storage's trials now, not the loop's snapshot): ``(prev, None)`` with the trial that already timed it
+    on the current code, if any, or ``(None, other)`` when another unfinished trial holds the same config
+    (waiting, running, or running in a dead process and about to be retried). Two trials that claim one
+    config at once both see the other and both yield, never both time it."""
     from optuna.trial import TrialState
 
     key = config_key(config, params)
@@ -886,12 +894,7 @@ def _claim(study, number: int, config: dict, params, version, done: dict):
             held = t.params or t.system_attrs.get("fixed_params") or {}
             if held and config_key(held, params) == key:
                 return None, t.number
-    prev = done.get(key)
-    if prev is None:
-        for t in _evaluated(current_trials(ts, version)):
-            if config_key(t.params, params) == key and (prev is None or t.state == TrialState.COMPLETE):
-                prev = t
-    return prev, None
+    return _by_config(_evaluated(current_trials(ts, version)), params).get(key), None
 
 
 def _surplus(study, number: int, trials: int, version, window: float) -> bool:
