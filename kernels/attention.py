@@ -25,8 +25,8 @@ the pointer path. WARP_SPEC 3, 4, 5 (sm90 only, fp16/bf16) run another kernel: F
 structure written in Gluon (``kernels/_attention_gluon.py``: two consumer warpgroups and a one-warp TMA
 producer in warp-specialized partitions, schedule WARP_SPEC − 3), dense or packed (varlen: descriptors
 made on the device per sequence and head); a call it does not take (a scale <= 0, a layout or base TMA
-cannot read, a dense call without keys, the interpreter, and an lse output until ``GLUON_LSE`` is on)
-runs the plain kernel with the default config instead.
+cannot read, a dense call without keys, the interpreter) runs the plain kernel with the default config
+instead.
 
 GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
 take the same kernel with per-sequence offsets read from cu_seqlens.
@@ -446,12 +446,6 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
         if meta["TMA"] else meta)
 
 
-# The Gluon kernel's lse output has not run on a GPU yet: until its GPU tests pass (tests/test_attention.py
-# -k gluon, which turn it on), calls with return_lse run the plain kernel, so that a stored Gluon config
-# cannot route them to unverified code (tuning verifies its trials without the lse output).
-GLUON_LSE = False
-
-
 def _gluon_runs_here() -> bool:
     """Gluon kernels run on a GPU, never in the interpreter (whose WARP_SPEC 3-5 points run the plain kernel)."""
     from tritune.harness import device as dev
@@ -461,9 +455,8 @@ def _gluon_runs_here() -> bool:
 
 def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> _Plan:
     """A WARP_SPEC 3-5 config: the Gluon kernel where it takes the call, else the plain kernel with the
-    default config (the interpreter, a scale <= 0, strides TMA cannot read, an lse output while
-    ``GLUON_LSE`` is off, a dense call without keys, or a problem of the config's bucket that the Gluon
-    kernel does not take: dense causal Tq > Tk, too many heads)."""
+    default config (the interpreter, a scale <= 0, strides TMA cannot read, a dense call without keys, or a
+    problem of the config's bucket that the Gluon kernel does not take: dense causal Tq > Tk, too many heads)."""
     scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
     plain = _plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
     plain.cfg_key = None if config is not None else spec.config_key(p, dtype)
@@ -471,8 +464,8 @@ def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse,
     # problem only: this problem's own limits (causal Tq <= Tk, the grid's batch x heads) are checked here
     # not a zero scale either: the Gluon softmax scales masked (-inf) scores, and -inf x 0 is NaN; a packed
     # batch takes descriptors made on the device (host_ok is the host-built 4-D descriptors' condition)
-    if (not _gluon_runs_here() or scale_f <= 0 or not tma_ok or (store_lse and not GLUON_LSE)
-            or not (varlen or host_ok) or _gluon_constraint(cfg, p, dtype) is not None):
+    if (not _gluon_runs_here() or scale_f <= 0 or not tma_ok or not (varlen or host_ok)
+            or _gluon_constraint(cfg, p, dtype) is not None):
         return plain
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],

@@ -455,18 +455,6 @@ GLUON = GPU and A.G.AVAILABLE and A.capability()[0] == 9
 needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FA3 kernel runs on sm90 GPUs only")
 
 
-@pytest.fixture
-def gluon_lse(monkeypatch):
-    """The Gluon kernel's lse output on (off by default until its GPU tests pass: attention.GLUON_LSE), with
-    no launch plan cached from before (a plan does not record the switch)."""
-    monkeypatch.setattr(A, "GLUON_LSE", True)
-    A._PLANS.clear()
-    A._VARLEN_PLANS.clear()
-    yield
-    A._PLANS.clear()
-    A._VARLEN_PLANS.clear()
-
-
 def _gluon_cfg(p, dtype, schedule=2):
     cfg = A.gluon_config(p, dtype, schedule)
     why = A.SPACE.why_invalid(cfg, p, dtype)
@@ -511,9 +499,8 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     """The routing of a WARP_SPEC 3-5 config, on any machine (the Gluon launch replaced by a recorder that
     writes the reference): a plain dense call takes it with the schedule and tile of the config and the
     softmax scale in base 2, and so does a packed batch (with its longest query sequence, which sizes the
-    grid), sequences with more queries than keys included; with an lse output (once GLUON_LSE is on) the
-    launch gets the lse tensor to write. A scale <= 0, a base one element off, a layout TMA cannot read,
-    and an lse output while GLUON_LSE is off run the plain kernel."""
+    grid), sequences with more queries than keys included; with an lse output the launch gets the lse
+    tensor to write. A scale <= 0, a base one element off and a layout TMA cannot read run the plain kernel."""
     calls = []
 
     def fake_launch(q, k, v, out, lse=None, **kw):
@@ -543,13 +530,8 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     try:
         taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)
         _dense(p, dtype, seed=11, config=cfg, lse=False)
-        _dense(p, dtype, seed=12, config=cfg, lse=True)   # GLUON_LSE off: the plain kernel
-        assert calls == [dict(taken, lse=False)]
-        calls.clear()
-        monkeypatch.setattr(A, "GLUON_LSE", True)
-        A._PLANS.clear()
         _dense(p, dtype, seed=12, config=cfg, lse=True)
-        assert calls == [dict(taken, lse=True)]
+        assert calls == [dict(taken, lse=False), dict(taken, lse=True)]
         calls.clear()
         _dense(p, dtype, seed=13, config=cfg, scale=-0.3, lse=False)
         _dense(p, dtype, seed=13, config=cfg, scale=0.0, lse=False)
@@ -587,7 +569,7 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
 @pytest.mark.parametrize("schedule", [0, 1, 2])
 @pytest.mark.parametrize("D", A.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal, gluon_lse):
+def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal):
     """Every head dim and schedule, both dtypes: ragged lengths (4-D descriptors over the tensors'
     strides) with the lse output, (B, T, H, D) views, GQA, Tq < Tk causal, and FA3's flat case (2-D
     descriptors)."""
@@ -605,7 +587,7 @@ def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal, gluon_lse
 @pytest.mark.parametrize("schedule", [0, 1, 2])
 @pytest.mark.parametrize("D", A.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal, gluon_lse):
+def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal):
     """Packed batches on the Gluon kernel (descriptors made on the device per sequence and head), both
     dtypes: ragged lengths across tile boundaries, an empty query sequence, an empty key sequence, more
     queries than keys (causal: rows that see no key output 0, lse -inf; a CTA none of whose rows sees
