@@ -702,6 +702,31 @@ def launch_cached(jit_fn, kernels: dict | None, grid, args: tuple, kws: dict, co
             kernels[key] = kern
 
 
+class DescriptorMaker:
+    """Host tensor descriptors of one geometry (shape, strides, block shape, and a Gluon descriptor's
+    layout), for a new base tensor each launch. The first is made by the descriptor class itself, which
+    checks the geometry and the base (16-byte aligned base and strides, unit last stride, positive shape);
+    later ones copy its fields with only the base changed (~4 us of checks a descriptor saved per launch).
+    A launch plan keyed on shapes and strides keeps one: the caller checks each base's 16-byte alignment
+    (and takes another path where it fails), the one check that depends on the tensor, not the plan."""
+    __slots__ = ("cls", "args", "fields")
+
+    def __init__(self, cls, shape, strides, block_shape, *extra):
+        self.cls = cls
+        self.args = (list(shape), list(strides), list(block_shape), *extra)
+        self.fields = None
+
+    def __call__(self, base):
+        if self.fields is None:
+            d = self.cls(base, *self.args)
+            self.fields = {k: v for k, v in vars(d).items() if k != "base"}
+            return d
+        d = object.__new__(self.cls)
+        vars(d).update(self.fields)
+        d.base = base
+        return d
+
+
 def keepable(kern) -> bool:
     """Whether a value returned by a triton launch is a compiled kernel :func:`launch_direct` can run."""
     return hasattr(kern, "run") and hasattr(kern, "packed_metadata") and not hasattr(kern, "result")

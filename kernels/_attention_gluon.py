@@ -348,35 +348,71 @@ def flat_ok(q, k, v, out, BN: int) -> bool:
             and D == triton.next_power_of_2(D))
 
 
-def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
-    """(q, k, v, o descriptors, rank, grid) for (B, H, T, D) tensors TMA can read: ``rank`` 2 (the flat
-    form, where :func:`flat_ok`), 4 (over the tensors' own strides), or None: 2 where it applies."""
+def descriptor_makers(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
+    """(makers of the q, k, v, o descriptors, rank, grid) for (B, H, T, D) tensors TMA can read: ``rank`` 2
+    (the flat form over (B*H*T, D), where :func:`flat_ok`), 4 (over the tensors' own strides), or None: 2
+    where it applies. The geometry depends only on the tensors' metadata: a launch plan keeps the makers
+    (kernels.DescriptorMaker), and each launch makes the four descriptors over its own tensors."""
     import torch
+
+    from tritune import kernels as K
 
     B, H, Tq, D = q.shape
     Dp = triton.next_power_of_2(D)
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     rank = rank or (2 if flat_ok(q, k, v, out, BN) else 4)
-    if rank == 2:
+    if rank == 2:   # the base is the tensor itself (contiguous): the flat view's address and dtype
         lq, lkv = _layout((BM, D), dt), _layout((BN, D), dt)
-        descs = tuple(GluonDescriptor.from_tensor(t.view(-1, D), [rows, D], lay)
-                      for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
+        makers = tuple(K.DescriptorMaker(GluonDescriptor, [t.numel() // D, D], [D, 1], [rows, D], lay)
+                       for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
     else:
         lq, lkv = _layout((1, 1, BM, Dp), dt), _layout((1, 1, BN, Dp), dt)
-        descs = tuple(GluonDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, Dp], lay)
-                      for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
-    return descs, rank, (triton.cdiv(Tq, ROWS), B * H)
+        makers = tuple(K.DescriptorMaker(GluonDescriptor, t.shape, t.stride(), [1, 1, rows, Dp], lay)
+                       for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
+    return makers, rank, (triton.cdiv(Tq, ROWS), B * H)
 
 
-def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int, lse=None) -> None:
+def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
+    """(q, k, v, o descriptors, rank, grid): :func:`descriptor_makers` applied to these tensors."""
+    makers, rank, grid = descriptor_makers(q, k, v, out, BN, rank)
+    return tuple(m(t) for m, t in zip(makers, (q, k, v, out))), rank, grid
+
+
+def _direct(cache) -> dict | None:
+    """The compiled kernels a launch cache keeps for direct launches (kernels.launch_cached), or None."""
+    return {} if cache is not None and cache.get("direct") else None
+
+
+def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int, lse=None,
+           cache: dict | None = None) -> None:
     """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller), and each
     row's log-sum-exp into ``lse`` (B, H, Tq) float32 if given. ``qk_scale``: the softmax scale times log2(e),
-    positive."""
-    descs, rank, grid = descriptors(q, k, v, out, BN)
-    ls = lse.stride() if lse is not None else (0, 0, 0)
-    _fa3_fwd[grid](*descs, qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1], out if lse is None else lse,
-                   *ls, STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal,
-                   SCHEDULE=schedule, RANK=rank, num_warps=4, maxnreg=MAXNREG)
+    positive. ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call; its
+    "direct" entry: whether launches after the first may skip triton's binding): it keeps the descriptors'
+    geometry and the compiled kernel across calls."""
+    from tritune import kernels as K
+
+    st = cache.get("dense") if cache is not None else None
+    if st is None:
+        makers, rank, grid = descriptor_makers(q, k, v, out, BN)
+        kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, RANK=rank,
+                   num_warps=4, maxnreg=MAXNREG)
+        st = (makers, grid, (qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1]),
+              lse.stride() if lse is not None else (0, 0, 0), kws, tuple(kws[c] for c in _constexprs(_fa3_fwd)),
+              _direct(cache))
+        if cache is not None:
+            cache["dense"] = st
+    makers, grid, scalars, ls, kws, consts, kernels = st
+    lse_arg = out if lse is None else lse
+    args = (makers[0](q), makers[1](k), makers[2](v), makers[3](out), *scalars, lse_arg, *ls)
+    K.launch_cached(_fa3_fwd, kernels, grid, args, kws, consts, 0, (lse_arg,))
+
+
+@functools.lru_cache(maxsize=None)
+def _constexprs(fn) -> tuple:
+    from tritune import kernels as K
+
+    return K.constexpr_params(fn)
 
 
 @functools.lru_cache(maxsize=None)
@@ -392,20 +428,31 @@ def varlen_layouts(dtype, D: int, BN: int) -> tuple:
 
 
 def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool, qk_scale: float,
-                  BN: int, stages: int, schedule: int, lse=None) -> None:
+                  BN: int, stages: int, schedule: int, lse=None, cache: dict | None = None) -> None:
     """Write attention_varlen(q, k, v, ...) into ``out`` (q, out (total_q, H, D), k, v (total_k, H_KV, D), unit
     stride along D, 16-byte aligned bases and strides: checked by the caller, as is the allocator the device
     descriptors need), and each row's log-sum-exp into ``lse`` (total_q, H) float32 if given. ``qk_scale``: the
-    softmax scale times log2(e), positive."""
+    softmax scale times log2(e), positive. ``cache``: as :func:`launch`'s."""
     import torch
 
-    total_q, H, D = q.shape
-    total_k, H_KV, _ = k.shape
-    Dp, lq, lkv = varlen_layouts(gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, D, BN)
-    ls = (lse.stride(1), lse.stride(0)) if lse is not None else (0, 0)   # (per head, per row)
-    grid = (triton.cdiv(max_seqlen_q, ROWS), (cu_seqlens_q.shape[0] - 1) * H)
-    _fa3_fwd_varlen[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, q.stride(0), q.stride(1), k.stride(0),
-                          k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), qk_scale, total_q,
-                          total_k, H, H_KV, out if lse is None else lse, *ls,
-                          D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule,
-                          STORE_LSE=lse is not None, num_warps=4, maxnreg=MAXNREG)
+    from tritune import kernels as K
+
+    st = cache.get("varlen") if cache is not None else None
+    if st is None:
+        total_q, H, D = q.shape
+        total_k, H_KV, _ = k.shape
+        Dp, lq, lkv = varlen_layouts(gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, D, BN)
+        ls = (lse.stride(1), lse.stride(0)) if lse is not None else (0, 0)   # (per head, per row)
+        grid = (triton.cdiv(max_seqlen_q, ROWS), (cu_seqlens_q.shape[0] - 1) * H)
+        kws = dict(D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule,
+                   STORE_LSE=lse is not None, num_warps=4, maxnreg=MAXNREG)
+        tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+                out.stride(1), qk_scale, total_q, total_k, H, H_KV)
+        st = (grid, tail, ls, kws, tuple(kws[c] for c in _constexprs(_fa3_fwd_varlen)), _direct(cache))
+        if cache is not None:
+            cache["varlen"] = st
+    grid, tail, ls, kws, consts, kernels = st
+    lse_arg = out if lse is None else lse
+    args = (q, k, v, out, cu_seqlens_q, cu_seqlens_k, *tail, lse_arg, *ls)
+    K.launch_cached(_fa3_fwd_varlen, kernels, grid, args, kws, consts, 0,
+                    (q, k, v, out, cu_seqlens_q, cu_seqlens_k, lse_arg))

@@ -321,6 +321,9 @@ def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK, DescQ, DescK, DescV, DescO,
 
 
 # ---------------------------------------------------------------------------------------------------
+_CONSTEXPRS = K.constexpr_params(_attn_fwd)  # what a direct launch passes after the runtime arguments
+
+
 @dataclass(frozen=True)
 class Problem:
     B: int                 # batch
@@ -411,6 +414,14 @@ class _Plan:
     meta_ptr: dict = field(default_factory=dict)  # meta on the pointer path (TMA refused by the addresses)
     gluon: dict | None = None        # the Gluon FA3 kernel's launch arguments (WARP_SPEC 3-5), else None
     fallback: "_Plan | None" = None  # with gluon: the plain kernel's plan (default config) for bases TMA refuses
+    # host time: the constexprs of a direct launch (K.launch_cached) under meta / meta_ptr, the compiled
+    # kernels it keeps (None: always through triton), TMA=2's descriptor makers (q, k, v, out), and the
+    # Gluon launch's own cache (its descriptors' geometry and compiled kernels)
+    consts: tuple = ()
+    consts_ptr: tuple = ()
+    kernels: dict | None = None
+    descs: tuple = ()
+    gluon_cache: dict | None = None
 
 
 def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse: bool,
@@ -437,13 +448,14 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
                 LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    meta_ptr = dict(meta, TMA=0, WARP_SPEC=0 if meta["WARP_SPEC"] == 1 else meta["WARP_SPEC"]) if meta["TMA"] else meta
     return _Plan(
         out_shape=(), grid=(num_m * num_bh,), cfg=cfg,
         cfg_key=None if config is not None else spec.config_key(p, dtype),
         scalars=(p.Hq, p.Hq // p.Hkv, p.Tq, p.Tk, num_m, num_bh, abs(scale) * LOG2E),
         # scale < 0: the kernel negates q and takes |scale| (negating fp16/bf16/fp32 is exact)
-        meta=meta, meta_ptr=dict(meta, TMA=0, WARP_SPEC=0 if meta["WARP_SPEC"] == 1 else meta["WARP_SPEC"])
-        if meta["TMA"] else meta)
+        meta=meta, meta_ptr=meta_ptr, consts=tuple(meta[c] for c in _CONSTEXPRS),
+        consts_ptr=tuple(meta_ptr[c] for c in _CONSTEXPRS))
 
 
 def _gluon_runs_here() -> bool:
@@ -539,7 +551,20 @@ def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> _Plan:
     for pl in (plan, plan.fallback) if plan.fallback is not None else (plan,):
         pl.out_shape = shape
         pl.strides = (*q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides)
+        _host_caches(pl, q)
+        if pl.meta.get("TMA") == 2:   # descriptors over the 4-D tensors: their bounds zero-fill and clip
+            bm, bn, bd = pl.meta["BLOCK_M"], pl.meta["BLOCK_N"], pl.meta["BLOCK_D"]
+            pl.descs = tuple(K.DescriptorMaker(TensorDescriptor, shp, st, [1, 1, rows, bd])
+                             for shp, st, rows in ((q.shape, q.stride(), bm), (k.shape, k.stride(), bn),
+                                                   (v.shape, v.stride(), bn), (shape, out_strides, bm)))
     return plan
+
+
+def _host_caches(pl: _Plan, q) -> None:
+    """A plan's host-side caches: compiled kernels for direct launches (CUDA only), the Gluon launch's."""
+    pl.kernels = {} if K.DIRECT_LAUNCH and q.is_cuda else None
+    if pl.gluon is not None:
+        pl.gluon_cache = {"direct": pl.kernels is not None}
 
 
 def _launch_meta(plan, q, k, v, out) -> dict:
@@ -553,15 +578,14 @@ def _launch_meta(plan, q, k, v, out) -> dict:
     return meta
 
 
-def _descs(meta, q, k, v, out) -> tuple:
+def _descs(plan, meta, q, k, v, out) -> tuple:
     """The kernel's DescQ/K/V/O arguments: under TMA=2 host-built descriptors over the 4-D (B, H, T, D)
     tensors (their T and D bounds zero-fill a tile's tail and clip the store, as the per-program ones
-    do), else the tensors themselves (unused)."""
+    do; made by the plan's makers), else the tensors themselves (unused)."""
     if meta["TMA"] != 2:
         return q, k, v, out
-    bm, bn, bd = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_D"]
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, bd])
-                 for t, rows in ((q, bm), (k, bn), (v, bn), (out, bm)))
+    mq, mk, mv, mo = plan.descs
+    return mq(q), mk(k), mv(v), mo(out)
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False, out=None,
@@ -592,13 +616,16 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.gluon is not None:
         if _aligned(q, k, v, out):
-            G.launch(q, k, v, out, lse=lse, **plan.gluon)
+            G.launch(q, k, v, out, lse=lse, cache=plan.gluon_cache, **plan.gluon)
             return (out, lse) if return_lse else out
         plan = plan.fallback   # a base TMA cannot read (e.g. a view one element in)
     if plan.grid:
         meta = _launch_meta(plan, q, k, v, out)
-        _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, q, q, *_descs(meta, q, k, v, out),
-                             *plan.strides, *plan.scalars, **meta)
+        lse_arg = out if lse is None else lse
+        args = (q, k, v, out, lse_arg, q, q, *_descs(plan, meta, q, k, v, out), *plan.strides, *plan.scalars)
+        K.launch_cached(_attn_fwd, plan.kernels, plan.grid, args, meta,
+                        plan.consts if meta is plan.meta else plan.consts_ptr, meta is plan.meta,
+                        (q, k, v, out, lse_arg))
     return (out, lse) if return_lse else out
 
 
@@ -698,13 +725,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if plan.gluon is not None:
         if _aligned(q, k, v, out):
             _ensure_allocator()   # the kernel makes its descriptors on the device
-            G.launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, lse=lse, **plan.gluon)
+            G.launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, lse=lse, cache=plan.gluon_cache,
+                            **plan.gluon)
             return (out, lse) if return_lse else out
         plan = plan.fallback
     if plan.grid:
         meta = _launch_meta(plan, q, k, v, out)
-        _attn_fwd[plan.grid](q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, q, k, v, out,
-                             *plan.strides, *plan.scalars, **meta)
+        lse_arg = out if lse is None else lse
+        args = (q, k, v, out, lse_arg, cu_seqlens_q, cu_seqlens_k, q, k, v, out, *plan.strides, *plan.scalars)
+        K.launch_cached(_attn_fwd, plan.kernels, plan.grid, args, meta,
+                        plan.consts if meta is plan.meta else plan.consts_ptr, meta is plan.meta,
+                        (q, k, v, out, lse_arg, cu_seqlens_q, cu_seqlens_k))
     return (out, lse) if return_lse else out
 
 
@@ -746,6 +777,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         # the kernel clamps each sequence to the packed totals (passed where the dense launch passes Tq, Tk)
         if pl.scalars:   # the plain kernel's (a Gluon plan passes its own)
             pl.scalars = (pl.scalars[0], pl.scalars[1], total_q, total_k, *pl.scalars[4:])
+        _host_caches(pl, q)
     return plan
 
 

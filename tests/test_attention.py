@@ -503,14 +503,14 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     tensor to write. A scale <= 0, a base one element off and a layout TMA cannot read run the plain kernel."""
     calls = []
 
-    def fake_launch(q, k, v, out, lse=None, **kw):
+    def fake_launch(q, k, v, out, lse=None, cache=None, **kw):
         calls.append(dict(kw, lse=lse is not None))
         want, want_lse = ref.attention(q, k, v, causal=kw["causal"], return_lse=True)
         out.copy_(want.to(out.dtype))
         if lse is not None:
             lse.copy_(want_lse)
 
-    def fake_launch_varlen(q, k, v, out, cu_q, cu_k, max_q, lse=None, **kw):
+    def fake_launch_varlen(q, k, v, out, cu_q, cu_k, max_q, lse=None, cache=None, **kw):
         calls.append(dict(kw, max_seqlen_q=max_q, lse=lse is not None))
         want, want_lse = ref.attention_varlen(q, k, v, cu_q, cu_k, causal=kw["causal"], return_lse=True)
         out.copy_(want.to(out.dtype))
@@ -681,6 +681,61 @@ def test_gluon_config_on_calls_it_does_not_take_runs_the_plain_kernel():
     e_cfg = _gluon_cfg(P(1, 4, 2, 200, 128, 64, False), dtype)
     q, k, v = A.make_inputs(empty, dtype, DEV, 7).args
     assert torch.equal(A.attention(q, k, v, config=e_cfg), torch.zeros_like(q))
+
+
+def _shifted(t):
+    """t's values in a tensor of the same shape and strides whose base is one element past a 16-byte boundary."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
+@pytest.mark.skipif(not GPU, reason="direct launches are the CUDA launch path (the interpreter takes triton's own)")
+@pytest.mark.parametrize("path", ["tma0", "tma1", "tma2", "gluon2", "gluon4", "varlen", "varlen_gluon"])
+def test_repeated_launches_read_each_calls_tensors(path):
+    """After a plan's first launch through triton, later launches of the same metadata skip triton's binding
+    (kernels.launch_cached) and copy their descriptors from the first's (kernels.DescriptorMaker): each launch
+    must still read its own call's q, k, v (and cu_seqlens) and write its own out and lse. Then a base one
+    element in (the same plan: shapes and strides alike, another alignment) takes triton's launch or the
+    plain kernel, and a direct launch is taken again after it."""
+    dtype = torch.bfloat16
+    varlen = path.startswith("varlen")
+    p = (VP((100, 7, 256), (130, 7, 300), 4, 2, 64, True) if varlen
+         else P(2, 4, 2, 256, 256 if path != "gluon4" else 300, 64, True))
+    if path.endswith("gluon") or path.startswith("gluon"):
+        if not GLUON:
+            pytest.skip("the Gluon FA3 kernel runs on sm90 GPUs only")
+        cfg = _gluon_cfg(p, dtype, schedule=1)
+    else:
+        tma = int(path[-1]) if not varlen else 1
+        cfg = dict(A.default_config(p, dtype), TMA=tma, WARP_SPEC=0)
+        if A.SPACE.why_invalid(cfg, p, dtype):
+            pytest.skip(A.SPACE.why_invalid(cfg, p, dtype))
+    A._PLANS.clear()
+    A._VARLEN_PLANS.clear()
+    run = _varlen if varlen else _dense
+    for seed in range(3):
+        run(p, dtype, seed=40 + seed, config=cfg, lse=True)
+    plans = [pl for pl in (A._VARLEN_PLANS if varlen else A._PLANS).values() if pl.cfg == cfg]
+    assert len(plans) == 1
+    plan = plans[0]
+
+    def compiled():
+        if plan.gluon is not None:
+            return sum(len(st[-1] or {}) for st in plan.gluon_cache.values() if isinstance(st, tuple))
+        return len(plan.kernels or {})
+
+    if K.DIRECT_LAUNCH:
+        assert compiled() == 1, "the later launches did not run the kept compiled kernel"
+    case = (A.make_varlen_inputs if varlen else A.make_inputs)(p, dtype, DEV, 50)
+    args = list(case.args)
+    for i in range(3):
+        args[i] = _shifted(args[i])
+    out = cmp.poison(_shifted(case.out))
+    fn = A.attention_varlen if varlen else A.attention
+    got, lse = fn(*args, out=out, return_lse=True, config=cfg, **case.kwargs)
+    want, want_lse = (ref.attention_varlen if varlen else ref.attention)(*case.args, return_lse=True, **case.kwargs)
+    cmp.check(got, want, dtype, A.SPEC.accumulation(dtype), what=f"{path}, bases one element in")
+    _check_lse(lse, want_lse, f"{path}, bases one element in")
+    run(p, dtype, seed=51, config=cfg, lse=True)
 
 
 @needs_gluon

@@ -79,8 +79,8 @@ def main():
     A.attention(q, k, v, causal=True, config=cfgs["tma2"])
     plan = A._PLANS.get(next(kk for kk in A._PLANS if kk[-2] is not None and dict(kk[-2]).get("TMA") == 2))
     meta = A._launch_meta(plan, q, k, v, out)
-    r["piece_descs_tma2"] = host_us(lambda: A._descs(meta, q, k, v, out), n)
-    descs = A._descs(meta, q, k, v, out)
+    r["piece_descs_tma2"] = host_us(lambda: A._descs(plan, meta, q, k, v, out), n)
+    descs = A._descs(plan, meta, q, k, v, out)
     r["launch_only_tma2"] = host_us(lambda: A._attn_fwd[plan.grid](q, k, v, out, out, q, q, *descs, *plan.strides,
                                                                     *plan.scalars, **meta), n)
     r["piece_gluon_descriptors"] = host_us(lambda: G.descriptors(q, k, v, out, 128), n)
