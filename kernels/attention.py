@@ -1106,6 +1106,43 @@ def _vendor(c: K.Case):
     return call
 
 
+def _varlen_vendor(c: K.Case):
+    """What a user gets for packed sequences: ``torch.nn.attention.varlen.varlen_attn`` (torch 2.9+,
+    FlashAttention's varlen kernel; CUDA, fp16/bf16). Its signature moved between releases, read off it:
+    causal as ``is_causal=True`` (2.9, 2.10) or ``window_size=(-1, 0)`` (later), both aligned to the
+    bottom right as ours; GQA through ``enable_gqa`` where it has it (2.12+), else the kv heads expanded
+    outside the timed call. Raises where it cannot run (no such function, the CPU, fp32): the row says why."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v, cu_q, cu_k, max_q, max_k = c.args
+    if q.device.type != "cuda":
+        raise RuntimeError("varlen_attn runs on CUDA only")
+    params = inspect.signature(varlen_attn).parameters
+    kw = {}
+    if c.kwargs.get("causal", False):
+        if "is_causal" in params:
+            kw["is_causal"] = True
+        elif "window_size" in params:
+            kw["window_size"] = (-1, 0)
+        else:
+            raise RuntimeError("this torch's varlen_attn has no causal mask")
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+    def call():
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+    call()   # a case it cannot run raises here, named in the row
+    call.label = "torch varlen_attn"
+    return call
+
+
 def _sdpa_peer(backend: str):
     """SDPA forced to one backend (a peer column each): GQA heads expanded outside the timed call, so a
     backend without GQA support still runs. A backend that cannot run the case raises at set-up, and the
@@ -1263,6 +1300,8 @@ VARLEN_SPEC = K.register(K.KernelSpec(
                                      12, 12, 64, True)],
     small_problems=[VarlenProblem((5, 0, 17, 1), (5, 3, 17, 1), 4, 2, 64, True)],
     layouts=("contiguous", "sliced"),
+    vendor=_varlen_vendor,
+    vendor_name="torch.nn.attention.varlen.varlen_attn",
     seeds=gluon_seeds,
     **{**_COMMON, "default_config": varlen_default_config},
 ))

@@ -836,6 +836,26 @@ def test_non_decreasing_cu_seqlens_are_accepted():
     _varlen(p, torch.float32, seed=14)
 
 
+def test_varlen_vendor_is_torchs_varlen_attn_and_agrees_with_the_reference():
+    """attention_varlen's vendor column is torch's own varlen_attn (FlashAttention's varlen kernel): on a GPU
+    whose torch has it, it gives the reference's answer (causal aligned to the bottom right, GQA, an empty
+    sequence, more keys than queries) within the dtype's tolerance, so the column times the same function;
+    where it cannot run (the CPU, fp32, an older torch) it raises at set-up and the bench row says why."""
+    for p, dtype in ((VP((5, 0, 17, 64), (9, 3, 17, 80), 4, 2, 64, True), torch.bfloat16),
+                     (VP((33, 100), (33, 100), 2, 2, 128, False), torch.float16)):
+        if not GPU:
+            dtype = torch.float32
+        case = A.make_varlen_inputs(p, dtype, DEV, 3)
+        try:
+            call = A.VARLEN_SPEC.vendor(case)
+        except (ImportError, RuntimeError) as e:
+            assert not GPU or "varlen" in str(e) or isinstance(e, ImportError), e
+            continue
+        assert call.label == "torch varlen_attn"
+        cmp.check(call(), ref.attention_varlen(*case.args, **case.kwargs), dtype, A.SPEC.accumulation(dtype),
+                  what=f"varlen_attn {p}")
+
+
 def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
     """The vendor column is plain F.scaled_dot_product_attention (torch's own dispatch), labelled with
     the backend that really ran; forced backends are peers of their own."""
