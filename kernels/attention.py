@@ -30,6 +30,12 @@ instead.
 
 GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
 take the same kernel with per-sequence offsets read from cu_seqlens.
+
+Host time: a call's checks, config and launch arguments are planned once per metadata signature; after a
+plan's first launch through triton the compiled kernel is called directly (``kernels.launch_cached``) and
+host descriptors are copied from the plan's first (``kernels.DescriptorMaker``). H200, B=8 H=12 T=1k:
+33-34 us a call on the TMA=2 and Gluon paths, against 120-135 through triton's own launch
+(``lab/probes/attention_host_cost.py``).
 """
 from __future__ import annotations
 
