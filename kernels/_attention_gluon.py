@@ -378,18 +378,12 @@ def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
     return tuple(m(t) for m, t in zip(makers, (q, k, v, out))), rank, grid
 
 
-def _direct(cache) -> dict | None:
-    """The compiled kernels a launch cache keeps for direct launches (kernels.launch_cached), or None."""
-    return {} if cache is not None and cache.get("direct") else None
-
-
 def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int, lse=None,
            cache: dict | None = None) -> None:
     """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller), and each
     row's log-sum-exp into ``lse`` (B, H, Tq) float32 if given. ``qk_scale``: the softmax scale times log2(e),
-    positive. ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call; its
-    "direct" entry: whether launches after the first may skip triton's binding): it keeps the descriptors'
-    geometry and the compiled kernel across calls."""
+    positive. ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call): it
+    keeps the descriptors' geometry and, for direct launches (kernels.launch_cached), the compiled kernel."""
     from tritune import kernels as K
 
     st = cache.get("dense") if cache is not None else None
@@ -398,21 +392,14 @@ def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int,
         kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, RANK=rank,
                    num_warps=4, maxnreg=MAXNREG)
         st = (makers, grid, (qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1]),
-              lse.stride() if lse is not None else (0, 0, 0), kws, tuple(kws[c] for c in _constexprs(_fa3_fwd)),
-              _direct(cache))
+              lse.stride() if lse is not None else (0, 0, 0), kws, tuple(kws[c] for c in K.constexpr_params(_fa3_fwd)),
+              {} if K.DIRECT_LAUNCH else None)
         if cache is not None:
             cache["dense"] = st
     makers, grid, scalars, ls, kws, consts, kernels = st
     lse_arg = out if lse is None else lse
     args = (makers[0](q), makers[1](k), makers[2](v), makers[3](out), *scalars, lse_arg, *ls)
     K.launch_cached(_fa3_fwd, kernels, grid, args, kws, consts, 0, (lse_arg,))
-
-
-@functools.lru_cache(maxsize=None)
-def _constexprs(fn) -> tuple:
-    from tritune import kernels as K
-
-    return K.constexpr_params(fn)
 
 
 @functools.lru_cache(maxsize=None)
@@ -448,7 +435,8 @@ def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *
                    STORE_LSE=lse is not None, num_warps=4, maxnreg=MAXNREG)
         tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                 out.stride(1), qk_scale, total_q, total_k, H, H_KV)
-        st = (grid, tail, ls, kws, tuple(kws[c] for c in _constexprs(_fa3_fwd_varlen)), _direct(cache))
+        st = (grid, tail, ls, kws, tuple(kws[c] for c in K.constexpr_params(_fa3_fwd_varlen)),
+              {} if K.DIRECT_LAUNCH else None)
         if cache is not None:
             cache["varlen"] = st
     grid, tail, ls, kws, consts, kernels = st

@@ -570,7 +570,7 @@ def _host_caches(pl: _Plan, q) -> None:
     """A plan's host-side caches: compiled kernels for direct launches (CUDA only), the Gluon launch's."""
     pl.kernels = {} if K.DIRECT_LAUNCH and q.is_cuda else None
     if pl.gluon is not None:
-        pl.gluon_cache = {"direct": pl.kernels is not None}
+        pl.gluon_cache = {}
 
 
 def _launch_meta(plan, q, k, v, out) -> dict:
