@@ -68,9 +68,6 @@ class Space:
     """
     params: dict[str, list]
     constraint: Callable[[dict, Any, torch.dtype], str | None] = lambda c, p, d: None
-    # keys added to the space after configs were stored and written into user code: the value an absent one
-    # means (a config without it is still a point, and :meth:`complete` fills it in)
-    added: dict = field(default_factory=dict)
 
     def why_malformed(self, config: dict) -> str | None:
         """What makes ``config`` no point of the space for any problem (unknown, missing or unlisted values)."""
@@ -79,18 +76,13 @@ class Space:
                 return f"unknown parameter {k!r}"
             if v not in self.params[k]:
                 return f"{k}={v!r} not among {self.params[k]}"
-        missing = set(self.params) - set(config) - set(self.added)
+        missing = set(self.params) - set(config)
         if missing:
             return f"missing parameters {sorted(missing)}"
         return None
 
     def why_invalid(self, config: dict, problem, dtype) -> str | None:
-        return self.why_malformed(config) or self.constraint(self.complete(config), problem, dtype)
-
-    def complete(self, config: dict) -> dict:
-        """``config`` with the :attr:`added` keys it lacks at their implied values (itself when it lacks none)."""
-        lack = {k: v for k, v in self.added.items() if k not in config}
-        return {**config, **lack} if lack else config
+        return self.why_malformed(config) or self.constraint(config, problem, dtype)
 
     def points(self, problem=None, dtype=None) -> list[dict]:
         """Every valid point (all points when no problem is given)."""
@@ -144,7 +136,7 @@ class KernelSpec:
             why = self.space.why_invalid(config, problem, dtype)
             if why:
                 raise ValueError(f"{self.name}: config {config} is invalid for {problem}: {why}")
-            return self.space.complete(config)
+            return config
         return _lookup(self, bucket_key(self.bucket(problem)), dtype, problem)
 
     def config_key(self, problem, dtype) -> tuple:
@@ -241,13 +233,11 @@ def _lookup(spec: KernelSpec, key: str, dtype, problem) -> dict:
 
     cfg = store.lookup(spec.name, key, sd)
     if cfg is not None:
-        cfg = spec.space.complete(cfg)
         why = spec.space.why_invalid(cfg, problem, dtype)
         if why is not None:
             # this bucket's own entry, or any entry that is no point of the space, is reported; a
             # neighbouring bucket's sound config that does not fit this problem is just not used
-            own = store.entry_config(spec.name, key, sd)
-            if spec.space.why_malformed(cfg) or (own is not None and spec.space.complete(own) == cfg):
+            if spec.space.why_malformed(cfg) or store.entry_config(spec.name, key, sd) == cfg:
                 _report_invalid(spec.name, key, sd, cfg, why)
             cfg = None
     if cfg is None:

@@ -48,43 +48,6 @@ BM = 64            # query rows a consumer warpgroup
 ROWS = 2 * BM      # query rows a CTA (two consumer warpgroups)
 MAXNREG = 168      # the launch's register cap; the partitions set theirs with setmaxnreg (240 / 24)
 
-# Softmax exponentials partly off the MUFU unit (FlashAttention-4's trick): at D=64 a tile's exp2s take the
-# SM's 16-a-clock special-function unit as long as its two GEMMs take the tensor cores, so one in ``pack``
-# of them is computed on the FMA pipes instead: 2^x = 2^n * q(x - n), n = x rounded to nearest (adding
-# 1.5 * 2^23 rounds into the low mantissa bits, whose integer is then shifted into the exponent), q a
-# degree-3 polynomial with q(0) = 1 exactly, fitted for the least worst relative error on [-1/2, 1/2]
-# (1.01e-4, in float32 arithmetic; P is rounded to bf16's 2^-9 or fp16's 2^-11 right after). x is clamped
-# at -127: there n = -127, q = 1 and the bits add up to +0.0, so a masked (-inf) score gives exactly 0, as
-# ex2 does. ``EXP2`` (a config key): 0, every exponential on the MUFU; 1, one in four by the polynomial;
-# 2, one in two.
-EXP2_POLY = (0.6932829022407532, 0.2422110140323639, 0.05500895157456398)   # q(r) = 1 + c1 r + c2 r^2 + c3 r^3
-
-
-def exp2_asm(pack: int) -> tuple[str, str]:
-    """(PTX, constraints) of one inline-asm instance over ``pack`` float32s: the first pack - 1 by ``ex2``,
-    the last by the polynomial."""
-    import struct
-
-    def hexf(x: float) -> str:
-        return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-    c1, c2, c3 = (hexf(c) for c in EXP2_POLY)
-    lines = [f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(pack - 1)]
-    lines += ["{", ".reg .f32 xc, t, n, r, q;", ".reg .b32 tb, qb;",
-              f"max.ftz.f32 xc, ${2 * pack - 1}, {hexf(-127.0)};",
-              f"add.rn.ftz.f32 t, xc, {hexf(12582912.0)};",
-              f"sub.rn.ftz.f32 n, t, {hexf(12582912.0)};",
-              "sub.rn.ftz.f32 r, xc, n;",
-              f"fma.rn.ftz.f32 q, r, {c3}, {c2};",
-              f"fma.rn.ftz.f32 q, q, r, {c1};",
-              f"fma.rn.ftz.f32 q, q, r, {hexf(1.0)};",
-              "mov.b32 tb, t;", "mov.b32 qb, q;", "shl.b32 tb, tb, 23;", "add.s32 qb, qb, tb;",
-              f"mov.b32 ${pack - 1}, qb;", "}"]
-    return "\n".join(lines), ",".join(["=f"] * pack + ["f"] * pack)
-
-
-EXP2_PACK = {1: 4, 2: 2}   # EXP2 -> the elements an asm instance takes (one of them by the polynomial)
-
 
 def smem_bytes(D: int, BN: int, stages: int, elem: int = 2) -> int:
     """Q of both warpgroups (it holds O on the way out) and a K and a V tile for every stage."""
@@ -93,22 +56,6 @@ def smem_bytes(D: int, BN: int, stages: int, elem: int = 2) -> int:
 
 
 if AVAILABLE:
-    _ASM4 = gl.constexpr(exp2_asm(4)[0])
-    _CON4 = gl.constexpr(exp2_asm(4)[1])
-    _ASM2 = gl.constexpr(exp2_asm(2)[0])
-    _CON2 = gl.constexpr(exp2_asm(2)[1])
-
-    @gluon.jit
-    def _exp2(x, EXP2: gl.constexpr):
-        """2^x of a float32 tile: every element on the MUFU (EXP2 0), or one in four (1) or two (2) by the
-        polynomial (module doc)."""
-        if EXP2 == 1:
-            return gl.inline_asm_elementwise(_ASM4, _CON4, [x], gl.float32, True, 4)
-        elif EXP2 == 2:
-            return gl.inline_asm_elementwise(_ASM2, _CON2, [x], gl.float32, True, 2)
-        else:
-            return gl.exp2(x)
-
     @gluon.jit
     def _tile(buf, RANK: gl.constexpr):
         """A (rows, D) view of a TMA tile: the buffer (2-D descriptors) or its (1, 1, rows, D) view reshaped."""
@@ -151,7 +98,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL: gl.constexpr, GUARD: gl.constexpr,
-                 dtype: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, EXP2: gl.constexpr):
+                 dtype: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
         """Online softmax of S tile j: keys past Tk masked (a ragged last tile), and when causal the keys past
         each row's diagonal. ``GUARD``: some rows may have seen no key yet (a packed sequence with more
         queries than keys): their max stays -inf and must not turn the exponentials into NaN. Returns (P as
@@ -171,7 +118,7 @@ if AVAILABLE:
             m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
         else:
             m_use = m_new
-        p = _exp2(S * qk_scale - m_use[:, None], EXP2)
+        p = gl.exp2(S * qk_scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
@@ -179,7 +126,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-                  WG: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr, EXP2: gl.constexpr):
+                  WG: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr):
         """One consumer warpgroup: 64 query rows against every K/V tile of the ring (schedules: module doc)."""
         o_desc = descs[3]
         q_smem, k_bufs, v_bufs = bufs
@@ -215,7 +162,7 @@ if AVAILABLE:
                 S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
                                        is_async=True)
                 p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
-                                                 s_layout, o_layout, EXP2)
+                                                 s_layout, o_layout)
                 acc = acc * alpha[:, None]
                 mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
                 acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
@@ -224,11 +171,11 @@ if AVAILABLE:
                 S = S_next
             j = n_tiles - 1
             p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
-                                             s_layout, o_layout, EXP2)
+                                             s_layout, o_layout)
             acc = acc * alpha[:, None]
         else:
             p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
-                                             s_layout, o_layout, EXP2)
+                                             s_layout, o_layout)
             for j in range(n_tiles - 1):
                 sn = (j + 1) % STAGES
                 mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
@@ -242,7 +189,7 @@ if AVAILABLE:
                     mbarrier.arrive(sched.index(1 - WG), count=1)
                 S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))   # QK^T done, P_j @ V_j running
                 p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
-                                                 GUARD, dt, s_layout, o_layout, EXP2)
+                                                 GUARD, dt, s_layout, o_layout)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(j % STAGES), count=1)
                 acc = acc * alpha[:, None]
@@ -286,7 +233,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _partitions(descs, scal, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                    RANK: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr, EXP2: gl.constexpr):
+                    RANK: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr):
         """A CTA's shared memory (both warpgroups' Q, the K/V ring) and barriers, then its partitions: the two
         consumer warpgroups and the producer warp. ``scal``: (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b,
         h, kv head, q_start, lse row 0, lse row stride)."""
@@ -298,15 +245,15 @@ if AVAILABLE:
         bufs = (q_smem, k_bufs, v_bufs)
         bars = (q_bar, k_ready, v_ready, empty, sched)
         gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, GUARD, STORE_LSE, EXP2)),
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, GUARD, STORE_LSE, EXP2)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, GUARD, STORE_LSE)),
+            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, GUARD, STORE_LSE)),
             (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
         ], [4, 1], [240, 24])
 
     @gluon.jit
     def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, LSE, stride_lb, stride_lh, stride_lm,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-                 STORE_LSE: gl.constexpr, EXP2: gl.constexpr, num_warps: gl.constexpr):
+                 STORE_LSE: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         BMc: gl.constexpr = q_desc.block_type.shape[RANK - 2]
         BN: gl.constexpr = k_desc.block_type.shape[RANK - 2]
@@ -327,7 +274,7 @@ if AVAILABLE:
 
         lse_row0 = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
-        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, RANK, False, STORE_LSE, EXP2)
+        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, RANK, False, STORE_LSE)
 
 
 if AVAILABLE:
@@ -336,7 +283,7 @@ if AVAILABLE:
                         stride_om, stride_oh, qk_scale, total_q, total_k, H, H_KV, LSE, stride_lh, stride_lm,
                         D: gl.constexpr, DP: gl.constexpr, BN: gl.constexpr, LQ: gl.constexpr, LKV: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, STORE_LSE: gl.constexpr,
-                        EXP2: gl.constexpr, num_warps: gl.constexpr):
+                        num_warps: gl.constexpr):
         """Packed sequences: q (total_q, H, D), k/v (total_k, H_KV, D); sequence b owns rows
         cu_seqlens[b]:cu_seqlens[b+1]. The partitions are the dense kernel's, over 2-D descriptors made on
         the device for this CTA's (sequence, head): their bounds are the sequence's rows and D, so TMA
@@ -390,7 +337,7 @@ if AVAILABLE:
 
         # the descriptors are the sequence's own: rows count from its start (q_row0 = q_start, kv_row0 = 0)
         scal = (q_start, 0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
-        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, 2, CAUSAL, STORE_LSE, EXP2)
+        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, 2, CAUSAL, STORE_LSE)
 
 
 def flat_ok(q, k, v, out, BN: int) -> bool:
@@ -431,11 +378,11 @@ def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
     return tuple(m(t) for m, t in zip(makers, (q, k, v, out))), rank, grid
 
 
-def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int, exp2: int = 0,
-           lse=None, cache: dict | None = None) -> None:
+def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int, lse=None,
+           cache: dict | None = None) -> None:
     """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller), and each
     row's log-sum-exp into ``lse`` (B, H, Tq) float32 if given. ``qk_scale``: the softmax scale times log2(e),
-    positive. ``exp2``: the EXP2 key (module doc). ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call): it
+    positive. ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call): it
     keeps the descriptors' geometry and, for direct launches (kernels.launch_cached), the compiled kernel."""
     from tritune import kernels as K
 
@@ -443,7 +390,7 @@ def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int,
     if st is None:
         makers, rank, grid = descriptor_makers(q, k, v, out, BN)
         kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, RANK=rank,
-                   EXP2=exp2, num_warps=4, maxnreg=MAXNREG)
+                   num_warps=4, maxnreg=MAXNREG)
         st = (makers, grid, (qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1]),
               lse.stride() if lse is not None else (0, 0, 0), kws, tuple(kws[c] for c in K.constexpr_params(_fa3_fwd)),
               {} if K.DIRECT_LAUNCH else None)
@@ -468,7 +415,7 @@ def varlen_layouts(dtype, D: int, BN: int) -> tuple:
 
 
 def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool, qk_scale: float,
-                  BN: int, stages: int, schedule: int, exp2: int = 0, lse=None, cache: dict | None = None) -> None:
+                  BN: int, stages: int, schedule: int, lse=None, cache: dict | None = None) -> None:
     """Write attention_varlen(q, k, v, ...) into ``out`` (q, out (total_q, H, D), k, v (total_k, H_KV, D), unit
     stride along D, 16-byte aligned bases and strides: checked by the caller, as is the allocator the device
     descriptors need), and each row's log-sum-exp into ``lse`` (total_q, H) float32 if given. ``qk_scale``: the
@@ -485,7 +432,7 @@ def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *
         ls = (lse.stride(1), lse.stride(0)) if lse is not None else (0, 0)   # (per head, per row)
         grid = (triton.cdiv(max_seqlen_q, ROWS), (cu_seqlens_q.shape[0] - 1) * H)
         kws = dict(D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule,
-                   STORE_LSE=lse is not None, EXP2=exp2, num_warps=4, maxnreg=MAXNREG)
+                   STORE_LSE=lse is not None, num_warps=4, maxnreg=MAXNREG)
         tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                 out.stride(1), qk_scale, total_q, total_k, H, H_KV)
         st = (grid, tail, ls, kws, tuple(kws[c] for c in K.constexpr_params(_fa3_fwd_varlen)),

@@ -40,7 +40,6 @@ host descriptors are copied from the plan's first (``kernels.DescriptorMaker``).
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass, field
 
@@ -90,46 +89,9 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-_ASM4 = tl.constexpr(G.exp2_asm(4)[0])
-_CON4 = tl.constexpr(G.exp2_asm(4)[1])
-_ASM2 = tl.constexpr(G.exp2_asm(2)[0])
-_CON2 = tl.constexpr(G.exp2_asm(2)[1])
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-_C1 = tl.constexpr(G.EXP2_POLY[0])
-_C2 = tl.constexpr(G.EXP2_POLY[1])
-_C3 = tl.constexpr(G.EXP2_POLY[2])
-
-
-@triton.jit
-def _exp2_poly(x):
-    """2^x by the EXP2 key's polynomial, in plain tl ops (the interpreter's stand-in for the inline asm)."""
-    xc = tl.maximum(x, -127.0)
-    t = xc + 12582912.0
-    r = xc - (t - 12582912.0)
-    q = ((_C3 * r + _C2) * r + _C1) * r + 1.0
-    return (q.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2(x, EXP2: tl.constexpr):
-    """2^x of a float32 score tile: EXP2 0 on the MUFU; 1 and 2, one in four / two by the polynomial
-    (kernels/_attention_gluon.py's module doc). The interpreter runs no inline asm: it takes the polynomial
-    for every fourth / second column instead."""
-    if EXP2 == 0:
-        return tl.math.exp2(x)
-    elif _INTERPRETED:
-        cols = tl.arange(0, x.shape[1])
-        PACK: tl.constexpr = 4 if EXP2 == 1 else 2
-        return tl.where((cols % PACK == PACK - 1)[None, :], _exp2_poly(x), tl.math.exp2(x))
-    elif EXP2 == 1:
-        return tl.inline_asm_elementwise(_ASM4, _CON4, [x], tl.float32, True, 4)
-    else:
-        return tl.inline_asm_elementwise(_ASM2, _CON2, [x], tl.float32, True, 2)
-
-
 @triton.jit
 def _softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, LAZY_RESCALE: tl.constexpr, EXP2: tl.constexpr):
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, LAZY_RESCALE: tl.constexpr):
     """Fold raw scores s (one key block) into the running max and denominator: returns p (base-2
     exponentials against the new reference max) and acc, l_i rescaled to that max."""
     if MASKED:
@@ -140,7 +102,7 @@ def _softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing visible yet keeps m = −inf: subtract 0 instead (exp2(−inf − −inf) is NaN)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2(s - m_sub[:, None], EXP2)
+        p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -155,11 +117,11 @@ def _softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
             l_i = l_i * alpha
             acc = acc * alpha[:, None]
             m_i = m_new
-        p = _exp2(s * qk_scale - m_i[:, None], EXP2)
+        p = tl.math.exp2(s * qk_scale - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = _exp2(s * qk_scale - m_new[:, None], EXP2)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -171,8 +133,8 @@ def _softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
 def _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
                 lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, IEEE: tl.constexpr,
-                TMA: tl.constexpr, WARP_SPEC: tl.constexpr, LAZY_RESCALE: tl.constexpr, EXP2: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                TMA: tl.constexpr, WARP_SPEC: tl.constexpr, LAZY_RESCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr):
     """Fold keys lo..hi (lo a multiple of BLOCK_N) into (acc, l_i, m_i). k_src/v_src are tensor
     descriptors under TMA (rows past the sequence and columns past D arrive as zeros), else base pointers."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
@@ -184,7 +146,7 @@ def _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv
                      MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s = _dot(q, tl.trans(k), None, IEEE)
         p, acc, l_i, m_i = _softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
-                                         MASKED, CAUSAL, LAZY_RESCALE, EXP2)
+                                         MASKED, CAUSAL, LAZY_RESCALE)
         acc = _dot(p.to(v.dtype), v, acc, IEEE)
     return acc, l_i, m_i
 
@@ -193,7 +155,7 @@ def _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv
 def _attn_inner_ahead(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
                       hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
                       PAD_D: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                      EXP2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The unmasked keys 0..hi (hi >= BLOCK_N, a multiple of it) with the scores one block ahead: block
     j+1's q·kᵀ is issued before block j's softmax, so the tensor cores work on it while the exp2s of
     block j run (FA3's intra-warpgroup overlap, written out instead of left to the scheduler). Costs a
@@ -208,14 +170,14 @@ def _attn_inner_ahead(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, o
                      False, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s_next = _dot(q, tl.trans(k), None, IEEE)
         p, acc, l_i, m_i = _softmax_step(s, acc, l_i, m_i, offs_m, start_n + offs_n, seqlen_k, delta, qk_scale,
-                                         False, False, LAZY_RESCALE, EXP2)
+                                         False, False, LAZY_RESCALE)
         v = _load_kv(v_src, start_n, start_n + offs_n, offs_dv, mask_d, seqlen_k, stride_vn, b, kvh,
                      False, PAD_D, TMA, BLOCK_N, BLOCK_D)
         acc = _dot(p.to(v.dtype), v, acc, IEEE)
         s = s_next
     last = hi - BLOCK_N
     p, acc, l_i, m_i = _softmax_step(s, acc, l_i, m_i, offs_m, last + offs_n, seqlen_k, delta, qk_scale,
-                                     False, False, LAZY_RESCALE, EXP2)
+                                     False, False, LAZY_RESCALE)
     v = _load_kv(v_src, last, last + offs_n, offs_dv, mask_d, seqlen_k, stride_vn, b, kvh,
                  False, PAD_D, TMA, BLOCK_N, BLOCK_D)
     acc = _dot(p.to(v.dtype), v, acc, IEEE)
@@ -232,7 +194,7 @@ def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK, DescQ, DescK, DescV, DescO,
               Hq, group, seqlen_q_all, seqlen_k_all, num_m_blocks, num_bh, qk_scale,
               D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, HEADS_INNER: tl.constexpr,
               D_CONTIG: tl.constexpr, IEEE: tl.constexpr, NEG_SCALE: tl.constexpr,
-              TMA: tl.constexpr, WARP_SPEC: tl.constexpr, LAZY_RESCALE: tl.constexpr, EXP2: tl.constexpr,
+              TMA: tl.constexpr, WARP_SPEC: tl.constexpr, LAZY_RESCALE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     if HEADS_INNER:  # neighbouring programs share a kv head (L2 reuse of K/V), all heads' row block at once
@@ -335,15 +297,14 @@ def _attn_fwd(Q, K, V, O, LSE, CuQ, CuK, DescQ, DescK, DescV, DescO,
         if lo > 0:
             acc, l_i, m_i = _attn_inner_ahead(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv,
                                               mask_d, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
-                                              PAD_D, IEEE, TMA, LAZY_RESCALE, EXP2, BLOCK_N, BLOCK_D)
+                                              PAD_D, IEEE, TMA, LAZY_RESCALE, BLOCK_N, BLOCK_D)
     else:
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
                                     0, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
-                                    False, CAUSAL, PAD_D, IEEE, TMA, WARP_SPEC == 1, LAZY_RESCALE, EXP2, BLOCK_N,
-                                    BLOCK_D)
+                                    False, CAUSAL, PAD_D, IEEE, TMA, WARP_SPEC == 1, LAZY_RESCALE, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
                                 lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
-                                True, CAUSAL, PAD_D, IEEE, TMA, False, False, EXP2, BLOCK_N, BLOCK_D)
+                                True, CAUSAL, PAD_D, IEEE, TMA, False, False, BLOCK_N, BLOCK_D)
 
     # rows that saw no key: l = 0, acc = 0 -> output 0 (not 0/0)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -490,7 +451,7 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
                 # so does a broadcast (zero-stride) batch or head dim, which the 2-D per-program ones never see
                 TMA=(cfg["TMA"] if host_ok else min(cfg["TMA"], 1)) if tma_ok else 0,
                 WARP_SPEC=cfg["WARP_SPEC"] if cfg["WARP_SPEC"] != 1 or tma_ok else 0,
-                LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]), EXP2=cfg["EXP2"],
+                LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(p.D),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     meta_ptr = dict(meta, TMA=0, WARP_SPEC=0 if meta["WARP_SPEC"] == 1 else meta["WARP_SPEC"]) if meta["TMA"] else meta
@@ -526,7 +487,7 @@ def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse,
         return plain
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],
-                            schedule=cfg["WARP_SPEC"] - 3, exp2=cfg["EXP2"]),
+                            schedule=cfg["WARP_SPEC"] - 3),
                  fallback=plain)
 
 
@@ -846,11 +807,7 @@ SPACE = K.Space(
         # (2: the two warpgroups ping-pong); it fixes 128-row CTAs of 4 + 4 + 1 warps and host-built descriptors
         "WARP_SPEC": [0, 1, 2, 3, 4, 5],
         "LAZY_RESCALE": [0, 1],
-        # how the softmax's exponentials are computed: 0 all on the special-function unit (ex2); 1, 2: one in
-        # four / one in two by a polynomial on the FMA pipes instead (fp16/bf16; kernels/_attention_gluon.py)
-        "EXP2": [0, 1, 2],
     },
-    added={"EXP2": 0},   # configs stored before it existed: every exponential on the MUFU
 )
 
 
@@ -928,8 +885,6 @@ def _gluon_constraint(c, p, dtype) -> str | None:
 
 
 def _constraint(c, p, dtype) -> str | None:
-    if c["EXP2"] and dtype == torch.float32:
-        return "EXP2 1-2 (exponentials partly by a polynomial, 1e-4 relative): fp16 and bf16 only"
     if c["WARP_SPEC"] >= 3:
         return _gluon_constraint(c, p, dtype)
     bm, bn, w = c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]
@@ -1000,8 +955,7 @@ def default_config(p, dtype) -> dict:
     hopper = dtype != torch.float32 and capability() >= (9, 0)
     tma = (2 if bd <= 128 else int(p.Tq >= 8192)) if hopper else 0
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
-           "HEADS_INNER": int(kv_bytes <= 32 << 20), "TMA": tma, "WARP_SPEC": 0, "LAZY_RESCALE": 0,
-           "EXP2": 0}
+           "HEADS_INNER": int(kv_bytes <= 32 << 20), "TMA": tma, "WARP_SPEC": 0, "LAZY_RESCALE": 0}
     while SPACE.constraint(cfg, p, dtype) and cfg["num_stages"] > 1:
         cfg["num_stages"] -= 1
     while SPACE.constraint(cfg, p, dtype) and cfg["BLOCK_N"] > 16:  # D=256 with few warps: smaller key blocks

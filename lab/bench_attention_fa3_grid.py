@@ -86,13 +86,6 @@ def sweep_gluon(A, p, dtype) -> list[dict]:
     return _unique(cands + [A.gluon_config(p, dtype, 0)])
 
 
-def sweep_exp2(A, p, dtype, own: dict) -> list[dict]:
-    """The EXP2 key (exponentials one in four / one in two by a polynomial on the FMA pipes) on the launcher's
-    own config, the default and the Gluon seeds (FA3's two schedules at the seed tile): each at EXP2 0, 1, 2."""
-    base = [A.SPACE.complete(own), A.default_config(p, dtype)] + A.gluon_seeds(p, dtype)
-    return _unique([dict(c, EXP2=e) for c in base for e in (0, 1, 2)])
-
-
 def _unique(cands: list[dict]) -> list[dict]:
     out, seen = [], set()
     for c in cands:
@@ -131,10 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--rows", default="all", help='all | worst | "D=128,T=1024,causal;D=64,T=2048,full"')
-    ap.add_argument("--sweep", choices=("grid", "new", "gluon", "exp2"), default="grid",
+    ap.add_argument("--sweep", choices=("grid", "new", "gluon"), default="grid",
                     help="grid: the Hopper keys around the default; new: the A/B of the newer points; gluon: the "
-                         "Gluon FA3 kernel's points (both dtypes); exp2: the EXP2 key on ours, the default "
-                         "and the Gluon seeds")
+                         "Gluon FA3 kernel's points (both dtypes)")
     ap.add_argument("--rounds", type=int, default=1, help="time each candidate this many times (alternating order)")
     ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to force, or none")
     args = ap.parse_args(argv)
@@ -216,8 +208,6 @@ def main(argv=None) -> int:
                             cands = sweep_new(default, D, causal)
                         elif args.sweep == "gluon":
                             cands = sweep_gluon(A, p, dtype)
-                        elif args.sweep == "exp2":
-                            cands = sweep_exp2(A, p, dtype, own)
                         elif dname == "bf16":
                             cands = sweep(default, D)
                         else:
@@ -281,7 +271,7 @@ def main(argv=None) -> int:
                         traceback.print_exc()
                     rows.append(row)
                     print(_line(row), flush=True)
-                    if args.sweep in ("new", "gluon", "exp2"):
+                    if args.sweep in ("new", "gluon"):
                         for rec in row.get("sweep", []):
                             print("    " + _cand_line(rec, row), flush=True)
                     torch.cuda.empty_cache()
@@ -324,8 +314,7 @@ def _short(c) -> str:
     if not c:
         return "-"
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} hi{c['HEADS_INNER']} "
-            f"tma{c['TMA']} ws{c['WARP_SPEC']} lazy{c['LAZY_RESCALE']}"
-            + (f" exp2={c['EXP2']}" if c.get("EXP2") else ""))
+            f"tma{c['TMA']} ws{c['WARP_SPEC']} lazy{c['LAZY_RESCALE']}")
 
 
 def _summary(rows: list[dict]) -> dict:

@@ -528,7 +528,7 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     A._PLANS.clear()
     A._VARLEN_PLANS.clear()
     try:
-        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2, exp2=0)
+        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)
         _dense(p, dtype, seed=11, config=cfg, lse=False)
         _dense(p, dtype, seed=12, config=cfg, lse=True)
         assert calls == [dict(taken, lse=False), dict(taken, lse=True)]
@@ -872,92 +872,3 @@ def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
 
     assert K.sdpa_backend(forced) == "math"
     assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(A.SPEC.peers)
-
-
-# ---------------------------------------------------------------------------------------------------
-# EXP2: the softmax's exponentials partly by a polynomial on the FMA pipes (one in four / one in two);
-# on a GPU the inline asm, in the interpreter its tl stand-in on every fourth / second column
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from tritune.kernels.attention import _exp2 as _attn_exp2  # noqa: E402
-
-
-@triton.jit
-def _exp2_tile(X, Y, EXP2: tl.constexpr):
-    offs = tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :]
-    tl.store(Y + offs, _attn_exp2(tl.load(X + offs), EXP2))
-
-
-@pytest.mark.parametrize("exp2", [0, 1, 2])
-def test_exp2_split_is_2_to_the_x(exp2):
-    """Every element within the polynomial's 1.01e-4 (relative) of 2^x from -126 up to LAZY_RESCALE's +8, a
-    masked score (-inf) exactly 0, scores below -126 at most 2^-125; and with EXP2 1-2 the polynomial is
-    really used (some element differs from ex2's answer by more than ex2's own error)."""
-    rows = torch.tensor([float("-inf"), -200.0, -127.5, -127.0, -126.4, -100.25, -30.7, -8.5, -1.0, -0.75, -0.5,
-                         -0.3, -1e-3, 0.0, 0.4, 7.9])
-    x = (rows[:, None] - torch.arange(64) / 64.0).float().contiguous().to(DEV)   # r sweeps [-1/2, 1/2)
-    y = torch.full_like(x, float("nan"))
-    _exp2_tile[(1,)](x, y, EXP2=exp2, num_warps=4)
-    want = torch.exp2(x.double())
-    y = y.double()
-    assert not torch.isnan(y).any()
-    assert torch.equal(y[0], torch.zeros_like(y[0])), "exp2(-inf) must be exactly 0 (a masked score)"
-    low = x.double() < -126
-    assert ((y[low] >= 0) & (y[low] <= 2.0 ** -125)).all(), y[low]
-    rel = ((y[~low] - want[~low]) / want[~low]).abs()
-    assert rel.max().item() <= (1.02e-4 if exp2 else 1e-6), rel.max().item()
-    if exp2:
-        assert rel.max().item() > 1e-6, "EXP2 > 0 but every element matches ex2: the polynomial never ran"
-
-
-def test_exp2_is_refused_for_fp32_and_absent_means_zero():
-    """fp32 keeps exact exponentials (its tolerance is 1e-4's size); a config written before the key existed
-    is still a point, EXP2=0."""
-    p = P(1, 2, 2, 64, 64, 64, False)
-    cfg32 = dict(A.default_config(p, torch.float32), EXP2=1)
-    assert "EXP2" in (A.SPACE.why_invalid(cfg32, p, torch.float32) or "")
-    with pytest.raises(ValueError, match="EXP2"):
-        A.attention(*A.make_inputs(p, torch.float32, DEV, 0).args, config=cfg32)
-    old = {k: v for k, v in A.default_config(p, torch.float16).items() if k != "EXP2"}
-    assert A.SPACE.why_invalid(old, p, torch.float16) is None
-    assert A.SPEC.config_for(p, torch.float16, old)["EXP2"] == 0
-    _dense(p, torch.float16, seed=3, config=old)
-
-
-def _exp2_paths():
-    paths = ["plain", "lazy", "ahead"] + (["gluon1", "gluon2"] if GPU else [])
-    return [pytest.param(x, id=x) for x in paths]
-
-
-@pytest.mark.parametrize("exp2", [1, 2])
-@pytest.mark.parametrize("path", _exp2_paths())
-@pytest.mark.parametrize("D", [64, 128] if GPU else [64])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_exp2_split_attention(exp2, path, D, causal):
-    """EXP2 1-2 on every kernel path that computes P (the plain loop, lazy rescaling's P up to 2^8, scores
-    one block ahead, the Gluon kernel's two FA3 schedules), dense with the lse output on ragged lengths,
-    and packed with empty sequences and more queries than keys (rows that see no key: 0 and lse -inf);
-    held to the same tolerance as every other config."""
-    dtypes = (torch.bfloat16, torch.float16) if GPU else (torch.float16,)
-    tq, tk = (300, 517) if GPU else (37, 53)
-    p = P(2, 4, 2, tq, tk, D, causal)
-    vp = VP((300, 0, 129, 5, 77, 260), (517, 40, 0, 5, 30, 3), 4, 2, D, causal) if GPU else \
-        VP((37, 0, 5, 9), (53, 7, 0, 3), 4, 2, D, causal)
-    small = {} if GPU else dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
-    for dtype in dtypes:
-        if path.startswith("gluon"):
-            if not GLUON:
-                pytest.skip("the Gluon FA3 kernel runs on sm90 GPUs only")
-            cfg = dict(_gluon_cfg(p, dtype, int(path[-1])), EXP2=exp2)
-            vcfg = dict(_gluon_cfg(vp, dtype, int(path[-1])), EXP2=exp2)
-        else:
-            over = {"plain": {}, "lazy": {"LAZY_RESCALE": 1}, "ahead": {"WARP_SPEC": 2}}[path]
-            cfg = _config(p, dtype, EXP2=exp2, **over, **small)
-            vcfg = dict(A.varlen_default_config(vp, dtype), EXP2=exp2, **{k: v for k, v in over.items()
-                                                                         if k != "WARP_SPEC"}, **small)
-            assert A.SPACE.why_invalid(vcfg, vp, dtype) is None, A.SPACE.why_invalid(vcfg, vp, dtype)
-        _dense(p, dtype, seed=D + exp2, config=cfg, lse=True)
-        if path.startswith("gluon"):
-            assert _gluon_plan(cfg).gluon["exp2"] == exp2
-        _varlen(vp, dtype, seed=D + exp2 + 1, config=vcfg, lse=True)
