@@ -86,6 +86,13 @@ def sweep_gluon(A, p, dtype) -> list[dict]:
     return _unique(cands + [A.gluon_config(p, dtype, 0)])
 
 
+def sweep_stages(A, p, dtype, own: dict) -> list[dict]:
+    """The Gluon kernel's ring depth: FA3's two schedules at 64- and 128-key tiles and 2 to 5 stages (the space
+    refuses what does not fit), beside the launcher's own config."""
+    return _unique([own] + [A.gluon_config(p, dtype, sch, bn, st) for sch in (1, 2) for bn in (64, 128)
+                            for st in (2, 3, 4, 5)])
+
+
 def _unique(cands: list[dict]) -> list[dict]:
     out, seen = [], set()
     for c in cands:
@@ -124,9 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--rows", default="all", help='all | worst | "D=128,T=1024,causal;D=64,T=2048,full"')
-    ap.add_argument("--sweep", choices=("grid", "new", "gluon"), default="grid",
+    ap.add_argument("--sweep", choices=("grid", "new", "gluon", "stages"), default="grid",
                     help="grid: the Hopper keys around the default; new: the A/B of the newer points; gluon: the "
-                         "Gluon FA3 kernel's points (both dtypes)")
+                         "Gluon FA3 kernel's points (both dtypes); stages: its ring depth, 2 to 5")
     ap.add_argument("--rounds", type=int, default=1, help="time each candidate this many times (alternating order)")
     ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to force, or none")
     args = ap.parse_args(argv)
@@ -208,6 +215,8 @@ def main(argv=None) -> int:
                             cands = sweep_new(default, D, causal)
                         elif args.sweep == "gluon":
                             cands = sweep_gluon(A, p, dtype)
+                        elif args.sweep == "stages":
+                            cands = sweep_stages(A, p, dtype, own)
                         elif dname == "bf16":
                             cands = sweep(default, D)
                         else:
@@ -271,7 +280,7 @@ def main(argv=None) -> int:
                         traceback.print_exc()
                     rows.append(row)
                     print(_line(row), flush=True)
-                    if args.sweep in ("new", "gluon"):
+                    if args.sweep in ("new", "gluon", "stages"):
                         for rec in row.get("sweep", []):
                             print("    " + _cand_line(rec, row), flush=True)
                     torch.cuda.empty_cache()
