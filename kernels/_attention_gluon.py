@@ -1,7 +1,8 @@
 """The attention kernel's FlashAttention-3-structured Hopper path, written in Gluon (sm90 only).
 
-``kernels/attention.py`` runs this for the configs ``WARP_SPEC`` 3, 4 and 5 (tuned like every other
-point of its space); everything else about the call (checks, plan cache, fallbacks) stays there.
+``kernels/attention.py`` runs this for the configs ``WARP_SPEC`` 3, 4 and 5, and its persistent form for 6 and 7
+(tuned like every other point of its space); everything else about the call (checks, plan cache, fallbacks)
+stays there.
 
 One CTA owns 128 query rows of one (batch, head) as **two consumer warpgroups of 64 rows**, each in its own
 ``gl.warp_specialize`` partition, so one warpgroup's softmax runs under the other's tensor-core work. A
@@ -24,6 +25,13 @@ Packed batches (``attention_varlen``: ``_fa3_fwd_varlen``) run the same partitio
 each CTA makes on the device for its (sequence, head), bounded by the sequence's rows: TMA zero-fills past
 a sequence's end and clips the store there, so no tile reads or writes another sequence's rows. A
 sequence may have more queries than keys (causal): rows that see no key output 0 (``GUARD``).
+
+Persistent form (``_fa3_fwd_persistent``, dense calls, 4-D descriptors): one CTA per SM loops over (query
+tile, batch-head) work items, causal heaviest first; the same partitions, with each warpgroup's Q buffer
+doubled so the producer loads the next item's Q and K/V while the consumers finish the current one and
+store its O (``q_free``); the ring's slot and phase and the ping-pong turn run on across items. At 1k-2k
+tokens it hides the per-tile prologue and epilogue that a CTA per tile pays with nothing to overlap
+(``lab/probes/gluon_fa3_persistent.py``).
 
 Measured before it was registered (``lab/probes/gluon_fa3_attention.py``, H200, bf16): 579 TF/s at
 16k non-causal, D=128 (default SDPA, cuDNN: 617), 0.79-0.94x cuDNN over FA3's grid.
@@ -49,10 +57,11 @@ ROWS = 2 * BM      # query rows a CTA (two consumer warpgroups)
 MAXNREG = 168      # the launch's register cap; the partitions set theirs with setmaxnreg (240 / 24)
 
 
-def smem_bytes(D: int, BN: int, stages: int, elem: int = 2) -> int:
-    """Q of both warpgroups (it holds O on the way out) and a K and a V tile for every stage."""
+def smem_bytes(D: int, BN: int, stages: int, elem: int = 2, persistent: bool = False) -> int:
+    """Q of both warpgroups (it holds O on the way out; double-buffered in the persistent kernel) and a K and a
+    V tile for every stage."""
     Dp = triton.next_power_of_2(max(D, 16))
-    return elem * (ROWS * Dp + 2 * stages * BN * Dp) + 1024   # + barriers and alignment
+    return elem * ((2 if persistent else 1) * ROWS * Dp + 2 * stages * BN * Dp) + 1024   # + barriers, alignment
 
 
 if AVAILABLE:
@@ -279,6 +288,163 @@ if AVAILABLE:
 
 if AVAILABLE:
     @gluon.jit
+    def _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """The persistent kernel's work item -> (b, h, kv head, its first query row, key tiles to stream).
+        Causal: the heaviest query tiles first over every batch-head."""
+        if CAUSAL:
+            pid_m = n_m - 1 - item // BHn
+        else:
+            pid_m = item // BHn
+        bh = item % BHn
+        b = bh // H
+        h = bh % H
+        hk = h // (H // H_KV)
+        q_start = pid_m * (2 * BMc)
+        if CAUSAL:   # keys up to the diagonal of the tile's last row (bottom-right aligned)
+            n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
+        else:
+            n_tiles = gl.cdiv(Tk, BN)
+        return b, h, hk, q_start, n_tiles
+
+    @gluon.jit
+    def _p_loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr):
+        """The persistent producer: for each of the CTA's items, both warpgroups' Q into the item's Q buffers
+        (once the item two before has stored its O from them), then the item's K/V tiles into the ring."""
+        q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
+        q_smem, k_bufs, v_bufs = bufs
+        q_bar, q_free, k_ready, v_ready, empty = bars[0], bars[1], bars[2], bars[3], bars[4]
+        n_items, n_m, BHn, H, H_KV, Tq, Tk = scal[0], scal[1], scal[2], scal[3], scal[4], scal[5], scal[6]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BMc: gl.constexpr = q_smem.type.shape[3]
+        BN: gl.constexpr = k_bufs.type.shape[3]
+        it = 0   # K/V tiles loaded so far (the ring's running position)
+        t = 0    # items so far (the Q buffers' running position)
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            b, h, hk, q_start, n_tiles = _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
+            for i in gl.static_range(2):
+                slot = (t % 2) * 2 + i
+                mbarrier.wait(q_free.index(slot), ((t // 2) & 1) ^ 1)
+                mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b, h, q_start + i * BMc, 0], q_bar.index(slot),
+                                                q_smem.index(slot))
+            for j in range(n_tiles):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)   # both consumers done with the slot
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], k_ready.index(s), k_bufs.index(s))
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], v_ready.index(s), v_bufs.index(s))
+                it += 1
+            t += 1
+
+    @gluon.jit
+    def _p_consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, WG: gl.constexpr,
+                    STORE_LSE: gl.constexpr):
+        """One persistent consumer warpgroup over the CTA's items: 64 query rows of each against its key
+        tiles, QK^T of tile j+1 and P_j @ V_j issued together (SCHEDULE 2: the warpgroups take turns)."""
+        o_desc = descs[3]
+        q_smem, k_bufs, v_bufs = bufs
+        q_bar, q_free, k_ready, v_ready, empty, sched = bars
+        n_items, n_m, BHn, H, H_KV, Tq, Tk = scal[0], scal[1], scal[2], scal[3], scal[4], scal[5], scal[6]
+        qk_scale = scal[7]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BMc: gl.constexpr = q_smem.type.shape[3]
+        BN: gl.constexpr = k_bufs.type.shape[3]
+        D: gl.constexpr = k_bufs.type.shape[4]
+        dt: gl.constexpr = v_bufs.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        offset = Tk - Tq
+        it = 0   # K/V tiles consumed so far
+        g = 0    # GEMM-pair turns taken so far (the ping-pong's running count)
+        t = 0    # items so far
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            b, h, hk, q_start, n_tiles = _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
+            q_first = q_start + WG * BMc
+            slot = (t % 2) * 2 + WG
+            q = _tile(q_smem.index(slot), 4)
+            mbarrier.wait(q_bar.index(slot), (t // 2) & 1)
+            m_i = gl.full([BMc], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([BMc], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([BMc, D], gl.float32, o_layout)
+            s0 = gl.zeros([BMc, BN], gl.float32, s_layout)
+            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+            S = warpgroup_mma(q, _tile(k_bufs.index(it % STAGES), 4).permute((1, 0)), s0, use_acc=False,
+                              is_async=True)
+            S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
+            p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, False, dt,
+                                             s_layout, o_layout)
+            for j in range(n_tiles - 1):
+                c = it + j
+                n = c + 1
+                mbarrier.wait(k_ready.index(n % STAGES), (n // STAGES) & 1)
+                mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+                if SCHEDULE == 2:   # this warpgroup's turn (the first warpgroup's first turn is free)
+                    mbarrier.wait(sched.index(WG), ((g + j) & 1) ^ (1 - WG))
+                S_next = warpgroup_mma(q, _tile(k_bufs.index(n % STAGES), 4).permute((1, 0)), s0, use_acc=False,
+                                       is_async=True)
+                acc = warpgroup_mma(p_op, _tile(v_bufs.index(c % STAGES), 4), acc, is_async=True)
+                if SCHEDULE == 2:
+                    mbarrier.arrive(sched.index(1 - WG), count=1)
+                S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))
+                p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
+                                                 False, dt, s_layout, o_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(c % STAGES), count=1)
+                acc = acc * alpha[:, None]
+            c = it + n_tiles - 1
+            mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+            acc = warpgroup_mma(p_op, _tile(v_bufs.index(c % STAGES), 4), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(c % STAGES), count=1)
+            if STORE_LSE:   # natural log of each row's softmax denominator
+                lse_row0 = scal[8] + b.to(gl.int64) * scal[9] + h.to(gl.int64) * scal[10]
+                rows = q_first + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
+                gl.store(lse_row0 + rows.to(gl.int64) * scal[11], (m_i + gl.log2(l_i)) * 0.6931471805599453,
+                         mask=rows < Tq)
+            out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+            q.store(out.to(dt))           # the item's Q buffer carries its O out
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], q_smem.index(slot))
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(q_free.index(slot), count=1)   # the producer may load the item two ahead into it
+            it += n_tiles
+            g += n_tiles - 1
+            t += 1
+
+    @gluon.jit
+    def _fa3_fwd_persistent(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, LSE, stride_lb, stride_lh,
+                            stride_lm, B, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                            STORE_LSE: gl.constexpr, num_warps: gl.constexpr):
+        """The persistent form (attention's WARP_SPEC 6-7, dense only, 4-D descriptors): one CTA per SM loops
+        over (query tile, batch-head) work items, so the producer loads the next item's Q and K/V while the
+        consumers finish the current one (Q double-buffered per warpgroup: ``q_free`` says an item's O has left
+        its buffer); the K/V ring's slot and phase and the ping-pong turn run on across items."""
+        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+        BMc: gl.constexpr = q_desc.block_type.shape[2]
+        n_m = gl.cdiv(Tq, 2 * BMc)
+        BHn = B * H
+        n_items = n_m * BHn
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
+        q_bar = _barriers(4, 1)     # (double buffer) x (warpgroup): Q landed
+        q_free = _barriers(4, 1)    # ... its O stored, the buffer free
+        sched = _barriers(2, 1)
+        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES)
+        descs = (q_desc, k_desc, v_desc, o_desc)
+        bufs = (q_smem, k_bufs, v_bufs)
+        scal = (n_items, n_m, BHn, H, H_KV, Tq, Tk, qk_scale, LSE, stride_lb, stride_lh, stride_lm)
+        bars = (q_bar, q_free, k_ready, v_ready, empty, sched)
+        gl.warp_specialize([
+            (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 0, STORE_LSE)),
+            (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 1, STORE_LSE)),
+            (_p_loader, (descs, bufs, bars, scal, CAUSAL)),
+        ], [4, 1], [240, 24])
+
+
+if AVAILABLE:
+    @gluon.jit
     def _fa3_fwd_varlen(Q, K, V, O, CuQ, CuK, stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
                         stride_om, stride_oh, qk_scale, total_q, total_k, H, H_KV, LSE, stride_lh, stride_lm,
                         D: gl.constexpr, DP: gl.constexpr, BN: gl.constexpr, LQ: gl.constexpr, LKV: gl.constexpr,
@@ -378,8 +544,22 @@ def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
     return tuple(m(t) for m, t in zip(makers, (q, k, v, out))), rank, grid
 
 
-def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int, lse=None,
-           cache: dict | None = None) -> None:
+_SMS: dict = {}
+
+
+def sm_count(device) -> int:
+    """The GPU's SM count (the persistent kernel's grid), asked once per device."""
+    import torch
+
+    i = torch.device(device).index
+    i = torch.cuda.current_device() if i is None else i
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int,
+           persistent: bool = False, lse=None, cache: dict | None = None) -> None:
     """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller), and each
     row's log-sum-exp into ``lse`` (B, H, Tq) float32 if given. ``qk_scale``: the softmax scale times log2(e),
     positive. ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call): it
@@ -388,18 +568,23 @@ def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int,
 
     st = cache.get("dense") if cache is not None else None
     if st is None:
-        makers, rank, grid = descriptor_makers(q, k, v, out, BN)
-        kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, RANK=rank,
-                   num_warps=4, maxnreg=MAXNREG)
-        st = (makers, grid, (qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1]),
-              lse.stride() if lse is not None else (0, 0, 0), kws, tuple(kws[c] for c in K.constexpr_params(_fa3_fwd)),
-              {} if K.DIRECT_LAUNCH else None)
+        makers, rank, grid = descriptor_makers(q, k, v, out, BN, 4 if persistent else None)
+        kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, num_warps=4,
+                   maxnreg=MAXNREG)
+        if persistent:   # one CTA per SM, at most one per work item; the batch size after the lse strides
+            fn, grid, tail = _fa3_fwd_persistent, (max(1, min(grid[0] * grid[1], sm_count(q.device))),), (q.shape[0],)
+        else:
+            fn, tail = _fa3_fwd, ()
+            kws["RANK"] = rank
+        st = (fn, makers, grid, (qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1]),
+              (lse.stride() if lse is not None else (0, 0, 0)) + tail, kws,
+              tuple(kws[c] for c in K.constexpr_params(fn)), {} if K.DIRECT_LAUNCH else None)
         if cache is not None:
             cache["dense"] = st
-    makers, grid, scalars, ls, kws, consts, kernels = st
+    fn, makers, grid, scalars, ls, kws, consts, kernels = st
     lse_arg = out if lse is None else lse
     args = (makers[0](q), makers[1](k), makers[2](v), makers[3](out), *scalars, lse_arg, *ls)
-    K.launch_cached(_fa3_fwd, kernels, grid, args, kws, consts, 0, (lse_arg,))
+    K.launch_cached(fn, kernels, grid, args, kws, consts, 0, (lse_arg,))
 
 
 @functools.lru_cache(maxsize=None)

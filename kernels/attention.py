@@ -24,7 +24,9 @@ by more than 2^8. A layout TMA cannot read (D not unit-stride, rows or bases not
 the pointer path. WARP_SPEC 3, 4, 5 (sm90 only, fp16/bf16) run another kernel: FlashAttention-3's
 structure written in Gluon (``kernels/_attention_gluon.py``: two consumer warpgroups and a one-warp TMA
 producer in warp-specialized partitions, schedule WARP_SPEC − 3), dense or packed (varlen: descriptors
-made on the device per sequence and head); a call it does not take (a scale <= 0, a layout or base TMA
+made on the device per sequence and head); WARP_SPEC 6, 7 run its persistent form (dense only: one CTA per
+SM looping over the work items, schedule 1 or 2), which hides each tile's prologue and epilogue behind
+the next tile's loads (short sequences); a call it does not take (a scale <= 0, a layout or base TMA
 cannot read, a dense call without keys, the interpreter) runs the plain kernel with the default config
 instead.
 
@@ -487,8 +489,12 @@ def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse,
         return plain
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],
-                            schedule=cfg["WARP_SPEC"] - 3),
+                            schedule=_GLUON_SCHEDULE[cfg["WARP_SPEC"]],
+                            **({} if varlen else {"persistent": cfg["WARP_SPEC"] >= 6})),
                  fallback=plain)
+
+
+_GLUON_SCHEDULE = {3: 0, 4: 1, 5: 2, 6: 1, 7: 2}   # WARP_SPEC -> the Gluon kernel's GEMM schedule
 
 
 def _tma_strides_ok(e: int, *tensor_strides) -> bool:
@@ -804,8 +810,9 @@ SPACE = K.Space(
         # stored before schedule 2 existed stay points of the space.
         "TMA": [0, 1, 2],
         # 3, 4, 5: the Gluon FA3-structured kernel (kernels/_attention_gluon.py), its GEMM schedule 0, 1, 2
-        # (2: the two warpgroups ping-pong); it fixes 128-row CTAs of 4 + 4 + 1 warps and host-built descriptors
-        "WARP_SPEC": [0, 1, 2, 3, 4, 5],
+        # (2: the two warpgroups ping-pong); it fixes 128-row CTAs of 4 + 4 + 1 warps and host-built descriptors;
+        # 6, 7: its persistent form (one CTA per SM over the work items), schedule 1, 2, dense calls only
+        "WARP_SPEC": [0, 1, 2, 3, 4, 5, 6, 7],
         "LAZY_RESCALE": [0, 1],
     },
 )
@@ -878,7 +885,10 @@ def _gluon_constraint(c, p, dtype) -> str | None:
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): BLOCK_N 64 or 128 up to D=128, 64 past it"
     if c["num_stages"] < 2:   # deeper rings, up to the space's 5, where they fit in shared memory
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): 2 stages or more"
-    need = G.smem_bytes(p.D, c["BLOCK_N"], c["num_stages"])
+    persistent = c["WARP_SPEC"] >= 6
+    if persistent and isinstance(p, (VarlenProblem, PackedProblem)):
+        return "WARP_SPEC 6-7 (the persistent Gluon FA3 kernel): dense calls only"
+    need = G.smem_bytes(p.D, c["BLOCK_N"], c["num_stages"], persistent=persistent)
     if need > _smem_limit():
         return f"needs {need} B of shared memory (budget {_smem_limit()})"
     return None
@@ -963,13 +973,17 @@ def default_config(p, dtype) -> dict:
     return cfg
 
 
-def gluon_config(p, dtype, schedule: int = 2, BLOCK_N: int | None = None, num_stages: int = 2) -> dict:
-    """The point of the space that runs the Gluon kernel with GEMM ``schedule`` (WARP_SPEC 3 + schedule),
-    its key tile (default: 128 up to D=128, 64 past it) and ring depth; the keys it does not read at their
-    one value. Not checked against the problem (``SPACE.why_invalid`` says)."""
+def gluon_config(p, dtype, schedule: int = 2, BLOCK_N: int | None = None, num_stages: int = 2,
+                 persistent: bool = False) -> dict:
+    """The point of the space that runs the Gluon kernel with GEMM ``schedule`` (WARP_SPEC 3 + schedule; its
+    persistent form, schedule 1 or 2: WARP_SPEC 5 + schedule), its key tile (default: 128 up to D=128, 64
+    past it) and ring depth; the keys it does not read at their one value. Not checked against the problem
+    (``SPACE.why_invalid`` says)."""
+    if persistent and schedule not in (1, 2):
+        raise ValueError(f"schedule: the persistent Gluon kernel runs schedule 1 or 2, not {schedule}")
     bn = BLOCK_N or (128 if triton.next_power_of_2(p.D) <= 128 else 64)
     return dict(default_config(p, dtype), BLOCK_M=G.ROWS, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
-                WARP_SPEC=3 + schedule, BLOCK_N=bn, num_stages=num_stages)
+                WARP_SPEC=(5 if persistent else 3) + schedule, BLOCK_N=bn, num_stages=num_stages)
 
 
 def gluon_seeds(p, dtype) -> list[dict]:
@@ -979,7 +993,12 @@ def gluon_seeds(p, dtype) -> list[dict]:
     lab/logs/h200/attention_fa3_grid_gluon_2026-11-28_d9eae70). The tuner skips those the problem refuses."""
     bn = gluon_config(p, dtype)["BLOCK_N"]
     stages = 3 if G.smem_bytes(p.D, bn, 3) <= _smem_limit() else 2
-    return [gluon_config(p, dtype, schedule, num_stages=stages) for schedule in (1, 2)]
+    # the persistent form (dense only): the deepest ring up to 4 that fits beside its four Q buffers (4 stages
+    # won its 1k-2k rows at D=64: lab/logs/h200/gluon_fa3_persistent_deep_rings_2026-11-28_eaa684a)
+    p_stages = max([st for st in (2, 3, 4) if G.smem_bytes(p.D, bn, st, persistent=True) <= _smem_limit()],
+                   default=2)
+    return [gluon_config(p, dtype, schedule, num_stages=stages) for schedule in (1, 2)] + [
+        gluon_config(p, dtype, 1, num_stages=p_stages, persistent=True)]
 
 
 def varlen_default_config(p, dtype) -> dict:

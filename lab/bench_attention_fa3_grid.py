@@ -93,6 +93,13 @@ def sweep_stages(A, p, dtype, own: dict) -> list[dict]:
                             for st in (2, 3, 4, 5)])
 
 
+def sweep_persistent(A, p, dtype, own: dict) -> list[dict]:
+    """The Gluon kernel's persistent form (WARP_SPEC 6-7): schedules 1 and 2 at 64- and 128-key tiles and 3-4
+    stages (the space refuses what does not fit), beside the launcher's own config and the default."""
+    return _unique([own, A.default_config(p, dtype)] + [
+        A.gluon_config(p, dtype, sch, bn, st, persistent=True) for sch in (1, 2) for bn in (64, 128) for st in (3, 4)])
+
+
 def _unique(cands: list[dict]) -> list[dict]:
     out, seen = [], set()
     for c in cands:
@@ -131,9 +138,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--rows", default="all", help='all | worst | "D=128,T=1024,causal;D=64,T=2048,full"')
-    ap.add_argument("--sweep", choices=("grid", "new", "gluon", "stages"), default="grid",
+    ap.add_argument("--sweep", choices=("grid", "new", "gluon", "stages", "persistent"), default="grid",
                     help="grid: the Hopper keys around the default; new: the A/B of the newer points; gluon: the "
-                         "Gluon FA3 kernel's points (both dtypes); stages: its ring depth, 2 to 5")
+                         "Gluon FA3 kernel's points (both dtypes); stages: its ring depth, 2 to 5; persistent: its persistent form")
     ap.add_argument("--rounds", type=int, default=1, help="time each candidate this many times (alternating order)")
     ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to force, or none")
     args = ap.parse_args(argv)
@@ -217,6 +224,8 @@ def main(argv=None) -> int:
                             cands = sweep_gluon(A, p, dtype)
                         elif args.sweep == "stages":
                             cands = sweep_stages(A, p, dtype, own)
+                        elif args.sweep == "persistent":
+                            cands = sweep_persistent(A, p, dtype, own)
                         elif dname == "bf16":
                             cands = sweep(default, D)
                         else:
@@ -280,7 +289,7 @@ def main(argv=None) -> int:
                         traceback.print_exc()
                     rows.append(row)
                     print(_line(row), flush=True)
-                    if args.sweep in ("new", "gluon", "stages"):
+                    if args.sweep in ("new", "gluon", "stages", "persistent"):
                         for rec in row.get("sweep", []):
                             print("    " + _cand_line(rec, row), flush=True)
                     torch.cuda.empty_cache()

@@ -455,8 +455,8 @@ GLUON = GPU and A.G.AVAILABLE and A.capability()[0] == 9
 needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FA3 kernel runs on sm90 GPUs only")
 
 
-def _gluon_cfg(p, dtype, schedule=2):
-    cfg = A.gluon_config(p, dtype, schedule)
+def _gluon_cfg(p, dtype, schedule=2, persistent=False):
+    cfg = A.gluon_config(p, dtype, schedule, persistent=persistent)
     why = A.SPACE.why_invalid(cfg, p, dtype)
     assert why is None, why
     return cfg
@@ -493,6 +493,18 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
                                                torch.float16)
     assert "shared memory" in A.SPACE.why_invalid(dict(cfg, BLOCK_N=128, num_stages=4), P(1, 2, 2, 256, 256, 128,
                                                                                            False), torch.float16)
+    # the persistent form: dense calls only, its doubled Q buffers counted, schedules 1 and 2
+    pers = A.gluon_config(p, torch.float16, schedule=1, BLOCK_N=64, persistent=True)
+    assert pers["WARP_SPEC"] == 6 and A.SPACE.why_invalid(pers, p, torch.float16) is None
+    assert "dense calls only" in A.SPACE.why_invalid(pers, VP((300, 7, 40), (517, 9, 0), 4, 2, 64, True),
+                                                     torch.float16)
+    assert "dense calls only" in A.SPACE.why_invalid(pers, A.PackedProblem(2, 4, 2, 517, 300, 64, True),
+                                                     torch.float16)
+    wide = P(1, 2, 2, 256, 256, 128, False)
+    assert A.SPACE.why_invalid(dict(pers, WARP_SPEC=4, BLOCK_N=128, num_stages=3), wide, torch.float16) is None
+    assert "shared memory" in A.SPACE.why_invalid(dict(pers, BLOCK_N=128, num_stages=3), wide, torch.float16)
+    with pytest.raises(ValueError, match="schedule"):
+        A.gluon_config(p, torch.float16, schedule=0, persistent=True)
 
 
 def test_which_calls_the_gluon_kernel_takes(monkeypatch):
@@ -528,7 +540,7 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     A._PLANS.clear()
     A._VARLEN_PLANS.clear()
     try:
-        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2)
+        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2, persistent=False)
         _dense(p, dtype, seed=11, config=cfg, lse=False)
         _dense(p, dtype, seed=12, config=cfg, lse=True)
         assert calls == [dict(taken, lse=False), dict(taken, lse=True)]
@@ -543,7 +555,8 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
         assert calls == []
         _varlen(VP((7, 24, 0), (9, 40, 5), 4, 2, 64, True), dtype, seed=16, config=cfg, lse=False)
         _varlen(VP((30, 5), (10, 12), 4, 2, 64, True), dtype, seed=18, config=cfg, lse=True)  # 30 queries, 10 keys
-        assert calls == [dict(taken, max_seqlen_q=24, lse=False), dict(taken, max_seqlen_q=30, lse=True)]
+        packed = {k: v for k, v in taken.items() if k != "persistent"}   # no persistent packed kernel
+        assert calls == [dict(packed, max_seqlen_q=24, lse=False), dict(packed, max_seqlen_q=30, lse=True)]
         calls.clear()
         case = A.make_varlen_inputs(VP((7, 24), (9, 40), 4, 2, 64, True), dtype, DEV, 20)
         q, k, v, *rest = case.args
@@ -689,7 +702,8 @@ def _shifted(t):
 
 
 @pytest.mark.skipif(not GPU, reason="direct launches are the CUDA launch path (the interpreter takes triton's own)")
-@pytest.mark.parametrize("path", ["tma0", "tma1", "tma2", "gluon2", "gluon4", "varlen", "varlen_gluon"])
+@pytest.mark.parametrize("path", ["tma0", "tma1", "tma2", "gluon2", "gluon4", "gluon_persistent", "varlen",
+                                  "varlen_gluon"])
 def test_repeated_launches_read_each_calls_tensors(path):
     """After a plan's first launch through triton, later launches of the same metadata skip triton's binding
     (kernels.launch_cached) and copy their descriptors from the first's (kernels.DescriptorMaker): each launch
@@ -703,7 +717,7 @@ def test_repeated_launches_read_each_calls_tensors(path):
     if "gluon" in path:
         if not GLUON:
             pytest.skip("the Gluon FA3 kernel runs on sm90 GPUs only")
-        cfg = _gluon_cfg(p, dtype, schedule=1)
+        cfg = _gluon_cfg(p, dtype, schedule=1, persistent=path.endswith("persistent"))
     else:
         tma = int(path[-1]) if not varlen else 1
         cfg = dict(A.default_config(p, dtype), TMA=tma, WARP_SPEC=0)
@@ -739,10 +753,11 @@ def test_repeated_launches_read_each_calls_tensors(path):
 
 
 @needs_gluon
-def test_gluon_path_in_a_cuda_graph():
+@pytest.mark.parametrize("persistent", [False, True], ids=["tiles", "persistent"])
+def test_gluon_path_in_a_cuda_graph(persistent):
     """Host-built descriptors are launch parameters: a captured launch replays on new values."""
     p = P(2, 4, 2, 256, 256, 128, True)
-    cfg = _gluon_cfg(p, torch.bfloat16)
+    cfg = _gluon_cfg(p, torch.bfloat16, schedule=1 if persistent else 2, persistent=persistent)
     q, k, v = A.make_inputs(p, torch.bfloat16, DEV, 8).args
     out = torch.empty_like(q)
     A.attention(q, k, v, causal=True, out=out, config=cfg)
@@ -872,3 +887,72 @@ def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
 
     assert K.sdpa_backend(forced) == "math"
     assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(A.SPEC.peers)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Gluon kernel's persistent form (WARP_SPEC 6-7): one CTA per SM over (query tile, batch-head) items
+def test_which_calls_the_persistent_gluon_kernel_takes(monkeypatch):
+    """A WARP_SPEC 6-7 config reaches the Gluon launch as its schedule (1, 2) with ``persistent``; a packed
+    batch is refused it by the space (the persistent kernel has no packed form), naming the key."""
+    calls = []
+
+    def fake_launch(q, k, v, out, lse=None, cache=None, **kw):
+        calls.append(kw)
+        out.copy_(ref.attention(q, k, v, causal=kw["causal"]).to(out.dtype))
+
+    p = P(1, 4, 2, 256, 300, 64, True)
+    dtype = torch.float16
+    monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
+    monkeypatch.setattr(A.G, "launch", fake_launch)
+    A._PLANS.clear()
+    try:
+        for schedule in (1, 2):
+            cfg = A.gluon_config(p, dtype, schedule=schedule, BLOCK_N=64, num_stages=4, persistent=True)
+            assert A.SPACE.why_invalid(cfg, p, dtype) is None
+            _dense(p, dtype, seed=schedule, config=cfg, lse=False)
+            assert calls[-1]["persistent"] is True and calls[-1]["schedule"] == schedule
+            assert calls[-1]["stages"] == 4 and calls[-1]["BN"] == 64
+        vp = VP((7, 24), (9, 40), 4, 2, 64, True)
+        with pytest.raises(ValueError, match="dense calls only"):
+            A.attention_varlen(*A.make_varlen_inputs(vp, dtype, DEV, 3).args, causal=True, config=cfg)
+    finally:
+        A._PLANS.clear()
+
+
+@needs_gluon
+@pytest.mark.parametrize("schedule", [1, 2])
+@pytest.mark.parametrize("D", A.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_persistent_every_head_dim_schedule_and_layout(schedule, D, causal):
+    """Every head dim and both schedules, both dtypes: ragged lengths with the lse output, (B, T, H, D) views,
+    GQA, Tq < Tk causal; and more work items than SMs, so each CTA runs several (the ring's slots and phases,
+    the ping-pong turn and the doubled Q buffers carried from item to item)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        p = P(2, 4, 2, 300, 517, D, causal)
+        cfg = A.gluon_config(p, dtype, schedule, persistent=True)
+        if "shared memory" in (A.SPACE.why_invalid(cfg, p, dtype) or ""):   # four Q buffers of D padded to 256
+            assert D > 128
+            pytest.skip("the persistent form's smallest ring does not fit in shared memory past D=128")
+        cfg = _gluon_cfg(p, dtype, schedule, persistent=True)
+        _dense(p, dtype, seed=D + schedule, config=cfg, lse=True)
+        assert _gluon_plan(cfg).gluon["persistent"] is True
+        _dense(p, dtype, seed=D + 7, layout="bthd", config=cfg, lse=False)
+        many = P(3, 16, 4, 700, 1000, D, causal)   # 3 x 16 x 6 = 288 items
+        _dense(many, dtype, seed=D + 9, config=_gluon_cfg(many, dtype, schedule, persistent=True), lse=True)
+
+
+@needs_gluon
+@pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
+def test_gluon_persistent_every_tile_and_stage_count(D):
+    """Every (BLOCK_N, num_stages) the space admits for the persistent form, schedules 1 and 2, causal and not;
+    key counts below, at and past a tile and the ring's depth, and more items than SMs."""
+    for bn in A.SPACE.params["BLOCK_N"]:
+        for st in A.SPACE.params["num_stages"]:
+            for schedule in (1, 2):
+                for B, H, tk, causal in ((1, 2, 40, False), (1, 2, 128, True), (2, 8, 700, True), (40, 4, 300, False)):
+                    p = P(B, H, 1, min(tk, 300), tk, D, causal)
+                    cfg = A.gluon_config(p, torch.bfloat16, schedule=schedule, BLOCK_N=bn, num_stages=st,
+                                         persistent=True)
+                    if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
+                        continue
+                    _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)

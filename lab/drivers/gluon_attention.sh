@@ -7,7 +7,7 @@
 # then `tritune bench attention attention_varlen --dtype bf16` on the committed store into $W/results (the
 # maintained results/<gpu>/ files: copy them over; BENCH=0 skips it). After the tests, on their GPU, the
 # persistent probe (lab/probes/gluon_fa3_persistent.py --quick; PERS=0 skips it, GP_LIM its limit).
-#   bash lab/drivers/gluon_attention.sh   (TEST_LIM, FA3_LIM, FA3_ARGS, TUNE, TUNE_LIM, BENCH, BENCH_LIM, PERS,
+#   bash lab/drivers/gluon_attention.sh   (TEST_K, TEST_LIM, FA3_LIM, FA3_ARGS, TUNE, TUNE_LIM, BENCH, BENCH_LIM, PERS,
 #   GP_LIM; $OUT/bundle.tgz)
 set -uo pipefail
 : "${OUT:?}"
@@ -18,7 +18,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&
 export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)
 NG=$(nvidia-smi -L | wc -l); echo "gpus $NG commit $(cat .commit 2>/dev/null)" | tee $W/summary.txt
 tests() { CUDA_VISIBLE_DEVICES=0 timeout ${TEST_LIM:-300} python -m pytest -q -p no:cacheprovider -n 8 --dist worksteal \
-            tests/test_attention.py -k "gluon or hopper or head_dim" --durations=8 > $W/tests.log 2>&1
+            tests/test_attention.py -k "${TEST_K:-gluon or hopper or head_dim}" --durations=8 > $W/tests.log 2>&1
           echo "tests rc=$?" >> $W/summary.txt; tail -15 $W/tests.log >> $W/summary.txt
           if [ "${PERS:-1}" = 1 ]; then   # the persistent probe (checks, then its quick grid) on the same GPU
             CUDA_VISIBLE_DEVICES=0 timeout ${GP_LIM:-300} python lab/probes/gluon_fa3_persistent.py \
