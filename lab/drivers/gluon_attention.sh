@@ -10,12 +10,7 @@
 #   bash lab/drivers/gluon_attention.sh   (TEST_K, TEST_LIM, FA3_LIM, FA3_ARGS, TUNE, TUNE_LIM, BENCH, BENCH_LIM, PERS,
 #   GP_LIM; $OUT/bundle.tgz)
 set -uo pipefail
-: "${OUT:?}"
-W=$OUT/w; mkdir -p $W
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
-python -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { cat $W/install.log; exit 1; }
-export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)
+source lab/drivers/setup.sh
 NG=$(nvidia-smi -L | wc -l); echo "gpus $NG commit $(cat .commit 2>/dev/null)" | tee $W/summary.txt
 tests() { CUDA_VISIBLE_DEVICES=0 timeout ${TEST_LIM:-300} python -m pytest -q -p no:cacheprovider -n 8 --dist worksteal \
             tests/test_attention.py -k "${TEST_K:-gluon or hopper or head_dim}" --durations=8 > $W/tests.log 2>&1

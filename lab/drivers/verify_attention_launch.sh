@@ -4,12 +4,7 @@
 # running, `tritune bench attention attention_varlen --dtype bf16` into $W/results (copy to results/<gpu>/).
 #   bash lab/drivers/verify_attention_launch.sh   (TEST_LIM, BENCH_LIM, BENCH=0 skips the bench; $OUT/bundle.tgz)
 set -uo pipefail
-: "${OUT:?}"
-W=$OUT/w; mkdir -p $W
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
-python -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { cat $W/install.log; exit 1; }
-export TRITON_CACHE_DIR=/tmp/tcache TRITUNE_COMMIT=$(cat .commit 2>/dev/null)
+source lab/drivers/setup.sh
 echo "commit $(cat .commit 2>/dev/null) $(nvidia-smi -L | head -1)" | tee $W/summary.txt
 timeout ${TEST_LIM:-330} python -m pytest -q -p no:cacheprovider -n 12 --dist worksteal --durations=8 \
   tests/test_attention.py tests/test_kernels.py tests/test_model.py tests/test_engine.py tests/test_chunked_prefill.py \

@@ -13,7 +13,8 @@ one-warp TMA producer) and GEMM schedules 1 and 2 (FA3's order; with ping-pong);
 phase, and the ping-pong turn, carried across items by running counts; Q **double-buffered** per
 warpgroup (``q_free`` barriers: the producer loads the next item's Q while the consumers still hold this
 one's buffer, which carries O out). 4-D descriptors over the tensors' (B, H, T, D) strides (any lengths,
-head dims up to 256 padded, strided views). The softmax step is the registered module's (``G._softmax``).
+head dims up to 256 padded, strided views). Registered since as attention's WARP_SPEC 6-7: the kernel timed here is
+``kernels/_attention_gluon.py``'s ``_fa3_fwd_persistent``.
 
     python lab/probes/gluon_fa3_persistent.py --compile      # offline sm90 compile (triton only, no torch)
     python lab/probes/gluon_fa3_persistent.py --out F.json   # GPU: checks against float64, then FA3's grid
@@ -32,169 +33,23 @@ import pathlib
 import sys
 
 import triton
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
 
 _spec = importlib.util.spec_from_file_location(
     "_attention_gluon", pathlib.Path(__file__).resolve().parents[2] / "kernels" / "_attention_gluon.py")
 G = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(G)
-_softmax = G._softmax
 LOG2E = 1.4426950408889634
 SCHEDULES = (1, 2)
 
 
-@gluon.jit
-def _coords(item, n_m, BHn, H, H_KV, Tq, Tk, BMc: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item -> (b, h, kv head, the tile's first query row, key tiles to stream)."""
-    if CAUSAL:   # the heaviest query tiles first, over every batch-head
-        pid_m = n_m - 1 - item // BHn
-    else:
-        pid_m = item // BHn
-    bh = item % BHn
-    b = bh // H
-    h = bh % H
-    hk = h // (H // H_KV)
-    q_start = pid_m * (2 * BMc)
-    if CAUSAL:   # keys up to the diagonal of the tile's last row (bottom-right aligned)
-        n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
-    else:
-        n_tiles = gl.cdiv(Tk, BN)
-    return b, h, hk, q_start, n_tiles
-
-
-@gluon.jit
-def _p_loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, WG: gl.constexpr):
-    """The producer: for each of the CTA's items, both warpgroups' Q into the item's Q buffers (once the item
-    two before has stored its O from them), then the item's K/V tiles into the ring."""
-    q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
-    q_smem, k_bufs, v_bufs = bufs
-    q_bar, q_free, k_ready, v_ready, empty = bars[0], bars[1], bars[2], bars[3], bars[4]
-    n_items, n_m, BHn, H, H_KV, Tq, Tk = scal[0], scal[1], scal[2], scal[3], scal[4], scal[5], scal[6]
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
-    BMc: gl.constexpr = q_smem.type.shape[3]
-    BN: gl.constexpr = k_bufs.type.shape[3]
-    it = 0   # K/V tiles loaded so far (the ring's running position)
-    t = 0    # items so far (the Q buffers' running position)
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, q_start, n_tiles = _coords(item, n_m, BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
-        for i in gl.static_range(2):
-            slot = (t % 2) * 2 + i
-            mbarrier.wait(q_free.index(slot), ((t // 2) & 1) ^ 1)
-            mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, q_start + i * BMc, 0], q_bar.index(slot),
-                                            q_smem.index(slot))
-        for j in range(n_tiles):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)   # both consumers done with the slot
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], k_ready.index(s), k_bufs.index(s))
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], v_ready.index(s), v_bufs.index(s))
-            it += 1
-        t += 1
-
-
-@gluon.jit
-def _p_consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, WG: gl.constexpr):
-    """One consumer warpgroup over the CTA's items: 64 query rows of each against its key tiles, QK^T of
-    tile j+1 and P_j @ V_j issued together (SCHEDULE 2: the warpgroups take turns issuing)."""
-    o_desc = descs[3]
-    q_smem, k_bufs, v_bufs = bufs
-    q_bar, q_free, k_ready, v_ready, empty, sched = bars
-    n_items, n_m, BHn, H, H_KV, Tq, Tk = scal[0], scal[1], scal[2], scal[3], scal[4], scal[5], scal[6]
-    qk_scale = scal[7]
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
-    BMc: gl.constexpr = q_smem.type.shape[3]
-    BN: gl.constexpr = k_bufs.type.shape[3]
-    D: gl.constexpr = k_bufs.type.shape[4]
-    dt: gl.constexpr = v_bufs.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    offset = Tk - Tq
-    it = 0   # K/V tiles consumed so far
-    g = 0    # GEMM-pair turns taken so far (the ping-pong's running count)
-    t = 0    # items so far
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, q_start, n_tiles = _coords(item, n_m, BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
-        q_first = q_start + WG * BMc
-        slot = (t % 2) * 2 + WG
-        q = G._tile(q_smem.index(slot), 4)
-        mbarrier.wait(q_bar.index(slot), (t // 2) & 1)
-        m_i = gl.full([BMc], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BMc], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BMc, D], gl.float32, o_layout)
-        s0 = gl.zeros([BMc, BN], gl.float32, s_layout)
-        mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-        S = warpgroup_mma(q, G._tile(k_bufs.index(it % STAGES), 4).permute((1, 0)), s0, use_acc=False,
-                          is_async=True)
-        S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
-        p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, False, dt,
-                                         s_layout, o_layout)
-        for j in range(n_tiles - 1):
-            c = it + j
-            n = c + 1
-            mbarrier.wait(k_ready.index(n % STAGES), (n // STAGES) & 1)
-            mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-            if SCHEDULE == 2:   # this warpgroup's turn (the first warpgroup's first turn is free)
-                mbarrier.wait(sched.index(WG), ((g + j) & 1) ^ (1 - WG))
-            S_next = warpgroup_mma(q, G._tile(k_bufs.index(n % STAGES), 4).permute((1, 0)), s0, use_acc=False,
-                                   is_async=True)
-            acc = warpgroup_mma(p_op, G._tile(v_bufs.index(c % STAGES), 4), acc, is_async=True)
-            if SCHEDULE == 2:
-                mbarrier.arrive(sched.index(1 - WG), count=1)
-            S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))
-            p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
-                                             False, dt, s_layout, o_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(c % STAGES), count=1)
-            acc = acc * alpha[:, None]
-        c = it + n_tiles - 1
-        mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-        acc = warpgroup_mma(p_op, G._tile(v_bufs.index(c % STAGES), 4), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(c % STAGES), count=1)
-        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        q.store(out.to(dt))           # the item's Q buffer carries its O out
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], q_smem.index(slot))
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(q_free.index(slot), count=1)   # the producer may load the item two ahead into it
-        it += n_tiles
-        g += n_tiles - 1
-        t += 1
-
-
-@gluon.jit
-def _fa3_persistent(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, B,
-                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, num_warps: gl.constexpr):
-    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    BMc: gl.constexpr = q_desc.block_type.shape[2]
-    n_m = gl.cdiv(Tq, 2 * BMc)
-    BHn = B * H
-    n_items = n_m * BHn
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
-    q_bar = G._barriers(4, 1)     # (double buffer) x (warpgroup): Q landed
-    q_free = G._barriers(4, 1)    # ... its O stored, the buffer free
-    sched = G._barriers(2, 1)
-    k_bufs, v_bufs, k_ready, v_ready, empty = G._kv_ring(k_desc, v_desc, STAGES)
-    descs = (q_desc, k_desc, v_desc, o_desc)
-    bufs = (q_smem, k_bufs, v_bufs)
-    scal = (n_items, n_m, BHn, H, H_KV, Tq, Tk, qk_scale)
-    cons_bars = (q_bar, q_free, k_ready, v_ready, empty, sched)
-    gl.warp_specialize([
-        (_p_consumer, (descs, bufs, cons_bars, scal, CAUSAL, SCHEDULE, 0)),
-        (_p_consumer, (descs, bufs, cons_bars, scal, CAUSAL, SCHEDULE, 1)),
-        (_p_loader, (descs, bufs, cons_bars, scal, CAUSAL, SCHEDULE, 1)),
-    ], [4, 1], [240, 24])
+# The kernel is the registered one (kernels/_attention_gluon.py: attention's WARP_SPEC 6-7), which began here.
+_fa3_persistent = G._fa3_fwd_persistent
 
 
 def smem_bytes(D: int, BN: int, stages: int) -> int:
     """Four Q buffers (two warpgroups, double-buffered) and a K and a V tile per stage, bf16/fp16."""
-    Dp = triton.next_power_of_2(max(D, 16))
-    return 2 * (4 * G.BM * Dp + 2 * stages * BN * Dp) + 1024
+    return G.smem_bytes(D, BN, stages, persistent=True)
 
 
 def tiles(D: int) -> list[tuple[int, int]]:
@@ -224,7 +79,8 @@ def prepare(q, k, v, causal: bool, BN: int = 128, STAGES: int = 2, SCHEDULE: int
     scale = LOG2E / math.sqrt(D)
 
     def launch():
-        _fa3_persistent[grid](*descs, scale, Tq, Tk, H, H_KV, B, STAGES=STAGES, CAUSAL=causal, SCHEDULE=SCHEDULE,
+        _fa3_persistent[grid](*descs, scale, Tq, Tk, H, H_KV, o, 0, 0, 0, B, STAGES=STAGES, CAUSAL=causal,
+                              SCHEDULE=SCHEDULE, STORE_LSE=False,
                               num_warps=4, maxnreg=G.MAXNREG)
     return o, launch
 
@@ -253,11 +109,14 @@ def compile_offline(Ds=(64, 128, 256), causal=(False, True)) -> dict:
                     dq = f"tensordesc<bf16[1, 1, {G.BM}, {Dp}],{lq!r}>"
                     dkv = f"tensordesc<bf16[1, 1, {BN}, {Dp}],{lkv!r}>"
                     sig = {"q_desc": dq, "k_desc": dkv, "v_desc": dkv, "o_desc": dq, "qk_scale": "fp32", "Tq": "i32",
-                           "Tk": "i32", "H": "i32", "H_KV": "i32", "B": "i32", "STAGES": "constexpr",
-                           "CAUSAL": "constexpr", "SCHEDULE": "constexpr", "num_warps": "constexpr"}
+                           "Tk": "i32", "H": "i32", "H_KV": "i32", "LSE": "*fp32", "stride_lb": "i32",
+                           "stride_lh": "i32", "stride_lm": "i32", "B": "i32", "STAGES": "constexpr",
+                           "CAUSAL": "constexpr", "SCHEDULE": "constexpr", "STORE_LSE": "constexpr",
+                           "num_warps": "constexpr"}
                     names = list(sig)
                     consts = {(names.index("STAGES"),): STAGES, (names.index("CAUSAL"),): c,
-                              (names.index("SCHEDULE"),): sch, (names.index("num_warps"),): 4}
+                              (names.index("SCHEDULE"),): sch, (names.index("STORE_LSE"),): False,
+                              (names.index("num_warps"),): 4}
                     key = f"D={D},BN={BN},STAGES={STAGES},causal={int(c)},schedule={sch}"
                     try:
                         kern = triton.compile(GluonASTSource(_fa3_persistent, sig, constexprs=consts),
