@@ -134,6 +134,89 @@ if AVAILABLE:
         return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
 
     @gluon.jit
+    def _attend(q, k_bufs, v_bufs, k_ready, v_ready, empty, sched, it, g, n_tiles, qk_scale, q_first, Tk, offset,
+                CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr, WG: gl.constexpr,
+                GUARD: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """One consumer warpgroup's 64 query rows (``q``) against key tiles it .. it + n_tiles - 1 of the ring
+        (counted from the CTA's first: a persistent CTA's ring position, and its ping-pong turn ``g``, run on
+        across items), in GEMM order ``SCHEDULE`` (module doc). Returns (acc after the last P @ V, m, l)."""
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        D: gl.constexpr = k_bufs.type.shape[RANK]
+        BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
+        BMc: gl.constexpr = q.type.shape[0]
+        dt: gl.constexpr = v_bufs.dtype
+        m_i = gl.full([BMc], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BMc], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BMc, D], gl.float32, o_layout)
+        s0 = gl.zeros([BMc, BN], gl.float32, s_layout)
+
+        mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+        S = warpgroup_mma(q, _tile(k_bufs.index(it % STAGES), RANK).permute((1, 0)), s0, use_acc=False,
+                          is_async=True)
+        S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
+        if SCHEDULE == 0:
+            for j in range(n_tiles - 1):
+                c = it + j
+                n = c + 1
+                mbarrier.wait(k_ready.index(n % STAGES), (n // STAGES) & 1)
+                S_next = warpgroup_mma(q, _tile(k_bufs.index(n % STAGES), RANK).permute((1, 0)), s0, use_acc=False,
+                                       is_async=True)
+                p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
+                                                 s_layout, o_layout)
+                acc = acc * alpha[:, None]
+                mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+                acc = warpgroup_mma(p_op, _tile(v_bufs.index(c % STAGES), RANK), acc, is_async=True)
+                S_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(S_next, acc))
+                mbarrier.arrive(empty.index(c % STAGES), count=1)
+                S = S_next
+            p_op, alpha, m_i, l_i = _softmax(S, n_tiles - 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD,
+                                             dt, s_layout, o_layout)
+            acc = acc * alpha[:, None]
+        else:
+            p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
+                                             s_layout, o_layout)
+            for j in range(n_tiles - 1):
+                c = it + j
+                n = c + 1
+                mbarrier.wait(k_ready.index(n % STAGES), (n // STAGES) & 1)
+                mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+                if SCHEDULE == 2:   # this warpgroup's turn to issue (the first warpgroup's first turn is free)
+                    mbarrier.wait(sched.index(WG), ((g + j) & 1) ^ (1 - WG))
+                S_next = warpgroup_mma(q, _tile(k_bufs.index(n % STAGES), RANK).permute((1, 0)), s0, use_acc=False,
+                                       is_async=True)
+                acc = warpgroup_mma(p_op, _tile(v_bufs.index(c % STAGES), RANK), acc, is_async=True)
+                if SCHEDULE == 2:
+                    mbarrier.arrive(sched.index(1 - WG), count=1)
+                S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))   # QK^T done, P_j @ V_j running
+                p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
+                                                 GUARD, dt, s_layout, o_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(c % STAGES), count=1)
+                acc = acc * alpha[:, None]
+        c = it + n_tiles - 1
+        mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+        acc = warpgroup_mma(p_op, _tile(v_bufs.index(c % STAGES), RANK), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(c % STAGES), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, q, q_first, Tq, lse_row0, lse_stride, GUARD: gl.constexpr, STORE_LSE: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """The lse output (natural log of each row's softmax denominator; a row that saw no key: -inf), then
+        O = acc / l into the warpgroup's Q buffer (its own: it carries O out), fenced for the TMA store."""
+        BMc: gl.constexpr = q.type.shape[0]
+        if STORE_LSE:
+            rows = q_first + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
+            gl.store(lse_row0 + rows.to(gl.int64) * lse_stride, (m_i + gl.log2(l_i)) * 0.6931471805599453,
+                     mask=rows < Tq)
+        if GUARD:   # rows that saw no key: l = 0 and acc = 0, output 0 (not 0/0)
+            l_i = gl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        q.store(out.to(q.dtype))
+        fence_async_shared()
+
+    @gluon.jit
     def _consumer(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
                   WG: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr):
         """One consumer warpgroup: 64 query rows against every K/V tile of the ring (schedules: module doc)."""
@@ -142,82 +225,20 @@ if AVAILABLE:
         q_bar, k_ready, v_ready, empty, sched = bars
         q_row0, n_tiles, qk_scale, Tq, Tk = scal[0], scal[2], scal[3], scal[4], scal[5]
         b, h, q_start = scal[6], scal[7], scal[9]
-        STAGES: gl.constexpr = k_bufs.type.shape[0]
         D: gl.constexpr = k_bufs.type.shape[RANK]
         BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
         BMc: gl.constexpr = q_smem.type.shape[RANK - 1]
-        dt: gl.constexpr = v_bufs.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])
         q_first = q_start + WG * BMc   # this warpgroup's first query position in its sequence
-        offset = Tk - Tq
 
         q = _tile(q_smem.index(WG), RANK)
         mbarrier.wait(q_bar.index(WG), 0)
-        m_i = gl.full([BMc], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BMc], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BMc, D], gl.float32, o_layout)
-        s0 = gl.zeros([BMc, BN], gl.float32, s_layout)
-
-        mbarrier.wait(k_ready.index(0), 0)
-        S = warpgroup_mma(q, _tile(k_bufs.index(0), RANK).permute((1, 0)), s0, use_acc=False, is_async=True)
-        S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
-        if SCHEDULE == 0:
-            for j in range(n_tiles - 1):
-                sn = (j + 1) % STAGES
-                mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
-                S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
-                                       is_async=True)
-                p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
-                                                 s_layout, o_layout)
-                acc = acc * alpha[:, None]
-                mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-                acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
-                S_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(S_next, acc))
-                mbarrier.arrive(empty.index(j % STAGES), count=1)
-                S = S_next
-            j = n_tiles - 1
-            p_op, alpha, m_i, l_i = _softmax(S, j, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
-                                             s_layout, o_layout)
-            acc = acc * alpha[:, None]
-        else:
-            p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, GUARD, dt,
-                                             s_layout, o_layout)
-            for j in range(n_tiles - 1):
-                sn = (j + 1) % STAGES
-                mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
-                mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-                if SCHEDULE == 2:   # this warpgroup's turn to issue (the first warpgroup's first turn is free)
-                    mbarrier.wait(sched.index(WG), (j & 1) ^ (1 - WG))
-                S_next = warpgroup_mma(q, _tile(k_bufs.index(sn), RANK).permute((1, 0)), s0, use_acc=False,
-                                       is_async=True)
-                acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
-                if SCHEDULE == 2:
-                    mbarrier.arrive(sched.index(1 - WG), count=1)
-                S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))   # QK^T done, P_j @ V_j running
-                p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
-                                                 GUARD, dt, s_layout, o_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(j % STAGES), count=1)
-                acc = acc * alpha[:, None]
-            j = n_tiles - 1
-        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-        acc = warpgroup_mma(p_op, _tile(v_bufs.index(j % STAGES), RANK), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(j % STAGES), count=1)
-
-        if STORE_LSE:   # natural log of each row's softmax denominator; a row that saw no key: -inf
-            lse_row0, lse_stride = scal[10], scal[11]
-            rows = q_first + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
-            gl.store(lse_row0 + rows.to(gl.int64) * lse_stride, (m_i + gl.log2(l_i)) * 0.6931471805599453,
-                     mask=rows < Tq)
-        if GUARD:   # rows that saw no key: l = 0 and acc = 0, output 0 (not 0/0)
-            l_i = gl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        q.store(out.to(dt))          # Q's buffer is this warpgroup's own: it holds O on the way out
-        fence_async_shared()
+        acc, m_i, l_i = _attend(q, k_bufs, v_bufs, k_ready, v_ready, empty, sched, 0, 0, n_tiles, qk_scale, q_first,
+                                Tk, Tk - Tq, CAUSAL, SCHEDULE, RANK, WG, GUARD, s_layout, o_layout)
+        _finish(acc, m_i, l_i, q, q_first, Tq, scal[10], scal[11], GUARD, STORE_LSE, s_layout, o_layout)
         if RANK == 4:   # rows past Tq and columns past D are clipped by the descriptor
             tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], q_smem.index(WG))
         else:
@@ -260,6 +281,20 @@ if AVAILABLE:
         ], [4, 1], [240, 24])
 
     @gluon.jit
+    def _tile_coords(pid_m, bh, H, H_KV, Tq, Tk, BMc: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """Query tile ``pid_m`` of batch-head ``bh`` -> (b, h, kv head, the tile's first query row, key tiles
+        to stream: causal, up to the diagonal of the tile's last row, bottom-right aligned)."""
+        b = bh // H
+        h = bh % H
+        hk = h // (H // H_KV)
+        q_start = pid_m * (2 * BMc)
+        if CAUSAL:
+            n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
+        else:
+            n_tiles = gl.cdiv(Tk, BN)
+        return b, h, hk, q_start, n_tiles
+
+    @gluon.jit
     def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, LSE, stride_lb, stride_lh, stride_lm,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
                  STORE_LSE: gl.constexpr, num_warps: gl.constexpr):
@@ -270,16 +305,9 @@ if AVAILABLE:
         bh = gl.program_id(1)
         if CAUSAL:   # the longest rows first
             pid_m = gl.num_programs(0) - 1 - pid_m
-        b = bh // H
-        h = bh % H
-        hk = h // (H // H_KV)
-        q_start = pid_m * (2 * BMc)
+        b, h, hk, q_start, n_tiles = _tile_coords(pid_m, bh, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
         q_row0 = bh * Tq + q_start
         kv_row0 = (b * H_KV + hk) * Tk
-        if CAUSAL:   # keys up to the diagonal of the CTA's last row (bottom-right aligned)
-            n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
-        else:
-            n_tiles = gl.cdiv(Tk, BN)
 
         lse_row0 = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
@@ -289,22 +317,13 @@ if AVAILABLE:
 if AVAILABLE:
     @gluon.jit
     def _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
-        """The persistent kernel's work item -> (b, h, kv head, its first query row, key tiles to stream).
-        Causal: the heaviest query tiles first over every batch-head."""
+        """The persistent kernel's work item -> :func:`_tile_coords`. Causal: the heaviest query tiles first over
+        every batch-head."""
         if CAUSAL:
             pid_m = n_m - 1 - item // BHn
         else:
             pid_m = item // BHn
-        bh = item % BHn
-        b = bh // H
-        h = bh % H
-        hk = h // (H // H_KV)
-        q_start = pid_m * (2 * BMc)
-        if CAUSAL:   # keys up to the diagonal of the tile's last row (bottom-right aligned)
-            n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
-        else:
-            n_tiles = gl.cdiv(Tk, BN)
-        return b, h, hk, q_start, n_tiles
+        return _tile_coords(pid_m, item % BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
 
     @gluon.jit
     def _p_loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr):
@@ -347,16 +366,13 @@ if AVAILABLE:
         q_bar, q_free, k_ready, v_ready, empty, sched = bars
         n_items, n_m, BHn, H, H_KV, Tq, Tk = scal[0], scal[1], scal[2], scal[3], scal[4], scal[5], scal[6]
         qk_scale = scal[7]
-        STAGES: gl.constexpr = k_bufs.type.shape[0]
         BMc: gl.constexpr = q_smem.type.shape[3]
         BN: gl.constexpr = k_bufs.type.shape[3]
         D: gl.constexpr = k_bufs.type.shape[4]
-        dt: gl.constexpr = v_bufs.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])
-        offset = Tk - Tq
         it = 0   # K/V tiles consumed so far
         g = 0    # GEMM-pair turns taken so far (the ping-pong's running count)
         t = 0    # items so far
@@ -366,47 +382,10 @@ if AVAILABLE:
             slot = (t % 2) * 2 + WG
             q = _tile(q_smem.index(slot), 4)
             mbarrier.wait(q_bar.index(slot), (t // 2) & 1)
-            m_i = gl.full([BMc], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([BMc], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([BMc, D], gl.float32, o_layout)
-            s0 = gl.zeros([BMc, BN], gl.float32, s_layout)
-            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-            S = warpgroup_mma(q, _tile(k_bufs.index(it % STAGES), 4).permute((1, 0)), s0, use_acc=False,
-                              is_async=True)
-            S = warpgroup_mma_wait(num_outstanding=0, deps=(S,))
-            p_op, alpha, m_i, l_i = _softmax(S, 0, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL, False, dt,
-                                             s_layout, o_layout)
-            for j in range(n_tiles - 1):
-                c = it + j
-                n = c + 1
-                mbarrier.wait(k_ready.index(n % STAGES), (n // STAGES) & 1)
-                mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-                if SCHEDULE == 2:   # this warpgroup's turn (the first warpgroup's first turn is free)
-                    mbarrier.wait(sched.index(WG), ((g + j) & 1) ^ (1 - WG))
-                S_next = warpgroup_mma(q, _tile(k_bufs.index(n % STAGES), 4).permute((1, 0)), s0, use_acc=False,
-                                       is_async=True)
-                acc = warpgroup_mma(p_op, _tile(v_bufs.index(c % STAGES), 4), acc, is_async=True)
-                if SCHEDULE == 2:
-                    mbarrier.arrive(sched.index(1 - WG), count=1)
-                S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))
-                p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
-                                                 False, dt, s_layout, o_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(c % STAGES), count=1)
-                acc = acc * alpha[:, None]
-            c = it + n_tiles - 1
-            mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-            acc = warpgroup_mma(p_op, _tile(v_bufs.index(c % STAGES), 4), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(c % STAGES), count=1)
-            if STORE_LSE:   # natural log of each row's softmax denominator
-                lse_row0 = scal[8] + b.to(gl.int64) * scal[9] + h.to(gl.int64) * scal[10]
-                rows = q_first + gl.arange(0, BMc, layout=gl.SliceLayout(1, s_layout))
-                gl.store(lse_row0 + rows.to(gl.int64) * scal[11], (m_i + gl.log2(l_i)) * 0.6931471805599453,
-                         mask=rows < Tq)
-            out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-            q.store(out.to(dt))           # the item's Q buffer carries its O out
-            fence_async_shared()
+            acc, m_i, l_i = _attend(q, k_bufs, v_bufs, k_ready, v_ready, empty, sched, it, g, n_tiles, qk_scale,
+                                    q_first, Tk, Tk - Tq, CAUSAL, SCHEDULE, 4, WG, False, s_layout, o_layout)
+            lse_row0 = scal[8] + b.to(gl.int64) * scal[9] + h.to(gl.int64) * scal[10]
+            _finish(acc, m_i, l_i, q, q_first, Tq, lse_row0, scal[11], False, STORE_LSE, s_layout, o_layout)
             tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], q_smem.index(slot))
             tma.store_wait(pendings=0)
             mbarrier.arrive(q_free.index(slot), count=1)   # the producer may load the item two ahead into it
@@ -544,26 +523,13 @@ def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
     return tuple(m(t) for m, t in zip(makers, (q, k, v, out))), rank, grid
 
 
-_SMS: dict = {}
-
-
-def sm_count(device) -> int:
-    """The GPU's SM count (the persistent kernel's grid), asked once per device."""
-    import torch
-
-    i = torch.device(device).index
-    i = torch.cuda.current_device() if i is None else i
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
-
-
 def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int,
            persistent: bool = False, lse=None, cache: dict | None = None) -> None:
     """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller), and each
     row's log-sum-exp into ``lse`` (B, H, Tq) float32 if given. ``qk_scale``: the softmax scale times log2(e),
-    positive. ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call): it
-    keeps the descriptors' geometry and, for direct launches (kernels.launch_cached), the compiled kernel."""
+    positive. ``persistent``: the persistent form (4-D descriptors, a CTA per SM over the work items).
+    ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call): it keeps the
+    descriptors' geometry and, for direct launches (kernels.launch_cached), the compiled kernel."""
     from tritune import kernels as K
 
     st = cache.get("dense") if cache is not None else None
@@ -572,7 +538,7 @@ def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int,
         kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, num_warps=4,
                    maxnreg=MAXNREG)
         if persistent:   # one CTA per SM, at most one per work item; the batch size after the lse strides
-            fn, grid, tail = _fa3_fwd_persistent, (max(1, min(grid[0] * grid[1], sm_count(q.device))),), (q.shape[0],)
+            fn, grid, tail = _fa3_fwd_persistent, (max(1, min(grid[0] * grid[1], K.num_sms())),), (q.shape[0],)
         else:
             fn, tail = _fa3_fwd, ()
             kws["RANK"] = rank

@@ -487,14 +487,15 @@ def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse,
     if (not _gluon_runs_here() or scale_f <= 0 or not tma_ok or not (varlen or host_ok)
             or _gluon_constraint(cfg, p, dtype) is not None):
         return plain
+    schedule, persistent = _GLUON_POINTS[cfg["WARP_SPEC"]]
     return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],
-                            schedule=_GLUON_SCHEDULE[cfg["WARP_SPEC"]],
-                            **({} if varlen else {"persistent": cfg["WARP_SPEC"] >= 6})),
+                            schedule=schedule, **({} if varlen else {"persistent": persistent})),
                  fallback=plain)
 
 
-_GLUON_SCHEDULE = {3: 0, 4: 1, 5: 2, 6: 1, 7: 2}   # WARP_SPEC -> the Gluon kernel's GEMM schedule
+# WARP_SPEC -> (the Gluon kernel's GEMM schedule, its persistent form)
+_GLUON_POINTS = {3: (0, False), 4: (1, False), 5: (2, False), 6: (1, True), 7: (2, True)}
 
 
 def _tma_strides_ok(e: int, *tensor_strides) -> bool:
@@ -885,7 +886,7 @@ def _gluon_constraint(c, p, dtype) -> str | None:
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): BLOCK_N 64 or 128 up to D=128, 64 past it"
     if c["num_stages"] < 2:   # deeper rings, up to the space's 5, where they fit in shared memory
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): 2 stages or more"
-    persistent = c["WARP_SPEC"] >= 6
+    persistent = _GLUON_POINTS[c["WARP_SPEC"]][1]
     if persistent and isinstance(p, (VarlenProblem, PackedProblem)):
         return "WARP_SPEC 6-7 (the persistent Gluon FA3 kernel): dense calls only"
     need = G.smem_bytes(p.D, c["BLOCK_N"], c["num_stages"], persistent=persistent)
@@ -979,11 +980,12 @@ def gluon_config(p, dtype, schedule: int = 2, BLOCK_N: int | None = None, num_st
     persistent form, schedule 1 or 2: WARP_SPEC 5 + schedule), its key tile (default: 128 up to D=128, 64
     past it) and ring depth; the keys it does not read at their one value. Not checked against the problem
     (``SPACE.why_invalid`` says)."""
-    if persistent and schedule not in (1, 2):
-        raise ValueError(f"schedule: the persistent Gluon kernel runs schedule 1 or 2, not {schedule}")
+    ws = next((w for w, pt in _GLUON_POINTS.items() if pt == (schedule, persistent)), None)
+    if ws is None:
+        raise ValueError(f"schedule: the {'persistent ' if persistent else ''}Gluon kernel has no schedule {schedule}")
     bn = BLOCK_N or (128 if triton.next_power_of_2(p.D) <= 128 else 64)
     return dict(default_config(p, dtype), BLOCK_M=G.ROWS, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
-                WARP_SPEC=(5 if persistent else 3) + schedule, BLOCK_N=bn, num_stages=num_stages)
+                WARP_SPEC=ws, BLOCK_N=bn, num_stages=num_stages)
 
 
 def gluon_seeds(p, dtype) -> list[dict]:
