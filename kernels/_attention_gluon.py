@@ -53,15 +53,18 @@ except Exception:  # noqa: BLE001 - any import failure means: not available here
     AVAILABLE = False
 
 BM = 64            # query rows a consumer warpgroup
-ROWS = 2 * BM      # query rows a CTA (two consumer warpgroups)
-MAXNREG = 168      # the launch's register cap; the partitions set theirs with setmaxnreg (240 / 24)
+ROWS = 2 * BM      # query rows a CTA of two consumer warpgroups (the default)
+ROWS3 = 3 * BM     # ... of three (FA3's CTA at D <= 64)
+# the launch's register cap (the whole register file over the CTA's warpgroups, the producer's padded to one)
+# and the consumer workers' setmaxnreg, by consumer warpgroups: two 240 / 24, three 160 / 24 (FA3's split)
+MAXNREG = {2: 168, 3: 128}
 
 
-def smem_bytes(D: int, BN: int, stages: int, elem: int = 2, persistent: bool = False) -> int:
-    """Q of both warpgroups (it holds O on the way out; double-buffered in the persistent kernel) and a K and a
-    V tile for every stage."""
+def smem_bytes(D: int, BN: int, stages: int, elem: int = 2, persistent: bool = False, rows: int = ROWS) -> int:
+    """Q of every consumer warpgroup (``rows`` in all; it holds O on the way out; double-buffered in the
+    persistent kernel) and a K and a V tile for every stage."""
     Dp = triton.next_power_of_2(max(D, 16))
-    return elem * ((2 if persistent else 1) * ROWS * Dp + 2 * stages * BN * Dp) + 1024   # + barriers, alignment
+    return elem * ((2 if persistent else 1) * rows * Dp + 2 * stages * BN * Dp) + 1024   # + barriers, alignment
 
 
 if AVAILABLE:
@@ -76,15 +79,16 @@ if AVAILABLE:
     @gluon.jit
     def _loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
                 WG: gl.constexpr):
-        """The producer (one warp): Q of both consumers once, then K and V tiles into the ring."""
+        """The producer (one warp): Q of every consumer once, then K and V tiles into the ring."""
         q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
         q_smem, k_bufs, v_bufs = bufs
         q_bar, k_ready, v_ready, empty = bars[0], bars[1], bars[2], bars[3]
         q_row0, kv_row0, n_tiles, b, h, hk, q_start = scal[0], scal[1], scal[2], scal[6], scal[7], scal[8], scal[9]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
+        NWG: gl.constexpr = q_smem.type.shape[0]
         BMc: gl.constexpr = q_smem.type.shape[RANK - 1]
         BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
-        for i in gl.static_range(2):
+        for i in gl.static_range(NWG):
             mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
             if RANK == 4:
                 tma.async_copy_global_to_shared(q_desc, [b, h, q_start + i * BMc, 0], q_bar.index(i), q_smem.index(i))
@@ -93,7 +97,7 @@ if AVAILABLE:
         for j in range(n_tiles):
             s = j % STAGES
             ph = (j // STAGES) & 1
-            mbarrier.wait(empty.index(s), ph ^ 1)          # both consumers done with the slot's last tile
+            mbarrier.wait(empty.index(s), ph ^ 1)          # every consumer done with the slot's last tile
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             if RANK == 4:
                 tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], k_ready.index(s), k_bufs.index(s))
@@ -141,6 +145,7 @@ if AVAILABLE:
         (counted from the CTA's first: a persistent CTA's ring position, and its ping-pong turn ``g``, run on
         across items), in GEMM order ``SCHEDULE`` (module doc). Returns (acc after the last P @ V, m, l)."""
         STAGES: gl.constexpr = k_bufs.type.shape[0]
+        NWG: gl.constexpr = sched.type.shape[0]
         D: gl.constexpr = k_bufs.type.shape[RANK]
         BN: gl.constexpr = k_bufs.type.shape[RANK - 1]
         BMc: gl.constexpr = q.type.shape[0]
@@ -180,13 +185,13 @@ if AVAILABLE:
                 n = c + 1
                 mbarrier.wait(k_ready.index(n % STAGES), (n // STAGES) & 1)
                 mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-                if SCHEDULE == 2:   # this warpgroup's turn to issue (the first warpgroup's first turn is free)
-                    mbarrier.wait(sched.index(WG), ((g + j) & 1) ^ (1 - WG))
+                if SCHEDULE == 2:   # this warpgroup's turn to issue, round robin (the first warpgroup's first is free)
+                    mbarrier.wait(sched.index(WG), ((g + j) & 1) ^ (1 if WG == 0 else 0))
                 S_next = warpgroup_mma(q, _tile(k_bufs.index(n % STAGES), RANK).permute((1, 0)), s0, use_acc=False,
                                        is_async=True)
                 acc = warpgroup_mma(p_op, _tile(v_bufs.index(c % STAGES), RANK), acc, is_async=True)
                 if SCHEDULE == 2:
-                    mbarrier.arrive(sched.index(1 - WG), count=1)
+                    mbarrier.arrive(sched.index((WG + 1) % NWG), count=1)
                 S_next = warpgroup_mma_wait(num_outstanding=1, deps=(S_next,))   # QK^T done, P_j @ V_j running
                 p_op, alpha, m_i, l_i = _softmax(S_next, j + 1, m_i, l_i, qk_scale, q_first, Tk, offset, CAUSAL,
                                                  GUARD, dt, s_layout, o_layout)
@@ -254,42 +259,51 @@ if AVAILABLE:
         return bars
 
     @gluon.jit
-    def _kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
+    def _kv_ring(k_desc, v_desc, STAGES: gl.constexpr, NWG: gl.constexpr):
         """The K/V ring: STAGES K and V tiles, a ready barrier for each (the producer's TMA), and an empty
-        barrier for each slot that both consumers release."""
+        barrier for each slot that all NWG consumers release."""
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        return k_bufs, v_bufs, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, 2)
+        return k_bufs, v_bufs, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, NWG)
 
     @gluon.jit
     def _partitions(descs, scal, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                    RANK: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr):
-        """A CTA's shared memory (both warpgroups' Q, the K/V ring) and barriers, then its partitions: the two
-        consumer warpgroups and the producer warp. ``scal``: (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b,
-        h, kv head, q_start, lse row 0, lse row stride)."""
+                    RANK: gl.constexpr, GUARD: gl.constexpr, STORE_LSE: gl.constexpr, NWG: gl.constexpr):
+        """A CTA's shared memory (every warpgroup's Q, the K/V ring) and barriers, then its partitions: the NWG
+        (2 or 3) consumer warpgroups and the producer warp. ``scal``: (q_row0, kv_row0, n_tiles, qk_scale, Tq,
+        Tk, b, h, kv head, q_start, lse row 0, lse row stride)."""
         q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        q_bar = _barriers(2, 1)
-        sched = _barriers(2, 1)
-        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NWG] + q_desc.block_type.shape, q_desc.layout)
+        q_bar = _barriers(NWG, 1)
+        sched = _barriers(NWG, 1)
+        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES, NWG)
         bufs = (q_smem, k_bufs, v_bufs)
         bars = (q_bar, k_ready, v_ready, empty, sched)
-        gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, GUARD, STORE_LSE)),
-            (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, GUARD, STORE_LSE)),
-            (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
-        ], [4, 1], [240, 24])
+        if NWG == 2:
+            gl.warp_specialize([
+                (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, GUARD, STORE_LSE)),
+                (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, GUARD, STORE_LSE)),
+                (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 0, GUARD, STORE_LSE)),
+                (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1, GUARD, STORE_LSE)),
+                (_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 2, GUARD, STORE_LSE)),
+                (_loader, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, RANK, 1)),
+            ], [4, 4, 1], [160, 160, 24])
 
     @gluon.jit
-    def _tile_coords(pid_m, bh, H, H_KV, Tq, Tk, BMc: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
-        """Query tile ``pid_m`` of batch-head ``bh`` -> (b, h, kv head, the tile's first query row, key tiles
-        to stream: causal, up to the diagonal of the tile's last row, bottom-right aligned)."""
+    def _tile_coords(pid_m, bh, H, H_KV, Tq, Tk, BMc: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                     NWG: gl.constexpr):
+        """Query tile ``pid_m`` (NWG x BMc rows) of batch-head ``bh`` -> (b, h, kv head, the tile's first query
+        row, key tiles to stream: causal, up to the diagonal of the tile's last row, bottom-right aligned)."""
         b = bh // H
         h = bh % H
         hk = h // (H // H_KV)
-        q_start = pid_m * (2 * BMc)
+        q_start = pid_m * (NWG * BMc)
         if CAUSAL:
-            n_tiles = gl.cdiv(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), BN)
+            n_tiles = gl.cdiv(gl.minimum(Tk, q_start + NWG * BMc + Tk - Tq), BN)
         else:
             n_tiles = gl.cdiv(Tk, BN)
         return b, h, hk, q_start, n_tiles
@@ -297,7 +311,7 @@ if AVAILABLE:
     @gluon.jit
     def _fa3_fwd(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, LSE, stride_lb, stride_lh, stride_lm,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, RANK: gl.constexpr,
-                 STORE_LSE: gl.constexpr, num_warps: gl.constexpr):
+                 STORE_LSE: gl.constexpr, NWG: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         BMc: gl.constexpr = q_desc.block_type.shape[RANK - 2]
         BN: gl.constexpr = k_desc.block_type.shape[RANK - 2]
@@ -305,50 +319,52 @@ if AVAILABLE:
         bh = gl.program_id(1)
         if CAUSAL:   # the longest rows first
             pid_m = gl.num_programs(0) - 1 - pid_m
-        b, h, hk, q_start, n_tiles = _tile_coords(pid_m, bh, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
+        b, h, hk, q_start, n_tiles = _tile_coords(pid_m, bh, H, H_KV, Tq, Tk, BMc, BN, CAUSAL, NWG)
         q_row0 = bh * Tq + q_start
         kv_row0 = (b * H_KV + hk) * Tk
 
         lse_row0 = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         scal = (q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
-        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, RANK, False, STORE_LSE)
+        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, RANK, False, STORE_LSE, NWG)
 
 
 if AVAILABLE:
     @gluon.jit
-    def _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    def _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
+              NWG: gl.constexpr):
         """The persistent kernel's work item -> :func:`_tile_coords`. Causal: the heaviest query tiles first over
         every batch-head."""
         if CAUSAL:
             pid_m = n_m - 1 - item // BHn
         else:
             pid_m = item // BHn
-        return _tile_coords(pid_m, item % BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
+        return _tile_coords(pid_m, item % BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL, NWG)
 
     @gluon.jit
     def _p_loader(descs, bufs, bars, scal, CAUSAL: gl.constexpr):
-        """The persistent producer: for each of the CTA's items, both warpgroups' Q into the item's Q buffers
+        """The persistent producer: for each of the CTA's items, every warpgroup's Q into the item's Q buffers
         (once the item two before has stored its O from them), then the item's K/V tiles into the ring."""
         q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
         q_smem, k_bufs, v_bufs = bufs
         q_bar, q_free, k_ready, v_ready, empty = bars[0], bars[1], bars[2], bars[3], bars[4]
         n_items, n_m, BHn, H, H_KV, Tq, Tk = scal[0], scal[1], scal[2], scal[3], scal[4], scal[5], scal[6]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
+        NWG: gl.constexpr = q_smem.type.shape[0] // 2
         BMc: gl.constexpr = q_smem.type.shape[3]
         BN: gl.constexpr = k_bufs.type.shape[3]
         it = 0   # K/V tiles loaded so far (the ring's running position)
         t = 0    # items so far (the Q buffers' running position)
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            b, h, hk, q_start, n_tiles = _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
-            for i in gl.static_range(2):
-                slot = (t % 2) * 2 + i
+            b, h, hk, q_start, n_tiles = _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL, NWG)
+            for i in gl.static_range(NWG):
+                slot = (t % 2) * NWG + i
                 mbarrier.wait(q_free.index(slot), ((t // 2) & 1) ^ 1)
                 mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [b, h, q_start + i * BMc, 0], q_bar.index(slot),
                                                 q_smem.index(slot))
             for j in range(n_tiles):
                 s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)   # both consumers done with the slot
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)   # every consumer done with the slot
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], k_ready.index(s), k_bufs.index(s))
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
@@ -366,6 +382,7 @@ if AVAILABLE:
         q_bar, q_free, k_ready, v_ready, empty, sched = bars
         n_items, n_m, BHn, H, H_KV, Tq, Tk = scal[0], scal[1], scal[2], scal[3], scal[4], scal[5], scal[6]
         qk_scale = scal[7]
+        NWG: gl.constexpr = q_smem.type.shape[0] // 2
         BMc: gl.constexpr = q_smem.type.shape[3]
         BN: gl.constexpr = k_bufs.type.shape[3]
         D: gl.constexpr = k_bufs.type.shape[4]
@@ -377,9 +394,9 @@ if AVAILABLE:
         g = 0    # GEMM-pair turns taken so far (the ping-pong's running count)
         t = 0    # items so far
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            b, h, hk, q_start, n_tiles = _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL)
+            b, h, hk, q_start, n_tiles = _item(item, n_m, BHn, H, H_KV, Tq, Tk, BMc, BN, CAUSAL, NWG)
             q_first = q_start + WG * BMc
-            slot = (t % 2) * 2 + WG
+            slot = (t % 2) * NWG + WG
             q = _tile(q_smem.index(slot), 4)
             mbarrier.wait(q_bar.index(slot), (t // 2) & 1)
             acc, m_i, l_i = _attend(q, k_bufs, v_bufs, k_ready, v_ready, empty, sched, it, g, n_tiles, qk_scale,
@@ -396,30 +413,38 @@ if AVAILABLE:
     @gluon.jit
     def _fa3_fwd_persistent(q_desc, k_desc, v_desc, o_desc, qk_scale, Tq, Tk, H, H_KV, LSE, stride_lb, stride_lh,
                             stride_lm, B, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                            STORE_LSE: gl.constexpr, num_warps: gl.constexpr):
+                            STORE_LSE: gl.constexpr, NWG: gl.constexpr, num_warps: gl.constexpr):
         """The persistent form (attention's WARP_SPEC 6-7, dense only, 4-D descriptors): one CTA per SM loops
         over (query tile, batch-head) work items, so the producer loads the next item's Q and K/V while the
         consumers finish the current one (Q double-buffered per warpgroup: ``q_free`` says an item's O has left
         its buffer); the K/V ring's slot and phase and the ping-pong turn run on across items."""
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         BMc: gl.constexpr = q_desc.block_type.shape[2]
-        n_m = gl.cdiv(Tq, 2 * BMc)
+        n_m = gl.cdiv(Tq, NWG * BMc)
         BHn = B * H
         n_items = n_m * BHn
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
-        q_bar = _barriers(4, 1)     # (double buffer) x (warpgroup): Q landed
-        q_free = _barriers(4, 1)    # ... its O stored, the buffer free
-        sched = _barriers(2, 1)
-        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NWG] + q_desc.block_type.shape, q_desc.layout)
+        q_bar = _barriers(2 * NWG, 1)     # (double buffer) x (warpgroup): Q landed
+        q_free = _barriers(2 * NWG, 1)    # ... its O stored, the buffer free
+        sched = _barriers(NWG, 1)
+        k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES, NWG)
         descs = (q_desc, k_desc, v_desc, o_desc)
         bufs = (q_smem, k_bufs, v_bufs)
         scal = (n_items, n_m, BHn, H, H_KV, Tq, Tk, qk_scale, LSE, stride_lb, stride_lh, stride_lm)
         bars = (q_bar, q_free, k_ready, v_ready, empty, sched)
-        gl.warp_specialize([
-            (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 0, STORE_LSE)),
-            (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 1, STORE_LSE)),
-            (_p_loader, (descs, bufs, bars, scal, CAUSAL)),
-        ], [4, 1], [240, 24])
+        if NWG == 2:
+            gl.warp_specialize([
+                (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 0, STORE_LSE)),
+                (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 1, STORE_LSE)),
+                (_p_loader, (descs, bufs, bars, scal, CAUSAL)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 0, STORE_LSE)),
+                (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 1, STORE_LSE)),
+                (_p_consumer, (descs, bufs, bars, scal, CAUSAL, SCHEDULE, 2, STORE_LSE)),
+                (_p_loader, (descs, bufs, bars, scal, CAUSAL)),
+            ], [4, 4, 1], [160, 160, 24])
 
 
 if AVAILABLE:
@@ -428,7 +453,7 @@ if AVAILABLE:
                         stride_om, stride_oh, qk_scale, total_q, total_k, H, H_KV, LSE, stride_lh, stride_lm,
                         D: gl.constexpr, DP: gl.constexpr, BN: gl.constexpr, LQ: gl.constexpr, LKV: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, STORE_LSE: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        NWG: gl.constexpr, num_warps: gl.constexpr):
         """Packed sequences: q (total_q, H, D), k/v (total_k, H_KV, D); sequence b owns rows
         cu_seqlens[b]:cu_seqlens[b+1]. The partitions are the dense kernel's, over 2-D descriptors made on
         the device for this CTA's (sequence, head): their bounds are the sequence's rows and D, so TMA
@@ -448,28 +473,30 @@ if AVAILABLE:
         Tq = gl.minimum(gl.maximum(gl.load(CuQ + b + 1) - qs, 0), total_q - qs)
         ks = gl.minimum(gl.maximum(gl.load(CuK + b), 0), total_k)
         Tk = gl.minimum(gl.maximum(gl.load(CuK + b + 1) - ks, 0), total_k - ks)
-        n_m = gl.cdiv(Tq, 2 * BMc)
+        n_m = gl.cdiv(Tq, NWG * BMc)
         if pid_m >= n_m:   # the grid is sized by the longest sequence
             return
         if CAUSAL:   # the sequence's longest rows first
             pid_m = n_m - 1 - pid_m
-        q_start = pid_m * (2 * BMc)
+        q_start = pid_m * (NWG * BMc)
         if CAUSAL:
-            n_tiles = gl.cdiv(gl.maximum(gl.minimum(Tk, q_start + 2 * BMc + Tk - Tq), 0), BN)
+            n_tiles = gl.cdiv(gl.maximum(gl.minimum(Tk, q_start + NWG * BMc + Tk - Tq), 0), BN)
         else:
             n_tiles = gl.cdiv(Tk, BN)
         o_base = O + qs.to(gl.int64) * stride_om + h.to(gl.int64) * stride_oh
         lse_row0 = LSE + qs.to(gl.int64) * stride_lm + h.to(gl.int64) * stride_lh
         if n_tiles == 0:   # no row of this CTA sees a key: out 0, lse -inf
             zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-            rows = q_start + gl.arange(0, 2 * BMc, layout=gl.SliceLayout(1, zl))
+            ZR: gl.constexpr = 2 * BMc if NWG == 2 else BMc   # rows a store (a power of two)
             cols = gl.arange(0, DP, layout=gl.SliceLayout(0, zl))
-            gl.store(o_base + rows.to(gl.int64)[:, None] * stride_om + cols[None, :],
-                     gl.zeros([2 * BMc, DP], O.dtype.element_ty, zl),
-                     mask=(rows < Tq)[:, None] & (cols < D)[None, :])
-            if STORE_LSE:
-                gl.store(lse_row0 + rows.to(gl.int64) * stride_lm,
-                         gl.full([2 * BMc], -float("inf"), gl.float32, gl.SliceLayout(1, zl)), mask=rows < Tq)
+            for i in gl.static_range(NWG * BMc // ZR):
+                rows = q_start + i * ZR + gl.arange(0, ZR, layout=gl.SliceLayout(1, zl))
+                gl.store(o_base + rows.to(gl.int64)[:, None] * stride_om + cols[None, :],
+                         gl.zeros([ZR, DP], O.dtype.element_ty, zl),
+                         mask=(rows < Tq)[:, None] & (cols < D)[None, :])
+                if STORE_LSE:
+                    gl.store(lse_row0 + rows.to(gl.int64) * stride_lm,
+                             gl.full([ZR], -float("inf"), gl.float32, gl.SliceLayout(1, zl)), mask=rows < Tq)
             return
         q_desc = tma.make_tensor_descriptor(Q + qs.to(gl.int64) * stride_qm + h.to(gl.int64) * stride_qh,
                                             shape=[Tq, D], strides=[stride_qm, 1], block_shape=[BMc, DP], layout=LQ)
@@ -482,21 +509,21 @@ if AVAILABLE:
 
         # the descriptors are the sequence's own: rows count from its start (q_row0 = q_start, kv_row0 = 0)
         scal = (q_start, 0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
-        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, 2, CAUSAL, STORE_LSE)
+        _partitions((q_desc, k_desc, v_desc, o_desc), scal, STAGES, CAUSAL, SCHEDULE, 2, CAUSAL, STORE_LSE, NWG)
 
 
-def flat_ok(q, k, v, out, BN: int) -> bool:
+def flat_ok(q, k, v, out, BN: int, rows: int = ROWS) -> bool:
     """The 2-D (B*H*T, D) descriptors apply: every tensor contiguous, no tile crossing a head."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    return (all(t.is_contiguous() for t in (q, k, v, out)) and Tq % ROWS == 0 and Tk % BN == 0
+    return (all(t.is_contiguous() for t in (q, k, v, out)) and Tq % rows == 0 and Tk % BN == 0
             and D == triton.next_power_of_2(D))
 
 
-def descriptor_makers(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
-    """(makers of the q, k, v, o descriptors, rank, grid) for (B, H, T, D) tensors TMA can read: ``rank`` 2
-    (the flat form over (B*H*T, D), where :func:`flat_ok`), 4 (over the tensors' own strides), or None: 2
-    where it applies. The geometry depends only on the tensors' metadata: a launch plan keeps the makers
+def descriptor_makers(q, k, v, out, BN: int, rank: int | None = None, rows: int = ROWS) -> tuple:
+    """(makers of the q, k, v, o descriptors, rank, grid) for (B, H, T, D) tensors TMA can read, CTAs of
+    ``rows`` query rows: ``rank`` 2 (the flat form over (B*H*T, D), where :func:`flat_ok`), 4 (over the
+    tensors' own strides), or None: 2 where it applies. The geometry depends only on the tensors' metadata: a launch plan keeps the makers
     (kernels.DescriptorMaker), and each launch makes the four descriptors over its own tensors."""
     import torch
 
@@ -505,7 +532,7 @@ def descriptor_makers(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
     B, H, Tq, D = q.shape
     Dp = triton.next_power_of_2(D)
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    rank = rank or (2 if flat_ok(q, k, v, out, BN) else 4)
+    rank = rank or (2 if flat_ok(q, k, v, out, BN, rows) else 4)
     if rank == 2:   # the base is the tensor itself (contiguous): the flat view's address and dtype
         lq, lkv = _layout((BM, D), dt), _layout((BN, D), dt)
         makers = tuple(K.DescriptorMaker(GluonDescriptor, [t.numel() // D, D], [D, 1], [rows, D], lay)
@@ -514,29 +541,31 @@ def descriptor_makers(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
         lq, lkv = _layout((1, 1, BM, Dp), dt), _layout((1, 1, BN, Dp), dt)
         makers = tuple(K.DescriptorMaker(GluonDescriptor, t.shape, t.stride(), [1, 1, rows, Dp], lay)
                        for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
-    return makers, rank, (triton.cdiv(Tq, ROWS), B * H)
+    return makers, rank, (triton.cdiv(Tq, rows), B * H)
 
 
-def descriptors(q, k, v, out, BN: int, rank: int | None = None) -> tuple:
+def descriptors(q, k, v, out, BN: int, rank: int | None = None, rows: int = ROWS) -> tuple:
     """(q, k, v, o descriptors, rank, grid): :func:`descriptor_makers` applied to these tensors."""
-    makers, rank, grid = descriptor_makers(q, k, v, out, BN, rank)
+    makers, rank, grid = descriptor_makers(q, k, v, out, BN, rank, rows)
     return tuple(m(t) for m, t in zip(makers, (q, k, v, out))), rank, grid
 
 
 def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int,
-           persistent: bool = False, lse=None, cache: dict | None = None) -> None:
+           persistent: bool = False, rows: int = ROWS, lse=None, cache: dict | None = None) -> None:
     """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller), and each
     row's log-sum-exp into ``lse`` (B, H, Tq) float32 if given. ``qk_scale``: the softmax scale times log2(e),
     positive. ``persistent``: the persistent form (4-D descriptors, a CTA per SM over the work items).
+    ``rows``: query rows a CTA, 128 (two consumer warpgroups) or 192 (three).
     ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call): it keeps the
     descriptors' geometry and, for direct launches (kernels.launch_cached), the compiled kernel."""
     from tritune import kernels as K
 
     st = cache.get("dense") if cache is not None else None
     if st is None:
-        makers, rank, grid = descriptor_makers(q, k, v, out, BN, 4 if persistent else None)
-        kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, num_warps=4,
-                   maxnreg=MAXNREG)
+        nwg = _nwg(rows)
+        makers, rank, grid = descriptor_makers(q, k, v, out, BN, 4 if persistent else None, rows)
+        kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, NWG=nwg, num_warps=4,
+                   maxnreg=MAXNREG[nwg])
         if persistent:   # one CTA per SM, at most one per work item; the batch size after the lse strides
             fn, grid, tail = _fa3_fwd_persistent, (max(1, min(grid[0] * grid[1], K.num_sms())),), (q.shape[0],)
         else:
@@ -553,6 +582,13 @@ def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int,
     K.launch_cached(fn, kernels, grid, args, kws, consts, 0, (lse_arg,))
 
 
+def _nwg(rows: int) -> int:
+    """Consumer warpgroups of a CTA of ``rows`` query rows."""
+    if rows not in (2 * BM, 3 * BM):
+        raise ValueError(f"rows: the Gluon kernel's CTAs take {2 * BM} or {3 * BM} query rows, not {rows}")
+    return rows // BM
+
+
 @functools.lru_cache(maxsize=None)
 def _layout(block: tuple, dtype):
     """The shared-memory layout of a TMA tile (made once per shape and dtype, not per launch)."""
@@ -566,11 +602,11 @@ def varlen_layouts(dtype, D: int, BN: int) -> tuple:
 
 
 def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool, qk_scale: float,
-                  BN: int, stages: int, schedule: int, lse=None, cache: dict | None = None) -> None:
+                  BN: int, stages: int, schedule: int, rows: int = ROWS, lse=None, cache: dict | None = None) -> None:
     """Write attention_varlen(q, k, v, ...) into ``out`` (q, out (total_q, H, D), k, v (total_k, H_KV, D), unit
     stride along D, 16-byte aligned bases and strides: checked by the caller, as is the allocator the device
     descriptors need), and each row's log-sum-exp into ``lse`` (total_q, H) float32 if given. ``qk_scale``: the
-    softmax scale times log2(e), positive. ``cache``: as :func:`launch`'s."""
+    softmax scale times log2(e), positive. ``rows``, ``cache``: as :func:`launch`'s."""
     import torch
 
     from tritune import kernels as K
@@ -581,9 +617,10 @@ def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *
         total_k, H_KV, _ = k.shape
         Dp, lq, lkv = varlen_layouts(gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, D, BN)
         ls = (lse.stride(1), lse.stride(0)) if lse is not None else (0, 0)   # (per head, per row)
-        grid = (triton.cdiv(max_seqlen_q, ROWS), (cu_seqlens_q.shape[0] - 1) * H)
+        nwg = _nwg(rows)
+        grid = (triton.cdiv(max_seqlen_q, rows), (cu_seqlens_q.shape[0] - 1) * H)
         kws = dict(D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule,
-                   STORE_LSE=lse is not None, num_warps=4, maxnreg=MAXNREG)
+                   STORE_LSE=lse is not None, NWG=nwg, num_warps=4, maxnreg=MAXNREG[nwg])
         tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                 out.stride(1), qk_scale, total_q, total_k, H, H_KV)
         st = (grid, tail, ls, kws, tuple(kws[c] for c in K.constexpr_params(_fa3_fwd_varlen)),

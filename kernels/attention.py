@@ -488,9 +488,9 @@ def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse,
             or _gluon_constraint(cfg, p, dtype) is not None):
         return plain
     schedule, persistent = _GLUON_POINTS[cfg["WARP_SPEC"]]
-    return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, G.ROWS), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
+    return _Plan(out_shape=(), grid=(triton.cdiv(p.Tq, cfg["BLOCK_M"]), p.B * p.Hq), cfg=cfg, cfg_key=plain.cfg_key,
                  gluon=dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],
-                            schedule=schedule, **({} if varlen else {"persistent": persistent})),
+                            schedule=schedule, rows=cfg["BLOCK_M"], **({} if varlen else {"persistent": persistent})),
                  fallback=plain)
 
 
@@ -798,7 +798,8 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 # Config space (shared by both specs: their problems both answer B, Hq, Hkv, Tq, Tk, D, causal)
 SPACE = K.Space(
     params={
-        "BLOCK_M": [16, 32, 64, 128],
+        # 192: the Gluon kernel's CTA of three consumer warpgroups (FA3's tile at D <= 64), that kernel's only
+        "BLOCK_M": [16, 32, 64, 128, 192],
         "BLOCK_N": [16, 32, 64, 128],
         "num_warps": [2, 4, 8],
         "num_stages": [1, 2, 3, 4, 5],
@@ -811,7 +812,8 @@ SPACE = K.Space(
         # stored before schedule 2 existed stay points of the space.
         "TMA": [0, 1, 2],
         # 3, 4, 5: the Gluon FA3-structured kernel (kernels/_attention_gluon.py), its GEMM schedule 0, 1, 2
-        # (2: the two warpgroups ping-pong); it fixes 128-row CTAs of 4 + 4 + 1 warps and host-built descriptors;
+        # (2: the consumer warpgroups ping-pong); its CTAs are 128 rows of 4 + 4 + 1 warps or 192 rows of
+        # 4 + 4 + 4 + 1 (BLOCK_M), over host-built descriptors;
         # 6, 7: its persistent form (one CTA per SM over the work items), schedule 1, 2, dense calls only
         "WARP_SPEC": [0, 1, 2, 3, 4, 5, 6, 7],
         "LAZY_RESCALE": [0, 1],
@@ -877,19 +879,27 @@ def _gluon_constraint(c, p, dtype) -> str | None:
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): dense causal needs Tq <= Tk"
     if p.B * p.Hq > 65535:   # its grid is (query tiles, batch x heads): CUDA caps the second dimension
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): at most 65,535 batch x heads"
-    if (c["BLOCK_M"], c["num_warps"], c["HEADS_INNER"], c["TMA"], c["LAZY_RESCALE"]) != (G.ROWS, 4, 0, 2, 0):
-        return ("WARP_SPEC 3-5 (the Gluon FA3 kernel) take BLOCK_M=128, num_warps=4, HEADS_INNER=0, TMA=2, "
+    if (c["num_warps"], c["HEADS_INNER"], c["TMA"], c["LAZY_RESCALE"]) != (4, 0, 2, 0):
+        return ("WARP_SPEC 3-5 (the Gluon FA3 kernel) take num_warps=4, HEADS_INNER=0, TMA=2, "
                 "LAZY_RESCALE=0 (the keys it does not read, fixed)")
     bd = triton.next_power_of_2(p.D)
+    if c["BLOCK_M"] not in (G.ROWS, G.ROWS3):
+        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): BLOCK_M 128 (two consumer warpgroups) or 192 (three)"
     if c["BLOCK_N"] not in ((64, 128) if bd <= 128 else (64,)):
         # two score tiles and the output per consumer thread: 240 registers hold 128-key tiles up to D=128
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): BLOCK_N 64 or 128 up to D=128, 64 past it"
+    if c["BLOCK_M"] == G.ROWS3 and (bd > 128 or (bd > 64 and (c["BLOCK_N"] > 64 or c["WARP_SPEC"] == 7))
+                                    or (c["BLOCK_N"] > 64 and c["WARP_SPEC"] == 3)):
+        # three consumer warpgroups leave each 160 registers; these points spill (sm90 SASS, triton 3.6:
+        # lab/logs/cpu/gluon_attention_three_warpgroup_spills_2026-11-28)
+        return ("WARP_SPEC 3-7 with BLOCK_M=192 (three consumer warpgroups, 160 registers each): up to D=64, "
+                "BLOCK_N=64 up to D=128 but not WARP_SPEC 7 there, and not WARP_SPEC 3 with BLOCK_N=128")
     if c["num_stages"] < 2:   # deeper rings, up to the space's 5, where they fit in shared memory
         return "WARP_SPEC 3-5 (the Gluon FA3 kernel): 2 stages or more"
     persistent = _GLUON_POINTS[c["WARP_SPEC"]][1]
     if persistent and isinstance(p, (VarlenProblem, PackedProblem)):
         return "WARP_SPEC 6-7 (the persistent Gluon FA3 kernel): dense calls only"
-    need = G.smem_bytes(p.D, c["BLOCK_N"], c["num_stages"], persistent=persistent)
+    need = G.smem_bytes(p.D, c["BLOCK_N"], c["num_stages"], persistent=persistent, rows=c["BLOCK_M"])
     if need > _smem_limit():
         return f"needs {need} B of shared memory (budget {_smem_limit()})"
     return None
@@ -899,6 +909,8 @@ def _constraint(c, p, dtype) -> str | None:
     if c["WARP_SPEC"] >= 3:
         return _gluon_constraint(c, p, dtype)
     bm, bn, w = c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]
+    if bm != triton.next_power_of_2(bm):
+        return "BLOCK_M=192 is the Gluon kernel's (WARP_SPEC 3-7: three consumer warpgroups)"
     if bm > max(16, triton.next_power_of_2(p.Tq)):
         return "BLOCK_M larger than the queries"
     if bn > max(16, triton.next_power_of_2(p.Tk)):
@@ -975,21 +987,21 @@ def default_config(p, dtype) -> dict:
 
 
 def gluon_config(p, dtype, schedule: int = 2, BLOCK_N: int | None = None, num_stages: int = 2,
-                 persistent: bool = False) -> dict:
+                 persistent: bool = False, BLOCK_M: int = G.ROWS) -> dict:
     """The point of the space that runs the Gluon kernel with GEMM ``schedule`` (WARP_SPEC 3 + schedule; its
     persistent form, schedule 1 or 2: WARP_SPEC 5 + schedule), its key tile (default: 128 up to D=128, 64
-    past it) and ring depth; the keys it does not read at their one value. Not checked against the problem
-    (``SPACE.why_invalid`` says)."""
+    past it), ring depth and CTA rows (128: two consumer warpgroups, 192: three); the keys it does not read at
+    their one value. Not checked against the problem (``SPACE.why_invalid`` says)."""
     ws = next((w for w, pt in _GLUON_POINTS.items() if pt == (schedule, persistent)), None)
     if ws is None:
         raise ValueError(f"schedule: the {'persistent ' if persistent else ''}Gluon kernel has no schedule {schedule}")
     bn = BLOCK_N or (128 if triton.next_power_of_2(p.D) <= 128 else 64)
-    return dict(default_config(p, dtype), BLOCK_M=G.ROWS, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
+    return dict(default_config(p, dtype), BLOCK_M=BLOCK_M, num_warps=4, HEADS_INNER=0, TMA=2, LAZY_RESCALE=0,
                 WARP_SPEC=ws, BLOCK_N=bn, num_stages=num_stages)
 
 
 def gluon_seeds(p, dtype) -> list[dict]:
-    """Every tuning study's way into the Gluon kernel (WARP_SPEC 3-5 fix five keys at once, which no
+    """Every tuning study's way into the Gluon kernel (WARP_SPEC 3-7 fix five keys at once, which no
     one-step move reaches): FA3's two schedules at the tile that won most of FA3's grid on the H200
     (the default key tile; 3 stages where they fit, else 2:
     lab/logs/h200/attention_fa3_grid_gluon_2026-11-28_d9eae70). The tuner skips those the problem refuses."""
@@ -999,8 +1011,10 @@ def gluon_seeds(p, dtype) -> list[dict]:
     # won its 1k-2k rows at D=64: lab/logs/h200/gluon_fa3_persistent_deep_rings_2026-11-28_eaa684a)
     p_stages = max([st for st in (2, 3, 4) if G.smem_bytes(p.D, bn, st, persistent=True) <= _smem_limit()],
                    default=2)
+    # FA3's CTA at D <= 64: three consumer warpgroups over 192 query rows, the ping-pong schedule
     return [gluon_config(p, dtype, schedule, num_stages=stages) for schedule in (1, 2)] + [
-        gluon_config(p, dtype, 1, num_stages=p_stages, persistent=True)]
+        gluon_config(p, dtype, 1, num_stages=p_stages, persistent=True),
+        gluon_config(p, dtype, 2, num_stages=3, BLOCK_M=G.ROWS3)]
 
 
 def varlen_default_config(p, dtype) -> dict:

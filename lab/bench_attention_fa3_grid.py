@@ -100,6 +100,15 @@ def sweep_persistent(A, p, dtype, own: dict) -> list[dict]:
         A.gluon_config(p, dtype, sch, bn, st, persistent=True) for sch in (1, 2) for bn in (64, 128) for st in (3, 4)])
 
 
+def sweep_wg3(A, p, dtype, own: dict) -> list[dict]:
+    """The Gluon kernel's CTA of three consumer warpgroups (BLOCK_M=192, FA3's at D <= 64): WARP_SPEC 3-7 at
+    64- and 128-key tiles and 2-3 stages (the space refuses what spills or does not fit), beside the launcher's
+    own config."""
+    return _unique([own] + [
+        dict(A.gluon_config(p, dtype, A._GLUON_POINTS[ws][0], bn, st, persistent=A._GLUON_POINTS[ws][1],
+                            BLOCK_M=192)) for ws in (5, 4, 7, 6, 3) for bn in (128, 64) for st in (2, 3)])
+
+
 def _unique(cands: list[dict]) -> list[dict]:
     out, seen = [], set()
     for c in cands:
@@ -138,9 +147,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--rows", default="all", help='all | worst | "D=128,T=1024,causal;D=64,T=2048,full"')
-    ap.add_argument("--sweep", choices=("grid", "new", "gluon", "stages", "persistent"), default="grid",
+    ap.add_argument("--sweep", choices=("grid", "new", "gluon", "stages", "persistent", "wg3"), default="grid",
                     help="grid: the Hopper keys around the default; new: the A/B of the newer points; gluon: the "
-                         "Gluon FA3 kernel's points (both dtypes); stages: its ring depth, 2 to 5; persistent: its persistent form")
+                         "Gluon FA3 kernel's points (both dtypes); stages: its ring depth, 2 to 5; persistent: its "
+                         "persistent form; wg3: its CTAs of three consumer warpgroups")
     ap.add_argument("--rounds", type=int, default=1, help="time each candidate this many times (alternating order)")
     ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to force, or none")
     args = ap.parse_args(argv)
@@ -226,6 +236,8 @@ def main(argv=None) -> int:
                             cands = sweep_stages(A, p, dtype, own)
                         elif args.sweep == "persistent":
                             cands = sweep_persistent(A, p, dtype, own)
+                        elif args.sweep == "wg3":
+                            cands = sweep_wg3(A, p, dtype, own)
                         elif dname == "bf16":
                             cands = sweep(default, D)
                         else:
@@ -289,7 +301,7 @@ def main(argv=None) -> int:
                         traceback.print_exc()
                     rows.append(row)
                     print(_line(row), flush=True)
-                    if args.sweep in ("new", "gluon", "stages", "persistent"):
+                    if args.sweep in ("new", "gluon", "stages", "persistent", "wg3"):
                         for rec in row.get("sweep", []):
                             print("    " + _cand_line(rec, row), flush=True)
                     torch.cuda.empty_cache()

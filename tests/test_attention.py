@@ -488,7 +488,8 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
     assert A.SPACE.why_invalid(cfg, A.PackedProblem(2, 4, 2, 517, 300, 64, True), torch.float16) is None
     assert "Tq <= Tk" in A.SPACE.why_invalid(cfg, P(2, 4, 2, 517, 300, 64, True), torch.float16)
     assert "65,535" in A.SPACE.why_invalid(cfg, P(4096, 32, 8, 300, 517, 64, True), torch.float16)
-    assert "BLOCK_M=128" in A.SPACE.why_invalid(dict(cfg, num_warps=8), p, torch.float16)
+    assert "num_warps=4" in A.SPACE.why_invalid(dict(cfg, num_warps=8), p, torch.float16)
+    assert "BLOCK_M 128" in A.SPACE.why_invalid(dict(cfg, BLOCK_M=64), p, torch.float16)
     assert "BLOCK_N 64" in A.SPACE.why_invalid(dict(cfg, BLOCK_N=128), P(1, 2, 2, 256, 256, 256, False),
                                                torch.float16)
     assert "shared memory" in A.SPACE.why_invalid(dict(cfg, BLOCK_N=128, num_stages=4), P(1, 2, 2, 256, 256, 128,
@@ -505,6 +506,50 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
     assert "shared memory" in A.SPACE.why_invalid(dict(pers, BLOCK_N=128, num_stages=3), wide, torch.float16)
     with pytest.raises(ValueError, match="schedule"):
         A.gluon_config(p, torch.float16, schedule=0, persistent=True)
+
+
+def test_three_warpgroup_points_of_the_space(monkeypatch):
+    """BLOCK_M=192 is the Gluon kernel's CTA of three consumer warpgroups: refused to the plain kernel, and
+    where its 160 registers a warpgroup spill (past D=64 with 128-key tiles, past D=128, the persistent
+    ping-pong past D=64, schedule 0 with 128-key tiles); where admitted, the launch gets rows=192 and the
+    grid counts 192-row tiles."""
+    dt = torch.bfloat16
+    p64, p128 = P(2, 4, 2, 300, 517, 64, True), P(2, 4, 2, 300, 517, 128, True)
+    for ws, bn in ((4, 128), (5, 128), (6, 128), (7, 128), (3, 64), (5, 64), (7, 64)):
+        cfg = dict(A.gluon_config(p64, dt, BLOCK_M=192), WARP_SPEC=ws, BLOCK_N=bn)
+        assert A.SPACE.why_invalid(cfg, p64, dt) is None, cfg
+    for ws in (3, 4, 5, 6):
+        assert A.SPACE.why_invalid(dict(A.gluon_config(p128, dt, BLOCK_M=192, BLOCK_N=64), WARP_SPEC=ws), p128,
+                                   dt) is None
+    refused = [(p64, dict(WARP_SPEC=3, BLOCK_N=128)), (p128, dict(WARP_SPEC=5, BLOCK_N=128)),
+               (p128, dict(WARP_SPEC=7, BLOCK_N=64)), (P(1, 2, 2, 256, 256, 256, False), dict(WARP_SPEC=5, BLOCK_N=64))]
+    for prob, keys in refused:
+        cfg = dict(A.gluon_config(prob, dt, BLOCK_M=192), **keys)
+        assert "BLOCK_M=192" in A.SPACE.why_invalid(cfg, prob, dt), (prob, keys)
+    plain = dict(A.default_config(p64, dt), BLOCK_M=192)
+    assert "Gluon kernel's" in A.SPACE.why_invalid(plain, p64, dt)
+    seeds = A.gluon_seeds(p64, dt)
+    assert any(c["BLOCK_M"] == 192 and A.SPACE.why_invalid(c, p64, dt) is None for c in seeds)
+
+    calls = []
+
+    def fake_launch(q, k, v, out, lse=None, cache=None, **kw):
+        calls.append(kw)
+        out.copy_(ref.attention(q, k, v, causal=kw["causal"]).to(out.dtype))
+
+    monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
+    monkeypatch.setattr(A.G, "launch", fake_launch)
+    A._PLANS.clear()
+    try:
+        small = P(1, 4, 2, 200, 260, 64, True)
+        cfg = A.gluon_config(small, torch.float16, schedule=2, BLOCK_N=64, BLOCK_M=192)
+        _dense(small, torch.float16, seed=2, config=cfg, lse=False)
+        assert calls[-1]["rows"] == 192
+        assert _gluon_plan(cfg).grid == (2, 4)   # 200 rows: two 192-row tiles, 1 x 4 batch-heads
+    finally:
+        A._PLANS.clear()
+    with pytest.raises(ValueError, match="rows"):
+        A.G._nwg(256)
 
 
 def test_which_calls_the_gluon_kernel_takes(monkeypatch):
@@ -540,7 +585,8 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     A._PLANS.clear()
     A._VARLEN_PLANS.clear()
     try:
-        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2, persistent=False)
+        taken = dict(causal=True, qk_scale=pytest.approx(A.LOG2E / 8), BN=64, stages=3, schedule=2, rows=128,
+                     persistent=False)
         _dense(p, dtype, seed=11, config=cfg, lse=False)
         _dense(p, dtype, seed=12, config=cfg, lse=True)
         assert calls == [dict(taken, lse=False), dict(taken, lse=True)]
@@ -887,6 +933,44 @@ def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
 
     assert K.sdpa_backend(forced) == "math"
     assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(A.SPEC.peers)
+
+
+@needs_gluon
+@pytest.mark.parametrize("D", [d for d in A.HEAD_DIMS if d <= 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_three_warpgroups_every_schedule_tile_and_form(D, causal):
+    """CTAs of three consumer warpgroups (BLOCK_M=192): every WARP_SPEC 3-7 x BLOCK_N x ring depth 2-3 the space
+    admits at this head dim. Dense: ragged lengths (4-D descriptors, rows past Tq clipped mid-CTA) with the lse
+    output, (B, T, H, D) views, GQA, Tq < Tk causal, FA3's flat case (2-D descriptors: Tq a multiple of 192);
+    packed batches (schedules 0-2) with empty sequences and more queries than keys; the persistent form over
+    more items than SMs (the ring, the three-way ping-pong turn and the six Q buffers carried across items).
+    fp16 once per form."""
+    p = P(2, 4, 2, 300, 517, D, causal)
+    flat = P(1, 3, 1, 384, 512, D, causal)
+    many = P(3, 16, 4, 700, 1000, D, causal)   # 3 x 16 x 4 = 192 items
+    vp = VP((300, 0, 129, 5, 77, 260), (517, 40, 0, 5, 30, 3), 4, 2, D, causal)
+    ran = 0
+    for ws in (3, 4, 5, 6, 7):
+        schedule, persistent = A._GLUON_POINTS[ws]
+        for bn in (64, 128):
+            for st in (2, 3):
+                cfg = A.gluon_config(p, torch.bfloat16, schedule, BLOCK_N=bn, num_stages=st, persistent=persistent,
+                                     BLOCK_M=192)
+                if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
+                    continue
+                ran += 1
+                seed = D + ws + bn + st
+                for dtype in ((torch.bfloat16, torch.float16) if st == 2 else (torch.bfloat16,)):
+                    cfg = dict(cfg)
+                    _dense(p, dtype, seed=seed, config=cfg, lse=True)
+                    assert _gluon_plan(cfg).gluon["rows"] == 192
+                    if persistent:
+                        _dense(many, dtype, seed=seed + 1, config=cfg, lse=True)
+                        continue
+                    _dense(p, dtype, seed=seed + 2, layout="bthd", config=cfg, lse=False)
+                    _dense(flat, dtype, seed=seed + 3, config=cfg, lse=False)
+                    _varlen(vp, dtype, seed=seed + 4, config=cfg, lse=True)
+    assert ran >= (4 if D <= 64 else 3)
 
 
 # ---------------------------------------------------------------------------------------------------
