@@ -102,11 +102,12 @@ def sweep_persistent(A, p, dtype, own: dict) -> list[dict]:
 
 def sweep_wg3(A, p, dtype, own: dict) -> list[dict]:
     """The Gluon kernel's CTA of three consumer warpgroups (BLOCK_M=192, FA3's at D <= 64): WARP_SPEC 3-7 at
-    64- and 128-key tiles and 2-3 stages (the space refuses what spills or does not fit), beside the launcher's
-    own config."""
+    64- and 128-key tiles (the space refuses what spills or does not fit), beside the launcher's
+    own config. D <= 64: 3-4 stages (2 never won there); past it 2-3."""
+    stages = (3, 4) if p.D <= 64 else (2, 3)
     return _unique([own] + [
         dict(A.gluon_config(p, dtype, A._GLUON_POINTS[ws][0], bn, st, persistent=A._GLUON_POINTS[ws][1],
-                            BLOCK_M=192)) for ws in (5, 4, 7, 6, 3) for bn in (128, 64) for st in (2, 3)])
+                            BLOCK_M=192)) for ws in (5, 4, 7, 6, 3) for bn in (128, 64) for st in stages])
 
 
 def _unique(cands: list[dict]) -> list[dict]:
