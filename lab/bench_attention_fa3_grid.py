@@ -148,10 +148,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--rows", default="all", help='all | worst | "D=128,T=1024,causal;D=64,T=2048,full"')
-    ap.add_argument("--sweep", choices=("grid", "new", "gluon", "stages", "persistent", "wg3"), default="grid",
+    ap.add_argument("--sweep", choices=("grid", "new", "gluon", "stages", "persistent", "wg3", "none"), default="grid",
                     help="grid: the Hopper keys around the default; new: the A/B of the newer points; gluon: the "
                          "Gluon FA3 kernel's points (both dtypes); stages: its ring depth, 2 to 5; persistent: its "
-                         "persistent form; wg3: its CTAs of three consumer warpgroups")
+                         "persistent form; wg3: its CTAs of three consumer warpgroups; none: the stored config alone")
     ap.add_argument("--rounds", type=int, default=1, help="time each candidate this many times (alternating order)")
     ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to force, or none")
     args = ap.parse_args(argv)
@@ -239,6 +239,8 @@ def main(argv=None) -> int:
                             cands = sweep_persistent(A, p, dtype, own)
                         elif args.sweep == "wg3":
                             cands = sweep_wg3(A, p, dtype, own)
+                        elif args.sweep == "none":
+                            cands = [own]
                         elif dname == "bf16":
                             cands = sweep(default, D)
                         else:
