@@ -5,17 +5,20 @@
 stays there.
 
 One CTA owns 128 query rows of one (batch, head) as **two consumer warpgroups of 64 rows**, each in its own
-``gl.warp_specialize`` partition, so one warpgroup's softmax runs under the other's tensor-core work. A
-**one-warp producer** TMA-loads both warpgroups' Q once and K, V tiles into a ``STAGES``-deep ring (K and V
-on separate barriers, so QK^T starts as soon as K lands; a slot is freed when both consumers finished its
+``gl.warp_specialize`` partition, so one warpgroup's softmax runs under the other's tensor-core work; or, NWG=3
+(attention's BLOCK_M=192, FA3's CTA at D <= 64), 192 rows as three, 160 registers each, taking their turns
+round robin under schedule 2 (the spilling points are refused by the config space:
+``lab/probes/gluon_attention_spills.py``). A
+**one-warp producer** TMA-loads every warpgroup's Q once and K, V tiles into a ``STAGES``-deep ring (K and V
+on separate barriers, so QK^T starts as soon as K lands; a slot is freed when every consumer finished its
 P @ V). P @ V takes P from registers (wgmma's A operand). ``SCHEDULE`` orders a consumer's GEMMs:
 0, QK^T of tile j+1 issued before the softmax of tile j; 1, FA3's intra-warpgroup order (QK^T of j+1 and
-P_j @ V_j issued together, the softmax of j+1 under P_j @ V_j); 2, 1 plus FA3's ping-pong (the two
-warpgroups take turns issuing their GEMM pair, ordered by two mbarriers). Causal: heaviest query tiles
+P_j @ V_j issued together, the softmax of j+1 under P_j @ V_j); 2, 1 plus FA3's ping-pong (the
+warpgroups take turns issuing their GEMM pair, ordered by one mbarrier each). Causal: heaviest query tiles
 first, keys past the CTA's last diagonal never loaded; query i sees key j when j <= i + Tk - Tq (Tq <= Tk).
 
-Descriptors (``RANK``): 2-D over (B*H*T, D) where the tensors are contiguous, Tq a multiple of 128, Tk of
-the key tile and D a power of two; else 4-D over the tensors' own (B, H, T, D) strides, blocks
+Descriptors (``RANK``): 2-D over (B*H*T, D) where the tensors are contiguous, Tq a multiple of the CTA's
+rows, Tk of the key tile and D a power of two; else 4-D over the tensors' own (B, H, T, D) strides, blocks
 [1, 1, rows, D padded to a power of two] (TMA zero-fills rows past T and columns past D on loads and clips
 them on stores). The launcher in attention.py only comes here for fp16/bf16, D a multiple of 16 up to
 256, a positive scale, every stride TMA-readable and every base 16-byte aligned; an lse output is written by
@@ -523,8 +526,9 @@ def flat_ok(q, k, v, out, BN: int, rows: int = ROWS) -> bool:
 def descriptor_makers(q, k, v, out, BN: int, rank: int | None = None, rows: int = ROWS) -> tuple:
     """(makers of the q, k, v, o descriptors, rank, grid) for (B, H, T, D) tensors TMA can read, CTAs of
     ``rows`` query rows: ``rank`` 2 (the flat form over (B*H*T, D), where :func:`flat_ok`), 4 (over the
-    tensors' own strides), or None: 2 where it applies. The geometry depends only on the tensors' metadata: a launch plan keeps the makers
-    (kernels.DescriptorMaker), and each launch makes the four descriptors over its own tensors."""
+    tensors' own strides), or None: 2 where it applies. The geometry depends only on the tensors' metadata: a
+    launch plan keeps the makers (kernels.DescriptorMaker), and each launch makes the four descriptors over its
+    own tensors."""
     import torch
 
     from tritune import kernels as K

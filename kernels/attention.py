@@ -22,8 +22,9 @@ MMA consumer), 2 issues each key block's scores one block ahead, so q·kᵀ of b
 tensor cores while block j's exponentials run. LAZY_RESCALE=1 rescales acc only when a row max grew
 by more than 2^8. A layout TMA cannot read (D not unit-stride, rows or bases not 16-byte aligned) runs
 the pointer path. WARP_SPEC 3, 4, 5 (sm90 only, fp16/bf16) run another kernel: FlashAttention-3's
-structure written in Gluon (``kernels/_attention_gluon.py``: two consumer warpgroups and a one-warp TMA
-producer in warp-specialized partitions, schedule WARP_SPEC − 3), dense or packed (varlen: descriptors
+structure written in Gluon (``kernels/_attention_gluon.py``: two consumer warpgroups, or three with
+BLOCK_M=192 (FA3's CTA at D <= 64), and a one-warp TMA producer in warp-specialized partitions, schedule
+WARP_SPEC − 3), dense or packed (varlen: descriptors
 made on the device per sequence and head); WARP_SPEC 6, 7 run its persistent form (dense only: one CTA per
 SM looping over the work items, schedule 1 or 2), which hides each tile's prologue and epilogue behind
 the next tile's loads (short sequences); a call it does not take (a scale <= 0, a layout or base TMA

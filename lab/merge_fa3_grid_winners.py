@@ -3,7 +3,8 @@
 committed entry, timed in the same process) by more than ``--margin`` (default 3%, beyond run-to-run spread).
 Entries keep their own stamps; the file keeps its header.
 
-    python lab/merge_fa3_grid_winners.py GRID_JSON EMITTED_STORE_JSON tuning/configs/<gpu>/attention.json [--margin 0.03]
+    python lab/merge_fa3_grid_winners.py GRID_JSON EMITTED_STORE_JSON tuning/configs/<gpu>/attention.json \
+        [--margin 0.03]
 """
 import argparse
 import json
