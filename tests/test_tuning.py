@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import linecache
 import math
 import sys
 import textwrap
@@ -456,6 +457,44 @@ def test_compare_samplers_replays_tpe_and_random_on_the_grid(tmp_path):
         assert len(counts) == 3 and all(c is not None and 1 <= c <= 32 for c in counts)
     data = json.loads(path.read_text())
     assert path.name == "tuning_efficiency.json" and data["experiments"][0]["kernel"] == "toy"
+
+
+def test_source_hash_counts_the_jitted_code_a_kernel_module_launches(tmp_path, monkeypatch):
+    """The hash covers the module's own jitted functions, those it imports from another module, and every
+    jitted function of the private helper modules of its package it holds (read from their source: defined
+    under an ``if``, as a Gluon module defines its kernels, they count wherever the module is imported); an
+    edit to any of them changes it, an edit to the Python around them does not."""
+    pkg = tmp_path / "hashpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    helper = "import triton\n\nif True:\n    @triton.jit\n    def _inner(x):\n        return x * {k}\n"
+    kern = ("import triton\nfrom hashpkg import _helper as H\nfrom hashpkg.other import _shared\n\n"
+            "@triton.jit\ndef _own(x):\n    return x\n\ndef launcher():\n    \"\"\"{doc}\"\"\"\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)   # rewritten within a second: no stale .pyc
+
+    def hash_of(k, doc="a", shared=1):
+        (pkg / "_helper.py").write_text(helper.format(k=k))
+        (pkg / "kern.py").write_text(kern.format(doc=doc))
+        (pkg / "other.py").write_text(f"import triton\n\n@triton.jit\ndef _shared(x):\n    return x + {shared}\n")
+        for m in [m for m in sys.modules if m.startswith("hashpkg")]:
+            del sys.modules[m]
+        linecache.clearcache()
+        importlib.import_module("hashpkg.kern")
+        store.module_hash.cache_clear()
+        return store.module_hash("hashpkg.kern")
+
+    try:
+        base = hash_of(2)
+        assert base is not None and len(base) == 12
+        assert hash_of(2, doc="b") == base            # the launcher's Python: not counted
+        assert hash_of(3) != base                     # the helper module's jitted code
+        assert hash_of(2, shared=5) != base           # an imported jitted function
+        assert hash_of(2) == base
+    finally:
+        for m in [m for m in sys.modules if m.startswith("hashpkg")]:
+            del sys.modules[m]
+        store.module_hash.cache_clear()
 
 
 def test_store_records_the_kernel_source_and_flags_stale_entries(temp_store):

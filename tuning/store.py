@@ -170,33 +170,65 @@ def kernel_name(kernel) -> str:
 
 
 def source_hash(kernel) -> str | None:
-    """sha256 (12 hex digits) of the source of the ``@triton.jit`` functions in the kernel's module (the
-    kernel named by its spec, or by its registered name): an entry records the code it was timed on, so a
-    config tuned for another version of the kernel is known as stale. Only the jitted code counts (not
-    the launcher's docstrings or validation), so editing the Python around a kernel does not throw its
-    tuned configs away."""
+    """sha256 (12 hex digits) of the source of the jitted functions the kernel's module launches (the kernel
+    named by its spec, or by its registered name): an entry records the code it was timed on, so a config
+    tuned for another version of the kernel is known as stale. Only the jitted code counts (not the launcher's
+    docstrings or validation), so editing the Python around a kernel does not throw its tuned configs away;
+    :func:`module_hash` says which functions count."""
     spec = _spec(kernel)
     run = getattr(spec, "run", None)
     mod = getattr(run, "__module__", None)
     return None if mod is None else module_hash(mod)
 
 
+def _jitted(obj) -> bool:
+    """A triton- or Gluon-jitted function (and the interpreter's wrapper): it keeps the Python function."""
+    return callable(getattr(obj, "fn", None)) and type(obj).__module__.startswith("triton")
+
+
+def _jitted_in_source(mod) -> list[str]:
+    """The jitted functions of a helper module, read from its source text (every function decorated ``...jit``
+    at any depth: a Gluon module defines its kernels only where its triton has Gluon, and the hash must not
+    depend on that), as ``+<name>`` and the function's text."""
+    import ast
+    import inspect
+
+    text = inspect.getsource(mod)
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d.func if isinstance(d, ast.Call) else d).split(".")[-1] == "jit"
+                for d in node.decorator_list):
+            out.append((node.name, ast.get_source_segment(text, node)))
+    return [f"+{name}\n{src}" for name, src in sorted(out)]   # not by the module's name: a copy hashes the same
+
+
 @functools.lru_cache(maxsize=None)
 def module_hash(modname: str) -> str | None:
+    """The hash of :func:`source_hash` for a module: its own jitted functions, the jitted functions it imports
+    from other modules (``from tritune.kernels.gemv import _row_stats``), and every jitted function of the
+    private modules of its package it holds (``from tritune.kernels import _attention_gluon as G``: the Gluon
+    kernel attention launches; read from their source, :func:`_jitted_in_source`). Modules whose jitted code is
+    all their own hash as they always did."""
     import hashlib
     import inspect
+    import types
 
     mod = sys.modules.get(modname)
     if mod is None:
         return None
-    srcs = []
-    for name, obj in sorted(vars(mod).items()):
-        fn = getattr(obj, "fn", None)  # triton's JITFunction (and the interpreter's wrapper) keep the function
-        if callable(fn) and type(obj).__module__.startswith("triton") and getattr(fn, "__module__", None) == mod.__name__:
-            try:
-                srcs.append(f"{name}\n{inspect.getsource(fn)}")
-            except (OSError, TypeError):
-                return None
+    pkg = mod.__name__.rsplit(".", 1)[0]
+    srcs, helpers = [], []
+    try:
+        for name, obj in sorted(vars(mod).items()):
+            if _jitted(obj) and getattr(obj.fn, "__module__", "").split(".", 1)[0] == mod.__name__.split(".", 1)[0]:
+                srcs.append(f"{name}\n{inspect.getsource(obj.fn)}")
+            elif isinstance(obj, types.ModuleType) and obj.__name__.startswith(pkg + "._"):
+                helpers.append(obj)
+        for h in sorted(helpers, key=lambda m: m.__name__):
+            srcs += _jitted_in_source(h)
+    except (OSError, TypeError, SyntaxError):
+        return None
     if not srcs:
         return None
     return hashlib.sha256("\n".join(srcs).encode()).hexdigest()[:12]

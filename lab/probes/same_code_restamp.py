@@ -120,9 +120,35 @@ def module_path(modname: str) -> str:
     return modname.split(".", 1)[1].replace(".", "/") + ".py"  # tritune.kernels.attention -> kernels/attention.py
 
 
-def load_old_module(modname: str, commit: str, src: str, tmpdir: Path):
+_HELPER = re.compile(r"^from (tritune\.kernels) import (_\w+) as (\w+)$", re.M)
+
+
+def load_old_helpers(src: str, commit: str, tmpdir: Path, from_git: bool) -> str:
+    """The private modules of the kernels package that ``src`` imports (``from tritune.kernels import
+    _attention_gluon as G``: code its kernels launch, counted in the source hash) loaded at ``commit`` beside
+    the current ones, and ``src`` rewritten to import those; without git (``--old-file``) the current ones."""
+    def swap(m):
+        pkg, helper, alias = m.groups()
+        if not from_git:
+            return m.group(0)
+        text = subprocess.run(["git", "show", f"{commit}:{module_path(f'{pkg}.{helper}')}"], cwd=REPO, check=True,
+                              capture_output=True, text=True).stdout
+        name = f"{pkg}.{helper}_at_{commit}"
+        path = tmpdir / f"{helper}_at_{commit}.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return f"import {name} as {alias}"
+    return _HELPER.sub(swap, src)
+
+
+def load_old_module(modname: str, commit: str, src: str, tmpdir: Path, from_git: bool = True):
     """``src`` (the module at ``commit``) loaded as ``<modname>_at_<commit>`` from a file (triton reads
-    the source of jitted functions); the specs it registers are returned, not registered."""
+    the source of jitted functions), with its private helper modules at ``commit`` too
+    (:func:`load_old_helpers`); the specs it registers are returned, not registered."""
+    src = load_old_helpers(src, commit, tmpdir, from_git)
     name = f"{modname}_at_{commit}"
     path = tmpdir / f"{name.rsplit('.', 1)[1]}.py"
     path.write_text(src)
@@ -448,7 +474,7 @@ def main(argv=None) -> int:
             print(f"--old: cannot read {module_path(a.module)} at {a.old!r} from git ({exc}); pass --old-file")
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="same_code_"))
-    old_mod, old_specs = load_old_module(a.module, old_commit, src, tmp)
+    old_mod, old_specs = load_old_module(a.module, old_commit, src, tmp, from_git=not a.old_file)
     for m in (new_mod, old_mod):
         prime_device_queries(m, a.arch)
     old_hash, new_hash = store.module_hash(old_mod.__name__), store.source_hash(kernels[0])
