@@ -123,6 +123,16 @@ def module_path(modname: str) -> str:
 _HELPER = re.compile(r"^from (tritune\.kernels) import (_\w+) as (\w+)$", re.M)
 
 
+def _module_from_text(name: str, text: str, path: Path):
+    """Module ``name`` made from ``text``, written to ``path`` (triton reads jitted functions' source from
+    their file), registered in sys.modules but not yet executed: (module, its loader spec)."""
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    return mod, spec
+
+
 def load_old_helpers(src: str, commit: str, tmpdir: Path, from_git: bool) -> str:
     """The private modules of the kernels package that ``src`` imports (``from tritune.kernels import
     _attention_gluon as G``: code its kernels launch, counted in the source hash) loaded at ``commit`` beside
@@ -134,11 +144,7 @@ def load_old_helpers(src: str, commit: str, tmpdir: Path, from_git: bool) -> str
         text = subprocess.run(["git", "show", f"{commit}:{module_path(f'{pkg}.{helper}')}"], cwd=REPO, check=True,
                               capture_output=True, text=True).stdout
         name = f"{pkg}.{helper}_at_{commit}"
-        path = tmpdir / f"{helper}_at_{commit}.py"
-        path.write_text(text)
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
+        mod, spec = _module_from_text(name, text, tmpdir / f"{helper}_at_{commit}.py")
         spec.loader.exec_module(mod)
         return f"import {name} as {alias}"
     return _HELPER.sub(swap, src)
@@ -150,11 +156,7 @@ def load_old_module(modname: str, commit: str, src: str, tmpdir: Path, from_git:
     (:func:`load_old_helpers`); the specs it registers are returned, not registered."""
     src = load_old_helpers(src, commit, tmpdir, from_git)
     name = f"{modname}_at_{commit}"
-    path = tmpdir / f"{name.rsplit('.', 1)[1]}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
+    mod, spec = _module_from_text(name, src, tmpdir / f"{name.rsplit('.', 1)[1]}.py")
     specs = {}
     real_register = K.register
     K.register = lambda s: specs.setdefault(s.name, s)
