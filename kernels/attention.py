@@ -24,12 +24,11 @@ by more than 2^8. A layout TMA cannot read (D not unit-stride, rows or bases not
 the pointer path. WARP_SPEC 3, 4, 5 (sm90 only, fp16/bf16) run another kernel: FlashAttention-3's
 structure written in Gluon (``kernels/_attention_gluon.py``: two consumer warpgroups, or three with
 BLOCK_M=192 (FA3's CTA at D <= 64), and a one-warp TMA producer in warp-specialized partitions, schedule
-WARP_SPEC − 3), dense or packed (varlen: descriptors
-made on the device per sequence and head); WARP_SPEC 6, 7 run its persistent form (dense only: one CTA per
-SM looping over the work items, schedule 1 or 2), which hides each tile's prologue and epilogue behind
-the next tile's loads (short sequences); a call it does not take (a scale <= 0, a layout or base TMA
-cannot read, a dense call without keys, the interpreter) runs the plain kernel with the default config
-instead.
+WARP_SPEC − 3), dense or packed (varlen: descriptors made on the device per sequence and head);
+WARP_SPEC 6, 7 run its persistent form (dense only: one CTA per SM looping over the work items, schedule 1
+or 2), which hides each tile's prologue and epilogue behind the next tile's loads (short sequences); a call
+it does not take (a scale <= 0, a layout or base TMA cannot read, a dense call without keys, the interpreter)
+runs the plain kernel with the default config instead.
 
 GQA/MQA: query head h reads kv head h // (Hq / Hkv). Packed variable-length batches (``attention_varlen``)
 take the same kernel with per-sequence offsets read from cu_seqlens.
@@ -421,7 +420,7 @@ class _Plan:
     cfg: dict | None = None
     cfg_key: tuple | None = None     # the config-cache key a tuned/default config came from (K.PlanCache)
     meta_ptr: dict = field(default_factory=dict)  # meta on the pointer path (TMA refused by the addresses)
-    gluon: dict | None = None        # the Gluon FA3 kernel's launch arguments (WARP_SPEC 3-5), else None
+    gluon: dict | None = None        # the Gluon FA3 kernel's launch arguments (WARP_SPEC 3-7), else None
     fallback: "_Plan | None" = None  # with gluon: the plain kernel's plan (default config) for bases TMA refuses
     # host time: the constexprs of a direct launch (K.launch_cached) under meta / meta_ptr, the compiled
     # kernels it keeps (None: always through triton), TMA=2's descriptor makers (q, k, v, out), and the
@@ -468,14 +467,14 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
 
 
 def _gluon_runs_here() -> bool:
-    """Gluon kernels run on a GPU, never in the interpreter (whose WARP_SPEC 3-5 points run the plain kernel)."""
+    """Gluon kernels run on a GPU, never in the interpreter (whose WARP_SPEC 3-7 points run the plain kernel)."""
     from tritune.harness import device as dev
 
     return not dev.interpreted()
 
 
 def _gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> _Plan:
-    """A WARP_SPEC 3-5 config: the Gluon kernel where it takes the call, else the plain kernel with the
+    """A WARP_SPEC 3-7 config: the Gluon kernel where it takes the call, else the plain kernel with the
     default config (the interpreter, a scale <= 0, strides TMA cannot read, a dense call without keys, or a
     problem of the config's bucket that the Gluon kernel does not take: dense causal Tq > Tk, too many heads)."""
     scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
@@ -872,23 +871,23 @@ def _gluon_constraint(c, p, dtype) -> str | None:
     # the interpreter counts as a Hopper here too (stored sm90 entries stay valid points on a CPU); it cannot
     # run Gluon, so its launches take the plain kernel (_gluon_plan)
     if not dev.interpreted() and (not G.AVAILABLE or capability()[0] != 9):
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel) run on sm90 GPUs only"
+        return "WARP_SPEC 3-7 (the Gluon FA3 kernel) run on sm90 GPUs only"
     if dtype not in (torch.float16, torch.bfloat16):
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): fp16 and bf16 only"
+        return "WARP_SPEC 3-7 (the Gluon FA3 kernel): fp16 and bf16 only"
     # a packed sequence's rows that see no key are the kernel's own case (they output 0); a dense call's are not
     if p.causal and p.Tq > p.Tk and not isinstance(p, (VarlenProblem, PackedProblem)):
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): dense causal needs Tq <= Tk"
+        return "WARP_SPEC 3-7 (the Gluon FA3 kernel): dense causal needs Tq <= Tk"
     if p.B * p.Hq > 65535:   # its grid is (query tiles, batch x heads): CUDA caps the second dimension
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): at most 65,535 batch x heads"
+        return "WARP_SPEC 3-7 (the Gluon FA3 kernel): at most 65,535 batch x heads"
     if (c["num_warps"], c["HEADS_INNER"], c["TMA"], c["LAZY_RESCALE"]) != (4, 0, 2, 0):
-        return ("WARP_SPEC 3-5 (the Gluon FA3 kernel) take num_warps=4, HEADS_INNER=0, TMA=2, "
+        return ("WARP_SPEC 3-7 (the Gluon FA3 kernel) take num_warps=4, HEADS_INNER=0, TMA=2, "
                 "LAZY_RESCALE=0 (the keys it does not read, fixed)")
     bd = triton.next_power_of_2(p.D)
     if c["BLOCK_M"] not in (G.ROWS, G.ROWS3):
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): BLOCK_M 128 (two consumer warpgroups) or 192 (three)"
+        return "WARP_SPEC 3-7 (the Gluon FA3 kernel): BLOCK_M 128 (two consumer warpgroups) or 192 (three)"
     if c["BLOCK_N"] not in ((64, 128) if bd <= 128 else (64,)):
         # two score tiles and the output per consumer thread: 240 registers hold 128-key tiles up to D=128
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): BLOCK_N 64 or 128 up to D=128, 64 past it"
+        return "WARP_SPEC 3-7 (the Gluon FA3 kernel): BLOCK_N 64 or 128 up to D=128, 64 past it"
     if c["BLOCK_M"] == G.ROWS3 and (bd > 128 or (bd > 64 and (c["BLOCK_N"] > 64 or c["WARP_SPEC"] == 7))
                                     or (c["BLOCK_N"] > 64 and c["WARP_SPEC"] == 3)):
         # three consumer warpgroups leave each 160 registers; these points spill (sm90 SASS, triton 3.6:
@@ -896,7 +895,7 @@ def _gluon_constraint(c, p, dtype) -> str | None:
         return ("WARP_SPEC 3-7 with BLOCK_M=192 (three consumer warpgroups, 160 registers each): up to D=64, "
                 "BLOCK_N=64 up to D=128 but not WARP_SPEC 7 there, and not WARP_SPEC 3 with BLOCK_N=128")
     if c["num_stages"] < 2:   # deeper rings, up to the space's 5, where they fit in shared memory
-        return "WARP_SPEC 3-5 (the Gluon FA3 kernel): 2 stages or more"
+        return "WARP_SPEC 3-7 (the Gluon FA3 kernel): 2 stages or more"
     persistent = _GLUON_POINTS[c["WARP_SPEC"]][1]
     if persistent and isinstance(p, (VarlenProblem, PackedProblem)):
         return "WARP_SPEC 6-7 (the persistent Gluon FA3 kernel): dense calls only"

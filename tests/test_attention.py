@@ -450,7 +450,7 @@ def test_lazy_rescale_with_growing_scores(lazy, scale):
 
 
 # ---------------------------------------------------------------------------------------------------
-# WARP_SPEC 3-5: the Gluon FA3-structured kernel (kernels/_attention_gluon.py), sm90 GPUs only
+# WARP_SPEC 3-7: the Gluon FA3-structured kernel (kernels/_attention_gluon.py), sm90 GPUs only
 GLUON = GPU and A.G.AVAILABLE and A.capability()[0] == 9
 needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FA3 kernel runs on sm90 GPUs only")
 
@@ -467,7 +467,7 @@ def _gluon_plan(cfg):
 
 
 def test_gluon_points_are_refused_where_the_kernel_cannot_run():
-    """On a GPU other than sm90 every WARP_SPEC 3-5 point is refused with the reason; the interpreter counts
+    """On a GPU other than sm90 every WARP_SPEC 3-7 point is refused with the reason; the interpreter counts
     as a Hopper (stored sm90 entries stay valid) and runs such a point on the plain kernel, right. Everywhere
     only the canonical values of the keys the kernel does not read, fp16/bf16, and a dense causal call's
     Tq <= Tk (a packed batch's sequences may have more queries than keys: their rows see no key, output 0)."""
@@ -553,7 +553,7 @@ def test_three_warpgroup_points_of_the_space(monkeypatch):
 
 
 def test_which_calls_the_gluon_kernel_takes(monkeypatch):
-    """The routing of a WARP_SPEC 3-5 config, on any machine (the Gluon launch replaced by a recorder that
+    """The routing of a WARP_SPEC 3-7 config, on any machine (the Gluon launch replaced by a recorder that
     writes the reference): a plain dense call takes it with the schedule and tile of the config and the
     softmax scale in base 2, and so does a packed batch (with its longest query sequence, which sizes the
     grid), sequences with more queries than keys included; with an lse output the launch gets the lse
@@ -578,7 +578,7 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     dtype = torch.float16
     cfg = A.gluon_config(p, dtype, schedule=2, BLOCK_N=64, num_stages=3)
     if A.SPACE.why_invalid(cfg, p, dtype):
-        pytest.skip(f"no WARP_SPEC 3-5 here: {A.SPACE.why_invalid(cfg, p, dtype)}")
+        pytest.skip(f"no WARP_SPEC 3-7 here: {A.SPACE.why_invalid(cfg, p, dtype)}")
     monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
     monkeypatch.setattr(A.G, "launch", fake_launch)
     monkeypatch.setattr(A.G, "launch_varlen", fake_launch_varlen)
