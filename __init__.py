@@ -38,24 +38,24 @@ _LAZY = {
     "kernel_device": "tritune.kernels",
     "tensor_meta": "tritune.kernels",
     # hypothesis strategies and layouts a spec's problems()/make_inputs use
-    "sizes": "tritune.harness.strategies",
-    "with_layout": "tritune.harness.strategies",
-    "randn": "tritune.harness.strategies",
-    "LAYOUTS": "tritune.harness.strategies",
+    "sizes": "tritune.kernels.runtime.strategies",
+    "with_layout": "tritune.kernels.runtime.strategies",
+    "randn": "tritune.kernels.runtime.strategies",
+    "LAYOUTS": "tritune.kernels.runtime.strategies",
     # the one tolerance table and the comparison
-    "tolerance": "tritune.harness.compare",
+    "tolerance": "tritune.kernels.runtime.compare",
     # PyTorch integration
-    "patch": "tritune.model.hf_patch",
+    "patch": "tritune.model.patch",
 }
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from tritune.harness.compare import tolerance
-    from tritune.harness.strategies import LAYOUTS, randn, sizes, with_layout
+    from tritune.kernels.runtime.compare import tolerance
+    from tritune.kernels.runtime.strategies import LAYOUTS, randn, sizes, with_layout
     from tritune.kernels import (Case, Cost, KernelSpec, PlanCache, Space, all_specs, bucket_key, check_device,
                                  check_out, check_tensor, get, kernel_device, register, tensor_meta)
-    from tritune.model.hf_patch import patch
+    from tritune.model.patch import patch
 
 
 def __getattr__(name: str):

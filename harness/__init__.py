@@ -1,9 +1,3 @@
-"""The harness: comparison, strategies, timing, roofline, device facts, reports, CLI.
-
-Importing any ``tritune`` subpackage goes through here first (kernels import the harness), so this is
-where the Triton interpreter is switched on for machines without a GPU: ``TRITON_INTERPRET`` must be
-set before ``triton`` is imported anywhere in the process.
-"""
-from tritune.harness.device import setup_interpreter
-
-setup_interpreter()
+"""The harness, the top floor: the CLI (one module per command), benchmarks and reports, plots, and the
+shipped testing contract (``tritune.testing``). It imports every floor below it; nothing imports it."""
+import tritune.kernels.runtime  # noqa: F401  (the interpreter switch, before anything imports triton)

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.testing
 
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 
 
 _WARM = [False]

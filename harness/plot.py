@@ -178,7 +178,7 @@ def add_arguments(s) -> None:
 
 
 def run(args) -> int:
-    from tritune.tuning._args import UsageError, writable_dir
+    from tritune.kernels.runtime.args import UsageError, writable_dir
 
     try:
         out = writable_dir(args.out)

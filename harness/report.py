@@ -112,7 +112,7 @@ def tuning_table(configs_dir: Path, fmt: str = "github") -> str:
             continue
         sp = [e["default_us"] / e["time_us"] for e in ent]
         try:
-            from tritune.tuning import store
+            from tritune.kernels.runtime import store
 
             n_stale = len(store.stale(data.get("kernel", path.stem), data.get("entries", [])))
         except ImportError:
@@ -232,7 +232,7 @@ def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | N
             parts.append(f"### {path.parent.name} / {path.stem}: search efficiency ({env.get('gpu', '?')})\n")
             parts.append(_efficiency_table(data, fmt) + "\n")
     if configs_dir is None:
-        from tritune.tuning import store
+        from tritune.kernels.runtime import store
 
         configs_dir = store.PACKAGE_CONFIGS
     if Path(configs_dir).is_dir():

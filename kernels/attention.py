@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune import kernels as K
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import strategies as S
 from tritune.kernels import _attention_gluon as G
 from tritune.references import attention as ref
 
@@ -468,7 +468,7 @@ def _plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse
 
 def _gluon_runs_here() -> bool:
     """Gluon kernels run on a GPU, never in the interpreter (whose WARP_SPEC 3-7 points run the plain kernel)."""
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     return not dev.interpreted()
 
@@ -826,7 +826,7 @@ _CAP = []
 
 def capability() -> tuple:
     """The GPU's compute capability; the interpreter counts as a Hopper (it runs the TMA path)."""
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     if not _CAP:
         _CAP.append((9, 0) if dev.interpreted() else tuple(torch.cuda.get_device_capability()))
@@ -834,7 +834,7 @@ def capability() -> tuple:
 
 
 def _smem_budget() -> int:
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     if dev.interpreted():
         return 227 * 1024  # the interpreter has no limit; prune as for an H100
@@ -866,7 +866,7 @@ def smem_bytes(c, D: int, dtype) -> int:
 
 def _gluon_constraint(c, p, dtype) -> str | None:
     """The Gluon path's points: one canonical value of every key it does not read, its own tiles."""
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     # the interpreter counts as a Hopper here too (stored sm90 entries stay valid points on a CPU); it cannot
     # run Gluon, so its launches take the plain kernel (_gluon_plan)

@@ -36,7 +36,7 @@ waits (arrivals kept), 2 also delays the stores of odd programs (a spin on a scr
 wrong-dependency tests show that results then go wrong, so a missing dependency cannot pass unseen.
 
 The grid must fit on the GPU at once (P <= SMs, one program per SM, nothing else running): otherwise the
-barrier never completes. The model-level driver (``tritune.model.fused_decode``) guarantees that.
+barrier never completes. The model-level driver (``tritune.model.engine.fused_decode``) guarantees that.
 """
 from __future__ import annotations
 
@@ -726,7 +726,7 @@ def launch(args: dict, *, M: int, L: int, E: int, F: int, V: int, H: int, D: int
            cfg: Config, programs: int, splits: tuple, n_split: int, sync: bool, stage_lo: int = 0,
            stage_hi: int | None = None, debug: int = 0, debug_spin: int = 0) -> None:
     """One launch of the kernel over stages [stage_lo, stage_hi) (default: all). ``args``: the tensors
-    and strides by name (the driver in ``tritune.model.fused_decode`` builds them once)."""
+    and strides by name (the driver in ``tritune.model.engine.fused_decode`` builds them once)."""
     n_stages = 5 * L + 1
     hi = n_stages if stage_hi is None else stage_hi
     BLOCK_M = block_m(M, args["X"].dtype)

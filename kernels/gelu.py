@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import strategies as S
 from tritune.references import gelu as ref
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import strategies as S
 from tritune.kernels.gemv import _row_stats
 from tritune.references import gemm as ref
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import strategies as S
 from tritune.references import layer_norm as ref
 
 

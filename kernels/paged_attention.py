@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
-from tritune.harness import device as dev
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime import strategies as S
 from tritune.references import paged_attention as ref
 
 LOG2E = 1.4426950408889634
@@ -518,7 +518,7 @@ def _tl_dot_ok(dtype) -> bool:
     its bf16 arithmetic (kernels/_interpret_bf16.py) checks out."""
     if not (dev.interpreted() and dtype == torch.bfloat16):
         return True
-    from tritune.kernels import _interpret_bf16
+    from tritune.kernels.runtime import interpret_bf16 as _interpret_bf16
 
     return _interpret_bf16.check() is None
 

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
-from tritune.harness import device as dev
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime import strategies as S
 from tritune.references import quant as Q
 from tritune.references import quant_matmul as ref
 

@@ -13,7 +13,7 @@ size), and, on a GPU, the peak memory allocated during a decode run (the engine 
 blocks the run needs, CUDA graphs on) and its decode tokens/s; "n/a" on the CPU.
 
 Quantized rows run bf16 activations (the quant kernels' dtype; ``--act-dtype``); GPTQ and AWQ rows are
-quantized in the process from the fp32 weights (:mod:`tritune.model.quantize`; GPTQ with act-order) on
+quantized in the process from the fp32 weights (:mod:`tritune.model.quant.quantize`; GPTQ with act-order) on
 the calibration text (``--calib``, default the training plays), which takes a minute or two on a CPU.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def validation_stream(tokenizer) -> torch.Tensor:
 
 
 def text_stream(tokenizer, text: str | None) -> tuple[torch.Tensor, str]:
-    from tritune.model.quantize import read_text
+    from tritune.model.quant.quantize import read_text
 
     if text is None:
         return validation_stream(tokenizer), "validation plays (" + ", ".join(_val_plays()) + ")"
@@ -108,8 +108,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 def decode_run(model, batch: int = 16, new_tokens: int = 128, prompt_len: int = 16, seed: int = 0) -> dict:
     """Peak GPU memory (bytes) and decode tokens/s of ``batch`` greedy sequences of ``new_tokens`` each,
     through the engine with CUDA graphs and a KV pool of exactly the blocks they need. GPU only."""
-    from tritune.model.engine import Engine
-    from tritune.model.scheduler import SamplingParams
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
 
     if torch.device(model.device).type != "cuda":
         return {"peak_bytes": None, "decode_tok_s": None}
@@ -158,9 +158,9 @@ def _cast(weights, dtype, device):
 def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n_samples: int = 128,
           seed: int = 0, group: int = 128, progress: bool = True):
     """The GPT2 of one row: a dense dtype, a quantization of the fp32 weights, or a quantized checkpoint."""
-    from tritune.model import hf_quant
-    from tritune.model import quantize as QZ
-    from tritune.model.gpt2 import GPT2
+    from tritune.model.quant import hf as hf_quant
+    from tritune.model.quant import quantize as QZ
+    from tritune.model.gpt2.model import GPT2
 
     if row in DENSE:
         return GPT2.from_pretrained(model_dir, backend=backend, dtype=DENSE[row], device=device)
@@ -188,8 +188,8 @@ def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_
              calib=None, n_samples: int = 128, seed: int = 0, group: int = 128, max_windows=None,
              decode: bool = True, decode_batch: int = 16, progress: bool = True) -> dict:
     """The table as a dict: {"rows": [...], "text": ..., "device": ...}."""
-    from tritune.model import hf_quant
-    from tritune.model import weights as W
+    from tritune.model.quant import hf as hf_quant
+    from tritune.model.gpt2 import weights as W
     from tritune.model.tokenizer import Tokenizer
 
     cuda = torch.cuda.is_available()
@@ -250,7 +250,7 @@ def table(result: dict) -> str:
 def add_parser(subparsers, name: str) -> None:
     if name != "eval":
         return
-    from tritune.tuning._args import parse_dtype
+    from tritune.kernels.runtime.args import parse_dtype
 
     s = subparsers.add_parser("eval", help="perplexity and memory of a GPT-2 from fp32 to int4 (RTN, GPTQ, AWQ)")
     s.add_argument("model", nargs="?", default=None,
@@ -275,7 +275,7 @@ def add_parser(subparsers, name: str) -> None:
 
 
 def run(args) -> int:
-    from tritune.model.cli import model_or_default
+    from tritune.model.load import model_or_default
 
     model = model_or_default(args.model)
     if model is None:

@@ -10,9 +10,9 @@ the same scene on both sides).
 
 Tokenizer: byte-level BPE trained with ``tokenizers`` on the training plays, with ``<|endoftext|>``
 (GPT-2's EOS and BOS) between plays. Model: GPT-2 in plain PyTorch autograd, on the same ops as the
-``torch`` backend of :mod:`tritune.model.gpt2` (``F.layer_norm``, ``addmm`` on Conv1D weights stored
+``torch`` backend of :mod:`tritune.model.gpt2.model` (``F.layer_norm``, ``addmm`` on Conv1D weights stored
 (in, out), tanh GELU), with Hugging Face's parameter names, so the checkpoint is an ordinary HF GPT-2
-checkpoint read by :func:`tritune.model.weights.load` (and by ``transformers.GPT2LMHeadModel``).
+checkpoint read by :func:`tritune.model.gpt2.weights.load` (and by ``transformers.GPT2LMHeadModel``).
 
 Reproduce the packaged checkpoint (one H100: ~3 minutes of training, ~1M tokens/s)::
 
@@ -24,7 +24,7 @@ The defaults are the packaged run's settings (7 layers, 256 wide, 4 heads, 256 p
 (1.37M training tokens), so the model overfits long before 5000 steps (60 epochs) end; its best step was
 2000. A shorter schedule that anneals near that point did better in a run whose checkpoint was not kept
 (``--max-steps 2500 --eval-every 100``: validation loss 4.055 against 4.122). ``metrics.json`` holds validation and test loss, perplexity and bits
-per character, measured on the saved fp16 checkpoint through ``tritune.model.gpt2`` (torch backend).
+per character, measured on the saved fp16 checkpoint through ``tritune.model.gpt2.model`` (torch backend).
 
 The packaged draft (``model/default/draft/``: 2 layers, 64 wide, 0.64M parameters, 1.2 MiB; speculative
 decoding's proposer for the packaged model, ``tritune generate --speculative draft``) shares the target's
@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tritune.model.gpt2 import torch_layer_norm, torch_linear
+from tritune.model.gpt2.model import torch_layer_norm, torch_linear
 
 EOS = "<|endoftext|>"
 MAX_CHECKPOINT_BYTES = 16 * 2**20
@@ -410,7 +410,7 @@ def evaluate(model, x, y, batch: int, device, autocast) -> float:
 @torch.no_grad()
 def checkpoint_loss(directory: Path, stream: torch.Tensor, device: str) -> float:
     """Mean next-token loss of the *saved* checkpoint, through tritune's loader and torch-backend forward."""
-    from tritune.model.gpt2 import GPT2
+    from tritune.model.gpt2.model import GPT2
 
     m = GPT2.from_pretrained(directory, backend="torch", dtype=torch.float32, device=device)
     x, y = windows(stream, m.config.n_positions)
@@ -625,7 +625,7 @@ def main(argv=None) -> int:
         print(f"{split}: loss {loss:.4f}  perplexity {math.exp(loss):.2f}  bits/char {bpc:.3f}", flush=True)
     metrics.update({
         "validation_loss": metrics["val"]["loss"], "validation_perplexity": metrics["val"]["perplexity"],
-        "measured_on": "the saved fp16 checkpoint, tritune.model.gpt2 torch backend in fp32, non-overlapping "
+        "measured_on": "the saved fp16 checkpoint, tritune.model.gpt2.model torch backend in fp32, non-overlapping "
                        f"{a.n_positions}-token windows",
         "model": asdict(a), "parameters": n_params, "checkpoint_bytes": nbytes,
         **({"tokenizer": {"from": str(tok_dir), "sha256": _sha256(Path(tok_dir).expanduser() / "tokenizer.json")}}
@@ -650,8 +650,8 @@ def main(argv=None) -> int:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
 
     if args.sample_prompt:
-        from tritune.model.generate import generate
-        from tritune.model.gpt2 import GPT2
+        from tritune.model.engine.generate import generate
+        from tritune.model.gpt2.model import GPT2
         from tritune.model.tokenizer import Tokenizer
 
         m = GPT2.from_pretrained(out, backend="torch", dtype=torch.float32, device="cpu")

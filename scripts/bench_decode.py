@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
 import torch
 
 
@@ -41,8 +41,8 @@ def sync():
 
 
 def bench_tritune(directory, backend, dtype, prompt, new, reps, cuda_graph=False):
-    from tritune.model.generate import generate
-    from tritune.model.gpt2 import GPT2
+    from tritune.model.engine.generate import generate
+    from tritune.model.gpt2.model import GPT2
 
     m = GPT2.from_pretrained(directory, backend=backend, dtype=dtype)
     kw = dict(max_new_tokens=new, eos_token_id=None, cuda_graph=cuda_graph)
@@ -64,15 +64,15 @@ def bench_tritune(directory, backend, dtype, prompt, new, reps, cuda_graph=False
 
 
 def _engine(directory, dtype, **kw):
-    from tritune.model.engine import Engine
-    from tritune.model.gpt2 import GPT2
+    from tritune.model.engine.engine import Engine
+    from tritune.model.gpt2.model import GPT2
 
     m = GPT2.from_pretrained(directory, backend="triton", dtype=dtype)
     return Engine(m, num_blocks=256, max_num_seqs=1, cuda_graphs=True, **kw)
 
 
 def _engine_run(eng, prompt, new):
-    from tritune.model.scheduler import SamplingParams
+    from tritune.model.engine.scheduler import SamplingParams
 
     sync()
     t0 = time.perf_counter()
@@ -103,7 +103,7 @@ def _kernel_table(eng, prompt, new):
     """[(kernel name, launches per decode token, GPU us per decode token)] of one request's decode."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tritune.model.scheduler import SamplingParams
+    from tritune.model.engine.scheduler import SamplingParams
 
     eng.add_request(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
     eng.step()                      # the prefill, outside the trace
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         directory = tempfile.mkdtemp(prefix="gpt2-small-random-")
         GPT2LMHeadModel(GPT2Config()).save_pretrained(directory)   # GPT-2 small's sizes, random weights
-    from tritune.model.config import GPT2Config as Cfg
+    from tritune.model.gpt2.config import GPT2Config as Cfg
 
     cfg = Cfg.from_file(Path(directory) / "config.json")
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
         results[method] = runs
         print(f"{method}: decode tok/s {[round(r['decode_tok_s'], 1) for r in runs]}", file=sys.stderr, flush=True)
 
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     rows, summary = [], {}
     ref = results.get("transformers", [{}])[0].get("tokens")

@@ -20,7 +20,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ptx_same  # noqa: E402
 from tritune.kernels import gemm as G  # noqa: E402
-from tritune.tuning import store  # noqa: E402
+from tritune.kernels.runtime import store  # noqa: E402
 
 SMS = 132
 

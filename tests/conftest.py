@@ -14,11 +14,11 @@ A fast suite (``python -m pytest -n auto``, slow tests deselected by pyproject's
 import json
 import os
 
-import tritune.harness  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tritune.harness import device as dev
+from tritune.kernels.runtime import device as dev
 
 # The interpreter runs every program instance in Python: few, small examples. On a GPU: many, larger.
 settings.register_profile("interpreter", max_examples=int(os.environ.get("TRITUNE_EXAMPLES", 12)),

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tritune import kernels as K
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 from tritune.kernels import attention as A
 from tritune.references import attention as ref
 
@@ -261,7 +261,7 @@ def test_launch_plan_cache():
     K.clear_config_cache()  # as a store reload does: the cached plan must pick the config again
     A.attention(q, k, v, causal=True, scale=1)
     lookup = A.SPEC.config_key(p, torch.float32)
-    assert any(pl.cfg is K._CONFIG_CACHE[lookup] for pl in A._PLANS.values() if pl.cfg_key == lookup)
+    assert any(pl.cfg is K.CONFIG_CACHE[lookup] for pl in A._PLANS.values() if pl.cfg_key == lookup)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Batch-invariant mode (Engine(..., batch_invariant=True), tritune.model.invariant): every request's
+"""Batch-invariant mode (Engine(..., batch_invariant=True), tritune.model.engine.invariant): every request's
 logits, and so its token ids, bit for bit those it gets alone, whatever shares its steps, with
 preemption (recompute by prefill) forced; a token's logits the same prefilled or decoded.
 
 CPU: the torch backend (whose own fp32 addmm follows M: the default mode differs, checked below) and
 the triton backend through the interpreter (fp32: the interpreter's bf16 dot is wrong). GPU: 64 requests
 of random lengths, greedy and seeded sampling, bf16 / fp32 / int4, CUDA graphs on."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 import contextlib
 import random
@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from tritune.model import invariant
-from tritune.model.engine import Engine
-from tritune.model.scheduler import SamplingParams
+from tritune.model.engine import invariant
+from tritune.model.engine.engine import Engine
+from tritune.model.engine.scheduler import SamplingParams
 from tests.test_engine import VOCAB, tiny_model
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (64 requests on the real model)")
@@ -251,7 +251,7 @@ def test_triton_ln_linear_is_layer_norm_then_linear_and_row_invariant(monkeypatc
     each tile's edges; the interpreter runs a launch in Python); the
     cache holds exactly the k, v columns of the output at each row's slot (split-K: every slice computes
     the rows' statistics itself)."""
-    from tritune.harness import compare as cmp
+    from tritune.kernels.runtime import compare as cmp
     from tritune.references.gemm import gemm as ref_gemm
 
     monkeypatch.setattr(invariant, "SLICE_K_TILES", slice_k_tiles)
@@ -367,8 +367,8 @@ def test_pinned_configs_do_not_depend_on_rows():
 # GPU
 # ---------------------------------------------------------------------------------------------------
 def _gpu_model(dtype):
-    from tritune.model.cli import default_model_dir
-    from tritune.model.gpt2 import GPT2
+    from tritune.model.load import default_model_dir
+    from tritune.model.gpt2.model import GPT2
 
     d = default_model_dir()
     if d is None:
@@ -408,8 +408,8 @@ def test_generate_cli_deterministic_matches_a_batched_engine():
     import subprocess
     import sys
 
-    from tritune.model.cli import default_model_dir
-    from tritune.model.gpt2 import GPT2
+    from tritune.model.load import default_model_dir
+    from tritune.model.gpt2.model import GPT2
     from tritune.model.tokenizer import Tokenizer
 
     d = default_model_dir()

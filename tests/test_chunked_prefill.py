@@ -1,12 +1,12 @@
 """Chunked prefill on a tiny random GPT-2 (CPU, fp32): long prompts computed a chunk per step beside the
 running decodes give exactly the tokens of an unchunked run (greedy, and seeded sampling: a request draws
 only once its last chunk is in), with and without the prefix cache; the kernels through the interpreter."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 import pytest
 
-from tritune.model.engine import Engine
-from tritune.model.scheduler import SamplingParams
+from tritune.model.engine.engine import Engine
+from tritune.model.engine.scheduler import SamplingParams
 from tests.test_engine import alone, prompts, tiny_model
 
 

@@ -1,7 +1,7 @@
 """The serving engine on a tiny random GPT-2 (CPU, fp32, torch backend mostly; one triton-backend run
 through the interpreter): continuous batching changes no request's greedy output, blocks never leak,
 bad requests are refused without disturbing the others, preemption recomputes to the same outputs."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 import queue
 from dataclasses import replace
@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tritune.model import weights as W
-from tritune.model.config import GPT2Config
-from tritune.model import gpt2 as G
-from tritune.model.engine import Engine
-from tritune.model.gpt2 import GPT2
-from tritune.model.quant import quantize_weights
-from tritune.model.runner import forward_step
-from tritune.model.scheduler import ContextLimitError, SamplingParams
+from tritune.model.gpt2 import weights as W
+from tritune.model.gpt2.config import GPT2Config
+from tritune.model.gpt2 import model as G
+from tritune.model.engine.engine import Engine
+from tritune.model.gpt2.model import GPT2
+from tritune.model.quant.ops import quantize_weights
+from tritune.model.engine.runner import forward_step
+from tritune.model.engine.scheduler import ContextLimitError, SamplingParams
 
 VOCAB = 101
 
@@ -396,7 +396,7 @@ def test_cuda_graph_multi_step_engine_equals_alone():
 def test_step_out_argmax_takes_the_first_maximum_across_chunks():
     """The step's argmax runs in several programs per row: a maximum tied across chunks must give the
     first index (torch.argmax's), a padding row (pos -1) must stay as it is, and the tickets end at zero."""
-    from tritune.model import graphs as E
+    from tritune.model.engine import graphs as E
 
     dev, V, chunks, block = STEP_DEVICE, 100, 4, 32
     logits = torch.randn(3, V, device=dev)
@@ -422,7 +422,7 @@ def test_compile_log_names_each_jit_compile_and_restores_the_hook():
     by name) and the run says so; the previous hook is back afterwards."""
     import triton
 
-    from tritune.model.serve import CompileLog
+    from tritune.model.bench.serve_bench import CompileLog
 
     class _JF:
         arg_names = ["X", "N", "MODE"]
@@ -498,8 +498,8 @@ class _FakeStep:
 def test_no_compiles_names_the_kernel_and_restores_the_hook():
     import triton
 
-    from tritune.model.graphs import CompileInCapture, no_compiles
-    from tritune.model.serve import CompileLog
+    from tritune.model.engine.graphs import CompileInCapture, no_compiles
+    from tritune.model.bench.serve_bench import CompileLog
 
     before = triton.knobs.runtime.jit_cache_hook
     with CompileLog() as log:
@@ -517,7 +517,7 @@ def test_prepare_capture_warms_the_pdl_variants_and_refuses_what_would_compile()
     capture compiles nothing; without forcing, the capture would have met the PDL variants (the crash this
     guards against); a variant that keeps changing is refused by the dry pass, before any capture."""
     from tritune import kernels as K
-    from tritune.model.graphs import CompileInCapture, no_compiles, prepare_capture
+    from tritune.model.engine.graphs import CompileInCapture, no_compiles, prepare_capture
 
     if not K.PDL:
         pytest.skip("TRITUNE_PDL=0: no PDL variants")
@@ -547,9 +547,9 @@ def test_graphs_stress_many_generations_and_engines_in_one_process():
     """generate() calls and engines with CUDA graphs, one process: prompt lengths, greedy and seeded
     sampling, bf16 / fp16 / fp32 and int4 weights (each a capture of its own); every call finishes and
     the CUDA context stays healthy (a capture that compiled inside itself used to invalidate it)."""
-    from tritune.model.cli import default_model_dir
-    from tritune.model.generate import generate
-    from tritune.model.quant import quantize_model
+    from tritune.model.load import default_model_dir
+    from tritune.model.engine.generate import generate
+    from tritune.model.quant.ops import quantize_model
 
     models = {dt: tiny_model("triton", n_layer=2, n_embd=128, n_head=2, n_positions=256, device="cuda", dtype=dt)
               for dt in (torch.bfloat16, torch.float16, torch.float32)}
@@ -601,7 +601,7 @@ def test_serve_bench_progress_and_cpu_defaults(monkeypatch):
     import argparse
     import sys
 
-    from tritune.model import serve as S
+    from tritune.model.bench import serve_bench as S
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
     assert S.progress(10, "run", show=True).disable

@@ -1,11 +1,11 @@
 """The fused decode step (one persistent launch per step: tritune.kernels.fused_decode through
-tritune.model.fused_decode): its logits and K/V writes equal today's per-op decode (and the float64
+tritune.model.engine.fused_decode): its logits and K/V writes equal today's per-op decode (and the float64
 reference) within the harness tolerance; a missing dependency between stages is caught; the engine takes
 it when asked and then generates the same tokens.
 
 Interpreter: small GPT-2s, one launch per stage (programs run one after another there). GPU: the
 persistent launch with its grid barriers, up to 48 layers, width 1600 and full contexts."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 import copy
 from dataclasses import replace
@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tritune.harness import device as dev
-from tritune.harness.compare import poison, rel_error, tolerance
-from tritune.model.fused_decode import FusedDecode, choose, fused_model, why_not
-from tritune.model.gpt2 import PagedKVCache
+from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime.compare import poison, rel_error, tolerance
+from tritune.model.engine.fused_decode import FusedDecode, choose, fused_model, why_not
+from tritune.model.gpt2.model import PagedKVCache
 from tritune.references.fused_decode import fused_decode as reference
 
 DEVICE = "cpu" if dev.interpreted() else "cuda"
@@ -24,7 +24,7 @@ DEVICE = "cpu" if dev.interpreted() else "cuda"
 
 def random_model(n_layer, n_embd, n_head, *, n_positions=64, vocab=101, dtype=torch.float32, seed=0):
     """Random GPT-2 weights, wide enough that logits differ from token to token (``tritune tune-decode``'s)."""
-    from tritune.model.fused_tune import random_model as rm
+    from tritune.model.engine.fused_tune import random_model as rm
 
     return rm(n_layer, n_embd, n_head, dtype, DEVICE, n_positions=n_positions, vocab=vocab, seed=seed)
 
@@ -198,8 +198,8 @@ def test_stage_prefix_runs_only_those_stages():
 
 
 def test_engine_tokens_same_with_fused_decode():
-    from tritune.model.engine import Engine
-    from tritune.model.scheduler import SamplingParams
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
 
     m = random_model(2, 64, 2, seed=3)
     outs = []
@@ -318,8 +318,8 @@ def test_gpu_missing_barrier_gives_wrong_logits():
 def test_gpu_engine_graphs_same_tokens():
     """The engine's CUDA graphs around the fused step (batch buckets 1..8) decode the same greedy tokens
     as the per-op step."""
-    from tritune.model.engine import Engine
-    from tritune.model.scheduler import SamplingParams
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
 
     m = random_model(6, 384, 6, n_positions=256, vocab=5000, dtype=torch.float32, seed=11)
     g = torch.Generator().manual_seed(0)
@@ -344,7 +344,7 @@ def test_tune_decode_verifies_records_failures_and_stores(tmp_path, monkeypatch,
 
     from tritune.harness.cli import main
     from tritune.kernels.fused_decode import Config
-    from tritune.model import fused_tune
+    from tritune.model.engine import fused_tune
 
     real = fused_tune.candidates
     monkeypatch.setattr(fused_tune, "candidates",

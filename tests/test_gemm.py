@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 from tritune.kernels import gemm as G
 
 DEV = dev.device()
@@ -404,7 +404,7 @@ def test_gpu_fused_gpt2_rows_bitwise_alone_and_batched():
     # the batch-invariant mode's pinned configs in bf16 on GPT-2 small's fused linears: a row gives the same
     # bits alone and in a 37-row batch, repeated launches (direct, after the first) read each call's data,
     # and the qkv product writes the cache exactly
-    from tritune.model import invariant
+    from tritune.model.engine import invariant
 
     for p in G._gpt2_fused(37):
         cfg = invariant.gemm_config(p.N, p.K, p.trans_b, p.bias, p.act, False, torch.bfloat16, ln=True, kv=p.kv)

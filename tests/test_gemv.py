@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 from tritune.kernels import gemv as G
 from tritune import kernels as K
 
@@ -92,7 +92,7 @@ def test_batched_leading_dims_and_strided_rows():
 def test_decode_on_gemv_matches_the_unfused_ops():
     """The GPT-2 decode step with its linears on gemv (LN and the KV write fused) gives the logits and the
     cache contents of the same step with gemv switched off (layer_norm + gemm + write_kv)."""
-    from tritune.model import gpt2 as GP
+    from tritune.model.gpt2 import model as GP
     import importlib.util
     from pathlib import Path
 

@@ -3,14 +3,14 @@ returns with its device-side steps queued, and the next step reads their tokens.
 work (streaming, detokenizing, printing) then overlaps the GPU instead of following it; no token, finish
 reason or block count may change, aborts while steps are queued included. The device-side step runs
 eagerly (cuda_graphs="eager": the host logic of the captured graphs), on the GPU where there is one."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 import pytest
 
 from tests.test_engine import STEP_DEVICE, VOCAB, alone, prompts, tiny_model
-from tritune.model.engine import Engine
-from tritune.model.generate import engine_for, generate, stream
-from tritune.model.scheduler import SamplingParams
+from tritune.model.engine.engine import Engine
+from tritune.model.engine.generate import engine_for, generate, stream
+from tritune.model.engine.scheduler import SamplingParams
 
 
 @pytest.fixture(scope="module")

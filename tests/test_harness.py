@@ -6,9 +6,9 @@ import torch
 from hypothesis import given
 
 from tritune import kernels
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime import strategies as S
 
 
 def test_wrong_kernel_fails_comparison():

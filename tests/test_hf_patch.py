@@ -22,9 +22,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tritune.harness import compare as cmp  # noqa: E402
-from tritune.harness import device as dev  # noqa: E402
-from tritune.model import hf_patch  # noqa: E402
+from tritune.kernels.runtime import compare as cmp  # noqa: E402
+from tritune.kernels.runtime import device as dev  # noqa: E402
+from tritune.model import patch as hf_patch  # noqa: E402
 
 DEVICE = dev.device()
 TINY = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=2)

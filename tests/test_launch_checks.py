@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tritune import kernels as K
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 from tritune.kernels import attention as A
 from tritune.kernels import gelu as GE
 from tritune.kernels import gemm as G
@@ -107,7 +107,7 @@ def test_attention_paged_and_quant_refuse_out_aliasing():
 
 
 def test_invalid_stored_config_is_reported_once_and_not_used(monkeypatch):
-    from tritune.tuning import store
+    from tritune.kernels.runtime import store
 
     p = G.Problem(9, 24, 40)
     bucket = K.bucket_key(G.bucket(p))
@@ -134,7 +134,7 @@ def test_invalid_stored_config_is_reported_once_and_not_used(monkeypatch):
 def test_neighbouring_bucket_config_that_does_not_fit_is_not_reported(monkeypatch):
     """The nearest-bucket fallback may hand a sound config that does not fit this problem (a tile larger
     than it): the default runs, and there is nothing to report about the store."""
-    from tritune.tuning import store
+    from tritune.kernels.runtime import store
 
     p = G.Problem(3, 24, 40)
     neighbour = dict(G.default_config(p, torch.float32), BLOCK_M=64)  # valid values, too large for M=3

@@ -3,16 +3,16 @@
 captured step beside the decodes. Greedy fp32 tokens equal those of the eager prefill path and of each
 request alone; every block comes back. On the CPU the device-side step runs without capture
 (cuda_graphs="eager"), on the torch ops and on the Triton kernels through the interpreter."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 import collections
 
 import pytest
 import torch
 
-from tritune.model.engine import Engine
-from tritune.model.runner import prefill_buckets
-from tritune.model.scheduler import SamplingParams
+from tritune.model.engine.engine import Engine
+from tritune.model.engine.runner import prefill_buckets
+from tritune.model.engine.scheduler import SamplingParams
 from tests.test_engine import STEP_DEVICE, VOCAB, alone, prompts, tiny_model
 
 GRAPH_PATHS = ("graph-mixed", "graph-prefill")
@@ -126,7 +126,7 @@ def test_chunks_beside_decodes_stay_on_graph(model, work):
     whole budget. With ``graph_prefill_work``, the rows' context positions (each row reads its context)
     stay within it, past the one row a step always gets. Tokens equal the eager-prefill engine's and each
     alone; every block comes back."""
-    from tritune.model.scheduler import _work
+    from tritune.model.engine.scheduler import _work
 
     ps = prompts(4, seed=51, lo=24, hi=44)
     news = [9, 12, 5, 7]
@@ -272,9 +272,9 @@ def test_serving_paged_config_splits_long_rows():
     """The engine's decode attention keeps a KV partition of at most SERVING_PARTITION tokens whatever the
     tuned entry says (its rows' lengths differ: unsplit, the longest row is the kernel's time), valid for
     the kernel's space, and still equal to the reference over rows of very different lengths."""
-    from tritune.harness import compare as cmp
+    from tritune.kernels.runtime import compare as cmp
     from tritune.kernels import paged_attention as PA
-    from tritune.model import gpt2 as G
+    from tritune.model.gpt2 import model as G
 
     assert G.serving_paged_config(4, 2, 2, 16, 128, 16, torch.float32) is None     # one chunk holds it all
     for B in (1, 8, 64, 256):

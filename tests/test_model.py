@@ -17,21 +17,21 @@ import contextlib
 import json
 import shutil
 
-import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
 import pytest
 import torch
 
-from tritune.harness import device as dev
-from tritune.harness.compare import rel_error, tolerance
+from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime.compare import rel_error, tolerance
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from tritune.model import gpt2 as G  # noqa: E402
-from tritune.model.config import GPT2Config, UnsupportedModelError  # noqa: E402
-from tritune.model.generate import engine_for, generate, stream  # noqa: E402
-from tritune.model.sampling import check_sampling, sample  # noqa: E402
-from tritune.model.scheduler import ContextLimitError  # noqa: E402
+from tritune.model.gpt2 import model as G  # noqa: E402
+from tritune.model.gpt2.config import GPT2Config, UnsupportedModelError  # noqa: E402
+from tritune.model.engine.generate import engine_for, generate, stream  # noqa: E402
+from tritune.model.engine.sampling import check_sampling, sample  # noqa: E402
+from tritune.model.engine.scheduler import ContextLimitError  # noqa: E402
 from tritune.model.tokenizer import Tokenizer  # noqa: E402
 
 GPU = not dev.interpreted() and torch.cuda.is_available()
@@ -355,8 +355,8 @@ def test_prompt_longer_than_context(checkpoints):
 def test_context_limit_is_the_engines(checkpoints):
     """prompt + max_new_tokens must fit n_positions: generate() refuses what the engine refuses, with the
     same error, instead of stopping early; at the limit it runs to max_new_tokens."""
-    from tritune.model.engine import Engine
-    from tritune.model.scheduler import SamplingParams
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
 
     m = load(checkpoints["odd"][0], "torch")
     P = m.config.n_positions
@@ -580,7 +580,7 @@ def test_backend_report_and_unsupported_head_dim(tmp_path):
 
 
 def test_sampling_defaults_come_from_generation_config(tmp_path):
-    from tritune.model import cli as mcli
+    from tritune.model import load as mcli
 
     assert mcli.sampling_defaults(tmp_path) == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # no file: greedy
     (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.8, "top_k": 50}')

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 from tritune.kernels import paged_attention as pa
 from tritune.references import paged_attention as ref
 

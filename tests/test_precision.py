@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tritune import kernels as K
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 from tritune.kernels import attention as A
 from tritune.kernels import gemm as G
 from tritune.kernels import paged_attention as PA
@@ -85,7 +85,7 @@ def test_attention_and_paged_launches_follow_the_setting(precision):
 
 
 def test_store_lookup_is_keyed_by_precision(precision, monkeypatch):
-    from tritune.tuning import store
+    from tritune.kernels.runtime import store
 
     asked = []
     monkeypatch.setattr(store, "lookup", lambda kernel, bucket, dtype, *a, **k: asked.append(dtype))
@@ -118,7 +118,7 @@ def test_fp32_highest_matches_float64_at_ieee_tolerance(precision, name):
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(not dev.interpreted(), reason="interpreter only")
 def test_interpreter_bf16_arithmetic_is_right():
-    from tritune.kernels import _interpret_bf16 as I
+    from tritune.kernels.runtime import interpret_bf16 as I
 
     assert I.check() is None
     x = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -2.5, float("inf"), 1e-40])  # ties, sign, inf, subnormal
@@ -132,7 +132,7 @@ def test_interpreter_bf16_arithmetic_is_right():
 
 @pytest.mark.skipif(not dev.interpreted(), reason="interpreter only")
 def test_interpreter_bf16_refused_clearly_when_it_cannot_be_computed(monkeypatch):
-    from tritune.kernels import _interpret_bf16 as I
+    from tritune.kernels.runtime import interpret_bf16 as I
 
     monkeypatch.setattr(I, "check", lambda: "a probe said so")
     a = torch.randn(4, 8).bfloat16()
@@ -155,7 +155,7 @@ def greedy_against_transformers(tmp_path, device, n_layer, n_embd, n_head, vocab
     a decode step's logits against fp64, the same for a teacher-forced prefill of the whole sequence)."""
     import transformers
 
-    from tritune.model import gpt2 as M
+    from tritune.model.gpt2 import model as M
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=1024, vocab_size=vocab,

@@ -2,14 +2,14 @@
 interpreter): requests that share a prefix skip its prefill and still produce exactly the tokens they
 produce alone; blocks never leak (finish, abort, a failed step); cached blocks are evicted under pressure;
 two requests admitted in one step share the blocks the first one computes in that step."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 import pytest
 import torch
 
-from tritune.model.engine import Engine
-from tritune.model.kv_cache import BlockPool, BlockTable
-from tritune.model.scheduler import SamplingParams
+from tritune.model.engine.engine import Engine
+from tritune.model.engine.kv_cache import BlockPool, BlockTable
+from tritune.model.engine.scheduler import SamplingParams
 from tests.test_engine import VOCAB, alone, tiny_model
 
 

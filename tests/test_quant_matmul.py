@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 from tritune.kernels import quant_matmul as QM
 from tritune.references import quant as Q
 from tritune.references import quant_matmul as ref

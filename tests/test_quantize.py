@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tritune.harness.cli import main as cli
-from tritune.model import hf_quant as HQ
-from tritune.model import quantize as QZ
-from tritune.model import weights as W
-from tritune.model.gpt2 import GPT2
+from tritune.model.quant import hf as HQ
+from tritune.model.quant import quantize as QZ
+from tritune.model.gpt2 import weights as W
+from tritune.model.gpt2.model import GPT2
 from tritune.references import quant as Q
 
 DEFAULT = Path(__file__).resolve().parents[1] / "model" / "default"

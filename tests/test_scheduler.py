@@ -14,8 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tritune.model.kv_cache import BlockPool, BlockTable, OutOfBlocks, block_tables_tensor
-from tritune.model.scheduler import RUNNING, WAITING, SamplingParams, Scheduler
+from tritune.model.engine.kv_cache import BlockPool, BlockTable, OutOfBlocks, block_tables_tensor
+from tritune.model.engine.scheduler import RUNNING, WAITING, SamplingParams, Scheduler
 
 EOS = 0
 

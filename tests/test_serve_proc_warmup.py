@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-from tritune.model import runner as R
-from tritune.model import weights as W
-from tritune.model.engine import Engine
-from tritune.model.gpt2 import GPT2, GPT2Config
-from tritune.model.graphs import DecodeGraphs
-from tritune.model.scheduler import SamplingParams
+from tritune.model.engine import runner as R
+from tritune.model.gpt2 import weights as W
+from tritune.model.engine.engine import Engine
+from tritune.model.gpt2.model import GPT2, GPT2Config
+from tritune.model.engine.graphs import DecodeGraphs
+from tritune.model.engine.scheduler import SamplingParams
 
 V = 512
 

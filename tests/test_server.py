@@ -1,7 +1,7 @@
 """``tritune serve`` on a real socket: uvicorn in a thread (the CLI in a subprocess once) on a free port of
 127.0.0.1, driven with the official ``openai`` client and ``httpx``. The packaged checkpoint, torch backend,
 fp32 on the CPU. Every greedy output is checked against the same request through an in-process Engine."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 import asyncio
 import json
@@ -22,11 +22,11 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
-from tritune.model.cli import default_model_dir  # noqa: E402
-from tritune.model.engine import Engine  # noqa: E402
-from tritune.model.gpt2 import GPT2  # noqa: E402
-from tritune.model.scheduler import SamplingParams  # noqa: E402
-from tritune.model.server import TextOut, create_app  # noqa: E402
+from tritune.model.load import default_model_dir  # noqa: E402
+from tritune.model.engine.engine import Engine  # noqa: E402
+from tritune.model.gpt2.model import GPT2  # noqa: E402
+from tritune.model.engine.scheduler import SamplingParams  # noqa: E402
+from tritune.model.serve.server import TextOut, create_app  # noqa: E402
 from tritune.model.tokenizer import Tokenizer  # noqa: E402
 
 NAME = "tiny"
@@ -72,9 +72,9 @@ ENGINE_KW = dict(num_blocks=600, block_size=16, max_num_seqs=64, cuda_graphs=Fal
 
 def engine_process(**engine_kw):
     """The packaged model's engine (torch backend, fp32) in a process of its own."""
-    from tritune.model.serve_proc import EngineProcess
+    from tritune.model.serve.proc import EngineProcess
 
-    return EngineProcess("tritune.model.serve_proc:gpt2_engine", {
+    return EngineProcess("tritune.model.serve.proc:gpt2_engine", {
         "model": str(default_model_dir()), "backend": "torch", "dtype": "float32", "engine": engine_kw})
 
 
@@ -586,7 +586,7 @@ def test_gpu_graph_engine_serves_concurrent_streams(mode):
     """The GPU path: triton backend, CUDA graphs, several greedy decode steps per host sync (tokens arrive
     in bursts). 64 concurrent streams of exact lengths, no errors, every block back, the graph path used;
     the engine in a thread of the server or in an engine process."""
-    from tritune.model.serve_proc import EngineProcess
+    from tritune.model.serve.proc import EngineProcess
 
     kw = dict(max_num_seqs=64, kv_memory_fraction=0.05, cuda_graphs=True)
     tok = Tokenizer.from_dir(default_model_dir())
@@ -594,7 +594,7 @@ def test_gpu_graph_engine_serves_concurrent_streams(mode):
         model = GPT2.from_pretrained(default_model_dir(), backend="triton", dtype=torch.bfloat16)
         engine = Engine(model, tokenizer=tok, **kw)
     else:
-        engine = EngineProcess("tritune.model.serve_proc:gpt2_engine", {
+        engine = EngineProcess("tritune.model.serve.proc:gpt2_engine", {
             "model": str(default_model_dir()), "backend": "triton", "dtype": "bfloat16", "engine": kw})
     ts = ThreadServer(create_app(engine, tok, NAME))
     try:
@@ -633,8 +633,8 @@ def test_gpu_graph_engine_serves_concurrent_streams(mode):
 def _stub_server(rate=20000.0, **kw):
     from tokenizers import Tokenizer as HFTokenizer, models
 
-    from tritune.model.serve_stub import StubEngine
-    from tritune.model.server import create_app
+    from tritune.model.serve.stub import StubEngine
+    from tritune.model.serve.server import create_app
     from tritune.model.tokenizer import Tokenizer
 
     eng = StubEngine(rate=rate, vocab_size=512, n_positions=256, **kw)
@@ -644,8 +644,8 @@ def _stub_server(rate=20000.0, **kw):
 
 @pytest.mark.parametrize("procs", [1, 2])
 def test_stub_engine_over_http_with_client_processes(procs):
-    from tritune.model.http_bench import bench
-    from tritune.model.workload import make_workload
+    from tritune.model.bench.http import bench
+    from tritune.model.bench.workload import make_workload
 
     eng, ts = _stub_server(max_num_seqs=16)
     try:
@@ -689,9 +689,9 @@ def test_engine_process_killed_mid_stream_answers_errors_and_503():
     stays up."""
     from tokenizers import Tokenizer as HFTokenizer, models
 
-    from tritune.model.serve_proc import EngineProcess
+    from tritune.model.serve.proc import EngineProcess
 
-    ep = EngineProcess("tritune.model.serve_proc:stub_engine",
+    ep = EngineProcess("tritune.model.serve.proc:stub_engine",
                        dict(rate=200.0, decode_steps=1, vocab_size=512, n_positions=256, max_num_seqs=8))
     stok = Tokenizer(HFTokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0")))
     ts = ThreadServer(create_app(ep, stok, "stub"))
@@ -732,7 +732,7 @@ def test_a_writer_behind_sends_what_piled_up_as_one_chunk(tok):
     tokens, in order): the chunk rate adapts to what the server can write."""
     from types import SimpleNamespace
 
-    from tritune.model.server import Job, _Format, _stream
+    from tritune.model.serve.server import Job, _Format, _stream
 
     srv = SimpleNamespace(loop=SimpleNamespace(abort=lambda seq: None), model_name=NAME)
     ids = tok.encode(" one two three four five six")
@@ -753,9 +753,9 @@ def test_a_writer_behind_sends_what_piled_up_as_one_chunk(tok):
 def _stub_process_server(**stub):
     from tokenizers import Tokenizer as HFTokenizer, models
 
-    from tritune.model.serve_proc import EngineProcess
+    from tritune.model.serve.proc import EngineProcess
 
-    ep = EngineProcess("tritune.model.serve_proc:stub_engine",
+    ep = EngineProcess("tritune.model.serve.proc:stub_engine",
                        dict(vocab_size=512, n_positions=256, max_num_seqs=8, **stub))
     stok = Tokenizer(HFTokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0")))
     return ep, ThreadServer(create_app(ep, stok, "stub"))
@@ -814,7 +814,7 @@ def test_frame_reader_keeps_a_half_arrived_message():
     import pickle
     import struct
 
-    from tritune.model.serve_proc import _Frames
+    from tritune.model.serve.proc import _Frames
 
     a, b = mp.Pipe()
     os.set_blocking(a.fileno(), False)
@@ -839,8 +839,8 @@ def test_engine_process_step_message_is_compact_and_complete():
     and an aborted one end with their reasons; while requests arrive, decode runs are short."""
     from array import array
 
-    from tritune.model.serve_proc import ARRIVAL_STEPS, _Core
-    from tritune.model.serve_stub import StubEngine
+    from tritune.model.serve.proc import ARRIVAL_STEPS, _Core
+    from tritune.model.serve.stub import StubEngine
 
     class Out:
         def __init__(self):

@@ -2,16 +2,16 @@
 draft model and with n-gram lookup, under continuous batching and preemption; rejection sampling keeps
 the target's distribution (a toy bigram target and draft on a 4-token vocabulary, the joint distribution
 of two emitted tokens against the exact one); blocks of both caches come back."""
-import tritune.harness  # noqa: F401  (interpreter switch before anything imports triton)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from tritune.model.engine import Engine
-from tritune.model.scheduler import SamplingParams
-from tritune.model.spec_decode import DraftModelProposer, NgramProposer, acceptance_rate, verify
+from tritune.model.engine.engine import Engine
+from tritune.model.engine.scheduler import SamplingParams
+from tritune.model.engine.spec_decode import DraftModelProposer, NgramProposer, acceptance_rate, verify
 from tests.test_engine import alone, prompts, tiny_model
 
 
@@ -237,7 +237,7 @@ def test_device_speculation_under_preemption_and_context_end(dmodel, ddraft):
 
 def test_device_ngram_proposals_match_the_host_lookup():
     """The lookup kernel proposes what NgramProposer.lookup finds, continued with the match's period."""
-    from tritune.model.spec_decode import _ngram_kernel
+    from tritune.model.engine.spec_decode import _ngram_kernel
 
     g = torch.Generator().manual_seed(3)
     HL, K = 64, 5
@@ -297,9 +297,9 @@ def test_gpu_captured_speculation_equals_plain_greedy():
 
 # ------------------------------------------------------------------------------------ the packaged draft
 def _packaged():
-    from tritune.model.cli import default_model_dir
-    from tritune.model.gpt2 import GPT2
-    from tritune.model.spec_decode import default_draft_dir
+    from tritune.model.load import default_model_dir
+    from tritune.model.gpt2.model import GPT2
+    from tritune.model.engine.spec_decode import default_draft_dir
 
     d = default_model_dir()
     if d is None or not (d / "draft" / "config.json").is_file():
@@ -348,7 +348,7 @@ def test_engine_speculative_draft_by_name_uses_the_packaged_draft():
 
 
 def test_speculative_by_name_errors():
-    from tritune.model.spec_decode import make_proposer
+    from tritune.model.engine.spec_decode import make_proposer
 
     m = tiny_model()                      # no checkpoint directory: no packaged draft
     with pytest.raises(ValueError, match="no packaged draft"):
@@ -384,7 +384,7 @@ def test_train_a_draft_distilled_from_a_teacher(tmp_path):
     import json
 
     from tritune.model import train as T
-    from tritune.model.gpt2 import GPT2
+    from tritune.model.gpt2.model import GPT2
     from tests.test_train import PLAY
 
     data = tmp_path / "texts"

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from tritune import kernels as K
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime import strategies as S
 from tritune.kernels import paged_attention as pa
 from tritune.kernels import quant_matmul as qmm
 from tritune.kernels import torch_ops
@@ -408,8 +408,8 @@ def _engine_compile_matches_alone(monkeypatch, n_layer, n_embd, n_head, ps, news
 
     from tests.test_engine import alone, tiny_model
     from tritune.kernels import paged_attention as pa_mod
-    from tritune.model.engine import Engine
-    from tritune.model.scheduler import SamplingParams
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

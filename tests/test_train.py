@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tritune.model import train as T
-from tritune.model.gpt2 import GPT2
+from tritune.model.gpt2.model import GPT2
 from tritune.model.tokenizer import Tokenizer
 
 PLAY = """ACT I.
@@ -105,8 +105,8 @@ def test_oversized_model_is_refused(tmp_path):
 
 
 def test_packaged_default_checkpoint_loads_and_generates():
-    from tritune.model.cli import default_model_dir
-    from tritune.model.generate import generate
+    from tritune.model.load import default_model_dir
+    from tritune.model.engine.generate import generate
 
     d = default_model_dir()
     if d is None:

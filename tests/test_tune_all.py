@@ -22,7 +22,11 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-from tritune.tuning import budget as tb, cli as tcli, search, store
+from tritune.tuning import budget as tb, search
+
+from tritune.harness.cli import tune as tcli
+
+from tritune.kernels.runtime import store
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # worker processes (spawn) inherit it and import the helpers by name
@@ -653,7 +657,7 @@ def test_precompile_helpers_setting_is_checked(monkeypatch, capsys):
         precompile.helpers_wanted()
     monkeypatch.setenv("TRITUNE_PRECOMPILE", "0")
     assert precompile.helpers_wanted() == 0
-    r = subprocess.run([sys.executable, "-m", "tritune.tuning.cli", "tune", "gelu", "--budget", "1m", "--precompile", "-1"],
+    r = subprocess.run([sys.executable, "-m", "tritune.harness.cli.tune", "tune", "gelu", "--budget", "1m", "--precompile", "-1"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--precompile -1" in r.stderr and "Traceback" not in r.stderr
 
@@ -661,7 +665,7 @@ def test_precompile_helpers_setting_is_checked(monkeypatch, capsys):
 def test_precompile_helpers_on_a_gpu(monkeypatch):
     """On a GPU (not the interpreter) the default is the CPU cores less two, at most 8, at most one per
     10 GiB of GPU memory; the setting wins."""
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
     from tritune.tuning import precompile
 
     monkeypatch.setattr(dev, "interpreted", lambda: False)

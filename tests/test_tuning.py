@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from tritune import kernels as K
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
 from tritune.kernels import gelu as gelu_mod
-from tritune.tuning import cli as tcli
-from tritune.tuning import search, store
+from tritune.harness.cli import tune as tcli
+from tritune.tuning import search
+from tritune.kernels.runtime import store
 
 
 @pytest.fixture(autouse=True)
@@ -518,7 +519,7 @@ def test_store_records_the_kernel_source_and_flags_stale_entries(temp_store):
 # User errors of the tuning CLI: one line on stderr, exit 2, no traceback
 # ---------------------------------------------------------------------------------------------------
 def _cli_error(capsys, argv, *words):
-    from tritune.tuning.cli import main
+    from tritune.harness.cli.tune import main
 
     assert main(argv) == 2
     out, err = capsys.readouterr()
@@ -551,7 +552,7 @@ def test_tune_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_parse_duration():
-    from tritune.tuning._args import parse_duration
+    from tritune.kernels.runtime.args import parse_duration
 
     assert parse_duration("30m") == 1800 and parse_duration("1h30m") == 5400 and parse_duration("45") == 45
     assert parse_duration("90s") == 90 and parse_duration("0.5h") == 1800
@@ -589,7 +590,7 @@ def test_user_store_is_layered_over_the_packaged_store(temp_store, tmp_path):
 
 
 def test_configs_shows_the_store_and_marks_invalid_entries(temp_store, tmp_path, capsys):
-    from tritune.tuning.cli import main
+    from tritune.harness.cli.tune import main
 
     ok = {"BLOCK": 256, "num_warps": 2, "EVICT": False}
     _store_file(tmp_path / "packaged", "gelu", [

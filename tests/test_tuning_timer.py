@@ -11,10 +11,11 @@ import optuna
 import pytest
 import torch
 
-import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
 from tritune import kernels as K
 from tritune.harness import bench
-from tritune.tuning import budget as tb, search, store
+from tritune.tuning import budget as tb, search
+from tritune.kernels.runtime import store
 
 ROOT = Path(__file__).resolve().parents[1]
 

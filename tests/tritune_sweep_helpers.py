@@ -22,7 +22,8 @@ import torch
 from optuna.trial import TrialState
 
 from tritune import kernels as K
-from tritune.tuning import search, store
+from tritune.tuning import search
+from tritune.kernels.runtime import store
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,9 @@ import statistics
 import sys
 import time
 
-from tritune.tuning import precompile, search, store
+from tritune.tuning import precompile, search
+
+from tritune.kernels.runtime import store
 
 RETIME_ROUNDS = 5
 RETIME_MAX = 6       # configs re-timed side by side per study (see front_runners)
@@ -792,7 +794,7 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
     type warmed from); each row is the study's stats plus ``seed_us``, ``retimed`` and ``ledger``."""
     import optuna
 
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     if patience < 1:
         raise ValueError(f"patience: expected at least 1, got {patience!r}")
@@ -1124,7 +1126,7 @@ def _stop_label(row: dict) -> str:
 def plan_as_gpu(specs, problems, dtypes, slug: str, log=None) -> list:
     """The plan a GPU would run (its standard problems, every dtype), also from a CPU: for ``--dry-run
     --as-gpu``. The spaces' constraints read the interpreter's limits (an H100's shared memory)."""
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     real = dev.interpreted
     dev.interpreted = lambda: False  # plan() picks standard problems and keeps every dtype on a GPU
@@ -1159,7 +1161,7 @@ def dry_run(kernels_, budget_s: float, *, storage=None, dtypes=None, problems=No
     import optuna
     from tabulate import tabulate
 
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     log = log or (lambda m: None)
     slug = as_gpu or slug or dev.gpu_slug()

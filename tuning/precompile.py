@@ -44,7 +44,7 @@ def helpers_wanted() -> int:
     and at most one per ``GIB_PER_HELPER`` GiB of GPU memory (each holds a CUDA context and the inputs of
     its last few studies, which must not crowd out the sweep's own trials: 7 on an 80 GB H100, 8 on an
     H200, 2 on a 24 GB card); none under the interpreter or without a GPU."""
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     raw = os.environ.get(ENV, "").strip()
     n = None
@@ -90,7 +90,7 @@ def compile_task(task) -> tuple[str, str | None]:
     try:
         import torch
 
-        from tritune.harness import device as dev
+        from tritune.kernels.runtime import device as dev
 
         if task.fp32_precision and torch.get_float32_matmul_precision() != task.fp32_precision:
             torch.set_float32_matmul_precision(task.fp32_precision)  # a launcher may pick TF32 by it

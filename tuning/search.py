@@ -167,7 +167,7 @@ class Evaluator:
     def __call__(self, task: Task) -> dict:
         import torch
 
-        from tritune.harness import device as dev
+        from tritune.kernels.runtime import device as dev
 
         try:
             return self._evaluate(task)
@@ -185,7 +185,11 @@ class Evaluator:
     def _evaluate(self, task: Task) -> dict:
         import torch
 
-        from tritune.harness import bench, compare as cmp, device as dev
+        from tritune.harness import bench
+
+        from tritune.kernels.runtime import compare as cmp
+
+        from tritune.kernels.runtime import device as dev
 
         spec = task.spec_or_lookup()
         problem, dtype, config = task.problem, task.dtype, dict(task.config)
@@ -264,7 +268,7 @@ def _serve(conn, evaluate) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
-    import tritune.harness  # noqa: F401  (interpreter switch before triton loads)
+    import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
 
     conn.send({"ready": True, "pid": os.getpid()})
     while True:
@@ -405,7 +409,7 @@ def make_runner(evaluate: Callable | None, isolation: str = "auto", env: dict | 
 # Storage, names, samplers
 # ---------------------------------------------------------------------------------------------------
 def default_storage() -> str:
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     return os.environ.get("TRITUNE_STUDIES") or str(dev.cache_dir() / "tuning-studies.journal")
 
@@ -474,7 +478,7 @@ def check_seed_configs(specs, configs) -> None:
 
 
 def dtype_name(dtype) -> str:
-    from tritune.tuning.store import dtype_name as name
+    from tritune.kernels.runtime.store import dtype_name as name
 
     return name(dtype)
 
@@ -568,7 +572,7 @@ def resolve_specs(kernels_) -> list:
 
 def plan(specs, problems=None, dtypes=None, slug: str | None = None, log=None) -> list[Job]:
     """One job per (kernel, bucket, dtype): the first given problem of each bucket is the one tuned."""
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     slug = slug or dev.gpu_slug()
     log = log or (lambda msg: None)
@@ -740,7 +744,7 @@ def reap(study, window: float) -> int:
 
 def code_version(kernel: str) -> str | None:
     """The kernel's jitted-code hash (``store.source_hash``): each evaluated trial records it."""
-    from tritune.tuning import store
+    from tritune.kernels.runtime import store
 
     return store.source_hash(kernel)
 
@@ -935,7 +939,7 @@ def _ensure_previous(study, job: Job) -> None:
     """Enqueue the store's entry for the job's bucket (once), stale or not: after an edit to the kernel's
     code, the config that won on the code before is the likeliest winner still, so the study times it
     again on the current code rather than hoping its sampler finds it."""
-    from tritune.tuning import store
+    from tritune.kernels.runtime import store
 
     try:
         prev = store.entry_config(job.spec.name, job.bucket, job.key, job.slug)
@@ -1054,8 +1058,8 @@ def export(storage=None, kernels_=None, slug: str | None = None, root: Path | st
     """Write ``<root>/<slug>/<kernel>.json`` (store format) from the studies: per bucket and dtype the
     best verified config, its time, the default's time, trials used and failed."""
     from tritune import kernels
-    from tritune.harness import device as dev
-    from tritune.tuning import store
+    from tritune.kernels.runtime import device as dev
+    from tritune.kernels.runtime import store
 
     storage = open_storage(storage)
     slug = slug or dev.gpu_slug()
@@ -1158,7 +1162,7 @@ def _sweep(jobs: list[Job], *, storage, sampler: str, trials: int, deadline: flo
 
 def _sweep_entry(jobs_data, kwargs, evaluate, isolation, timeout) -> None:
     """A ``--workers`` process: rebuild the jobs by kernel name and sweep with its own evaluator."""
-    import tritune.harness  # noqa: F401
+    import tritune.kernels.runtime  # noqa: F401
     from tritune import kernels
 
     jobs = [Job(kernels.get(k), p, d, slug) for k, p, d, slug in jobs_data]
@@ -1172,7 +1176,7 @@ def _sweep_entry(jobs_data, kwargs, evaluate, isolation, timeout) -> None:
 
 
 def visible_gpus() -> list[str]:
-    from tritune.harness import device as dev
+    from tritune.kernels.runtime import device as dev
 
     if dev.interpreted():
         return []
@@ -1372,7 +1376,9 @@ def compare_samplers(kernels_, problems=None, dtypes=None, *, storage=None, repe
     import optuna
     import statistics
 
-    from tritune.harness import bench, device as dev
+    from tritune.harness import bench
+
+    from tritune.kernels.runtime import device as dev
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     slug = slug or dev.gpu_slug()

@@ -24,9 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tritune import kernels
-from tritune.harness import compare as cmp
-from tritune.harness import device as dev
-from tritune.harness import strategies as S
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime import strategies as S
 from tritune.testing import pytest_plugin
 
 # Interpreter problems stay small: every program instance runs in Python.

@@ -1,0 +1,1 @@
+"""Serving benchmarks: workloads, the in-process and HTTP load generators."""

@@ -1,0 +1,502 @@
+"""The serving engine's request loop: requests in, one step at a time, tokens out.
+
+Each :meth:`Engine.step`:
+
+1. ``schedule()`` picks the step's work (:mod:`~tritune.model.engine.scheduler`): one decode token for every
+   running sequence, plus whole prefills of newly admitted (or preempted, recomputed) requests while
+   blocks and the token budget last.
+2. The model runner (:mod:`~tritune.model.engine.runner`) runs it: one forward, or, when the step only decodes,
+   the device-side decode step (CUDA graphs, :mod:`~tritune.model.engine.graphs`) up to ``decode_steps`` times
+   back to back with one host sync (greedy tokens picked on the device, sampled ones drawn there
+   between replays).
+3. Sampling (:mod:`~tritune.model.engine.sampling`), then ``update()`` appends the tokens, streams them, and
+   retires finished requests, freeing their blocks; stop strings are checked here, on the text.
+
+Weight-only quantization (``quant="int8" | "int4"``) is a load-time swap (:mod:`~tritune.model.quant.ops`):
+the engine runs the quantized copy of the model it is given, and nothing downstream branches on it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import torch
+
+from tritune.model.quant import ops as Q
+from tritune.model.engine.graphs import DecodeGraphs  # noqa: F401  (re-exported)
+from tritune.model.engine.kv_cache import BlockPool
+from tritune.model.engine.runner import (GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, GRAPH_PREFILL_WORK,  # noqa: F401
+                                  ModelRunner, forward_step)  # (forward_step re-exported)
+from tritune.model.engine.sampling import Sampler, sample  # noqa: F401  (sample re-exported)
+from tritune.model.engine.scheduler import (FINISHED, ContextLimitError, Request, SamplingParams,  # noqa: F401
+                                     Scheduler, SchedulerOutput)
+
+QUANT_MODES = Q.QUANT_MODES
+quantize_weights = Q.quantize_weights
+CPU_KV_BYTES = 256 << 20          # default KV budget without a GPU
+
+
+# ---------------------------------------------------------------------------------------------------
+# Results and streams
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Completion:
+    request_id: object
+    prompt_ids: list
+    token_ids: list
+    finish_reason: str | None
+    text: str | None = None
+    error: str | None = None          # why the request was rejected (generate(..., errors="return"))
+    truncated: int = 0
+    num_preemptions: int = 0
+    ttft_s: float = float("nan")      # arrival -> first token
+    tpot_s: float = float("nan")      # mean time per output token after the first
+    latency_s: float = float("nan")   # arrival -> last token
+
+
+def completion_of(req: Request, tokenizer=None) -> Completion:
+    n = len(req.output_ids)
+    ttft = req.first_token_time - req.arrival_time if req.first_token_time is not None else float("nan")
+    lat = req.finish_time - req.arrival_time if req.finish_time is not None else float("nan")
+    tpot = ((req.finish_time - req.first_token_time) / (n - 1)
+            if n > 1 and req.finish_time is not None and req.first_token_time is not None else float("nan"))
+    text = tokenizer.decode(req.output_ids) if tokenizer is not None else None
+    return Completion(req.id, list(req.prompt_ids), list(req.output_ids), req.finish_reason, text,
+                      repr(req.error) if req.error is not None else None, req.truncated, req.num_preemptions,
+                      ttft, tpot, lat)
+
+
+class TokenStream:
+    """Iterate the tokens of one request as they are sampled; iterating drives ``engine.step()``
+    (which advances every other request too). ``.request`` is the scheduler's Request."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.buffer: deque = deque()
+        self.done = False
+        self.request: Request | None = None
+
+    def __call__(self, req, tok):
+        if tok is None:
+            self.done = True
+        else:
+            self.buffer.append(tok)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        while not self.buffer:
+            if self.done:
+                raise StopIteration
+            self.engine.step()
+        return self.buffer.popleft()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------------
+class Engine:
+    """Continuous-batching GPT-2 serving on a paged KV cache.
+
+    model: a :class:`tritune.model.gpt2.model.GPT2`. The KV pool is sized by exactly one of ``num_blocks``,
+    ``kv_memory_bytes`` or ``kv_memory_fraction`` (of free GPU memory); default 0.5 on a GPU, 256 MiB on
+    the CPU. ``max_batch_tokens``: tokens per step (prefill tokens + one per decode; >= n_positions
+    unless ``enable_chunked_prefill``, which cuts long prompts into chunks run beside the decodes).
+    ``enable_prefix_caching`` (default on): full KV blocks are shared by requests with the same prefix,
+    whose prefill computes only the rest. ``policy``: "fcfs", "priority" (``add_request(...,
+    priority=)``, lower first) or "spf" (shortest prompt first). ``speculative``: a proposer
+    (:mod:`~tritune.model.engine.spec_decode`) whose k draft tokens a step verifies in one forward. ``cuda_graphs``: capture the decode step per batch bucket (CUDA and the
+    triton backend only; otherwise ignored and said in ``notes``; ``"eager"``: the same device-side step
+    without capture). ``decode_steps``: on that path, a step that only decodes runs up to this many
+    steps back to back (the tokens fed back on the device), then reads all their tokens with one sync
+    (1: one step per sync; stop strings, checked on the text, take one step per sync). ``compile``: torch.compile the decode forward instead (dynamic
+    shapes). ``quant``: None, "int8" or "int4" weight-only for every linear (round to nearest; a model
+    quantized beforehand, e.g. by ``tritune.model.quant.ops.with_quantized_weights``, runs as it is).
+    ``batch_invariant``: every kernel's reduction order pinned per request (:mod:`~tritune.model.engine.invariant`):
+    a request's tokens are bitwise those it gets alone, and a token's logits the same prefilled or decoded.
+    ``fused_decode``: True, False or "auto" (default): device-side decode steps of up to 8 rows as one
+    persistent launch (:mod:`~tritune.model.engine.fused_decode`); "auto" takes it where the tuned store says it
+    measured faster on this GPU. ``run_ahead``: a step of decodes only on the device-side step returns with its steps queued on the
+    device, not waited for; the next :meth:`step` reads their tokens first (one sync), then schedules. The
+    caller's work on the tokens a step handed over (streaming them, detokenizing, printing) then overlaps
+    the GPU's next steps instead of leaving it idle (``tritune generate``: about 30 us of host work per
+    token at batch 1, against about 130 us of GPU). A token then reaches its stream one ``step()`` later.
+    ``graph_prefill_tokens`` (default 64): a step with at most this many prefill tokens runs them inside
+    the device-side decode step, beside its decodes (:mod:`~tritune.model.engine.runner`); 0: prefills eager.
+    With chunked prefill, a step that decodes takes at most this many prefill tokens, so that long prompts
+    arrive in chunks that ride in the captured step (a step with no decodes keeps the whole budget).
+    ``graph_prefill_work`` (default 16384; None: no limit): beside decodes, the prefill rows of a step read
+    at most this many context positions in all (a row reads its whole context): a chunk late in a long
+    prompt gets fewer rows, so that step costs about what a decode step costs (H100, GPT-2 small, 32
+    decodes: a 16-row chunk at context 2048 doubled the step's GPU time).
+    ``long_prefill_token_threshold`` (chunked prefill only; default None: off): at most this many tokens of
+    one prompt per step, e.g. ``graph_prefill_tokens`` so that every chunk takes that path.
+    ``path_counts``: how many steps took each path ("graph": decode-only replays, "graph-mixed",
+    "graph-prefill", "graph" beside an eager prefill is "graph+eager", "eager", "mixed", "compile", "spec").
+    """
+
+    def __init__(self, model, *, num_blocks: int | None = None, kv_memory_bytes: int | None = None,
+                 kv_memory_fraction: float | None = None, block_size: int = 16,
+                 max_batch_tokens: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool | str = True,
+                 compile: bool = False, quant: str | None = None, group_size: int = 128, tokenizer=None,
+                 graph_buckets=GRAPH_BUCKETS, prefill_batching: bool | None = None, prefill_min_seats: int | None = None,
+                 prefill_max_wait: int = 8, decode_steps: int = 16, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = False, policy: str = "fcfs", speculative=None, batch_invariant: bool = False,
+                 run_ahead: bool = False, fused_decode="auto", graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS,
+                 graph_prefill_work: int | None = GRAPH_PREFILL_WORK,
+                 long_prefill_token_threshold: int | None = None):
+        Q.check_mode(quant)
+        given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
+                                ("kv_memory_fraction", kv_memory_fraction)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of num_blocks, kv_memory_bytes, kv_memory_fraction (got {given})")
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: expected an int >= 1, got {max_num_seqs!r}")
+        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or not 1 <= decode_steps <= 64:
+            raise ValueError(f"decode_steps: expected an int in [1, 64], got {decode_steps!r}")
+        if cuda_graphs and compile:
+            raise ValueError("cuda_graphs and compile: pick one fast decode path")
+        self.decode_steps = decode_steps
+        self.run_ahead = bool(run_ahead)
+        self._ahead = None      # (out, launched) of decode steps queued by the last step(), tokens not read yet
+        self.config = c = model.config
+        self.device = torch.device(model.device)
+        self.dtype = model.dtype
+        self.tokenizer = tokenizer
+        self.notes: list[str] = []
+        self.block_size = block_size
+        self.max_blocks = math.ceil(c.n_positions / block_size)
+        if quant:
+            model = Q.quantize_model(model, quant, group_size)
+        self.quant = quant or (model.ops.quant if Q.is_quantized(model) else None)
+        if self.quant:
+            self.notes.append(f"{self.quant} linears: {model.ops.steps['linear']}")
+        from tritune.model.engine import invariant
+        # (a model already on invariant ops, e.g. tritune generate --deterministic's, keeps the mode)
+        self.batch_invariant = bool(batch_invariant) or invariant.is_invariant(model)
+        if self.batch_invariant:    # pinned reduction orders (tritune.model.engine.invariant); CUDA graphs kept
+            if compile:
+                raise ValueError("batch_invariant and compile: the compiled decode's reductions follow the batch")
+            model = invariant.invariant_model(model)
+            self.notes.append("batch-invariant: each request's logits independent of what shares its steps")
+
+        memory = None
+        if num_blocks is None:
+            if kv_memory_bytes is not None:
+                memory = int(kv_memory_bytes)
+            elif kv_memory_fraction is not None:
+                memory = float(kv_memory_fraction)
+            else:
+                memory = 0.5 if self.device.type == "cuda" else CPU_KV_BYTES
+        # the prefix cache's keys include what else K/V depend on: the model, its dtype and quantization
+        salt = f"{c}|{getattr(model, 'directory', None)}|{self.dtype}|{self.quant}|{group_size}|{id(model.w)}"
+        self.pool = BlockPool(c.n_layer, c.n_head, c.head_dim, block_size, self.dtype, self.device,
+                              num_blocks=num_blocks, memory=memory, cache_salt=salt)
+        self.scheduler = Scheduler(self.pool, c.n_positions, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_batch_tokens, eos_token_id=c.eos_token_id,
+                                   vocab_size=c.vocab_size, policy=policy,
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   enable_chunked_prefill=enable_chunked_prefill,
+                                   long_prefill_token_threshold=long_prefill_token_threshold)
+        self.max_num_seqs = max_num_seqs
+        self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs, cuda_graphs=cuda_graphs,
+                                  compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps),
+                                  fused_decode=fused_decode, graph_prefill_tokens=graph_prefill_tokens)
+        self.runner.invariant = self.batch_invariant
+        if graph_prefill_work is not None and (isinstance(graph_prefill_work, bool)
+                                               or not isinstance(graph_prefill_work, int) or graph_prefill_work < 1):
+            raise ValueError(f"graph_prefill_work: expected an int >= 1 or None, got {graph_prefill_work!r}")
+        if self.scheduler.chunked and self.runner.graph_prefill_tokens:
+            # chunks beside decodes stay within the captured step's prefill rows (no eager stall)
+            self.scheduler.decode_step_prefill_cap = self.runner.graph_prefill_tokens
+            self.scheduler.decode_step_prefill_work = graph_prefill_work
+        self.notes += self.runner.notes
+        self.sampler = Sampler(self.device)
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,
+                      "multi_steps": 0, "mixed_steps": 0, "preemptions": 0}
+        # host seconds per phase of step() (load/launch/wait: the graph path; forward: the others)
+        self.timings = dict.fromkeys(("schedule_s", "forward_s", "load_s", "launch_s", "wait_s", "update_s"), 0.0)
+        self.timings["tokens"] = 0
+        self.gpu_timing = False     # True: CUDA events time the graph replays (stats["graph_gpu_s"])
+        self.stats["graph_gpu_s"] = 0.0
+        self.path_counts: Counter = Counter()     # steps per path (see the class docstring)
+        # Prefill batching: with a fast decode path, a step that admits requests pays a whole eager forward
+        # for its prefills (launch-bound: about as long as many graph decode steps), so while sequences are
+        # decoding, admit only once enough seats are free for a batch of prefills (or after
+        # prefill_max_wait steps of waiting). Without one, prefills ride in the decode forward: admit at once.
+        self.prefill_batching = self.runner.fast if prefill_batching is None else bool(prefill_batching)
+        self.prefill_min_seats = max(1, max_num_seqs // 8) if prefill_min_seats is None else prefill_min_seats
+        self.prefill_max_wait = prefill_max_wait
+        self._waited = 0
+        self.spec = None
+        if speculative is not None:
+            from tritune.model.engine.spec_decode import SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder(speculative, self)
+
+    @property
+    def model(self):
+        """The model the engine runs (quantized when ``quant`` was given)."""
+        return self.runner.model
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The device-side decode step (captured or eager), or None."""
+        return self.runner.graphs
+
+    # -------------------------------------------------------------------------------------- requests
+    def _ids(self, prompt):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("prompt: text needs a tokenizer (Engine(..., tokenizer=...)) or pass token ids")
+            return self.tokenizer.encode(prompt)
+        return prompt
+
+    def add_request(self, prompt, sampling: SamplingParams | None = None, *, request_id=None, stream=None,
+                    truncate: bool = False, arrival_time: float | None = None, priority: int = 0) -> Request:
+        """Queue a request (text with a tokenizer, or token ids); it joins at the next step.
+
+        ``stream``: callable(request, token) (token None at the end) or a queue (``put``). A bad request
+        raises ValueError/TypeError and leaves every other request as it was; one that does not fit the
+        context raises :class:`~tritune.model.engine.scheduler.ContextLimitError` (a ValueError).
+        """
+        if sampling is not None and sampling.stop and self.tokenizer is None:
+            raise ValueError("sampling.stop: stop strings need a tokenizer (Engine(..., tokenizer=...))")
+        return self.scheduler.add_request(self._ids(prompt), sampling, request_id=request_id, stream=stream,
+                                          truncate=truncate, arrival_time=arrival_time, priority=priority)
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, **kw) -> TokenStream:
+        """A :class:`TokenStream` over a new request's tokens (iterating it runs the engine)."""
+        ts = TokenStream(self)
+        ts.request = self.add_request(prompt, sampling, stream=ts, **kw)
+        return ts
+
+    def abort(self, request_id) -> Request:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def generate(self, prompts, sampling=None, *, errors: str = "raise", truncate: bool = False) -> list[Completion]:
+        """Run a batch of prompts to completion; one Completion per prompt, in order.
+
+        ``sampling``: one SamplingParams for all, or a list (one per prompt). ``errors="raise"``: a bad
+        prompt raises ValueError/TypeError naming its index, before anything runs; ``"return"``: it gets a
+        Completion with finish_reason "error" and the message, and the others run.
+        """
+        if errors not in ("raise", "return"):
+            raise ValueError(f"errors: expected 'raise' or 'return', got {errors!r}")
+        prompts = list(prompts)
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"sampling: {len(sampling)} SamplingParams for {len(prompts)} prompts")
+            samplings = list(sampling)
+        else:
+            samplings = [sampling] * len(prompts)
+        reqs, results = [], [None] * len(prompts)
+        for i, (p, s) in enumerate(zip(prompts, samplings)):
+            try:
+                reqs.append((i, self.add_request(p, s, truncate=truncate)))
+            except (ValueError, TypeError) as e:
+                if errors == "raise":
+                    for _, r in reqs:
+                        self.scheduler.abort(r.id)
+                    raise type(e)(f"prompts[{i}]: {e}") from None
+                results[i] = Completion(None, [], [], "error", error=f"{type(e).__name__}: {e}")
+        while any(not r.finished for _, r in reqs):
+            self.step()
+        for i, r in reqs:
+            results[i] = completion_of(r, self.tokenizer)
+        return results
+
+    def run(self) -> None:
+        """Step until every queued request has finished."""
+        while self.scheduler.has_unfinished():
+            self.step()
+
+    def warm_up(self) -> float:
+        """Compile the kernel variants a serving run meets, before it runs (seconds taken; see
+        :meth:`~tritune.model.engine.runner.ModelRunner.warm_up`)."""
+        return self.runner.warm_up(self.scheduler.max_num_batched_tokens, self.max_num_seqs)
+
+    # -------------------------------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Schedule, run one forward (or, on the graph path, up to ``decode_steps`` decode steps), sample,
+        update. Returns the requests that finished. With ``run_ahead``, a step of decodes only on the
+        device-side step returns with its steps queued: their tokens land at the start of the next call."""
+        landed = self._land() if self._ahead is not None else []
+        tm = self.timings
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule(admit=self._admit())
+        if not out:
+            return landed
+        t1 = time.perf_counter()
+        tm["schedule_s"] += t1 - t0
+        st = self.stats
+        if out.prefill:
+            st["prefill_tokens"] += sum(map(len, out.prefill_ids))
+        st["preemptions"] += len(out.preempted)
+        try:
+            if self.spec is not None and self.spec.applies(self, out):
+                before = st["decode_tokens"]
+                finished = self.spec.step(self, out)
+                self.path_counts["spec"] += 1
+                tm["tokens"] += st["decode_tokens"] - before
+            elif self._graph_only(out):
+                launched = self._graph_launch(out)
+                if self.run_ahead:
+                    self._ahead = out, launched
+                    return landed
+                finished = self._graph_land(out, launched)
+            else:
+                logits, path = self.runner.forward(out)
+                st["mixed_steps"] += path == "mixed"
+                st["graph_steps"] += path == "graph"
+                self.path_counts["graph+eager" if path == "graph" and out.prefill else path] += 1
+                tokens = self.sampler(out.requests, logits)
+                t2 = time.perf_counter()
+                tm["forward_s"] += t2 - t1
+                finished = self.scheduler.update(out, tokens)
+                st["steps"] += 1
+                st["decode_tokens"] += len(out.decode)
+                tm["tokens"] += len(out.decode)
+        except Exception as e:
+            self._fail(out, e)
+            raise
+        return landed + self._retire(out, finished)
+
+    def _fail(self, out: SchedulerOutput, e: Exception) -> None:
+        """The step's requests cannot go on (their caches are in an unknown state): end them with the
+        error, free their blocks, and leave the engine usable for the rest."""
+        self.scheduler.abandon_step()
+        for req in out.scheduled:
+            req.error = e
+            self.scheduler.finish(req, "error")
+
+    def _retire(self, out: SchedulerOutput, finished: list[Request]) -> list[Request]:
+        """After a step's tokens are in: stop strings (checked on the text), the finished requests'
+        generators released."""
+        t3 = time.perf_counter()
+        if self.tokenizer is not None:
+            for req in out.requests:
+                if req.sampling.stop and req.state != FINISHED:
+                    text = self.tokenizer.decode(req.output_ids)
+                    if any(s in text for s in req.sampling.stop):
+                        self.scheduler.finish(req, "stop")
+                        finished.append(req)
+        for req in finished:
+            self.sampler.release(req.id)
+        self.timings["update_s"] += time.perf_counter() - t3
+        return finished
+
+    def _land(self) -> list[Request]:
+        """The tokens of the decode steps the last step() queued (``run_ahead``): one sync, then update."""
+        out, launched = self._ahead
+        self._ahead = None
+        try:
+            finished = self._graph_land(out, launched)
+        except Exception as e:
+            self._fail(out, e)
+            raise
+        return self._retire(out, finished)
+
+    def _admit(self) -> bool:
+        sch = self.scheduler
+        if not self.prefill_batching or not sch.running or not sch.waiting:
+            self._waited = 0
+            return True
+        # (the scheduler's seat count, which a benchmark may lower after construction)
+        seats = sch.max_num_seqs - len(sch.running)
+        need = min(self.prefill_min_seats, max(1, sch.max_num_seqs // 8), len(sch.waiting))
+        if seats >= need or self._waited >= self.prefill_max_wait:
+            self._waited = 0
+            return True
+        self._waited += 1
+        return False
+
+    # -------------------------------------------------------------------------------------- graph decode
+    def _graph_only(self, out: SchedulerOutput) -> bool:
+        """A step of decodes only, in a bucket of the device-side step: the device picks (greedy) or draws
+        (sampled rows, between replays) each token and feeds it back."""
+        return not out.prefill and self.runner.graph_batch(len(out.decode))
+
+    def _num_steps(self, out: SchedulerOutput) -> int:
+        """How many decode steps to run before the host looks at the tokens again."""
+        reqs = out.decode
+        K = self.decode_steps
+        if K == 1 or (self.tokenizer is not None and any(r.sampling.stop for r in reqs)):
+            return 1                    # stop strings are checked on the host after every token
+        left = [r.max_new_tokens - len(r.output_ids) for r in reqs]
+        K = min(K, max(left))           # rows that finish earlier turn to padding on the device
+        sch = self.scheduler
+        if sch.waiting:                 # admission decisions happen between host round trips
+            if self.prefill_batching and len(sch.running) < sch.max_num_seqs:
+                K = min(K, max(1, self.prefill_max_wait - self._waited))
+            else:
+                K = min(K, min(left))   # nobody can join before a seat frees: run until one does
+        if K > 1 and not sch.reserve(out, K):
+            K = 1                       # not enough free blocks to hold K tokens of every row
+        return K
+
+    def _graph_launch(self, out: SchedulerOutput):
+        """Queue up to ``decode_steps`` decode steps of ``out`` on the device-side step (no host sync)."""
+        K = self._num_steps(out)
+        reqs, pos = out.decode, out.decode_positions
+        eos = self.config.eos_token_id
+        stops = [p + min(K, r.max_new_tokens - len(r.output_ids)) for r, p in zip(reqs, pos)]
+        # a sampled row's EOS is the drawn token's, seen by update() on the host (the device checks the greedy one)
+        eoss = [-1 if eos is None or r.sampling.ignore_eos or r.sampling.temperature else eos for r in reqs]
+        draw = None
+        if any(r.sampling.temperature for r in reqs):
+            def draw(logits):
+                return self.sampler.draw(reqs, logits)
+        return K, self.runner.graph_launch(out.decode_ids, pos, stops, eoss, out.decode_tables, K,
+                                           gpu_timing=self.gpu_timing, draw=draw)
+
+    def _graph_land(self, out: SchedulerOutput, launched) -> list[Request]:
+        """Read the queued steps' tokens with one sync; update with every token."""
+        tm = self.timings
+        K, handle = launched
+        rows, host, gpu_s = self.runner.graph_collect(handle)
+        t3 = time.perf_counter()
+        if gpu_s is not None:
+            self.stats["graph_gpu_s"] += gpu_s
+        reqs = out.decode
+        before = sum(len(r.output_ids) for r in reqs)
+        finished = self.scheduler.update_steps(out, rows)
+        st = self.stats
+        n = sum(len(r.output_ids) for r in reqs) - before
+        st["decode_tokens"] += n
+        tm["tokens"] += n
+        st["steps"] += K
+        st["graph_steps"] += K
+        self.path_counts["graph"] += K
+        st["multi_steps"] += K > 1
+        if K > 1 and self.scheduler.waiting and self.prefill_batching:
+            self._waited += K - 1      # each replay was a step the queue waited
+        for k, v in host.items():
+            tm[k] += v
+        tm["update_s"] += time.perf_counter() - t3
+        return finished
+
+    # -------------------------------------------------------------------------------------- reports
+    @property
+    def peak_blocks(self) -> int:
+        return self.pool.peak_used
+
+    def describe(self) -> dict:
+        return {"backend": self.model.backend, "dtype": str(self.dtype).replace("torch.", ""),
+                "device": str(self.device), "quant": self.quant, "cuda_graphs": self.graphs is not None,
+                "compile": self.runner.compiled is not None, "batch_invariant": self.batch_invariant,
+                "run_ahead": self.run_ahead, "graph_prefill_tokens": self.runner.graph_prefill_tokens,
+                "graph_prefill_work": self.scheduler.decode_step_prefill_work,
+                "long_prefill_token_threshold": self.scheduler.long_prefill_token_threshold,
+                "num_blocks": self.pool.num_blocks,
+                "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
+                "max_batch_tokens": self.scheduler.max_num_batched_tokens, "prefill_batching": self.prefill_batching,
+                "prefill_min_seats": self.prefill_min_seats, "prefill_max_wait": self.prefill_max_wait,
+                "notes": list(self.notes)}

@@ -1,0 +1,1 @@
+"""GPT-2 (the first model family): config, Hugging Face weights, the forward on tritune kernels."""

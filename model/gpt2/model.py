@@ -1,0 +1,466 @@
+"""GPT-2's forward on tritune kernels, with a plain-PyTorch backend to compare it to step by step.
+
+One layer, the residual stream ``x`` (T, E) over the T tokens of the step::
+
+    h = layer_norm(x)                         ln_1
+    q, k, v = gemm(h, W_qkv, b_qkv)           one fused c_attn GEMM; q, k, v are views of its output
+    a = attention(q, k, v)                    prefill: causal within each packed sequence
+                                              decode:  the new token against the paged KV cache
+    x = gemm(a, W_o, b_o, residual=x)         residual add fused into the GEMM epilogue
+    h = layer_norm(x)                         ln_2
+    f = gemm(h, W_fc, b_fc, activation="gelu_tanh")
+    x = gemm(f, W_proj, b_proj, residual=x)
+
+then ``logits = gemm(layer_norm(x), wte^T)`` on the rows that need them.
+
+Two entry points, both over *packed* tokens so the continuous-batching engine can call them as they are:
+- :meth:`GPT2.prefill`: several whole sequences concatenated (``seq_lens``), each attending causally to
+  itself; K/V written to the cache at ``slot_mapping`` when a cache is given.
+- :meth:`GPT2.decode`: one new token per sequence; its K/V written at ``slot_mapping``, then paged
+  attention over ``block_tables`` / ``context_lens``.
+A KV cache is anything with per-layer lists ``k_caches`` / ``v_caches`` of (num_blocks, block_size, H, D)
+tensors (:class:`PagedKVCache` here, or the engine's block pool).
+
+Backends: ``"triton"`` runs each step on its tritune kernel (an attention kernel that does not take the
+model's head dim leaves that step on PyTorch; :func:`backend_report` says which). ``"torch"`` runs plain
+PyTorch ops (F.layer_norm, addmm, F.gelu, F.scaled_dot_product_attention) in the model's dtype: the
+float64 ``tritune.references`` are the kernels' judges, far too slow to run a model on.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
+import torch
+import torch.nn.functional as F
+
+from tritune.model.gpt2 import weights as W
+from tritune.model.gpt2.config import GPT2Config
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BACKENDS = ("triton", "torch")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The torch backend: plain PyTorch ops in the model's dtype
+# ---------------------------------------------------------------------------------------------------
+def torch_layer_norm(x, w, b, eps):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def torch_linear(x, w, b=None, activation=None, residual=None):
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.mm(x2, w) if b is None else torch.addmm(b, x2, w)
+    if activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    if residual is not None:
+        y = y + residual.reshape(y.shape)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def torch_gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen):
+    """q, k, v (T, H, D) packed; causal within each sequence. One SDPA call per sequence."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    s = 0
+    for n in seq_lens:
+        e = s + n
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                           v[s:e].transpose(0, 1), is_causal=True)
+        out[s:e] = o.transpose(0, 1)
+        s = e
+    return out
+
+
+def torch_write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """k, v (T, H, D) into the flat slots of (num_blocks, block_size, H, D) caches; slot < 0 skips."""
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    keep = slot_mapping >= 0
+    idx = slot_mapping[keep].long()
+    kc[idx] = k[keep]
+    vc[idx] = v[keep]
+
+
+def torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens):
+    """q (B, H, D), one query per sequence, over its first context_lens cached tokens (gathered by block)."""
+    B, nb = block_tables.shape
+    bs = k_cache.shape[1]
+    bt = block_tables.long()
+    k = k_cache[bt].reshape(B, nb * bs, *k_cache.shape[2:]).transpose(1, 2)   # (B, H, L, D)
+    v = v_cache[bt].reshape(B, nb * bs, *v_cache.shape[2:]).transpose(1, 2)
+    mask = torch.arange(nb * bs, device=q.device)[None, :] < context_lens[:, None].long()
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :])
+    return o[:, :, 0, :]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The triton backend: each step on its kernel
+# ---------------------------------------------------------------------------------------------------
+class TritonOps:
+    """The implementation of each step for the triton backend, chosen once per head dim: an attention
+    kernel that does not take the model's head dim leaves that step on PyTorch (and ``steps`` says so)."""
+
+    def __init__(self, head_dim: int | None = None):
+        from tritune.kernels import attention, paged_attention
+        from tritune.kernels.gemm import gemm
+        from tritune.kernels.gemv import gemv
+        from tritune.kernels.layer_norm import layer_norm
+
+        self._ln, self._gemm, self._gemv = layer_norm, gemm, gemv
+        self.steps: dict[str, str] = {
+            "layernorm": "kernel tritune.kernels.layer_norm",
+            "linear": "kernel tritune.kernels.gemm (bias, residual fused; fp32 through tf32 on a GPU)",
+            "gelu": "fused into the gemm epilogue (activation='gelu_tanh')",
+        }
+
+        def takes(module):
+            return head_dim is None or head_dim in module.HEAD_DIMS
+
+        self._varlen = attention.attention_varlen if takes(attention) else None
+        self.steps["attention prefill"] = (
+            "kernel tritune.kernels.attention.attention_varlen" if self._varlen else
+            f"reference F.scaled_dot_product_attention (head dim {head_dim} not in the kernel's "
+            f"{tuple(attention.HEAD_DIMS)})")
+        self.steps["decode linears"] = (
+            f"kernel tritune.kernels.gemv at <= {self.GEMV_MAX_M} rows (ln_1 / ln_2 / ln_f and the KV-cache write "
+            "fused in)")
+        ok = takes(paged_attention)
+        self._paged, self._write_kv = (paged_attention.paged_attention, paged_attention.write_kv) if ok else (None, None)
+        # the decode step without a host sync (the torch write_kv masks padding slots on the host): a CUDA
+        # graph can hold it
+        self.capturable = ok
+        self.steps["attention decode"] = (
+            "kernel tritune.kernels.paged_attention (write_kv + paged_attention)" if ok else
+            f"reference: index_put into the cache + SDPA over gathered blocks (head dim {head_dim} not in the "
+            f"kernel's {tuple(paged_attention.HEAD_DIMS)})")
+
+    # Rows up to which the linears of a step run on the gemv kernel (decode of a few sequences), with the
+    # LayerNorm before them and the KV-cache write after the qkv projection fused in.
+    GEMV_MAX_M = 8
+
+    def _gemv_rows(self, x, w) -> bool:
+        return (self._gemv is not None and isinstance(w, torch.Tensor)
+                and math.prod(x.shape[:-1]) <= self.GEMV_MAX_M)
+
+    # -- steps --------------------------------------------------------------------------------------
+    def layer_norm(self, x, w, b, eps):
+        return self._ln(x, w, b, eps)
+
+    def ln_linear(self, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
+        """linear(layer_norm(x)), and with ``kv`` (k_cache, v_cache, slots) the qkv output's k and v written
+        to the cache. Returns (y, whether the cache was written)."""
+        if self._gemv_rows(x, w):
+            return self._gemv(x, w, b, activation=activation, ln=(ln_w, ln_b, eps), kv=kv), kv is not None
+        return self.linear(self.layer_norm(x, ln_w, ln_b, eps), w, b, activation=activation), False
+
+    def linear(self, x, w, b=None, activation=None, residual=None):
+        if self._gemv_rows(x, w):
+            return self._gemv(x, w, b, activation=activation, residual=residual)
+        return self._gemm(x, w, b, activation=activation, residual=residual)
+
+    def attn_prefill(self, q, k, v, seq_lens, cu_seqlens, max_seqlen):
+        if self._varlen:
+            # cu_seqlens and max_seqlen are built from seq_lens by the caller (prefill, the runner's step):
+            # consistent by construction, so the launcher's value check (a host read per layer) is skipped
+            return self._varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True,
+                                validate=False)
+        return torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        if self._write_kv:
+            # validate=False: the slots come from our own block tables, and validation syncs with the host
+            return self._write_kv(k, v, k_cache, v_cache, slot_mapping, validate=False)
+        return torch_write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attn_decode(self, q, k_cache, v_cache, block_tables, context_lens):
+        if self._paged:
+            cfg = serving_paged_config(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
+                                       block_tables.shape[1] * k_cache.shape[1], k_cache.shape[1], q.dtype)
+            return self._paged(q, k_cache, v_cache, block_tables, context_lens, validate=False, config=cfg)
+        return torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens)
+
+
+# Split-KV chunk (tokens) the engine's decode attention keeps at most. The tuned store's paged-attention
+# entries are timed with every sequence at one length, where many sequences need no split; a step's rows
+# differ (a 2k-token prompt's chunk rows, or its decodes, among short ones), and unsplit, the longest row's
+# program is the kernel's time: H100, GPT-2 small, 32 decodes at ~300 tokens and one row at 2048, the step's
+# GPU time went from 0.49 to 1.3 ms with the B=64 entry's PARTITION=0.
+# TRITUNE_SERVING_PARTITION=0 leaves the store's choice alone (to measure what the cap buys).
+SERVING_PARTITION = int(os.environ.get("TRITUNE_SERVING_PARTITION", "256"))
+
+
+@functools.lru_cache(maxsize=None)
+def serving_paged_config(B, Hq, Hkv, D, capacity, block_size, dtype) -> dict | None:
+    """The tuned (or default) paged-attention config for this shape, its KV partition capped at
+    SERVING_PARTITION tokens; None (the launcher's own choice) when the cap does not apply or is invalid."""
+    from tritune.kernels import paged_attention as PA
+
+    if not SERVING_PARTITION or capacity <= SERVING_PARTITION:
+        return None
+    problem = PA.Problem(B, Hq, Hkv, D, capacity, block_size, mixed=True)
+    cfg = PA.SPEC.config_for(problem, dtype, None)
+    if 0 < cfg["PARTITION"] <= SERVING_PARTITION:
+        return None
+    return PA.with_partition(cfg, SERVING_PARTITION, problem, dtype)
+
+
+def ln_linear(ops, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
+    """``ops.ln_linear`` where the ops have one (a fused LayerNorm + linear, maybe writing the KV cache),
+    else layer_norm then linear. Returns (y, whether the KV cache was written)."""
+    fused = getattr(ops, "ln_linear", None)
+    if fused is not None:
+        return fused(x, ln_w, ln_b, eps, w, b, activation=activation, kv=kv)
+    return ops.linear(ops.layer_norm(x, ln_w, ln_b, eps), w, b, activation=activation), False
+
+
+class TorchOps:
+    capturable = False      # write_kv masks padding slots on the host
+    steps = {s: "plain PyTorch in the model dtype" for s in
+             ("layernorm", "linear", "gelu", "attention prefill", "attention decode")}
+    layer_norm = staticmethod(torch_layer_norm)
+    linear = staticmethod(torch_linear)
+    attn_prefill = staticmethod(torch_attn_prefill)
+    write_kv = staticmethod(torch_write_kv)
+    attn_decode = staticmethod(torch_attn_decode)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ops(head_dim: int | None = None) -> TritonOps:
+    return TritonOps(head_dim)
+
+
+def ops_for(backend: str, head_dim: int | None = None):
+    if backend == "triton":
+        return _triton_ops(head_dim)
+    if backend == "torch":
+        return TorchOps
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+def _report(title: str, steps: dict) -> str:
+    width = max(map(len, steps))
+    lines = [title]
+    lines += [f"  {k:<{width}}  {v}" for k, v in steps.items()]
+    lines.append(f"  {'embedding':<{width}}  torch indexing (wte[ids] + wpe[pos]; no kernel)")
+    return "\n".join(lines)
+
+
+def backend_report(head_dim: int = 64) -> str:
+    """Which implementation each step of the triton backend runs (for ``tritune info``): kernel or
+    reference, and why not the kernel. ``head_dim`` 64 is every released GPT-2's."""
+    return _report(f"GPT-2 triton backend (tritune.model.gpt2.model), head dim {head_dim}:",
+                   _triton_ops(head_dim).steps)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV cache for one or a few sequences
+# ---------------------------------------------------------------------------------------------------
+class PagedKVCache:
+    """Per-layer K/V caches in the paged layout (num_blocks, block_size, H, D), no allocator.
+
+    Enough for single-request generation: the sequence takes blocks 0, 1, 2, ... in order, so its block
+    table is ``arange(num_blocks)`` and a position's slot is the position itself.
+    """
+
+    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, dtype, device):
+        shape = (config.n_layer, num_blocks, block_size, config.n_head, config.head_dim)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_caches = list(self.k.unbind(0))
+        self.v_caches = list(self.v.unbind(0))
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def clone(self) -> "PagedKVCache":
+        """A copy with its own K/V tensors (same values): one step's writes leave this cache as it is."""
+        import copy
+
+        out = copy.copy(self)
+        out.k, out.v = self.k.clone(), self.v.clone()
+        out.k_caches, out.v_caches = list(out.k.unbind(0)), list(out.v.unbind(0))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------
+class GPT2:
+    def __init__(self, config: GPT2Config, weights: W.GPT2Weights, *, backend: str = "triton",
+                 directory: Path | None = None, ops=None):
+        head = weights.lm_head
+        if isinstance(head, torch.Tensor) and head.dim() == 2 and head.is_contiguous() and head.shape[1] > 1:
+            # The LM head as the (E, V) transpose of a (V, E) tensor (K contiguous; the tied wte itself, or a
+            # copy in that layout), not the N-contiguous (E, V) copy: with V = 50257 the copy's rows lie 100514
+            # bytes apart, not 16-byte aligned, and the gemm streamed it at 66 GB/s (1171 us at M=1 in the
+            # decode graph on the H100, 76% of the step); the transposed view is the LM-head problem the gemm
+            # is tuned and benchmarked on (trans_b=True, 40.5 us at M=1).
+            tied = weights.wte.shape == head.shape[::-1] and torch.equal(weights.wte, head.t())
+            weights = replace(weights, lm_head=weights.wte.t() if tied else head.t().contiguous().t())
+        self.config, self.w, self.directory = config, weights, directory
+        self.backend = backend
+        # ops: the backend's, unless the caller swaps in its own (quantized linears, the engine's write_kv)
+        self.ops = ops_for(backend, config.head_dim) if ops is None else ops
+        self.dtype = weights.wte.dtype
+        self.device = weights.wte.device
+
+    def with_ops(self, ops) -> "GPT2":
+        """The same model (weights shared) running on ``ops``: this one is left as it is."""
+        m = copy.copy(self)
+        m.ops = ops
+        return m
+
+    def with_weights(self, weights: W.GPT2Weights, ops=None) -> "GPT2":
+        """The same architecture on other weights (e.g. quantized ones: any object with the fields of
+        GPT2Weights), with ``ops`` that run them (default: this model's)."""
+        m = copy.copy(self)
+        m.w = weights
+        if ops is not None:
+            m.ops = ops
+        return m
+
+    @classmethod
+    def from_pretrained(cls, model, *, backend: str = "triton", dtype: torch.dtype = torch.float32,
+                        device=None) -> "GPT2":
+        """Load a checkpoint directory or hub id. ``device`` defaults to where the backend runs."""
+        ops_for(backend)  # validate the backend name before reading gigabytes
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype: expected one of {DTYPES}, got {dtype}")
+        if device is None:
+            device = default_device(backend)
+        config, w, directory = W.load(model, dtype, device)
+        return cls(config, w, backend=backend, directory=directory)
+
+    def backend_report(self) -> str:
+        """Which implementation each step of this model runs (kernel or reference, and why)."""
+        return _report(f"GPT-2 {self.backend} backend, head dim {self.config.head_dim}, {self.dtype}:",
+                       self.ops.steps)
+
+    def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
+        return PagedKVCache(self.config, max(1, math.ceil(num_tokens / block_size)), block_size,
+                            self.dtype, self.device)
+
+    # -- the shared layer stack ---------------------------------------------------------------------
+    def embed(self, input_ids, positions):
+        return self.w.wte[input_ids] + self.w.wpe[positions]
+
+    def blocks(self, x, attend, kv_for=None):
+        """The layer stack. ``attend(i, q, k, v, written)`` writes layer i's k, v to the cache unless
+        ``written`` and returns the attention output; ``kv_for(i)`` (k_cache, v_cache, slots), when given,
+        lets the qkv projection write the cache itself where the ops fuse that."""
+        c, ops = self.config, self.ops
+        T, H, D = x.shape[0], c.n_head, c.head_dim
+        eps = c.layer_norm_epsilon
+        for i, L in enumerate(self.w.layers):
+            qkv, written = ln_linear(ops, x, L.ln1_w, L.ln1_b, eps, L.w_qkv, L.b_qkv,
+                                     kv=kv_for(i) if kv_for is not None else None)
+            qkv = qkv.view(T, 3, H, D)
+            a = attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2], written)
+            x = ops.linear(a.reshape(T, H * D), L.w_o, L.b_o, residual=x)
+            f, _ = ln_linear(ops, x, L.ln2_w, L.ln2_b, eps, L.w_fc, L.b_fc, activation="gelu_tanh")
+            x = ops.linear(f, L.w_proj, L.b_proj, residual=x)
+        return x
+
+    def logits(self, x):
+        c = self.config
+        return ln_linear(self.ops, x, self.w.lnf_w, self.w.lnf_b, c.layer_norm_epsilon, self.w.lm_head)[0]
+
+    # -- entry points -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, input_ids, seq_lens, *, positions=None, kv_cache=None, slot_mapping=None,
+                all_logits: bool = False):
+        """Whole sequences, packed: ``input_ids`` (T,) = the concatenation of ``seq_lens`` tokens each.
+
+        Returns logits (len(seq_lens), V) of each sequence's last token, or (T, V) with ``all_logits``.
+        With ``kv_cache``, every token's K/V goes to ``slot_mapping`` (T,) (flat slots; < 0 skips).
+        """
+        seq_lens = [int(n) for n in seq_lens]
+        input_ids = torch.as_tensor(input_ids, device=self.device).long().reshape(-1)
+        T = input_ids.numel()
+        if not seq_lens or min(seq_lens) < 1 or sum(seq_lens) != T:
+            raise ValueError(f"seq_lens: expected positive lengths summing to len(input_ids)={T}, got {seq_lens}")
+        if max(seq_lens) > self.config.n_positions:
+            raise ValueError(f"seq_lens: a sequence of {max(seq_lens)} tokens exceeds n_positions="
+                             f"{self.config.n_positions}")
+        if positions is None:
+            positions = torch.cat([torch.arange(n) for n in seq_lens]).to(self.device)
+        self._check_ids(input_ids)
+        if kv_cache is not None:
+            if slot_mapping is None:
+                raise ValueError("slot_mapping: required with kv_cache")
+            slot_mapping = torch.as_tensor(slot_mapping, device=self.device).reshape(-1)
+            if slot_mapping.numel() != T:
+                raise ValueError(f"slot_mapping: expected {T} slots, got {slot_mapping.numel()}")
+        cu = [0]
+        for n in seq_lens:
+            cu.append(cu[-1] + n)
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=self.device)
+        max_seqlen = max(seq_lens)
+        ops = self.ops
+
+        def attend(i, q, k, v, written=False):
+            if kv_cache is not None and not written:
+                ops.write_kv(k, v, kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping)
+            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+
+        x = self.blocks(self.embed(input_ids, positions), attend)
+        if not all_logits:
+            x = x[torch.tensor(cu[1:], device=self.device) - 1]
+        return self.logits(x)
+
+    @torch.inference_mode()
+    def decode(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens, *, x=None):
+        """One new token per sequence: input_ids, positions, slot_mapping (B,), block_tables (B, max_blocks)
+        int32, context_lens (B,) int32 (tokens to attend to, the new one included). Returns logits (B, V).
+        ``x`` (B, E): the tokens already embedded (then input_ids and positions are not read).
+
+        All on the model's device; nothing here syncs with the host (the engine may capture it in a graph).
+        """
+        B = slot_mapping.shape[0]
+        ops = self.ops
+
+        def attend(i, q, k, v, written=False):
+            kc, vc = kv_cache.k_caches[i], kv_cache.v_caches[i]
+            if not written:
+                ops.write_kv(k, v, kc, vc, slot_mapping)
+            return ops.attn_decode(q, kc, vc, block_tables, context_lens)
+
+        def kv_for(i):
+            return kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping
+
+        if x is None:
+            x = self.embed(input_ids.reshape(B), positions.reshape(B))
+        x = self.blocks(x, attend, kv_for)
+        return self.logits(x)
+
+    @torch.inference_mode()
+    def forward(self, sequences) -> list[torch.Tensor]:
+        """Logits (len_i, V) of every position of each token-id list in ``sequences`` (no cache)."""
+        seqs = [list(map(int, s)) for s in sequences]
+        flat = [t for s in seqs for t in s]
+        logits = self.prefill(torch.tensor(flat, dtype=torch.long), [len(s) for s in seqs], all_logits=True)
+        return list(logits.split([len(s) for s in seqs]))
+
+    def _check_ids(self, ids):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids: token ids must lie in [0, {self.config.vocab_size}), "
+                             f"got min {int(ids.min())}, max {int(ids.max())}")
+
+
+def default_device(backend: str) -> str:
+    if backend == "triton":
+        from tritune.kernels.runtime.device import device
+
+        return device()
+    return "cuda" if torch.cuda.is_available() else "cpu"
