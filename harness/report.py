@@ -14,13 +14,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-
-def _fmt(v, digits=1):
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
+from tritune.tuning.ledger import fmt as _fmt  # one number format for every table
 
 
 def bench_table(rows: list[dict], fmt: str = "simple") -> str:

@@ -477,8 +477,8 @@ def _barrier_wait(bar, P, spins, Dbg, DEBUG: tl.constexpr):
     runs on with wrong results instead of hanging the GPU (2^22 polls, a few seconds; a normal step polls
     a few hundred times). DEBUG >= 1: no wait (the wrong-dependency tests). The poll, an atomic add of 0 with
     acquire semantics, compiles to a plain ``ld.global.gpu.acquire`` (PTX, triton 3.6 and 3.9), issued by
-    one thread: an inline-asm acquire load measured the same (H100, lab/logs/h100/
-    fused_decode_tiles_poll_2026-11-28_826404b); the arrival is a ``red.global.gpu.release.add``."""
+    one thread: an inline-asm acquire load measured the same (docs/findings.md); the arrival is a
+    ``red.global.gpu.release.add``."""
     if DEBUG == 0:
         while (tl.atomic_add(bar, 0, sem="acquire", scope="gpu") < P) & (spins < 4194304):
             spins += 1
@@ -601,10 +601,9 @@ class Config:
     split_fc: int = 0
     split_proj: int = 0
     kv_split: int = 0
-    # tokens: a row's context is cut into min(kv_split, ceil(ctx / this)) chunks. 1: always kv_split. H100,
-    # GPT-2 small, contexts 64-192: 128 (one chunk a head, no merge) made the attention stage 10.2 us
-    # against 6.4 (lab/logs/h100/fused_decode_kv_chunks_lm_blocks_2026-11-28_f1b7899): its 6 steps of 32
-    # tokens in one program are a longer chain than the split's merge
+    # tokens: a row's context is cut into min(kv_split, ceil(ctx / this)) chunks. 1: always kv_split. One
+    # chunk a head (no merge) is slower on short contexts: its steps of tokens in one program are a longer
+    # chain than the split's merge (docs/findings.md)
     kv_min_chunk: int = 1
     lm_block_n: int = 0     # the LM head's weight blocks (its own call site, after the layers' loop: its
     lm_block_k: int = 0     # registers are not live beside theirs); 0: block_n / block_k
@@ -716,7 +715,8 @@ def kv_split(M: int, H: int, programs: int, want: int = 0) -> int:
 def block_m(M: int, dtype) -> int:
     """Rows of a GEMV tile: 1 (float32 FMA products, M = 1) or a tensor-core tile. 16-bit rows go in
     64-row tiles: wgmma on sm90; at 16 rows triton 3.6 takes the mma.sync path, whose TritonGPUPrefetch
-    pass fails on this kernel's loop (probed offline: lab/probes). float32 stays at 16 (64 spills)."""
+    pass fails on this kernel's loop (compiled offline for sm90; docs/findings.md). float32 stays at 16
+    (64 spills)."""
     if M == 1:
         return 1
     return 16 if dtype == torch.float32 else 64

@@ -7,7 +7,6 @@ strided view is read in place rather than copied.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +16,6 @@ import triton.language as tl
 from tritune import kernels as K
 from tritune.kernels.runtime import strategies as S
 from tritune.references import gelu as ref
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 
 
 @triton.jit
@@ -174,9 +170,8 @@ SPACE = K.Space(
 
 def default_config(p: Problem, dtype) -> dict:
     """32 elements per thread in 2-warp programs: of the 31 valid points, the one whose worst case over the
-    standard problems is best on an H100 (within 0.1% of the best at 6M, 134M and 268M elements for the
-    exact form, 1.4-2.8% for the tanh form; lab/probes/gelu_configs.py). The 4096 x 8-warp default of before
-    ran the exact form 4% slower at 268M. Tuned entries in the store refine it per bucket."""
+    standard problems is best on an H100 (docs/findings.md). Tuned entries in the store refine it per
+    bucket."""
     block = min(2048, max(128, triton.next_power_of_2(p.numel)))
     return {"BLOCK": block, "num_warps": max(1, min(2, block // 512)), "EVICT": False}
 

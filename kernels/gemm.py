@@ -31,7 +31,7 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.kernels.runtime import strategies as S
-from tritune.kernels.gemv import _row_stats
+from tritune.kernels.rows import row_stats as _row_stats
 from tritune.references import gemm as ref
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -494,8 +494,7 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
 
 
 def launch_shape(cfg: dict, m: int, n: int, dtype, sms: int) -> tuple[tuple[int, int], int]:
-    """(grid, PRE_EPI) of a launch of ``cfg`` on an (m, n) output with ``sms`` SMs (also what
-    scripts/restamp_gemm.py compiles a stored entry's launch with)."""
+    """(grid, PRE_EPI) of a launch of ``cfg`` on an (m, n) output with ``sms`` SMs."""
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
     grid = (min(tiles, sms * _ctas_per_sm(cfg, dtype)), 1) if cfg["PERSISTENT"] else (tiles, split)
@@ -524,9 +523,8 @@ def ln_block(kdim: int, cfg: dict) -> int:
     return max(16, min(triton.next_power_of_2(kdim), 1 << max(0, per.bit_length() - 1)))
 
 
-def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) -> _Plan:
-    """Validate the arguments and work out the launch (see _Plan). Raises the errors that name the
-    argument."""
+def _check_args(a, b, bias, activation, residual, out, ln, kv) -> tuple:
+    """Validate the arguments (errors name the argument): (out_shape, m, n, K, C of the kv fusion)."""
     K.check_tensor("a", a, dtypes=DTYPES)
     if a.device.type != _device_type():
         K.check_device("a", a)
@@ -564,17 +562,13 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
     c_kv = _check_fusions(ln, kv, m, n, kdim, a)
     if out is not None:
         K.check_out(out, out_shape, a.dtype, a.device)
+    return out_shape, m, n, kdim, c_kv
 
-    p = _Plan()
-    p.out_shape, p.m, p.n, p.k = out_shape, m, n, kdim
-    ln_w, ln_b, _ = ln if ln is not None else (None, None, 0.0)
-    kc, vc, slots = kv if kv is not None else (None, None, None)
-    p.extents = tuple(K.extent(t) for t in (out, a, b, bias, residual, ln_w, ln_b, kc, vc, slots))  # check_no_alias
-    p.fused = ln is not None or kv is not None
-    p.cfg = p.cfg_key = None
-    p.empty = m == 0 or n == 0
-    if p.empty:
-        return p
+
+def _row_views(p: _Plan, a, residual, out, m: int, n: int, kdim: int) -> tuple:
+    """A, the residual and the output as (m, ·) views where their rows merge into one stride (never a
+    copy); A 3-D with two row strides otherwise; beyond 3 dims that do not merge, one copy per launch.
+    Returns (a2, a_3d, (s_a0, s_am, s_ak), r2, c2, (s_cm, s_cn)) and sets the plan's copy flags."""
     if out is None:
         s_cm, s_cn = n, 1
     else:
@@ -583,9 +577,6 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
         except RuntimeError:
             raise ValueError(f"out: its strides {out.stride()} do not flatten to ({m}, {n})") from None
     c2 = out.view(m, n) if out is not None else None
-
-    # A as 2-D when its rows merge into one stride (a view, never a copy); 3-D with two row strides
-    # otherwise; beyond 3 dims that do not merge, one copy per launch.
     a_3d = p.a_copy = False
     try:
         a2 = a.view(m, kdim)
@@ -604,6 +595,24 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
             r2 = residual.view(m, n)
         except RuntimeError:
             r2, p.r_copy = residual.reshape(m, n), True
+    return a2, a_3d, (s_a0, s_am, s_ak), r2, c2, (s_cm, s_cn)
+
+
+def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) -> _Plan:
+    """Validate the arguments and work out the launch (see _Plan). Raises the errors that name the
+    argument."""
+    out_shape, m, n, kdim, c_kv = _check_args(a, b, bias, activation, residual, out, ln, kv)
+    p = _Plan()
+    p.out_shape, p.m, p.n, p.k = out_shape, m, n, kdim
+    ln_w, ln_b, _ = ln if ln is not None else (None, None, 0.0)
+    kc, vc, slots = kv if kv is not None else (None, None, None)
+    p.extents = tuple(K.extent(t) for t in (out, a, b, bias, residual, ln_w, ln_b, kc, vc, slots))  # check_no_alias
+    p.fused = ln is not None or kv is not None
+    p.cfg = p.cfg_key = None
+    p.empty = m == 0 or n == 0
+    if p.empty:
+        return p
+    a2, a_3d, (s_a0, s_am, s_ak), r2, c2, (s_cm, s_cn) = _row_views(p, a, residual, out, m, n, kdim)
 
     problem = Problem(m, n, kdim, trans_a=s_ak != 1, trans_b=b.stride(1) != 1, bias=bias is not None,
                       act=activation, residual=residual is not None, ln=ln is not None, kv=kv is not None)
@@ -637,9 +646,16 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
                 INT64=int64, PRECISION=K.fp32_precision() if a.dtype == torch.float32 else "ieee",
                 PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC, PRE_EPI=pre_epi, PDL=False,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
-    pdl = K.pdl(a.device)
-    p.kernels = {} if DIRECT_LAUNCH and a.device.type == "cuda" else None
+    _launch_variants(p, base, a.device, ln, kv, c_kv, kdim, cfg)
+    return p
+
+
+def _launch_variants(p: _Plan, base: dict, device, ln, kv, c_kv: int, kdim: int, cfg: dict) -> None:
+    """The plan's keyword sets: the fused kernel's, or the plain kernel's per (A, B) TMA mode; each also
+    with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)."""
+    ln_w, ln_b, _ = ln if ln is not None else (None, None, 0.0)
+    pdl = K.pdl(device)
+    p.kernels = {} if DIRECT_LAUNCH and device.type == "cuda" else None
     if p.fused:  # ints: m, n, K, M1, C (eps goes in per call), then the strides
         p.ints = (*p.ints[:4], c_kv, *p.ints[4:])
         for flag in ("PERSISTENT", "FLATTEN", "WARP_SPEC"):
@@ -649,12 +665,11 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
         p.consts = tuple(p.kws[c] for c in _FUSED_CONSTEXPRS)
         p.kws_pdl = dict(p.kws, PDL=True, launch_pdl=True) if pdl else None
         p.consts_pdl = tuple(p.kws_pdl[c] for c in _FUSED_CONSTEXPRS) if pdl else None
-        return p
+        return
     p.kws = [[dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)] for am in range(3)]
     p.consts = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws]
     p.kws_pdl = [[dict(kw, PDL=True, launch_pdl=True) for kw in row] for row in p.kws] if pdl else None
     p.consts_pdl = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws_pdl] if pdl else None
-    return p
 
 
 # ---------------------------------------------------------------------------------------------------

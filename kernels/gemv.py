@@ -47,6 +47,7 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.kernels.runtime import strategies as S
+from tritune.kernels.rows import row_stats as _row_stats
 from tritune.references import gemv as ref
 
 
@@ -180,30 +181,6 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
 
 
 @triton.jit
-def _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M: tl.constexpr, LN_BLOCK: tl.constexpr):
-    """LayerNorm statistics of BLOCK_M rows over all of K, float32: (shift, m1, rstd) with mean =
-    shift + m1, from sums of x − shift (the first chunk's mean), as in ``layer_norm``: x − mean is then
-    taken as (x − shift) − m1, exact in its first step for x near the shift."""
-    offs_l = tl.arange(0, LN_BLOCK)
-    lmask = mask_m[:, None] & (offs_l < K)[None, :]
-    first = tl.load(x_rows + offs_l[None, :] * s_xk, mask=lmask, other=0.0).to(tl.float32)
-    shift = tl.sum(first, axis=1) / tl.minimum(K, LN_BLOCK)
-    xc = tl.where(lmask, first - shift[:, None], 0.0)
-    s1 = tl.sum(xc, axis=1)
-    s2 = tl.sum(xc * xc, axis=1)
-    for start in range(LN_BLOCK, K, LN_BLOCK):
-        kk = start + offs_l
-        lmask = mask_m[:, None] & (kk < K)[None, :]
-        xv = tl.load(x_rows + kk[None, :] * s_xk, mask=lmask, other=0.0).to(tl.float32)
-        xc = tl.where(lmask, xv - shift[:, None], 0.0)
-        s1 += tl.sum(xc, axis=1)
-        s2 += tl.sum(xc * xc, axis=1)
-    m1 = s1 / K
-    rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - m1 * m1, 0.0) + eps)
-    return shift, m1, rstd
-
-
-@triton.jit
 def _epilogue(acc, rows, cols, mask_m, mask_n, mask, Y, Bias, R, KC, VC, Slots, C_KV,
               s_ym, s_yn, s_rm, s_rn,
               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_KV: tl.constexpr):
@@ -307,6 +284,23 @@ def _check_vec(name, t, n, dtype, device):
     K.check_vec(name, t, n, dtype, device, "x")
 
 
+def _residual_rows(residual, x, out_shape: tuple, m: int, n: int):
+    """The residual checked (errors name it) and viewed as (m, n) rows; None without one."""
+    if residual is None:
+        return None
+    K.check_tensor("residual", residual)
+    if residual.dtype != x.dtype:
+        raise TypeError(f"residual: dtype {residual.dtype} differs from x's {x.dtype}")
+    if tuple(residual.shape) not in (out_shape, (m, n)):
+        raise ValueError(f"residual: expected shape {out_shape} or {(m, n)}, got {tuple(residual.shape)}")
+    if residual.device != x.device:
+        raise ValueError(f"residual: on {residual.device}, but x is on {x.device}")
+    try:
+        return residual.view(m, n)
+    except RuntimeError:
+        raise ValueError(f"residual: its strides {residual.stride()} do not flatten to ({m}, {n})") from None
+
+
 def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
     K.check_tensor("x", x, dtypes=DTYPES)
     if x.device.type != K.kernel_device():
@@ -332,19 +326,7 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
         x2 = x.view(m, kdim)
     except RuntimeError:
         raise ValueError(f"x: its strides {x.stride()} do not flatten to ({m}, {kdim}) rows") from None
-    r2 = None
-    if residual is not None:
-        K.check_tensor("residual", residual)
-        if residual.dtype != x.dtype:
-            raise TypeError(f"residual: dtype {residual.dtype} differs from x's {x.dtype}")
-        if tuple(residual.shape) not in (out_shape, (m, n)):
-            raise ValueError(f"residual: expected shape {out_shape} or {(m, n)}, got {tuple(residual.shape)}")
-        if residual.device != x.device:
-            raise ValueError(f"residual: on {residual.device}, but x is on {x.device}")
-        try:
-            r2 = residual.view(m, n)
-        except RuntimeError:
-            raise ValueError(f"residual: its strides {residual.stride()} do not flatten to ({m}, {n})") from None
+    r2 = _residual_rows(residual, x, out_shape, m, n)
     c_kv = K.check_fusions(ln, kv, m, n, kdim, x, "x", "w")
     if out is not None:
         K.check_out(out, out_shape, x.dtype, x.device)

@@ -18,7 +18,7 @@ alone would leave SMs idle (small batch, long context), or run in a fraction of 
 Two tuned switches shape the tile loop: PREFETCH loads tile i + 1 by hand while tile i is used (with
 num_stages 1: plain loads instead of the pipeliner's cp.async), and EVICT marks the K/V loads
 evict_first (read once a step; the hint survives only plain loads: a compiled kernel's PTX has it at
-num_stages 1 and not from the pipeliner, lab/probes/config_variants_evict_hint.py). The hand loop wins for short
+num_stages 1 and not from the pipeliner; docs/findings.md). The hand loop wins for short
 split-KV chunks (B=1) and loses to the pipeliner on long single-pass programs (B=64).
 
 ``write_kv`` stores new tokens' K and V into their slots (slot = block id · block_size + offset).
@@ -515,12 +515,12 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = True):
 # ---------------------------------------------------------------------------------------------------
 def _tl_dot_ok(dtype) -> bool:
     """tl.dot computes right here: on a GPU always; under the interpreter bf16 only once tritune's fix of
-    its bf16 arithmetic (kernels/_interpret_bf16.py) checks out."""
+    its bf16 arithmetic (kernels/runtime/interpret_bf16.py) checks out."""
     if not (dev.interpreted() and dtype == torch.bfloat16):
         return True
-    from tritune.kernels.runtime import interpret_bf16 as _interpret_bf16
+    from tritune.kernels.runtime import interpret_bf16
 
-    return _interpret_bf16.check() is None
+    return interpret_bf16.check() is None
 
 
 def _constraint(c, p: Problem, dtype) -> str | None:
@@ -588,7 +588,7 @@ def with_partition(cfg: dict, partition: int, problem: Problem, dtype) -> dict |
 
 
 def default_config(p: Problem, dtype) -> dict:
-    """Defaults from H100 sweeps (bf16, issue 6; lab/probes/paged_attention_sweep.py), timed with the harness (do_bench,
+    """Defaults from H100 sweeps (bf16, issue 6; docs/findings.md), timed with the harness (do_bench,
     L2 flushed) and GPU-only (CUDA graph over the same rotating inputs).
 
     tl.dot wins even for one query head per kv head (the group padded to 16 rows costs tensor-core

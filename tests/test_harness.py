@@ -221,3 +221,90 @@ def test_hypothesis_time_budget_stops_launching_but_still_shrinks():
     with pytest.raises(AssertionError):
         settings(max_examples=200, database=None, derandomize=True)(
             given(st.integers(0, 100))(budgeted(failing, 0.0, 30)))()
+
+
+def test_unwritten_is_told_apart_from_written_nan():
+    ref = torch.randn(4, 6, dtype=torch.float64)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        out = cmp.poison(torch.empty(6, 4, dtype=dtype)).t()      # a transposed output keeps the poison's bits
+        out[:3] = ref[:3].to(dtype)
+        out[3, :2] = float("nan")                                  # a kernel that computed NaN there
+        c = cmp.compare(out, ref)
+        assert (c.unwritten, c.nan, c.ok) == (4, 2, False), (dtype, c)
+        assert "4 unwritten (still the poison), 2 written as NaN" in str(c)
+
+
+def test_restride_keeps_values_and_gives_each_input_its_own_strides():
+    t = torch.randn(3, 5, 7)
+    for kw in ({}, {"flip": True}, {"pad": 3, "offset": 4}, {"flip": True, "pad": 5, "offset": 8}):
+        v = S.restride(t, **kw)
+        assert torch.equal(v, t) and v.storage_offset() == kw.get("offset", 0), kw
+    assert S.restride(t, flip=True).stride() == (35, 1, 5) and S.restride(t, pad=3).stride() == (50, 10, 1)
+    tt = torch.randn(6, 4).t()                                     # a transposed view stays transposed
+    assert S.restride(tt, pad=2).stride() == (1, 6)
+
+
+# A two-input kernel, out = x + y over (M, N): the buggy one loads y with x's strides, right whenever both
+# inputs share a layout. The contract must catch it: each input gets a layout of its own.
+_ADD_SRC = '''
+import triton, triton.language as tl
+
+@triton.jit
+def add_kernel(X, Y, O, M, N, sxm, sxn, sym, syn, som, son, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    m = c < N
+    x = tl.load(X + r * sxm + c * sxn, mask=m)
+    y = tl.load(Y + r * sym + c * syn, mask=m)
+    tl.store(O + r * som + c * son, x + y, mask=m)
+'''
+
+
+def _add_spec(buggy: bool):
+    import dataclasses
+    import types
+
+    import triton
+    from hypothesis import strategies as st
+
+    mod = types.ModuleType("tritune_test_add")
+    exec(compile(_ADD_SRC, "<tritune_test_add>", "exec"), mod.__dict__)  # noqa: S102 - a jitted test kernel
+    P = dataclasses.make_dataclass("P", [("m", int), ("n", int)], frozen=True)
+
+    def run(x, y, *, out=None, config=None):
+        out = torch.empty_like(x) if out is None else out
+        sy = x.stride() if buggy else y.stride()
+        mod.add_kernel[(x.shape[0],)](x, y, out, *x.shape, *x.stride(), *sy, *out.stride(),
+                                      BLOCK=triton.next_power_of_2(x.shape[1]))
+        return out
+
+    def make_inputs(p, dtype, device, seed, layout="contiguous"):
+        x, y = (S.with_layout(S.randn((p.m, p.n), dtype, device, seed + i), layout) for i in (0, 1))
+        return kernels.Case(args=(x, y), out=torch.empty(p.m, p.n, dtype=dtype, device=device))
+
+    return kernels.KernelSpec(
+        name="test_add_buggy" if buggy else "test_add", run=run, reference=lambda x, y: x.double() + y.double(),
+        make_inputs=make_inputs, problems=lambda cap: st.builds(P, st.integers(2, 9), st.integers(2, 12)),
+        space=kernels.Space({"X": [1]}), default_config=lambda p, d: {"X": 1}, bucket=lambda p: {"m": p.m},
+        cost=lambda p, d: kernels.Cost(p.m * p.n, 12 * p.m * p.n), problem_of=lambda x, y: P(*x.shape),
+        standard_problems=[P(64, 64)], small_problems=[P(4, 5)], dtypes=(torch.float32,),
+        layouts=("contiguous", "sliced", "transposed"))
+
+
+def test_contract_catches_a_kernel_that_reads_one_input_with_anothers_strides():
+    from tritune.testing.contract import check_matches_reference
+
+    check_matches_reference(_add_spec(buggy=False), torch.float32, examples=6, budget=None, fast=True)
+    with pytest.raises(AssertionError, match="FAIL"):
+        check_matches_reference(_add_spec(buggy=True), torch.float32, examples=6, budget=None, fast=True)
+
+
+def test_cli_test_help_leads_with_tritunes_options():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "from tritune.harness.cli import main; main(['test', '--help'])"],
+                       capture_output=True, text=True, timeout=120)
+    head = r.stdout[:1500]
+    assert r.returncode == 0 and head.startswith("usage: tritune test"), r.stdout[:500] + r.stderr[-2000:]
+    assert "--tritune-fast" in head and "TRITUNE_CONTRACT_FAST" in head and "pytest's options follow" in head

@@ -314,18 +314,18 @@ def _within(seconds):
         signal.signal(signal.SIGALRM, old)
 
 
-DEEP_LAYERS, DEEP_LIMIT_S = 6, 90
+DEEP_LAYERS, DEEP_HANG_S = 6, 900
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU backend needs a C++ compiler")
 @torch.no_grad()
-def test_deep_patched_model_compiles_in_bounded_time():
-    """Inductor compiles the forward of a 6-layer patched model in well under 90 s (~7 s on the CPU) with
-    the implicit-fallback log text built as torch <= 2.11 builds it. Before the ops were explicit
-    fallbacks that text printed each op's argument IR recursively, doubling with every residual op:
-    3 layers took 21 s, 4 over 100 s (lab/probes/hf_compile_time.py --as-211), GPT-2 small on the H100
-    over 420 s. Output equals eager."""
+def test_deep_patched_model_compiles():
+    """Inductor compiles the forward of a 6-layer patched model (~7 s on the CPU; the time is printed, not
+    asserted: CPUs differ) with the implicit-fallback log text built as torch <= 2.11 builds it. Before the
+    ops were explicit fallbacks that text printed each op's argument IR recursively, doubling with every
+    residual op: 3 layers took 21 s, 4 over 100 s (docs/findings.md), GPT-2 small on the H100 over 420 s;
+    a guard of DEEP_HANG_S fails such a compile instead of hanging the suite. Output equals eager."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**TINY, "n_layer": DEEP_LAYERS}))
     model = hf_patch.patch(model.to(DEVICE).eval())
@@ -333,12 +333,11 @@ def test_deep_patched_model_compiles_in_bounded_time():
     want = model(ids, use_cache=False).logits
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: model(x, use_cache=False).logits, backend="inductor", fullgraph=True)
-    with _fallback_log_built(), torch._inductor.config.patch(fx_graph_cache=False), _within(DEEP_LIMIT_S):
+    with _fallback_log_built(), torch._inductor.config.patch(fx_graph_cache=False), _within(DEEP_HANG_S):
         t0 = time.perf_counter()
         got = compiled(ids)
-        took = time.perf_counter() - t0
+        print(f"inductor compile of the {DEEP_LAYERS}-layer patched forward: {time.perf_counter() - t0:.1f} s")
     cmp.check(got, want, torch.float32, what=f"inductor-compiled {DEEP_LAYERS}-layer patched forward")
-    assert took < DEEP_LIMIT_S
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -499,7 +498,7 @@ def test_compiled_prefill_launches_what_eager_launches(pair):
     of a (T, T) mask. So what the compiled prefill adds over eager on the GPU is host work per op, not
     device work: each ``torch.ops.tritune`` call in the generated program goes through the dispatcher
     (custom_op's Python autograd and backend layers, ~12 us an op on this CPU) where eager calls the
-    op's body (``torch_ops.EAGER``); lab/bench_hf_patch.py --part prefill measures both on the GPU."""
+    op's body (``torch_ops.EAGER``); benchmarks/bench_hf_patch.py --part prefill measures both on the GPU."""
     from torch._inductor.utils import run_and_get_code
 
     model, ref = pair
@@ -583,8 +582,8 @@ def test_compiled_decode_step_takes_no_more_host_work_than_unpatched(tiny_dir, t
     (none per layer on the patch's state; transformers' own guard each layer's config). A few guards are
     the patch's own, once (its module's globals): 2 layers can show them (transformers 5.17: 1050 patched
     against 1044), so the guards are compared at 4 layers and per layer between 2 and 4.
-    Measured on the CPU (lab/bench_hf_patch.py --part step --smoke --smoke-backend inductor --stub-kernels,
-    12 layers): 187 inputs (184 static) and 1 output both; guard-tree lines 2958 patched vs 3599."""
+    Measured on the CPU (benchmarks/bench_hf_patch.py --part step --smoke --smoke-backend inductor
+    --stub-kernels, 12 layers): 187 inputs (184 static) and 1 output both; guard-tree lines 2958 patched vs 3599."""
     torch.manual_seed(0)
     deeper = tmp_path / "tiny_gpt2_4"
     transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**TINY, "n_layer": 4})).save_pretrained(deeper)
@@ -720,7 +719,7 @@ def test_compiled_generate_loop_does_no_more_than_unpatched(tiny_dir):
     compiled call, no more host reads of tensor values (item, bool, nonzero...: a sync each on a GPU) in
     the prefill (ours runs eagerly on the kernels) or in the loop, the prefill's logits only the last
     position's (logits_to_keep) in the model's dtype. (On the H100 the patched generate was ~0.8 ms a step
-    slower while its compiled call was not: lab/bench_hf_patch.py --part genprof splits a generate there.)
+    slower while its compiled call was not: benchmarks/bench_hf_patch.py --part genprof splits a generate there.)
     Measured on the CPU (transformers 5.24): the same Python calls outside the compiled call, and 2 host reads
     a step (the stop check), both."""
     hf = _generate_loop_counts(_load(tiny_dir))
@@ -800,76 +799,6 @@ def test_compiled_generate_steady_state_gpu(tiny_dir):
     assert ours["record_function"] <= hf["record_function"], (ours, hf)
     assert ours["run_eager"] <= hf["run_eager"], (ours, hf)
     assert ours["syncs"] <= hf["syncs"], (ours, hf)
-
-
-def _bench_hf_patch():
-    import pathlib
-
-    lab = str(pathlib.Path(__file__).resolve().parents[1] / "lab")
-    sys.path.insert(0, lab)
-    try:
-        import bench_hf_patch
-    finally:
-        sys.path.remove(lab)
-    return bench_hf_patch
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("compiled", [False, True])
-def test_floor_model_drives_generate_as_gpt2_does(tiny_dir, compiled):
-    """lab/bench_hf_patch.py --part floor: the model that costs ~nothing gets from HF's generate the same
-    arguments a step as GPT-2 (the loop runs the same Python), gives logits of the same type and shape,
-    keeps the static cache as GPT-2 does (allocated in the prefill, its length advanced a step), and its
-    tokens cycle (no stop); compiled (generate's own CompileConfig), one graph and no recompile."""
-    bench = _bench_hf_patch()
-    hf = _load(tiny_dir)
-    floor = bench._floor_model(hf)
-    assert type(floor).__mro__[1] is transformers.GPT2LMHeadModel
-    for m in (hf, floor):  # eager unless compiled below (on a GPU, generate compiles by itself for a static
-        m.generation_config.disable_compile = True  # cache, and the hook would see only the prefill)
-    if compiled:
-        torch._dynamo.reset()
-        cc = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
-        cc._compile_all_devices = True
-        floor.generation_config.compile_config = cc
-        floor.generation_config.disable_compile = False
-    seen = {"hf": [], "floor": []}
-
-    def hook(mod, args, kwargs, name):
-        if torch.compiler.is_compiling():  # inside the compiled call: recorded by its wrapper below
-            return
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        seen[name].append((tuple(sorted(kwargs)), tuple(kwargs["input_ids"].shape),
-                           [int(lay.cumulative_length) for lay in getattr(cache, "layers", ())
-                            if isinstance(getattr(lay, "cumulative_length", None), torch.Tensor)]))
-
-    for name, m in (("hf", hf), ("floor", floor)):
-        m.register_forward_pre_hook(lambda mod, a, k, name=name: hook(mod, a, k, name), with_kwargs=True)
-    if compiled:
-        get = floor.get_compiled_call
-
-        def get_recorded(cc):
-            fn = get(cc)
-
-            def call(*a, **k):
-                hook(None, a, k, "floor")
-                return fn(*a, **k)
-            return call
-        floor.get_compiled_call = get_recorded
-    ids = _ids(3, 5, 11)
-    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, cache_implementation="static",
-              return_dict_in_generate=True, output_logits=True)
-    frames0 = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
-    ref, got = hf.generate(ids, **kw), floor.generate(ids, **kw)
-    assert seen["floor"] == seen["hf"]
-    assert [tuple(x.shape) for x in got.logits] == [tuple(x.shape) for x in ref.logits]
-    assert {x.dtype for x in got.logits} == {x.dtype for x in ref.logits}
-    toks = got.sequences[:, 5:]
-    assert toks.shape == (3, 10) and len(set(toks[0].tolist())) == bench.FLOOR_ROWS  # a cycle of 8 tokens
-    if compiled:
-        assert hasattr(floor, "_compiled_call")
-        assert torch._dynamo.utils.counters["stats"].get("unique_graphs", 0) - frames0 == 1
-        assert not torch._dynamo.utils.counters["recompiles"]
 
 
 # --- the decode step as one CUDA graph a key (ThinGraphCall) -----------------------------------------

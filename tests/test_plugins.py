@@ -122,21 +122,21 @@ def test_example_package_cli_flow(tmp_path):
     that is not a checkout; nothing written into site-packages."""
     env = {"TRITUNE_STUDIES": str(tmp_path / "studies.journal"), "TRITUNE_CACHE": str(tmp_path / "cache"),
            "TRITUNE_CONFIG_DIR": str(tmp_path / "configs")}
-    r = _run(_tritune("test", "-q", "-m", "rms_norm", "-k", "spec_is_complete or bad_inputs or invalid_config"),
+    r = _run(_tritune("test", "-q", "-m", "my_rms_norm", "-k", "spec_is_complete or bad_inputs or invalid_config"),
              tmp_path, env)
     assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout + r.stderr
-    r = _run(_tritune("tune", "rms_norm", "--trials", "3", "--dtype", "fp32", "--problems", "M=64,N=768",
+    r = _run(_tritune("tune", "my_rms_norm", "--trials", "3", "--dtype", "fp32", "--problems", "M=64,N=768",
                       "--export", "--quiet"), tmp_path, env)
-    assert r.returncode == 0 and "rms_norm" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "my_rms_norm" in r.stdout, r.stdout + r.stderr
     site = Path(importlib.metadata.distribution("tritune").locate_file(""))
-    assert not list(site.glob("tritune/tuning/configs/*/rms_norm.json"))  # exports go to the user store
-    r = _run(_tritune("bench", "rms_norm", "--dtype", "fp32", "--results-dir", "res"), tmp_path, env)
+    assert not list(site.glob("tritune/tuning/configs/*/my_rms_norm.json"))  # exports go to the user store
+    r = _run(_tritune("bench", "my_rms_norm", "--dtype", "fp32", "--results-dir", "res"), tmp_path, env)
     assert r.returncode == 0, r.stdout + r.stderr
     import json
 
     from tritune.kernels.runtime import device as dev
 
-    rows = json.loads((tmp_path / "res" / dev.gpu_slug() / "rms_norm.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "res" / dev.gpu_slug() / "my_rms_norm.json").read_text())["rows"]
     assert rows and all(r["correct"] and r["vendor"] == "F.rms_norm" for r in rows), rows
 
 
@@ -165,3 +165,47 @@ def test_plot_roofline_and_study(tmp_path):
     study.optimize(lambda t: t.suggest_categorical("BLOCK", [1, 2, 4]) + t.suggest_int("w", 1, 4), n_trials=8)
     got = plot.study_plots(url, tmp_path / "img", ["gelu"])
     assert sorted(p.name.rsplit("-", 1)[-1] for p in got) == ["history.png", "importances.png"]
+
+
+ORDER = '''
+import transformers, torch, triton, triton.language as tl   # triton imported before tritune
+@triton.jit
+def _scaled(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0)
+    tl.store(Y + offs, x * 2 / (1 + 0 * tl.sum(x, axis=0)), mask=offs < n)   # tl.sum: triton's own jitted helper
+import tritune
+from tritune.kernels.runtime import device as dev
+
+def run(x, *, out=None, config=None):
+    out = torch.empty_like(x) if out is None else out
+    _scaled[(1,)](x, out, x.numel(), BLOCK=128)
+    return out
+
+spec = tritune.KernelSpec(name="order", run=run, reference=lambda x: 2 * x.double(), make_inputs=None,
+                          problems=None, space=tritune.Space({"B": [1]}), default_config=lambda p, d: {"B": 1},
+                          bucket=None, cost=None, problem_of=None, standard_problems=[], small_problems=[])
+x = torch.randn(100, device=dev.device())
+assert torch.equal(spec.run(x), 2 * x)
+cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, n_positions=16, vocab_size=64, eos_token_id=0,
+                              bos_token_id=0)
+m = transformers.GPT2LMHeadModel(cfg).eval().to(dev.device())
+with torch.no_grad():
+    want = m(torch.tensor([[1, 2, 3]], device=dev.device())).logits
+    tritune.patch(m)
+    got = m(torch.tensor([[1, 2, 3]], device=dev.device())).logits
+assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+print("ok")
+'''
+
+
+def test_user_kernel_and_patch_work_whatever_was_imported_first(tmp_path):
+    """transformers (and so triton) imported before tritune, no TRITON_INTERPRET in the environment: a
+    user kernel decorated then launches through a KernelSpec and tritune.patch runs (interpreted on a
+    machine without a GPU: triton's functions decorated before the switch run interpreted too)."""
+    pytest.importorskip("transformers")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    (tmp_path / "order.py").write_text(ORDER)   # triton reads a kernel's source from its file
+    r = subprocess.run([sys.executable, "order.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -155,3 +155,54 @@ def test_triton_kernels_read_the_cached_prefix():
     assert reqs[1].num_cached_tokens == 8
     assert [r.output_ids for r in reqs] == [alone(ref, p, 3) for p in ps]
     check_no_leak(eng)
+
+
+class Recorder:
+    """The engine's sampler, keeping every logits row it is handed, per request."""
+
+    def __init__(self, base):
+        self.base, self.logits = base, {}
+
+    def __call__(self, reqs, logits):
+        for r, row in zip(reqs, logits):
+            self.logits.setdefault(r.id, []).append(row.float().cpu().clone())
+        return self.base(reqs, logits)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+def hit_and_miss_logits(m, ps, max_new, **kw):
+    """Logits rows of ps[1]: after ps[0] left its prefix in the cache (a hit), and in an engine without the
+    cache; the hit's cached token count."""
+    out = []
+    for caching in (True, False):
+        eng = Engine(m, num_blocks=32, block_size=4, cuda_graphs=False, batch_invariant=True,
+                     enable_prefix_caching=caching, **kw)
+        eng.sampler = Recorder(eng.sampler)
+        reqs = run(eng, ps, max_new)
+        out.append((eng.sampler.logits[reqs[1].id], reqs[1].num_cached_tokens, reqs[1].output_ids))
+        check_no_leak(eng)
+    return out
+
+
+@pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, None), (torch.bfloat16, "int4"), (torch.float32, None)])
+def test_deterministic_mode_cache_hit_gives_the_uncached_bits(dtype, quant):
+    """Engine(batch_invariant=True) (``--deterministic``): a request whose prefix comes from the cache gets
+    the logits, bit for bit, it gets computing its whole prompt (every row's reductions are its own)."""
+    m = tiny_model("torch", n_layer=2, n_embd=64, n_head=2, n_positions=64, seed=8, dtype=dtype)
+    ps = shared_prompts(2, 13, seed=9, lo=3, hi=8)
+    kw = dict(quant=quant, group_size=32) if quant else {}
+    (hit, n_hit, t_hit), (miss, n_miss, t_miss) = hit_and_miss_logits(m, ps, 6, **kw)
+    assert n_hit == 12 and n_miss == 0
+    assert t_hit == t_miss and len(hit) == len(miss) == 6
+    assert all(torch.equal(a, b) for a, b in zip(hit, miss))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run (fp32; its bf16 dot is wrong)")
+def test_deterministic_mode_cache_hit_gives_the_uncached_bits_triton_interpreter():
+    m = tiny_model("triton", n_layer=1, n_embd=32, n_head=2, n_positions=32, seed=10)
+    ps = shared_prompts(2, 9, seed=7, lo=2, hi=6)
+    (hit, n_hit, t_hit), (miss, _, t_miss) = hit_and_miss_logits(m, ps, 3)
+    assert n_hit == 8 and t_hit == t_miss
+    assert all(torch.equal(a, b) for a, b in zip(hit, miss))

@@ -298,7 +298,7 @@ def test_bad_requests_raise_and_others_continue():
         (ValueError, "already in use", lambda: sched.add_request([1], SamplingParams(), request_id=good[0].id)),
         (ValueError, "prompt is empty", lambda: sched.add_request([], SamplingParams())),
         (ValueError, "longer than the model.s context", lambda: sched.add_request(prompt(33), SamplingParams())),
-        (ValueError, "max_new_tokens must be an int >= 1", lambda: SamplingParams(max_new_tokens=0)),
+        (ValueError, "max_new_tokens: expected an int >= 1", lambda: SamplingParams(max_new_tokens=0)),
         (ValueError, "exceeds the model.s context", lambda: sched.add_request(prompt(30), SamplingParams(max_new_tokens=3))),
         (ValueError, "more than the whole pool", lambda: sched.add_request(prompt(30), SamplingParams(max_new_tokens=2))),
         (ValueError, "no room for the prompt", lambda: sched.add_request(prompt(3), SamplingParams(max_new_tokens=32),
@@ -309,8 +309,8 @@ def test_bad_requests_raise_and_others_continue():
         (TypeError, "must be ints", lambda: sched.add_request([1, True], SamplingParams())),
         (ValueError, "token id -1 .*outside the vocabulary", lambda: sched.add_request([3, -1, 2], SamplingParams())),
         (TypeError, "stream must be", lambda: sched.add_request([1], SamplingParams(), stream="stdout")),
-        (ValueError, "top_p must be in", lambda: SamplingParams(top_p=0)),
-        (ValueError, "temperature must be >= 0", lambda: SamplingParams(temperature=-1.0)),
+        (ValueError, "top_p: expected a number in", lambda: SamplingParams(top_p=0)),
+        (ValueError, "temperature: expected a finite number >= 0", lambda: SamplingParams(temperature=-1.0)),
     ]
     for exc, msg, call in bad:
         with pytest.raises(exc, match=msg):

@@ -53,7 +53,7 @@ def blocks_back_and_self_accepted(eng, prop, kind):
         assert acceptance_rate(eng.stats) == 1.0
     assert eng.pool.num_free == eng.pool.num_blocks
     if kind != "ngram":
-        prop._gc(None)
+        prop.drop_finished(None)
         assert prop.pool.num_free == prop.pool.num_blocks
 
 

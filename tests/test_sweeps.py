@@ -15,7 +15,7 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-from tritune.tuning import search
+from tritune.tuning import optuna_sampler, search
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # worker processes (spawn) inherit it and import the helpers by name
@@ -50,7 +50,7 @@ def test_a_sweep_killed_mid_trial_completes_its_count_on_rerun(tmp_path, kind):
     st = _study(storage)
     running = [t for t in st.trials if t.state == TrialState.RUNNING]
     assert len(running) == 1 and running[0].user_attrs["owner"].endswith(f":{proc.pid}")
-    before = {t.number: t.value for t in search._evaluated(st.trials)}
+    before = {t.number: t.value for t in search.evaluated(st.trials)}
     assert len(before) == 3
     (row,) = search.tune([h.TOY], [h.Problem(64)], [torch.float32], trials=10, storage=storage,
                          evaluate=h.quick, isolation="inline", progress=False)
@@ -76,7 +76,7 @@ def test_a_config_that_segfaults_is_one_failed_trial(tmp_path):
                          storage=storage, progress=False, log=lambda m: None)
     assert row["trials"] == row["n_valid"] == 8 and row["failed"] == 1
     st = optuna.load_study(study_name=row["study"], storage=search.open_storage(storage))
-    (bad,) = [t for t in search._evaluated(st.trials) if t.state == TrialState.FAIL]
+    (bad,) = [t for t in search.evaluated(st.trials) if t.state == TrialState.FAIL]
     assert bad.params == {"a": 3, "b": 2}
     assert bad.user_attrs["error"] == f"worker died (exit code {-signal.SIGSEGV})"
     assert row["config"] is not None
@@ -93,12 +93,12 @@ def test_a_config_held_by_another_trial_is_not_timed_twice():
     st.enqueue_trial(cfg)
     mine = st.ask(dists)
     assert mine.params == cfg
-    assert search._claim(st, mine.number, cfg, params, None) == (None, other.number)
+    assert optuna_sampler.claim(st, mine.number, cfg, params, None) == (None, other.number)
     mine.set_user_attr("busy_with", other.number)
     st.tell(other, 3.0)
     st.tell(mine, state=TrialState.FAIL)
     assert search.reap(st, 3600.0) == 0 and len(st.trials) == 2   # a yielded trial is not retried
     queued = optuna.create_study()
     queued.enqueue_trial(cfg, user_attrs={"retry_of": 0})
-    assert search._claim(queued, 99, cfg, params, None) == (None, 0)
-    assert search._claim(queued, 99, dict(cfg, a=cfg["a"] % 8 + 1), params, None) == (None, None)
+    assert optuna_sampler.claim(queued, 99, cfg, params, None) == (None, 0)
+    assert optuna_sampler.claim(queued, 99, dict(cfg, a=cfg["a"] % 8 + 1), params, None) == (None, None)

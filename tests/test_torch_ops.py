@@ -130,7 +130,7 @@ def test_every_op_is_an_explicit_inductor_fallback(monkeypatch):
     """Inductor has a lowering (our fallback, made before any graph lowers: at the first fake call) for
     every op, so it never takes its implicit-fallback path, whose log text torch <= 2.11 builds at every
     op by printing the arguments' IR recursively (exponential on a residual stream: test_hf_patch's
-    test_deep_patched_model_compiles_in_bounded_time)."""
+    test_deep_patched_model_compiles)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     calls = []

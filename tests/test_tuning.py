@@ -9,8 +9,10 @@ import importlib
 import json
 import linecache
 import math
+import os
 import sys
 import textwrap
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -23,7 +25,7 @@ from tritune.kernels.runtime import compare as cmp
 from tritune.kernels.runtime import device as dev
 from tritune.kernels import gelu as gelu_mod
 from tritune.harness.cli import tune as tcli
-from tritune.tuning import search
+from tritune.tuning import compare, ledger, retime as rtm, search
 from tritune.kernels.runtime import store
 
 
@@ -191,7 +193,7 @@ def test_trials_timed_on_other_kernel_code_are_not_reused_or_exported(tmp_path, 
     learn from them) but none is reused as a repeat, counted, or reported as the best; the default is
     timed again on the new code."""
     spec = toy_spec(SMALL, _odd, default={"a": 7, "b": 1})
-    monkeypatch.setattr(search, "code_version", lambda kernel: "v1")
+    monkeypatch.setattr(store, "source_hash", lambda kernel: "v1")
     row, storage = _tune(spec, tmp_path, quadratic, trials=6)
     assert row["trials"] == 6 and row["stale_trials"] == 0
     assert row["default_us"] == pytest.approx(1000.0 * (1 + 16 + 16))
@@ -199,7 +201,7 @@ def test_trials_timed_on_other_kernel_code_are_not_reused_or_exported(tmp_path, 
     def slower(task):  # the new code: every config 1 ms slower
         return {"ok": True, "ms": quadratic(task)["ms"] + 1.0}
 
-    monkeypatch.setattr(search, "code_version", lambda kernel: "v2")
+    monkeypatch.setattr(store, "source_hash", lambda kernel: "v2")
     row, storage = _tune(spec, tmp_path, slower, trials=3)
     assert row["trials"] == 3 and row["stale_trials"] >= 6
     assert row["default_us"] == pytest.approx(1000.0 * (2 + 16 + 16))  # timed again, not the v1 value
@@ -213,7 +215,7 @@ def test_a_space_that_gained_a_value_resumes_in_a_study_of_its_own(tmp_path, mon
     trials of the old choices, which Optuna would refuse to mix ("dynamic value space"), so the new space
     tunes in its own study, and the old one stays as it was."""
     row, storage = _tune(toy_spec(SMALL, _odd), tmp_path, quadratic, trials=4)
-    monkeypatch.setattr(search, "code_version", lambda kernel: "v2")
+    monkeypatch.setattr(store, "source_hash", lambda kernel: "v2")
     wider = {"a": SMALL["a"] + [14], "b": SMALL["b"]}
     row2, _ = _tune(toy_spec(wider, _odd), tmp_path, quadratic, trials=4)
     assert row2["trials"] == 4 and row2["study"] != row["study"]
@@ -254,6 +256,10 @@ def die_on_one(task):
     if task.config == {"BLOCK": 512, "num_warps": 4, "EVICT": False}:
         os._exit(7)  # what a CUDA context crash looks like from the parent
     return fake_gelu(task)
+
+def sleep_long(task):
+    time.sleep(600)
+    return {"ok": False, "error": "slept"}
 
 def slow_gelu(task):
     # Rendezvous: no worker evaluates before both have started, so a worker slow to start (a GPU
@@ -302,6 +308,103 @@ def test_two_workers_share_one_study(tmp_path, helpers, monkeypatch):
                          workers=2, evaluate=helpers.slow_gelu, isolation="inline", progress=False)
     assert 12 <= row["trials"] <= 13  # two workers may each start the last trial
     assert len(row["workers"]) == 2
+
+
+KILLED_PARENT = """
+import multiprocessing, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import torch
+import tritune_tuning_helpers as h
+from tritune.tuning import precompile, runners
+from tritune.tuning.evaluate import Task
+
+pre = precompile.Precompiler(helpers=1)          # a compile helper, started from the main thread
+runner = runners.ProcessRunner(h.sleep_long)     # an evaluation worker, started from another thread
+task = Task("gelu", None, torch.float32, {}, 0)
+threading.Thread(target=runner, args=(task,), daemon=True).start()
+t0 = time.time()
+while len(multiprocessing.active_children()) < 2 and time.time() - t0 < 120:
+    time.sleep(0.05)
+print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_tuner_takes_its_worker_and_helpers_with_it(tmp_path, helpers):
+    """kill -9 of the tuning process: its evaluation worker (busy with a trial) and its precompile helper
+    end too, instead of holding the GPU as orphans."""
+    import signal
+    import subprocess
+
+    parent = subprocess.Popen([sys.executable, "-c", KILLED_PARENT, os.path.dirname(helpers.__file__)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    finally:
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+    t0 = time.time()
+    while not all(_gone(p) for p in pids) and time.time() - t0 < 20:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids), f"orphans left: {[p for p in pids if not _gone(p)]}"
+
+
+TWO_TUNERS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import tritune_tuning_helpers as h
+from tritune.kernels import gelu
+from tritune.tuning import search
+
+(row,) = search.tune("gelu", [gelu.Problem(4096)], [torch.float32], trials=8, storage=sys.argv[2],
+                     evaluate=h.slow_gelu, isolation="inline", progress=False)
+print("TRIALS", row["trials"], len(row["workers"]))
+"""
+
+
+def test_two_tuners_on_one_study_both_report_its_count(tmp_path, helpers):
+    """Two `tritune tune` processes on one storage and one 8-trial study: each one's table reports the
+    study's 8 trials (the one that stops first waits for the other's trial in flight), not its own."""
+    import subprocess
+
+    (tmp_path / "rendezvous").mkdir()
+    env = dict(os.environ, TRITUNE_TEST_RENDEZVOUS=str(tmp_path / "rendezvous"))
+    argv = [sys.executable, "-c", TWO_TUNERS, os.path.dirname(helpers.__file__), str(tmp_path / "s.journal")]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    lines = [next(line for line in o.splitlines() if line.startswith("TRIALS")) for o in outs]
+    assert [line.split()[1] for line in lines] == ["8", "8"], lines
+    assert all(line.split()[2] == "2" for line in lines)   # both processes timed trials of the study
+
+
+def test_the_table_says_why_trials_failed(tmp_path):
+    """`tune`'s table and summary count failed trials by kind (a mismatch against the reference is a
+    wrong answer; an exception in the launch an error), not only how many failed."""
+    spec = toy_spec({"mode": ["good", "fast", "raise", "wrong", "unwritten"], "w": [1, 2]},
+                    default={"mode": "good", "w": 2})
+
+    def timer(fn):
+        fn()
+        return 1.0
+
+    row, _ = _tune(spec, tmp_path, search.Evaluator(timer=timer), trials=100, sampler="grid")
+    assert row["failure_kinds"] == {"wrong answer": 4, "error": 2}
+    text = tcli.results_table([row])
+    assert "why failed" in text and "wrong answer x4, error x2" in text
+    assert text.splitlines()[-1] == "failed trials by kind: wrong answer x4, error x2"
+    assert tcli.failures_label({"compile error": 1, "timeout": 3}) == "timeout x3, compile error x1"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -435,8 +538,11 @@ def test_real_gelu_sweep_through_the_cli(tmp_path, capsys):
     argv = ["tune", "gelu", "--problems", "numel=1021,approximate=tanh", "--dtype", "fp32", "--trials", "3",
             "--storage", storage, "--quiet"]
     assert main(argv) == 0
+    out = capsys.readouterr().out   # without --export: the winners are in the storage, and how to store them
+    assert f"the winners are in the studies of {storage}" in out and "re-run with --export" in out
     assert main(argv[:-3] + ["--trials", "5", "--storage", storage, "--export", "--configs-dir", str(cfg)]) == 0
     out = capsys.readouterr().out
+    assert "the winners are in the studies" not in out
     assert "default µs" in out and "numel=1024,approximate=tanh" in out
     (e,) = store.validate(json.loads((cfg / dev.gpu_slug() / "gelu.json").read_text()), "gelu", dev.gpu_slug())
     assert e["trials"] == 5 and e["failed"] == 0 and math.isfinite(e["time_us"]) and e["default_us"]
@@ -447,7 +553,7 @@ def test_real_gelu_sweep_through_the_cli(tmp_path, capsys):
 
 def test_compare_samplers_replays_tpe_and_random_on_the_grid(tmp_path):
     spec = toy_spec(SMALL, _odd)
-    rows, path = search.compare_samplers([spec], [ToyProblem(64)], [torch.float32], storage=str(tmp_path / "s.journal"),
+    rows, path = compare.compare_samplers([spec], [ToyProblem(64)], [torch.float32], storage=str(tmp_path / "s.journal"),
                                          repeats=3, evaluate=quadratic, isolation="inline", progress=False,
                                          results_dir=tmp_path / "results", log=lambda m: None)
     (row,) = rows
@@ -642,7 +748,7 @@ def test_a_gpu_without_tuned_configs_warns_once_naming_the_command(temp_store, m
 # --budget: warm start from the nearest GPU type, side-by-side re-timing, export of the re-timed winner
 # ---------------------------------------------------------------------------------------------------
 def test_nearest_gpu_type():
-    from tritune.tuning.budget import nearest_slug
+    from tritune.tuning.warm import nearest_slug
 
     have = ["nvidia-h100-80gb-hbm3", "nvidia-a100-sxm4-80gb", "amd-instinct-mi300x", "nvidia-h200"]
     assert nearest_slug("nvidia-h200", have) == "nvidia-h100-80gb-hbm3"
@@ -685,16 +791,16 @@ def test_budget_warm_starts_from_the_nearest_gpu_and_retimes_before_export(tmp_p
     rt = row["retimed"]
     assert rt["winner"] == "seed" and rt["config"] == {"a": 9, "b": 5}  # not the sweep's lucky (11, 5)
     # a race: the seed leads by far after RACE_AFTER rounds, the others drop out, and one config left ends it
-    assert set(rt["times_us"]) == {"tuned", "seed", "default"} and rt["rounds"] == tb.RACE_AFTER
+    assert set(rt["times_us"]) == {"tuned", "seed", "default"} and rt["rounds"] == rtm.RACE_AFTER
     assert row["best_us"] < 1000.0 and rt["times_us"]["tuned"] > 100_000.0
     (path,) = search.export(storage, [spec], slug="nvidia-h200", log=lambda m: None)
     # a config in two roles (the tuned best is the default) is timed once and reported under both
     job = search.plan([spec], [ToyProblem(64)], [torch.float32], "nvidia-h200")[0]
-    (default,) = [dict(c, roles=["tuned", "default"]) for c in tb.front_runners(st) if "default" in c["roles"]]
-    monkeypatch.setattr(tb, "front_runners", lambda study: [default])
-    again = tb.retime(st, job, search.InlineRunner(_Noisy()), rounds=3)
+    (default,) = [dict(c, roles=["tuned", "default"]) for c in rtm.front_runners(st) if "default" in c["roles"]]
+    monkeypatch.setattr(rtm, "front_runners", lambda study: [default])
+    again = rtm.retime(st, job, search.InlineRunner(_Noisy()), rounds=3)
     assert again["winner"] == "tuned+default" and again["times_us"]["tuned"] == again["times_us"]["default"]
     (e,) = json.loads(path.read_text())["entries"]
     assert e["config"] == {"a": 9, "b": 5} and e["time_us"] == pytest.approx(5000.0)
     assert e["retimed"]["winner"] == "seed" and e["default_us"] == pytest.approx(1000.0 * (1 + 16 + 16))
-    assert "winner" in tb.summary_table(rows) and "geomean" in tb.summary_table(rows)
+    assert "winner" in ledger.summary_table(rows) and "geomean" in ledger.summary_table(rows)

@@ -1,11 +1,9 @@
-"""The tuner's one timer (harness.bench.timing_mode / time_ms): which problems are CUDA-graph timed, that
-the sweep, the re-time before export and lab/compare_tune_all.py all time through it, which configs the
-re-time decides between, and that a noisy measurement in the sweep cannot pick the exported winner."""
+"""The tuner's one timer (harness.timing.timing_mode / time_ms): which problems are CUDA-graph timed, that
+the sweep and the re-time before export both time through it, which configs the re-time decides between,
+and that a noisy measurement in the sweep cannot pick the exported winner."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import optuna
 import pytest
@@ -13,11 +11,8 @@ import torch
 
 import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
 from tritune import kernels as K
-from tritune.harness import bench
-from tritune.tuning import budget as tb, search
+from tritune.tuning import budget as tb, retime as rtm, search, timing
 from tritune.kernels.runtime import store
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,20 +47,20 @@ def _spec(name="timer_toy", nbytes=lambda p: 4.0 * p.n):
 def test_timing_mode_is_a_function_of_the_problem():
     spec = _spec()
     # floor at 3 TB/s: 64 floats -> graph; 1.2 GB -> 400 us -> flush
-    assert bench.timing_mode(spec, P(64), torch.float32) == "graph"
-    assert bench.timing_mode(spec, P(300_000_000), torch.float32) == "flush"
-    edge = int(bench.GRAPH_FLOOR_US * 1e-6 * bench.NOMINAL_BYTES_PER_S / 4)
-    assert bench.timing_mode(spec, P(edge - 1000), torch.float32) == "graph"
-    assert bench.timing_mode(spec, P(edge + 1000), torch.float32) == "flush"
-    assert bench.timing_mode(spec, P(300_000_000), torch.float32, force="graph") == "graph"
-    assert bench.timing_mode(spec, P(64), torch.float32, force="flush") == "flush"
-    assert bench.timing_mode(_spec(nbytes=lambda p: 1 / 0), P(64), torch.float32) == "graph"  # no cost: graph
+    assert timing.timing_mode(spec, P(64), torch.float32) == "graph"
+    assert timing.timing_mode(spec, P(300_000_000), torch.float32) == "flush"
+    edge = int(timing.GRAPH_FLOOR_US * 1e-6 * timing.NOMINAL_BYTES_PER_S / 4)
+    assert timing.timing_mode(spec, P(edge - 1000), torch.float32) == "graph"
+    assert timing.timing_mode(spec, P(edge + 1000), torch.float32) == "flush"
+    assert timing.timing_mode(spec, P(300_000_000), torch.float32, force="graph") == "graph"
+    assert timing.timing_mode(spec, P(64), torch.float32, force="flush") == "flush"
+    assert timing.timing_mode(_spec(nbytes=lambda p: 1 / 0), P(64), torch.float32) == "graph"  # no cost: graph
     with pytest.raises(ValueError, match="timer"):
-        bench.timing_mode(spec, P(64), torch.float32, force="cudagraph")
+        timing.timing_mode(spec, P(64), torch.float32, force="cudagraph")
     with pytest.raises(ValueError, match="mode"):
         search.Evaluator(mode="do_bench")
     with pytest.raises(ValueError, match="mode"):
-        bench.time_ms(lambda: None, "auto")
+        timing.time_ms(lambda: None, "auto")
 
 
 def test_every_standard_problem_has_a_mode():
@@ -75,11 +70,11 @@ def test_every_standard_problem_has_a_mode():
     for spec in K.all_specs():
         for p in spec.standard_problems:
             for dt in spec.dtypes:
-                modes[(spec.name, bench.problem_label(p), str(dt))] = bench.timing_mode(spec, p, dt)
+                modes[(spec.name, timing.problem_label(p), str(dt))] = timing.timing_mode(spec, p, dt)
     assert set(modes.values()) == {"graph", "flush"}
     gemm = K.get("gemm")
     small = [p for p in gemm.standard_problems if getattr(p, "M", 0) == 8 and p.N == 768 and p.K == 768]
-    assert small and all(bench.timing_mode(gemm, p, torch.bfloat16) == "graph" for p in small)
+    assert small and all(timing.timing_mode(gemm, p, torch.bfloat16) == "graph" for p in small)
 
 
 def test_clone_case_keeps_views_strides_and_aliasing():
@@ -87,7 +82,7 @@ def test_clone_case_keeps_views_strides_and_aliasing():
     k, v = pool[:, 0], pool[:, 1]
     q = torch.randn(5, 9)[:, 3:6]
     case = K.Case(args=(q, k, v, 7), kwargs={"scale": 0.5, "lens": torch.arange(3)}, out=torch.empty(5, 3))
-    c = bench.clone_case(case)
+    c = timing.clone_case(case)
     for a, b in zip(case.tensors(), c.tensors()):
         assert a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
         assert torch.equal(a, b) and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
@@ -98,17 +93,17 @@ def test_clone_case_keeps_views_strides_and_aliasing():
 def test_graph_mode_cycles_enough_input_sets_past_l2():
     spec = _spec()
     per = _make(P(1024), torch.float32, "cpu", 0).nbytes()
-    flush = bench.timing_cases(spec, P(1024), torch.float32, "cpu", 0, "flush", l2=100 * per)
-    graph = bench.timing_cases(spec, P(1024), torch.float32, "cpu", 0, "graph", l2=100 * per)
-    base = len(bench.rotation(spec, P(1024), torch.float32, "cpu", 0))    # (the GPU rotates several sets)
-    assert len(flush) == base and len(graph) == min(bench.GRAPH_MAX_SETS, max(base, bench.GRAPH_L2_MULTIPLE * 100 + 1))
-    assert sum(c.nbytes() for c in graph) > bench.GRAPH_L2_MULTIPLE * 100 * per
-    assert len(bench.timing_cases(spec, P(1024), torch.float32, "cpu", 0, "graph", l2=10**6 * per)) == \
-        bench.GRAPH_MAX_SETS
+    flush = timing.timing_cases(spec, P(1024), torch.float32, "cpu", 0, "flush", l2=100 * per)
+    graph = timing.timing_cases(spec, P(1024), torch.float32, "cpu", 0, "graph", l2=100 * per)
+    base = len(timing.rotation(spec, P(1024), torch.float32, "cpu", 0))    # (the GPU rotates several sets)
+    assert len(flush) == base and len(graph) == min(timing.GRAPH_MAX_SETS, max(base, timing.GRAPH_L2_MULTIPLE * 100 + 1))
+    assert sum(c.nbytes() for c in graph) > timing.GRAPH_L2_MULTIPLE * 100 * per
+    assert len(timing.timing_cases(spec, P(1024), torch.float32, "cpu", 0, "graph", l2=10**6 * per)) == \
+        timing.GRAPH_MAX_SETS
 
 
 class _Recorder:
-    """bench.time_ms replaced: records each (config, mode) and answers a time from the config."""
+    """timing.time_ms replaced: records each (config, mode) and answers a time from the config."""
 
     def __init__(self, ms=lambda c: 1.0 + c["a"] + c["b"]):
         self.calls, self.ms = [], ms
@@ -119,12 +114,12 @@ class _Recorder:
         return self.ms(_LAST["config"])
 
 
-def test_one_timer_for_trials_retime_and_comparison(tmp_path, monkeypatch):
-    """The sweep's evaluator, the re-time before export and compare_tune_all's retime_pair all reach
-    bench.time_ms, in the problem's mode; the evaluator reports the mode and the trial records it."""
+def test_one_timer_for_trials_and_retime(tmp_path, monkeypatch):
+    """The sweep's evaluator and the re-time before export both reach timing.time_ms, in the problem's mode;
+    the evaluator reports the mode and the trial records it."""
     spec = _spec()
     rec = _Recorder()
-    monkeypatch.setattr(bench, "time_ms", rec)
+    monkeypatch.setattr(timing, "time_ms", rec)
     monkeypatch.setitem(K.REGISTRY, spec.name, spec)
     ev = search.Evaluator()
     res = ev(search.Task(spec.name, P(64), torch.float32, {"a": 3, "b": 2}, 5, spec=spec))
@@ -142,21 +137,10 @@ def test_one_timer_for_trials_retime_and_comparison(tmp_path, monkeypatch):
     assert all(set(t.user_attrs["evaluated"]["phases"]) == {"launch_s", "check_s", "time_s"} for t in timed)
     n_sweep = len(rec.calls)
     job = search.plan([spec], [P(64)], [torch.float32], "nvidia-h200")[0]
-    out = tb.retime(st, job, search.InlineRunner(ev), rounds=2)
+    out = rtm.retime(st, job, search.InlineRunner(ev), rounds=2)
+    # the re-time's rounds: every candidate twice, all through timing.time_ms in the problem's mode
     assert out is not None and len(rec.calls) - n_sweep == 2 * len(out["candidates"])
-
-    sys.path.insert(0, str(ROOT / "lab"))
-    try:
-        import compare_tune_all as cta
-    finally:
-        sys.path.remove(str(ROOT / "lab"))
-    e = {"bucket": "n=64", "dtype": "float32", "problem_fields": {"n": 64}}
-    before, info = len(rec.calls), {}
-    got, why = cta.retime_pair(spec.name, dict(e, config={"a": 2, "b": 2}), dict(e, config={"a": 4, "b": 4}),
-                               search.InlineRunner(ev), 3, info)
-    assert why == "" and got == (5000.0, 9000.0) and info["timer"] == "graph"
-    # each config verified (and timed) once, then 3 interleaved rounds: all through bench.time_ms
-    assert [m for _, m in rec.calls[before:]] == ["graph"] * (2 + 2 * 3)
+    assert [m for _, m in rec.calls[n_sweep:]] == ["graph"] * (2 * len(out["candidates"]))
 
 
 def _trial(params, value, number_attrs=None):
@@ -167,7 +151,7 @@ def _trial(params, value, number_attrs=None):
 
 
 def test_front_runners_hold_every_leader_and_every_seed(monkeypatch):
-    monkeypatch.setattr(search, "code_version", lambda kernel: None)
+    monkeypatch.setattr(store, "source_hash", lambda kernel: None)
     st = optuna.create_study(direction="minimize")
     st.set_user_attr("kernel", "timer_toy")
     st.set_user_attr("default_config", {"a": 1, "b": 1})
@@ -178,16 +162,16 @@ def test_front_runners_hold_every_leader_and_every_seed(monkeypatch):
                              ({"a": 5, "b": 5}, 8.0, {}),                   # led
                              ({"a": 6, "b": 6}, 7.5, {})]:                  # led: the tuned best
         st.add_trial(_trial(params, v, attrs))
-    fr = {c["config"]["a"]: c["roles"] for c in tb.front_runners(st)}
+    fr = {c["config"]["a"]: c["roles"] for c in rtm.front_runners(st)}
     assert fr == {6: ["tuned", "led"], 1: ["default", "led"], 3: ["seed", "led"], 5: ["led"], 2: ["seed"]}
-    assert [c["config"]["a"] for c in tb.front_runners(st, limit=3)] == [6, 1, 5]  # tuned, default, fastest
+    assert [c["config"]["a"] for c in rtm.front_runners(st, limit=3)] == [6, 1, 5]  # tuned, default, fastest
 
 
 def test_a_noisy_first_measurement_cannot_pick_the_winner(tmp_path, monkeypatch):
     """Sweep (verify=True) measurements are noisy: a warm seed's one timing reads 10x fast (lucky), the
     truly fastest config, another warm seed, reads 10x slow (a host hiccup). The re-time (time only)
     measures what is true, and the export takes its winner: the unlucky seed, not the lucky one."""
-    monkeypatch.setattr(search, "code_version", lambda kernel: None)
+    monkeypatch.setattr(store, "source_hash", lambda kernel: None)
     spec = _spec(name="timer_toy2")
     true = {(7, 7): 2.0, (5, 5): 4.0, (1, 1): 6.0}
 
@@ -230,7 +214,7 @@ def test_the_retime_is_a_race_the_close_calls_get_every_round(monkeypatch):
     """Five front runners: after RACE_AFTER rounds each, those more than RACE_MARGIN behind the leading median
     drop out (their medians stand in the result); the two within it are timed every round, and the winner is
     the lower median of the two."""
-    monkeypatch.setattr(search, "code_version", lambda kernel: None)
+    monkeypatch.setattr(store, "source_hash", lambda kernel: None)
     spec = _spec(name="timer_race")
     st = optuna.create_study(direction="minimize")
     st.set_user_attr("kernel", spec.name)
@@ -246,7 +230,7 @@ def test_the_retime_is_a_race_the_close_calls_get_every_round(monkeypatch):
         return {"ok": True, "ms": true[task.config["a"]] * 1e-3}
 
     job = search.plan([spec], [P(64)], [torch.float32], "nvidia-h200")[0]
-    out = tb.retime(st, job, search.InlineRunner(evaluate), rounds=5)
+    out = rtm.retime(st, job, search.InlineRunner(evaluate), rounds=5)
     counts = {a: calls.count(a) for a in true}
     assert counts == {1: 2, 2: 5, 3: 5, 4: 2, 5: 2} and out["rounds"] == 5
     assert out["config"] == {"a": 2, "b": 2} and out["time_us"] == 10.0 and out["times_us"]["default"] == 20.0

@@ -117,7 +117,7 @@ def check_completed_exactly(storage: str, trials: int, before: dict | None = Non
     (killed) trial was retried once with the same config; values measured before the kill are kept."""
     st = _study(storage)
     ts = st.get_trials(deepcopy=False)
-    ev = search._evaluated(ts)
+    ev = search.evaluated(ts)
     assert len(ev) == trials
     configs = [tuple(sorted(t.params.items())) for t in ev]
     assert len(set(configs)) == trials, "a config was evaluated twice"

@@ -1,8 +1,7 @@
 """Compile the configs a sweep will try next in helper processes, while the sweep times others.
 
 On the H200 three quarters of a trial's time was its first launch, which compiles the config (1,456 trials
-of ``tune all --budget 30m``: 479 of 632 s; gemm 0.40 of 0.46 s a trial, attention 0.60 of 0.71; see
-lab/logs/h200/tune_all_budget_repair_2026-11-28_78b8ecc). The sweep knows its next configs before it
+of ``tune all --budget 30m``; docs/findings.md). The sweep knows its next configs before it
 evaluates them (every study's seeds before phase 1, the unevaluated neighbours of a study's best, the
 nearest buckets' winners), so :class:`Precompiler` hands them to a pool of helper processes that run the
 kernel's own launcher with every triton launch turned into a compile (``warmup=True``): each compiled
@@ -78,7 +77,12 @@ def _compile_only() -> None:
     jit.KernelInterface.__getitem__ = getitem
 
 
-def _helper_init() -> None:
+def _helper_init(guard: dict | None = None) -> None:
+    """A helper's start: it dies with the sweep's process (``guard``: :func:`runners.worker_guard`)."""
+    if guard:
+        from tritune.tuning.runners import die_with_parent
+
+        die_with_parent(**guard)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     _compile_only()
 
@@ -126,10 +130,13 @@ class Precompiler:
         self.done: dict[str, str | None] = {}
         self._pool = None
         if self.helpers > 0:
-            self._pool = multiprocessing.get_context("spawn").Pool(self.helpers, initializer=_helper_init)
+            from tritune.tuning.runners import worker_guard
+
+            self._pool = multiprocessing.get_context("spawn").Pool(self.helpers, initializer=_helper_init,
+                                                                   initargs=(worker_guard(),))
 
     def submit(self, task) -> bool:
-        """Queue ``task`` (a :class:`tritune.tuning.search.Task`) unless it was queued before."""
+        """Queue ``task`` (a :class:`tritune.tuning.evaluate.Task`) unless it was queued before."""
         if self._pool is None:
             return False
         key = _key(task)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from pathlib import Path
 
-from tritune.kernels.runtime.args import DTYPES, UsageError, parse_dtype, writable_dir  # noqa: F401  (re-exported for callers)
+from tritune.kernels.runtime.args import UsageError
 
 # Commands that live beside the code they drive: each module defines add_parser(subparsers, name), which
 # adds the command and sets its func(args) -> int.
@@ -29,8 +28,9 @@ COMMANDS = {
     "eval": "tritune.model.eval",
     "quantize": "tritune.model.quant.quantize",
     "tune-decode": "tritune.model.engine.fused_tune",
+    "profile": "tritune.harness.cli.profile",
+    "bench": "tritune.harness.cli.bench",
 }
-PLUGINS = COMMANDS  # the older name
 
 
 class Parser(argparse.ArgumentParser):
@@ -54,13 +54,6 @@ def resolve_kernels(names) -> list:
         except KeyError as e:
             raise UsageError(e.args[0]) from None
     return out
-
-
-def existing_dir(text: str) -> Path:
-    p = Path(text).expanduser()
-    if not p.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: no such folder")
-    return p
 
 
 def cmd_info(args) -> int:
@@ -88,54 +81,11 @@ def cmd_info(args) -> int:
         origin = "" if where.startswith("tritune.") else f" [{where}]"  # a plugin's kernel says where from
         table.append([spec.name + origin, spec.description, str(f) if f else "none (heuristic defaults)"])
     print(tabulate(table, headers=["kernel", "what", f"tuned configs for {dev.gpu_slug()}"]))
+    for path, why in store.broken_files(dev.gpu_slug()):   # skipped by every lookup: say so here too
+        print(f"warning: tuned-config file {path} is ignored (heuristic defaults instead): {why}", file=sys.stderr)
     print()
     print(gpt2.backend_report())
     return 0
-
-
-def cmd_bench(args) -> int:
-    from tritune.harness import bench, report
-    from tritune.kernels.runtime import device as dev
-
-    specs = resolve_kernels(args.kernels)
-    if args.problems and len(specs) != 1:
-        raise UsageError("--problems needs exactly one kernel (problems are in that kernel's fields)")
-    if dev.interpreted():
-        print("note: no CUDA GPU; running through the Triton interpreter on small problems "
-              "(times are the interpreter's, not a GPU's)\n", flush=True)
-    all_rows = []
-    for spec in specs:
-        dtypes = args.dtype or [d for d in spec.dtypes if not (dev.interpreted() and d in spec.interpreter_skip)]
-        rows = []
-
-        problems = spec.small_problems if args.small else None
-        if args.problems:
-            from tritune.harness.cli.tune import parse_problems
-
-            try:
-                problems = parse_problems(spec, args.problems)
-            except ValueError as e:
-                raise UsageError(str(e)) from None
-        merge = bool(args.problems)  # a subset re-measured: its rows replace theirs, the others stay
-
-        def save(row, rows=rows, spec=spec):  # after every problem: a later crash or timeout loses nothing
-            rows.append(row)
-            if not args.no_save:
-                bench.write_results(rows, Path(args.results_dir), spec.name, merge=merge)
-
-        for dt in dtypes:
-            if dt not in spec.dtypes:
-                print(f"{spec.name}: skipping dtype {dt} (supported: {spec.dtypes})")
-                continue
-            bench.bench_spec(spec, dt, problems=problems, peers=not args.no_peers, on_row=save)
-        print(report.bench_table(rows), flush=True)
-        print()
-        all_rows += rows
-        if rows and not args.no_save:
-            path = bench.write_results(rows, Path(args.results_dir), spec.name, merge=merge)
-            print(f"wrote {path}\n")
-    bad = [r for r in all_rows if "error" in r or not r.get("correct", True)]
-    return 1 if bad else 0
 
 
 def cmd_test(args) -> int:
@@ -147,6 +97,8 @@ def cmd_test(args) -> int:
     from tritune.testing import pytest_plugin
 
     extra = list(args.pytest_args)
+    if "-h" in extra or "--help" in extra:
+        print(pytest_plugin.TEST_HELP)   # tritune's own options first; pytest's long help follows
     if not _has_path(extra):
         here = Path.cwd() / "tests"
         if (here / "test_kernels.py").is_file() and (Path.cwd() / "kernels" / "__init__.py").is_file():
@@ -219,20 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", help="GPU, versions, interpreter or not, tuned-config files that apply")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("bench", help="benchmark registered kernels against the vendor path and peers")
-    s.add_argument("kernels", nargs="*", help="kernel names (default: all)")
-    s.add_argument("--dtype", action="append", type=parse_dtype, help="repeatable; default: each supported")
-    s.add_argument("--results-dir", default="results", type=writable_dir,
-                   help="where the JSON goes (default: ./results)")
-    s.add_argument("--no-save", action="store_true")
-    s.add_argument("--no-peers", action="store_true")
-    s.add_argument("--problems", default=None,
-                   help='only these problems (one kernel; as for tune: "M=1,N=2304,K=768,bias=True;..."); their rows '
-                        "replace the same problems' rows in the kernel's results file, the other rows stay")
-    s.add_argument("--small", action="store_true", help="the small problems the interpreter runs (a quick smoke "
-                   "test on a GPU; default there: the standard problems)")
-    s.set_defaults(func=cmd_bench)
-
     s = sub.add_parser("test", help="run the tests (arguments pass through to pytest; no path: ./tests in a "
                                     "checkout, else the contract tests of every registered kernel, -m NAME for one)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER)
@@ -282,7 +220,7 @@ def _split_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv=None) -> int:
-    from tritune.kernels.runtime import plugins
+    from tritune.kernels.runtime import device as dev, plugins
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -301,7 +239,7 @@ def main(argv=None) -> int:
             if names:
                 resolve_kernels(names)
         return int(args.func(args) or 0)
-    except (UsageError, plugins.PluginError) as e:
+    except (UsageError, plugins.PluginError, dev.CacheError) as e:   # CacheError: an unwritable HOME, say
         print(f"tritune: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

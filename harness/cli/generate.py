@@ -18,7 +18,8 @@ def add_parser(subparsers, name: str) -> None:
     s = subparsers.add_parser("generate", help="generate text with GPT-2 on tritune kernels (streams)")
     s.add_argument("prompt", help="the prompt text")
     s.add_argument("--model", default=None,
-                   help="checkpoint directory or Hugging Face hub id (default: the packaged checkpoint)")
+                   help="checkpoint directory or Hugging Face hub id, dense or quantized (`tritune quantize`'s "
+                        "GPTQ/AWQ output; default: the packaged checkpoint)")
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=None,
                    help="0 is greedy (default: the checkpoint's generation_config.json, else greedy)")
@@ -49,8 +50,8 @@ def run(args) -> int:
     import torch
 
     from tritune.model.engine.generate import stream
-    from tritune.model.gpt2.model import GPT2
     from tritune.model.engine.scheduler import ContextLimitError
+    from tritune.model.load import default_dtype, load_model, set_cpu_threads
     from tritune.model.tokenizer import Tokenizer
 
     model_path = args.model
@@ -68,9 +69,10 @@ def run(args) -> int:
         if not gpu:
             print("note: no CUDA GPU; using the torch backend (pass --backend triton to run the kernels "
                   "through the Triton interpreter, slowly)", file=sys.stderr)
-    dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
+    dtype = args.dtype or default_dtype()
+    set_cpu_threads()
     try:
-        model = GPT2.from_pretrained(model_path, backend=backend, dtype=dtype)
+        model = load_model(model_path, backend=backend, dtype=dtype)
         if args.deterministic:
             from tritune.model.engine.invariant import invariant_model
 

@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-from tritune.harness.report import _fmt  # one number format for every table
+from tritune.tuning.ledger import fmt  # one number format for every table
 from tritune.kernels.runtime.args import parse_dtype, parse_duration
 
 
@@ -95,6 +95,22 @@ def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
+def failures_label(kinds: dict | None) -> str:
+    """Failed trials by kind, the most frequent first: 'compile error x3, wrong answer x1'."""
+    return ", ".join(f"{k} x{n}" for k, n in sorted((kinds or {}).items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def failures_summary(rows: list[dict]) -> str:
+    """One line: every study's failed trials by kind (compile error, wrong answer: a mismatch against the
+    reference, out of resources, timeout, ...), or nothing when none failed."""
+    import collections
+
+    total = collections.Counter()
+    for r in rows:
+        total.update(r.get("failure_kinds") or {})
+    return f"failed trials by kind: {failures_label(dict(total))}" if total else ""
+
+
 def results_table(rows: list[dict]) -> str:
     from tabulate import tabulate
 
@@ -104,19 +120,31 @@ def results_table(rows: list[dict]) -> str:
         if r.get("default_error"):
             note = "default: " + str(r["default_error"])[:60]
         elif r.get("trials") and r.get("best_us") is None:
-            note = "no verified config: " + ", ".join(f"{k} x{n}" for k, n in (r.get("failure_kinds") or {}).items())
-        table.append([r.get("kernel"), r.get("bucket"), r.get("dtype"), _fmt(r.get("default_us")),
-                      _fmt(r.get("best_us")), (_fmt(r.get("speedup"), 2) + "x") if r.get("speedup") else "",
-                      r.get("trials", 0), r.get("failed", 0), _cfg(r.get("config")), note])
+            note = "no verified config"
+        table.append([r.get("kernel"), r.get("bucket"), r.get("dtype"), fmt(r.get("default_us")),
+                      fmt(r.get("best_us")), (fmt(r.get("speedup"), 2) + "x") if r.get("speedup") else "",
+                      r.get("trials", 0), r.get("failed", 0), failures_label(r.get("failure_kinds")),
+                      _cfg(r.get("config")), note])
     text = tabulate(table, headers=["kernel", "bucket", "dtype", "default µs", "tuned µs", "speedup", "trials",
-                                    "failed", "config", ""], disable_numparse=True)
+                                    "failed", "why failed", "config", ""], disable_numparse=True)
     kernels = sorted({r.get("kernel") for r in rows if r.get("speedup")})
     lines = [text]
     for k in kernels:
         g = _geomean([r["speedup"] for r in rows if r.get("kernel") == k])
         lines.append(f"{k}: geomean speedup of tuned over default {g:.3f}x over "
                      f"{sum(1 for r in rows if r.get('kernel') == k and r.get('speedup'))} buckets")
+    if failures_summary(rows):
+        lines.append(failures_summary(rows))
     return "\n".join(lines)
+
+
+def where_winners_are(storage, slug: str, configs_dir: str | None = None) -> str:
+    """Without --export: the winners are in the storage's studies, not yet in the store the kernels read."""
+    from tritune.kernels.runtime import store
+
+    root = Path(configs_dir) if configs_dir else store.user_root()
+    return (f"the winners are in the studies of {storage} (not yet used by the kernels): re-run with --export "
+            f"(e.g. --trials 0 --export) to write them to the store, {root / slug}")
 
 
 class UsageError(Exception):
@@ -153,10 +181,8 @@ def cmd_tune(args) -> int:
         return _fail(str(e))
 
 
-def _tune(args) -> int:
-    from tritune.kernels.runtime import device as dev
-    from tritune.tuning import search
-
+def _check_budget_args(args) -> tuple[float | None, float | None]:
+    """(--budget, --stop-after) in seconds, after the checks of the options that go with them."""
     if args.trials is not None and args.trials < 0:
         raise UsageError(f"--trials {args.trials}: expected a whole number >= 0")
     if args.workers < 1:
@@ -186,6 +212,12 @@ def _tune(args) -> int:
             raise UsageError(f"--stop-after: {e}") from None
     if getattr(args, "as_gpu", None) and not args.dry_run:
         raise UsageError("--as-gpu plans for another GPU type: it goes with --dry-run")
+    return budget, stop_after
+
+
+def _specs_and_problems(args) -> tuple[list, list | None]:
+    from tritune.tuning import search
+
     try:
         specs = search.resolve_specs(args.kernels)
     except KeyError as e:
@@ -198,14 +230,28 @@ def _tune(args) -> int:
             problems = parse_problems(specs[0], args.problems)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    return specs, problems
+
+
+def _tune(args) -> int:
+    import time
+
+    from tritune.kernels.runtime import device as dev
+    from tritune.tuning import search
+
+    budget, stop_after = _check_budget_args(args)
+    specs, problems = _specs_and_problems(args)
     seeds = _read_seed_configs(args.seed_configs, specs) if args.seed_configs else None
     storage = args.storage or search.default_storage()
     if budget is not None and args.dry_run:  # reads the storage (if it exists), writes nothing
-        from tritune.tuning import budget as tb
+        from tritune.tuning import estimate
 
-        print(tb.dry_run(specs, budget, storage=storage, dtypes=args.dtype, problems=problems, warm_from=args.warm_from,
-                         as_gpu=args.as_gpu, trials=args.trials, patience=args.patience, rounds=args.retime_rounds))
+        print(estimate.dry_run(specs, budget, storage=storage, dtypes=args.dtype, problems=problems,
+                               warm_from=args.warm_from, as_gpu=args.as_gpu, trials=args.trials,
+                               patience=args.patience, rounds=args.retime_rounds))
         return 0
+    if budget is not None and seeds:
+        raise UsageError("--seed-configs and --budget: give one (--budget seeds the nearest GPU's winners)")
     try:
         search.open_storage(storage)
     except search.StorageError as e:
@@ -220,34 +266,14 @@ def _tune(args) -> int:
     common = dict(storage=storage, seed=args.seed, isolation=args.isolation, timeout=args.trial_timeout,
                   progress=not args.quiet)
     timer = getattr(args, "timer", "auto")
-    if timer != "auto":  # the default evaluator picks the mode per problem (harness.bench.timing_mode)
+    if timer != "auto":  # the default evaluator picks the mode per problem (tuning.timing.timing_mode)
         common["evaluate"] = search.Evaluator(mode="flush" if timer == "do_bench" else timer)
-    t0 = __import__("time").time()
+    t0 = time.time()
     try:
         if args.compare_samplers:
-            rows, path = search.compare_samplers(specs, problems, args.dtype, repeats=args.repeats, workers=args.workers,
-                                                 time_budget=args.time_budget, threshold=args.threshold,
-                                                 results_dir=args.results_dir, **common)
-            print(efficiency_table(rows))
-            if path:
-                print(f"\nwrote {path}")
-            return 0
+            return _compare(args, specs, problems, common)
         if budget is not None:
-            from tritune.tuning import budget as tb
-
-            if seeds:
-                raise UsageError("--seed-configs and --budget: give one (--budget seeds the nearest GPU's winners)")
-            rows, _ = tb.tune_budget(specs, budget, trials=trials, dtypes=args.dtype, problems=problems,
-                                     warm_from=args.warm_from, rounds=args.retime_rounds, slug=slug,
-                                     patience=args.patience, min_gain=args.min_gain, stop_after=stop_after,
-                                     fill=not getattr(args, "no_fill", False), precompile_helpers=args.precompile,
-                                     **common)
-            print(tb.summary_table(rows, budget, __import__("time").time() - t0))
-            if any((r.get("ledger") or {}).get("stop") not in tb.DONE for r in rows) and tb.spent_s(rows) < budget:
-                print("budget left and studies unfinished: run the same command again to resume")
-            if "all" in args.kernels:   # the model's fused decode step is stored beside the kernels but is no bucket
-                print("the fused decode step (a model's launch, not a kernel bucket) is tuned apart: "
-                      "tritune tune-decode --shape gpt2-small --batches 1,8 --export")
+            rows = _tune_budget(args, specs, problems, budget, stop_after, trials, slug, common, t0)
         else:
             rows = search.tune(specs, problems, args.dtype, trials=trials, sampler=args.sampler, workers=args.workers,
                                time_budget=args.time_budget, seed_configs=seeds, **common)
@@ -261,8 +287,44 @@ def _tune(args) -> int:
     if args.export:
         print()
         search.export(storage, [s.name for s in specs], slug=slug, root=args.configs_dir)
+    elif any(r.get("config") is not None for r in rows):
+        print(where_winners_are(storage, slug, args.configs_dir))
     missing = [r for r in rows if (trials is None or trials > 0) and r.get("trials") and r.get("best_us") is None]
     return 1 if missing else 0
+
+
+def _compare(args, specs, problems, common) -> int:
+    from tritune.tuning import compare
+
+    rows, path = compare.compare_samplers(specs, problems, args.dtype, repeats=args.repeats, workers=args.workers,
+                                          time_budget=args.time_budget, threshold=args.threshold,
+                                          results_dir=args.results_dir, **common)
+    print(efficiency_table(rows))
+    if path:
+        print(f"\nwrote {path}")
+    return 0
+
+
+def _tune_budget(args, specs, problems, budget: float, stop_after, trials, slug: str, common: dict,
+                 t0: float) -> list[dict]:
+    import time
+
+    from tritune.tuning import budget as tb, ledger
+
+    rows, _ = tb.tune_budget(specs, budget, trials=trials, dtypes=args.dtype, problems=problems,
+                             warm_from=args.warm_from, rounds=args.retime_rounds, slug=slug,
+                             patience=args.patience, min_gain=args.min_gain, stop_after=stop_after,
+                             fill=not getattr(args, "no_fill", False), precompile_helpers=args.precompile,
+                             **common)
+    print(ledger.summary_table(rows, budget, time.time() - t0))
+    if failures_summary(rows):
+        print(failures_summary(rows))
+    if any((r.get("ledger") or {}).get("stop") not in ledger.DONE for r in rows) and ledger.spent_s(rows) < budget:
+        print("budget left and studies unfinished: run the same command again to resume")
+    if "all" in args.kernels:   # the model's fused decode step is stored beside the kernels but is no bucket
+        print("the fused decode step (a model's launch, not a kernel bucket) is tuned apart: "
+              "tritune tune-decode --shape gpt2-small --batches 1,8 --export")
+    return rows
 
 
 def efficiency_table(rows: list[dict]) -> str:
@@ -274,10 +336,10 @@ def efficiency_table(rows: list[dict]) -> str:
             table.append([r["kernel"], r["bucket"], r["dtype"], r["n_valid"], "", "", "", "", r["incomplete"]])
             continue
         t, rd = r["tpe"], r["random"]
-        table.append([r["kernel"], r["bucket"], r["dtype"], r["n_valid"], _fmt(r["grid_best_us"]),
-                      f"{_fmt(t['median'], 1)} ({_fmt(t['median_fraction_of_grid'] * 100 if t['median'] else None, 0)}%)",
-                      f"{_fmt(rd['median'], 1)} ({_fmt(rd['median_fraction_of_grid'] * 100 if rd['median'] else None, 0)}%)",
-                      f"{_fmt(t['max'])} / {_fmt(rd['max'])}",
+        table.append([r["kernel"], r["bucket"], r["dtype"], r["n_valid"], fmt(r["grid_best_us"]),
+                      f"{fmt(t['median'], 1)} ({fmt(t['median_fraction_of_grid'] * 100 if t['median'] else None, 0)}%)",
+                      f"{fmt(rd['median'], 1)} ({fmt(rd['median_fraction_of_grid'] * 100 if rd['median'] else None, 0)}%)",
+                      f"{fmt(t['max'])} / {fmt(rd['max'])}",
                       "TPE <= 25% of grid" if r["tpe_within_25pct_of_grid"] else ""])
     return tabulate(table, headers=["kernel", "bucket", "dtype", "grid trials (valid points)", "grid best µs",
                                     "TPE trials to 3% (median)", "random trials to 3% (median)", "worst TPE / random",
@@ -329,9 +391,9 @@ def cmd_configs(args) -> int:
                 status = "stale: kernel changed since (skipped)"
             else:
                 status = "active"
-            table.append([kernel, e["bucket"], e["dtype"], _cfg(e["config"]), _fmt(t), _fmt(d),
+            table.append([kernel, e["bucket"], e["dtype"], _cfg(e["config"]), fmt(t), fmt(d),
                           f"{d / t:.2f}x" if isinstance(t, (int, float)) and isinstance(d, (int, float)) and t else "",
-                          _fmt(e.get("trials")), layer, status])
+                          fmt(e.get("trials")), layer, status])
     print(f"tuned configs for {slug} ({roots}):")
     print(tabulate(table, headers=["kernel", "bucket", "dtype", "config", "µs", "default µs", "speedup", "trials",
                                    "store", "status"], disable_numparse=True))
@@ -340,8 +402,43 @@ def cmd_configs(args) -> int:
     return 0
 
 
+def _add_budget_options(s) -> None:
+    """The options that go with --budget."""
+    from tritune.tuning import retime, turn
+
+    s.add_argument("--warm-from", default=None, metavar="SLUG",
+                   help="with --budget: the GPU type whose stored winners seed the studies (default: the "
+                        "nearest stored one, e.g. an H200 from the H100)")
+    s.add_argument("--retime-rounds", type=int, default=retime.RETIME_ROUNDS, metavar="N",
+                   help=f"with --budget: interleaved rounds of the side-by-side re-timing (default {retime.RETIME_ROUNDS})")
+    s.add_argument("--patience", type=int, default=turn.PATIENCE, metavar="K",
+                   help="with --budget: a study has converged after K trials (after its seeds: its best's "
+                        f"one-step neighbours, then its sampler's) without a gain (default {turn.PATIENCE})")
+    s.add_argument("--min-gain", type=float, default=turn.MIN_GAIN, metavar="F",
+                   help="with --budget: a gain beats the study's best by more than this fraction, the timing "
+                        f"noise (default {turn.MIN_GAIN})")
+    s.add_argument("--no-fill", action="store_true",
+                   help="with --budget: stop once every study converged (default: time left goes to the "
+                        "converged studies again, with doubled patience per pass, the most promising first, "
+                        "each searched around its best (one-step neighbours) and from its nearest buckets' "
+                        "winners, until the budget is spent)")
+    s.add_argument("--precompile", type=int, default=None, metavar="N",
+                   help="with --budget: N helper processes compile the configs the sweep tries next (its "
+                        "seeds, its best's neighbours) while it times others; 0: none (default: "
+                        "$TRITUNE_PRECOMPILE, else the CPU cores less two, at most 8 and one per 10 GiB of GPU "
+                        "memory; none on the interpreter)")
+    s.add_argument("--stop-after", default=None, metavar="DURATION",
+                   help="with --budget: this call stops after DURATION (e.g. 8m); the time spent is in the "
+                        "storage and the same command resumes with what is left of the budget")
+    s.add_argument("--dry-run", action="store_true",
+                   help="with --budget: list the studies, their seeds and what the storage holds, the budget "
+                        "split and the estimated wall time; runs nothing")
+    s.add_argument("--as-gpu", default=None, metavar="SLUG",
+                   help="with --dry-run: plan for that GPU type (its standard problems), e.g. nvidia-h200")
+
+
 def add_parser(subparsers, name: str) -> None:
-    from tritune.tuning import budget as tb, search
+    from tritune.tuning import search
 
     if name == "tune":
         s = subparsers.add_parser("tune", help="search launch configs with Optuna (resumable, multi-GPU); --export "
@@ -358,35 +455,7 @@ def add_parser(subparsers, name: str) -> None:
                        help="tune within this wall time (e.g. 30m, 1h, 90s): every study gets its share, warm-"
                             "started from the nearest stored GPU type's winners; the front runners are re-timed "
                             "side by side before --export; a summary table at the end")
-        s.add_argument("--warm-from", default=None, metavar="SLUG",
-                       help="with --budget: the GPU type whose stored winners seed the studies (default: the "
-                            "nearest stored one, e.g. an H200 from the H100)")
-        s.add_argument("--retime-rounds", type=int, default=tb.RETIME_ROUNDS, metavar="N",
-                       help=f"with --budget: interleaved rounds of the side-by-side re-timing (default {tb.RETIME_ROUNDS})")
-        s.add_argument("--patience", type=int, default=tb.PATIENCE, metavar="K",
-                       help="with --budget: a study has converged after K trials (after its seeds: its best's "
-                            f"one-step neighbours, then its sampler's) without a gain (default {tb.PATIENCE})")
-        s.add_argument("--min-gain", type=float, default=tb.MIN_GAIN, metavar="F",
-                       help="with --budget: a gain beats the study's best by more than this fraction, the timing "
-                            f"noise (default {tb.MIN_GAIN})")
-        s.add_argument("--no-fill", action="store_true",
-                       help="with --budget: stop once every study converged (default: time left goes to the "
-                            "converged studies again, with doubled patience per pass, the most promising first, "
-                            "each searched around its best (one-step neighbours) and from its nearest buckets' "
-                            "winners, until the budget is spent)")
-        s.add_argument("--precompile", type=int, default=None, metavar="N",
-                       help="with --budget: N helper processes compile the configs the sweep tries next (its "
-                            "seeds, its best's neighbours) while it times others; 0: none (default: "
-                            "$TRITUNE_PRECOMPILE, else the CPU cores less two, at most 8 and one per 10 GiB of GPU "
-                            "memory; none on the interpreter)")
-        s.add_argument("--stop-after", default=None, metavar="DURATION",
-                       help="with --budget: this call stops after DURATION (e.g. 8m); the time spent is in the "
-                            "storage and the same command resumes with what is left of the budget")
-        s.add_argument("--dry-run", action="store_true",
-                       help="with --budget: list the studies, their seeds and what the storage holds, the budget "
-                            "split and the estimated wall time; runs nothing")
-        s.add_argument("--as-gpu", default=None, metavar="SLUG",
-                       help="with --dry-run: plan for that GPU type (its standard problems), e.g. nvidia-h200")
+        _add_budget_options(s)
         s.add_argument("--sampler", choices=search.SAMPLERS, default="tpe")
         s.add_argument("--storage", default=None,
                        help=search.STORAGE_HELP + "; default $TRITUNE_STUDIES or ~/.cache/tritune/tuning-studies.journal. "
@@ -402,8 +471,8 @@ def add_parser(subparsers, name: str) -> None:
                        help="what a trial's time is: auto (default): the GPU time of the launch replayed in a CUDA "
                             "graph on inputs cycled past L2 for problems whose roofline floor is under "
                             "50 µs (no host time in it), do_bench's median with L2 flushed for longer ones; "
-                            "do_bench or graph: that one for every problem. The re-time before export and "
-                            "lab/compare_tune_all.py use the same. Keep one timer per storage: a study mixes no timers")
+                            "do_bench or graph: that one for every problem. The re-time before export uses "
+                            "the same. Keep one timer per storage: a study mixes no timers")
         s.add_argument("--export", action="store_true", help="write the store from the studies afterwards "
                                                              "(with --trials 0: export only)")
         s.add_argument("--configs-dir", default=None,

@@ -1,8 +1,10 @@
 """The contract every registered kernel must pass, as a pytest test class made from its spec.
 
 For each dtype: draw a problem, a layout, a seed and a valid config from the kernel's space; build random
-inputs; poison the output with NaN; launch; compare with the float64 reference under the dtype's tolerance
-and check every element was written. Drawing the config as well as the problem tests every point the tuner
+inputs; give each tensor input its own layout (:func:`relayout_inputs`: a kernel that reads one input with
+another's strides fails); poison the output with a NaN of its own bits; launch; compare with the float64
+reference under the dtype's tolerance and check every element was written (an element still holding the
+poison is reported apart from one written as NaN). Drawing the config as well as the problem tests every point the tuner
 may pick, not only the default. Then the spec's own promises: the heuristic default is valid for any
 problem, cached launch plans read each call's data, bad inputs are refused with a message, an explicit
 invalid config is refused, and (on a GPU) the standard problems at full size match.
@@ -10,8 +12,12 @@ invalid config is refused, and (on a GPU) the standard problems at full size mat
 Budgets: the reference-match test runs at most ``examples`` hypothesis examples and stops launching once
 ``budget`` seconds are spent (a failure found before then is still shrunk in full); the ``slow``-marked
 ``test_matches_reference_deep`` runs the larger count with no time limit. Defaults: 12 examples and 120 s
-through the interpreter, 40 examples and 8 s per (kernel, dtype) on a GPU; ``TRITUNE_EXAMPLES`` and
+through the interpreter, 40 examples and 5 s per (kernel, dtype) on a GPU; ``TRITUNE_EXAMPLES`` and
 ``TRITUNE_TEST_BUDGET`` override them.
+
+Fast mode (``contract_tests(spec, fast=True)``, ``TRITUNE_CONTRACT_FAST=1`` or ``pytest --tritune-fast``), for
+the interpreter: at most 6 examples and 20 s per dtype and no shrinking, so a failing kernel fails in seconds
+with the first failing example (a full run shrinks it, minutes through the interpreter).
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
 
 from tritune import kernels
 from tritune.kernels.runtime import compare as cmp
@@ -32,6 +38,7 @@ from tritune.testing import pytest_plugin
 # Interpreter problems stay small: every program instance runs in Python.
 MAX_ELEMS = S.cap(cpu=1 << 14, gpu=1 << 24)
 DEEP_EXAMPLES = S.cap(cpu=40, gpu=300)
+FAST_EXAMPLES, FAST_BUDGET = 6, 20.0
 
 
 def _env_number(name: str, default, kind=float):
@@ -47,17 +54,24 @@ def default_examples() -> int:
 
 
 def default_budget() -> float:
-    # GPU: the ~25 (kernel, dtype) items of the fast suite, each its budget plus one example's overrun, share
-    # 16 workers and the one GPU with the engine tests; 8 s draws a few examples per item and run, afresh
-    # each run (the deep, slow-marked variant has no time limit)
-    return _env_number("TRITUNE_TEST_BUDGET", S.cap(cpu=120.0, gpu=8.0))
+    # GPU: the ~27 (kernel, dtype) items of the fast suite and every other hypothesis test (tests/conftest.py
+    # budgets them with this), each its budget plus one example's overrun, share 16 workers and the one GPU
+    # with the engine tests; 5 s draws a few examples per item and run, afresh each run (the deep,
+    # slow-marked variant has no time limit)
+    return _env_number("TRITUNE_TEST_BUDGET", S.cap(cpu=120.0, gpu=5.0))
 
 
-def _settings(examples: int) -> settings:
+def fast_mode() -> bool:
+    """``TRITUNE_CONTRACT_FAST=1`` or ``pytest --tritune-fast``: few examples, a short budget, no shrinking."""
+    return (os.environ.get("TRITUNE_CONTRACT_FAST", "") not in ("", "0")) or pytest_plugin.fast_option()
+
+
+def _settings(examples: int, fast: bool = False) -> settings:
     # derandomized through the interpreter (CI sees the same examples each run); on a GPU fresh examples
     # each run, a failing one replayed first from hypothesis's database
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([] if fast else [Phase.shrink])
     return settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck),
-                    derandomize=dev.interpreted(), print_blob=True)
+                    derandomize=dev.interpreted(), print_blob=True, phases=phases)
 
 
 def budgeted(fn, budget: float | None, at_least: int = 2):
@@ -101,9 +115,44 @@ def poison_out(case) -> None:
             cmp.poison(o)
 
 
-def check_matches_reference(spec, dtype, examples: int, budget: float | None) -> None:
-    """The reference match over drawn problems, layouts, seeds and config points (None: the launcher's
-    own choice: tuned store or heuristic default)."""
+def input_layouts(spec) -> list[str]:
+    """What the contract may do to each tensor input on its own, within the layouts the spec accepts: keep
+    it as ``make_inputs`` made it, pad its rows (``sliced``), flip its last two dims (``transposed``)."""
+    return (["as made"] + (["padded"] if "sliced" in spec.layouts else [])
+            + (["flipped", "flipped+padded"] if "transposed" in spec.layouts else []))
+
+
+def relayout_inputs(spec, case, data) -> str:
+    """Give each floating tensor input of ``case`` (positional or keyword, two dims or more) a layout of its
+    own, drawn from :func:`input_layouts`: the same values in new strides, rows padded by a pad of its own,
+    at an offset of its own (multiples of 16 bytes: alignment a kernel may require stays), NaN around. One
+    layout for every input would let a kernel that reads one input with another's strides pass. Returns
+    what it did, for the failure message."""
+    choices = input_layouts(spec)
+    if len(choices) == 1:
+        return ""
+    done, args = [], list(case.args)
+    slots = [(i, t) for i, t in enumerate(args)] + list(case.kwargs.items())
+    for n, (key, t) in enumerate(slots):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2):
+            continue
+        how = data.draw(st.sampled_from(choices), label=f"layout of input {key}")
+        if how == "as made":
+            continue
+        new = S.restride(t, flip="flipped" in how, pad=3 + 2 * n if "padded" in how else 0,
+                         offset=(1 + n) * max(16 // t.element_size(), 1))
+        if isinstance(key, int):
+            args[key] = new
+        else:
+            case.kwargs[key] = new
+        done.append(f"{key}:{how}")
+    case.args = tuple(args)
+    return " ".join(done)
+
+
+def check_matches_reference(spec, dtype, examples: int, budget: float | None, fast: bool = False) -> None:
+    """The reference match over drawn problems, layouts (one per input), seeds and config points (None: the
+    launcher's own choice: tuned store or heuristic default). ``fast``: no shrinking."""
     _skip_if_interpreted(spec, dtype)
 
     def prop(problem, layout, seed, data):
@@ -114,14 +163,17 @@ def check_matches_reference(spec, dtype, examples: int, budget: float | None) ->
         assert why is None, f"{spec.name}: default config {default} invalid for {problem}: {why}"
         config = data.draw(st.sampled_from([None] + points), label="config")
         case = spec.make_inputs(problem, dtype, dev.device(), seed, layout)
+        inputs = relayout_inputs(spec, case, data)
+        note(f"inputs relaid: {inputs or 'none'}")
         poison_out(case)
         got = spec.run(*case.args, out=case.out, config=config, **case.kwargs)
         ref = spec.reference(*case.args, **case.kwargs)
-        cmp.check(got, ref, dtype, spec.accumulation(dtype), what=f"{spec.name} {problem} {layout} cfg={config}")
+        cmp.check(got, ref, dtype, spec.accumulation(dtype),
+                  what=f"{spec.name} {problem} {layout} {inputs} cfg={config}".replace("  ", " "))
 
     test = given(problem=spec.problems(MAX_ELEMS), layout=st.sampled_from(spec.layouts),
                  seed=st.integers(0, 2**31 - 1), data=st.data())(budgeted(prop, budget))
-    _settings(examples)(test)()
+    _settings(examples, fast)(test)()
 
 
 def check_cached_launch_plans(spec) -> None:
@@ -209,14 +261,17 @@ def _mark(name: str):
     return getattr(pytest.mark, name)
 
 
-def contract_tests(spec, *, examples: int | None = None, budget: float | None = None) -> type:
+def contract_tests(spec, *, examples: int | None = None, budget: float | None = None,
+                   fast: bool | None = None) -> type:
     """A pytest test class holding the whole contract for ``spec`` (a registered kernel's name or a
     :class:`~tritune.kernels.KernelSpec`). Assign it to a name starting with ``Test``::
 
         TestMyRMSNorm = contract_tests("my_rmsnorm")
 
     ``examples``: hypothesis examples per dtype for the reference match; ``budget``: seconds per dtype after
-    which it stops launching (None: the defaults above). The class is marked with the kernel's name (``-m``).
+    which it stops launching (None: the defaults above); ``fast``: the fast mode above (None: on when
+    ``TRITUNE_CONTRACT_FAST=1`` or ``--tritune-fast``, read when the test runs). The class is marked with the
+    kernel's name (``-m``).
     """
     if isinstance(spec, str):
         spec = kernels.get(spec)
@@ -224,6 +279,11 @@ def contract_tests(spec, *, examples: int | None = None, budget: float | None = 
         raise TypeError(f"spec: expected a kernel name or a KernelSpec, got {type(spec).__name__}")
     examples = default_examples() if examples is None else int(examples)
     budget = default_budget() if budget is None else budget
+
+    def reference_match(dtype):
+        quick = fast_mode() if fast is None else fast
+        n, b = (min(examples, FAST_EXAMPLES), min(budget, FAST_BUDGET)) if quick else (examples, budget)
+        check_matches_reference(spec, dtype, n, b, quick)
     dtypes = pytest.mark.parametrize("dtype", list(spec.dtypes), ids=[_dtype_id(d) for d in spec.dtypes])
 
     class Contract:
@@ -231,7 +291,7 @@ def contract_tests(spec, *, examples: int | None = None, budget: float | None = 
 
         @dtypes
         def test_matches_reference(self, dtype):
-            check_matches_reference(spec, dtype, examples, budget)
+            reference_match(dtype)
 
         @pytest.mark.slow
         @dtypes

@@ -8,6 +8,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+TEST_HELP = """usage: tritune test [-m KERNEL] [--tritune-fast] [pytest options] [path ...]
+
+Runs pytest: with no path, ./tests in a checkout of tritune, else the contract tests of every registered
+kernel (built-in and plugin). Slow tests stay out unless a -m expression names `slow`.
+
+tritune's options:
+  -m KERNEL             one kernel's tests (each kernel has its marker: -m gemm, -m my_rms_norm)
+  --tritune-kernel NAME the contract tests of a registered kernel (repeatable; 'all': every one)
+  --tritune-fast        the contract's fast mode, for the interpreter: few examples, a short budget, no
+                        shrinking (a failing kernel fails in seconds); also TRITUNE_CONTRACT_FAST=1
+environment:
+  TRITUNE_EXAMPLES      hypothesis examples per (kernel, dtype) (12 interpreted, 40 on a GPU)
+  TRITUNE_TEST_BUDGET   seconds per (kernel, dtype) after which the reference match stops launching
+  TRITUNE_PLUGINS       modules that register kernels (as --plugin)
+
+pytest's options follow.
+"""
+
 _CONFIG = None  # this pytest run's config: contract_tests() registers its kernel's marker through it
 
 
@@ -15,6 +33,9 @@ def pytest_addoption(parser):
     g = parser.getgroup("tritune")
     g.addoption("--tritune-kernel", action="append", default=[], metavar="NAME",
                 help="run tritune's contract tests for this registered kernel (repeatable; 'all': every one)")
+    g.addoption("--tritune-fast", action="store_true", default=False,
+                help="the contract's fast mode (for the interpreter): few examples, a short budget, no "
+                     "shrinking (also TRITUNE_CONTRACT_FAST=1)")
 
 
 def pytest_load_initial_conftests(early_config, parser, args):
@@ -42,6 +63,11 @@ def selected_kernels() -> list[str]:
     if _CONFIG is None:
         return []
     return list(_CONFIG.getoption("tritune_kernel", default=None) or [])
+
+
+def fast_option() -> bool:
+    """Whether --tritune-fast was given."""
+    return bool(_CONFIG is not None and _CONFIG.getoption("tritune_fast", default=False))
 
 
 def register_marker(name: str) -> None:

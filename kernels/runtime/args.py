@@ -1,5 +1,5 @@
-"""Argument parsing shared by the CLI modules (``harness/cli.py`` and ``tuning/cli.py``): no CLI module
-imports another, so neither import order makes a cycle."""
+"""Argument parsing shared by the command-line modules (``harness/cli/`` and the model's commands, which sit
+below it): no CLI module imports another for it, so no import order makes a cycle."""
 from __future__ import annotations
 
 import argparse

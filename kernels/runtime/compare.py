@@ -72,8 +72,19 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / denom
 
 
+# Poison: a quiet NaN with a payload no arithmetic produces (the GPU's and the CPU's NaNs are canonical), so an
+# element still holding these bits was never written, and any other NaN was written as NaN.
+POISON_BITS = {torch.float16: (torch.int16, 0x7E5A), torch.bfloat16: (torch.int16, 0x7FDA),
+               torch.float32: (torch.int32, 0x7FD5A5A5), torch.float64: (torch.int64, 0x7FFDA5A5A5A5A5A5)}
+
+
 def poison(t: torch.Tensor) -> torch.Tensor:
-    """Fill with NaN (or the max value for integer tensors) so an unwritten element cannot pass."""
+    """Fill with the poison NaN (:data:`POISON_BITS`; the max value for integer tensors) so an unwritten
+    element cannot pass and is told apart from one written as NaN."""
+    if t.dtype in POISON_BITS:
+        as_int, bits = POISON_BITS[t.dtype]
+        t.view(as_int).fill_(bits)
+        return t
     if t.is_floating_point():
         return t.fill_(float("nan"))
     return t.fill_(torch.iinfo(t.dtype).max)
@@ -83,9 +94,40 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     return poison(torch.empty_like(t, memory_format=torch.contiguous_format))
 
 
+def is_poison(t: torch.Tensor) -> torch.Tensor:
+    """Where ``t`` still holds the poison's bits (all False for dtypes without a poison payload)."""
+    if t.dtype not in POISON_BITS:
+        return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+    as_int, bits = POISON_BITS[t.dtype]
+    return t.detach().view(as_int) == bits
+
+
 def unwritten(out: torch.Tensor, ref: torch.Tensor) -> int:
-    """Count elements still NaN in ``out`` where the reference is finite."""
-    return sum(int((torch.isnan(o) & torch.isfinite(r)).sum()) for o, r in _slices(out, ref))
+    """Count elements of ``out`` still holding the poison where the reference is finite (with a plain NaN
+    poison, a dtype without a payload: every NaN there)."""
+    return _count_nan(out, ref, poisoned=True)
+
+
+def written_nan(out: torch.Tensor, ref: torch.Tensor) -> int:
+    """Count elements of ``out`` that are NaN but not the poison where the reference is finite: written NaN."""
+    return _count_nan(out, ref, poisoned=False)
+
+
+def _count_nan(out: torch.Tensor, ref: torch.Tensor, poisoned: bool) -> int:
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: out {tuple(out.shape)} vs reference {tuple(ref.shape)}")
+    flat, mark = _flat(out), _flat(is_poison(out))
+    r = _flat(ref)
+    n = 0
+    for i in range(0, flat.numel(), CHUNK):
+        nan = torch.isnan(flat[i:i + CHUNK]) & torch.isfinite(r[i:i + CHUNK].to(flat.device))
+        if out.dtype in POISON_BITS:
+            m = mark[i:i + CHUNK]
+            nan &= m if poisoned else ~m
+        elif not poisoned:
+            continue
+        n += int(nan.sum())
+    return n
 
 
 def representation_error(ref: torch.Tensor, dtype: torch.dtype) -> float:
@@ -106,15 +148,16 @@ class Comparison:
     tol: float
     unwritten: int
     what: str = "out"
+    nan: int = 0        # elements written as NaN (not the poison) where the reference is finite
 
     @property
     def ok(self) -> bool:
-        return self.unwritten == 0 and self.error <= self.tol
+        return self.unwritten == 0 and self.nan == 0 and self.error <= self.tol
 
     def __str__(self) -> str:
         verdict = "ok" if self.ok else "FAIL"
         return (f"{self.what}: rel error {self.error:.3e} (tol {self.tol:.1e}), "
-                f"{self.unwritten} unwritten -> {verdict}")
+                f"{self.unwritten} unwritten (still the poison), {self.nan} written as NaN -> {verdict}")
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None,
@@ -124,7 +167,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = No
     # costs. For ordinary data that floor is ~u/sqrt(3), far under the table; it only matters where the
     # answer underflows the output type (GELU of x = -6 in fp16 is -6e-9: unrepresentable).
     tol = max(tolerance(dtype, accumulation), 2.0 * representation_error(ref, out.dtype))
-    return Comparison(rel_error(out, ref), tol, unwritten(out, ref), what)
+    return Comparison(rel_error(out, ref), tol, unwritten(out, ref), what, written_nan(out, ref))
 
 
 def check(out, ref, dtype=None, accumulation="ieee", what="out") -> Comparison:

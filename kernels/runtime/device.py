@@ -49,10 +49,36 @@ def gpu_slug() -> str:
     return os.environ.get("TRITUNE_GPU_SLUG") or slugify(gpu_name())
 
 
-def cache_dir() -> Path:
-    d = Path(os.environ.get("TRITUNE_CACHE", Path.home() / ".cache" / "tritune"))
-    d.mkdir(parents=True, exist_ok=True)
+# Where each thing tritune writes under the user's cache folder can be sent instead: named in the one-line
+# error when that folder cannot be written (a read-only or missing HOME).
+ELSEWHERE = ("set TRITUNE_CACHE to a writable folder, or send the user config store elsewhere with "
+             "TRITUNE_CONFIG_DIR or --configs-dir and the studies journal with --storage or TRITUNE_STUDIES")
+
+
+class CacheError(OSError):
+    """A folder tritune writes to cannot be made or written: the message says what was being written, where,
+    why, and how to send it elsewhere (one line)."""
+
+
+def cache_path() -> Path:
+    """tritune's user cache folder (``$TRITUNE_CACHE``, else ``~/.cache/tritune``), not created: reading
+    needs no writable HOME."""
+    return Path(os.environ.get("TRITUNE_CACHE") or Path.home() / ".cache" / "tritune").expanduser()
+
+
+def make_dir(d: Path, what: str) -> Path:
+    """Create ``d`` (and its parents) for writing ``what`` (e.g. "the studies journal"); CacheError if it
+    cannot be."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheError(f"cannot write {what}: cannot create {d}: {e.strerror or e}; {ELSEWHERE}") from None
     return d
+
+
+def cache_dir(what: str = "tritune's cache") -> Path:
+    """tritune's user cache folder, created for writing ``what`` (CacheError naming it when it cannot be)."""
+    return make_dir(cache_path(), what)
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,14 +90,17 @@ def ceilings() -> dict:
     """
     if interpreted():
         return {}
-    path = cache_dir() / f"ceilings-{gpu_slug()}.json"
+    path = cache_path() / f"ceilings-{gpu_slug()}.json"
     if path.exists():
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass
     c = measure_ceilings()
-    path.write_text(json.dumps(c, indent=1))
+    try:
+        make_dir(path.parent, "the measured ceilings").joinpath(path.name).write_text(json.dumps(c, indent=1))
+    except OSError:
+        pass   # not cached (an unwritable cache folder): measured again by the next process
     return c
 
 

@@ -1,4 +1,5 @@
-"""bfloat16 arithmetic for Triton's interpreter (the CPU path), which computes it wrong.
+"""bfloat16 arithmetic for Triton's interpreter (the CPU path), which computes it wrong, and a dot whose rows
+do not depend on the tile's row count.
 
 The interpreter stores bf16 as its raw 16 bits in numpy ``uint16`` arrays and then does integer
 arithmetic on them: ``tl.dot``, ``+ - * /``, comparisons, math functions and reductions on bf16 return
@@ -6,6 +7,9 @@ values around 1e8-1e11 (triton 3.9, triton-lang/triton#11584), and fp32 -> bf16 
 where the GPU rounds to nearest even. Here the interpreter's builder computes each bf16 operation in
 float32 and rounds the result to bf16 (round to nearest even, through torch): a single add, subtract or
 multiply of bf16 operands rounded so is the correctly rounded bf16 result, what the GPU computes.
+Every float ``tl.dot`` (bf16 or not) is computed by :func:`row_invariant_dot`: numpy's matmul would hand it to
+BLAS, whose summation order follows the tile's shape and the CPU, and a row's bits would then depend on the
+rows beside it (what the batch-invariance tests hold the kernels to).
 
 Nothing here touches compiled (GPU) kernels: it patches classes of ``triton.runtime.interpreter``
 only, once, when the interpreter is on. :func:`check` runs a tiny bf16 kernel through the patched
@@ -34,6 +38,10 @@ def to_bf16(values: np.ndarray) -> np.ndarray:
     return torch.from_numpy(f).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
+_BUILDER_OPS = ("binary_op", "unary_op", "ternary_op", "create_dot", "cast_impl", "create_fp_to_fp", "create_fma")
+_REDUCE_OPS = ("sum", "min_max", "generic_reduce")
+
+
 def apply() -> bool:
     """Patch the interpreter's builder (idempotent). Returns whether it is patched."""
     global PATCHED, _WHY_NOT
@@ -43,46 +51,82 @@ def apply() -> bool:
         import triton.language as tl
         from triton.runtime import interpreter as I
 
-        B = I.InterpreterBuilder
-        originals = {n: getattr(B, n) for n in ("binary_op", "unary_op", "ternary_op", "create_dot", "cast_impl",
-                                                 "create_fp_to_fp", "create_fma")}
-        R = I.ReduceOps
-        r_orig = {n: getattr(R, n) for n in ("sum", "min_max", "generic_reduce")}
-        TensorHandle = I.TensorHandle
+        B, R = I.InterpreterBuilder, I.ReduceOps
+        b_orig = {n: getattr(B, n) for n in _BUILDER_OPS}
+        r_orig = {n: getattr(R, n) for n in _REDUCE_OPS}
+        _ = I.TensorHandle  # what every patch builds
     except (ImportError, AttributeError) as e:  # another triton: require() refuses bf16 launches
         _WHY_NOT = f"this triton's interpreter has no {e}"
         return False
-    bf16 = tl.bfloat16
+    # the builder's bound lambdas (create_fadd = lambda self, ...: self.binary_op(...)) pick these up;
+    # the casts are lambdas over cast_impl too
+    for name, fn in {**_arith_patches(I, tl, b_orig), **_cast_patches(I, tl, b_orig)}.items():
+        setattr(B, name, fn)
+    for name, fn in _reduce_patches(I, tl, r_orig).items():
+        setattr(R, name, fn)
+    PATCHED = True
+    return True
 
-    def is_bf16(h) -> bool:
-        return getattr(getattr(h, "dtype", None), "scalar", None) == bf16
+
+def _is_bf16(h, tl) -> bool:
+    return getattr(getattr(h, "dtype", None), "scalar", None) == tl.bfloat16
+
+
+def row_invariant_dot(a: np.ndarray, b: np.ndarray, out_dtype) -> np.ndarray:
+    """``a @ b`` rounded to ``out_dtype``, each output element summed over k in one fixed order.
+
+    numpy's matmul hands float tiles to BLAS, whose kernel (and so the order it sums in) depends on the
+    tile's shape and the CPU: a row's products could then change with the number of rows beside it, and
+    batch invariance would hold on one CPU and not on another. Products of float16/bfloat16/float32 values
+    are exact in float64; einsum without ``optimize`` never calls BLAS and sums each element sequentially."""
+    a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return np.einsum("...ik,...kj->...ij", a64, b64, optimize=False).astype(out_dtype)
+
+
+def _arith_patches(I, tl, orig) -> dict:
+    TensorHandle, bf16 = I.TensorHandle, tl.bfloat16
 
     def f32(h):
-        return to_f32(h.data) if is_bf16(h) else h.data
+        return to_f32(h.data) if _is_bf16(h, tl) else h.data
 
     def binary_op(self, lhs, rhs, op):
-        if not (is_bf16(lhs) or is_bf16(rhs)):
-            return originals["binary_op"](self, lhs, rhs, op)
+        if not (_is_bf16(lhs, tl) or _is_bf16(rhs, tl)):
+            return orig["binary_op"](self, lhs, rhs, op)
         out = op(f32(lhs), f32(rhs))
         if out.dtype == np.bool_:  # a comparison: the builder keeps lhs's type on the handle, as the original
             return TensorHandle(out, lhs.dtype.scalar)
         return TensorHandle(to_bf16(out), bf16)
 
     def unary_op(self, arg, op):
-        if not is_bf16(arg):
-            return originals["unary_op"](self, arg, op)
+        if not _is_bf16(arg, tl):
+            return orig["unary_op"](self, arg, op)
         return TensorHandle(to_bf16(op(to_f32(arg.data))), bf16)
 
     def ternary_op(self, a, b, c, op):  # select and clamp: bf16 operands as values
-        if not (is_bf16(b) or is_bf16(c)):
-            return originals["ternary_op"](self, a, b, c, op)
-        out = op(f32(a) if is_bf16(a) else a.data, f32(b), f32(c))
+        if not (_is_bf16(b, tl) or _is_bf16(c, tl)):
+            return orig["ternary_op"](self, a, b, c, op)
+        out = op(f32(a) if _is_bf16(a, tl) else a.data, f32(b), f32(c))
         return TensorHandle(to_bf16(out), c.dtype.scalar)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if not (is_bf16(a) or is_bf16(b)):
-            return originals["create_dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
-        return TensorHandle(np.matmul(f32(a), f32(b), dtype=np.float32) + d.data, d.dtype.scalar)
+        # every float dot, not only bf16 ones: a row's result must not depend on the tile's row count
+        floats = a.dtype.is_floating() and b.dtype.is_floating() and d.data.dtype.kind == "f"
+        if not floats or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return orig["create_dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
+        return TensorHandle(row_invariant_dot(f32(a), f32(b), d.data.dtype) + d.data, d.dtype.scalar)
+
+    def create_fma(self, x, y, z):
+        if not (_is_bf16(x, tl) or _is_bf16(y, tl) or _is_bf16(z, tl)):
+            return orig["create_fma"](self, x, y, z)
+        out = np.add(np.multiply(f32(x), f32(y), dtype=np.float64), f32(z), dtype=np.float64)
+        return TensorHandle(to_bf16(out), bf16)
+
+    return dict(binary_op=binary_op, unary_op=unary_op, ternary_op=ternary_op, create_dot=create_dot,
+                create_fma=create_fma)
+
+
+def _cast_patches(I, tl, orig) -> dict:
+    TensorHandle, bf16 = I.TensorHandle, tl.bfloat16
 
     def cast_impl(self, src, dst_type):
         s, t = src.dtype.scalar, dst_type.scalar
@@ -93,7 +137,7 @@ def apply() -> bool:
                                         else src.data), bf16)
         if s == bf16:
             return TensorHandle(to_f32(src.data).astype(I._get_np_dtype(dst_type)), t)
-        return originals["cast_impl"](self, src, dst_type)
+        return orig["cast_impl"](self, src, dst_type)
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         s, t = src.dtype.scalar, dst_type.scalar
@@ -101,15 +145,15 @@ def apply() -> bool:
             return TensorHandle(to_bf16(src.data), bf16)
         if s == bf16 and t in (tl.float32, tl.float16, tl.float64):
             return TensorHandle(to_f32(src.data).astype(I._get_np_dtype(dst_type)), t)
-        return originals["create_fp_to_fp"](self, src, dst_type, rounding_mode)
+        return orig["create_fp_to_fp"](self, src, dst_type, rounding_mode)
 
-    def create_fma(self, x, y, z):
-        if not (is_bf16(x) or is_bf16(y) or is_bf16(z)):
-            return originals["create_fma"](self, x, y, z)
-        out = np.add(np.multiply(f32(x), f32(y), dtype=np.float64), f32(z), dtype=np.float64)
-        return TensorHandle(to_bf16(out), bf16)
+    return dict(cast_impl=cast_impl, create_fp_to_fp=create_fp_to_fp)
 
-    def _retensor(bits, dtype):
+
+def _reduce_patches(I, tl, orig) -> dict:
+    TensorHandle, bf16 = I.TensorHandle, tl.bfloat16
+
+    def retensor(bits, dtype):
         bits = np.asarray(bits, dtype=np.uint16)
         if bits.shape:
             return tl.core.tensor(TensorHandle(bits, dtype.scalar), tl.block_type(dtype, list(bits.shape)))
@@ -117,18 +161,18 @@ def apply() -> bool:
 
     def r_sum(self, input):
         if input.dtype.scalar != bf16:
-            return r_orig["sum"](self, input)
+            return orig["sum"](self, input)
         out = np.sum(to_f32(input.handle.data), axis=self.axis, keepdims=self.keep_dims, dtype=np.float32)
-        return _retensor(to_bf16(out), input.dtype)
+        return retensor(to_bf16(out), input.dtype)
 
     def r_min_max(self, input, val_reduce_op, idx_reduce_op=None):
         x = input[0] if isinstance(input, tuple) else input
         if x.dtype.scalar != bf16:
-            return r_orig["min_max"](self, input, val_reduce_op, idx_reduce_op)
+            return orig["min_max"](self, input, val_reduce_op, idx_reduce_op)
         data = to_f32(x.handle.data)
         val = idx = None
         if val_reduce_op:
-            val = _retensor(to_bf16(val_reduce_op(data, axis=self.axis, keepdims=self.keep_dims)), x.dtype)
+            val = retensor(to_bf16(val_reduce_op(data, axis=self.axis, keepdims=self.keep_dims)), x.dtype)
         if idx_reduce_op:
             idx = self.to_tensor(idx_reduce_op(data, axis=self.axis, keepdims=self.keep_dims), tl.int32)
         if val is not None and idx is not None:
@@ -138,14 +182,42 @@ def apply() -> bool:
     def r_generic(self, input):
         if any(a.dtype.scalar == bf16 for a in input):
             raise NotImplementedError("a custom tl.reduce over bfloat16 under the Triton interpreter")
-        return r_orig["generic_reduce"](self, input)
+        return orig["generic_reduce"](self, input)
 
-    B.binary_op, B.unary_op, B.ternary_op, B.create_dot = binary_op, unary_op, ternary_op, create_dot
-    B.cast_impl, B.create_fp_to_fp, B.create_fma = cast_impl, create_fp_to_fp, create_fma
-    # the builder's bound lambdas (create_fadd = lambda self, ...: self.binary_op(...)) pick these up;
-    # the casts are lambdas over cast_impl too
-    R.sum, R.min_max, R.generic_reduce = r_sum, r_min_max, r_generic
-    PATCHED = True
+    return dict(sum=r_sum, min_max=r_min_max, generic_reduce=r_generic)
+
+
+def adopt_compiled_functions() -> bool:
+    """Under the interpreter, run interpreted the functions ``@triton.jit`` made before it was switched on.
+
+    Triton picks compiled or interpreted when a function is decorated (``TRITON_INTERPRET`` read then):
+    where triton was imported before tritune switched the interpreter on (``import transformers`` imports
+    it; so does a user's kernel module imported first), those functions are compiled-kernel objects, and
+    on a machine without a GPU a launch fails (no driver) and a call from an interpreted kernel fails
+    ("Cannot call @triton.jit'd outside of the scope of a kernel": triton's own ``tl.sum`` helpers are
+    such functions). Here a compiled-kernel object launches and calls through an interpreted twin of its
+    Python function. Idempotent; returns whether it is in place."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # another triton: its own behaviour stands
+        return False
+    if getattr(JITFunction, "_tritune_adopted", False):
+        return True
+
+    def twin(self):
+        f = self.__dict__.get("_tritune_interpreted")
+        if f is None:
+            f = self.__dict__["_tritune_interpreted"] = InterpretedFunction(self.fn)
+        return f
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return twin(self).run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    def call(self, *args, **kwargs):
+        return twin(self)(*args, **kwargs)
+
+    JITFunction.run, JITFunction.__call__, JITFunction._tritune_adopted = run, call, True
     return True
 
 

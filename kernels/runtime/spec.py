@@ -22,6 +22,10 @@ from tritune.kernels.runtime import interpret_bf16
 from tritune.kernels.runtime import plugins
 from tritune.kernels.runtime import store
 
+if dev.interpreted():
+    interpret_bf16.apply()   # bf16 arithmetic, and float dots whose rows do not depend on the tile's row count
+    interpret_bf16.adopt_compiled_functions()   # kernels decorated before the switch (triton imported first)
+
 KERNELS_PACKAGE = "tritune.kernels"
 KERNELS_PATH = [str(Path(__file__).resolve().parent.parent)]
 

@@ -21,11 +21,16 @@ spec or by its name in the registry of the already-imported kernels package.
 """
 from __future__ import annotations
 
+import ast
 import functools
+import hashlib
+import inspect
 import json
 import math
 import os
 import sys
+import textwrap
+import types
 import warnings
 from pathlib import Path
 
@@ -43,13 +48,10 @@ def package_root() -> Path:
     return Path(os.environ.get("TRITUNE_CONFIGS") or PACKAGE_CONFIGS)
 
 
-config_root = package_root  # the name older scripts use
-
-
 def user_root() -> Path:
     """The user store: ``$TRITUNE_CONFIG_DIR``, else ``configs/`` in tritune's user cache directory."""
     d = os.environ.get("TRITUNE_CONFIG_DIR")
-    return Path(d).expanduser() if d else dev.cache_dir() / "configs"
+    return Path(d).expanduser() if d else dev.cache_path() / "configs"
 
 
 def layers() -> list[tuple[str, Path]]:
@@ -132,6 +134,33 @@ def validate(data, kernel: str, slug: str | None = None) -> list[dict]:
     return entries
 
 
+def read(path: Path, kernel: str, slug: str | None = None) -> list[dict]:
+    """The entries of a store file; StoreError saying why it cannot be used (unreadable, invalid JSON, or
+    :func:`validate`'s reasons)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise StoreError(f"unreadable: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise StoreError(f"invalid JSON: {e}") from None
+    return validate(data, kernel, slug)
+
+
+def broken_files(slug: str | None = None) -> list[tuple[Path, str]]:
+    """(file, why) for each store file of a GPU type, in either store, that lookups skip as unusable."""
+    slug = slug or dev.gpu_slug()
+    out = []
+    for _, root in layers():
+        for p in sorted((root / slug).glob("*.json")) if (root / slug).is_dir() else ():
+            try:
+                read(p, p.stem, slug)
+            except StoreError as e:
+                out.append((p, str(e)))
+    return out
+
+
 def _spec(kernel):
     """A spec from a spec or a kernel name; None when no kernel of that name is registered. The registry
     is read from the kernels package only if something already imported it (no import cycle)."""
@@ -170,68 +199,166 @@ def kernel_name(kernel) -> str:
 
 
 def source_hash(kernel) -> str | None:
-    """sha256 (12 hex digits) of the source of the jitted functions the kernel's module launches (the kernel
-    named by its spec, or by its registered name): an entry records the code it was timed on, so a config
-    tuned for another version of the kernel is known as stale. Only the jitted code counts (not the launcher's
-    docstrings or validation), so editing the Python around a kernel does not throw its tuned configs away;
-    :func:`module_hash` says which functions count."""
+    """The code key of the kernel's module (the kernel named by its spec, or by its registered name): an entry
+    records the code it was timed on, so a config tuned for another version of the kernel is known as stale.
+    :func:`module_hash` says what counts."""
     spec = _spec(kernel)
     run = getattr(spec, "run", None)
     mod = getattr(run, "__module__", None)
     return None if mod is None else module_hash(mod)
 
 
-def _jitted(obj) -> bool:
-    """A triton- or Gluon-jitted function (and the interpreter's wrapper): it keeps the Python function."""
-    return callable(getattr(obj, "fn", None)) and type(obj).__module__.startswith("triton")
+def _python_function(obj):
+    """The Python function under a triton- or Gluon-jitted object (JITFunction, the interpreter's
+    InterpretedFunction, GluonJITFunction, an autotuner around one); None for anything else, and for Triton's
+    own library functions (``tl.cdiv``...: they move with the triton version, which the file records)."""
+    fn = obj
+    while type(fn).__module__.startswith("triton") and callable(getattr(fn, "fn", None)):
+        fn = fn.fn
+    if fn is obj or not inspect.isfunction(fn) or fn.__module__.startswith("triton"):
+        return None
+    return fn
 
 
-def _jitted_in_source(mod) -> list[str]:
-    """The jitted functions of a helper module, read from its source text (every function decorated ``...jit``
-    at any depth: a Gluon module defines its kernels only where its triton has Gluon, and the hash must not
-    depend on that), as ``+<name>`` and the function's text."""
-    import ast
-    import inspect
+def _reads(fn) -> list:
+    """The values the names of a function's body resolve to (its globals and closure; ``M.x`` through a
+    module), skipping its parameters and local variables."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    scope = {**fn.__globals__, **inspect.getclosurevars(fn).nonlocals}
+    local = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+    local |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
 
-    text = inspect.getsource(mod)
-    out = []
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.FunctionDef) and any(
-                ast.unparse(d.func if isinstance(d, ast.Call) else d).split(".")[-1] == "jit"
-                for d in node.decorator_list):
-            out.append((node.name, ast.get_source_segment(text, node)))
-    return [f"+{name}\n{src}" for name, src in sorted(out)]   # not by the module's name: a copy hashes the same
+    def value(node):
+        if isinstance(node, ast.Name):
+            return None if node.id in local else scope.get(node.id)
+        base = value(node.value) if isinstance(node, ast.Attribute) else None
+        return getattr(base, node.attr, None) if isinstance(base, types.ModuleType) else None
+    return [(ast.unparse(n), value(n)) for n in ast.walk(tree) if isinstance(n, (ast.Name, ast.Attribute))]
+
+
+def _function_key(fn, memo: dict) -> str:
+    """Triton's ``cache_key`` recipe without its line number, read from the Python function (so the same
+    under the interpreter): the function's source with its decorators, the keys of the jitted functions and
+    aggregates it names, and the constexpr globals it reads."""
+    if fn in memo:
+        return memo[fn]
+    memo[fn] = f"recursion:{fn.__name__}"
+    from triton.language import constexpr
+
+    calls, consts = set(), set()
+    if isinstance(fn, type):   # a Triton aggregate (a struct of a Gluon kernel): its text and its methods
+        reads = [(name, v) for name, v in vars(fn).items() if _python_function(v) is not None]
+    else:
+        reads = _reads(fn)
+    for text, val in reads:
+        callee = _python_function(val) or (val if getattr(val, "__triton_aggregate__", False) else None)
+        if callee is not None:
+            calls.add(_function_key(callee, memo))
+        elif isinstance(val, constexpr):
+            consts.add(f"{text}={val.value!r}")
+    text = "\n".join([textwrap.dedent(inspect.getsource(fn)), *sorted(calls), *sorted(consts)])
+    memo[fn] = hashlib.sha256(text.encode()).hexdigest()
+    return memo[fn]
+
+
+def launched(mod) -> list[tuple[str, object]]:
+    """(name, Python function) of the jitted functions a kernel module launches: those in its namespace
+    (defined there or imported), and those of the modules of its own package it holds (attention's Gluon
+    module). The functions they call are covered by each one's key (:func:`_function_key`)."""
+    pkg = mod.__name__ if hasattr(mod, "__path__") else mod.__name__.rpartition(".")[0]
+    spaces = [vars(mod)] + [vars(m) for m in vars(mod).values()
+                            if isinstance(m, types.ModuleType) and m is not mod and m.__name__.rpartition(".")[0] == pkg]
+    out = {}
+    for space in spaces:
+        for name, obj in space.items():
+            fn = _python_function(obj)
+            if fn is not None:
+                out.setdefault(fn, name)   # one function under two names (imported as another) counts once
+    return sorted(((name, fn) for fn, name in out.items()), key=lambda t: t[0])
 
 
 @functools.lru_cache(maxsize=None)
 def module_hash(modname: str) -> str | None:
-    """The hash of :func:`source_hash` for a module: its own jitted functions, the jitted functions it imports
-    from other modules (``from tritune.kernels.gemv import _row_stats``), and every jitted function of the
-    private modules of its package it holds (``from tritune.kernels import _attention_gluon as G``: the Gluon
-    kernel attention launches; read from their source, :func:`_jitted_in_source`). Modules whose jitted code is
-    all their own hash as they always did."""
-    import hashlib
-    import inspect
-    import types
-
+    """The code key of a kernel module: sha256 (12 hex digits) over the name and :func:`_function_key` of
+    each function it launches (:func:`launched`). The Python around the jitted code (the launcher, docs,
+    checks, where a function sits in its file, the module's name) does not count; any edit of a launched
+    jitted function, of a jitted function or aggregate it names, or of a constexpr global it reads does
+    (tuning/configs/README.md: why not Triton's ``cache_key`` as is). None when the module is not imported
+    or launches nothing."""
     mod = sys.modules.get(modname)
     if mod is None:
         return None
-    pkg = mod.__name__.rsplit(".", 1)[0]
-    srcs, helpers = [], []
+    memo = {}
     try:
-        for name, obj in sorted(vars(mod).items()):
-            if _jitted(obj) and getattr(obj.fn, "__module__", "").split(".", 1)[0] == mod.__name__.split(".", 1)[0]:
-                srcs.append(f"{name}\n{inspect.getsource(obj.fn)}")
-            elif isinstance(obj, types.ModuleType) and obj.__name__.startswith(pkg + "._"):
-                helpers.append(obj)
-        for h in sorted(helpers, key=lambda m: m.__name__):
-            srcs += _jitted_in_source(h)
+        keys = sorted(f"{name}={_function_key(fn, memo)}" for name, fn in launched(mod))
     except (OSError, TypeError, SyntaxError):
         return None
-    if not srcs:
+    return hashlib.sha256("\n".join(keys).encode()).hexdigest()[:12] if keys else None
+
+
+def _old_rule_hash(modname: str) -> str | None:
+    """The code hash entries recorded before :func:`module_hash` (for :func:`migrate_sources`): sha256 of the
+    source of the module's own and imported jitted functions, and of every ``...jit``-decorated function in
+    the source text of the private modules of its package it holds."""
+    mod = sys.modules.get(modname)
+    if mod is None:
         return None
-    return hashlib.sha256("\n".join(srcs).encode()).hexdigest()[:12]
+    pkg, top = mod.__name__.rpartition(".")[0], mod.__name__.split(".", 1)[0]
+    srcs, helpers = [], []
+    for name, obj in sorted(vars(mod).items()):
+        if callable(getattr(obj, "fn", None)) and type(obj).__module__.startswith("triton") \
+                and getattr(obj.fn, "__module__", "").split(".", 1)[0] == top:
+            srcs.append(f"{name}\n{inspect.getsource(obj.fn)}")
+        elif isinstance(obj, types.ModuleType) and obj.__name__.startswith(pkg + "._"):
+            helpers.append(obj)
+    for h in sorted(helpers, key=lambda m: m.__name__):
+        text = inspect.getsource(h)
+        found = sorted((n.name, ast.get_source_segment(text, n)) for n in ast.walk(ast.parse(text))
+                       if isinstance(n, ast.FunctionDef) and any(
+                           ast.unparse(d.func if isinstance(d, ast.Call) else d).split(".")[-1] == "jit"
+                           for d in n.decorator_list))
+        srcs += [f"+{name}\n{src}" for name, src in found]
+    return hashlib.sha256("\n".join(srcs).encode()).hexdigest()[:12] if srcs else None
+
+
+def migrate_sources(kernel_names=None, slug: str | None = None, old: dict | None = None,
+                    root: Path | None = None) -> dict:
+    """Move a store's entries from the earlier code hash to :func:`source_hash`, once: an entry whose
+    ``source`` is its kernel's hash under the earlier rule (:func:`_old_rule_hash` of the kernel's module as
+    it is now, or ``old[kernel]`` where given: the earlier hash of code the caller knows to be the current
+    jitted code, for a module that moved since) gets the current key; any other entry keeps its value and
+    so still reads stale. ``kernel_names``: those files only (default all); ``slug``: that GPU type only;
+    ``root``: the store (default the packaged one). Kernels must be registered (imported) first. Returns
+    {(slug, kernel): (entries moved, entries left stale)}; a file holding neither is not rewritten."""
+    root = Path(root or package_root())
+    dirs = [root / slug] if slug else sorted(d for d in root.iterdir() if d.is_dir())
+    out = {}
+    for d in dirs:
+        for path in sorted(d.glob("*.json")):
+            name = path.stem
+            if kernel_names is not None and name not in kernel_names:
+                continue
+            spec = _spec(name)
+            if spec is None:
+                continue   # no registered kernel (fused_decode's configs record no source)
+            new, was = source_hash(spec), (old or {}).get(name) or _old_rule_hash(spec.run.__module__)
+            data = json.loads(path.read_text())
+            validate(data, name, d.name)
+            moved = left = 0
+            for e in data["entries"]:
+                if e.get("source") in (None, new):
+                    continue
+                if e["source"] == was:
+                    e["source"], moved = new, moved + 1
+                else:
+                    left += 1
+            out[(d.name, name)] = (moved, left)
+            if moved:
+                tmp = path.with_suffix(".json.tmp")
+                tmp.write_text(json.dumps(data, indent=1) + "\n")
+                os.replace(tmp, path)
+    clear_cache()
+    return out
 
 
 def stale(kernel, es) -> list[dict]:
@@ -292,9 +419,8 @@ def _load(path: str, kernel: str, slug: str) -> tuple:
     if not p.exists():
         return ()
     try:
-        data = json.loads(p.read_text())
-        es = tuple(validate(data, kernel, slug))
-    except (OSError, ValueError) as e:
+        es = tuple(read(p, kernel, slug))
+    except StoreError as e:
         warnings.warn(f"tritune: ignoring tuned-config file {p}: {e}; using heuristic defaults", stacklevel=3)
         return ()
     old = stale(kernel, es)
@@ -413,8 +539,8 @@ def write(kernel, new_entries: list[dict], slug: str | None = None, root: Path |
     old = []
     if path.exists():
         try:
-            old = validate(json.loads(path.read_text()), name, slug)
-        except (OSError, ValueError) as e:
+            old = read(path, name, slug)
+        except StoreError as e:
             warnings.warn(f"tritune: replacing unreadable tuned-config file {path}: {e}")
     keyed = {(e["bucket"], e["dtype"]): e for e in old}
     src = source_hash(kernel)
@@ -430,10 +556,16 @@ def write(kernel, new_entries: list[dict], slug: str | None = None, root: Path |
         "date": datetime.date.today().isoformat(),
         "entries": sorted(keyed.values(), key=lambda e: (e["dtype"], e["bucket"])),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
+    what = "the user config store" if root is None else "tuned configs"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+    try:
+        dev.make_dir(path.parent, what)
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+    except dev.CacheError:
+        raise
+    except OSError as e:
+        raise dev.CacheError(f"cannot write {what}: {path}: {e.strerror or e}; {dev.ELSEWHERE}") from None
     clear_cache()
     return path
 

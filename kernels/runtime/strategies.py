@@ -59,6 +59,29 @@ def with_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     raise ValueError(f"layout: unknown {layout!r}; expected one of {LAYOUTS}")
 
 
+def restride(t: torch.Tensor, *, flip: bool = False, pad: int = 0, offset: int = 0) -> torch.Tensor:
+    """The same values as ``t`` in a new buffer: dims stored in ``t``'s stride order (the last two swapped
+    when ``flip``), each row padded by ``pad`` elements, the view starting ``offset`` elements in. Padding
+    and the lead hold NaN (0 for integers): a kernel that reads another tensor's strides or past a row's end
+    reads them. A copy whatever ``t``'s layout (a transposed view stays transposed unless flipped)."""
+    nd = t.dim()
+    if nd == 0:
+        return t.clone()
+    order = sorted(range(nd), key=lambda d: (t.stride(d), -d))     # innermost first
+    if flip and nd >= 2:
+        i, j = order.index(nd - 1), order.index(nd - 2)
+        order[i], order[j] = order[j], order[i]
+    strides, step = [0] * nd, 1
+    for k, d in enumerate(order):
+        strides[d] = step
+        step *= t.shape[d] + (pad if k == 0 and nd >= 2 else 0)
+    buf = torch.full((offset + max(step, 1),), float("nan") if t.is_floating_point() else 0, dtype=t.dtype,
+                     device=t.device)
+    view = buf.as_strided(t.shape, strides, offset)
+    view.copy_(t)
+    return view
+
+
 def generator(seed: int, device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(seed)

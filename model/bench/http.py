@@ -483,7 +483,7 @@ def stand_in_tokenizer(vocab: int):
 def bench_engine(*, kind: str, engine: dict, stub: dict | None = None, model: str | None = None,
                  dtype: str = "bfloat16"):
     """The engine a benchmark serves, from plain data (so an engine process builds the same one):
-    ``kind`` "stub" (serve_stub.StubEngine(**stub)), "random" (GPT-2 small's config, random weights, triton
+    ``kind`` "stub" (stub.StubEngine(**stub)), "random" (GPT-2 small's config, random weights, triton
     backend on the GPU, with a stand-in tokenizer) or "checkpoint" (``model`` on the triton backend on a GPU,
     torch on the CPU)."""
     import torch
@@ -497,12 +497,12 @@ def bench_engine(*, kind: str, engine: dict, stub: dict | None = None, model: st
     gpu = torch.cuda.is_available()
     dt = getattr(torch, dtype) if gpu else torch.float32
     if not gpu:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))     # see serve_proc.gpt2_engine
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))     # see serve.proc.gpt2_engine
     if kind == "random":
-        from tritune.model.bench import serve_bench as S
+        from tritune.model.bench.runs import build_model, load_models
 
-        config, state, _ = S.load_models(None, dt, "cuda", need_hf=False)
-        model_ = S.build_model(config, state, "triton", dt, "cuda")
+        config, state, _ = load_models(None, dt, "cuda", need_hf=False)
+        model_ = build_model(config, state, "triton", dt, "cuda")
         tok = stand_in_tokenizer(config.vocab_size)
     elif kind == "checkpoint":
         from tritune.model.gpt2.model import GPT2
@@ -522,12 +522,12 @@ def warm_up_engine(engine) -> None:
     import torch
 
     if torch.cuda.is_available() and getattr(engine.model, "backend", None) == "triton":
-        from tritune.model.bench import serve_bench as S
+        from tritune.model.serve.warmup import warm_up
 
         t0 = time.perf_counter()
-        S.warm_up(engine, engine.config.vocab_size, engine.config.n_positions // 2)
+        warm_up(engine, engine.config.vocab_size, engine.config.n_positions // 2)
         engine.notes.append(f"warm-up {time.perf_counter() - t0:.1f} s")
-    from tritune.model.bench.serve_bench import CompileLog
+    from tritune.model.bench.runs import CompileLog
 
     log = CompileLog()
     log.__enter__()     # on for the engine's life (this process serves nothing else)

@@ -1,14 +1,14 @@
 """serve-bench's workload: requests with prompt token ids, output lengths and arrival times (Poisson or all
 at once, lengths drawn from ranges or read from a JSONL file), and the latency percentiles of a run. Shared
-by the in-process serve-bench (model/serve.py) and the HTTP one (model/http_bench.py)."""
+by the in-process serve-bench (:mod:`tritune.model.bench.serve_bench`) and the HTTP one
+(:mod:`tritune.model.bench.http`)."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 
 @dataclass

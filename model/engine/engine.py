@@ -25,17 +25,21 @@ from dataclasses import dataclass
 import torch
 
 from tritune.model.quant import ops as Q
+from tritune.model.engine.config import (GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, GRAPH_PREFILL_WORK,  # noqa: F401
+                                         EngineConfig)
 from tritune.model.engine.graphs import DecodeGraphs  # noqa: F401  (re-exported)
+from tritune.model.engine import contract
 from tritune.model.engine.kv_cache import BlockPool
-from tritune.model.engine.runner import (GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, GRAPH_PREFILL_WORK,  # noqa: F401
-                                  ModelRunner, forward_step)  # (forward_step re-exported)
+from tritune.model.engine.runner import ModelRunner, forward_step  # noqa: F401  (forward_step re-exported)
 from tritune.model.engine.sampling import Sampler, sample  # noqa: F401  (sample re-exported)
 from tritune.model.engine.scheduler import (FINISHED, ContextLimitError, Request, SamplingParams,  # noqa: F401
-                                     Scheduler, SchedulerOutput)
+                                            Scheduler, SchedulerOutput)
+from tritune.model.load import set_cpu_threads
 
 QUANT_MODES = Q.QUANT_MODES
 quantize_weights = Q.quantize_weights
 CPU_KV_BYTES = 256 << 20          # default KV budget without a GPU
+_THREADS_AT_IMPORT = torch.get_num_threads()    # (a program that sets its own count keeps it: set_cpu_threads)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -57,15 +61,22 @@ class Completion:
 
 
 def completion_of(req: Request, tokenizer=None) -> Completion:
+    """The request's result; its text when a tokenizer is given (a tokenizer that fails on these tokens
+    leaves the text None and says why in ``error``: the other completions are not affected)."""
     n = len(req.output_ids)
     ttft = req.first_token_time - req.arrival_time if req.first_token_time is not None else float("nan")
     lat = req.finish_time - req.arrival_time if req.finish_time is not None else float("nan")
     tpot = ((req.finish_time - req.first_token_time) / (n - 1)
             if n > 1 and req.finish_time is not None and req.first_token_time is not None else float("nan"))
-    text = tokenizer.decode(req.output_ids) if tokenizer is not None else None
+    error = repr(req.error) if req.error is not None else None
+    text = None
+    if tokenizer is not None:
+        try:
+            text = tokenizer.decode(req.output_ids)
+        except Exception as e:  # noqa: BLE001 (one request's detokenizing must not fail the batch)
+            error = error or f"detokenizing the output failed: {e!r}"
     return Completion(req.id, list(req.prompt_ids), list(req.output_ids), req.finish_reason, text,
-                      repr(req.error) if req.error is not None else None, req.truncated, req.num_preemptions,
-                      ttft, tpot, lat)
+                      error, req.truncated, req.num_preemptions, ttft, tpot, lat)
 
 
 class TokenStream:
@@ -99,14 +110,21 @@ class TokenStream:
 # The engine
 # ---------------------------------------------------------------------------------------------------
 class Engine:
-    """Continuous-batching GPT-2 serving on a paged KV cache.
+    """Continuous-batching serving on a paged KV cache.
 
-    model: a :class:`tritune.model.gpt2.model.GPT2`. The KV pool is sized by exactly one of ``num_blocks``,
+    ``model``: any model that meets the engine's contract (:class:`~tritune.model.engine.contract.EngineModel`;
+    :class:`tritune.model.gpt2.model.GPT2` is one). ``config``: an :class:`~tritune.model.engine.config.EngineConfig`;
+    the keywords below build one (with ``config`` given, they override its fields). The KV pool is sized by exactly one of ``num_blocks``,
     ``kv_memory_bytes`` or ``kv_memory_fraction`` (of free GPU memory); default 0.5 on a GPU, 256 MiB on
     the CPU. ``max_batch_tokens``: tokens per step (prefill tokens + one per decode; >= n_positions
     unless ``enable_chunked_prefill``, which cuts long prompts into chunks run beside the decodes).
     ``enable_prefix_caching`` (default on): full KV blocks are shared by requests with the same prefix,
-    whose prefill computes only the rest. ``policy``: "fcfs", "priority" (``add_request(...,
+    whose prefill computes only the rest. In the default mode a hit may differ from the uncached request
+    in the last bits of its logits (and, where two tokens' logits are that close, in a greedy token): the
+    cached K/V were computed inside another request's prefill and the suffix attends through the cache
+    (gathered context, another kernel launch shape), and the kernels' reduction order follows the rows a
+    launch holds. With ``batch_invariant`` (``--deterministic``) every row's reductions are its own, so a
+    hit gives the uncached request's bits. ``policy``: "fcfs", "priority" (``add_request(...,
     priority=)``, lower first) or "spf" (shortest prompt first). ``speculative``: a proposer
     (:mod:`~tritune.model.engine.spec_decode`) whose k draft tokens a step verifies in one forward. ``cuda_graphs``: capture the decode step per batch bucket (CUDA and the
     triton backend only; otherwise ignored and said in ``notes``; ``"eager"``: the same device-side step
@@ -138,104 +156,105 @@ class Engine:
     "graph-prefill", "graph" beside an eager prefill is "graph+eager", "eager", "mixed", "compile", "spec").
     """
 
-    def __init__(self, model, *, num_blocks: int | None = None, kv_memory_bytes: int | None = None,
-                 kv_memory_fraction: float | None = None, block_size: int = 16,
-                 max_batch_tokens: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool | str = True,
-                 compile: bool = False, quant: str | None = None, group_size: int = 128, tokenizer=None,
-                 graph_buckets=GRAPH_BUCKETS, prefill_batching: bool | None = None, prefill_min_seats: int | None = None,
-                 prefill_max_wait: int = 8, decode_steps: int = 16, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = False, policy: str = "fcfs", speculative=None, batch_invariant: bool = False,
-                 run_ahead: bool = False, fused_decode="auto", graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS,
-                 graph_prefill_work: int | None = GRAPH_PREFILL_WORK,
-                 long_prefill_token_threshold: int | None = None):
-        Q.check_mode(quant)
-        given = [n for n, v in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
-                                ("kv_memory_fraction", kv_memory_fraction)) if v is not None]
-        if len(given) > 1:
-            raise ValueError(f"give at most one of num_blocks, kv_memory_bytes, kv_memory_fraction (got {given})")
-        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: expected an int >= 1, got {max_num_seqs!r}")
-        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or not 1 <= decode_steps <= 64:
-            raise ValueError(f"decode_steps: expected an int in [1, 64], got {decode_steps!r}")
-        if cuda_graphs and compile:
-            raise ValueError("cuda_graphs and compile: pick one fast decode path")
-        self.decode_steps = decode_steps
-        self.run_ahead = bool(run_ahead)
+    def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None, **kwargs):
+        cfg = self.engine_config = EngineConfig.build(config, **kwargs)
+        contract.check(model)
+        self.decode_steps = cfg.decode_steps
+        self.run_ahead = cfg.run_ahead
         self._ahead = None      # (out, launched) of decode steps queued by the last step(), tokens not read yet
-        self.config = c = model.config
+        self.config = model.config
         self.device = torch.device(model.device)
         self.dtype = model.dtype
         self.tokenizer = tokenizer
         self.notes: list[str] = []
-        self.block_size = block_size
-        self.max_blocks = math.ceil(c.n_positions / block_size)
-        if quant:
-            model = Q.quantize_model(model, quant, group_size)
-        self.quant = quant or (model.ops.quant if Q.is_quantized(model) else None)
+        self.block_size = cfg.block_size
+        self.max_blocks = math.ceil(model.max_context / cfg.block_size)
+        self.max_num_seqs = cfg.max_num_seqs
+        if self.device.type == "cpu":
+            set_cpu_threads(unless_changed_from=_THREADS_AT_IMPORT)
+        model = self._prepare(model, cfg)
+        self.pool = self._make_pool(model, cfg)
+        self.runner = ModelRunner(model, self.pool, max_num_seqs=cfg.max_num_seqs, cuda_graphs=cfg.cuda_graphs,
+                                  compile=cfg.compile, graph_buckets=cfg.graph_buckets,
+                                  hist=max(16, cfg.decode_steps), fused_decode=cfg.fused_decode,
+                                  graph_prefill_tokens=cfg.graph_prefill_tokens, invariant=self.batch_invariant)
+        # chunks beside decodes stay within the captured step's prefill rows (no eager stall)
+        cap = self.runner.graph_prefill_tokens if cfg.enable_chunked_prefill else 0
+        self.scheduler = Scheduler(
+            self.pool, model.max_context, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_batch_tokens,
+            eos_token_id=model.eos_token_id, vocab_size=model.vocab_size, policy=cfg.policy,
+            enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            # with a fast decode path a prefill costs a forward of its own: batch them (Scheduler's docstring)
+            prefill_batching=self.runner.fast if cfg.prefill_batching is None else cfg.prefill_batching,
+            prefill_min_seats=cfg.prefill_min_seats, prefill_max_wait=cfg.prefill_max_wait,
+            decode_step_prefill_cap=cap or None, decode_step_prefill_work=cfg.graph_prefill_work if cap else None)
+        self.notes += self.runner.notes
+        self.sampler = Sampler(self.device)
+        self._init_stats()
+        self.spec = None
+        if cfg.speculative is not None:
+            from tritune.model.engine.spec_decode import SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder(cfg.speculative, self)
+
+    def _prepare(self, model, cfg: EngineConfig):
+        """The model as the engine runs it: quantized (``quant``), on pinned reduction orders
+        (``batch_invariant``, or a model already on invariant ops: ``tritune generate --deterministic``'s)."""
+        if cfg.quant:
+            model = Q.quantize_model(model, cfg.quant, cfg.group_size)
+        self.quant = cfg.quant or (model.ops.quant if Q.is_quantized(model) else None)
         if self.quant:
             self.notes.append(f"{self.quant} linears: {model.ops.steps['linear']}")
         from tritune.model.engine import invariant
-        # (a model already on invariant ops, e.g. tritune generate --deterministic's, keeps the mode)
-        self.batch_invariant = bool(batch_invariant) or invariant.is_invariant(model)
+
+        self.batch_invariant = cfg.batch_invariant or invariant.is_invariant(model)
         if self.batch_invariant:    # pinned reduction orders (tritune.model.engine.invariant); CUDA graphs kept
-            if compile:
+            if cfg.compile:
                 raise ValueError("batch_invariant and compile: the compiled decode's reductions follow the batch")
             model = invariant.invariant_model(model)
             self.notes.append("batch-invariant: each request's logits independent of what shares its steps")
+        return model
 
+    def _make_pool(self, model, cfg: EngineConfig) -> BlockPool:
+        """The KV block pool, sized by ``num_blocks``, ``kv_memory_bytes`` or ``kv_memory_fraction`` (default
+        half the free GPU memory, or CPU_KV_BYTES on the CPU)."""
         memory = None
-        if num_blocks is None:
-            if kv_memory_bytes is not None:
-                memory = int(kv_memory_bytes)
-            elif kv_memory_fraction is not None:
-                memory = float(kv_memory_fraction)
+        if cfg.num_blocks is None:
+            if cfg.kv_memory_bytes is not None:
+                memory = int(cfg.kv_memory_bytes)
+            elif cfg.kv_memory_fraction is not None:
+                memory = float(cfg.kv_memory_fraction)
             else:
                 memory = 0.5 if self.device.type == "cuda" else CPU_KV_BYTES
         # the prefix cache's keys include what else K/V depend on: the model, its dtype and quantization
-        salt = f"{c}|{getattr(model, 'directory', None)}|{self.dtype}|{self.quant}|{group_size}|{id(model.w)}"
-        self.pool = BlockPool(c.n_layer, c.n_head, c.head_dim, block_size, self.dtype, self.device,
-                              num_blocks=num_blocks, memory=memory, cache_salt=salt)
-        self.scheduler = Scheduler(self.pool, c.n_positions, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_batch_tokens, eos_token_id=c.eos_token_id,
-                                   vocab_size=c.vocab_size, policy=policy,
-                                   enable_prefix_caching=enable_prefix_caching,
-                                   enable_chunked_prefill=enable_chunked_prefill,
-                                   long_prefill_token_threshold=long_prefill_token_threshold)
-        self.max_num_seqs = max_num_seqs
-        self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs, cuda_graphs=cuda_graphs,
-                                  compile=compile, graph_buckets=graph_buckets, hist=max(16, decode_steps),
-                                  fused_decode=fused_decode, graph_prefill_tokens=graph_prefill_tokens)
-        self.runner.invariant = self.batch_invariant
-        if graph_prefill_work is not None and (isinstance(graph_prefill_work, bool)
-                                               or not isinstance(graph_prefill_work, int) or graph_prefill_work < 1):
-            raise ValueError(f"graph_prefill_work: expected an int >= 1 or None, got {graph_prefill_work!r}")
-        if self.scheduler.chunked and self.runner.graph_prefill_tokens:
-            # chunks beside decodes stay within the captured step's prefill rows (no eager stall)
-            self.scheduler.decode_step_prefill_cap = self.runner.graph_prefill_tokens
-            self.scheduler.decode_step_prefill_work = graph_prefill_work
-        self.notes += self.runner.notes
-        self.sampler = Sampler(self.device)
+        salt = (f"{model.config}|{getattr(model, 'directory', None)}|{self.dtype}|{self.quant}|{cfg.group_size}"
+                f"|{id(model.w)}")
+        return BlockPool(model.n_layers, model.n_kv_heads, model.head_dim, cfg.block_size, self.dtype, self.device,
+                         num_blocks=cfg.num_blocks, memory=memory, cache_salt=salt)
+
+    def _init_stats(self) -> None:
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,
-                      "multi_steps": 0, "mixed_steps": 0, "preemptions": 0}
+                      "multi_steps": 0, "mixed_steps": 0, "preemptions": 0, "request_errors": 0}
         # host seconds per phase of step() (load/launch/wait: the graph path; forward: the others)
         self.timings = dict.fromkeys(("schedule_s", "forward_s", "load_s", "launch_s", "wait_s", "update_s"), 0.0)
         self.timings["tokens"] = 0
         self.gpu_timing = False     # True: CUDA events time the graph replays (stats["graph_gpu_s"])
         self.stats["graph_gpu_s"] = 0.0
         self.path_counts: Counter = Counter()     # steps per path (see the class docstring)
-        # Prefill batching: with a fast decode path, a step that admits requests pays a whole eager forward
-        # for its prefills (launch-bound: about as long as many graph decode steps), so while sequences are
-        # decoding, admit only once enough seats are free for a batch of prefills (or after
-        # prefill_max_wait steps of waiting). Without one, prefills ride in the decode forward: admit at once.
-        self.prefill_batching = self.runner.fast if prefill_batching is None else bool(prefill_batching)
-        self.prefill_min_seats = max(1, max_num_seqs // 8) if prefill_min_seats is None else prefill_min_seats
-        self.prefill_max_wait = prefill_max_wait
-        self._waited = 0
-        self.spec = None
-        if speculative is not None:
-            from tritune.model.engine.spec_decode import SpeculativeDecoder
 
-            self.spec = SpeculativeDecoder(speculative, self)
+    # (the scheduler decides admission; these read its settings)
+    @property
+    def prefill_batching(self) -> bool:
+        return self.scheduler.prefill_batching
+
+    @property
+    def prefill_min_seats(self) -> int:
+        return self.scheduler.prefill_min_seats
+
+    @property
+    def prefill_max_wait(self) -> int:
+        return self.scheduler.prefill_max_wait
 
     @property
     def model(self):
@@ -304,7 +323,10 @@ class Engine:
                 if errors == "raise":
                     for _, r in reqs:
                         self.scheduler.abort(r.id)
-                    raise type(e)(f"prompts[{i}]: {e}") from None
+                    # the same exception, its message naming the prompt (a ContextLimitError keeps its
+                    # numbers and describe(); its constructor takes those, not a message)
+                    e.args = (f"prompts[{i}]: {e}", *e.args[1:])
+                    raise e from None
                 results[i] = Completion(None, [], [], "error", error=f"{type(e).__name__}: {e}")
         while any(not r.finished for _, r in reqs):
             self.step()
@@ -327,65 +349,98 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedule, run one forward (or, on the graph path, up to ``decode_steps`` decode steps), sample,
         update. Returns the requests that finished. With ``run_ahead``, a step of decodes only on the
-        device-side step returns with its steps queued: their tokens land at the start of the next call."""
+        device-side step returns with its steps queued: their tokens land at the start of the next call.
+
+        A failure that belongs to one request (its token cannot be drawn, its stop strings cannot be checked
+        on its text, its stream raises) ends that request alone with the error (finish_reason "error");
+        the other rows of the step go on as if it were not there. A failure of the step itself (the
+        forward) ends the step's requests and is raised."""
         landed = self._land() if self._ahead is not None else []
-        tm = self.timings
         t0 = time.perf_counter()
-        out = self.scheduler.schedule(admit=self._admit())
+        out = self.scheduler.schedule()
         if not out:
             return landed
         t1 = time.perf_counter()
-        tm["schedule_s"] += t1 - t0
-        st = self.stats
+        self.timings["schedule_s"] += t1 - t0
         if out.prefill:
-            st["prefill_tokens"] += sum(map(len, out.prefill_ids))
-        st["preemptions"] += len(out.preempted)
+            self.stats["prefill_tokens"] += sum(map(len, out.prefill_ids))
+        self.stats["preemptions"] += len(out.preempted)
         try:
-            if self.spec is not None and self.spec.applies(self, out):
-                before = st["decode_tokens"]
-                finished = self.spec.step(self, out)
-                self.path_counts["spec"] += 1
-                tm["tokens"] += st["decode_tokens"] - before
-            elif self._graph_only(out):
-                launched = self._graph_launch(out)
-                if self.run_ahead:
-                    self._ahead = out, launched
-                    return landed
-                finished = self._graph_land(out, launched)
-            else:
-                logits, path = self.runner.forward(out)
-                st["mixed_steps"] += path == "mixed"
-                st["graph_steps"] += path == "graph"
-                self.path_counts["graph+eager" if path == "graph" and out.prefill else path] += 1
-                tokens = self.sampler(out.requests, logits)
-                t2 = time.perf_counter()
-                tm["forward_s"] += t2 - t1
-                finished = self.scheduler.update(out, tokens)
-                st["steps"] += 1
-                st["decode_tokens"] += len(out.decode)
-                tm["tokens"] += len(out.decode)
+            finished = self._run(out, t1)
         except Exception as e:
             self._fail(out, e)
             raise
+        if finished is None:        # queued on the device (run_ahead): landed by the next step()
+            return landed
         return landed + self._retire(out, finished)
+
+    def _run(self, out: SchedulerOutput, t1: float) -> list[Request] | None:
+        """The step's forward(s) and update, on the path it takes; None when its steps were left queued."""
+        st, tm = self.stats, self.timings
+        if self.spec is not None and self.spec.applies(self, out):
+            before = st["decode_tokens"]
+            finished = self.spec.step(self, out)
+            self.path_counts["spec"] += 1
+            tm["tokens"] += st["decode_tokens"] - before
+            return finished
+        if self._graph_only(out):
+            launched = self._graph_launch(out)
+            if self.run_ahead:
+                self._ahead = out, launched
+                return None
+            return self._graph_land(out, launched)
+        logits, path = self.runner.forward(out)
+        st["mixed_steps"] += path == "mixed"
+        st["graph_steps"] += path == "graph"
+        self.path_counts["graph+eager" if path == "graph" and out.prefill else path] += 1
+        tokens = self.sampler(out.requests, logits)
+        tm["forward_s"] += time.perf_counter() - t1
+        failed = self._end_failed_rows()
+        finished = failed + self.scheduler.update(out, tokens)
+        st["steps"] += 1
+        st["decode_tokens"] += len(out.decode)
+        tm["tokens"] += len(out.decode)
+        return finished
+
+    def _end_failed_rows(self) -> list[Request]:
+        """End each request whose token could not be drawn this step (the sampler's report, read after the
+        step's sync): with the error, alone; update() then skips its row."""
+        failed = []
+        for req, e in self.sampler.failures():
+            if not req.finished:
+                self._end_request(req, e)
+                failed.append(req)
+        return failed
+
+    def _end_request(self, req: Request, e: BaseException) -> None:
+        req.error = e
+        self.stats["request_errors"] += 1
+        self.scheduler.finish(req, "error")
 
     def _fail(self, out: SchedulerOutput, e: Exception) -> None:
         """The step's requests cannot go on (their caches are in an unknown state): end them with the
         error, free their blocks, and leave the engine usable for the rest."""
         self.scheduler.abandon_step()
+        self.sampler.failures()     # (drop what the failed step drew)
         for req in out.scheduled:
             req.error = e
             self.scheduler.finish(req, "error")
 
     def _retire(self, out: SchedulerOutput, finished: list[Request]) -> list[Request]:
-        """After a step's tokens are in: stop strings (checked on the text), the finished requests'
-        generators released."""
+        """After a step's tokens are in: stop strings (checked on the text; a request whose text cannot be
+        made or checked ends alone with the error), the finished requests' generators released."""
         t3 = time.perf_counter()
         if self.tokenizer is not None:
             for req in out.requests:
                 if req.sampling.stop and req.state != FINISHED:
-                    text = self.tokenizer.decode(req.output_ids)
-                    if any(s in text for s in req.sampling.stop):
+                    try:
+                        text = self.tokenizer.decode(req.output_ids)
+                        hit = any(s in text for s in req.sampling.stop)
+                    except Exception as e:  # noqa: BLE001 (one request's text must not stop the others)
+                        self._end_request(req, e)
+                        finished.append(req)
+                        continue
+                    if hit:
                         self.scheduler.finish(req, "stop")
                         finished.append(req)
         for req in finished:
@@ -404,20 +459,6 @@ class Engine:
             raise
         return self._retire(out, finished)
 
-    def _admit(self) -> bool:
-        sch = self.scheduler
-        if not self.prefill_batching or not sch.running or not sch.waiting:
-            self._waited = 0
-            return True
-        # (the scheduler's seat count, which a benchmark may lower after construction)
-        seats = sch.max_num_seqs - len(sch.running)
-        need = min(self.prefill_min_seats, max(1, sch.max_num_seqs // 8), len(sch.waiting))
-        if seats >= need or self._waited >= self.prefill_max_wait:
-            self._waited = 0
-            return True
-        self._waited += 1
-        return False
-
     # -------------------------------------------------------------------------------------- graph decode
     def _graph_only(self, out: SchedulerOutput) -> bool:
         """A step of decodes only, in a bucket of the device-side step: the device picks (greedy) or draws
@@ -425,29 +466,19 @@ class Engine:
         return not out.prefill and self.runner.graph_batch(len(out.decode))
 
     def _num_steps(self, out: SchedulerOutput) -> int:
-        """How many decode steps to run before the host looks at the tokens again."""
-        reqs = out.decode
-        K = self.decode_steps
-        if K == 1 or (self.tokenizer is not None and any(r.sampling.stop for r in reqs)):
-            return 1                    # stop strings are checked on the host after every token
-        left = [r.max_new_tokens - len(r.output_ids) for r in reqs]
-        K = min(K, max(left))           # rows that finish earlier turn to padding on the device
-        sch = self.scheduler
-        if sch.waiting:                 # admission decisions happen between host round trips
-            if self.prefill_batching and len(sch.running) < sch.max_num_seqs:
-                K = min(K, max(1, self.prefill_max_wait - self._waited))
-            else:
-                K = min(K, min(left))   # nobody can join before a seat frees: run until one does
-        if K > 1 and not sch.reserve(out, K):
-            K = 1                       # not enough free blocks to hold K tokens of every row
-        return K
+        """How many decode steps to run before the host looks at the tokens again (the scheduler's
+        :meth:`~tritune.model.engine.scheduler.Scheduler.run_length`; 1 where stop strings are checked on
+        the host after every token)."""
+        if self.decode_steps == 1 or (self.tokenizer is not None and any(r.sampling.stop for r in out.decode)):
+            return 1
+        return self.scheduler.run_length(out, self.decode_steps)
 
     def _graph_launch(self, out: SchedulerOutput):
         """Queue up to ``decode_steps`` decode steps of ``out`` on the device-side step (no host sync)."""
         K = self._num_steps(out)
         reqs, pos = out.decode, out.decode_positions
         eos = self.config.eos_token_id
-        stops = [p + min(K, r.max_new_tokens - len(r.output_ids)) for r, p in zip(reqs, pos)]
+        stops = [p + min(K, r.tokens_left) for r, p in zip(reqs, pos)]
         # a sampled row's EOS is the drawn token's, seen by update() on the host (the device checks the greedy one)
         eoss = [-1 if eos is None or r.sampling.ignore_eos or r.sampling.temperature else eos for r in reqs]
         draw = None
@@ -467,7 +498,8 @@ class Engine:
             self.stats["graph_gpu_s"] += gpu_s
         reqs = out.decode
         before = sum(len(r.output_ids) for r in reqs)
-        finished = self.scheduler.update_steps(out, rows)
+        failed = self._end_failed_rows()
+        finished = failed + self.scheduler.update_steps(out, rows)
         st = self.stats
         n = sum(len(r.output_ids) for r in reqs) - before
         st["decode_tokens"] += n
@@ -476,18 +508,12 @@ class Engine:
         st["graph_steps"] += K
         self.path_counts["graph"] += K
         st["multi_steps"] += K > 1
-        if K > 1 and self.scheduler.waiting and self.prefill_batching:
-            self._waited += K - 1      # each replay was a step the queue waited
         for k, v in host.items():
             tm[k] += v
         tm["update_s"] += time.perf_counter() - t3
         return finished
 
     # -------------------------------------------------------------------------------------- reports
-    @property
-    def peak_blocks(self) -> int:
-        return self.pool.peak_used
-
     def describe(self) -> dict:
         return {"backend": self.model.backend, "dtype": str(self.dtype).replace("torch.", ""),
                 "device": str(self.device), "quant": self.quant, "cuda_graphs": self.graphs is not None,

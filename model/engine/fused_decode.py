@@ -14,7 +14,7 @@ for ever) the host launches one stage at a time with the barriers compiled out: 
 
 The config (tile sizes, programs, K/KV splits, warps) is plain data looked up in the tuned store under
 kernel name ``fused_decode`` (see :class:`tritune.kernels.fused_decode.Config`); its ``faster`` field,
-written by ``lab/bench_fused_decode.py --export`` from a measured run, is what ``fused_decode="auto"``
+written from a measured run (fused against per-op decode on that GPU), is what ``fused_decode="auto"``
 follows.
 """
 from __future__ import annotations
@@ -157,10 +157,9 @@ class FusedDecode:
                              kv_min_chunk=16, lm_block_n=16, lm_block_k=32)
         # One row: 16 KB weight blocks (256 x 32; 233 registers a thread at 8 warps, no spill, sm90 ptxas).
         # H100, GPT-2 small: 475 us a step against 582 with 8 KB blocks (128 x 32); 256 x 64 and 512 x 32
-        # within 2% (lab/logs/h100/fused_decode_tiles_poll_2026-11-28_826404b). More rows (64-row tensor-core
+        # within 2%. More rows (64-row tensor-core
         # tiles): 8 KB blocks, 8599 against 8344 tok/s with 256 x 64 at batch 8. The LM head in 64-wide
-        # blocks (its own call site): 44.7 -> 32.8 us a step at batch 1, 8542 -> 8943 tok/s at batch 8
-        # (lab/logs/h100/fused_decode_kv_chunks_lm_blocks_2026-11-28_f1b7899).
+        # blocks (its own call site): 44.7 -> 32.8 us a step at batch 1, 8542 -> 8943 tok/s at batch 8.
         if M == 1:
             return FK.Config(block_n=32, block_k=256, block_t=32, num_warps=8, lm_block_n=64)
         return FK.Config(block_n=32, block_k=128, block_t=32, num_warps=8, lm_block_n=64)
@@ -261,5 +260,5 @@ def choose(model, kv, fused_decode, max_rows: int) -> tuple[bool, str]:
     if fused_decode == "auto":
         stored = None if dev.interpreted() else stored_config(model.config, 1, model.dtype)
         if not stored or not stored.get("faster"):
-            return False, "fused decode off: not measured faster on this GPU (lab/bench_fused_decode.py --export)"
+            return False, "fused decode off: not measured faster on this GPU (no stored config marked faster)"
     return True, f"fused decode: one persistent launch per step at batch <= {min(max_rows, MAX_ROWS)}"

@@ -244,6 +244,7 @@ def run(args) -> int:
     from tritune.model.gpt2.model import GPT2
     from tritune.kernels.runtime import store
     from tritune.kernels.runtime.args import UsageError
+    from tritune.model.load import default_dtype
 
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -255,7 +256,7 @@ def run(args) -> int:
         raise UsageError("--points must be >= 0 and --reps >= 1")
     gpu = not dev.interpreted() and torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
+    dtype = args.dtype or default_dtype(device)
     if args.model:
         try:
             model = GPT2.from_pretrained(args.model, backend="triton", dtype=dtype, device=device)

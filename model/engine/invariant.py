@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from tritune.model.gpt2 import model as G
 from tritune.references import quant as RQ
+from tritune.kernels import num_sms
 
 PARTITION_TOKENS = 256      # split-KV chunk of paged attention, in tokens (at most a quarter of the capacity)
 
@@ -92,7 +93,7 @@ def gemm_config(N: int, K: int, trans_b: bool, bias: bool, act, residual: bool, 
     tiles = -(-N // cfg["BLOCK_N"])      # at M = 1
     split = 1
     while (split < 8 and 2 * split <= k_tiles and -(-k_tiles // split) > SLICE_K_TILES
-           and tiles * split * 2 <= G._num_sms()):
+           and tiles * split * 2 <= num_sms()):
         split *= 2
     cfg["SPLIT_K"] = split
     p = G.Problem(16, N, K, trans_b=trans_b, bias=bias, act=act, residual=residual, ln=ln, kv=kv)
@@ -201,7 +202,7 @@ class TritonInvariantOps:
             if x.dtype in (torch.float16, torch.bfloat16):
                 return self.linear(self.layer_norm(x, ln_w, ln_b, eps), w, b, activation=activation), False
             w = _quant_dense(w, x.dtype, self._dense)
-        # positional: lab/bench_batch_invariance.py swaps gemm_config for a wrapper taking *args
+        # positional: a benchmark may swap gemm_config for a wrapper taking *args
         cfg = gemm_config(w.shape[1], w.shape[0], w.stride(1) != 1, b is not None, activation, False, x.dtype,
                           True, kv is not None)
         y = self._gemm(x, w, b, activation=activation, ln=(ln_w, ln_b, eps), kv=kv, config=cfg)

@@ -29,18 +29,9 @@ import numpy as np
 import torch
 
 from tritune.model.gpt2 import model as G
+from tritune.model.engine.config import GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, GRAPH_PREFILL_WORK  # noqa: F401
 from tritune.model.engine.graphs import DecodeGraphs
 from tritune.model.quant.ops import is_quantized
-
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Prefill rows a step may run inside the captured decode step (0: none). A prefill row costs what a decode
-# row costs in every linear (on the H100, GPT-2 small's linears stay bound by their weight reads well past
-# 100 rows, so 64 more rows add little), but its attention reads its whole context through paged attention
-# (per query row): 64 rows of a 2048-token context re-read that sequence's K/V 64 times per layer (mostly
-# from L2). 64 keeps a chunk near the cost of one decode step while taking prefix-cache suffixes (16-64
-# tokens) whole; the scheduler's long_prefill_token_threshold cuts long prompts to fit.
-GRAPH_PREFILL_TOKENS = 64
-GRAPH_PREFILL_WORK = 16384     # context positions the prefill rows of a step beside decodes read (engine)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -65,7 +56,8 @@ def attn_context(model, q, k_cache, v_cache, seq_lens, cu_q, max_q, context):
     for n, m in zip(seq_lens, ctx_lens):
         mask = torch.ones((n, m), dtype=torch.bool, device=q.device).tril(m - n)
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[sq:sq + n].transpose(0, 1), k[sk:sk + m].transpose(0, 1), v[sk:sk + m].transpose(0, 1), attn_mask=mask)
+            q[sq:sq + n].transpose(0, 1), k[sk:sk + m].transpose(0, 1), v[sk:sk + m].transpose(0, 1), attn_mask=mask,
+            enable_gqa=k.shape[1] != q.shape[1])   # grouped-query attention: Hkv < Hq
         out[sq:sq + n] = o.transpose(0, 1)
         sq, sk = sq + n, sk + m
     return out
@@ -302,11 +294,10 @@ class ModelRunner:
     ``max_num_seqs`` + this many rows. 0: prefills always eager.
     """
 
-    invariant = False       # batch-invariant mode (the Engine sets it; tritune.model.engine.invariant)
-
     def __init__(self, model, pool, *, max_num_seqs: int, cuda_graphs=True, compile: bool = False,
                  graph_buckets=GRAPH_BUCKETS, hist: int = 16, fused_decode="auto",
-                 graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS):
+                 graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS, invariant: bool = False):
+        self.invariant = bool(invariant)    # batch-invariant mode (tritune.model.engine.invariant)
         if cuda_graphs not in (True, False, "eager"):
             raise ValueError(f"cuda_graphs: expected True, False or 'eager', got {cuda_graphs!r}")
         if isinstance(graph_prefill_tokens, bool) or not isinstance(graph_prefill_tokens, int) \
@@ -317,7 +308,7 @@ class ModelRunner:
         self.config = model.config
         self.device = torch.device(model.device)
         self.pool = pool
-        self.max_blocks = -(-self.config.n_positions // pool.block_size)
+        self.max_blocks = -(-model.max_context // pool.block_size)
         self.notes: list[str] = []
         # eager forwards only write real slots, so the torch backend skips its masked write (a host sync)
         self.model = model.with_ops(IndexWriteOps(model.ops)) if model.backend == "torch" else model
@@ -448,16 +439,11 @@ class ModelRunner:
         rows = torch.from_numpy(np.asarray(last + list(range(Td)), np.int64)).to(self.device, non_blocking=True)
         return logits.index_select(0, rows)
 
-    def graph_decode(self, ids, positions, stops, eos, tables, steps: int, gpu_timing: bool = False, draw=None):
-        """``steps`` decode steps of these rows on the device-side step, one host sync at the end.
-        ``draw(logits) -> [(row, token tensor)]``: rows whose token is drawn on the device after each step
-        (sampling) instead of the greedy one the step feeds back. Returns (tokens per step per row, host
-        seconds {load, launch, wait}, GPU seconds or None)."""
-        return self.graph_collect(self.graph_launch(ids, positions, stops, eos, tables, steps, gpu_timing, draw))
-
     def graph_launch(self, ids, positions, stops, eos, tables, steps: int, gpu_timing: bool = False, draw=None):
-        """:meth:`graph_decode`'s steps queued on the device, no host sync: the handle :meth:`graph_collect`
-        reads their tokens from (the host may do other work meanwhile, but loads nothing before that)."""
+        """``steps`` decode steps of these rows queued on the device-side step, no host sync: the handle
+        :meth:`graph_collect` reads their tokens from (the host may do other work meanwhile, but loads nothing
+        before that). ``draw(logits) -> [(row, token tensor)]``: rows whose token is drawn on the device
+        after each step (sampling) instead of the greedy one the step feeds back."""
         g = self.graphs
         t0 = time.perf_counter()
         g.load(ids, positions, stops, eos, tables)

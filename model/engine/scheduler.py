@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tritune.model.engine.kv_cache import BlockPool, BlockTable
+from tritune.model.engine.sampling import SamplingParams  # noqa: F401  (re-exported: its home before)
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 POLICIES = ("fcfs", "priority", "spf")
@@ -65,36 +66,6 @@ class ContextLimitError(ValueError):
         if not self.truncate and N < C:
             fixes.append(f"pass {truncate} to keep the prompt's last {C - N} tokens")
         return f"{what}; " + ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
-
-    ``stop`` strings need the tokenizer, so the engine checks them (and calls ``Scheduler.finish``);
-    the scheduler itself stops on EOS, ``stop_token_ids`` and ``max_new_tokens``.
-    """
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0                  # 0: no top-k
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
 
 @dataclass(eq=False)
@@ -126,6 +97,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def tokens_left(self) -> int:
+        """New tokens the request may still get (``max_new_tokens`` less those it has)."""
+        return self.max_new_tokens - len(self.output_ids)
 
     @property
     def finished(self) -> bool:
@@ -168,11 +144,6 @@ class SchedulerOutput:
         """Every sequence of the step (partial prefill chunks too)."""
         return self.prefill + self.decode
 
-    @property
-    def cached_prefill(self) -> bool:
-        """Whether a prefill starts after cached tokens (its attention reads the paged cache)."""
-        return any(self.prefill_starts)
-
     def __bool__(self):
         return bool(self.prefill or self.decode)
 
@@ -192,43 +163,83 @@ def _within_work(start: int, n: int, work: float, first: bool) -> int:
     return max(min(n, k), 1 if first else 0)
 
 
+def _positive(name: str, v, allow_none: bool = True, lo: int = 1) -> None:
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}{' or None' if allow_none else ''}, got {v!r}")
+
+
+@dataclass
+class _Room:
+    """What a step has left while :meth:`Scheduler.schedule` fills it: tokens of the budget, prefill tokens
+    beside decodes (``pcap``) and their attention work (``work``), and the decodes not yet counted."""
+    budget: int
+    pcap: float
+    work: float
+    reserved: int
+    cap: int | None         # the prefill cap in force (the first prefill beside decodes always progresses)
+
+    def take(self, start: int, n: int) -> None:
+        self.budget -= n
+        self.pcap -= n
+        if self.work != math.inf:
+            self.work -= _work(start, n)
+
+    def fit(self, start: int, n: int) -> int:
+        """At most n prefill rows from ``start`` within the attention work left."""
+        return n if self.work == math.inf else _within_work(start, n, self.work, first=self.pcap == self.cap)
+
+
 class Scheduler:
+    """Which sequences run each step (the module docstring), when waiting requests are admitted, and how
+    many decode steps the engine may run before it asks again.
+
+    Prefill batching (``prefill_batching``): with a fast decode path a step that admits requests pays an
+    eager forward for their prefills (about as long as many decode steps), so while sequences decode,
+    waiting requests are admitted only once ``prefill_min_seats`` seats are free (default max_num_seqs // 8)
+    or after ``prefill_max_wait`` steps of waiting. ``decode_step_prefill_cap`` / ``_work`` (chunked prefill):
+    prefill tokens, and their attention work in (query token x context position) units, that a step which
+    also decodes may take, so that a chunk rides beside the decodes in the engine's device-side step
+    instead of stalling them (a step with no decodes keeps the whole budget).
+    """
+
     def __init__(self, pool: BlockPool, n_positions: int, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, eos_token_id: int | None = None,
                  vocab_size: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  policy: str = "fcfs", enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
-                 long_prefill_token_threshold: int | None = None):
+                 long_prefill_token_threshold: int | None = None, prefill_batching: bool = False,
+                 prefill_min_seats: int | None = None, prefill_max_wait: int = 8,
+                 decode_step_prefill_cap: int | None = None, decode_step_prefill_work: int | None = None):
         self.pool, self.n_positions = pool, n_positions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(n_positions, 2048) if max_num_batched_tokens is None \
             else max_num_batched_tokens
-        if max_num_seqs < 1:
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
         self.policy = policy
         self.chunked = bool(enable_chunked_prefill)
         t = long_prefill_token_threshold
-        if t is not None:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-                raise ValueError(f"long_prefill_token_threshold: expected an int >= 1 or None, got {t!r}")
-            if not self.chunked:
-                raise ValueError("long_prefill_token_threshold: cuts prompts into chunks; it needs "
-                                 "enable_chunked_prefill=True")
+        _positive("long_prefill_token_threshold", t)
+        if t is not None and not self.chunked:
+            raise ValueError("long_prefill_token_threshold: cuts prompts into chunks; it needs "
+                             "enable_chunked_prefill=True")
         self.long_prefill_token_threshold = t
         self._chunk_cap = t if t is not None else math.inf    # tokens of one prompt per step
-        # prefill tokens of a step that also decodes (chunked only): the engine sets its device-side step's
-        # prefill rows here, so that a chunk rides beside the decodes in the captured step instead of
-        # stalling them with an eager forward; a step with no decodes keeps the whole budget
-        self.decode_step_prefill_cap: int | None = None
-        # and their attention work beside decodes, in (query token x context position) units: each prefill
-        # row reads its whole context, so a chunk late in a long prompt costs its rows times that context;
-        # the engine sets this too (None: no limit), so a step beside decodes stays close to a decode step
-        self.decode_step_prefill_work: int | None = None
+        _positive("decode_step_prefill_cap", decode_step_prefill_cap)
+        _positive("decode_step_prefill_work", decode_step_prefill_work)
+        self.decode_step_prefill_cap = decode_step_prefill_cap if self.chunked else None
+        self.decode_step_prefill_work = decode_step_prefill_work if self.chunked and decode_step_prefill_cap else None
+        _positive("prefill_min_seats", prefill_min_seats)
+        _positive("prefill_max_wait", prefill_max_wait, allow_none=False, lo=0)
+        self.prefill_batching = bool(prefill_batching)
+        self.prefill_min_seats = max(1, max_num_seqs // 8) if prefill_min_seats is None else prefill_min_seats
+        self.prefill_max_wait = prefill_max_wait
+        self._waited = 0            # steps the queue has waited for seats (prefill batching)
         pool.enable_caching = bool(enable_prefix_caching)
-        if isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int) \
-                or self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens: expected an int >= 1, got {self.max_num_batched_tokens!r}")
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=False)
         # Unchunked, a prefill runs whole: the longest (a full context, when recomputing) must fit in one step.
         if not self.chunked and self.max_num_batched_tokens < n_positions:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is less than the context "
@@ -336,40 +347,51 @@ class Scheduler:
         return bool(self.requests)
 
     # ---------------------------------------------------------------------------------------- steps
-    def schedule(self, admit: bool = True) -> SchedulerOutput:
-        """The next step's work. ``admit=False`` runs the running sequences and admits no one (the
-        engine batches prefills up when each prefill forward costs more than the decodes beside it)."""
+    def schedule(self, admit: bool | None = None) -> SchedulerOutput:
+        """The next step's work: the running sequences (decodes first, then chunks), then waiting requests
+        in policy order. ``admit``: None admits by the scheduler's rule (:meth:`admits`: prefill batching);
+        False runs the running sequences and admits no one; True admits whatever fits."""
         if self._pending:
             raise RuntimeError("schedule() called again before update() returned the last step's tokens")
         out = SchedulerOutput()
-        pool = self.pool
-        budget = self.max_num_batched_tokens
-        # Decodes first: their tokens are counted before any chunk takes what is left of the budget.
-        # (This loop runs over every running sequence each step: the common case, a decode whose block
-        # has room, touches no property and allocates nothing.)
-        bs = pool.block_size
-        caching = pool.enable_caching
         running = list(self.running)
         lefts = [len(r.prompt_ids) + len(r.output_ids) - r.num_computed for r in running]
         reserved = lefts.count(1)
         # prefill tokens this step may still take (the cap holds only beside decodes)
         capped = self.chunked and reserved and self.decode_step_prefill_cap
-        pcap = self.decode_step_prefill_cap if capped else math.inf
-        work = self.decode_step_prefill_work if capped and self.decode_step_prefill_work else math.inf
+        cap = self.decode_step_prefill_cap if capped else None
+        room = _Room(self.max_num_batched_tokens, cap if capped else math.inf,
+                     self.decode_step_prefill_work if capped and self.decode_step_prefill_work else math.inf,
+                     reserved, cap)
+        # Decodes first: their tokens are counted before any chunk takes what is left of the budget.
+        self._schedule_running(out, running, lefts, room)
+        # Not after a preemption: the blocks just freed belong to the request at the front, once there is room.
+        if (self.admits() if admit is None else admit) and not out.preempted:
+            self._admit(out, room)
+        self.stats["prefill_tokens"] += sum(map(len, out.prefill_ids))
+        self._pending = bool(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, running: list[Request], lefts: list[int], room: _Room) -> None:
+        """Each running sequence's decode token or next chunk, preempting the last in policy order when
+        blocks run out. (This runs over every running sequence each step: the common case, a decode whose
+        block has room, touches no property and allocates nothing.)"""
+        pool = self.pool
+        bs = pool.block_size
+        caching = pool.enable_caching
         for req, left in zip(running, lefts):
             if req.state != RUNNING:        # preempted for an earlier one, earlier in this loop
                 continue
             if left == 1:
-                reserved -= 1
+                room.reserved -= 1
                 n = 1
             else:                           # a prompt being prefilled in chunks
-                n = min(left, budget - reserved, self._chunk_cap, pcap)
-                if work != math.inf:
-                    n = _within_work(req.num_computed, n, work, first=pcap == self.decode_step_prefill_cap)
+                n = room.fit(req.num_computed, min(left, room.budget - room.reserved, self._chunk_cap, room.pcap))
                 if n <= 0:
                     continue
-                pcap -= n
-                work -= _work(req.num_computed, n)
+                room.pcap -= n
+                if room.work != math.inf:
+                    room.work -= _work(req.num_computed, n)
             end = req.num_computed + n
             table = req.table
             if end > len(table.blocks) * bs:
@@ -382,7 +404,7 @@ class Scheduler:
                 if req.state != RUNNING:
                     continue
                 table.ensure_capacity(end)
-            budget -= n
+            room.budget -= n
             if left == 1:
                 pos = end - 1
                 out.decode.append(req)
@@ -398,29 +420,25 @@ class Scheduler:
             if caching and end // bs > len(table.hashes):
                 table.cache_full(req.all_ids, end)
 
-        # Admit in policy order (no skipping ahead: the head would starve). Not after a preemption: the
-        # blocks just freed belong to the request at the front, once there is room.
-        while admit and self.waiting and not out.preempted and len(self.running) < self.max_num_seqs \
-                and budget > 0 and pcap > 0:
+    def _admit(self, out: SchedulerOutput, room: _Room) -> None:
+        """Admit waiting requests in policy order (no skipping ahead: the head would starve) while seats,
+        blocks and the step's room last; each starts after the cached blocks matching its tokens."""
+        pool = self.pool
+        bs = pool.block_size
+        while self.waiting and len(self.running) < self.max_num_seqs and room.budget > 0 and room.pcap > 0:
             req = self.waiting[0]
             ids = req.all_ids
             n = len(ids)
-            bs = pool.block_size
             hashes, hit = [], []
             if pool.enable_caching:         # the last token is always computed: its logits are needed
                 hashes = pool.hash_blocks(ids, 0, (n - 1) // bs)
                 hit = pool.match(hashes)
             start = len(hit) * bs
-            take = min(budget, self._chunk_cap, pcap)
-            if work != math.inf:
-                take = _within_work(start, take, work, first=pcap == self.decode_step_prefill_cap)
-                if take <= 0:
-                    break
-            end = n if n - start <= take else start + take if self.chunked else None
-            if end is None:
+            take = room.fit(start, min(room.budget, self._chunk_cap, room.pcap))
+            if take <= 0:
                 break
-            need = math.ceil(end / bs) - len(hit) + pool.num_evictable(hit)
-            if need > pool.num_free:
+            end = n if n - start <= take else start + take if self.chunked else None
+            if end is None or math.ceil(end / bs) - len(hit) + pool.num_evictable(hit) > pool.num_free:
                 break
             self.waiting.pop(0)
             req.table = BlockTable(pool)
@@ -431,14 +449,51 @@ class Scheduler:
             bisect.insort(self.running, req, key=self._key)
             self._add_prefill(out, req, start, end)
             req.table.cache_full(ids, end)
-            budget -= end - start
-            pcap -= end - start
-            if work != math.inf:
-                work -= _work(start, end - start)
+            room.take(start, end - start)
             self.stats["cached_tokens"] += start
-        self.stats["prefill_tokens"] += sum(map(len, out.prefill_ids))
-        self._pending = bool(out)
-        return out
+
+    # ---------------------------------------------------------------------------------------- admission
+    def admits(self) -> bool:
+        """Whether this step admits waiting requests (prefill batching; see the class docstring). Counts the
+        steps the queue waits."""
+        if not self.prefill_batching or not self.running or not self.waiting:
+            self._waited = 0
+            return True
+        seats = self.max_num_seqs - len(self.running)   # (max_num_seqs as it is now: a benchmark may lower it)
+        need = min(self.prefill_min_seats, max(1, self.max_num_seqs // 8), len(self.waiting))
+        if seats >= need or self._waited >= self.prefill_max_wait:
+            self._waited = 0
+            return True
+        self._waited += 1
+        return False
+
+    def seat_wait_left(self) -> float:
+        """Steps left of the queue's wait for seats under prefill batching (at least 1), while requests wait
+        and seats are free; else inf."""
+        if self.waiting and self.prefill_batching and len(self.running) < self.max_num_seqs:
+            return max(1, self.prefill_max_wait - self._waited)
+        return math.inf
+
+    def steps_before_admission(self, rows: list[Request]) -> float:
+        """Decode steps of ``rows`` the engine may run back to back before admission must be decided again:
+        :meth:`seat_wait_left` while requests wait with seats free; while they wait with every seat taken,
+        until one of ``rows`` can finish; else no limit (inf)."""
+        if not self.waiting:
+            return math.inf
+        if self.prefill_batching and len(self.running) < self.max_num_seqs:
+            return self.seat_wait_left()
+        return min((r.tokens_left for r in rows), default=math.inf)
+
+    def run_length(self, out: SchedulerOutput, max_steps: int) -> int:
+        """How many decode steps of ``out`` (decodes only) the engine runs before the host looks at their
+        tokens again: at most ``max_steps``, no more than the longest row has left (rows done earlier
+        turn to padding), no more than :meth:`steps_before_admission`, and 1 when the pool cannot hold that
+        many tokens of every row (the blocks for the steps are reserved here)."""
+        K = min(max_steps, max(r.tokens_left for r in out.decode), self.steps_before_admission(out.decode))
+        K = max(1, int(K))
+        if K > 1 and not self.reserve(out, K):
+            K = 1                       # not enough free blocks to hold K tokens of every row
+        return K
 
     @staticmethod
     def _add_prefill(out: SchedulerOutput, req: Request, start: int, end: int) -> None:
@@ -493,7 +548,7 @@ class Scheduler:
         pool = self.pool
         need = []
         for req in out.decode:
-            n = req.num_tokens - 1 + min(steps, req.max_new_tokens - len(req.output_ids))
+            n = req.num_tokens - 1 + min(steps, req.tokens_left)
             need.append((req, n, req.table.blocks_needed(n)))
         if sum(k for _, _, k in need) > pool.num_free:
             return False
@@ -510,6 +565,8 @@ class Scheduler:
         # update()'s checks once, then only its per-token part per step (this runs per decoded token)
         reqs = out.decode
         done = []
+        if len(steps) > 1 and self.waiting and self.prefill_batching:
+            self._waited += len(steps) - 1      # each step after the first was one the queue waited
         for tokens in steps:
             self._pending = True
             if hasattr(tokens, "tolist"):

@@ -23,6 +23,7 @@ verification has k + 1 rows per sequence) and run eagerly.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
@@ -34,6 +35,8 @@ from tritune.model.engine.graphs import embed_row
 from tritune.model.engine.kv_cache import BlockPool, BlockTable
 from tritune.model.engine.runner import ModelRunner
 from tritune.model.engine.sampling import probs
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -142,7 +145,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.model, self.pool, max_num_seqs=engine.max_num_seqs, cuda_graphs=False)
         self.live = engine.scheduler.requests
 
-    def _gc(self, keep):
+    def drop_finished(self, keep):
         """Free the draft cache of requests that finished (or whose id now names another request)."""
         for rid in list(self.state):
             req, table, _ = self.state[rid]
@@ -151,7 +154,7 @@ class DraftModelProposer:
                 del self.state[rid]
 
     def propose(self, reqs, ks, gens=None):
-        self._gc(None)
+        self.drop_finished(None)
         bs = self.pool.block_size
         rows = []           # (i, request, state) of the sequences drafting this step
         for i, (r, k) in enumerate(zip(reqs, ks)):
@@ -162,7 +165,7 @@ class DraftModelProposer:
                 st = self.state[r.id] = [r, BlockTable(self.pool), 0]
             L = r.num_tokens
             if st[1].blocks_needed(L + k - 1) > self.pool.num_free:
-                self._gc({x.id for x in reqs})
+                self.drop_finished({x.id for x in reqs})
                 if st[1].blocks_needed(L + k - 1) > self.pool.num_free:
                     continue        # no room in the draft cache: this sequence decodes plainly
             st[1].ensure_capacity(L + k - 1)
@@ -492,7 +495,11 @@ class SpeculativeDecoder:
                             f"got {type(proposer).__name__}")
         self.proposer, self.k = proposer, proposer.k
         proposer.attach(engine)
-        engine.stats.update(spec_steps=0, spec_proposed=0, spec_accepted=0, spec_graph_replays=0, spec_syncs=0)
+        # spec_over_batch_steps: decode steps of more rows than the speculative step's largest batch, which ran
+        # as plain decode steps (the server exposes it; a log line says so the first time)
+        engine.stats.update(spec_steps=0, spec_proposed=0, spec_accepted=0, spec_graph_replays=0, spec_syncs=0,
+                            spec_over_batch_steps=0)
+        self._over_batch_logged = False
         self.graphs, why = self._make_graphs(engine)
         if self.graphs is not None:
             how = "captured" if self.graphs.graphs else "run eagerly (no capture)"
@@ -527,8 +534,16 @@ class SpeculativeDecoder:
                                              and any(r.sampling.stop for r in out.decode)):
             return False
         # past the device-side speculative step's batches the plain captured decode step is faster
-        return self.graphs is None or not engine.runner.graph_batch(len(out.decode)) or \
-            self.graphs.bucket(len(out.decode)) is not None
+        B = len(out.decode)
+        if self.graphs is None or not engine.runner.graph_batch(B) or self.graphs.bucket(B) is not None:
+            return True
+        engine.stats["spec_over_batch_steps"] += 1
+        if not self._over_batch_logged:
+            self._over_batch_logged = True
+            log.warning("speculative decoding: %d decoding rows is past its largest batch (%d): such steps run "
+                        "as plain decode steps (counted in stats['spec_over_batch_steps'])", B,
+                        max(self.graphs.buckets))
+        return False
 
     def step(self, engine, out):
         if self.graphs is not None:
@@ -547,15 +562,14 @@ class SpeculativeDecoder:
         if sg.bucket(B) is None or any(r.sampling.temperature for r in reqs) or \
                 any(r.num_tokens + K > n_pos for r in reqs):
             return None
-        left = [r.max_new_tokens - len(r.output_ids) for r in reqs]
+        left = [r.tokens_left for r in reqs]
         tps = self._tokens / self._row_steps if self._row_steps else 1 + K / 2
         N = max(1, min(engine.decode_steps, math.ceil(max(left) / tps)))
-        if sch.waiting and engine.prefill_batching and len(sch.running) < sch.max_num_seqs:
-            N = min(N, max(1, engine.prefill_max_wait - engine._waited))
+        N = int(min(N, sch.seat_wait_left()))
         draft = isinstance(prop, DraftModelProposer)
         dtables = None
         if draft:
-            prop._gc(None)
+            prop.drop_finished(None)
             for r in reqs:
                 st = prop.state.get(r.id)
                 if st is None or st[0] is not r:
@@ -626,7 +640,7 @@ class SpeculativeDecoder:
         reqs = out.decode
         n_pos = engine.config.n_positions
         # k per sequence: no more than the tokens it may still emit (k accepted + 1), nor past the context
-        ks = [max(0, min(self.k, r.max_new_tokens - len(r.output_ids) - 1, n_pos - r.num_tokens)) for r in reqs]
+        ks = [max(0, min(self.k, r.tokens_left - 1, n_pos - r.num_tokens)) for r in reqs]
         gens = [_generator(engine.sampler, r) for r in reqs]
         drafts = self.proposer.propose(reqs, ks, gens)
         ks = [len(d) for d, _ in drafts]

@@ -63,10 +63,6 @@ def torch_linear(x, w, b=None, activation=None, residual=None):
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
-def torch_gelu(x):
-    return F.gelu(x, approximate="tanh")
-
-
 def torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen):
     """q, k, v (T, H, D) packed; causal within each sequence. One SDPA call per sequence."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -314,6 +310,31 @@ class GPT2:
         self.ops = ops_for(backend, config.head_dim) if ops is None else ops
         self.dtype = weights.wte.dtype
         self.device = weights.wte.device
+
+    # -- the engine's contract (tritune.model.engine.contract.EngineModel): sizes and KV layout ---------
+    @property
+    def n_layers(self) -> int:
+        return self.config.n_layer
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.config.n_head           # no grouped-query attention in GPT-2
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def max_context(self) -> int:
+        return self.config.n_positions
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.config.eos_token_id
 
     def with_ops(self, ops) -> "GPT2":
         """The same model (weights shared) running on ``ops``: this one is left as it is."""

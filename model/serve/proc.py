@@ -60,6 +60,9 @@ import traceback
 import weakref
 from array import array
 
+from tritune.model.serve.client import EngineClient, engine_load, error_text, note_news
+from tritune.model.serve.steps import StepCollector
+
 log = logging.getLogger("tritune.serve")
 
 BUFFER = 4 << 20    # socket buffers: a step's message or a burst of prompts fits without a blocked write
@@ -93,11 +96,6 @@ class _Sender:
     def put(self, op) -> None:
         with self.cv:
             self.ops.append(op)
-            self.cv.notify()
-
-    def put_many(self, ops: list) -> None:
-        with self.cv:
-            self.ops.extend(ops)
             self.cv.notify()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -174,117 +172,6 @@ def _big_buffers(*conns) -> None:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER)
             finally:
                 s.close()
-
-
-def engine_load(engine) -> dict:
-    """The engine's occupancy (requests running and waiting, KV blocks in use), read between steps."""
-    pool, sch = getattr(engine, "pool", None), getattr(engine, "scheduler", None)
-    return {"running": len(getattr(sch, "running", ())), "waiting": len(getattr(sch, "waiting", ())),
-            "kv_blocks_used": getattr(pool, "num_used", None), "kv_blocks_total": getattr(pool, "num_blocks", None)}
-
-
-def _error(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def note_news(seq, metrics, now: float, n_tokens: int, finish, n_out: int) -> None:
-    """A request's news from one step, on the API side: its first token's time (TTFT), its tokens, its end
-    (by finish reason, with its mean time per token after the first). A request the engine rejected never
-    ran: its 400 is counted among the HTTP errors, not here."""
-    if n_tokens and seq.t_first is None:
-        seq.t_first = now
-        if metrics:
-            metrics.ttft.observe(now - seq.t_arrival)
-    if not metrics:
-        return
-    if n_tokens:
-        metrics.generation_tokens.inc(n_tokens)
-    if finish is not None and finish != "rejected":
-        metrics.requests.labels(finish).inc()
-        if seq.t_first is not None and n_out > 1:
-            metrics.tpot.observe((now - seq.t_first) / (n_out - 1))
-
-
-class StepCollector:
-    """What both engine loops keep between two steps (the server's engine thread,
-    :class:`tritune.model.serve.server.EngineLoop`, and the engine process's :class:`_Core`): the requests accepted
-    and not ended (``live``, by engine request id), one guarded step, and after it the step's news.
-
-    No stream callback: the engine would call one per token (4096 Python calls for a 16-step run of 256
-    sequences). After a step the collector reads each running request's ``output_ids`` past what it has
-    handed over (``sent``), and the ends from the requests ``step()`` returned: a few operations per
-    request per step. A record needs ``id`` (the engine's request id), ``req`` (the engine's request) and
-    ``sent``; the subclass says what happens to news (``_tokens``, ``_ended``)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.live: dict = {}
-        self.steps = 0
-        self._failures = 0
-
-    def step_once(self) -> None:
-        """One ``engine.step()``; a failing step ends its own requests (the engine does), and three failures
-        in a row (failing before it took any request) end every live request instead of hanging them."""
-        try:
-            finished = self.engine.step()
-            self._failures = 0
-        except Exception as e:  # noqa: BLE001 (the step's requests end with the error; others go on)
-            log.exception("engine step failed; the requests of that step end with an error")
-            finished = None     # which requests it ended: every live one is looked at
-            self._failures += 1
-            if self._failures >= 3:
-                self._fail_all(_error(e))
-        self.steps += 1
-        self._collect(finished)
-
-    def _stepped(self, finished):
-        """The requests a step may have news of: the running ones and those the step returned as finished
-        (every live one after a failed step)."""
-        if isinstance(finished, list):
-            return itertools.chain(self.engine.scheduler.running, finished)
-        return [r.req for r in list(self.live.values())]
-
-    def _collect(self, finished) -> None:
-        """The step's tokens and ends: the running requests and those the step returned as finished (all
-        live ones after a failed step)."""
-        live = self.live
-        if not live:
-            return
-        for req in self._stepped(finished):
-            r = live.get(req.id)
-            if r is None:
-                continue
-            out = req.output_ids
-            if len(out) > r.sent:
-                self._tokens(r, out[r.sent:])
-                r.sent = len(out)
-            if req.finish_reason is not None:
-                self._end(r, req.finish_reason, None if req.error is None else _error(req.error))
-
-    def _end(self, r, finish: str, error: str | None) -> None:
-        self.live.pop(r.id, None)
-        self._ended(r, finish, error, len(r.req.output_ids) if r.req is not None else 0)
-
-    def _abort(self, rid) -> None:
-        """The engine's abort of a live request, its end handed over at once."""
-        r = self.live.get(rid)
-        if r is None:
-            return
-        with contextlib.suppress(KeyError):     # it finished in the meantime (its end is collected)
-            self.engine.abort(rid)
-            self._end(r, "abort", None)
-
-    def _fail_all(self, error: str) -> None:
-        for r in list(self.live.values()):
-            with contextlib.suppress(Exception):    # ending it here regardless
-                self.engine.abort(r.id)
-            self._end(r, "error", error)
-
-    def _tokens(self, r, tokens: list) -> None:
-        raise NotImplementedError
-
-    def _ended(self, r, finish: str, error: str | None, n_out: int) -> None:
-        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -381,7 +268,7 @@ class _Core(StepCollector):
                 toks(out[r.sent:])
                 r.sent = n
             if req.finish_reason is not None:
-                self._end(r, req.finish_reason, None if req.error is None else _error(req.error))
+                self._end(r, req.finish_reason, None if req.error is None else error_text(req.error))
 
     def _tokens(self, r, tokens) -> None:
         self.rids.append(r.id)
@@ -413,7 +300,7 @@ class _Core(StepCollector):
                 self._event(rid, None, "rejected", str(e))
             except Exception as e:  # noqa: BLE001 (the engine's fault, not the request's: a 500 for it alone)
                 log.exception("add_request failed")
-                self._event(rid, None, "error", _error(e))
+                self._event(rid, None, "error", error_text(e))
             else:
                 self.live[rid] = _Req(rid, req)
                 self._event(rid, len(req.prompt_ids))
@@ -430,7 +317,7 @@ class _Core(StepCollector):
             try:
                 self.out.put(("result", token, True, resolve(fn)(eng, *args)))
             except Exception as e:  # noqa: BLE001 (the caller gets the error)
-                self.out.put(("result", token, False, _error(e)))
+                self.out.put(("result", token, False, error_text(e)))
         elif kind == "stop":
             return False
         return True
@@ -478,7 +365,7 @@ def _engine_main(conn, out_conn, builder: str, kwargs: dict, warm_up: str | None
                 resolve(warm_up)(engine)
             except Exception as e:  # noqa: BLE001 (the server says so on /health, and answers 503)
                 log.exception("warm-up failed")
-                out.put(("warm_failed", _error(e)))
+                out.put(("warm_failed", error_text(e)))
                 while core._drain():    # stats and stop only: no request is ever sent to a failed engine
                     conn.poll(0.5)
                 return
@@ -537,10 +424,9 @@ def _reap(process, *conns) -> None:
         process.join(5)
 
 
-class EngineProcess:
-    """The engine in a spawned process, with the interface the server's routes use (the thread mode's
-    ``EngineLoop``: ``submit``, ``abort``, ``load``, ``in_flight``, ``steps``, ``alive``, ``start``, ``stop``),
-    and what the server reads of the engine (``config``, ``max_num_seqs``, ``describe()``).
+class EngineProcess(EngineClient):
+    """The engine in a spawned process, behind the :class:`~tritune.model.serve.client.EngineClient`
+    interface (the server's view of an engine wherever it runs).
 
     ``builder``: "module:function" called in the engine process with ``kwargs`` (plain data) to build the
     engine; ``warm_up``: "module:function" called there with the engine before the first request. The
@@ -548,6 +434,7 @@ class EngineProcess:
     runs on while the server listens (``warming`` says so)."""
 
     is_engine_process = True
+    mode = "process"
 
     def __init__(self, builder: str, kwargs: dict | None = None, *, warm_up: str | None = None,
                  start_timeout: float = 900.0, arrival_steps: int | None = ARRIVAL_STEPS,
@@ -578,7 +465,7 @@ class EngineProcess:
         self.steps = 0
         self.down: str | None = None        # why the engine process is gone
         self.warming: str | None = "warming up" if warm_up else None
-        self._seqs: dict = {}               # wire id -> server.Seq, until its end is delivered
+        self._seqs: dict = {}               # wire id -> client.Seq, until its end is delivered
         self._wire = itertools.count(1)     # the engine process's request ids: small ints (cheap to send)
         self._waiters: dict = {}            # token -> Future (stats, call)
         self._tokens = itertools.count()
@@ -681,6 +568,12 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         return self.down is None and self._loop is not None and self.process.is_alive()
+
+    def health(self) -> dict:
+        out = {"engine_pid": self.pid}
+        if self.death is not None:      # exit code / signal, the loop's exception, fatal-signal stacks
+            out["engine_death"] = self.death
+        return out
 
     # -- requests (event-loop thread) -------------------------------------------------------------------
     def submit(self, items) -> None:
@@ -878,7 +771,7 @@ def gpt2_engine(*, model: str, backend: str, dtype: str, engine: dict, tokenizer
 
 
 def stub_engine(**kw):
-    """model/serve_stub.py's engine (tokens at a fixed rate, no model)."""
+    """The stub engine (:class:`tritune.model.serve.stub.StubEngine`: tokens at a fixed rate, no model)."""
     from tritune.model.serve.stub import StubEngine
 
     return StubEngine(**kw)

@@ -1,14 +1,15 @@
 """A stand-in engine that makes tokens at a fixed rate without a model: the HTTP path's own ceiling.
 
-``StubEngine`` has the surface :class:`tritune.model.serve.server.EngineLoop` and the routes use (add_request,
+``StubEngine`` has the surface the engine clients use (:mod:`tritune.model.serve.client`: add_request,
 step, abort, has_unfinished, pool, scheduler, config, max_num_seqs, describe). A step admits waiting
 requests into free seats, gives every running one ``decode_steps`` tokens through its stream callback
 (as the engine's graph path does: several tokens per request per step), retires finished ones, and then
 sleeps, with the GIL released as a GPU wait releases it, until the tokens have taken ``1 / rate``
 seconds each. ``host_ms``: each step first holds the GIL that long (busy, as the engine's Python host
-work holds it), which an engine thread takes from the server's event loop and an engine process does not. ``rate=inf``: no sleep at all, so the server's HTTP side (parsing, detokenizing, SSE
-formatting, sockets) is all that limits the output, which is what ``lab/bench_http.py --stub`` measures on
-a machine without a GPU.
+work holds it), which an engine thread takes from the server's event loop and an engine process does
+not. ``rate=inf``: no sleep at all, so the server's HTTP side (parsing, detokenizing, SSE formatting,
+sockets) is all that limits the output, which is what ``benchmarks/bench_http.py --stub`` measures on a
+machine without a GPU.
 """
 from __future__ import annotations
 

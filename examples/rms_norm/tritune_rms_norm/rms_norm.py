@@ -150,7 +150,7 @@ def _bad_inputs(device):
 
 
 SPEC = register(KernelSpec(
-    name="rms_norm", description="RMSNorm forward (an example plugin kernel)",
+    name="my_rms_norm", description="RMSNorm forward (an example plugin kernel)",
     run=rms_norm, reference=reference, make_inputs=make_inputs, problems=problems, space=SPACE,
     default_config=default_config, bucket=lambda p: {"M": triton.next_power_of_2(p.M), "N": p.N},
     cost=lambda p, dtype: Cost(flops=4.0 * p.M * p.N, bytes=torch.finfo(dtype).bits / 8 * (2 * p.M * p.N + p.N)),

@@ -1,0 +1,224 @@
+"""The in-process serving runs serve-bench times: the engine's configurations (``MODES``), the model
+(a checkpoint or GPT-2 small's config with random weights), a workload served with arrivals honoured
+(:func:`run_engine`), the batch-1 decode rate, and a log of Triton compiles met inside a timed run."""
+from __future__ import annotations
+
+import sys
+import time
+
+from tritune.model.bench.workload import percentiles
+
+# The defaults on a GPU and without one (serve-bench's docstring); a flag given explicitly always wins.
+GPU_DEFAULTS = {"modes": "triton-graphs", "prompt_len": (64, 512), "output_len": (64, 512), "decode_tokens": 512,
+                "naive_requests": 2, "naive_tokens": 64}
+# GPT-2 small in fp32 on a few CPU cores: a forward of 64 tokens takes 0.1 s to seconds, and the naive
+# baseline re-runs the whole sequence per token (the old defaults: over 300 s before any output)
+CPU_DEFAULTS = {"modes": "torch", "prompt_len": (16, 64), "output_len": (16, 64), "decode_tokens": 32,
+                "naive_requests": 1, "naive_tokens": 8}
+
+MODES = {
+    "torch": dict(backend="torch", cuda_graphs=False),
+    "torch-compile": dict(backend="torch", cuda_graphs=False, compile=True),
+    "triton": dict(backend="triton", cuda_graphs=False),
+    "triton-graphs": dict(backend="triton", cuda_graphs=True),
+    "triton-int8": dict(backend="triton", cuda_graphs=True, quant="int8"),
+    "triton-int4": dict(backend="triton", cuda_graphs=True, quant="int4"),
+}
+
+
+def load_models(model_dir, dtype, device, need_hf=True):
+    """(our config, state dict on the CPU, HF model or None). Random GPT-2 small without model_dir."""
+    import torch
+
+    from tritune.model.gpt2 import weights as W
+    from tritune.model.gpt2.config import GPT2Config
+
+    if model_dir:
+        directory = W.resolve(model_dir)
+        config = GPT2Config.from_file(directory / "config.json")
+        state = W.load_state_dict(directory)
+        W.check_state(config, state, str(directory))
+        hf = None
+        if need_hf:
+            from transformers import GPT2LMHeadModel
+
+            hf = GPT2LMHeadModel.from_pretrained(str(directory), torch_dtype=dtype)
+    else:
+        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        hc = HFConfig()
+        hf = GPT2LMHeadModel(hc)
+        state = {k[len("transformer."):] if k.startswith("transformer.") else k: v
+                 for k, v in hf.state_dict().items()}
+        config = GPT2Config.from_dict(hc.to_dict(), "transformers GPT2Config()")
+        if not need_hf:
+            hf = None
+    if hf is not None:
+        hf = hf.to(device=device, dtype=dtype).eval()
+    return config, state, hf
+
+
+def build_model(config, state, backend, dtype, device):
+    from tritune.model.gpt2 import weights as W
+    from tritune.model.gpt2.model import GPT2
+
+    return GPT2(config, W.to_layout(config, state, dtype, device), backend=backend)
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def progress(total, desc: str, unit: str = "tok", show: bool = False):
+    """A tqdm bar (rate and ETA) on stderr, or a silent one: ``show`` False (``--quiet``, library calls)
+    or stdout not a terminal (a log file, a pipe: no carriage-return litter)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=not show or not sys.stdout.isatty())
+
+
+class CompileLog:
+    """Triton JIT compilations (kernel-cache misses: a compile, or a load from the on-disk cache) while
+    active: a timed run that meets one is timing a compile, so runs report ``jit_compiles`` (and the
+    first few kernels' names and constexprs) and a warm-up that misses a variant shows here."""
+
+    def __init__(self):
+        self.events = []
+        self._saved = None
+
+    def _hook(self, *args, **kwargs):
+        fn = kwargs.get("fn")
+        name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0]
+        comp = kwargs.get("compile") if isinstance(kwargs.get("compile"), dict) else {}
+        names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
+
+        def label(k):  # constants are keyed by (argument index,) paths
+            i = k[0] if isinstance(k, tuple) and k and isinstance(k[0], int) else None
+            return names[i] if i is not None and i < len(names) else str(k)
+
+        self.events.append({"kernel": name.rsplit(".", 1)[-1], "num_warps": comp.get("num_warps"),
+                            "constexprs": {label(k): v for k, v in (comp.get("constants") or {}).items()
+                                           if isinstance(v, (int, float, bool, str))}})
+        return False  # never skip the compile
+
+    def __enter__(self):
+        try:
+            import triton
+
+            knobs = triton.knobs.runtime
+            self._saved = knobs.jit_cache_hook
+            knobs.jit_cache_hook = self._hook
+        except Exception:  # a Triton without the hook: nothing is logged
+            self._saved = False
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not False:
+            import triton
+
+            triton.knobs.runtime.jit_cache_hook = self._saved
+
+    def summary(self, limit: int = 12) -> dict:
+        from collections import Counter
+
+        return {"count": len(self.events), "by_kernel": dict(Counter(e["kernel"] for e in self.events)),
+                "first": self.events[:limit]}
+
+
+def run_engine(engine, items, *, desc: str = "run", show_progress: bool = False) -> dict:
+    """Serve ``items`` (arrivals relative to the start); metrics of the run (``jit_compiles``: the
+    kernel variants first met inside the timed run; zero after a complete warm-up)."""
+    with CompileLog() as log, progress(sum(it.output_len for it in items), desc, show=show_progress) as bar:
+        r = run_engine_inner(engine, items, bar)
+    r["jit_compiles"] = log.summary()
+    if log.events:
+        say(f"warning: {len(log.events)} kernel variant(s) compiled inside the timed run "
+               f"({r['jit_compiles']['by_kernel']}): the warm-up missed them, the run's time includes them")
+    return r
+
+
+def run_engine_inner(engine, items, bar=None) -> dict:
+    from tritune.model.engine.scheduler import SamplingParams
+
+    pending = sorted(range(len(items)), key=lambda i: items[i].arrival)
+    reqs = [None] * len(items)
+    steps0, pre0 = engine.stats["steps"], engine.stats["preemptions"]
+    dec0 = engine.stats["decode_tokens"]
+    multi0, tm0 = engine.stats["multi_steps"], dict(engine.timings)
+    engine.pool.peak_used = engine.pool.num_used
+    sync()
+    t0 = time.perf_counter()
+    k = 0
+    while k < len(pending) or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while k < len(pending) and items[pending[k]].arrival <= now:
+            i = pending[k]
+            it = items[i]
+            reqs[i] = engine.add_request(it.prompt_ids, SamplingParams(max_new_tokens=it.output_len, ignore_eos=True),
+                                         arrival_time=t0 + it.arrival)
+            k += 1
+        if engine.has_unfinished():
+            engine.step()
+            if bar is not None:     # decode tokens so far (each request's first token comes with its prefill)
+                bar.update(engine.stats["decode_tokens"] - dec0 - bar.n)
+        elif k < len(pending):
+            time.sleep(max(0.0, items[pending[k]].arrival - (time.perf_counter() - t0)))
+    sync()
+    elapsed = time.perf_counter() - t0
+    out_tok = sum(len(r.output_ids) for r in reqs)
+    in_tok = sum(len(r.prompt_ids) for r in reqs)
+    ttft = [r.first_token_time - r.arrival_time for r in reqs]
+    tpot = [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
+    return {"requests": len(reqs), "elapsed_s": elapsed, "prompt_tokens": in_tok, "output_tokens": out_tok,
+            "output_tok_s": out_tok / elapsed, "total_tok_s": (in_tok + out_tok) / elapsed,
+            "req_s": len(reqs) / elapsed, "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot),
+            "peak_kv_blocks": engine.pool.peak_used, "kv_blocks": engine.pool.num_blocks,
+            "steps": engine.stats["steps"] - steps0, "multi_steps": engine.stats["multi_steps"] - multi0,
+            "preemptions": engine.stats["preemptions"] - pre0,
+            "host_s": {k[:-2]: round(engine.timings[k] - tm0[k], 4) for k in tm0 if k.endswith("_s")}}
+
+
+def decode_rate(engine, prompt_len=64, new_tokens=512, vocab=50257, *, desc: str = "batch-1 decode",
+                show_progress: bool = False) -> dict:
+    """One request alone: decode tokens/s after the first token, and where a token's time goes: on the
+    graph path the GPU's share (CUDA events around the replays) and the host's phases of ``step()``."""
+    import random
+
+    from tritune.model.engine.scheduler import SamplingParams
+
+    new_tokens = min(new_tokens, engine.config.n_positions - prompt_len)
+    rnd = random.Random(1)
+    engine.gpu_timing = engine.graphs is not None
+    gpu0, tm0 = engine.stats["graph_gpu_s"], dict(engine.timings)
+    req = engine.add_request([rnd.randrange(vocab - 1) for _ in range(prompt_len)],
+                             SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    with progress(new_tokens, desc, show=show_progress) as bar:
+        while engine.has_unfinished():
+            engine.step()
+            bar.update(len(req.output_ids) - bar.n)
+    engine.gpu_timing = False
+    dt = req.finish_time - req.first_token_time
+    n = new_tokens - 1
+    r = {"prompt_len": prompt_len, "new_tokens": new_tokens, "decode_tok_s": n / dt, "ms_per_token": dt / n * 1e3}
+    tm = {k: engine.timings[k] - tm0[k] for k in tm0}
+    r["host_us_per_token"] = {k[:-2]: v / n * 1e6 for k, v in tm.items() if k.endswith("_s") and v}
+    if engine.graphs is not None:
+        r["gpu_ms_per_token"] = (engine.stats["graph_gpu_s"] - gpu0) / n * 1e3
+        r["decode_steps"] = engine.decode_steps
+    return r
+
+
+def say(*a):
+    print(*a, flush=True)
+
+
+def fill_defaults(args, gpu: bool) -> None:
+    """Each option left unset takes the GPU's or the CPU's default (GPU_DEFAULTS, CPU_DEFAULTS)."""
+    for k, v in (GPU_DEFAULTS if gpu else CPU_DEFAULTS).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)

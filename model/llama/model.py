@@ -1,0 +1,352 @@
+"""The Llama-family forward (Llama, Qwen2, Qwen3, Mistral) on tritune kernels, with the same entry points,
+cache layout and backends as :class:`~tritune.model.gpt2.model.GPT2`, so the engine runs either.
+
+One layer, the residual stream ``x`` (T, E) over the T tokens of the step::
+
+    h = rms_norm(x)                           input_layernorm
+    q, k, v = gemm(h, W_qkv, b_qkv)           one fused projection; q (T, Hq, D), k, v (T, Hkv, D) its views
+    q, k = rms_norm(q), rms_norm(k)           Qwen3 only: per head
+    q, k = rotary(q, k, cos, sin, positions)  in place on the projection's output (triton backend)
+    a = attention(q, k, v)                    grouped-query: Hkv <= Hq, one KV head per group of Hq / Hkv
+    x = gemm(a, W_o, b_o, residual=x)         residual add fused into the GEMM epilogue
+    h = rms_norm(x)                           post_attention_layernorm
+    g | u = gemm(h, W_gu, b_gu)               gate and up as one (E, 2F) projection
+    x = gemm(silu(g) * u, W_down, residual=x)
+
+then ``logits = gemm(rms_norm(x), lm_head)``. The rotary tables (cos, sin per position, every rope scaling
+type worked into them: :mod:`tritune.model.llama.rope`) are built once, at load.
+
+Backends: ``"triton"`` runs RMSNorm and rotary on their tritune kernels and the rest as GPT-2's triton ops do
+(gemm / gemv, varlen and paged attention, which take Hkv < Hq); ``"torch"`` runs plain PyTorch in the
+model's dtype, RMSNorm and rotary written as transformers computes them (the float64 references in
+``tritune.references`` judge the kernels; they are far too slow to run a model on).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from pathlib import Path
+
+import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
+import torch
+import torch.nn.functional as F
+
+from tritune.model.gpt2 import model as G
+from tritune.model.llama import rope
+from tritune.model.llama import weights as W
+from tritune.model.llama.config import LlamaConfig
+
+DTYPES = G.DTYPES
+BACKENDS = G.BACKENDS
+
+
+# ---------------------------------------------------------------------------------------------------
+# The torch backend
+# ---------------------------------------------------------------------------------------------------
+def torch_rms_norm(x, w, eps):
+    """transformers' LlamaRMSNorm: statistics and scaling in float32, rounded to x's dtype, then times w."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h.to(x.dtype)
+    return h if w is None else w * h
+
+
+def torch_rotary(q, k, cos, sin, positions):
+    """(q, k) rotated (neox layout, the first 2 * cos.shape[1] dims), as new tensors."""
+    half = cos.shape[1]
+    c = cos[positions.long()][:, None, :].to(q.dtype)
+    s = sin[positions.long()][:, None, :].to(q.dtype)
+
+    def rot(x):
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]), dim=-1)
+
+    return rot(q), rot(k)
+
+
+def _repeat_kv(t, n: int, dim: int):
+    return t if n == 1 else t.repeat_interleave(n, dim=dim)
+
+
+def torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen):
+    """q (T, Hq, D), k, v (T, Hkv, D) packed; causal within each sequence; query head h reads KV head
+    h // (Hq / Hkv)."""
+    n = q.shape[1] // k.shape[1]
+    return G.torch_attn_prefill(q, _repeat_kv(k, n, 1), _repeat_kv(v, n, 1), seq_lens, cu_seqlens, max_seqlen)
+
+
+def torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens):
+    """q (B, Hq, D) over paged (num_blocks, block_size, Hkv, D) caches."""
+    n = q.shape[1] // k_cache.shape[2]
+    return G.torch_attn_decode(q, _repeat_kv(k_cache, n, 2), _repeat_kv(v_cache, n, 2), block_tables,
+                               context_lens)
+
+
+def swiglu(gu):
+    """silu(gate) * up of a [gate | up] projection output (..., 2F)."""
+    f = gu.shape[-1] // 2
+    return F.silu(gu[..., :f]) * gu[..., f:]
+
+
+class TorchOps:
+    capturable = False      # write_kv masks padding slots on the host
+    steps = {s: "plain PyTorch in the model dtype" for s in
+             ("rmsnorm", "rotary", "linear", "swiglu", "attention prefill", "attention decode")}
+    rms_norm = staticmethod(torch_rms_norm)
+    rotary = staticmethod(torch_rotary)
+    linear = staticmethod(G.torch_linear)
+    swiglu = staticmethod(swiglu)
+    attn_prefill = staticmethod(torch_attn_prefill)
+    write_kv = staticmethod(G.torch_write_kv)
+    attn_decode = staticmethod(torch_attn_decode)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The triton backend: GPT-2's ops (linears, attention, the KV write) plus RMSNorm and rotary kernels
+# ---------------------------------------------------------------------------------------------------
+class TritonOps(G.TritonOps):
+    def __init__(self, head_dim: int | None = None):
+        super().__init__(head_dim)
+        from tritune.kernels.rms_norm import rms_norm
+        from tritune.kernels.rotary import rotary
+
+        self._rms, self._rotary = rms_norm, rotary
+        for gone in ("layernorm", "gelu"):
+            self.steps.pop(gone, None)
+        self.steps["decode linears"] = f"kernel tritune.kernels.gemv at <= {self.GEMV_MAX_M} rows"
+        self.steps.update({
+            "rmsnorm": "kernel tritune.kernels.rms_norm",
+            "rotary": "kernel tritune.kernels.rotary (in place on the qkv projection's output)",
+            # TODO: silu(g) * u in the gate/up gemm's epilogue (activation="swiglu"), one pass fewer over 2F
+            "swiglu": "torch F.silu(g) * u after the fused gate/up gemm",
+        })
+
+    def rms_norm(self, x, w, eps):
+        return self._rms(x, w, eps)
+
+    def rotary(self, q, k, cos, sin, positions):
+        # validate=False: positions come from the engine's own bookkeeping (checking them syncs the host)
+        return self._rotary(q, k, cos, sin, positions, out=(q, k), validate=False)
+
+    swiglu = staticmethod(swiglu)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ops(head_dim: int | None = None) -> TritonOps:
+    return TritonOps(head_dim)
+
+
+def ops_for(backend: str, head_dim: int | None = None):
+    if backend == "triton":
+        return _triton_ops(head_dim)
+    if backend == "torch":
+        return TorchOps
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+class PagedKVCache(G.PagedKVCache):
+    """GPT-2's single-request paged cache with the model's KV heads (num_key_value_heads)."""
+
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype, device):
+        shape = (config.n_layer, num_blocks, block_size, config.n_kv_head, config.head_dim)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_caches = list(self.k.unbind(0))
+        self.v_caches = list(self.v.unbind(0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------
+class Llama:
+    def __init__(self, config: LlamaConfig, weights: W.LlamaWeights, *, backend: str = "triton",
+                 directory: Path | None = None, ops=None):
+        self.config, self.w, self.directory = config, weights, directory
+        self.backend = backend
+        self.ops = ops_for(backend, config.head_dim) if ops is None else ops
+        self.dtype = weights.wte.dtype
+        self.device = weights.wte.device
+        self.cos, self.sin = rope.tables(config, device=self.device)
+        self.positions = None     # the positions of the tokens embed() saw last (see blocks)
+
+    # -- the engine's contract (tritune.model.engine.contract.EngineModel): sizes and KV layout ---------
+    @property
+    def n_layers(self) -> int:
+        return self.config.n_layer
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.config.n_kv_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def max_context(self) -> int:
+        return self.config.n_positions
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.config.eos_token_id
+
+    def with_ops(self, ops) -> "Llama":
+        """The same model (weights shared) running on ``ops``: this one is left as it is."""
+        m = copy.copy(self)
+        m.ops = ops
+        return m
+
+    def with_weights(self, weights: W.LlamaWeights, ops=None) -> "Llama":
+        """The same architecture on other weights (any object with the fields of LlamaWeights)."""
+        m = copy.copy(self)
+        m.w = weights
+        if ops is not None:
+            m.ops = ops
+        return m
+
+    @classmethod
+    def from_pretrained(cls, model, *, backend: str = "triton", dtype: torch.dtype = torch.float32,
+                        device=None) -> "Llama":
+        """Load a checkpoint directory or hub id. ``device`` defaults to where the backend runs."""
+        ops_for(backend)  # validate the backend name before reading gigabytes
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype: expected one of {DTYPES}, got {dtype}")
+        if device is None:
+            device = G.default_device(backend)
+        config, w, directory = W.load(model, dtype, device)
+        return cls(config, w, backend=backend, directory=directory)
+
+    def backend_report(self) -> str:
+        c = self.config
+        steps = dict(self.ops.steps)
+        steps["embedding"] = "torch indexing (embed_tokens[ids]; no kernel)"
+        width = max(map(len, steps))
+        lines = [f"{c.model_type} {self.backend} backend, head dim {c.head_dim}, {c.n_head} query / "
+                 f"{c.n_kv_head} KV heads, {self.dtype}:"]
+        return "\n".join(lines + [f"  {k:<{width}}  {v}" for k, v in steps.items()])
+
+    def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
+        return PagedKVCache(self.config, max(1, math.ceil(num_tokens / block_size)), block_size,
+                            self.dtype, self.device)
+
+    # -- the shared layer stack ---------------------------------------------------------------------
+    def embed(self, input_ids, positions):
+        """The token embeddings; ``positions`` are kept for the rotary step of the next :meth:`blocks`
+        call that is given none (the engine's forward calls ``blocks(embed(ids, positions), ...)``)."""
+        self.positions = positions
+        return self.w.wte[input_ids]
+
+    def blocks(self, x, attend, kv_for=None, positions=None):
+        """The layer stack. ``attend(i, q, k, v, written)`` writes layer i's k, v to the cache (``written``
+        is always False here: rotary comes between the projection and the cache) and returns the attention
+        output. ``positions`` (T,): each token's position (default: those :meth:`embed` saw last)."""
+        c, ops = self.config, self.ops
+        pos = self.positions if positions is None else positions
+        if pos is None:
+            raise ValueError("positions: required (blocks() before any embed() call)")
+        T, D, Hq, Hk = x.shape[0], c.head_dim, c.n_head, c.n_kv_head
+        eps = c.rms_norm_eps
+        for i, L in enumerate(self.w.layers):
+            qkv = ops.linear(ops.rms_norm(x, L.ln1_w, eps), L.w_qkv, L.b_qkv)
+            q = qkv[:, :Hq * D].view(T, Hq, D)
+            k = qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
+            v = qkv[:, (Hq + Hk) * D:].view(T, Hk, D)
+            if L.q_norm is not None:
+                q, k = ops.rms_norm(q, L.q_norm, eps), ops.rms_norm(k, L.k_norm, eps)
+            q, k = ops.rotary(q, k, self.cos, self.sin, pos)
+            a = attend(i, q, k, v, False)
+            x = ops.linear(a.reshape(T, Hq * D), L.w_o, L.b_o, residual=x)
+            f = ops.swiglu(ops.linear(ops.rms_norm(x, L.ln2_w, eps), L.w_gu, L.b_gu))
+            x = ops.linear(f, L.w_down, L.b_down, residual=x)
+        return x
+
+    def logits(self, x):
+        return self.ops.linear(self.ops.rms_norm(x, self.w.lnf_w, self.config.rms_norm_eps), self.w.lm_head)
+
+    # -- entry points -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, input_ids, seq_lens, *, positions=None, kv_cache=None, slot_mapping=None,
+                all_logits: bool = False):
+        """Whole sequences, packed: ``input_ids`` (T,) = the concatenation of ``seq_lens`` tokens each.
+        Returns logits (len(seq_lens), V) of each sequence's last token, or (T, V) with ``all_logits``.
+        With ``kv_cache``, every token's K/V goes to ``slot_mapping`` (T,) (flat slots; < 0 skips)."""
+        seq_lens = [int(n) for n in seq_lens]
+        input_ids = torch.as_tensor(input_ids, device=self.device).long().reshape(-1)
+        T = input_ids.numel()
+        if not seq_lens or min(seq_lens) < 1 or sum(seq_lens) != T:
+            raise ValueError(f"seq_lens: expected positive lengths summing to len(input_ids)={T}, got {seq_lens}")
+        if max(seq_lens) > self.config.n_positions:
+            raise ValueError(f"seq_lens: a sequence of {max(seq_lens)} tokens exceeds n_positions="
+                             f"{self.config.n_positions}")
+        if positions is None:
+            positions = torch.cat([torch.arange(n) for n in seq_lens])
+        positions = torch.as_tensor(positions, device=self.device).reshape(-1)
+        self._check_ids(input_ids)
+        if kv_cache is not None:
+            if slot_mapping is None:
+                raise ValueError("slot_mapping: required with kv_cache")
+            slot_mapping = torch.as_tensor(slot_mapping, device=self.device).reshape(-1)
+            if slot_mapping.numel() != T:
+                raise ValueError(f"slot_mapping: expected {T} slots, got {slot_mapping.numel()}")
+        cu = [0]
+        for n in seq_lens:
+            cu.append(cu[-1] + n)
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=self.device)
+        max_seqlen = max(seq_lens)
+        ops = self.ops
+
+        def attend(i, q, k, v, written=False):
+            if kv_cache is not None and not written:
+                ops.write_kv(k, v, kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping)
+            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+
+        x = self.blocks(self.embed(input_ids, positions), attend, positions=positions)
+        if not all_logits:
+            x = x[torch.tensor(cu[1:], device=self.device) - 1]
+        return self.logits(x)
+
+    @torch.inference_mode()
+    def decode(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens, *, x=None):
+        """One new token per sequence: input_ids, positions, slot_mapping (B,), block_tables (B, max_blocks)
+        int32, context_lens (B,) int32 (tokens to attend to, the new one included). Returns logits (B, V).
+        ``x`` (B, E): the tokens already embedded (then input_ids are not read). ``positions`` None: each
+        row's context length minus one (a paged decode row attends to every token up to its own, so its
+        position is that), as the device-side decode step, which passes none, needs.
+        Nothing here syncs with the host."""
+        B = slot_mapping.shape[0]
+        ops = self.ops
+
+        def attend(i, q, k, v, written=False):
+            kc, vc = kv_cache.k_caches[i], kv_cache.v_caches[i]
+            if not written:
+                ops.write_kv(k, v, kc, vc, slot_mapping)
+            return ops.attn_decode(q, kc, vc, block_tables, context_lens)
+
+        positions = context_lens.reshape(B) - 1 if positions is None else positions.reshape(B)
+        if x is None:
+            x = self.embed(input_ids.reshape(B), positions)
+        return self.logits(self.blocks(x, attend, positions=positions))
+
+    @torch.inference_mode()
+    def forward(self, sequences) -> list[torch.Tensor]:
+        """Logits (len_i, V) of every position of each token-id list in ``sequences`` (no cache)."""
+        seqs = [list(map(int, s)) for s in sequences]
+        flat = [t for s in seqs for t in s]
+        logits = self.prefill(torch.tensor(flat, dtype=torch.long), [len(s) for s in seqs], all_logits=True)
+        return list(logits.split([len(s) for s in seqs]))
+
+    def _check_ids(self, ids):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids: token ids must lie in [0, {self.config.vocab_size}), "
+                             f"got min {int(ids.min())}, max {int(ids.max())}")
+
+
+def load_model(model, *, backend: str = "triton", dtype: torch.dtype = torch.float32, device=None) -> Llama:
+    """A Llama / Qwen2 / Qwen3 / Mistral checkpoint (directory or hub id) as a :class:`Llama`."""
+    return Llama.from_pretrained(model, backend=backend, dtype=dtype, device=device)
