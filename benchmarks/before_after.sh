@@ -18,15 +18,21 @@ use() {  # install a tree editable; echo its decode script
   (cd "$1" && python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/$2/install.log" 2>&1) \
     || { cat "$OUT/$2/install.log"; return 1; }
 }
-decode_script() { if [ -f "$1/benchmarks/bench_decode.py" ]; then echo "$1/benchmarks/bench_decode.py"; else echo "$1/scripts/bench_decode.py"; fi; }
+# the decode benchmark and where it writes: benchmarks/ (--results DIR) or, in trees before it moved there,
+# scripts/ (--out FILE)
+decode_cmd() {
+  if [ -f "$1/benchmarks/bench_decode.py" ]; then echo "$1/benchmarks/bench_decode.py --results $2"
+  else echo "$1/scripts/bench_decode.py --out $2.json"; fi
+}
 mkdir -p "$OUT/before" "$OUT/after"
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for t in before after; do
     dir=$root; [ "$t" = before ] && dir=$root/.before
     use "$dir" "$t" || exit 1
     echo "== round $r: $t ($(cd "$dir" && cat .commit 2>/dev/null || echo checkout))"
-    (cd "$dir" && timeout 150 python "$(decode_script "$dir")" --methods engine,triton-graph --new 128 --reps 3 \
-        --results "$OUT/$t/decode-$r" 2>&1 | tail -8)
+    # shellcheck disable=SC2046  (the script and its output flag)
+    (cd "$dir" && timeout 150 python $(decode_cmd "$dir" "$OUT/$t/decode-$r") --methods engine,triton-graph \
+        --new 128 --reps 3 2>&1 | tail -8)
     (cd "$dir" && timeout 200 tritune serve-bench -n "${SERVE_N:-512}" --modes triton-graphs --hf-requests -1 \
         --naive-requests 0 --out "$OUT/$t/serve-$r.json" -q 2>&1 | tail -6)
     if [ "$r" = 1 ]; then

@@ -14,9 +14,7 @@ import torch
 
 from tritune.kernels.runtime import compare as cmp
 from tritune.kernels.runtime import device as dev
-from tritune.tuning.timing import (  # noqa: F401  (the timers live with tuning; bench's callers use these names)
-    GRAPH_FLOOR_US, TIMING_MODES, clone_case, cycling, environment, floor_us, graph_ms, l2_bytes, median_ms,
-    problem_label, replay_ms, rotation, time_ms, timing_cases, timing_mode, warm_gpu)
+from tritune.tuning.timing import cycling, environment, graph_ms, median_ms, problem_label, rotation
 
 
 def roofline(cost, dtype: torch.dtype, ms: float) -> dict:

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from tritune import kernels as K
-from tritune.kernels.runtime import strategies as S
+from tritune.kernels.gemm_cases import (ACTIVATIONS, Problem, bad_inputs, flag_gems, gpt2, gpt2_fused,  # noqa: F401
+                                        make_inputs, problem_of, problems, vendor)
+from tritune.kernels.gemm_space import (SMEM_BUDGET, SMEM_PER_SM, SPACE, bucket, cost, ctas_per_sm,  # noqa: F401
+                                        default_config, tma_capable)
 from tritune.kernels.rows import row_stats as _row_stats
 from tritune.references import gemm as ref
 
@@ -296,26 +298,8 @@ def _gemm_fused_kernel(A, B, C, Bias, R, W, Locks, LnW, LnB, KC, VC, Slots,
 
 
 # ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Problem:
-    M: int                       # rows of A and C (all leading dims of A flattened)
-    N: int
-    K: int
-    trans_a: bool = False        # A is a column-major view (the transpose of a row-major (K, M))
-    trans_b: bool = False        # B is a column-major view (e.g. a tied embedding (N, K) read as its .t())
-    bias: bool = False
-    act: str | None = None       # None or "gelu_tanh"
-    residual: bool = False
-    batch: int = 1               # A is (batch, M / batch, K) when > 1
-    ln: bool = False             # a LayerNorm (weight and bias) of each row of A over K first
-    kv: bool = False             # N = 3·C: the K/V columns also written to paged caches (a qkv projection)
-
-
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ACTIVATIONS = (None, "gelu_tanh")
 INT32_LIMIT = 2**31             # offsets at or past this take the 64-bit path (tests lower it)
-SMEM_BUDGET = 200 * 1024         # H100 has 227 KiB per block; the margin covers the epilogue's scratch
-SMEM_PER_SM = 228 * 1024
 # Persistent loop options (module switches, not tuned: measured once on the H100, see default_config):
 # FLATTEN lets the software pipeline run across tile boundaries (the next tile's loads overlap this
 # tile's epilogue); WARP_SPEC asks for automatic warp specialisation (loads and MMAs in separate warps).
@@ -328,14 +312,6 @@ WARP_SPEC = False
 # Programs with several tiles or K slices compile exactly as they did without it (PRE_EPI = 0).
 PREFETCH_EPILOGUE = True
 RES_PREFETCH_PER_THREAD = 32
-
-
-def problem_of(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, **_) -> Problem:
-    kdim = a.shape[-1]
-    return Problem(math.prod(a.shape[:-1]), b.shape[-1], kdim, trans_a=a.stride(-1) != 1,
-                   trans_b=b.stride(1) != 1, bias=bias is not None, act=activation,
-                   residual=residual is not None, batch=a.shape[0] if a.dim() == 3 else 1,
-                   ln=ln is not None, kv=kv is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,28 +333,7 @@ def _config(problem: Problem, dtype, config: dict | None) -> dict:
     return hit
 
 
-@functools.lru_cache(maxsize=None)
-def _tma_capable(device_index: int) -> bool:
-    if TensorDescriptor is None:
-        return False
-    if K.kernel_device() == "cpu":  # the interpreter emulates descriptors
-        return True
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 _num_sms = K.num_sms  # a module name: tests narrow the persistent grid through it
-
-
-def _smem(c: dict, dtype) -> int:
-    """Bytes of shared memory the operand pipeline takes."""
-    return (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _ELEM[dtype] * c["num_stages"]
-
-
-def _ctas_per_sm(c: dict, dtype) -> int:
-    """Programs resident per SM, by shared memory and registers (64K per SM, ~up to 255 a thread)."""
-    by_smem = SMEM_PER_SM // (_smem(c, dtype) + 8 * 1024)
-    by_regs = 65536 // (32 * c["num_warps"] * max(64, 2 * c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"])))
-    return max(1, min(by_smem, by_regs, 4))
 
 
 _locks = K.Counters(minimum=1024)  # split-K tile counters, per device
@@ -497,15 +452,11 @@ def launch_shape(cfg: dict, m: int, n: int, dtype, sms: int) -> tuple[tuple[int,
     """(grid, PRE_EPI) of a launch of ``cfg`` on an (m, n) output with ``sms`` SMs."""
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
-    grid = (min(tiles, sms * _ctas_per_sm(cfg, dtype)), 1) if cfg["PERSISTENT"] else (tiles, split)
+    grid = (min(tiles, sms * ctas_per_sm(cfg, dtype)), 1) if cfg["PERSISTENT"] else (tiles, split)
     pre_epi = 0
     if PREFETCH_EPILOGUE and split == 1 and tiles <= grid[0]:  # one tile a program, all of K
         pre_epi = 2 if cfg["BLOCK_M"] * cfg["BLOCK_N"] <= RES_PREFETCH_PER_THREAD * 32 * cfg["num_warps"] else 1
     return grid, pre_epi
-
-
-def _check_vec(name: str, t, n: int, dtype, device) -> None:
-    K.check_vec(name, t, n, dtype, device, "a")
 
 
 def _check_fusions(ln, kv, m: int, n: int, kdim: int, a) -> int:
@@ -623,7 +574,7 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
 
     e = a.element_size()
     p.a_tma = p.b_tma = None
-    if cfg["TMA"] and not a_3d and _tma_capable(a.device.index or 0):
+    if cfg["TMA"] and not a_3d and tma_capable(a.device.index or 0):
         p.a_tma = _tma_layout(m, kdim, s_am, s_ak, e, bm, bk)
         p.b_tma = _tma_layout(kdim, n, b.stride(0), b.stride(1), e, bk, bn)
 
@@ -672,394 +623,6 @@ def _launch_variants(p: _Plan, base: dict, device, ln, kv, c_kv: int, kdim: int,
     p.consts_pdl = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws_pdl] if pdl else None
 
 
-# ---------------------------------------------------------------------------------------------------
-SPACE = K.Space(
-    params={
-        "BLOCK_M": [16, 32, 64, 128, 256],
-        "BLOCK_N": [16, 32, 64, 128, 256],
-        "BLOCK_K": [16, 32, 64, 128, 256],
-        "GROUP_M": [1, 4, 8],
-        "SPLIT_K": [1, 2, 4, 8, 16],
-        "num_warps": [2, 4, 8],
-        "num_stages": [2, 3, 4, 5, 6],  # 6: every K step of a K=768 problem in flight (128-deep)
-        "TMA": [False, True],
-        "PERSISTENT": [False, True],
-    },
-)
-
-
-_ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, None: 2}
-
-
-def _elem(dtype) -> int:
-    return _ELEM[dtype]
-
-
-@functools.lru_cache(maxsize=4096)
-def _limits(p: Problem) -> tuple:
-    return max(16, triton.next_power_of_2(p.M)), max(16, triton.next_power_of_2(p.N)), max(16, triton.next_power_of_2(p.K))
-
-
-def _constraint(c, p: Problem, dtype) -> str | None:
-    # plain Python only: the space is enumerated point by point (tens of thousands per problem)
-    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-    m2, n2, k2 = _limits(p)
-    # tiles no larger than the problem (also what keeps the interpreter fast on tiny problems)
-    if bm > m2:
-        return "BLOCK_M larger than M"
-    if bn > n2:
-        return "BLOCK_N larger than N"
-    if bk > k2:
-        return "BLOCK_K larger than K"
-    smem = _smem(c, dtype)
-    if dtype == torch.float32:
-        # fp32 (tf32) tiles also take an fp32 scratch of the whole accumulator for the epilogue's layout
-        # change, not shared with the pipeline: 128x256x32 in 3 stages asked for 278552 bytes on an H100
-        smem += bm * bn * 4
-    if smem > SMEM_BUDGET:
-        return f"{smem // 1024} KiB of shared memory for the pipeline"
-    threads = 32 * c["num_warps"]
-    if bm * bn > 128 * threads:
-        return f"{bm * bn // threads} accumulator registers per thread"
-    if bm * bn < 4 * threads:
-        return "idle warps"
-    split = c["SPLIT_K"]
-    if split > 1 and c["PERSISTENT"]:
-        return "persistent programs take whole tiles (no split-K)"
-    if split > 1:
-        if split > triton.cdiv(p.K, bk):
-            return "more K slices than K tiles"
-        if c["GROUP_M"] > 1:
-            return "split-K tiles are few: no grouping"
-    if c["TMA"] and not _tma_capable(0):
-        return "no TMA on this GPU"
-    if (p.ln or p.kv) and (c["TMA"] or c["PERSISTENT"]):
-        # the LayerNorm statistics read A's rows through pointers, and the fused entry takes one tile a program
-        return "the LayerNorm prologue and the KV-cache write take pointer operands, one tile a program (no TMA, no persistent grid)"
-    return None
-
-
-SPACE.constraint = _constraint
-
-
-# Tile candidates for mid-sized problems (BLOCK_M, BLOCK_N, num_warps, num_stages for 16-bit operands)
-# and their relative MMA efficiency per SM (a larger tile reuses each loaded byte more).
-_MID_TILES = [(128, 256, 8, 3, 1.0), (128, 128, 8, 4, 0.85), (64, 128, 4, 4, 0.7), (64, 64, 4, 5, 0.5)]
-
-
-def _estimate_s(bm: int, bn: int, split: int, eff: float, m: int, n: int, k: int, sms: int, e: int) -> float:
-    """Rough seconds for a tiling: whole waves of tiles at a per-SM MMA rate, plus split-K's partials
-    (written and read back in fp32, mostly through L2) and its ticket round trip."""
-    progs = triton.cdiv(m, bm) * triton.cdiv(n, bn) * split
-    rate = (3.2e12 if e == 2 else 1.6e12) * eff          # multiply-adds per second per SM, achieved
-    t = triton.cdiv(progs, sms) * bm * bn * triton.cdiv(triton.cdiv(k, split), 64) * 64 / rate
-    if split > 1:
-        t += 2.0 * split * m * n * 4 / 5e12 + 1.5e-6
-    return t
-
-
-def default_config(p: Problem, dtype) -> dict:
-    """A sound heuristic that depends only on the bucket (M to a power of two, N, K) and the dtype.
-
-    Measured on the H100 (bf16; a 686-point sweep over the standard problems, GPU time under CUDA
-    graphs with inputs cycled past L2, then do_bench with L2 flushed for the front runners):
-    - M <= 64 reads B and little else: 16-row tiles (M <= 16) or one tile of all rows, 64-wide column
-      tiles for 16 rows and 32-wide for more (the accumulator stays small), 128-wide for a very wide N
-      (an LM head), 128- or 256-long K steps, 4 warps, 4 stages. Split-K when K is long (>= 2048) and
-      the tiles are few: up to 8 slices while the programs fit in one wave and each slice keeps 3 K
-      steps (GPT-2 c_proj, 768 x 3072, at M = 1: 9.6 -> 5.6 us, at M = 64: 10.1 -> 7.3 us; at K = 768
-      no split is as fast). TMA descriptors would save ~5% of GPU time here but cost more host time
-      than the kernel takes; pointers.
-    - Large problems (at least two 128x256 tiles per SM): 128x256x64, 8 warps, TMA descriptors, a
-      persistent grid (the pipeline runs on across tiles): the fastest on every such problem to within
-      a few percent (4096^3 780 TFLOP/s, GPT-2 c_fc at M = 8192 1.2x cuBLAS + GELU). With N too
-      narrow for that (768) but two 128x128 tiles per SM: the same at 128x128 (M = 8192: 10% faster
-      than 128x128 pointer tiles).
-    - In between: the tiling (and split-K) that a wave model says finishes first, pointer loads."""
-    e = _elem(dtype)
-    m2 = max(16, triton.next_power_of_2(p.M))
-    n2 = max(16, triton.next_power_of_2(p.N))
-    k2 = max(16, triton.next_power_of_2(p.K))
-    sms = _num_sms()
-    tma = _tma_capable(0)
-    if m2 <= 64:
-        bm = 16 if m2 <= 16 else min(m2, 64)
-        if triton.cdiv(p.N, 128) >= sms:  # very wide N: enough 128-wide tiles for every SM
-            bn, bk = 128, (128 if bm == 16 else 64)
-        else:
-            bn, bk = (64, 128) if bm == 16 else (32, 128 if p.K <= 1024 else 256)
-        bn, bk = min(n2, bn), min(k2, bk if e == 2 else 64)
-        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
-        k_tiles = triton.cdiv(p.K, bk)
-        split = 1
-        if p.K >= 2048:
-            while split < 8 and tiles * split * 2 <= sms and k_tiles >= 6 * split:
-                split *= 2
-        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
-               "num_warps": 4, "num_stages": 4, "TMA": False, "PERSISTENT": False}
-    elif e == 2 and m2 >= 128 and n2 >= 256 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 256) >= 2 * sms:
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": min(k2, 64 if e == 2 else 32), "GROUP_M": 8,
-               "SPLIT_K": 1, "num_warps": 8, "num_stages": 3 if p.K <= 1024 or e == 4 else 4,
-               "TMA": tma, "PERSISTENT": True}
-    elif m2 >= 128 and n2 >= 128 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 128) >= 2 * sms:
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": min(k2, 64 if e == 2 else 32), "GROUP_M": 8,
-               "SPLIT_K": 1, "num_warps": 8, "num_stages": 4, "TMA": tma, "PERSISTENT": True}
-    else:
-        best = None
-        for bm, bn, warps, stages, eff in _MID_TILES:
-            if bm > m2 or bn > n2 or (e == 4 and bm * bn > 128 * 128):  # fp32: the epilogue scratch (_constraint)
-                continue
-            for split in (1, 2, 4, 8):
-                if split > 1 and (triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn) >= sms or p.K // split < 256):
-                    break
-                t = _estimate_s(bm, bn, split, eff, m2, p.N, p.K, sms, e)
-                if best is None or t < best[0] * 0.97:
-                    best = (t, bm, bn, warps, stages, split)
-        if best is None:  # N (or M) below every mid tile: a narrow tile, _fit below makes it valid
-            best = (0.0, 64 if m2 >= 64 else m2, min(n2, 64), 4, 4, 1)
-        _, bm, bn, warps, stages, split = best
-        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": min(k2, 64 if e == 2 else 32),
-               "GROUP_M": 8 if split == 1 else 1, "SPLIT_K": split, "num_warps": warps, "num_stages": stages,
-               "TMA": False, "PERSISTENT": False}
-    if p.ln or p.kv:  # the fused entry: pointer operands, one tile a program (see _constraint)
-        cfg = dict(cfg, TMA=False, PERSISTENT=False)
-    return _fit(cfg, p, dtype)
-
-
-def _fit(cfg: dict, p: Problem, dtype) -> dict:
-    """Shrink stages, then warps, until the point is valid (a default must always be)."""
-    cfg = dict(cfg)
-    for _ in range(16):
-        why = SPACE.constraint(cfg, p, dtype)
-        if why is None:
-            return cfg
-        if "shared memory" in why and cfg["num_stages"] > 2:
-            cfg["num_stages"] -= 1
-        elif "shared memory" in why:
-            cfg["BLOCK_K"] //= 2
-        elif "idle warps" in why:
-            cfg["num_warps"] //= 2
-        elif "registers" in why:
-            cfg["num_warps"] *= 2
-        elif "slices" in why:
-            cfg["SPLIT_K"] //= 2
-        elif "TMA" in why:
-            cfg["TMA"] = False
-        else:
-            break
-    raise AssertionError(f"gemm: no valid default for {p}: {cfg}: {SPACE.constraint(cfg, p, dtype)}")
-
-
-def bucket(p: Problem) -> dict:
-    """M to a power of two, N, K; and ln=1 / kv=1 only when fused, so the keys of plain problems (and the
-    store entries tuned under them) are what they were, and a fused problem never borrows a plain one's
-    config (nearest-bucket lookups need the same fields)."""
-    b = {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K}
-    if p.ln:
-        b["ln"] = 1
-    if p.kv:
-        b["kv"] = 1
-    return b
-
-
-def cost(p: Problem, dtype) -> K.Cost:
-    e = _elem(dtype)
-    elems = p.M * p.K + p.K * p.N + p.M * p.N + (p.N if p.bias else 0) + (p.M * p.N if p.residual else 0)
-    elems += (2 * p.K if p.ln else 0) + (2 * p.M * (p.N // 3) if p.kv else 0)
-    return K.Cost(flops=2.0 * p.M * p.N * p.K, bytes=float(e * elems))
-
-
-def _operand(rows: int, cols: int, trans: bool, batch: int, dtype, device, seed: int, layout: str,
-             scale: float, shift: float = 0.0) -> torch.Tensor:
-    """A (batch ×) rows × cols operand; ``trans`` stores it column-major (a transposed view)."""
-    lead = (batch,) if batch > 1 else ()
-    shape = (*lead, cols, rows) if trans else (*lead, rows, cols)
-    t = S.with_layout(S.randn(shape, dtype, device, seed, scale=scale, shift=shift), layout)
-    return t.transpose(-1, -2) if trans else t
-
-
-def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
-    batch = p.batch if p.batch > 1 and p.M % p.batch == 0 else 1
-    # B scaled by 1/sqrt(K): pre-activations O(1), where GELU bends
-    # with ln: rows with a mean and a spread (what LN removes)
-    a = _operand(p.M // batch, p.K, p.trans_a, batch, dtype, device, seed, layout, *((2.0, 0.5) if p.ln else (1.0,)))
-    b = _operand(p.K, p.N, p.trans_b, 1, dtype, device, seed + 1, layout, 1.0 / math.sqrt(p.K))
-    bias = S.randn((p.N,), dtype, device, seed + 2, scale=0.5) if p.bias else None
-    out_shape = (*a.shape[:-1], p.N)
-    res = S.randn(out_shape, dtype, device, seed + 3) if p.residual else None
-    ln = kv = None
-    if p.ln:  # weights around 1
-        ln = (S.randn((p.K,), dtype, device, seed + 4, scale=0.2, shift=1.0),
-              S.randn((p.K,), dtype, device, seed + 5, scale=0.1), 1e-5)
-    if p.kv:
-        kv = kv_cache_inputs(p.M, p.N, dtype, device, seed + 6)
-    return K.Case(args=(a, b, bias), kwargs={"activation": p.act, "residual": res, "ln": ln, "kv": kv},
-                  out=torch.empty(out_shape, dtype=dtype, device=device))
-
-
-def kv_cache_inputs(m: int, n: int, dtype, device, seed: int, block_size: int = 4):
-    """(k_cache, v_cache, slot_mapping) for an (m, n = 3·C) qkv output: caches of 2 heads when C is even,
-    NaN-filled (a slot written by mistake shows), one slot per row in a shuffled order, every fifth -1."""
-    if n % 3:
-        raise ValueError(f"kv: N={n} is not 3 x heads x head_dim")
-    c = n // 3
-    heads = 2 if c % 2 == 0 else 1
-    blocks = -(-(m + 3) // block_size)
-    cache = torch.full((blocks, block_size, heads, c // heads), float("nan"), dtype=dtype, device=device)
-    g = S.generator(seed, "cpu")
-    slots = torch.randperm(blocks * block_size, generator=g)[:m]
-    slots[::5] = -1
-    return cache, cache.clone(), slots.to(device=device, dtype=torch.int32 if seed % 2 else torch.int64)
-
-
-def problems(max_elems: int):
-    """Sizes up to max_elems^(1/3) per dim (25 on the interpreter), every epilogue, both transpositions,
-    with and without the LayerNorm prologue and the KV-cache write (N rounded to a multiple of 3)."""
-    from hypothesis import strategies as st
-
-    d = max(2, round(max_elems ** (1 / 3)))
-
-    @st.composite
-    def draw(dr):
-        m, n, k = dr(S.sizes(d)), dr(S.sizes(d)), dr(S.sizes(d))
-        batch = dr(st.sampled_from([b for b in (1, 2, 3) if m % b == 0]))
-        ln, kv = dr(st.booleans()), dr(st.booleans())
-        if kv:
-            n = 3 * max(1, n // 3)
-        return Problem(m, n, k, trans_a=dr(st.booleans()), trans_b=dr(st.booleans()), bias=dr(st.booleans()),
-                       act=dr(st.sampled_from(ACTIVATIONS)), residual=dr(st.booleans()), batch=batch, ln=ln, kv=kv)
-
-    return draw()
-
-
-def _vendor(c: K.Case):
-    """cuBLAS through PyTorch plus the same epilogue, op by op (what a PyTorch model runs): F.layer_norm
-    first, and the cache write an index_copy_ of the live rows (found once, outside the timed call)."""
-    a, b, bias = c.args
-    act, res, ln, kv = c.kwargs["activation"], c.kwargs["residual"], c.kwargs.get("ln"), c.kwargs.get("kv")
-    a2 = a.reshape(-1, a.shape[-1])
-    r2 = res.reshape(a2.shape[0], -1) if res is not None else None
-    if kv is not None:
-        kc, vc, slots = kv
-        live = (slots >= 0).nonzero().flatten()
-        at, cn = slots[live].long(), kc.shape[2] * kc.shape[3]
-
-    def run():
-        h = a2 if ln is None else torch.nn.functional.layer_norm(a2, (a2.shape[-1],), ln[0], ln[1], ln[2])
-        y = torch.addmm(bias, h, b) if bias is not None else torch.mm(h, b)
-        if act == "gelu_tanh":
-            y = torch.nn.functional.gelu(y, approximate="tanh")
-        if r2 is not None:
-            y += r2
-        if kv is not None:
-            yl = y[live]
-            kc.view(-1, cn).index_copy_(0, at, yl[:, cn:2 * cn])
-            vc.view(-1, cn).index_copy_(0, at, yl[:, 2 * cn:])
-        return y
-
-    return run
-
-
-# FlagGems' mm autotunes every new (M, N, K) over its whole list (22 configs for its pointer kernel, ~150
-# for its Hopper TMA kernel): minutes of compiling per shape, more than a benchmark run has. As a peer it
-# runs with its autotuner held to these of its own configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-# num_stages), the usual winners of each size class; it still picks among them by timing.
-FLAG_GEMS_CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4),
-                     (128, 64, 64, 4, 4), (32, 64, 256, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 2, 4))
-FLAG_GEMS_MAX = 6
-
-
-@functools.lru_cache(maxsize=None)
-def _flag_gems_mm():
-    """flag_gems.mm with its autotuners' config lists cut to FLAG_GEMS_CONFIGS (at most FLAG_GEMS_MAX
-    each); None when FlagGems is not installed."""
-    try:
-        import flag_gems
-    except Exception:
-        return None
-    import sys
-
-    mod = sys.modules.get(getattr(flag_gems.mm, "__module__", ""))
-    for name in dir(mod) if mod is not None else ():
-        tuner = getattr(getattr(mod, name), "fn", None)  # libentry(libtuner(jit)): the tuner is .fn
-        configs = getattr(tuner, "configs", None)
-        if not isinstance(configs, list) or len(configs) <= FLAG_GEMS_MAX:
-            continue
-
-        def sig(cf):
-            kw = getattr(cf, "kwargs", {})
-            return (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("BLOCK_K"), cf.num_warps, cf.num_stages)
-
-        keep = [cf for cf in configs if sig(cf) in FLAG_GEMS_CONFIGS][:FLAG_GEMS_MAX]
-        tuner.configs = keep or configs[:FLAG_GEMS_MAX]
-    return flag_gems.mm
-
-
-def _flag_gems(c: K.Case):
-    a, b, bias = c.args
-    if (bias is not None or c.kwargs["activation"] or c.kwargs["residual"] is not None
-            or c.kwargs.get("ln") is not None or c.kwargs.get("kv") is not None):
-        return None  # plain matmul only
-    mm = _flag_gems_mm()
-    if mm is None:
-        return None
-    a2 = a.reshape(-1, a.shape[-1])
-    return lambda: mm(a2, b)
-
-
-def _bad_inputs(device):
-    a = torch.randn(4, 8, device=device)
-    b = torch.randn(8, 5, device=device)
-    b6 = torch.randn(8, 6, device=device)
-    kc = torch.zeros(3, 4, 1, 2, device=device)
-    slots = torch.zeros(4, dtype=torch.int32, device=device)
-    return [
-        ("inner sizes differ", lambda: gemm(a, torch.randn(7, 5, device=device)), ValueError),
-        ("dtype mismatch", lambda: gemm(a, b.half()), TypeError),
-        ("integer a", lambda: gemm(a.to(torch.int32), b), TypeError),
-        ("float64 a", lambda: gemm(a.double(), b.double()), TypeError),
-        ("a on the wrong device", lambda: gemm(a.to("meta"), b), ValueError),
-        ("b on another device than a", lambda: gemm(a, b.to("meta")), ValueError),
-        ("b not 2-D", lambda: gemm(a, b[None]), ValueError),
-        ("a a scalar", lambda: gemm(torch.tensor(1.0, device=device), b), ValueError),
-        ("a not a tensor", lambda: gemm([[1.0]], b), TypeError),
-        ("bias of the wrong length", lambda: gemm(a, b, torch.randn(6, device=device)), ValueError),
-        ("bias 2-D", lambda: gemm(a, b, torch.randn(1, 5, device=device)), ValueError),
-        ("bias of another dtype", lambda: gemm(a, b, torch.randn(5, device=device).half()), TypeError),
-        ("residual of the wrong shape", lambda: gemm(a, b, residual=torch.randn(4, 6, device=device)), ValueError),
-        ("residual of another dtype", lambda: gemm(a, b, residual=torch.randn(4, 5, device=device).half()), TypeError),
-        ("unknown activation", lambda: gemm(a, b, activation="relu"), ValueError),
-        ("out of the wrong shape", lambda: gemm(a, b, out=torch.empty(4, 6, device=device)), ValueError),
-        ("ln not a triple", lambda: gemm(a, b, ln=(None, None)), TypeError),
-        ("ln weight of the wrong length", lambda: gemm(a, b, ln=(torch.randn(7, device=device), None, 1e-5)),
-         ValueError),
-        ("ln eps negative", lambda: gemm(a, b, ln=(None, None, -1.0)), ValueError),
-        ("kv not a triple", lambda: gemm(a, b6, kv=(kc, kc)), TypeError),
-        ("kv with N not 3 x heads x head_dim", lambda: gemm(a, b, kv=(kc, kc, slots)), ValueError),
-        ("kv slots of the wrong length", lambda: gemm(a, b6, kv=(kc, kc, slots[:1])), ValueError),
-        ("kv cache of another dtype", lambda: gemm(a, b6, kv=(kc.half(), kc.half(), slots)), TypeError),
-        ("kv slots of a float dtype", lambda: gemm(a, b6, kv=(kc, kc, slots.float())), TypeError),
-    ]
-
-
-def _gpt2(m: int) -> list[Problem]:
-    """GPT-2 small's linears as the model runs them: c_attn (bias), attn c_proj (bias + residual),
-    mlp c_fc (bias + GELU), mlp c_proj (bias + residual), the tied LM head (x @ wte.T, no bias)."""
-    return [Problem(m, 2304, 768, bias=True),
-            Problem(m, 768, 768, bias=True, residual=True),
-            Problem(m, 3072, 768, bias=True, act="gelu_tanh"),
-            Problem(m, 768, 3072, bias=True, residual=True),
-            Problem(m, 50257, 768, trans_b=True)]
-
-
-def _gpt2_fused(m: int) -> list[Problem]:
-    """The decode linears with what the batch-invariant mode fuses into them (model/invariant.py):
-    ln_1 + c_attn + the KV-cache write, ln_2 + c_fc + GELU, ln_f + the tied LM head."""
-    return [Problem(m, 2304, 768, bias=True, ln=True, kv=True),
-            Problem(m, 3072, 768, bias=True, act="gelu_tanh", ln=True),
-            Problem(m, 50257, 768, trans_b=True, ln=True)]
-
-
 SPEC = K.register(K.KernelSpec(
     name="gemm",
     description="GEMM with fused bias / GELU / residual epilogue, split-K, TMA; LayerNorm prologue, KV-cache write",
@@ -1072,15 +635,15 @@ SPEC = K.register(K.KernelSpec(
     bucket=bucket,
     cost=cost,
     problem_of=problem_of,
-    standard_problems=[p for m in (1, 8, 64, 512, 8192) for p in _gpt2(m)]
-    + [Problem(4096, 4096, 4096), Problem(8192, 8192, 8192)] + [p for m in (1, 8) for p in _gpt2_fused(m)],
+    standard_problems=[p for m in (1, 8, 64, 512, 8192) for p in gpt2(m)]
+    + [Problem(4096, 4096, 4096), Problem(8192, 8192, 8192)] + [p for m in (1, 8) for p in gpt2_fused(m)],
     small_problems=[Problem(64, 96, 80, bias=True, act="gelu_tanh"),
                     Problem(5, 33, 47, trans_b=True, residual=True),
                     Problem(7, 48, 40, bias=True, ln=True, kv=True)],
     layouts=("contiguous", "sliced"),
     accumulation=K.fp32_accumulation,
-    vendor=_vendor,
+    vendor=vendor,
     vendor_name="cuBLAS+torch",
-    peers={"flag_gems": _flag_gems},
-    bad_inputs=_bad_inputs,
+    peers={"flag_gems": flag_gems},
+    bad_inputs=functools.partial(bad_inputs, gemm),
 ))

@@ -25,8 +25,10 @@ from tritune.references import rotary as ref
 
 @triton.jit
 def _rotate_heads(X, O, h0, H, offs_t, mask_t, c, s, stride_xt, stride_xh, stride_xd, stride_ot, stride_oh,
-                  stride_od, HALF, D, BLOCK_H: tl.constexpr, HALF_P: tl.constexpr, REST_P: tl.constexpr,
-                  COPY_REST: tl.constexpr):
+                  stride_od, HALF, D, Cache, slot, BLOCK_H: tl.constexpr, HALF_P: tl.constexpr,
+                  REST_P: tl.constexpr, COPY_REST: tl.constexpr, TO_CACHE: tl.constexpr):
+    """BLOCK_H heads of X rotated into O; TO_CACHE: the same rounded values (pass-through dims included)
+    also to the contiguous (slots, H, D) cache at each token's slot (< 0: not written)."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask_th = mask_t[:, None] & (offs_h < H)[None, :]
     t64 = offs_t.to(tl.int64)[:, None, None]
@@ -36,38 +38,71 @@ def _rotate_heads(X, O, h0, H, offs_t, mask_t, c, s, stride_xt, stride_xh, strid
     mask = mask_th[:, :, None] & (offs_d < HALF)
     x1 = tl.load(x_rows + offs_d * stride_xd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + (offs_d + HALF) * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_rows + offs_d * stride_od, (x1 * c - x2 * s).to(O.dtype.element_ty), mask=mask)
-    tl.store(o_rows + (offs_d + HALF) * stride_od, (x2 * c + x1 * s).to(O.dtype.element_ty), mask=mask)
+    r1 = (x1 * c - x2 * s).to(O.dtype.element_ty)
+    r2 = (x2 * c + x1 * s).to(O.dtype.element_ty)
+    tl.store(o_rows + offs_d * stride_od, r1, mask=mask)
+    tl.store(o_rows + (offs_d + HALF) * stride_od, r2, mask=mask)
+    offs_r = 2 * HALF + tl.arange(0, REST_P)[None, None, :]
+    mask_r = mask_th[:, :, None] & (offs_r < D)
+    if COPY_REST or TO_CACHE:
+        rest = tl.load(x_rows + offs_r * stride_xd, mask=mask_r)
     if COPY_REST:
-        offs_r = 2 * HALF + tl.arange(0, REST_P)[None, None, :]
-        mask_r = mask_th[:, :, None] & (offs_r < D)
-        tl.store(o_rows + offs_r * stride_od, tl.load(x_rows + offs_r * stride_xd, mask=mask_r), mask=mask_r)
+        tl.store(o_rows + offs_r * stride_od, rest, mask=mask_r)
+    if TO_CACHE:
+        live = (slot >= 0)[:, None, None]
+        c_rows = Cache + slot[:, None, None] * (H * D) + offs_h[None, :, None] * D
+        tl.store(c_rows + offs_d, r1, mask=mask & live)
+        tl.store(c_rows + offs_d + HALF, r2, mask=mask & live)
+        tl.store(c_rows + offs_r, rest, mask=mask_r & live)
 
 
 @triton.jit
-def _rotary_fwd(Q, K_, QO, KO, Pos, Cos, Sin, T, Hq, Hk, HALF, D, q_blocks,
+def _copy_heads(V, Cache, h0, H, offs_t, mask_t, slot, stride_vt, stride_vh, stride_vd, D,
+                BLOCK_H: tl.constexpr, D_P: tl.constexpr):
+    """BLOCK_H heads of V to the (slots, H, D) cache at each token's slot (< 0: not written)."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D_P)[None, None, :]
+    mask = (mask_t[:, None] & (offs_h < H)[None, :])[:, :, None] & (offs_d < D) & (slot >= 0)[:, None, None]
+    v = tl.load(V + offs_t.to(tl.int64)[:, None, None] * stride_vt + offs_h[None, :, None] * stride_vh
+                + offs_d * stride_vd, mask=mask)
+    tl.store(Cache + slot[:, None, None] * (H * D) + offs_h[None, :, None] * D + offs_d, v, mask=mask)
+
+
+@triton.jit
+def _rotary_fwd(Q, K_, QO, KO, Pos, Cos, Sin, V, KC, VC, Slots, T, Hq, Hk, HALF, D, q_blocks, k_blocks,
                 stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                 stride_qot, stride_qoh, stride_qod, stride_kot, stride_koh, stride_kod, stride_pos,
-                stride_cos, stride_sin,
+                stride_cos, stride_sin, stride_vt, stride_vh, stride_vd,
                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF_P: tl.constexpr, REST_P: tl.constexpr,
-                COPY_REST: tl.constexpr):
+                COPY_REST: tl.constexpr, HAS_KV: tl.constexpr, D_P: tl.constexpr):
+    """Grid (token blocks, q head blocks + k head blocks (+ v head blocks with HAS_KV)). HAS_KV: the
+    rotated k and v also written to the paged caches KC / VC at Slots (the KV-cache write fused in)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
-    pos = tl.load(Pos + offs_t * stride_pos, mask=mask_t, other=0).to(tl.int64)
-    offs_c = tl.arange(0, HALF_P)
-    mask_c = mask_t[:, None] & (offs_c < HALF)[None, :]
-    c = tl.load(Cos + pos[:, None] * stride_cos + offs_c[None, :], mask=mask_c, other=0.0).to(tl.float32)
-    s = tl.load(Sin + pos[:, None] * stride_sin + offs_c[None, :], mask=mask_c, other=0.0).to(tl.float32)
-    c = c[:, None, :]
-    s = s[:, None, :]
-    if pid_h < q_blocks:
-        _rotate_heads(Q, QO, pid_h * BLOCK_H, Hq, offs_t, mask_t, c, s, stride_qt, stride_qh, stride_qd,
-                      stride_qot, stride_qoh, stride_qod, HALF, D, BLOCK_H, HALF_P, REST_P, COPY_REST)
-    else:
-        _rotate_heads(K_, KO, (pid_h - q_blocks) * BLOCK_H, Hk, offs_t, mask_t, c, s, stride_kt, stride_kh,
-                      stride_kd, stride_kot, stride_koh, stride_kod, HALF, D, BLOCK_H, HALF_P, REST_P, COPY_REST)
+    slot = offs_t * 0
+    if HAS_KV:
+        slot = tl.load(Slots + offs_t, mask=mask_t, other=-1).to(tl.int64)
+    if pid_h < q_blocks + k_blocks:
+        pos = tl.load(Pos + offs_t * stride_pos, mask=mask_t, other=0).to(tl.int64)
+        offs_c = tl.arange(0, HALF_P)
+        mask_c = mask_t[:, None] & (offs_c < HALF)[None, :]
+        c = tl.load(Cos + pos[:, None] * stride_cos + offs_c[None, :], mask=mask_c, other=0.0).to(tl.float32)
+        s = tl.load(Sin + pos[:, None] * stride_sin + offs_c[None, :], mask=mask_c, other=0.0).to(tl.float32)
+        c = c[:, None, :]
+        s = s[:, None, :]
+        if pid_h < q_blocks:
+            _rotate_heads(Q, QO, pid_h * BLOCK_H, Hq, offs_t, mask_t, c, s, stride_qt, stride_qh, stride_qd,
+                          stride_qot, stride_qoh, stride_qod, HALF, D, KC, slot, BLOCK_H, HALF_P, REST_P,
+                          COPY_REST, False)
+        else:
+            _rotate_heads(K_, KO, (pid_h - q_blocks) * BLOCK_H, Hk, offs_t, mask_t, c, s, stride_kt, stride_kh,
+                          stride_kd, stride_kot, stride_koh, stride_kod, HALF, D, KC, slot, BLOCK_H, HALF_P,
+                          REST_P, COPY_REST, HAS_KV)
+    elif HAS_KV:
+        _copy_heads(V, VC, (pid_h - q_blocks - k_blocks) * BLOCK_H, Hk, offs_t, mask_t, slot, stride_vt, stride_vh,
+                    stride_vd, D, BLOCK_H, D_P)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -89,7 +124,7 @@ def problem_of(q, k, cos, sin, positions, **_) -> Problem:
 
 
 class _Plan:
-    __slots__ = ("T", "grid", "ints", "kws", "cfg", "cfg_key", "validate_n")
+    __slots__ = ("T", "grid", "ints", "kws", "cfg", "cfg_key", "validate_n", "validate_slots")
 
 
 _PLANS = K.PlanCache()
@@ -130,8 +165,34 @@ def _check_args(q, k, cos, sin, positions):
         raise ValueError(f"positions: on {positions.device}, but q is on {q.device}")
 
 
-def _plan(q, k, cos, sin, positions, out, config) -> _Plan:
+def _check_kv(kv, q, k) -> None:
+    """kv = (k_cache, v_cache, slot_mapping, v): contiguous (num_blocks, block_size, Hk, D) caches of q's dtype,
+    v shaped as k, one int slot per token."""
+    if not isinstance(kv, (tuple, list)) or len(kv) != 4:
+        raise TypeError("kv: expected (k_cache, v_cache, slot_mapping, v)")
+    kc, vc, slots, v = kv
+    for name, t in (("k_cache", kc), ("v_cache", vc)):
+        K.check_tensor(name, t, ndim=4, dtypes=(q.dtype,))
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+        if not t.is_contiguous() or tuple(t.shape[2:]) != tuple(k.shape[1:]):
+            raise ValueError(f"{name}: expected a contiguous (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}) "
+                             f"cache (k's heads and head dim), got shape {tuple(t.shape)}")
+    if vc.shape != kc.shape:
+        raise ValueError(f"v_cache: shape {tuple(vc.shape)} differs from k_cache's {tuple(kc.shape)}")
+    K.check_tensor("v", v, ndim=3, dtypes=(q.dtype,))
+    if v.shape != k.shape or v.device != k.device:
+        raise ValueError(f"v: expected k's shape {tuple(k.shape)} on {k.device}, got {tuple(v.shape)} on {v.device}")
+    K.check_tensor("slot_mapping", slots, ndim=1, dtypes=(torch.int32, torch.int64))
+    if slots.shape[0] != q.shape[0] or slots.device != q.device:
+        raise ValueError(f"slot_mapping: expected {q.shape[0]} slots (one per token) on {q.device}, got "
+                         f"{slots.shape[0]} on {slots.device}")
+
+
+def _plan(q, k, cos, sin, positions, out, config, kv=None) -> _Plan:
     _check_args(q, k, cos, sin, positions)
+    if kv is not None:
+        _check_kv(kv, q, k)
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError("out: expected a pair (q_out, k_out)")
@@ -149,14 +210,15 @@ def _plan(q, k, cos, sin, positions, out, config) -> _Plan:
         return p
     p.cfg, p.cfg_key = SPEC.config_and_key(Problem(T, Hq, Hk, D, 2 * half), q.dtype, config)
     bt, bh = p.cfg["BLOCK_T"], p.cfg["BLOCK_H"]
-    q_blocks = triton.cdiv(Hq, bh)
-    p.grid = (triton.cdiv(T, bt), q_blocks + triton.cdiv(Hk, bh))
-    in_place = out is not None and all(o.data_ptr() == x.data_ptr() and o.stride() == x.stride()
-                                       for o, x in zip(out, (q, k)))
-    p.ints = (T, Hq, Hk, half, D, q_blocks)
+    q_blocks, k_blocks = triton.cdiv(Hq, bh), triton.cdiv(Hk, bh)
+    p.grid = (triton.cdiv(T, bt), q_blocks + k_blocks * (2 if kv is not None else 1))
+    # in place (part of the plan's key): the pass-through dims are already where they belong
+    in_place = out is not None and _same_view(out[0], q) and _same_view(out[1], k)
+    p.ints = (T, Hq, Hk, half, D, q_blocks, k_blocks)
     p.kws = dict(BLOCK_T=bt, BLOCK_H=bh, HALF_P=triton.next_power_of_2(half),
                  REST_P=triton.next_power_of_2(max(1, D - 2 * half)), COPY_REST=2 * half < D and not in_place,
-                 num_warps=p.cfg["num_warps"])
+                 HAS_KV=kv is not None, D_P=triton.next_power_of_2(D), num_warps=p.cfg["num_warps"])
+    p.validate_slots = kv[0].shape[0] * kv[0].shape[1] if kv is not None else 0
     return p
 
 
@@ -166,29 +228,40 @@ def _validate_positions(positions, n: int) -> None:
                          f"{int(positions.min())}..{int(positions.max())}")
 
 
+def _validate_slots(slots, n: int) -> None:
+    if slots.numel() and int(slots.max()) >= n:
+        raise ValueError(f"slot_mapping: a slot {int(slots.max())} past the caches' {n} (num_blocks x block_size)")
+
+
 def _same_view(a, b) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
-def rotary(q, k, cos, sin, positions, *, out=None, config: dict | None = None, validate: bool = True):
+def rotary(q, k, cos, sin, positions, *, out=None, kv=None, config: dict | None = None, validate: bool = True):
     """(q, k) rotated by the angles of ``positions``: q (T, Hq, D), k (T, Hk, D) of one float dtype (any
     strides); cos, sin (P, R/2) tables (R <= D: dims past R pass through); positions (T,) int32/int64 rows of
     the tables. Returns (q_out, k_out), new tensors or ``out``, which may be (q, k) themselves (in place).
-    ``validate``: check that every position is a row of the tables (a host sync; off inside the model)."""
+    ``kv``: (k_cache, v_cache, slot_mapping, v): the rotated k and v (T, Hk, D) also written to the paged
+    caches (num_blocks, block_size, Hk, D) at each token's flat slot (< 0: skipped), the KV-cache write of
+    the step fused into the rotation. ``validate``: check that every position is a row of the tables and
+    every slot one of the caches' (a host sync; off inside the model)."""
     try:  # the hot path: one dict lookup; anything odd takes _plan, which names the bad argument
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        in_place = len(outs) == 2 and _same_view(outs[0], q) and _same_view(outs[1], k)
         key = (q.shape, q.stride(), q.dtype, q.device, K.tensor_meta(k), K.tensor_meta(cos), K.tensor_meta(sin),
-               K.tensor_meta(positions), *(K.tensor_meta(o) for o in outs), len(outs),
+               K.tensor_meta(positions), *(K.tensor_meta(o) for o in outs), len(outs), in_place,
+               None if kv is None else tuple(K.tensor_meta(t) for t in kv),
                None if config is None else tuple(config.items()))
     except (AttributeError, TypeError):
         key = None
-    plan = _PLANS.get_or_make(key, lambda: _plan(q, k, cos, sin, positions, out, config))
+    plan = _PLANS.get_or_make(key, lambda: _plan(q, k, cos, sin, positions, out, config, kv))
     if out is None:
         qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
                                                                                  device=k.device)
     else:
         qo, ko = out
-        if not (_same_view(qo, q) and _same_view(ko, k)):  # wholly in place: each element read, then written
+        if not in_place:  # wholly in place: each element is read, then written, by one program
             ins = (("q", q), ("k", k), ("cos", cos), ("sin", sin), ("positions", positions))
             K.check_no_alias(qo, ins + (("out[1]", ko),), in_place="q")
             K.check_no_alias(ko, ins, in_place="k")
@@ -196,8 +269,15 @@ def rotary(q, k, cos, sin, positions, *, out=None, config: dict | None = None, v
         return qo, ko
     if validate:
         _validate_positions(positions, plan.validate_n)
-    _rotary_fwd[plan.grid](q, k, qo, ko, positions, cos, sin, *plan.ints, *q.stride(), *k.stride(), *qo.stride(),
-                           *ko.stride(), positions.stride(0), cos.stride(0), sin.stride(0), **plan.kws)
+    if kv is None:
+        kc = vc = slots = v = q
+    else:
+        kc, vc, slots, v = kv
+        if validate:
+            _validate_slots(slots, plan.validate_slots)
+    _rotary_fwd[plan.grid](q, k, qo, ko, positions, cos, sin, v, kc, vc, slots, *plan.ints, *q.stride(),
+                           *k.stride(), *qo.stride(), *ko.stride(), positions.stride(0), cos.stride(0),
+                           sin.stride(0), *v.stride(), **plan.kws)
     return qo, ko
 
 
@@ -306,6 +386,8 @@ def _bad_inputs(device):
     q, k = torch.randn(4, 2, 8, device=device), torch.randn(4, 1, 8, device=device)
     cos, sin = _angles(6, 4, device)
     pos = torch.arange(4, device=device)
+    cache, cache2 = torch.zeros(4, 4, 1, 8, device=device), torch.zeros(4, 4, 2, 8, device=device)
+    slots = torch.arange(4, device=device)
 
     def rot(**kw):
         a = dict(q=q, k=k, cos=cos, sin=sin, positions=pos)
@@ -327,6 +409,9 @@ def _bad_inputs(device):
         ("out not a pair", lambda: rot(out=torch.empty_like(q)), TypeError),
         ("out of the wrong shape", lambda: rot(out=(torch.empty_like(q), torch.empty_like(q))), ValueError),
         ("out[1] overlapping q", lambda: rot(out=(torch.empty_like(q), q[:, :1])), ValueError),
+        ("kv not a 4-tuple", lambda: rot(kv=(cache, cache, slots)), TypeError),
+        ("kv caches of other heads", lambda: rot(kv=(cache2, cache2, slots, k)), ValueError),
+        ("kv slot past the caches", lambda: rot(kv=(cache, cache, slots + 13, k)), ValueError),
     ]
 
 

@@ -75,9 +75,32 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
 
 
-def fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantization kernel's reference in float64: per-row scales, values rounded to e4m3 once."""
+def normalize(x: torch.Tensor, norm=None, swiglu: bool = False) -> torch.Tensor:
+    """What the quantization kernel quantizes, in float64: ``x`` itself; RMSNorm ``("rms", weight, eps)``
+    (x · rsqrt(mean(x²) + eps) · weight); LayerNorm ``("layer", weight, bias, eps)`` (weight and bias may
+    be None); or, with ``swiglu``, silu(gate) · up of a (M, 2N) [gate | up] tensor."""
     x64 = x.double()
+    if swiglu:
+        n = x64.shape[-1] // 2
+        return torch.nn.functional.silu(x64[:, :n]) * x64[:, n:]
+    if norm is None:
+        return x64
+    if norm[0] == "rms":
+        _, w, eps = norm
+        y = x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
+    else:
+        _, w, b, eps = norm
+        mu = x64.mean(dim=-1, keepdim=True)
+        y = (x64 - mu) * torch.rsqrt((x64 - mu).pow(2).mean(dim=-1, keepdim=True) + eps)
+        if b is not None:
+            return y * (w.double() if w is not None else 1.0) + b.double()
+    return y * w.double() if w is not None else y
+
+
+def fp8_quant(x: torch.Tensor, norm=None, swiglu: bool = False, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantization kernel's reference in float64: per-row scales of the (normalized) rows, values
+    rounded to e4m3 once. Returns (q as float64 values, scale float64 (M,))."""
+    x64 = normalize(x, norm, swiglu)
     scale = (x64.abs().amax(dim=-1) / E4M3_MAX).clamp_min(MIN_SCALE)
     q = (x64 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q.double(), scale

@@ -543,7 +543,7 @@ def test_three_warpgroup_points_of_the_space(monkeypatch):
         out.copy_(ref.attention(q, k, v, causal=kw["causal"]).to(out.dtype))
 
     monkeypatch.setattr(A.launch, "gluon_runs_here", lambda: True)
-    monkeypatch.setattr(A.G, "launch", fake_launch)
+    monkeypatch.setattr(A.gluon_launch, "launch", fake_launch)
     A._PLANS.clear()
     try:
         small = P(1, 4, 2, 200, 260, 64, True)
@@ -554,7 +554,7 @@ def test_three_warpgroup_points_of_the_space(monkeypatch):
     finally:
         A._PLANS.clear()
     with pytest.raises(ValueError, match="rows"):
-        A.G._nwg(256)
+        A.gluon_launch._nwg(256)
 
 
 def test_which_calls_the_gluon_kernel_takes(monkeypatch):
@@ -585,8 +585,8 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
     if A.SPACE.why_invalid(cfg, p, dtype):
         pytest.skip(f"no IMPL=gluon here: {A.SPACE.why_invalid(cfg, p, dtype)}")
     monkeypatch.setattr(A.launch, "gluon_runs_here", lambda: True)
-    monkeypatch.setattr(A.G, "launch", fake_launch)
-    monkeypatch.setattr(A.G, "launch_varlen", fake_launch_varlen)
+    monkeypatch.setattr(A.gluon_launch, "launch", fake_launch)
+    monkeypatch.setattr(A.gluon_launch, "launch_varlen", fake_launch_varlen)
     A._PLANS.clear()
     A._VARLEN_PLANS.clear()
     try:
@@ -991,7 +991,7 @@ def test_which_calls_the_persistent_gluon_kernel_takes(monkeypatch):
     p = P(1, 4, 2, 256, 300, 64, True)
     dtype = torch.float16
     monkeypatch.setattr(A.launch, "gluon_runs_here", lambda: True)
-    monkeypatch.setattr(A.G, "launch", fake_launch)
+    monkeypatch.setattr(A.gluon_launch, "launch", fake_launch)
     A._PLANS.clear()
     try:
         for schedule in (1, 2):
@@ -1133,3 +1133,70 @@ def test_the_stored_entries_carry_the_explicit_keys():
                 for key in ("config", "default_config"):
                     assert "WARP_SPEC" not in e.get(key, {}), (path, e["bucket"])
                 assert store.why_invalid(spec, e) is None, (path, e["bucket"], e["config"])
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 3), (4, 1)], ids=lambda x: str(x))
+def test_gqa_each_kv_head_feeds_exactly_its_group(hq, hkv):
+    """Query head h reads kv head h // (Hq / Hkv) and no other: a change to one kv head's K and V moves the
+    outputs of its group's query heads, and leaves every other head's bit for bit; dense and packed."""
+    g = hq // hkv
+    p = P(1, hq, hkv, 19, 23, 32, True)
+    q, k, v = A.make_inputs(p, torch.float32, DEV, 41).args
+    base = A.attention(q, k, v, causal=True)
+    vp = VP((19, 5), (23, 7), hq, hkv, 32, True)
+    case = A.make_varlen_inputs(vp, torch.float32, DEV, 42)
+    qp, kp, vp_, *rest = case.args
+    base_p = A.attention_varlen(qp, kp, vp_, *rest, causal=True)
+    for j in range(hkv):
+        k2, v2 = k.clone(), v.clone()
+        k2[:, j] += 1.0
+        v2[:, j] -= 2.0
+        out = A.attention(q, k2, v2, causal=True)
+        kp2, vp2 = kp.clone(), vp_.clone()
+        kp2[:, j] += 1.0
+        vp2[:, j] -= 2.0
+        out_p = A.attention_varlen(qp, kp2, vp2, *rest, causal=True)
+        for h in range(hq):
+            mine = h // g == j
+            assert (not torch.equal(out[:, h], base[:, h])) == mine, (j, h)
+            assert (not torch.equal(out_p[:, h], base_p[:, h])) == mine, (j, h)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sliding-window (local) attention: query i sees keys i + Tk - Tq - window < j <= i + Tk - Tq
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 200])
+@pytest.mark.parametrize("tq,tk", [(37, 37), (20, 53), (53, 20)], ids=lambda x: str(x))
+def test_window_dense(window, tq, tk):
+    """Windows narrower than a key block, a block, several, and wider than the keys (plain causal), on the
+    unmasked-block schedules ("ahead" takes the plain loop under a window) and lazy rescaling; with the lse."""
+    p = P(2, 4, 2, tq, tk, 32, True)
+    dtype = torch.float32
+    case = A.make_inputs(p, dtype, DEV, window + tq)
+    for over in ({}, dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1),
+                 dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1, SCHEDULE="ahead", LAZY_RESCALE=1)):
+        cfg = _config(p, dtype, **over)
+        out, lse = A.attention(*case.args, causal=True, window=window, return_lse=True, config=cfg)
+        want, want_lse = ref.attention(*case.args, causal=True, window=window, return_lse=True)
+        cmp.check(out, want, dtype, A.SPEC.accumulation(dtype), what=f"window={window} cfg={cfg}")
+        _check_lse(lse, want_lse, f"window={window}")
+    if window >= tk:
+        torch.testing.assert_close(out, A.attention(*case.args, causal=True, config=cfg), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_window_varlen(window):
+    vp = VP((19, 0, 1, 40), (23, 5, 1, 40), 4, 2, 32, True)
+    case = A.make_varlen_inputs(vp, torch.float16, DEV, window)
+    out = A.attention_varlen(*case.args, causal=True, window=window)
+    cmp.check(out, ref.attention_varlen(*case.args, causal=True, window=window), torch.float16,
+              A.SPEC.accumulation(torch.float16), what=f"varlen window={window}")
+
+
+def test_window_is_checked():
+    p = P(1, 2, 1, 8, 8, 32, True)
+    q, k, v = A.make_inputs(p, torch.float32, DEV, 0).args
+    for bad in (0, -3, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="window"):
+            A.attention(q, k, v, causal=True, window=bad)
+    with pytest.raises(ValueError, match="causal"):
+        A.attention(q, k, v, window=4)

@@ -44,8 +44,8 @@ class Recorder:
             self.logits.setdefault(r.id, []).append(row.float().cpu().clone())
         return self.base(reqs, logits)
 
-    def release(self, request_id):
-        self.base.release(request_id)
+    def __getattr__(self, name):   # the rest of the sampler's interface (release, failures...) is the base's
+        return getattr(self.base, name)
 
 
 def run(model, reqs, record=False, **kw):

@@ -430,7 +430,7 @@ def test_gpu_fused_gpt2_rows_bitwise_alone_and_batched():
     # and the qkv product writes the cache exactly
     from tritune.model.engine import invariant
 
-    for p in G._gpt2_fused(37):
+    for p in G.gpt2_fused(37):
         cfg = invariant.gemm_config(p.N, p.K, p.trans_b, p.bias, p.act, False, torch.bfloat16, ln=True, kv=p.kv)
         for seed in (0, 1):
             case = G.make_inputs(p, torch.bfloat16, DEV, seed)

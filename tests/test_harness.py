@@ -308,3 +308,15 @@ def test_cli_test_help_leads_with_tritunes_options():
     head = r.stdout[:1500]
     assert r.returncode == 0 and head.startswith("usage: tritune test"), r.stdout[:500] + r.stderr[-2000:]
     assert "--tritune-fast" in head and "TRITUNE_CONTRACT_FAST" in head and "pytest's options follow" in head
+
+
+def test_contract_fast_mode_switch(monkeypatch):
+    from tritune.testing import contract
+
+    monkeypatch.delenv("TRITUNE_CONTRACT_FAST", raising=False)
+    assert not contract.fast_mode()
+    monkeypatch.setenv("TRITUNE_CONTRACT_FAST", "1")
+    assert contract.fast_mode()
+    fast = contract._settings(6, fast=True)
+    assert fast.max_examples == 6 and "shrink" not in {p.name for p in fast.phases}
+    assert "shrink" in {p.name for p in contract._settings(6).phases}

@@ -115,7 +115,9 @@ def test_invalid_stored_config_is_reported_once_and_not_used(monkeypatch):
     monkeypatch.setattr(store, "lookup", lambda *a, **k: dict(absurd))
     monkeypatch.setattr(store, "entry_config", lambda *a, **k: dict(absurd))
     K.clear_config_cache()
-    monkeypatch.setattr(K, "_REPORTED", set())
+    from tritune.kernels.runtime import spec as runtime_spec
+
+    monkeypatch.setattr(runtime_spec, "_REPORTED", set())
     try:
         with pytest.warns(UserWarning, match=rf"kernel 'gemm', bucket {bucket}, dtype float32 is invalid "
                                              r"\(BLOCK_M=3 not among"):

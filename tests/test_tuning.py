@@ -389,6 +389,17 @@ def test_two_tuners_on_one_study_both_report_its_count(tmp_path, helpers):
     assert all(line.split()[2] == "2" for line in lines)   # both processes timed trials of the study
 
 
+def test_a_replay_of_recorded_trials_finds_the_same_winner(tmp_path):
+    """ReplayRunner answers trials from a storage's recorded ones: the same sweep replayed on a new storage
+    evaluates nothing for real and reaches the same winner (how a refactor of the search is checked)."""
+    spec = toy_spec(SMALL, _odd)
+    row, storage = _tune(spec, tmp_path, quadratic, trials=10)
+    replay = search.ReplayRunner.from_storage(storage, missing=lambda task: {"ok": True, "ms": 1e3})
+    again, _ = _tune(spec, tmp_path, replay, trials=10, name="replay.journal")
+    assert replay.answered == {"recorded": 10, "missing": 0}
+    assert (again["config"], again["best_us"], again["trials"]) == (row["config"], row["best_us"], 10)
+
+
 def test_the_table_says_why_trials_failed(tmp_path):
     """`tune`'s table and summary count failed trials by kind (a mismatch against the reference is a
     wrong answer; an exception in the launch an error), not only how many failed."""

@@ -185,5 +185,3 @@ class Evaluator:
         phases["time_s"] = clock() - t
         return {"ok": True, "ms": ms, "timer": mode, "phases": {k: round(v, 4) for k, v in phases.items()},
                 **({} if worst is None else {"rel_error": worst})}
-
-

@@ -57,5 +57,3 @@ def export(storage=None, kernels_=None, slug: str | None = None, root: Path | st
         log(f"export: wrote {p} ({len(entries)} entries)")
         paths.append(p)
     return paths
-
-

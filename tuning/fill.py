@@ -49,8 +49,6 @@ def last_search_gain(study, job) -> float:
     return max(0.0, min(seeds) / min(t.value for t in ok) - 1.0)
 
 
-
-
 def fill_cut_level(led: dict) -> int | None:
     """The fill pass's patience level a study was cut at in an earlier call, or None: its ledger's
     ``fill_cut``; else, for a study stopped on the budget after it had converged (only the fill searches a
@@ -133,8 +131,6 @@ def fill(jobs, studies, runner, budget, *, patience: int, min_gain: float, trial
         if not retime_done(studies[name]):
             retime_study(studies[name], by_name[name], runner, rounds, budget.end())
         deferred.pop(name)
-
-
 
 
 def _tiers(todo, jobs, studies, gain: dict, min_gain: float, prefetch) -> list[tuple]:

@@ -46,8 +46,6 @@ class Meter:
             self.written = now
 
 
-
-
 def spent_s(rows: list[dict]) -> float:
     return sum((r.get("ledger") or {}).get("spent_s", 0.0) for r in rows)
 
@@ -113,8 +111,6 @@ def stop_label(row: dict) -> str:
     """Why a study stopped; 'seeds only' when the budget ended before its search began."""
     stop = (row.get("ledger") or {}).get("stop")
     return stop or ("seeds only" if row.get("trials") else "not run")
-
-
 
 
 def ledger_empty() -> dict:

@@ -116,8 +116,6 @@ def taken(trials, params: dict) -> set:
     return keys
 
 
-
-
 class Prefetch:
     """Hands the configs a sweep will evaluate next to the precompile helpers (:mod:`tritune.tuning.precompile`;
     a no-op without them): a study's waiting trials (seeds), then the unevaluated neighbours of its best."""
@@ -256,5 +254,3 @@ def bucket_seed_configs(job, jobs, studies, limit: int = BUCKET_SEEDS) -> list[d
         if n >= limit:
             break
     return out
-
-

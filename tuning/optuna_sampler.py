@@ -117,10 +117,11 @@ def snapshot(study, version, window: float) -> dict:
             "waiting": any(t.state == TrialState.WAITING for t in ts)}
 
 
-def wait_for_running(study, version, window: float, poll_s: float = 0.2) -> None:
+def wait_for_running(study, version, window: float, deadline: float | None = None, poll_s: float = 0.2) -> None:
     """Wait until no live trial of another worker runs (each finishes, or its process dies and is
-    reaped): a study ended by its count then reports that count in every worker, not each one's own."""
-    while snapshot(study, version, window)["running"]:
+    reaped), or ``deadline`` passes: a study ended by its count then reports that count in every worker,
+    not each one's own. A trial running longer than ``window`` no longer counts as live."""
+    while snapshot(study, version, window)["running"] and (deadline is None or time.time() < deadline):
         time.sleep(poll_s)
         reap(study, window)
 
@@ -130,7 +131,7 @@ def run_study(study, job, runner, *, trials: int, sampler_name: str = "tpe", dea
               progress: Callable | None = None, stall: int = STALL, should_stop: Callable | None = None) -> None:
     """Run trials in ``study`` until ``trials`` evaluated trials exist (or every valid point is
     evaluated, or ``deadline`` passes, or a value <= ``stop_at_us`` is found, or ``should_stop(trials)``,
-    asked before each proposal with the study's current trials, is true: see ``tuning/budget.py``)."""
+    asked before each proposal with the study's current trials, is true: see :mod:`tritune.tuning.turn`)."""
     params = job.spec.space.params
     valid = {config_key(p, params): p for p in job.spec.space.points(job.problem, job.dtype)}
     if not valid:
@@ -149,7 +150,7 @@ def run_study(study, job, runner, *, trials: int, sampler_name: str = "tpe", dea
         if progress is not None:
             progress(job, len(now["evaluated"]), min(trials, len(valid)), now["failed"], now["best"], deadline)
         if len(now["evaluated"]) + len(now["running"]) >= trials:
-            wait_for_running(study, version, window)
+            wait_for_running(study, version, window, deadline)
             break
         if (len(set(done) & set(valid)) >= len(valid) or (deadline is not None and time.time() >= deadline)
                 or (stop_at_us is not None and now["best"] is not None and now["best"] <= stop_at_us)
@@ -198,5 +199,3 @@ def surplus(study, number: int, trials: int, version, window: float) -> bool:
     now = time.time()
     ahead = sum(1 for t in ts if t.number < number and t.state == TrialState.RUNNING and not is_dead(t, now, window))
     return len(evaluated(current_trials(ts, version))) + ahead >= trials
-
-

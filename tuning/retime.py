@@ -116,8 +116,6 @@ def retime(study, job, runner, rounds: int = RETIME_ROUNDS, deadline: float | No
     return out
 
 
-
-
 def retime_study(study, job, runner, rounds: int, deadline: float | None = None) -> dict | None:
     """Re-time the study's front runners (when at least two distinct configs compete); the time is
     charged to the study."""
@@ -141,8 +139,6 @@ def retime_estimate(study, rounds: int) -> float:
     return race * TIME_ONLY_S if n > 1 else 0.0
 
 
-
-
 def retime_done(study) -> bool:
     """Whether the study's current best was re-timed (or had no rival to be re-timed against)."""
     led = ledger(study)
@@ -150,5 +146,3 @@ def retime_done(study) -> bool:
         return True
     r = study.user_attrs.get("retimed")
     return isinstance(r, dict) and r.get("best_trial") == study_stats(study)["best_trial"]
-
-

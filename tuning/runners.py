@@ -274,5 +274,3 @@ def make_runner(evaluate: Callable | None, isolation: str = "auto", env: dict | 
     if isolation == "process":
         return ProcessRunner(evaluate, env=env, timeout=timeout)
     raise ValueError(f"isolation: expected 'auto', 'inline' or 'process', got {isolation!r}")
-
-

@@ -120,7 +120,7 @@ def tune(kernels_, problems=None, dtypes=None, *, trials: int = 40, sampler: str
     ``seed_configs``: (partial) configs each study evaluates before its sampler proposes (completed from
     the heuristic default; skipped where invalid): the front runners of a probe, timed and verified by the
     same evaluation as every other trial. ``warm(job) -> [config]``: configs enqueued after those
-    (under the ``warm`` attribute): another GPU's winners for the bucket (see ``tuning/budget.py``).
+    (under the ``warm`` attribute): another GPU's winners for the bucket (see :mod:`tritune.tuning.warm`).
 
     ``evaluate(task) -> {"ok", "ms" | "error"}`` replaces the real evaluation (it must be picklable
     when evaluations run in worker processes). KeyboardInterrupt propagates after the workers stop; the
@@ -244,5 +244,3 @@ def _run_workers(jobs, storage, storage_obj, *, workers, sampler, trials, deadli
     bad = [p.exitcode for p in procs if p.exitcode]
     if bad:
         log(f"tune: {len(bad)} worker(s) exited with codes {bad}; their finished trials are kept")
-
-

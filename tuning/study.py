@@ -526,5 +526,3 @@ def tuned_studies(storage, kernel: str | None = None, slug: str | None = None) -
             continue
         out.append(optuna.load_study(study_name=s.study_name, storage=storage))
     return sorted(out, key=lambda st: st.study_name)
-
-

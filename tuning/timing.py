@@ -22,7 +22,6 @@ import triton.testing
 from tritune.kernels.runtime import device as dev
 
 
-
 _WARM = [False]
 
 

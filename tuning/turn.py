@@ -196,5 +196,3 @@ def search_pass(todo, studies, runner, budget, progress, retime_if, *, trials, p
             retime_study(st, job, runner, rounds, budget.end())
         progress.next_job()
     return turns
-
-

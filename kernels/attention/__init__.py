@@ -23,7 +23,7 @@ that sees no key outputs 0 and its lse is −inf. GQA/MQA: query head h reads kv
 
 Stored configs of the single ``WARP_SPEC`` key that these keys replace translate with :mod:`.migrate`.
 """
-from tritune.kernels.attention import gluon as G  # noqa: F401
+from tritune.kernels.attention import gluon as G, gluon_launch  # noqa: F401
 from tritune.kernels.attention.dense import PLANS, SPEC, attention, bad_inputs, problem_of  # noqa: F401
 from tritune.kernels.attention.launch import GLUON_SCHEDULES, LOG2E  # noqa: F401
 from tritune.kernels.attention.problem import (DTYPES, HEAD_DIMS, PackedProblem, Problem,  # noqa: F401

@@ -11,10 +11,10 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune import kernels as K
-from tritune.kernels.attention import gluon as G
+from tritune.kernels.attention import gluon_launch as GL
 from tritune.kernels.attention import launch as L
-from tritune.kernels.attention.problem import (DTYPES, Problem, bucket, check_qkv, check_scale, cost,  # noqa: F401
-                                               make_inputs, problems)
+from tritune.kernels.attention.problem import (DTYPES, Problem, bucket, check_qkv, check_scale,  # noqa: F401
+                                               check_window, cost, make_inputs, problems)
 from tritune.kernels.attention.space import SPACE, default_config, gluon_seeds
 # the jitted code the spec launches, held by name: the store's staleness hash reads the jitted functions of
 # the spec's module (store.module_hash)
@@ -30,7 +30,7 @@ def problem_of(q, k, v, *, causal=False, **_) -> Problem:
 PLANS = K.PlanCache()
 
 
-def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> L.Plan:
+def _dense_plan(q, k, v, causal, scale, return_lse, out, config, window=None) -> L.Plan:
     """Every metadata check (errors name the argument), then the launch plan."""
     Hq, Hkv, D = check_qkv(q, k, v, 4)
     B, _, Tq, _ = q.shape
@@ -38,6 +38,7 @@ def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> L.Plan:
     if k.shape[0] != B:
         raise ValueError(f"k: batch {k.shape[0]} does not match q's {B}")
     check_scale(scale)
+    win = check_window(window, causal)
     shape = (B, Hq, Tq, D)
     if out is not None:
         K.check_out(out, shape, q.dtype, q.device)
@@ -52,7 +53,7 @@ def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> L.Plan:
     host_ok = (all(x > 0 for st in (q.stride(), k.stride(), v.stride(), out_strides) for x in st[:-1])
                and min(B, Hq, Hkv, Tq, Tk) > 0)
     plan = L.plan(SPEC, Problem(B, Hq, Hkv, Tq, Tk, D, bool(causal)), config, q.dtype, scale, d_contig,
-                  False, bool(return_lse), tma_ok, host_ok)
+                  False, bool(return_lse), tma_ok, host_ok, win)
     for pl in (plan, plan.fallback) if plan.fallback is not None else (plan,):
         pl.out_shape = shape
         pl.strides = (*q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides)
@@ -66,13 +67,14 @@ def _dense_plan(q, k, v, causal, scale, return_lse, out, config) -> L.Plan:
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False, out=None,
-              config: dict | None = None):
+              config: dict | None = None, window: int | None = None):
     """Attention over (B, H, T, D) tensors of any strides. Returns out (B, Hq, Tq, D) in q's dtype, or
     (out, lse) with lse (B, Hq, Tq) float32, the natural log of each row's softmax denominator.
 
     q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D) with Hq a multiple of Hkv; D in HEAD_DIMS (32 to 256);
     fp16, bf16 or fp32. ``scale`` defaults to 1/sqrt(D). ``causal``: query i sees keys j <= i + Tk − Tq.
     ``out`` may be any strided view of the right shape (e.g. a (B, T, H, D) buffer transposed).
+    ``window`` (with ``causal``): local attention, query i sees only keys i + Tk − Tq − window < j.
     """
     # The checks, the config and the launch parameters depend only on metadata: computed once per
     # signature. A GPT-2 prefill runs ~50 µs; the uncached host path (checks, config validation) cost
@@ -82,10 +84,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
                v.shape, v.stride(), v.dtype, v.device,
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
                causal, scale, type(scale), return_lse, None if config is None else tuple(config.items()),
-               K.precision_key(q.dtype))
+               K.precision_key(q.dtype), window, type(window))
     except (AttributeError, TypeError):  # not tensors: the checks will say
         key = None
-    plan = PLANS.get_or_make(key, lambda: _dense_plan(q, k, v, causal, scale, return_lse, out, config))
+    plan = PLANS.get_or_make(key, lambda: _dense_plan(q, k, v, causal, scale, return_lse, out, config, window))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     else:
@@ -93,7 +95,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.gluon is not None:
         if L.aligned(q, k, v, out):
-            G.launch(q, k, v, out, lse=lse, cache=plan.gluon_cache, **plan.gluon)
+            GL.launch(q, k, v, out, lse=lse, cache=plan.gluon_cache, **plan.gluon)
             return (out, lse) if return_lse else out
         plan = plan.fallback   # a base TMA cannot read (e.g. a view one element in)
     L.launch_triton(plan, q, k, v, out, lse, q, q)

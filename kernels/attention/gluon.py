@@ -1,9 +1,10 @@
 """The attention kernel's FlashAttention-3-structured Hopper path, written in Gluon (sm90 only).
 
 Attention runs this for its configs ``IMPL="gluon"`` (``PERSISTENT=1``: the persistent form), tuned like every
-other point of its space; everything else about the call (checks, plan cache, fallbacks) stays in the package's
-launch modules. A CTA's state travels between its partitions in named aggregates (:class:`Descs`, :class:`Ring`,
-:class:`Work`; the persistent kernel's :class:`PersistentRing`, :class:`Items`).
+other point of its space; its descriptors and launches are in :mod:`.gluon_launch`, everything else about the
+call (checks, plan cache, fallbacks) in the package's launch modules. A CTA's state travels between its
+partitions in named aggregates (:class:`Descs`, :class:`Ring`, :class:`Work`; the persistent kernel's
+:class:`PersistentRing`, :class:`Items`).
 
 One CTA owns 128 query rows of one (batch, head) as **two consumer warpgroups of 64 rows**, each in its own
 ``gl.warp_specialize`` partition, so one warpgroup's softmax runs under the other's tensor-core work; or, NWG=3
@@ -37,8 +38,6 @@ store its O (``q_free``); the ring's slot and phase and the ping-pong turn run o
 tokens it hides the per-tile prologue and epilogue that a CTA per tile pays with nothing to overlap.
 What each form measured before it was registered: docs/findings.md.
 """
-import functools
-import typing
 
 import triton
 
@@ -72,15 +71,6 @@ def smem_bytes(D: int, BN: int, stages: int, elem: int = 2, persistent: bool = F
 
 
 if AVAILABLE:
-    # A CTA's scalars may be constexprs: triton specializes an integer argument equal to 1 (a unit stride, one
-    # query row), and the packed kernel's key rows count from 0
-    Scalar = typing.Union[gl.tensor, gl.constexpr]
-
-    @gluon.constexpr_function
-    def _scalar(x):
-        """A scalar field's value: a tensor as it is, a Python value (an unwrapped constexpr) as a constexpr."""
-        return x if isinstance(x, gl.tensor) else gl.constexpr(x)
-
     @aggregate
     class Descs:
         """The TMA descriptors of Q, K, V and O."""
@@ -152,18 +142,18 @@ if AVAILABLE:
         """A CTA's query tile: its first row in the descriptors' row space (``q_row0``; the K/V rows' ``kv_row0``),
         the key tiles to stream, the softmax scale (times log2 e), the sequence's lengths, its batch, head and
         kv head, the tile's first query position in its sequence, and where its lse rows start."""
-        q_row0: Scalar
-        kv_row0: Scalar
-        n_tiles: Scalar
-        qk_scale: Scalar
-        Tq: Scalar
-        Tk: Scalar
-        b: Scalar
-        h: Scalar
-        hk: Scalar
-        q_start: Scalar
-        lse_row0: Scalar
-        lse_stride: Scalar
+        q_row0: gl.tensor
+        kv_row0: gl.tensor
+        n_tiles: gl.tensor
+        qk_scale: gl.tensor
+        Tq: gl.tensor
+        Tk: gl.tensor
+        b: gl.tensor
+        h: gl.tensor
+        hk: gl.tensor
+        q_start: gl.tensor
+        lse_row0: gl.tensor
+        lse_stride: gl.tensor
 
         @gluon.constexpr_function
         def __init__(self, q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, lse_stride):
@@ -184,18 +174,18 @@ if AVAILABLE:
     class Items:
         """The persistent kernel's work: ``n_items`` (query tile, batch-head) items, ``n_m`` query tiles over
         ``BHn`` batch-heads; the problem's heads, lengths and softmax scale; the lse tensor and its strides."""
-        n_items: Scalar
-        n_m: Scalar
-        BHn: Scalar
-        H: Scalar
-        H_KV: Scalar
-        Tq: Scalar
-        Tk: Scalar
-        qk_scale: Scalar
-        LSE: Scalar
-        stride_lb: Scalar
-        stride_lh: Scalar
-        stride_lm: Scalar
+        n_items: gl.tensor
+        n_m: gl.tensor
+        BHn: gl.tensor
+        H: gl.tensor
+        H_KV: gl.tensor
+        Tq: gl.tensor
+        Tk: gl.tensor
+        qk_scale: gl.tensor
+        LSE: gl.tensor
+        stride_lb: gl.tensor
+        stride_lh: gl.tensor
+        stride_lm: gl.tensor
 
         @gluon.constexpr_function
         def __init__(self, n_items, n_m, BHn, H, H_KV, Tq, Tk, qk_scale, LSE, stride_lb, stride_lh, stride_lm):
@@ -211,6 +201,22 @@ if AVAILABLE:
             self.stride_lb = stride_lb
             self.stride_lh = stride_lh
             self.stride_lm = stride_lm
+
+    @gluon.jit
+    def _work(q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, lse_stride):
+        """A :class:`Work` of these values, each a tensor: triton specializes an integer argument equal to 1 (a
+        unit lse stride, one query row) and the packed kernel's K/V rows count from 0, and the partitions
+        take every field as an argument either way."""
+        return Work(gl.to_tensor(q_row0), gl.to_tensor(kv_row0), gl.to_tensor(n_tiles), gl.to_tensor(qk_scale),
+                    gl.to_tensor(Tq), gl.to_tensor(Tk), gl.to_tensor(b), gl.to_tensor(h), gl.to_tensor(hk),
+                    gl.to_tensor(q_start), gl.to_tensor(lse_row0), gl.to_tensor(lse_stride))
+
+    @gluon.jit
+    def _items(n_items, n_m, BHn, H, H_KV, Tq, Tk, qk_scale, LSE, stride_lb, stride_lh, stride_lm):
+        """An :class:`Items` of these values, each a tensor (as :func:`_work`)."""
+        return Items(gl.to_tensor(n_items), gl.to_tensor(n_m), gl.to_tensor(BHn), gl.to_tensor(H),
+                     gl.to_tensor(H_KV), gl.to_tensor(Tq), gl.to_tensor(Tk), gl.to_tensor(qk_scale), gl.to_tensor(LSE),
+                     gl.to_tensor(stride_lb), gl.to_tensor(stride_lh), gl.to_tensor(stride_lm))
 
     @gluon.jit
     def _tile(buf, RANK: gl.constexpr):
@@ -457,7 +463,7 @@ if AVAILABLE:
         kv_row0 = (b * H_KV + hk) * Tk
 
         lse_row0 = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-        w = Work(q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
+        w = _work(q_row0, kv_row0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
         _partitions(Descs(q_desc, k_desc, v_desc, o_desc), w, STAGES, CAUSAL, SCHEDULE, RANK, False, STORE_LSE, NWG)
 
 
@@ -554,7 +560,7 @@ if AVAILABLE:
         k_bufs, v_bufs, k_ready, v_ready, empty = _kv_ring(k_desc, v_desc, STAGES, NWG)
         d = Descs(q_desc, k_desc, v_desc, o_desc)
         r = PersistentRing(q_smem, k_bufs, v_bufs, q_bar, q_free, k_ready, v_ready, empty, sched)
-        w = Items(n_items, n_m, BHn, H, H_KV, Tq, Tk, qk_scale, LSE, stride_lb, stride_lh, stride_lm)
+        w = _items(n_items, n_m, BHn, H, H_KV, Tq, Tk, qk_scale, LSE, stride_lb, stride_lh, stride_lm)
         if NWG == 2:
             gl.warp_specialize([
                 (_p_consumer, (d, r, w, CAUSAL, SCHEDULE, 0, STORE_LSE)),
@@ -631,128 +637,5 @@ if AVAILABLE:
                                             layout=LQ)
 
         # the descriptors are the sequence's own: rows count from its start (q_row0 = q_start, kv_row0 = 0)
-        w = Work(q_start, 0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
+        w = _work(q_start, 0, n_tiles, qk_scale, Tq, Tk, b, h, hk, q_start, lse_row0, stride_lm)
         _partitions(Descs(q_desc, k_desc, v_desc, o_desc), w, STAGES, CAUSAL, SCHEDULE, 2, CAUSAL, STORE_LSE, NWG)
-
-
-def flat_ok(q, k, v, out, BN: int, rows: int = ROWS) -> bool:
-    """The 2-D (B*H*T, D) descriptors apply: every tensor contiguous, no tile crossing a head."""
-    B, H, Tq, D = q.shape
-    Tk = k.shape[2]
-    return (all(t.is_contiguous() for t in (q, k, v, out)) and Tq % rows == 0 and Tk % BN == 0
-            and D == triton.next_power_of_2(D))
-
-
-def descriptor_makers(q, k, v, out, BN: int, rank: int | None = None, rows: int = ROWS) -> tuple:
-    """(makers of the q, k, v, o descriptors, rank, grid) for (B, H, T, D) tensors TMA can read, CTAs of
-    ``rows`` query rows: ``rank`` 2 (the flat form over (B*H*T, D), where :func:`flat_ok`), 4 (over the
-    tensors' own strides), or None: 2 where it applies. The geometry depends only on the tensors' metadata: a
-    launch plan keeps the makers (kernels.DescriptorMaker), and each launch makes the four descriptors over its
-    own tensors."""
-    import torch
-
-    from tritune import kernels as K
-
-    B, H, Tq, D = q.shape
-    Dp = triton.next_power_of_2(D)
-    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    rank = rank or (2 if flat_ok(q, k, v, out, BN, rows) else 4)
-    if rank == 2:   # the base is the tensor itself (contiguous): the flat view's address and dtype
-        lq, lkv = _layout((BM, D), dt), _layout((BN, D), dt)
-        makers = tuple(K.DescriptorMaker(GluonDescriptor, [t.numel() // D, D], [D, 1], [rows, D], lay)
-                       for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
-    else:
-        lq, lkv = _layout((1, 1, BM, Dp), dt), _layout((1, 1, BN, Dp), dt)
-        makers = tuple(K.DescriptorMaker(GluonDescriptor, t.shape, t.stride(), [1, 1, rows, Dp], lay)
-                       for t, rows, lay in ((q, BM, lq), (k, BN, lkv), (v, BN, lkv), (out, BM, lq)))
-    return makers, rank, (triton.cdiv(Tq, rows), B * H)
-
-
-def descriptors(q, k, v, out, BN: int, rank: int | None = None, rows: int = ROWS) -> tuple:
-    """(q, k, v, o descriptors, rank, grid): :func:`descriptor_makers` applied to these tensors."""
-    makers, rank, grid = descriptor_makers(q, k, v, out, BN, rank, rows)
-    return tuple(m(t) for m, t in zip(makers, (q, k, v, out))), rank, grid
-
-
-def launch(q, k, v, out, *, causal: bool, qk_scale: float, BN: int, stages: int, schedule: int,
-           persistent: bool = False, rows: int = ROWS, lse=None, cache: dict | None = None) -> None:
-    """Write attention(q, k, v) into ``out`` (all (B, H, T, D), TMA-readable, checked by the caller), and each
-    row's log-sum-exp into ``lse`` (B, H, Tq) float32 if given. ``qk_scale``: the softmax scale times log2(e),
-    positive. ``persistent``: the persistent form (4-D descriptors, a CTA per SM over the work items).
-    ``rows``: query rows a CTA, 128 (two consumer warpgroups) or 192 (three).
-    ``cache``: a launch plan's dict (the same shapes, strides, dtypes and arguments every call): it keeps the
-    descriptors' geometry and, for direct launches (kernels.launch_cached), the compiled kernel."""
-    from tritune import kernels as K
-
-    st = cache.get("dense") if cache is not None else None
-    if st is None:
-        nwg = _nwg(rows)
-        makers, rank, grid = descriptor_makers(q, k, v, out, BN, 4 if persistent else None, rows)
-        kws = dict(STORE_LSE=lse is not None, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule, NWG=nwg, num_warps=4,
-                   maxnreg=MAXNREG[nwg])
-        if persistent:   # one CTA per SM, at most one per work item; the batch size after the lse strides
-            fn, grid, tail = fa3_fwd_persistent, (max(1, min(grid[0] * grid[1], K.num_sms())),), (q.shape[0],)
-        else:
-            fn, tail = fa3_fwd, ()
-            kws["RANK"] = rank
-        st = (fn, makers, grid, (qk_scale, q.shape[2], k.shape[2], q.shape[1], k.shape[1]),
-              (lse.stride() if lse is not None else (0, 0, 0)) + tail, kws,
-              tuple(kws[c] for c in K.constexpr_params(fn)), {} if K.DIRECT_LAUNCH else None)
-        if cache is not None:
-            cache["dense"] = st
-    fn, makers, grid, scalars, ls, kws, consts, kernels = st
-    lse_arg = out if lse is None else lse
-    args = (makers[0](q), makers[1](k), makers[2](v), makers[3](out), *scalars, lse_arg, *ls)
-    K.launch_cached(fn, kernels, grid, args, kws, consts, 0, (lse_arg,))
-
-
-def _nwg(rows: int) -> int:
-    """Consumer warpgroups of a CTA of ``rows`` query rows."""
-    if rows not in (2 * BM, 3 * BM):
-        raise ValueError(f"rows: the Gluon kernel's CTAs take {2 * BM} or {3 * BM} query rows, not {rows}")
-    return rows // BM
-
-
-@functools.lru_cache(maxsize=None)
-def _layout(block: tuple, dtype):
-    """The shared-memory layout of a TMA tile (made once per shape and dtype, not per launch)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
-
-
-def varlen_layouts(dtype, D: int, BN: int) -> tuple:
-    """(D padded to a power of two, Q/O tile layout, K/V tile layout) of the packed kernel's descriptors."""
-    Dp = triton.next_power_of_2(D)
-    return Dp, _layout((BM, Dp), dtype), _layout((BN, Dp), dtype)
-
-
-def launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool, qk_scale: float,
-                  BN: int, stages: int, schedule: int, rows: int = ROWS, lse=None, cache: dict | None = None) -> None:
-    """Write attention_varlen(q, k, v, ...) into ``out`` (q, out (total_q, H, D), k, v (total_k, H_KV, D), unit
-    stride along D, 16-byte aligned bases and strides: checked by the caller, as is the allocator the device
-    descriptors need), and each row's log-sum-exp into ``lse`` (total_q, H) float32 if given. ``qk_scale``: the
-    softmax scale times log2(e), positive. ``rows``, ``cache``: as :func:`launch`'s."""
-    import torch
-
-    from tritune import kernels as K
-
-    st = cache.get("varlen") if cache is not None else None
-    if st is None:
-        total_q, H, D = q.shape
-        total_k, H_KV, _ = k.shape
-        Dp, lq, lkv = varlen_layouts(gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, D, BN)
-        ls = (lse.stride(1), lse.stride(0)) if lse is not None else (0, 0)   # (per head, per row)
-        nwg = _nwg(rows)
-        grid = (triton.cdiv(max_seqlen_q, rows), (cu_seqlens_q.shape[0] - 1) * H)
-        kws = dict(D=D, DP=Dp, BN=BN, LQ=lq, LKV=lkv, STAGES=stages, CAUSAL=causal, SCHEDULE=schedule,
-                   STORE_LSE=lse is not None, NWG=nwg, num_warps=4, maxnreg=MAXNREG[nwg])
-        tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-                out.stride(1), qk_scale, total_q, total_k, H, H_KV)
-        st = (grid, tail, ls, kws, tuple(kws[c] for c in K.constexpr_params(fa3_fwd_varlen)),
-              {} if K.DIRECT_LAUNCH else None)
-        if cache is not None:
-            cache["varlen"] = st
-    grid, tail, ls, kws, consts, kernels = st
-    lse_arg = out if lse is None else lse
-    args = (q, k, v, out, cu_seqlens_q, cu_seqlens_k, *tail, lse_arg, *ls)
-    K.launch_cached(fa3_fwd_varlen, kernels, grid, args, kws, consts, 0,
-                    (q, k, v, out, cu_seqlens_q, cu_seqlens_k, lse_arg))

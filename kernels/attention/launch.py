@@ -50,8 +50,9 @@ class Plan:
 
 
 def triton_meta(cfg, p, dtype, scale: float, d_contig: bool, varlen: bool, store_lse: bool, tma_ok: bool,
-                host_ok: bool) -> dict:
-    """The Triton kernel's constexprs (and num_warps, num_stages) for config ``cfg``."""
+                host_ok: bool, window: int = 0) -> dict:
+    """The Triton kernel's constexprs (and num_warps, num_stages) for config ``cfg``; ``window``: the local
+    attention window (0: none)."""
     sch = cfg["SCHEDULE"]
     return dict(D=p.D, VARLEN=varlen, CAUSAL=p.causal, STORE_LSE=store_lse, HEADS_INNER=bool(cfg["HEADS_INNER"]),
                 D_CONTIG=d_contig, IEEE=dtype == torch.float32 and K.fp32_precision() == "ieee", NEG_SCALE=scale < 0,
@@ -63,23 +64,24 @@ def triton_meta(cfg, p, dtype, scale: float, d_contig: bool, varlen: bool, store
                 SCHEDULE=sch if sch != "warp_specialized" or tma_ok else "pipelined",
                 LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=triton.next_power_of_2(p.D),
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], WINDOW=window)
 
 
 def plan(spec, p, config, dtype, scale, d_contig: bool, varlen: bool, store_lse: bool,
-         tma_ok: bool = False, host_ok: bool = False) -> Plan:
+         tma_ok: bool = False, host_ok: bool = False, window: int = 0) -> Plan:
     """Config, grid and launch parameters for problem ``p`` (B, Hq, Hkv, Tq, Tk, D, causal). ``tma_ok``:
     the strides allow TMA (see :func:`tma_strides_ok`); a config asking for TMA on a layout that does
     not allow it runs the pointer path (``meta_ptr``), as does a launch whose base pointers are not
     16-byte aligned (checked per launch: the plan is keyed on strides, not addresses). ``host_ok``: the
-    4-D (B, H, T, D) views also suit host-built descriptors (dense, no zero stride); else TMA=2 runs TMA=1."""
+    4-D (B, H, T, D) views also suit host-built descriptors (dense, no zero stride); else TMA=2 runs TMA=1.
+    ``window``: local attention (the Triton kernel only: an IMPL="gluon" config runs the default one)."""
     cfg = spec.config_for(p, dtype, config)
     if cfg["IMPL"] == "gluon":
-        return gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
+        return gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok, window)
     num_m = triton.cdiv(p.Tq, cfg["BLOCK_M"])
     num_bh = p.B * p.Hq
     scale = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
-    meta = triton_meta(cfg, p, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
+    meta = triton_meta(cfg, p, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok, window)
     meta_ptr = dict(meta, TMA=0, SCHEDULE="pipelined" if meta["SCHEDULE"] == "warp_specialized"
                     else meta["SCHEDULE"]) if meta["TMA"] else meta
     return Plan(
@@ -98,18 +100,19 @@ def gluon_runs_here() -> bool:
     return not dev.interpreted()
 
 
-def gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok) -> Plan:
+def gluon_plan(spec, p, cfg, config, dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok, window=0) -> Plan:
     """An IMPL=gluon config: the Gluon kernel where it takes the call, else the Triton kernel with the default
     config (the interpreter, a scale <= 0, strides TMA cannot read, a dense call without keys, or a problem of
-    the config's bucket that the Gluon kernel does not take: dense causal Tq > Tk, too many heads)."""
+    the config's bucket that the Gluon kernel does not take: dense causal Tq > Tk, too many heads; a window)."""
     scale_f = 1.0 / math.sqrt(p.D) if scale is None else float(scale)
-    plain = plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok)
+    plain = plan(spec, p, spec.default_config(p, dtype), dtype, scale, d_contig, varlen, store_lse, tma_ok, host_ok,
+                 window)
     plain.cfg_key = None if config is not None else spec.config_key(p, dtype)
     # the config cache is per bucket, so a config that came from it was checked against the bucket's first
     # problem only: this problem's own limits (causal Tq <= Tk, the grid's batch x heads) are checked here;
     # not a zero scale either: the Gluon softmax scales masked (-inf) scores, and -inf x 0 is NaN; a packed
     # batch takes descriptors made on the device (host_ok is the host-built 4-D descriptors' condition)
-    if (not gluon_runs_here() or scale_f <= 0 or not tma_ok or not (varlen or host_ok)
+    if (window or not gluon_runs_here() or scale_f <= 0 or not tma_ok or not (varlen or host_ok)
             or SP.SPACE.constraint(cfg, p, dtype) is not None):
         return plain
     args = dict(causal=p.causal, qk_scale=scale_f * LOG2E, BN=cfg["BLOCK_N"], stages=cfg["num_stages"],

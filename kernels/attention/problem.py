@@ -81,6 +81,18 @@ def check_qkv(q, k, v, ndim: int):
     return Hq, Hkv, D
 
 
+def check_window(window, causal) -> int:
+    """A local-attention window (the keys a query sees, up to its own position) as the kernel's WINDOW: 0 for
+    None (every key); ValueError for anything but a positive int, or a window without causal masking."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: expected a positive int or None, got {window!r}")
+    if not causal:
+        raise ValueError("window: local attention is causal (pass causal=True)")
+    return window
+
+
 def check_scale(scale):
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):

@@ -49,13 +49,16 @@ def dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, LAZY_RESCALE: tl.constexpr, WINDOW: tl.constexpr = 0):
     """Fold raw scores s (one key block) into the running max and denominator: returns p (base-2
-    exponentials against the new reference max) and acc, l_i rescaled to that max."""
+    exponentials against the new reference max) and acc, l_i rescaled to that max. ``WINDOW`` > 0: each row
+    sees only the WINDOW keys up to its diagonal (masked blocks only: the caller keeps the rest inside it)."""
     if MASKED:
         visible = (cols < seqlen_k)[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + delta)
+        if WINDOW > 0:
+            visible = visible & (cols[None, :] > offs_m[:, None] + delta - WINDOW)
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing visible yet keeps m = −inf: subtract 0 instead (exp2(−inf − −inf) is NaN)
@@ -89,10 +92,10 @@ def softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
 
 @triton.jit
 def attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
-                lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, IEEE: tl.constexpr,
-                TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+               lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_D: tl.constexpr, IEEE: tl.constexpr,
+               TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, WINDOW: tl.constexpr = 0):
     """Fold keys lo..hi (lo a multiple of BLOCK_N) into (acc, l_i, m_i). k_src/v_src are tensor
     descriptors under TMA (rows past the sequence and columns past D arrive as zeros), else base pointers."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -104,7 +107,7 @@ def attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv,
                      MASKED, PAD_D, TMA, BLOCK_N, BLOCK_D)
         s = dot(q, tl.trans(k), None, IEEE)
         p, acc, l_i, m_i = softmax_step(s, acc, l_i, m_i, offs_m, cols, seqlen_k, delta, qk_scale,
-                                         MASKED, CAUSAL, LAZY_RESCALE)
+                                        MASKED, CAUSAL, LAZY_RESCALE, WINDOW)
         acc = dot(p.to(v.dtype), v, acc, IEEE)
     return acc, l_i, m_i
 
@@ -153,7 +156,7 @@ def attn_fwd(Q, K, V, O, LSE, CuQ, CuK, DescQ, DescK, DescV, DescO,
               D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, HEADS_INNER: tl.constexpr,
               D_CONTIG: tl.constexpr, IEEE: tl.constexpr, NEG_SCALE: tl.constexpr,
               TMA: tl.constexpr, SCHEDULE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr = 0):
     pid = tl.program_id(0)
     if HEADS_INNER:  # neighbouring programs share a kv head (L2 reuse of K/V), all heads' row block at once
         bh = pid % num_bh
@@ -251,19 +254,32 @@ def attn_fwd(Q, K, V, O, LSE, CuQ, CuK, DescQ, DescK, DescV, DescO,
         hi = seqlen_k
     lo = full_blocks * BLOCK_N
     # stage 1: the blocks every row sees in full, no mask; stage 2: the diagonal and the key tail, masked
-    if SCHEDULE == "ahead":
+    if WINDOW > 0:
+        # local attention (causal): row r sees keys r + delta - WINDOW < j <= r + delta. Blocks wholly left
+        # of the tile's first row's window are skipped, those crossing some row's window edge run masked
+        # first, then the blocks inside every row's window and left of the diagonal unmasked
+        first = tl.maximum(start_m + delta - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        inside = tl.minimum(tl.cdiv(tl.maximum(start_m + BLOCK_M + delta - WINDOW, 0), BLOCK_N) * BLOCK_N, lo)
+        acc, l_i, m_i = attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
+                                   first, inside, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                                   True, CAUSAL, PAD_D, IEEE, TMA, False, False, BLOCK_N, BLOCK_D, WINDOW)
+        acc, l_i, m_i = attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
+                                   inside, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                                   False, CAUSAL, PAD_D, IEEE, TMA, False, LAZY_RESCALE, BLOCK_N, BLOCK_D)
+        lo = tl.maximum(lo, first)
+    elif SCHEDULE == "ahead":
         if lo > 0:
             acc, l_i, m_i = attn_inner_ahead(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv,
-                                              mask_d, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
-                                              PAD_D, IEEE, TMA, LAZY_RESCALE, BLOCK_N, BLOCK_D)
+                                             mask_d, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                                             PAD_D, IEEE, TMA, LAZY_RESCALE, BLOCK_N, BLOCK_D)
     else:
         acc, l_i, m_i = attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
-                                    0, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
-                                    False, CAUSAL, PAD_D, IEEE, TMA, SCHEDULE == "warp_specialized", LAZY_RESCALE,
-                                    BLOCK_N, BLOCK_D)
+                                   0, lo, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                                   False, CAUSAL, PAD_D, IEEE, TMA, SCHEDULE == "warp_specialized", LAZY_RESCALE,
+                                   BLOCK_N, BLOCK_D)
     acc, l_i, m_i = attn_inner(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_n, offs_dk, offs_dv, mask_d,
-                                lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
-                                True, CAUSAL, PAD_D, IEEE, TMA, False, False, BLOCK_N, BLOCK_D)
+                               lo, hi, seqlen_k, delta, stride_kn, stride_vn, qk_scale, b, kvh,
+                               True, CAUSAL, PAD_D, IEEE, TMA, False, False, BLOCK_N, BLOCK_D, WINDOW)
 
     # rows that saw no key: l = 0, acc = 0 -> output 0 (not 0/0)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from tritune import kernels as K
-from tritune.kernels.attention import gluon as G
+from tritune.kernels.attention import gluon_launch as GL
 from tritune.kernels.attention import launch as L
 from tritune.kernels.attention.dense import COMMON, bad_inputs as dense_bad_inputs
-from tritune.kernels.attention.problem import (PackedProblem, VarlenProblem, check_qkv, check_scale,
+from tritune.kernels.attention.problem import (PackedProblem, VarlenProblem, check_qkv, check_scale, check_window,
                                                make_varlen_inputs, varlen_problems)
 from tritune.kernels.attention.space import varlen_default_config
 # the jitted code the spec launches, held by name: the store's staleness hash reads the jitted functions of
@@ -76,7 +76,7 @@ def varlen_problem_of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal: bool = False,
                      scale=None, return_lse: bool = False, out=None, config: dict | None = None,
-                     validate: bool | None = None):
+                     validate: bool | None = None, window: int | None = None):
     """Attention over packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D); sequence b owns rows
     cu_seqlens[b]:cu_seqlens[b+1] (int32, batch + 1 entries, from 0, non-decreasing). Empty sequences
     are allowed. Returns out (total_q, Hq, D), or (out, lse) with lse (total_q, Hq) float32.
@@ -87,7 +87,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     None (default): the first time a cu_seqlens tensor is launched with (one device-to-host copy), not
     again while that tensor is unmodified; True: every launch; False: never (the engine's hot path).
     A CUDA-graph capture never checks. Unchecked bad values give wrong rows, but the kernel clamps every
-    sequence to the packed tensors, so memory outside them is never touched.
+    sequence to the packed tensors, so memory outside them is never touched. ``window`` (with ``causal``):
+    local attention within each sequence, as :func:`attention`'s.
     """
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
@@ -96,11 +97,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                max_seqlen_k, type(max_seqlen_k),
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
                causal, scale, type(scale), return_lse, None if config is None else tuple(config.items()),
-               K.precision_key(q.dtype))
+               K.precision_key(q.dtype), window, type(window))
     except (AttributeError, TypeError):  # not tensors: the checks will say
         key = None
     plan = VARLEN_PLANS.get_or_make(key, lambda: _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                               max_seqlen_k, causal, scale, return_lse, out, config))
+                                                               max_seqlen_k, causal, scale, return_lse, out, config,
+                                                               window))
     if validate is not False and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         always = validate is True or not q.is_cuda  # on the CPU reading the values costs no sync
         if longest_cached("cu_seqlens_q", cu_seqlens_q, q.shape[0], always) > max_seqlen_q:
@@ -118,7 +120,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if plan.gluon is not None:
         if L.aligned(q, k, v, out):
             L.ensure_allocator()   # the kernel makes its descriptors on the device
-            G.launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, lse=lse, cache=plan.gluon_cache,
+            GL.launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, lse=lse, cache=plan.gluon_cache,
                             **plan.gluon)
             return (out, lse) if return_lse else out
         plan = plan.fallback
@@ -130,10 +132,11 @@ VARLEN_PLANS = K.PlanCache()
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse, out,
-                 config) -> L.Plan:
+                 config, window=None) -> L.Plan:
     """Every metadata check of a packed launch (errors name the argument), then its plan."""
     Hq, Hkv, D = check_qkv(q, k, v, 3)
     check_scale(scale)
+    win = check_window(window, causal)
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
@@ -154,7 +157,8 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     problem = PackedProblem(B, Hq, Hkv, max_seqlen_q, max_seqlen_k, D, bool(causal))
     d_contig = q.stride(-1) == k.stride(-1) == v.stride(-1) == out_strides[-1] == 1
     tma_ok = L.tma_strides_ok(q.element_size(), q.stride(), k.stride(), v.stride(), out_strides)
-    plan = L.plan(VARLEN_SPEC, problem, config, q.dtype, scale, d_contig, True, bool(return_lse), tma_ok)
+    plan = L.plan(VARLEN_SPEC, problem, config, q.dtype, scale, d_contig, True, bool(return_lse), tma_ok,
+                  window=win)
     for pl in (plan, plan.fallback) if plan.fallback is not None else (plan,):
         pl.out_shape = shape
         # packed tensors have no batch stride: the sequence offset comes from cu_seqlens

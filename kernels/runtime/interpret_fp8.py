@@ -70,7 +70,7 @@ def apply() -> bool:
         return False
 
     def convert(src, dst_type):
-        s, t = src.dtype.scalar, dst_type.scalar
+        t = dst_type.scalar
         vals = _values(src, tl)
         if _fmt(t) is not None:
             return TensorHandle(to_fp8(vals, t.name), t)

@@ -427,7 +427,8 @@ def _load(path: str, kernel: str, slug: str) -> tuple:
     if old:  # still valid points of the space (checked at lookup), but timed on other code: say so once
         warnings.warn(f"tritune: {len(old)} of {len(es)} entries in {p} were tuned against another version of "
                       f"the {kernel} kernel; they are skipped (heuristic defaults instead): re-run "
-                      f"`tritune tune {kernel}` to refresh them",
+                      f"`tritune tune {kernel} --export` to refresh them (without --export the new winners "
+                      f"stay in the study storage)",
                       stacklevel=3)
     return es
 

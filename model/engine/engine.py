@@ -126,7 +126,11 @@ class Engine:
     launch holds. With ``batch_invariant`` (``--deterministic``) every row's reductions are its own, so a
     hit gives the uncached request's bits. ``policy``: "fcfs", "priority" (``add_request(...,
     priority=)``, lower first) or "spf" (shortest prompt first). ``speculative``: a proposer
-    (:mod:`~tritune.model.engine.spec_decode`) whose k draft tokens a step verifies in one forward. ``cuda_graphs``: capture the decode step per batch bucket (CUDA and the
+    (:mod:`~tritune.model.engine.spec_decode`) whose k draft tokens a step verifies in one forward; with the
+    device-side step, a step of more decoding rows than its largest batch (16) runs as a plain decode step,
+    counted in ``stats["spec_over_batch_steps"]`` and logged the first time. ``prefill_batching``,
+    ``prefill_min_seats``, ``prefill_max_wait``: when waiting requests are admitted
+    (:class:`~tritune.model.engine.scheduler.Scheduler`). ``cuda_graphs``: capture the decode step per batch bucket (CUDA and the
     triton backend only; otherwise ignored and said in ``notes``; ``"eager"``: the same device-side step
     without capture). ``decode_steps``: on that path, a step that only decodes runs up to this many
     steps back to back (the tokens fed back on the device), then reads all their tokens with one sync
@@ -152,6 +156,7 @@ class Engine:
     decodes: a 16-row chunk at context 2048 doubled the step's GPU time).
     ``long_prefill_token_threshold`` (chunked prefill only; default None: off): at most this many tokens of
     one prompt per step, e.g. ``graph_prefill_tokens`` so that every chunk takes that path.
+    ``stats["request_errors"]``: requests ended alone by a failure of their own (:meth:`step`).
     ``path_counts``: how many steps took each path ("graph": decode-only replays, "graph-mixed",
     "graph-prefill", "graph" beside an eager prefill is "graph+eager", "eager", "mixed", "compile", "spec").
     """
@@ -408,11 +413,13 @@ class Engine:
         failed = []
         for req, e in self.sampler.failures():
             if not req.finished:
-                self._end_request(req, e)
+                self.end_request(req, e)
                 failed.append(req)
         return failed
 
-    def _end_request(self, req: Request, e: BaseException) -> None:
+    def end_request(self, req: Request, e: BaseException) -> None:
+        """End ``req`` alone with the error ``e`` (finish_reason "error"), its blocks freed: a failure that
+        belongs to it (the rest of the step goes on)."""
         req.error = e
         self.stats["request_errors"] += 1
         self.scheduler.finish(req, "error")
@@ -437,7 +444,7 @@ class Engine:
                         text = self.tokenizer.decode(req.output_ids)
                         hit = any(s in text for s in req.sampling.stop)
                     except Exception as e:  # noqa: BLE001 (one request's text must not stop the others)
-                        self._end_request(req, e)
+                        self.end_request(req, e)
                         finished.append(req)
                         continue
                     if hit:

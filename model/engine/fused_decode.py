@@ -172,7 +172,7 @@ class FusedDecode:
         E, F, V, H = c.n_embd, c.d_mlp, c.vocab_size, c.n_head
         sms = 4 if dev.interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         P = min(cfg.programs or sms, sms) if self.sync else (cfg.programs or sms)
-        bn, bk = cfg.block_n, cfg.block_k
+        bn = cfg.block_n
         splits = FK.plan_splits(E, F, V, cfg, P)
         n_split = FK.kv_split(M, H, P, cfg.kv_split)
         BM = FK.block_m(M, self.dtype)

@@ -18,9 +18,13 @@ TEMPERATURE_FLOOR = 1e-5        # temperatures below this are greedy (the module
 SEED_LIMIT = 2 ** 63            # seeds are ints in [0, 2**63): what torch.Generator.manual_seed takes
 
 
+class SamplingTypeError(TypeError, ValueError):
+    """A sampling argument of the wrong type: a TypeError, and a ValueError as these checks always raised."""
+
+
 def _int(name: str, v, lo: int, hi: int | None = None, what: str = "") -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name}: expected an int{what}, got {type(v).__name__} {v!r}")
+        raise SamplingTypeError(f"{name}: expected an int{what}, got {type(v).__name__} {v!r}")
     if v < lo or (hi is not None and v >= hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi if hi != SEED_LIMIT else '2**63'})"
         raise ValueError(f"{name}: expected an int {rng}{what}, got {v!r}")
@@ -29,7 +33,7 @@ def _int(name: str, v, lo: int, hi: int | None = None, what: str = "") -> int:
 
 def _number(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
+        raise SamplingTypeError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
     return float(v)
 
 
@@ -74,21 +78,21 @@ class SamplingParams:
             _int("seed", self.seed, 0, SEED_LIMIT)
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-            raise TypeError(f"stop_token_ids: expected a sequence of ints, got {type(ids).__name__} {ids!r}")
+            raise SamplingTypeError(f"stop_token_ids: expected a sequence of ints, got {type(ids).__name__} {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(
             _int("stop_token_ids", t.__index__() if hasattr(t, "__index__") and not isinstance(t, bool) else t, 0)
             for t in ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not hasattr(stop, "__iter__"):
-            raise TypeError(f"stop: expected a string or strings, got {type(stop).__name__} {stop!r}")
+            raise SamplingTypeError(f"stop: expected a string or strings, got {type(stop).__name__} {stop!r}")
         stop = tuple(stop)
         if any(not isinstance(x, str) for x in stop):
-            raise TypeError(f"stop: expected strings, got {stop!r}")
+            raise SamplingTypeError(f"stop: expected strings, got {stop!r}")
         if any(not x for x in stop):
             raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
         object.__setattr__(self, "stop", stop)
         if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos: expected a bool, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
+            raise SamplingTypeError(f"ignore_eos: expected a bool, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

@@ -155,7 +155,6 @@ class DraftModelProposer:
 
     def propose(self, reqs, ks, gens=None):
         self.drop_finished(None)
-        bs = self.pool.block_size
         rows = []           # (i, request, state) of the sequences drafting this step
         for i, (r, k) in enumerate(zip(reqs, ks)):
             if not k:
@@ -655,13 +654,19 @@ class SpeculativeDecoder:
         slots = [r.table.slots(s, s + len(x)) for r, s, x in zip(reqs, starts, ids)]
         logits = engine.runner.eager(ids, slots, [], [], [], [], [], prefill_starts=starts,
                                      prefill_tables=[r.table for r in reqs], all_logits=True)
-        emitted, row = [], 0
+        emitted, row, failed = [], 0, []
         for r, (d, q), gen in zip(reqs, drafts, gens):
-            toks = verify(logits[row:row + len(d) + 1], d, q, r.sampling, gen)
+            try:
+                toks = verify(logits[row:row + len(d) + 1], d, q, r.sampling, gen)
+            except RuntimeError as e:   # its distribution cannot be drawn from: this request alone ends
+                toks = []
+                failed.append((r, e))
             row += len(d) + 1
             emitted.append(toks)
         before = [r.num_tokens for r in reqs]
-        finished = sch.update_tokens(out, emitted)
+        for r, e in failed:
+            engine.end_request(r, e)
+        finished = [r for r, _ in failed] + sch.update_tokens(out, emitted)
         for r, n, k, toks in zip(reqs, before, ks, emitted):
             self.proposer.accepted(r, n, k, len(toks) - 1)
         st = engine.stats

@@ -117,7 +117,8 @@ class TritonOps(G.TritonOps):
         self.steps["decode linears"] = f"kernel tritune.kernels.gemv at <= {self.GEMV_MAX_M} rows"
         self.steps.update({
             "rmsnorm": "kernel tritune.kernels.rms_norm",
-            "rotary": "kernel tritune.kernels.rotary (in place on the qkv projection's output)",
+            "rotary": "kernel tritune.kernels.rotary (in place on the qkv projection's output; in decode steps "
+                      "the KV-cache write fused in)",
             # TODO: silu(g) * u in the gate/up gemm's epilogue (activation="swiglu"), one pass fewer over 2F
             "swiglu": "torch F.silu(g) * u after the fused gate/up gemm",
         })
@@ -128,6 +129,12 @@ class TritonOps(G.TritonOps):
     def rotary(self, q, k, cos, sin, positions):
         # validate=False: positions come from the engine's own bookkeeping (checking them syncs the host)
         return self._rotary(q, k, cos, sin, positions, out=(q, k), validate=False)
+
+    def rotary_kv(self, q, k, v, cos, sin, positions, kv):
+        """:meth:`rotary` that also writes the rotated k and v to the paged caches ``kv`` = (k_cache, v_cache,
+        slots): the step's KV-cache write fused into the rotation (one launch and one read of k, v fewer)."""
+        kc, vc, slots = kv
+        return self._rotary(q, k, cos, sin, positions, out=(q, k), kv=(kc, vc, slots, v), validate=False)
 
     swiglu = staticmethod(swiglu)
 
@@ -243,15 +250,17 @@ class Llama:
         return self.w.wte[input_ids]
 
     def blocks(self, x, attend, kv_for=None, positions=None):
-        """The layer stack. ``attend(i, q, k, v, written)`` writes layer i's k, v to the cache (``written``
-        is always False here: rotary comes between the projection and the cache) and returns the attention
-        output. ``positions`` (T,): each token's position (default: those :meth:`embed` saw last)."""
+        """The layer stack. ``attend(i, q, k, v, written)`` writes layer i's k, v to the cache unless
+        ``written`` and returns the attention output; ``kv_for(i)`` (k_cache, v_cache, slots), when given,
+        lets the rotary step write the cache itself where the ops fuse that (``rotary_kv``). ``positions``
+        (T,): each token's position (default: those :meth:`embed` saw last)."""
         c, ops = self.config, self.ops
         pos = self.positions if positions is None else positions
         if pos is None:
             raise ValueError("positions: required (blocks() before any embed() call)")
         T, D, Hq, Hk = x.shape[0], c.head_dim, c.n_head, c.n_kv_head
         eps = c.rms_norm_eps
+        fused_kv = getattr(ops, "rotary_kv", None) if kv_for is not None else None
         for i, L in enumerate(self.w.layers):
             qkv = ops.linear(ops.rms_norm(x, L.ln1_w, eps), L.w_qkv, L.b_qkv)
             q = qkv[:, :Hq * D].view(T, Hq, D)
@@ -259,8 +268,11 @@ class Llama:
             v = qkv[:, (Hq + Hk) * D:].view(T, Hk, D)
             if L.q_norm is not None:
                 q, k = ops.rms_norm(q, L.q_norm, eps), ops.rms_norm(k, L.k_norm, eps)
-            q, k = ops.rotary(q, k, self.cos, self.sin, pos)
-            a = attend(i, q, k, v, False)
+            if fused_kv is not None:
+                q, k = fused_kv(q, k, v, self.cos, self.sin, pos, kv_for(i))
+            else:
+                q, k = ops.rotary(q, k, self.cos, self.sin, pos)
+            a = attend(i, q, k, v, fused_kv is not None)
             x = ops.linear(a.reshape(T, Hq * D), L.w_o, L.b_o, residual=x)
             f = ops.swiglu(ops.linear(ops.rms_norm(x, L.ln2_w, eps), L.w_gu, L.b_gu))
             x = ops.linear(f, L.w_down, L.b_down, residual=x)
@@ -328,10 +340,13 @@ class Llama:
                 ops.write_kv(k, v, kc, vc, slot_mapping)
             return ops.attn_decode(q, kc, vc, block_tables, context_lens)
 
+        def kv_for(i):
+            return kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping
+
         positions = context_lens.reshape(B) - 1 if positions is None else positions.reshape(B)
         if x is None:
             x = self.embed(input_ids.reshape(B), positions)
-        return self.logits(self.blocks(x, attend, positions=positions))
+        return self.logits(self.blocks(x, attend, kv_for, positions=positions))
 
     @torch.inference_mode()
     def forward(self, sequences) -> list[torch.Tensor]:

@@ -548,7 +548,7 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--keep-lm-head", action="store_true", help="leave the lm_head dense")
     s.add_argument("--checkpoint-format", choices=("auto", "gptq", "gptq_v2"), default="auto",
                    help="gptq files: v1 (zero - 1) or v2; auto: v1 unless a zero point is 0")
-    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--out", default=None, help="output directory (default: ./<model>-<method>-int<bits>)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=run)
 
@@ -561,8 +561,9 @@ def run(args) -> int:
         return 2
     spec = QuantSpec(method=args.method, bits=args.bits, group_size=args.group, sym=args.sym,
                      act_order=args.act_order, damp=args.damp, lm_head=not args.keep_lm_head)
+    out = args.out or f"{Path(model).name}-{args.method}-int{args.bits}"
     try:
-        out = quantize_checkpoint(model, args.out, spec, calib=args.calib, n_samples=args.n_samples,
+        out = quantize_checkpoint(model, out, spec, calib=args.calib, n_samples=args.n_samples,
                                   seq_len=args.seq_len, seed=args.seed, checkpoint_format=args.checkpoint_format,
                                   progress=not args.quiet)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:

@@ -1,0 +1,508 @@
+"""Decode over an FP8 paged KV cache (spec ``fp8_paged_attention``); the write that quantizes new K/V rows
+into it is :mod:`tritune.kernels.fp8_kv_write` (spec ``fp8_kv_write``).
+
+The cache is ``paged_attention``'s layout in e4m3 — (num_blocks, block_size, Hkv, D) — with one float32
+scale per (token, kv head) beside it, (num_blocks, block_size, Hkv): k ≈ k_cache · k_scale[..., None].
+Per-token rather than per-head scales: each write quantizes its own rows with their own amax (dynamic, no
+calibration pass, nothing saturates however later tokens grow, an outlier token coarsens only itself),
+and the scale costs 4 bytes per D bytes of values (3% at D = 128), so the cache still reads about half of
+bf16's bytes. A per-head scale fixed ahead of time would save those bytes and let the decode fold the
+scales out of the loop, but needs calibration and clips what it did not foresee.
+
+Decode: one program per (sequence, kv head[, chunk]) takes the G = Hq / Hkv query heads of that kv head at
+once (padded to 16 rows for ``tl.dot``), streams BLOCK_N-token tiles with an online softmax (float32, base
+2), widens K and V from e4m3 to the query's dtype (exact: e4m3 is a subset of bf16 and fp16), multiplies the
+scores by each token's k scale and the probabilities by each token's v scale before P·V. Split-KV
+(PARTITION > 0): chunks of PARTITION tokens write partial (m, l, acc) to a float32 workspace and a second
+launch merges them per (sequence, kv head).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tritune import kernels as K
+from tritune.kernels.fp8_kv_write import HEAD_DIMS, check_cache, fp8_write_kv  # noqa: F401
+from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime import interpret_fp8
+from tritune.kernels.runtime import strategies as S
+from tritune.references import fp8_attention as ref
+
+if dev.interpreted():
+    interpret_fp8.apply()   # e4m3 conversions round wrong in the interpreter without it
+
+E4M3 = torch.float8_e4m3fn
+LOG2E = 1.4426950408889634
+Q_DTYPES = (torch.bfloat16, torch.float16)
+MAX_PARTS = 1024
+SMS = 132   # H100/H200; the split heuristic needs only the order of magnitude
+
+
+# ---------------------------------------------------------------------------------------------------
+# The decode
+@triton.jit
+def _decode_tile(q, table, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
+                 stride_tn, s_kcn, s_kcb, s_vcn, s_vcb, s_ksn, s_ksb, s_vsn, s_vsb,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    # table entries past the length are never read: they may hold anything
+    block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
+    slot = offs_n % BLOCK_SIZE
+    k = tl.load(k_head + (block * s_kcn + slot * s_kcb)[:, None], mask=mask_n[:, None], other=0.0)
+    v = tl.load(v_head + (block * s_vcn + slot * s_vcb)[:, None], mask=mask_n[:, None], other=0.0)
+    ks = tl.load(ks_head + block * s_ksn + slot * s_ksb, mask=mask_n, other=0.0)
+    vs = tl.load(vs_head + block * s_vsn + slot * s_vsb, mask=mask_n, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * qk_scale)[None, :]
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, qk_scale, num_parts, stride_cl,
+                s_qb, s_qh, s_qd, s_kcn, s_kcb, s_kch, s_kcd, s_vcn, s_vcb, s_vch, s_vcd,
+                s_ksn, s_ksb, s_ksh, s_vsn, s_vsb, s_vsh, stride_tb, stride_tn, s_ob, s_oh, s_od,
+                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, PARTITION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(CL + b * stride_cl)
+    if PARTITION > 0:
+        start = part * PARTITION
+        end = tl.minimum(start + PARTITION, seq_len)
+    else:
+        start = 0
+        end = seq_len
+    offs_g = tl.arange(0, GROUP_PAD)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + offs_d[None, :] * s_qd, mask=mask_g[:, None],
+                other=0.0)
+    table = BT + b.to(tl.int64) * stride_tb
+    kvh64 = kvh.to(tl.int64)
+    k_head = Kc + kvh64 * s_kch + offs_d[None, :] * s_kcd
+    v_head = Vc + kvh64 * s_vch + offs_d[None, :] * s_vcd
+    m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _decode_tile(q, table, k_head, v_head, Ks + kvh64 * s_ksh, Vs + kvh64 * s_vsh, n0, end,
+                                     m_i, l_i, acc, qk_scale, stride_tn, s_kcn, s_kcb, s_vcn, s_vcb, s_ksn,
+                                     s_ksb, s_vsn, s_vsb, BLOCK_SIZE, BLOCK_N)
+    if PARTITION > 0:
+        # partials (acc, then m, then l) of row (b, head, chunk); chunks past the length store m = -inf
+        n_rows = tl.num_programs(0).to(tl.int64) * tl.num_programs(1) * GROUP * num_parts
+        row = (b.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_parts + part
+        tl.store(WS + row[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
+        tl.store(WS + n_rows * D + row, m_i, mask=mask_g)
+        tl.store(WS + n_rows * (D + 1) + row, l_i, mask=mask_g)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # a length-0 sequence (validate=False) gets zeros
+        tl.store(Out + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
+                 out.to(Out.dtype.element_ty), mask=mask_g[:, None])
+
+
+@triton.jit
+def _fp8_decode_merge(WS, CL, Out, num_parts, stride_cl, s_ob, s_oh, s_od,
+                      GROUP: tl.constexpr, GROUP_MERGE: tl.constexpr, D: tl.constexpr, PARTITION: tl.constexpr):
+    """out = Σ_p 2^(m_p − M) acc_p / Σ_p 2^(m_p − M) l_p over the live chunks, in chunk order."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_kv = tl.num_programs(1)
+    offs_g = tl.arange(0, GROUP_MERGE)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, D)
+    n_rows = tl.num_programs(0).to(tl.int64) * n_kv * GROUP * num_parts
+    row0 = (b.to(tl.int64) * n_kv * GROUP + heads) * num_parts
+    n_live = tl.cdiv(tl.load(CL + b * stride_cl), PARTITION)
+    m_i = tl.full((GROUP_MERGE,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((GROUP_MERGE,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_MERGE, D), dtype=tl.float32)
+    for p in range(0, n_live):
+        m = tl.load(WS + n_rows * D + row0 + p, mask=mask_g, other=0.0)
+        l = tl.load(WS + n_rows * (D + 1) + row0 + p, mask=mask_g, other=0.0)
+        a = tl.load(WS + (row0 + p)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+        m_new = tl.maximum(m_i, m)
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(m - m_new)
+        l_i = l_i * alpha + w * l
+        acc = acc * alpha[:, None] + w[:, None] * a
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
+             out.to(Out.dtype.element_ty), mask=mask_g[:, None])
+
+
+@dataclass(frozen=True)
+class Problem:
+    B: int                  # sequences (one query token each)
+    Hq: int
+    Hkv: int
+    D: int
+    ctx: int                # context length (the longest, when mixed)
+    block_size: int = 16
+    mixed: bool = False     # lengths drawn in [1, ctx] per sequence (tests); else all equal to ctx
+
+    @property
+    def capacity(self) -> int:
+        return -(-self.ctx // self.block_size) * self.block_size
+
+
+def problem_of(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, **_) -> Problem:
+    return Problem(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                   k_cache.shape[1])
+
+
+class _Plan:
+    __slots__ = ("cfg", "cfg_key", "B", "out_shape", "grid", "args", "kws", "ws_numel", "merge_kws")
+
+
+_PLANS = K.PlanCache()
+_workspace = K.Workspace()
+
+
+def _plan(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out, config) -> _Plan:
+    K.check_tensor("q", q, ndim=3, dtypes=Q_DTYPES)
+    K.check_device("q", q)
+    check_cache(k_cache, v_cache, k_scale, v_scale, q.device)
+    B, Hq, D = q.shape
+    num_blocks, block_size, Hkv, Dc = k_cache.shape
+    if Dc != D:
+        raise ValueError(f"k_cache: head dim {Dc} does not match q's {D}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head dim {D} not supported (expected one of {HEAD_DIMS})")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q: {Hq} heads is not a multiple of the cache's {Hkv} kv heads")
+    K.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    K.check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+        if t.shape[0] != B:
+            raise ValueError(f"{name}: {t.shape[0]} rows for a batch of {B} sequences (q's first dim)")
+    if block_tables.shape[1] == 0:
+        raise ValueError("block_tables: no columns (every sequence needs at least one block)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
+    if out is not None:
+        K.check_out(out, (B, Hq, D), q.dtype, q.device)
+    if dev.interpreted():
+        interpret_fp8.require("fp8_paged_attention")
+    plan = _Plan()
+    plan.B, plan.out_shape = B, (B, Hq, D)
+    if B == 0:
+        return plan
+    p = problem_of(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens)
+    plan.cfg, plan.cfg_key = SPEC.config_and_key(p, q.dtype, config)
+    c = plan.cfg
+    group = Hq // Hkv
+    part = c["PARTITION"]
+    num_parts = triton.cdiv(p.capacity, part) if part else 1
+    plan.ws_numel = B * Hq * num_parts * (D + 2) if part else 0
+    plan.grid = (B, Hkv, num_parts)
+    sm = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
+    o_st = (Hq * D, D, 1) if out is None else out.stride()
+    plan.args = (sm, num_parts, context_lens.stride(0), *q.stride(), *k_cache.stride(), *v_cache.stride(),
+                 *k_scale.stride(), *v_scale.stride(), *block_tables.stride(), *o_st)
+    plan.kws = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
+                    BLOCK_N=c["BLOCK_N"], PARTITION=part, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    plan.merge_kws = dict(GROUP=group, GROUP_MERGE=triton.next_power_of_2(group), D=D, PARTITION=max(part, 1),
+                          num_warps=4) if part else None
+    return plan
+
+
+def _validate_lengths(block_tables, context_lens, num_blocks, block_size):
+    max_blocks = block_tables.shape[1]
+    lens = context_lens.long()
+    if bool((lens < 1).any()):
+        i = int(torch.nonzero(lens < 1)[0, 0])
+        raise ValueError(f"context_lens: sequence {i} has length {int(lens[i])}; lengths must be >= 1")
+    if bool((lens > max_blocks * block_size).any()):
+        i = int(torch.nonzero(lens > max_blocks * block_size)[0, 0])
+        raise ValueError(f"context_lens: sequence {i} has length {int(lens[i])}, more than its block table "
+                         f"addresses ({max_blocks} blocks x {block_size} tokens)")
+    used = torch.arange(max_blocks, device=lens.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad.any()):
+        i, j = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(f"block_tables: entry [{i}, {j}] = {int(block_tables[i, j])} is not a block id "
+                         f"in [0, {num_blocks})")
+
+
+def fp8_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, *, scale=None, out=None,
+                        config: dict | None = None, validate: bool = True):
+    """Decode attention over an FP8 paged KV cache. Returns out (B, Hq, D) in q's dtype (bf16 or fp16).
+
+    q (B, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D) e4m3 with Hq a multiple of Hkv;
+    k_scale, v_scale (num_blocks, block_size, Hkv) float32 (as :func:`fp8_write_kv` writes them);
+    block_tables (B, max_blocks) int32; context_lens (B,) int32, each in [1, max_blocks · block_size].
+    ``validate=True`` checks the lengths and the block ids in use (a host sync)."""
+    try:
+        key = tuple(K.tensor_meta(t) for t in (q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                               out)) + (scale, None if config is None else tuple(config.items()))
+        hash(key)
+    except (AttributeError, TypeError):
+        key = None
+    plan = _PLANS.get_or_make(key, lambda: _plan(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                                 scale, out, config), keep=lambda pl: pl.B)
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    else:
+        K.check_no_alias(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
+                               ("v_scale", v_scale)))
+    if not plan.B:
+        return out
+    if validate and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
+    ws = _workspace(q.device, plan.ws_numel) if plan.ws_numel else out
+    _fp8_decode[plan.grid](q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, ws, *plan.args,
+                           **plan.kws)
+    if plan.merge_kws is not None:
+        _fp8_decode_merge[plan.grid[:2]](ws, context_lens, out, plan.grid[2], context_lens.stride(0),
+                                         *plan.args[-3:], **plan.merge_kws)
+    return out
+
+
+def _constraint(c, p: Problem, dtype) -> str | None:
+    rows = max(16, triton.next_power_of_2(p.Hq // p.Hkv))
+    warps = c["num_warps"]
+    if rows * c["BLOCK_N"] // (32 * warps) > 128 or c["BLOCK_N"] * p.D // (32 * warps) > 128:
+        return "tiles too large for the warps (register spills)"
+    if c["BLOCK_N"] * p.D < 32 * warps:
+        return "idle threads"
+    if c["BLOCK_N"] > max(16, triton.next_power_of_2(p.capacity)):
+        return "BLOCK_N larger than the context"
+    if 2 * c["BLOCK_N"] * p.D * c["num_stages"] > 192 * 1024:
+        return "K and V tiles of every stage exceed shared memory"
+    part = c["PARTITION"]
+    if part:
+        if part % c["BLOCK_N"]:
+            return "PARTITION not a multiple of BLOCK_N"
+        if part >= p.capacity:
+            return "one chunk holds the whole context (use PARTITION=0)"
+        if -(-p.capacity // part) > MAX_PARTS:
+            return f"more than {MAX_PARTS} chunks"
+    return None
+
+
+SPACE = K.Space(
+    params={"BLOCK_N": [16, 32, 64, 128], "PARTITION": [0, 32, 64, 128, 256, 512, 1024, 2048, 4096],
+            "num_warps": [1, 2, 4, 8], "num_stages": [1, 2, 3, 4]},
+    constraint=_constraint,
+)
+
+
+def default_config(p: Problem, dtype) -> dict:
+    """paged_attention's tl.dot defaults (64-token tiles, 4 warps, 3 stages; half the bytes a tile, so the
+    same tile moves half as much) and its split rule: chunks when B·Hkv programs give under ~3 per SM."""
+    cfg = {"BLOCK_N": 64, "PARTITION": 0, "num_warps": 4, "num_stages": 3}
+    cfg["BLOCK_N"] = min(64, max(16, triton.next_power_of_2(p.capacity)))
+    while _constraint(cfg, p, dtype) is not None and cfg["BLOCK_N"] > 16:
+        cfg["BLOCK_N"] //= 2
+    while _constraint(cfg, p, dtype) is not None and cfg["num_warps"] < 8:
+        cfg["num_warps"] *= 2
+    while cfg["BLOCK_N"] * p.D < 32 * cfg["num_warps"] and cfg["num_warps"] > 1:
+        cfg["num_warps"] //= 2
+    programs = p.B * p.Hkv
+    if programs < 3 * SMS and p.capacity >= 256:
+        want = -(-3 * SMS // programs)
+        part = max(64, cfg["BLOCK_N"], triton.next_power_of_2(-(-p.capacity // want)))
+        while -(-p.capacity // part) > MAX_PARTS:
+            part *= 2
+        if part < p.capacity and part <= 4096:
+            cfg["PARTITION"] = part
+    if (cfg["PARTITION"] or p.capacity) <= 2 * cfg["BLOCK_N"]:
+        cfg["num_stages"] = 2
+    return cfg
+
+
+def bucket(p: Problem) -> dict:
+    return {"B": triton.next_power_of_2(p.B), "Hq": p.Hq, "Hkv": p.Hkv, "D": p.D, "block_size": p.block_size,
+            "ctx": triton.next_power_of_2(p.capacity)}
+
+
+def cost(p: Problem, dtype) -> K.Cost:
+    """e4m3 K and V of the context read once with their scales (4 bytes per token and head each), q read
+    and out written."""
+    e = torch.finfo(dtype).bits // 8
+    kv = 2.0 * p.B * p.ctx * p.Hkv * (p.D + 4)
+    return K.Cost(flops=4.0 * p.B * p.Hq * p.ctx * p.D, bytes=kv + 2.0 * p.B * p.Hq * p.D * e)
+
+
+def context_lengths(p: Problem, seed: int) -> list[int]:
+    if not p.mixed:
+        return [p.ctx] * p.B
+    g = torch.Generator().manual_seed(seed)
+    pick = [1, p.block_size, p.block_size + 1, p.ctx]
+    lens = [pick[int(i)] if i < len(pick) else int(torch.randint(1, p.ctx + 1, (1,), generator=g))
+            for i in torch.randint(0, 2 * len(pick), (p.B,), generator=g)]
+    lens = [min(n, p.ctx) for n in lens]
+    lens[int(torch.randint(0, p.B, (1,), generator=g))] = p.ctx
+    return lens
+
+
+def _fill_garbage(caches, block_tables, lens):
+    """NaN (and 448 in even blocks of K) in every slot no sequence may read, NaN scales there: a read that
+    should not happen shows in the output."""
+    k_cache, v_cache, k_scale, v_scale = caches
+    num_blocks, bs = k_cache.shape[:2]
+    tables = block_tables.long().cpu()
+    pos = torch.arange(tables.shape[1] * bs).reshape(tables.shape[1], bs)
+    readable = torch.zeros(num_blocks, bs, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        readable[tables[b]] = pos < n
+    hidden = (~readable).to(k_cache.device)
+    even = (torch.arange(num_blocks, device=k_cache.device) % 2 == 0)[:, None] & hidden
+    k_cache.view(torch.uint8)[hidden] = 0x7F        # e4m3 NaN
+    k_cache.view(torch.uint8)[even] = 0x7E          # 448
+    v_cache.view(torch.uint8)[hidden] = 0x7F
+    k_scale[hidden] = float("nan")
+    v_scale[hidden] = float("nan")
+
+
+def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
+    """K/V rows of varied magnitudes quantized per token by the reference quantizer into a pool of randomly
+    permuted blocks with a few spare ones; every slot not holding a context token holds garbage. "strided":
+    q is a slice of a fused (B, 3·Hq, D) buffer and K/V are views of one (num_blocks, block_size, 2, Hkv, D)
+    pool."""
+    nb = -(-p.ctx // p.block_size)
+    num_blocks = p.B * nb + 3
+    shape = (num_blocks, p.block_size, p.Hkv, p.D)
+    mag = torch.exp(S.randn((*shape[:3], 1), torch.float32, device, seed + 4, scale=0.5))
+    k8, ks = ref.quantize_kv(S.randn(shape, torch.float32, device, seed + 1) * mag)
+    v8, vs = ref.quantize_kv(S.randn(shape, torch.float32, device, seed + 2, shift=0.25) * mag.flip(0))
+    if layout == "strided":
+        pool = torch.empty((num_blocks, p.block_size, 2, p.Hkv, p.D), dtype=E4M3, device=device)
+        pool[:, :, 0], pool[:, :, 1] = k8, v8
+        k8, v8 = pool[:, :, 0], pool[:, :, 1]
+        q = S.randn((p.B, 3 * p.Hq, p.D), dtype, device, seed, scale=1.5)[:, p.Hq:2 * p.Hq]
+    elif layout == "contiguous":
+        q = S.randn((p.B, p.Hq, p.D), dtype, device, seed, scale=1.5)
+    else:
+        raise ValueError(f"layout: unknown {layout!r}; expected contiguous or strided")
+    g = torch.Generator().manual_seed(seed + 3)
+    block_tables = torch.randperm(num_blocks, generator=g)[: p.B * nb].reshape(p.B, nb).to(torch.int32)
+    lens = context_lengths(p, seed)
+    _fill_garbage((k8, v8, ks, vs), block_tables, lens)
+    return K.Case(args=(q, k8, v8, ks, vs, block_tables.to(device), torch.tensor(lens, dtype=torch.int32,
+                                                                                    device=device)),
+                  kwargs={"scale": 1.0 / math.sqrt(p.D) * (1.0 + 0.25 * (seed % 3)), "validate": False},
+                  out=torch.empty((p.B, p.Hq, p.D), dtype=dtype, device=device))
+
+
+def problems(max_elems: int):
+    from hypothesis import strategies as st
+
+    small = dev.interpreted()
+
+    @st.composite
+    def draw(d):
+        b = d(st.integers(1, 3 if small else 32))
+        hkv = d(st.sampled_from([1, 2] if small else [1, 2, 4, 8]))
+        group = d(st.sampled_from([1, 2, 3, 4] if small else [1, 2, 4, 8, 16]))
+        hd = d(st.sampled_from([16, 32, 64] if small else list(HEAD_DIMS)))
+        bs = d(st.sampled_from([8, 16, 32]))
+        top = max(1, min(100 if small else 4096, max_elems // (b * hkv * hd)))
+        ctx = d(st.one_of(st.sampled_from([n for n in (1, bs, bs + 1, 2 * bs + 3) if n <= top] or [1]),
+                          st.integers(1, top)))
+        return Problem(b, hkv * group, hkv, hd, ctx, bs, d(st.booleans()) and b > 1)
+
+    return draw()
+
+
+def dequantized_kv(c: K.Case):
+    """(B, Hkv, ctx, D) dequantized K and V of equal-length sequences in q's dtype (built untimed), else None."""
+    q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens = c.args
+    n = int(context_lens.max())
+    if int(context_lens.min()) != n:
+        return None
+    blocks = block_tables[:, : -(-n // k_cache.shape[1])].long()
+    B = q.shape[0]
+
+    def gather(cache, sc):
+        x = cache[blocks].float() * sc[blocks][..., None]
+        return x.reshape(B, -1, *cache.shape[2:])[:, :n].transpose(1, 2).contiguous().to(q.dtype)
+
+    return gather(k_cache, k_scale), gather(v_cache, v_scale)
+
+
+def _vendor(c: K.Case):
+    """SDPA on the dequantized bf16 K/V, contiguous (gathered and dequantized untimed)."""
+    kv = dequantized_kv(c)
+    if kv is None:
+        raise ValueError("SDPA comparison needs equal context lengths")
+    k, v = kv
+    q4 = c.args[0][:, :, None, :]
+    scale, gqa = c.kwargs["scale"], q4.shape[1] != k.shape[1]
+    F = torch.nn.functional
+
+    def call():
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=gqa)
+
+    call.label = f"sdpa on dequantized bf16 ({K.sdpa_backend(call)}), contiguous KV"
+    return call
+
+
+def _bad_inputs(device):
+    B, Hq, Hkv, D, bs, nb = 2, 4, 2, 32, 16, 3
+    q = torch.randn(B, Hq, D, device=device, dtype=torch.bfloat16)
+    kc = torch.zeros(B * nb, bs, Hkv, D, device=device).to(E4M3)
+    sc = torch.ones(B * nb, bs, Hkv, device=device)
+    bt = torch.arange(B * nb, dtype=torch.int32, device=device).reshape(B, nb)
+    cl = torch.tensor([5, 40], dtype=torch.int32, device=device)
+
+    def pa(**kw):
+        a = dict(q=q, k_cache=kc, v_cache=kc.clone(), k_scale=sc, v_scale=sc.clone(), block_tables=bt, context_lens=cl)
+        a.update(kw)
+        return lambda: fp8_paged_attention(**a)
+
+    return [
+        ("bf16 cache", pa(k_cache=kc.to(torch.bfloat16)), TypeError),
+        ("fp32 q", pa(q=q.float()), TypeError),
+        ("k_scale of the wrong shape", pa(k_scale=sc[:, :8]), ValueError),
+        ("float16 v_scale", pa(v_scale=sc.half()), TypeError),
+        ("context longer than its block table", pa(context_lens=torch.tensor([5, nb * bs + 1], dtype=torch.int32,
+                                                                              device=device)), ValueError),
+        ("block id out of the pool", pa(block_tables=bt + 100), ValueError),
+        ("Hq not a multiple of Hkv", pa(q=q[:, :3]), ValueError),
+        ("head dim mismatch", pa(q=torch.randn(B, Hq, 64, device=device, dtype=torch.bfloat16)), ValueError),
+        ("negative scale", lambda: fp8_paged_attention(q, kc, kc, sc, sc, bt, cl, scale=-1.0), ValueError),
+    ]
+
+
+# Llama-8B decode (32 query heads on 8 kv heads of 128): issue 50's B=64 ctx 4k and B=1 ctx 32k, and around them
+_LLAMA = [(1, 4096), (1, 32768), (32, 4096), (64, 4096), (128, 4096)]
+
+SPEC = K.register(K.KernelSpec(
+    name="fp8_paged_attention",
+    description="decode attention over an e4m3 paged KV cache with per-token scales (GQA, split-KV)",
+    run=fp8_paged_attention,
+    reference=ref.fp8_paged_attention,
+    make_inputs=make_inputs,
+    problems=problems,
+    space=SPACE,
+    default_config=default_config,
+    bucket=bucket,
+    cost=cost,
+    problem_of=problem_of,
+    standard_problems=[Problem(b, 32, 8, 128, ctx) for b, ctx in _LLAMA] + [Problem(64, 12, 12, 64, 1024)],
+    small_problems=[Problem(2, 4, 2, 32, 40), Problem(3, 2, 1, 64, 70, 8, True)],
+    dtypes=(torch.bfloat16,),
+    layouts=("contiguous", "strided"),
+    vendor=_vendor,
+    vendor_name="sdpa on dequantized bf16 (torch's default dispatch), contiguous KV",
+    bad_inputs=_bad_inputs,
+))

@@ -1,0 +1,128 @@
+"""The process group a tensor-parallel model runs in: set up, the collectives the sharded forward inserts,
+torn down.
+
+Built on ``torch.distributed``: gloo on the CPU, NCCL on GPUs. :func:`init` joins a group of
+``world_size`` ranks over TCP (rank 0's address and a port: given, or torchrun's ``MASTER_ADDR`` /
+``MASTER_PORT``); :func:`init_from_env` reads every setting from torchrun's variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``), so one script runs on one host (``launch`` here) or on several
+(``torchrun --nnodes``). Every collective has a timeout (``timeout_s``): a rank that stops answering
+fails its peers' collectives instead of hanging them; the launcher's watchdog reports which rank died.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """One rank's view of its tensor-parallel group: the collectives the sharded forward inserts. With
+    ``world_size`` 1 every collective is the identity (no process group needed)."""
+    rank: int
+    world_size: int
+    backend: str = "gloo"
+    device: Any = "cpu"
+    group: Any = None           # a torch.distributed ProcessGroup; None: the default group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks, in place (what a row-parallel linear's partial products need)."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (equal shapes) side by side along the last dim, rank 0's first."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        """``obj`` of rank ``src`` on every rank (pickled; what the scheduler's step metadata travels as)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dev = torch.device(self.device) if self.backend == "nccl" else None
+        dist.broadcast_object_list(box, src=src, group=self.group, device=dev)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def single() -> TPGroup:
+    """The group of one rank (no process group): a tensor-parallel model of one shard is the model itself."""
+    return TPGroup(0, 1)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it) for rank 0's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _check(world_size, rank, backend, timeout_s) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend: 'nccl' needs CUDA GPUs; use 'gloo' on the CPU")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected a number of seconds > 0, got {timeout_s!r}")
+
+
+def init(world_size: int, rank: int, backend: str = "gloo", *, addr: str | None = None, port: int | None = None,
+         timeout_s: float = DEFAULT_TIMEOUT_S, local_rank: int | None = None) -> TPGroup:
+    """Join the group of ``world_size`` ranks as ``rank`` (rank 0 listens at ``addr``:``port``; default
+    ``MASTER_ADDR`` / ``MASTER_PORT``, else 127.0.0.1 and no default port). NCCL: the rank's GPU is
+    ``local_rank`` (default ``rank``) modulo the visible GPUs. Returns this rank's :class:`TPGroup`."""
+    _check(world_size, rank, backend, timeout_s)
+    addr = addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = port if port is not None else os.environ.get("MASTER_PORT")
+    if port is None:
+        raise ValueError("port: required (or MASTER_PORT in the environment)")
+    device = "cpu"
+    if backend == "nccl":
+        device = torch.device("cuda", (rank if local_rank is None else local_rank) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return TPGroup(0, 1, backend, device)
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process: call teardown() first")
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port)}", world_size=world_size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TPGroup(rank, world_size, backend, device)
+
+
+def init_from_env(backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+    """:func:`init` from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT);
+    ``backend`` default NCCL where CUDA is, else gloo."""
+    missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing:
+        raise ValueError(f"environment: {', '.join(missing)} not set (start the script with torchrun, or call init())")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    local = os.environ.get("LOCAL_RANK")
+    return init(int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), backend, timeout_s=timeout_s,
+                local_rank=int(local) if local is not None else None)
+
+
+def teardown() -> None:
+    """Leave the group (a no-op when none was joined)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,251 @@
+"""Tensor parallelism on the CPU (gloo, the torch backend, fp32): 2 and 4 ranks give the greedy tokens one
+rank gives, every rank's KV cache holds its heads of the same blocks, a dead rank is reported, not waited
+for. The ranks are spawned processes (tritune.model.parallel.launch); each test launches once and checks
+several things, since starting a rank (importing torch) is most of the cost."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tritune.kernels.runtime.compare import check
+from tritune.model.engine.engine import Engine
+from tritune.model.engine.sampling import SamplingParams
+from tritune.model.gpt2 import weights as GW
+from tritune.model.gpt2.config import GPT2Config
+from tritune.model.gpt2.model import GPT2
+from tritune.model.llama import weights as LW
+from tritune.model.llama.config import LlamaConfig
+from tritune.model.llama.model import Llama
+from tritune.model.load import default_model_dir
+from tritune.model.parallel import plan as P
+from tritune.model.parallel import serving
+from tritune.model.parallel.group import single
+from tritune.model.parallel.launch import RankFailed, launch
+from tritune.model.parallel.model import tensor_parallel
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+NUM_BLOCKS = 32
+
+
+def _random_state(shapes: dict, seed: int, scale: float) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (torch.randn(s, generator=g) * scale if len(s) > 1 else 1 + 0.1 * torch.randn(s, generator=g))
+            for k, s in shapes.items()}
+
+
+def gpt2_model():
+    """The packaged GPT-2 (trained: greedy tokens far from ties), or a small random one without it."""
+    d = default_model_dir()
+    if d is not None:
+        return GPT2.from_pretrained(d, backend="torch", dtype=torch.float32, device="cpu")
+    c = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_size=1000)
+    return GPT2(c, GW.to_layout(c, _random_state(GW.expected_shapes(c), 0, 0.2), torch.float32, "cpu"),
+                backend="torch")
+
+
+def llama_model(n_kv_head: int = 2):
+    """A random Llama-shaped model: GQA (8 query heads), every bias, an untied head, a vocabulary no rank
+    count divides (the padded shards)."""
+    c = LlamaConfig(model_type="llama", n_layer=2, n_head=8, n_kv_head=n_kv_head, n_embd=64, d_mlp=96,
+                    n_positions=128, vocab_size=1001, head_dim=8, qkv_bias=True, o_bias=True, mlp_bias=True)
+    return Llama(c, LW.to_layout(c, _random_state(LW.expected_shapes(c), 1, 0.3), torch.float32, "cpu"),
+                 backend="torch")
+
+
+def prompts(vocab: int):
+    g = np.random.default_rng(3)
+    a = g.integers(1, vocab, 20).tolist()
+    return [a, g.integers(1, vocab, 7).tolist(), a[:16] + g.integers(1, vocab, 5).tolist()]
+
+
+def serve(model, group=None):
+    """Greedy tokens of the prompts through an Engine over ``model``; on a group, rank 0 leads and the
+    others follow. Returns what the tests compare (numpy and plain values only)."""
+    ps = prompts(model.vocab_size)
+    if group is not None and group.rank != 0:
+        ledger, pool = serving.follow(group, model)
+        return {"ledger": ledger.summary(), "num_blocks": pool.num_blocks, "cache": pool.cache.numpy().copy()}
+    eng = Engine(model, num_blocks=NUM_BLOCKS, cuda_graphs=False)
+    lead = serving.lead(eng.runner, group) if group is not None else None
+    tokens = [c.token_ids for c in eng.generate(ps, GREEDY)]
+    out = {"tokens": tokens, "num_free": eng.pool.num_free, "peak_used": eng.pool.peak_used,
+           "num_blocks": eng.pool.num_blocks, "cache": eng.pool.cache.numpy().copy()}
+    if lead is not None:
+        lead.close()
+        out["ledger"] = lead.ledger.summary()
+    return out
+
+
+def rank_main(group):
+    """Every rank: the GPT-2 and the Llama shards served; their prefill logits too."""
+    out = {}
+    for name, make in (("gpt2", gpt2_model), ("llama", llama_model)):
+        m = tensor_parallel(make(), group)
+        ids = torch.tensor(prompts(m.vocab_size)[0])
+        out[name + "_logits"] = m.prefill(ids, [len(ids)], all_logits=True).numpy()
+        out[name] = serve(m, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One rank's results (in this process)."""
+    out = {}
+    for name, make in (("gpt2", gpt2_model), ("llama", llama_model)):
+        m = make()
+        ids = torch.tensor(prompts(m.vocab_size)[0])
+        out[name + "_logits"] = m.prefill(ids, [len(ids)], all_logits=True).numpy()
+        out[name] = serve(m)
+        out[name + "_model"] = m
+    return out
+
+
+def heads_of(model, rank: int, world: int) -> list[int]:
+    s = P.Shard.of(model.config, P.plan_for(model), rank, world)
+    return list(range(s.kv_first(), s.kv_first() + s.local_kv_heads))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_match_one_rank(world, reference):
+    t0 = time.monotonic()
+    ranks = launch(world, rank_main, timeout_s=240)
+    assert time.monotonic() - t0 < 240
+    for name in ("gpt2", "llama"):
+        ref, lead = reference[name], ranks[0][name]
+        assert lead["tokens"] == ref["tokens"], name            # greedy tokens equal to one rank's
+        for r in range(world):                                  # every rank gets the whole logits
+            check(torch.from_numpy(ranks[r][name + "_logits"]), torch.from_numpy(reference[name + "_logits"]))
+        # block accounting: one allocator (rank 0), exact, and every rank's cache holds its heads of the
+        # same blocks the one-rank engine wrote
+        assert lead["num_free"] == lead["num_blocks"] == NUM_BLOCKS
+        assert lead["peak_used"] == ref["peak_used"]
+        model = reference[name + "_model"]
+        used = sorted({b for b in range(NUM_BLOCKS) if np.any(ref["cache"][:, :, b])})
+        for r in range(world):
+            got = ranks[r][name]
+            assert got["num_blocks"] == NUM_BLOCKS
+            assert got["ledger"] == lead["ledger"]
+            assert sorted({b for b in range(NUM_BLOCKS) if np.any(got["cache"][:, :, b])}) == used
+            heads = heads_of(model, r, world)
+            check(torch.from_numpy(got["cache"][:, :, used]),
+                  torch.from_numpy(ref["cache"][:, :, used][..., heads, :]), what=f"{name} rank {r} KV")
+
+
+class DieAfter:
+    """A follower's ops that end the process (exit code 7) in the middle of a forward after ``n`` linears."""
+
+    def __init__(self, base, n: int):
+        self.base, self.n = base, n
+
+    def __getattr__(self, name):
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def linear(self, *args, **kw):
+        self.n -= 1
+        if self.n < 0:
+            os._exit(7)
+        return self.base.linear(*args, **kw)
+
+
+def rank_dies(group):
+    m = tensor_parallel(gpt2_model(), group)
+    if group.rank == 1:
+        m = m.with_ops(DieAfter(m.ops, 200))
+    return serve(m, group)
+
+
+def test_a_dead_rank_is_reported_not_waited_for():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as e:
+        launch(2, rank_dies, timeout_s=120, collective_timeout_s=30)
+    assert e.value.rank == 1 and e.value.exitcode == 7, e.value.failures
+    assert "rank 1" in str(e.value) and "exit code 7" in str(e.value)
+    assert time.monotonic() - t0 < 60
+
+
+# ---------------------------------------------------------------------------------------------------
+# One process: the plans and shards themselves
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [llama_model, gpt2_model])
+def test_one_rank_is_the_model_itself(make):
+    m = make()
+    ids = torch.tensor(prompts(m.vocab_size)[1])
+    want = m.prefill(ids, [len(ids)])
+    assert torch.equal(tensor_parallel(m, single()).prefill(ids, [len(ids)]), want)
+    # cut where the model is, then moved (here "cpu:0", another name of the same device: the rebuild path)
+    moved = tensor_parallel(m, single(), device="cpu:0")
+    assert moved.w.wte is not m.w.wte and torch.equal(moved.prefill(ids, [len(ids)]), want)
+
+
+def test_kv_heads_divided_or_replicated():
+    cfg = llama_model(2).config
+    # 8 query heads, 2 KV heads: 2 ranks divide them, 4 ranks share each KV head between two ranks
+    assert [P.Shard.of(cfg, P.LLAMA_PLAN, r, 2).kv_first() for r in range(2)] == [0, 1]
+    assert [P.Shard.of(cfg, P.LLAMA_PLAN, r, 4).kv_first() for r in range(4)] == [0, 0, 1, 1]
+    assert P.Shard.of(cfg, P.LLAMA_PLAN, 0, 4).local_kv_heads == 1
+    with pytest.raises(ValueError, match="attention heads"):
+        P.Shard.of(cfg, P.LLAMA_PLAN, 0, 3)
+    with pytest.raises(ValueError, match="KV heads"):
+        P.Shard.of(llama_model(8).config.__class__(**{**vars(cfg), "n_kv_head": 4, "n_head": 12}),
+                   P.LLAMA_PLAN, 0, 6)
+
+
+def test_shards_put_back_together():
+    m = llama_model(4)
+    L = m.w.layers[0]
+    world = 2
+    shards = [P.shard_weights(m.w, P.LLAMA_PLAN, P.Shard.of(m.config, P.LLAMA_PLAN, r, world))
+              for r in range(world)]
+    D, Hq, Hk = 8, 8, 4
+    q = torch.cat([s.layers[0].w_qkv[:, :Hq // world * D] for s in shards], dim=1)
+    assert torch.equal(q, L.w_qkv[:, :Hq * D])
+    assert torch.equal(torch.cat([s.layers[0].w_o for s in shards]), L.w_o)
+    assert torch.equal(torch.cat([s.layers[0].w_gu[:, :48] for s in shards], dim=1), L.w_gu[:, :96])
+    assert all(s.layers[0].b_o is L.b_o for s in shards)          # added once, after the all-reduce
+    wte = torch.cat([s.wte for s in shards])                      # padded to 2 * 501 rows
+    assert wte.shape[0] == 1002 and torch.equal(wte[:1001], m.w.wte) and not wte[1001:].any()
+    head = torch.cat([s.lm_head for s in shards], dim=1)
+    assert torch.equal(head[:, :1001], m.w.lm_head)
+
+
+def test_refusals_name_the_argument():
+    with pytest.raises(TypeError, match="group"):
+        tensor_parallel(llama_model(), 2)
+    with pytest.raises(TypeError, match="plan"):
+        P.plan_for(object())
+    with pytest.raises(ValueError, match="n:"):
+        launch(0, rank_main)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rank 0 in this process (the engine's way): start() spawns the followers
+# ---------------------------------------------------------------------------------------------------
+def test_engine_on_a_started_group_and_a_killed_follower(reference):
+    ref = reference["gpt2"]
+    local = serving.start(reference["gpt2_model"], 2)
+    session = local.tp.session
+    try:
+        eng = Engine(local, num_blocks=NUM_BLOCKS, cuda_graphs=False)
+        session.lead(eng.runner)
+        ps = prompts(local.vocab_size)
+        assert [c.token_ids for c in eng.generate(ps, GREEDY)] == ref["tokens"]
+        assert eng.pool.num_free == NUM_BLOCKS
+        # a follower killed between steps: the next step fails its requests with the rank and exit code
+        session.workers.kids.procs[1].kill()
+        t0 = time.monotonic()
+        req = eng.add_request(ps[1], GREEDY)
+        with pytest.raises(RankFailed) as e:
+            eng.run()
+        assert time.monotonic() - t0 < 30
+        assert e.value.rank == 1 and e.value.exitcode == -9, e.value.failures
+        assert req.finish_reason == "error" and eng.pool.num_free == NUM_BLOCKS
+        with pytest.raises(RuntimeError, match="unusable"):     # and it stays failed, fast
+            eng.generate([ps[0]], GREEDY)
+    finally:
+        session.close()
