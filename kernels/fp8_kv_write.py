@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
+from tritune.kernels.fp8_quant import outlier_rows
 from tritune.kernels.runtime import device as dev
 from tritune.kernels.runtime import interpret_fp8
 from tritune.kernels.runtime import strategies as S
@@ -188,18 +189,18 @@ def _write_reference(k, v, slot_mapping, *, num_blocks: int, block_size: int, **
 
 def _write_make_inputs(p: WriteProblem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
     """Every slot of a (blocks, block_size) cache written once, in a random order, with ``pad`` padding
-    tokens (slot -1) among them; rows of very different magnitudes (per-token scales). "sliced": k and v
-    are views of one fused (T, 2·Hkv, D) buffer, as a QKV projection leaves them."""
+    tokens (slot -1) among them; rows of very different magnitudes (per-token scales), each with an outlier
+    (``fp8_quant.outlier_rows``: no quotient on a rounding midpoint). "sliced": k and v are views of one
+    fused (T, 2·Hkv, D) buffer, as a QKV projection leaves them."""
     n = p.blocks * p.block_size
     T = n + p.pad
     mag = torch.exp(S.randn((T, p.Hkv, 1), torch.float32, device, seed + 5, scale=2.0))
     k = S.randn((T, p.Hkv, p.D), torch.float32, device, seed) * mag
     v = S.randn((T, p.Hkv, p.D), torch.float32, device, seed + 1) * mag.flip(0)
+    k, v = outlier_rows(k, dtype, seed % p.D), outlier_rows(v, dtype, (seed + 1) % p.D)
     if layout == "sliced":
-        kv = torch.cat([k, v], dim=1).to(dtype)
+        kv = torch.cat([k, v], dim=1)
         k, v = kv[:, :p.Hkv], kv[:, p.Hkv:]
-    else:
-        k, v = k.to(dtype), v.to(dtype)
     g = torch.Generator().manual_seed(seed)
     slots = torch.cat([torch.randperm(n, generator=g), torch.full((p.pad,), -1, dtype=torch.long)])
     slots = slots[torch.randperm(T, generator=g)].to(torch.int32 if seed % 2 else torch.int64).to(device)

@@ -248,13 +248,28 @@ def cost(p: Problem, dtype) -> K.Cost:
                   bytes=float(e * p.M * cols_in + p.M * p.N + 4 * p.M + (2 * e * p.N if p.mode in ("rms", "layer") else 0)))
 
 
+# mantissas (as integers) that are prime: 2039 of fp16's 11 bits, 251 of bf16's 8, 2^24 - 3 of fp32's 24
+_PRIME_MANTISSA = {torch.float16: 2039 / 1024, torch.bfloat16: 251 / 128, torch.float32: 16777213 / 2**23}
+
+
+def outlier_rows(x: torch.Tensor, dtype, col: int) -> torch.Tensor:
+    """``x`` (float32, rows along the last dim) in ``dtype`` with element ``col`` of every row made its
+    largest, 8 to 16 times the rest, with a prime mantissa. An outlier is what per-token scales are for; the
+    prime keeps every quotient x · 448 / amax off e4m3's rounding midpoints: where the row's values are
+    proportional to the input's (no norm, or RMSNorm without a weight), a quotient exactly on a midpoint
+    would be rounded one way or the other by the last bit of float32 versus float64 arithmetic."""
+    if x.shape[-1] > 3:
+        rest = x.abs().amax(dim=-1).clamp_min(1e-3)
+        sign = torch.where(x[..., col] < 0, -1.0, 1.0)
+        x[..., col] = sign * _PRIME_MANTISSA[dtype] * torch.exp2(torch.ceil(torch.log2(rest * 4)))
+    return x.to(dtype)
+
+
 def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
-    """Activations with a few outlier columns (what per-token scales are for), shifted for LayerNorm."""
+    """Activations with an outlier column (:func:`outlier_rows`), shifted for LayerNorm."""
     cols = 2 * p.N if p.mode == "swiglu" else p.N
     x = S.randn((p.M, cols), torch.float32, device, seed, shift=0.5 if p.mode == "layer" else 0.0)
-    if cols > 3:
-        x[:, seed % cols] *= 20.0
-    x = S.with_layout(x.to(dtype), layout)
+    x = S.with_layout(outlier_rows(x, dtype, seed % cols), layout)
     kwargs = {}
     if p.mode == "swiglu":
         kwargs["swiglu"] = True

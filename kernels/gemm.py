@@ -18,6 +18,9 @@ counter. The program holding the last ticket sums the SPLIT_K partials in slice 
 whatever the arrival order), applies the epilogue once, stores C and resets the counter to zero for the
 next launch. One launch, no zero-fill, no second kernel. The counters are per device and reset by the
 kernel itself, so two split-K GEMMs must not run concurrently on different streams.
+
+The problem type, the cases and the peers are in :mod:`tritune.kernels.gemm_cases`, the config space and
+its heuristic default in :mod:`tritune.kernels.gemm_space`; their public names are re-exported here.
 """
 from __future__ import annotations
 

@@ -22,6 +22,9 @@ num_stages 1 and not from the pipeliner; docs/findings.md). The hand loop wins f
 split-KV chunks (B=1) and loses to the pipeliner on long single-pass programs (B=64).
 
 ``write_kv`` stores new tokens' K and V into their slots (slot = block id · block_size + offset).
+
+The problem type, the cases and the peers are in :mod:`tritune.kernels.paged_attention_cases`; their public
+names are re-exported here.
 """
 from __future__ import annotations
 

@@ -249,3 +249,23 @@ def test_engine_on_a_started_group_and_a_killed_follower(reference):
             eng.generate([ps[0]], GREEDY)
     finally:
         session.close()
+
+
+def test_init_from_torchrun_variables(monkeypatch):
+    from tritune.model.parallel import group as G
+
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ValueError, match="RANK, WORLD_SIZE"):
+        G.init_from_env()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    g = G.init_from_env("gloo")
+    assert (g.rank, g.world_size) == (0, 1)
+    x = torch.ones(3)
+    assert g.all_reduce(x) is x and g.broadcast_object("meta") == "meta"
+    with pytest.raises(ValueError, match="rank"):
+        G.init(2, 2, "gloo", port=1)
+    with pytest.raises(ValueError, match="backend"):
+        G.init(2, 0, "mpi", port=1)

@@ -9,10 +9,11 @@ float32 and rounds the result to bf16 (round to nearest even, through torch): a 
 multiply of bf16 operands rounded so is the correctly rounded bf16 result, what the GPU computes.
 Every float ``tl.dot`` (bf16 or not) is computed by :func:`row_invariant_dot`: numpy's matmul would hand it to
 BLAS, whose summation order follows the tile's shape and the CPU, and a row's bits would then depend on the
-rows beside it (what the batch-invariance tests hold the kernels to).
+rows beside it (what the batch-invariance tests hold the kernels to). :func:`adopt_compiled_functions` runs
+interpreted the functions ``@triton.jit`` made before the interpreter was switched on.
 
-Nothing here touches compiled (GPU) kernels: it patches classes of ``triton.runtime.interpreter``
-only, once, when the interpreter is on. :func:`check` runs a tiny bf16 kernel through the patched
+Nothing here touches a GPU run: it patches classes of ``triton.runtime.interpreter`` (and how a
+compiled-kernel object launches), once, and only when the interpreter is on. :func:`check` runs a tiny bf16 kernel through the patched
 interpreter; launchers call :func:`require` for bf16 launches, which raises a clear error naming the
 limitation if this triton's interpreter could not be patched or still computes bf16 wrong.
 """

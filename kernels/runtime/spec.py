@@ -240,6 +240,10 @@ def _lookup(spec: KernelSpec, key: str, dtype, problem) -> dict:
             if spec.space.why_malformed(cfg) or store.entry_config(spec.name, key, sd) == cfg:
                 _report_invalid(spec.name, key, sd, cfg, why)
             cfg = None
+    if tune_on_miss():   # opt-in: the handler may tune this bucket now (tuning/on_miss.py)
+        cfg, keep = miss_handler()(spec, problem, dtype, key, sd, cfg)
+        if not keep:     # nothing tuned now (a graph capture, tracing): ask again at the next launch
+            return cfg if cfg is not None else spec.default_config(problem, dtype)
     if cfg is None:
         cfg = spec.default_config(problem, dtype)
     cache[(spec.name, key, sd)] = cfg
@@ -264,6 +268,56 @@ def _report_invalid(kernel: str, bucket: str, dtype: str, cfg: dict, why: str) -
 
 def clear_config_cache() -> None:
     CONFIG_CACHE.clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tuning on a miss (opt-in: TRITUNE_TUNE_ON_MISS=1 or set_tune_on_miss(True)). The runtime holds the switch
+# and the hook; the handler is tuning's, a floor above, so it is loaded by name with importlib, and only
+# once the switch is on: the one by-name load besides plugin discovery.
+# ---------------------------------------------------------------------------------------------------
+MISS_HANDLER = "tritune.tuning.on_miss:handle"   # handler(spec, problem, dtype, bucket, dtype key, stored)
+MISS = {"on": None, "handler": None}   # on: None follows the env var; handler: set_miss_handler's or loaded
+
+
+def tune_on_miss() -> bool:
+    """Whether a launch of a bucket with no stored config tunes it first (set_tune_on_miss, else
+    TRITUNE_TUNE_ON_MISS=1); off by default."""
+    on = MISS["on"]
+    if on is None:
+        import os
+
+        return os.environ.get("TRITUNE_TUNE_ON_MISS", "").strip().lower() in ("1", "true", "yes", "on")
+    return on
+
+
+class set_tune_on_miss:
+    """Switch tuning on a miss on (True) or off (False) in this process, or back to TRITUNE_TUNE_ON_MISS
+    (None); as a context manager (``with set_tune_on_miss(True): ...``), the setting before comes back at
+    the end."""
+
+    def __init__(self, on: bool | None = True):
+        if on is not None and not isinstance(on, bool):
+            raise TypeError(f"tune_on_miss: expected True, False or None, got {on!r}")
+        self.before, MISS["on"] = MISS["on"], on
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        MISS["on"] = self.before
+
+
+def set_miss_handler(fn: Callable | None) -> None:
+    """Replace the handler (``fn(spec, problem, dtype, bucket, dtype_key, stored) -> (config or None,
+    keep)``); None: the default, loaded from MISS_HANDLER on the next miss."""
+    MISS["handler"] = fn
+
+
+def miss_handler() -> Callable:
+    if MISS["handler"] is None:
+        mod, _, attr = MISS_HANDLER.partition(":")
+        MISS["handler"] = getattr(importlib.import_module(mod), attr)
+    return MISS["handler"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ rows) while the family owns everything else (norms, projections, positions, MLP)
   sequence over a paged cache, with no host sync (the device-side step captures it in a CUDA graph);
   ``x`` the tokens already embedded.
 - KV layout: the cache holds per layer (num_blocks, block_size, n_kv_heads, head_dim) tensors of
-  ``dtype`` on ``device``; ``n_layers``, ``n_kv_heads``, ``head_dim`` size it, ``max_context`` bounds a
+  ``dtype`` on ``device``; ``n_layers``, ``n_kv_heads``, ``head_dim`` size it (``n_heads``: query heads), ``max_context`` bounds a
   sequence, ``vocab_size`` and ``eos_token_id`` the tokens.
 - ``ops``: the step implementations the runner may wrap (``write_kv``, ``attn_prefill``, ``attn_decode``;
   ``capturable``: the decode step never syncs with the host), ``backend`` ("triton" or "torch"),
@@ -58,6 +58,9 @@ class EngineModel(Protocol):
     def n_layers(self) -> int: ...
 
     @property
+    def n_heads(self) -> int: ...
+
+    @property
     def n_kv_heads(self) -> int: ...
 
     @property
@@ -86,7 +89,7 @@ class EngineModel(Protocol):
 
 def check(model) -> None:
     """TypeError naming what ``model`` lacks of :class:`EngineModel` (the engine's first check)."""
-    missing = [n for n in ("config", "dtype", "device", "backend", "ops", "w", "n_layers", "n_kv_heads",
+    missing = [n for n in ("config", "dtype", "device", "backend", "ops", "w", "n_layers", "n_heads", "n_kv_heads",
                            "head_dim", "max_context", "vocab_size", "eos_token_id", "embed", "blocks", "logits",
                            "decode", "with_ops") if not hasattr(model, n)]
     if missing:

@@ -204,7 +204,7 @@ class DecodeGraphs:
         self.device = torch.device(model.device)
         self.buckets, self.Bmax, self.mb, self.R = list(buckets), buckets[-1], max_blocks, hist
         self.block_size = kv.k_caches[0].shape[1]
-        self.max_pos = min(model.config.n_positions, max_blocks * self.block_size) - 1
+        self.max_pos = min(model.max_context, max_blocks * self.block_size) - 1
         Bm, dev = self.Bmax, self.device
         pin = dev.type == "cuda"
         self.h = torch.zeros(4 * Bm + Bm * max_blocks, dtype=torch.int32, pin_memory=pin)
@@ -219,7 +219,7 @@ class DecodeGraphs:
         self.hist = torch.zeros((Bm, hist), dtype=torch.int32, device=dev)
         # the argmax over the vocabulary in OUT_CHUNKS programs per row (a row alone in one program read
         # GPT-2's 50257 logits in 7 dependent 8192-wide steps: 9.4 us of a ~450 us batch-1 step)
-        V = model.config.vocab_size
+        V = model.vocab_size
         self.out_block = max(16, triton.next_power_of_2(triton.cdiv(V, self.OUT_CHUNKS)))
         self.out_chunks = triton.cdiv(V, self.out_block)
         self.part_v = torch.empty(Bm * self.out_chunks, dtype=torch.float32, device=dev)

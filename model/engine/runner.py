@@ -49,7 +49,7 @@ def attn_context(model, q, k_cache, v_cache, seq_lens, cu_q, max_q, context):
     if model.backend == "triton":
         from tritune.kernels import attention
 
-        if model.config.head_dim in attention.HEAD_DIMS:   # bottom-right causal: query i sees key j <= i + Tk - Tq
+        if model.head_dim in attention.HEAD_DIMS:   # bottom-right causal: query i sees key j <= i + Tk - Tq
             return attention.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, validate=False)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     sq = sk = 0
@@ -333,7 +333,7 @@ class ModelRunner:
                                   "host; use backend='triton' (or compile=True)")
             elif not getattr(model.ops, "capturable", False):
                 self.notes.append("cuda_graphs off: the decode step syncs with the host (no paged-attention "
-                                  f"kernel for head dim {self.config.head_dim})")
+                                  f"kernel for head dim {model.head_dim})")
             else:
                 self.graphs = DecodeGraphs(self._decode_model(model, fused_decode, buckets), pool, self.max_blocks,
                                            buckets, hist=hist)
@@ -348,7 +348,7 @@ class ModelRunner:
                 self.notes.append("compile off: quantized linears have no compiled decode")
             elif model.backend == "triton" and not getattr(model.ops, "capturable", False):
                 self.notes.append("compile off: no paged-attention kernel for head dim "
-                                  f"{self.config.head_dim}")
+                                  f"{model.head_dim}")
             else:
                 self.compiled = CompiledDecode(self.model, pool)
                 on = "the Triton kernels as torch.ops.tritune" if model.backend == "triton" else "the torch ops"
@@ -562,15 +562,15 @@ class ModelRunner:
         specialises on (packed query and key totals, row blocks, sequences x heads). None: no kernel."""
         from tritune.kernels import attention as A
 
-        c = self.config
-        if self.model.backend != "triton" or c.head_dim not in A.HEAD_DIMS or not seq_lens:
+        m = self.model
+        if m.backend != "triton" or m.head_dim not in A.HEAD_DIMS or not seq_lens:
             return None
         ctx = seq_lens if ctx_lens is None else ctx_lens
         B, Tq, Tk = len(seq_lens), max(seq_lens), max(ctx)
-        cfg = A.VARLEN_SPEC.config_for(A.Problem(B, c.n_head, c.n_head, Tq, Tk, c.head_dim, True), self.model.dtype)
+        cfg = A.VARLEN_SPEC.config_for(A.Problem(B, m.n_heads, m.n_kv_heads, Tq, Tk, m.head_dim, True), m.dtype)
         total_k = sum(ctx) if ctx_lens is None else -(-sum(ctx) // 16) * 16    # (eager pads the gather)
         return (ctx_lens is not None, tuple(sorted(cfg.items())),
-                *map(_int_class, (sum(seq_lens), total_k, -(-Tq // cfg["BLOCK_M"]), B * c.n_head)))
+                *map(_int_class, (sum(seq_lens), total_k, -(-Tq // cfg["BLOCK_M"]), B * m.n_heads)))
 
     @torch.inference_mode()
     def warm_context(self, budget: int, max_num_seqs: int) -> int:
@@ -583,7 +583,7 @@ class ModelRunner:
             return 0
         table = type("Table", (), {"blocks": [0] * self.max_blocks})()
         seen, n = set(), 0
-        for q, ctx in _context_candidates(self.config.n_positions, max_num_seqs, budget, self.graph_prefill_tokens):
+        for q, ctx in _context_candidates(self.model.max_context, max_num_seqs, budget, self.graph_prefill_tokens):
             key = self.prefill_variant(q, ctx)
             if key in seen:
                 continue
@@ -612,13 +612,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.model.backend != "triton":
             return 0.0
-        c = self.config
+        ctx_max = self.model.max_context
         budget = max_batch_tokens
         sizes, n = [], 16
         while n <= budget:
             sizes += [n, n + 1] if n + 1 <= budget else [n]
             n *= 2
-        for cap in sorted({c.n_positions, min(256, c.n_positions)}):
+        for cap in sorted({ctx_max, min(256, ctx_max)}):
             for T in sizes:
                 lens = [cap] * (T // cap) + ([T % cap] if T % cap else [])
                 self.eager([[0] * k for k in lens], [[-1] * k for k in lens], [], [], [], [], [])
@@ -627,8 +627,8 @@ class ModelRunner:
         # power of two of each, B - 1 and L + 1 too (serve-bench on the H100 met three variable-length
         # attention variants inside its timed run without this, one with B only: ~1 s of compiling each).
         L = 16
-        while L <= c.n_positions:
-            for n in sorted({L, min(L + 1, c.n_positions)}):
+        while L <= ctx_max:
+            for n in sorted({L, min(L + 1, ctx_max)}):
                 B = 1
                 while B * n <= budget and B <= max_num_seqs:
                     for b in sorted({B, max(1, B - 1)}):  # B - 1: same bucket, other divisibility of B·heads

@@ -557,7 +557,7 @@ class SpeculativeDecoder:
         sg, sch, prop = self.graphs, engine.scheduler, self.proposer
         reqs = out.decode
         B, K = len(reqs), self.k
-        n_pos = engine.config.n_positions
+        n_pos = engine.model.max_context
         if sg.bucket(B) is None or any(r.sampling.temperature for r in reqs) or \
                 any(r.num_tokens + K > n_pos for r in reqs):
             return None
@@ -588,7 +588,7 @@ class SpeculativeDecoder:
             r.table.ensure_capacity(c)
         if draft:
             self._catch_up(reqs, caps, dtables)
-        eos = engine.config.eos_token_id
+        eos = engine.model.eos_token_id
         eoss = [-1 if eos is None or r.sampling.ignore_eos else eos for r in reqs]
         before = [r.num_tokens for r in reqs]
         sg.load([r.all_ids for r in reqs], [L + n for L, n in zip(before, left)], eoss, caps,
@@ -637,7 +637,7 @@ class SpeculativeDecoder:
     def _eager_step(self, engine, out):
         sch, pool = engine.scheduler, engine.pool
         reqs = out.decode
-        n_pos = engine.config.n_positions
+        n_pos = engine.model.max_context
         # k per sequence: no more than the tokens it may still emit (k accepted + 1), nor past the context
         ks = [max(0, min(self.k, r.tokens_left - 1, n_pos - r.num_tokens)) for r in reqs]
         gens = [_generator(engine.sampler, r) for r in reqs]

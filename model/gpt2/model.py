@@ -317,6 +317,10 @@ class GPT2:
         return self.config.n_layer
 
     @property
+    def n_heads(self) -> int:
+        return self.config.n_head
+
+    @property
     def n_kv_heads(self) -> int:
         return self.config.n_head           # no grouped-query attention in GPT-2
 

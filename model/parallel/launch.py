@@ -148,8 +148,12 @@ class Workers:
         self._on_failure = on_failure
         try:
             self.group = G.init(n, 0, backend, port=port, timeout_s=timeout_s)
-        except BaseException:
+        except BaseException as e:
+            # the rendezvous waits for every rank: a worker that died before joining ends it at the timeout
+            err = self.kids.failure()
             self.kids.stop()
+            if err is not None:
+                raise err from e
             raise
         self._thread = threading.Thread(target=self._watch, args=(poll_s,), daemon=True, name="tritune-tp-watchdog")
         self._thread.start()
