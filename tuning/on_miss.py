@@ -106,9 +106,10 @@ def handle(spec, problem, dtype, bucket: str, key: str, found: dict | None) -> t
         return found, True
     if any(not all(isinstance(c, SCALARS) for c in v) for v in spec.space.params.values()):
         return found, True   # a space the store cannot hold
+    seconds, trials = budget()   # a malformed setting is the caller's error, raised
     _STATE.busy = True
     try:
-        cfg = tune_bucket(spec, problem, dtype, bucket, key)
+        cfg = tune_bucket(spec, problem, dtype, bucket, key, seconds, trials)
     except Exception as e:   # never a failed launch because tuning failed
         warnings.warn(f"tritune: tuning {spec.name} bucket {bucket} {key} on a miss failed "
                       f"({type(e).__name__}: {e}); using the heuristic default", stacklevel=2)
@@ -204,13 +205,21 @@ def entry_of(stats: dict, seconds: float) -> dict:
             "tuned_on_miss": {"seconds": round(seconds, 1)}}
 
 
-def tune_bucket(spec, problem, dtype, bucket: str, key: str) -> dict | None:
-    """Tune one bucket now (or take the entry another process just stored); the config, or None (warned)."""
-    seconds, trials = budget()
+def tune_bucket(spec, problem, dtype, bucket: str, key: str, seconds: float, trials: int) -> dict | None:
+    """Tune one bucket now (or take the entry another process just stored), saying so in one line on
+    stderr; the config, or None (warned)."""
+    print(f"tritune: tuning {spec.name} bucket {bucket} {key} on this GPU (no stored config; budget "
+          f"{seconds:g} s) ... ", end="", file=sys.stderr, flush=True)
+    try:
+        return claim_and_tune(spec, problem, dtype, bucket, key, seconds, trials)
+    except BaseException:
+        print("failed", file=sys.stderr, flush=True)
+        raise
+
+
+def claim_and_tune(spec, problem, dtype, bucket: str, key: str, seconds: float, trials: int) -> dict | None:
     job = Job(spec, problem, dtype, dev.gpu_slug(), bucket=bucket, key=key)
     storage_url = os.environ.get("TRITUNE_STUDIES") or default_storage()
-    head = f"tritune: tuning {spec.name} bucket {bucket} {key} on this GPU (no stored config; budget {seconds:g} s) ... "
-    print(head, end="", file=sys.stderr, flush=True)
 
     def log(msg):
         print(msg, end="", file=sys.stderr, flush=True)

@@ -18,13 +18,14 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tritune.kernels.runtime import device as dev
-from tritune.kernels.runtime import interpret_bf16
+from tritune.kernels.runtime import interpret_bf16, interpret_fp8
 from tritune.kernels.runtime import plugins
 from tritune.kernels.runtime import store
 
 if dev.interpreted():
     interpret_bf16.apply()   # bf16 arithmetic, and float dots whose rows do not depend on the tile's row count
     interpret_bf16.adopt_compiled_functions()   # kernels decorated before the switch (triton imported first)
+    interpret_fp8.apply()   # float -> e4m3 conversions rounded as the GPU rounds them
 
 KERNELS_PACKAGE = "tritune.kernels"
 KERNELS_PATH = [str(Path(__file__).resolve().parent.parent)]

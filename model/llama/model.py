@@ -184,6 +184,10 @@ class Llama:
         return self.config.n_layer
 
     @property
+    def n_heads(self) -> int:
+        return self.config.n_head
+
+    @property
     def n_kv_heads(self) -> int:
         return self.config.n_kv_head
 
