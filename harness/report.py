@@ -9,7 +9,9 @@ import json
 import math
 import re
 import statistics
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from tabulate import tabulate
@@ -17,7 +19,9 @@ from tabulate import tabulate
 from tritune.tuning.ledger import fmt as _fmt  # one number format for every table
 
 
-def bench_table(rows: list[dict], fmt: str = "simple") -> str:
+def bench_table(rows: list[dict], fmt: str = "simple", regressed: dict | None = None) -> str:
+    """``regressed``: (problem, dtype) -> :class:`Regression` of the rows to mark "↓"."""
+    regressed = regressed or {}
     peers = sorted({k[:-3] for r in rows for k in r if k.endswith("_us") and k not in ("ours_us", "vendor_us", "host_us", "graph_us")})
     headers = ["kernel", "problem", "dtype", "ours µs", "host µs", "GB/s", "TFLOP/s", "% roofline", "graph µs",
                "% roofline (graph)", "vendor µs", "vs vendor"]
@@ -34,8 +38,106 @@ def bench_table(rows: list[dict], fmt: str = "simple") -> str:
             line += [_fmt(r.get(f"{p}_us")), _fmt(r.get(f"vs_{p}"), 2) + ("x" if r.get(f"vs_{p}") else "")]
         if not r.get("correct", True):
             line[3] += " (WRONG)"
+        if (r.get("problem"), r.get("dtype")) in regressed:
+            line[3] += " ↓"
         table.append(line)
     return tabulate(table, headers=headers, tablefmt=fmt, disable_numparse=True)
+
+
+def is_bench(data: dict) -> bool:
+    """Whether a results file holds kernel benchmark rows (``tritune profile``'s profile.json has rows too:
+    one per profiled command)."""
+    rows = data.get("rows")
+    return isinstance(rows, list) and all(isinstance(r, dict) and "command" not in r for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows that regressed against the committed baseline
+# ---------------------------------------------------------------------------------------------------
+MIN_SLOWDOWN = 0.05   # a row is marked slower only beyond its recorded noise or this, whichever is larger
+
+
+@dataclass(frozen=True)
+class Regression:
+    base_us: float
+    now_us: float
+    limit: float        # the relative slowdown allowed: max(recorded noise, MIN_SLOWDOWN)
+
+    @property
+    def slowdown(self) -> float:
+        return self.now_us / self.base_us - 1
+
+
+def _git(cwd: Path, *argv: str) -> str | None:
+    """A git command's stdout in ``cwd``; None when git is missing or the command fails."""
+    try:
+        p = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def baseline_rows(path: Path, rev: str | None = None) -> tuple[str | None, list[dict] | None]:
+    """(revision, rows) of a results file at the baseline revision: ``rev``, else the last commit that
+    changed the file when the working copy differs from it (new results not yet committed), else the
+    commit before that (``git log -n 2 --format=%h -- FILE``). (None, None) outside a git work tree, for a
+    file the revision does not hold, or one without kernel rows there."""
+    path = Path(path).resolve()
+    top = _git(path.parent, "rev-parse", "--show-toplevel")
+    if not top:
+        return None, None
+    rel = path.relative_to(Path(top.strip()).resolve()).as_posix()
+    if rev is None:
+        revs = (_git(path.parent, "log", "-n", "2", "--format=%h", "--", rel) or "").split()
+        if revs and _git(path.parent, "show", f"{revs[0]}:{rel}") != path.read_text():
+            rev = revs[0]   # the working copy holds results not yet committed: the last commit is the baseline
+        elif len(revs) == 2:
+            rev = revs[1]
+        else:
+            return None, None
+    text = _git(path.parent, "show", f"{rev}:{rel}")
+    try:
+        data = json.loads(text) if text is not None else None
+    except ValueError:
+        return rev, None
+    return rev, (data["rows"] if isinstance(data, dict) and is_bench(data) else None)
+
+
+def _noise(row: dict) -> float:
+    """A row's recorded relative noise (``noise``: the spread of its timing rounds), 0 when it has none."""
+    v = row.get("noise")
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else 0.0
+
+
+def regressions(rows: list[dict], base: list[dict], min_slowdown: float = MIN_SLOWDOWN) -> dict:
+    """(problem, dtype) -> :class:`Regression` for each row whose ``ours_us`` is slower than the same
+    (problem, dtype) row of ``base`` by more than the larger of either row's recorded noise and
+    ``min_slowdown``. Rows without a time on either side (errors, wrong answers) are not compared."""
+    def timed(r):
+        t = r.get("ours_us")
+        return ("error" not in r and r.get("correct", True) and isinstance(t, (int, float)) and t > 0
+                and math.isfinite(t))
+
+    before = {(r.get("problem"), r.get("dtype")): r for r in base if isinstance(r, dict) and timed(r)}
+    out = {}
+    for r in rows:
+        b = before.get((r.get("problem"), r.get("dtype")))
+        if b is None or not timed(r):
+            continue
+        limit = max(_noise(r), _noise(b), min_slowdown)
+        if r["ours_us"] > b["ours_us"] * (1 + limit):
+            out[(r["problem"], r["dtype"])] = Regression(float(b["ours_us"]), float(r["ours_us"]), limit)
+    return out
+
+
+def regression_note(slower: dict, rev: str | None) -> str:
+    """The footnote under a table with marked rows."""
+    lines = [f"↓ slower than at `{rev}` (the baseline) by more than the row's recorded noise or "
+             f"{100 * MIN_SLOWDOWN:.0f}%, whichever is larger:"]
+    for (problem, dtype), g in sorted(slower.items(), key=lambda kv: -kv[1].slowdown):
+        lines.append(f"- {problem} {dtype}: {_fmt(g.base_us)} → {_fmt(g.now_us)} µs "
+                     f"(+{100 * g.slowdown:.1f}%, allowed {100 * g.limit:.0f}%)")
+    return "\n".join(lines) + "\n"
 
 
 def _decode_table(d: dict, fmt: str) -> str:
@@ -155,7 +257,7 @@ def headline_rows(results_dir: Path) -> tuple[list[str], list[list[str]]]:
     for g in gpus:
         for path in sorted(g.glob("*.json")):
             data = _load(path)
-            if isinstance(data, dict) and data.get("rows"):
+            if isinstance(data, dict) and data.get("rows") and is_bench(data):
                 labels.setdefault(g.name, _gpu_label(data, g.name))
                 kernels.setdefault(path.stem, {})[g.name] = data["rows"]
             elif isinstance(data, dict):
@@ -199,19 +301,25 @@ def headline_table(results_dir: Path, fmt: str = "github") -> str:
     return tabulate(rows, headers=head, tablefmt=fmt, disable_numparse=True)
 
 
-def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | None = None) -> str:
+def results_tables(results_dir: Path, fmt: str = "github", configs_dir: Path | None = None,
+                   baseline: str | None = None) -> str:
     """Every results file's table, one section per GPU slug and file in a stable order; then the
-    tuned-config store."""
+    tuned-config store. A kernel table marks "↓" the rows slower than at the baseline revision
+    (:func:`regressions`; ``baseline`` None: each file's previous commit), with a footnote."""
     parts = []
     for path in sorted(Path(results_dir).glob("*/*.json")):
         data = _load(path)
         if not isinstance(data, dict):
             continue
-        if "rows" in data:
+        if is_bench(data):
             env = data.get("environment", {})
             parts.append(f"### {path.parent.name} / {path.stem}  ({env.get('gpu', '?')}, triton {env.get('triton', '?')}, "
                          f"torch {env.get('torch', '?')}, {env.get('date', '?')[:10]})\n")
-            parts.append(bench_table(data["rows"], fmt) + "\n")
+            rev, base = baseline_rows(path, baseline)
+            slower = regressions(data["rows"], base) if base else {}
+            parts.append(bench_table(data["rows"], fmt, slower) + "\n")
+            if slower:
+                parts.append(regression_note(slower, rev) + "\n")
         elif data.get("benchmark") == "gpt2 single-request decode":
             parts.append(f"### {path.parent.name} / {path.stem}: GPT-2 ({data.get('model', {}).get('n_layer', '?')} layers, "
                          f"{data.get('model', {}).get('weights', '')} weights) batch {data.get('batch')}, prompt "
@@ -257,11 +365,12 @@ and the median % of the hardware limit (their range).
 """
 
 
-def write_results_md(results_dir: Path, path: Path) -> bool:
-    """docs/results.md: the headline table, then every table. True when the file changed."""
+def write_results_md(results_dir: Path, path: Path, baseline: str | None = None) -> bool:
+    """docs/results.md: the headline table, then every table (rows slower than at ``baseline``, default
+    each file's previous commit, marked "↓"). True when the file changed."""
     path = Path(path)
     text = (RESULTS_INTRO + headline_table(results_dir) + _plots_section(results_dir, path.parent / "img")
-            + "\n\n## All results\n\n" + results_tables(results_dir))
+            + "\n\n## All results\n\n" + results_tables(results_dir, baseline=baseline))
     old = path.read_text() if path.exists() else None
     if old != text:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,14 +388,21 @@ def _plots_section(results_dir: Path, img_dir: Path) -> str:
     from tritune.harness import plot
 
     paths = plot.render_all(results_dir, img_dir)
-    if not paths:
-        return ""
-    lines = ["", "", "## Rooflines", "",
-             "Each kernel's rows against the measured copy bandwidth and matmul peak (`tritune plot` draws them; "
-             "`tritune plot --storage URL` adds a study's optimization history and parameter importances, and "
-             "`optuna-dashboard URL` browses the same studies).", ""]
-    lines += [f"![{p.stem}](img/{p.name})" for p in paths]
-    return "\n".join(lines) + "\n"
+    counters = plot.render_counters(results_dir, img_dir)
+    lines = []
+    if paths:
+        lines += ["", "", "## Rooflines", "",
+                  "Each kernel's rows against the measured copy bandwidth and matmul peak (`tritune plot` draws "
+                  "them; `tritune plot --storage URL` adds a study's optimization history and parameter "
+                  "importances, and `optuna-dashboard URL` browses the same studies).", ""]
+        lines += [f"![{p.stem}](img/{p.name})" for p in paths]
+    if counters:
+        lines += ["", "", "## Nsight Compute counters", "",
+                  "Per tritune kernel of each command `tritune profile --ncu` profiled (results/<gpu>/profile.json): "
+                  "DRAM throughput, SM and tensor-pipe use, achieved occupancy (% of peak), registers per thread "
+                  "and shared memory per CTA.", ""]
+        lines += [f"![{p.stem}](img/{p.name})" for p in counters]
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
@@ -310,6 +426,9 @@ def add_arguments(s) -> None:
                    help="its headline table (between the headline markers) is rewritten; skipped when the file "
                         "does not exist (default: README.md)")
     s.add_argument("--print", action="store_true", dest="print_only", help="print every table; write nothing")
+    s.add_argument("--baseline", default=None, metavar="REV",
+                   help="mark (↓) kernel rows slower than in the same results file at git revision REV by more "
+                        "than their recorded noise or 5%% (default: each file's previous commit)")
 
 
 def run(args) -> int:
@@ -318,9 +437,9 @@ def run(args) -> int:
         print(f"error: --results-dir {results}: no such folder (run from the repository, or name it)", file=sys.stderr)
         return 2
     if args.print_only:
-        print(headline_table(results) + "\n\n" + results_tables(results))
+        print(headline_table(results) + "\n\n" + results_tables(results, baseline=args.baseline))
         return 0
-    changed = write_results_md(results, Path(args.docs))
+    changed = write_results_md(results, Path(args.docs), baseline=args.baseline)
     print(f"{args.docs}: {'updated' if changed else 'unchanged'}")
     readme = Path(args.readme)
     if readme.exists():

@@ -28,6 +28,11 @@ from typing import Optional
 import torch
 
 from tritune.kernels import attention as _attention
+from tritune.kernels import fp8_attention as _fp8_attention
+from tritune.kernels import fp8_gemm as _fp8_gemm
+from tritune.kernels import fp8_kv_write as _fp8_kv_write
+from tritune.kernels import fp8_paged_attention as _fp8_paged
+from tritune.kernels import fp8_quant as _fp8_quant
 from tritune.kernels import gelu as _gelu
 from tritune.kernels import gemm as _gemm
 from tritune.kernels import gemv as _gemv
@@ -390,7 +395,102 @@ def quant_linear(x: Tensor, qw, bias: Optional[Tensor] = None) -> Tensor:
     return torch.ops.tritune.quant_matmul(x, qw.data, scales, zeros, qw.bits, qw.N, qw.K, qw.group_size, bias)
 
 
+# ---------------------------------------------------------------------------------------------------
+# FP8: the scaled GEMM, the per-token activation quantizer, prefill attention and the e4m3 paged cache.
+# Outputs in e4m3 and their float32 scales are ordinary tensors to the dispatcher (float8 is a ScalarType).
+_E4M3 = torch.float8_e4m3fn
+
+
+def _two_dims(name: str, t: Tensor) -> None:
+    torch._check(t.dim() == 2, lambda: f"{name}: expected 2 dims, got {t.dim()}")
+
+
+@_op("fp8_gemm", ())
+def fp8_gemm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, bias: Optional[Tensor] = None,
+             activation: str = "none", residual: Optional[Tensor] = None,
+             out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """(a·a_scale) @ (b·b_scale) [+ bias] [GELU] [+ residual] of e4m3 a (M, K) and b (K, N)
+    (tritune.kernels.fp8_gemm.fp8_gemm); the output (M, N) in ``out_dtype`` (bf16 or fp16)."""
+    return _fp8_gemm.fp8_gemm(a, b, a_scale, b_scale, bias, activation=activation, residual=residual,
+                              out_dtype=out_dtype)
+
+
+@fp8_gemm.register_fake
+def _(a, b, a_scale, b_scale, bias=None, activation="none", residual=None, out_dtype=torch.bfloat16):
+    _two_dims("a", a)
+    _two_dims("b", b)
+    _inner("a", a, "b", b.shape[0])
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@_op("fp8_quant", ())
+def fp8_quant(x: Tensor, norm: Optional[str] = None, norm_weight: Optional[Tensor] = None,
+              norm_bias: Optional[Tensor] = None, eps: float = 1e-6, swiglu: bool = False) -> tuple[Tensor, Tensor]:
+    """Per-row dynamic e4m3 quantization of x (M, N) -> (q (M, N) e4m3, scale (M,) float32)
+    (tritune.kernels.fp8_quant.fp8_quant). The launcher's ``norm`` tuple flattened: ``norm`` None, "rms"
+    (norm_weight, eps) or "layer" (norm_weight, norm_bias, eps); ``swiglu``: x is (M, 2N) [gate | up]."""
+    if norm is None:
+        spec = None
+    else:
+        spec = ("rms", norm_weight, eps) if norm == "rms" else (norm, norm_weight, norm_bias, eps)
+    return _fp8_quant.fp8_quant(x, norm=spec, swiglu=swiglu)
+
+
+@fp8_quant.register_fake
+def _(x, norm=None, norm_weight=None, norm_bias=None, eps=1e-6, swiglu=False):
+    _two_dims("x", x)
+    n = x.shape[1] // 2 if swiglu else x.shape[1]
+    return x.new_empty((x.shape[0], n), dtype=_E4M3), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@_op("fp8_attention", ())
+def fp8_attention(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor] = None,
+                  k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None, causal: bool = False,
+                  scale: Optional[float] = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Prefill attention over e4m3 (B, H, T, D) q, k, v with float32 descales (B, Hkv), (Hkv,) or None
+    (tritune.kernels.fp8_attention.fp8_attention); the output (B, Hq, Tq, D) in ``out_dtype``."""
+    return _fp8_attention.fp8_attention(q, k, v, q_descale, k_descale, v_descale, causal=causal, scale=scale,
+                                        out_dtype=out_dtype)
+
+
+@fp8_attention.register_fake
+def _(q, k, v, q_descale=None, k_descale=None, v_descale=None, causal=False, scale=None, out_dtype=torch.bfloat16):
+    torch._check(q.dim() == 4, lambda: f"q: expected 4 dims (B, H, T, D), got {q.dim()}")
+    return q.new_empty(q.shape, dtype=out_dtype)
+
+
+# the spec's name; the launcher is fp8_kv_write.fp8_write_kv. Every argument it writes is required (gemv_kv).
+@_op("fp8_kv_write", ("k_cache", "v_cache", "k_scale", "v_scale"))
+def fp8_kv_write(k: Tensor, v: Tensor, slot_mapping: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor,
+                 v_scale: Tensor, validate: bool = True) -> None:
+    """Quantize new tokens' K and V (T, Hkv, D) into the e4m3 paged caches and their per-(token, kv head)
+    float32 scales at each token's slot, in place (tritune.kernels.fp8_kv_write.fp8_write_kv)."""
+    _fp8_kv_write.fp8_write_kv(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, validate=validate)
+
+
+@fp8_kv_write.register_fake
+def _(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, validate=True):
+    return None
+
+
+@_op("fp8_paged_attention", ())
+def fp8_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor, v_scale: Tensor,
+                        block_tables: Tensor, context_lens: Tensor, scale: Optional[float] = None,
+                        validate: bool = True) -> Tensor:
+    """Decode attention over the e4m3 paged cache with per-token scales
+    (tritune.kernels.fp8_paged_attention.fp8_paged_attention); the output (B, Hq, D) in q's dtype."""
+    return _fp8_paged.fp8_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                          scale=scale, validate=validate)
+
+
+@fp8_paged_attention.register_fake
+def _(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale=None, validate=True):
+    torch._check(q.dim() == 3, lambda: f"q: expected 3 dims (B, Hq, D), got {q.dim()}")
+    return q.new_empty(q.shape)
+
+
 # every op by name: what the tests iterate
 OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "gemv_kv": gemv_kv, "linear": linear,
        "attention": attention, "attention_varlen": attention_varlen, "paged_attention": paged_attention,
-       "write_kv": write_kv, "quant_matmul": quant_matmul}
+       "write_kv": write_kv, "quant_matmul": quant_matmul, "fp8_gemm": fp8_gemm, "fp8_quant": fp8_quant,
+       "fp8_attention": fp8_attention, "fp8_kv_write": fp8_kv_write, "fp8_paged_attention": fp8_paged_attention}

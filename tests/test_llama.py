@@ -338,3 +338,17 @@ def test_generate_cli_on_a_llama_checkpoint(tmp_path):
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert r.stdout.rstrip("\n") == want, (extra, r.stdout, want)
+
+
+def test_qwen2_sliding_layers_recorded():
+    """Qwen2 with use_sliding_window: the layers past max_window_layers slide; the window is recorded and
+    bounds the sequences run. Without use_sliding_window the window field is ignored, as transformers does."""
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                                   use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    c = LlamaConfig.from_dict(cfg.to_dict())
+    assert (c.sliding_window, c.n_positions) == (32, 32)
+    cfg.use_sliding_window = False
+    cfg.layer_types = ["full_attention"] * 2
+    c = LlamaConfig.from_dict(cfg.to_dict())
+    assert (c.sliding_window, c.n_positions) == (None, 64)

@@ -84,10 +84,57 @@ def _case(name, dtype):
         assert words is not None  # the packed form, which the op takes as one tensor
         return ((x, qw.data, words, None, qw.bits, qw.N, qw.K, qw.group_size, b), {},
                 ref_qmm.quant_matmul(x, qw, b), acc)
+    if name.startswith("fp8_"):
+        return _fp8_case(name, dtype) + (acc,)
     raise KeyError(name)
 
 
-PURE = ["layer_norm", "gemm", "gelu", "gemv", "linear", "linear_rows", "attention", "attention_varlen", "paged_attention", "quant_matmul"]
+def _fp8_case(name, dtype):
+    """(args, kwargs, float64 reference) of an FP8 op: the kernel's own small inputs (e4m3 operands and
+    scales from the reference quantizers), the launcher's arguments flattened as the op's schema takes them."""
+    from tritune.kernels import fp8_attention as fa
+    from tritune.kernels import fp8_gemm as fg
+    from tritune.kernels import fp8_paged_attention as fpa
+    from tritune.kernels import fp8_quant as fq
+
+    if name.startswith("fp8_gemm"):  # per-row A, per-channel B (a weight stored (N, K)); or 128x128 blocks
+        p = (fg.Problem(5, 40, 96, "row", "channel", True, "gelu_tanh", True) if name == "fp8_gemm"
+             else fg.Problem(9, 136, 160, "tensor", "block", False, "none", True))
+        c = fg.SPEC.make_inputs(p, dtype, DEVICE, 0, "transposed")
+        a, b, sa, sb, bias = c.args
+        kw = c.kwargs
+        return (a, b, sa, sb, bias, kw["activation"], kw["residual"], dtype), {}, fg.SPEC.reference(*c.args, **kw)
+    if name.startswith("fp8_quant"):  # fp8_quant/<mode>: the norm tuple travels as (norm, weight, bias, eps)
+        mode = name.split("/")[1]
+        c = fq.SPEC.make_inputs(fq.Problem(5, 96 if mode != "layer" else 130, mode), dtype, DEVICE, 1)
+        norm = c.kwargs.get("norm")
+        flat = (None, None, None, 1e-6) if norm is None else (
+            (norm[0], norm[1], None, norm[2]) if norm[0] == "rms" else norm)
+        return (*c.args, *flat, mode == "swiglu"), {}, fq.SPEC.reference(*c.args, **c.kwargs)
+    if name == "fp8_attention":  # (Hkv,) descales (seed 1), GQA, causal, Tq < Tk
+        c = fa.SPEC.make_inputs(fa.Problem(1, 2, 1, 9, 13, 64, True), dtype, DEVICE, 1)
+        return (*c.args, True, 0.2, dtype), {}, fa.SPEC.reference(*c.args, causal=True, scale=0.2)
+    if name == "fp8_paged_attention":
+        c = fpa.SPEC.make_inputs(fpa.Problem(2, 4, 2, 32, 19, 8, True), dtype, DEVICE, 0)
+        return (*c.args, c.kwargs["scale"], False), {}, fpa.SPEC.reference(*c.args, **c.kwargs)
+    raise KeyError(name)
+
+
+FP8 = ["fp8_gemm", "fp8_gemm_block", "fp8_quant/none", "fp8_quant/rms", "fp8_quant/layer", "fp8_quant/swiglu",
+       "fp8_attention", "fp8_paged_attention"]
+PURE = ["layer_norm", "gemm", "gelu", "gemv", "linear", "linear_rows", "attention", "attention_varlen",
+        "paged_attention", "quant_matmul"] + FP8
+
+
+def _op_of(name):
+    """The op a case name runs: "linear_rows" is linear, "fp8_quant/rms" fp8_quant, "fp8_gemm_block" fp8_gemm."""
+    return getattr(OPS, name.split("/")[0].replace("_rows", "").replace("_block", ""))
+
+
+def _half_only(name, dtype):
+    """quant_matmul and the FP8 ops take (or give) fp16/bf16 activations; no float32 case."""
+    if dtype == torch.float32 and (name == "quant_matmul" or name.startswith("fp8_")):
+        pytest.skip(f"{name} takes fp16/bf16 activations")
 
 
 def _builtin_specs() -> dict:
@@ -165,20 +212,18 @@ def test_mutating_ops_called_with_defaults_left_out(dtype):
 @pytest.mark.parametrize("dtype", FP, ids=str)
 @pytest.mark.parametrize("name", PURE)
 def test_opcheck(name, dtype):
-    if name == "quant_matmul" and dtype == torch.float32:
-        pytest.skip("quant_matmul takes fp16/bf16 activations")
+    _half_only(name, dtype)
     args, kwargs, _, _ = _case(name, dtype)
-    torch.library.opcheck(getattr(OPS, name.replace("_rows", "")).default, args, kwargs)
+    torch.library.opcheck(_op_of(name).default, args, kwargs)
 
 
 @pytest.mark.parametrize("dtype", FP, ids=str)
 @pytest.mark.parametrize("name", PURE)
 def test_matches_reference(name, dtype):
-    if name == "quant_matmul" and dtype == torch.float32:
-        pytest.skip("quant_matmul takes fp16/bf16 activations")
+    _half_only(name, dtype)
     args, kwargs, want, acc = _case(name, dtype)
-    got = getattr(OPS, name.replace("_rows", ""))(*args, **kwargs)
-    out_dtype = got.dtype
+    got = _op_of(name)(*args, **kwargs)
+    out_dtype = dtype if name.startswith("fp8_quant") else got.dtype  # q and its scale: held as the input's
     cmp.check(got, want, out_dtype, acc, what=name)
 
 
@@ -248,8 +293,9 @@ def test_launch_plans_keep_no_tensor_of_a_call():
     "reduce-overhead"), that is the graph's pool, which refuses it: "tensor(s) in the cudagraph pool not
     tracked as outputs" (the GPU run of HF's static-cache generate on the patched model)."""
     for name in PURE:
-        args, kwargs, _, _ = _case(name, torch.float32 if name != "quant_matmul" else torch.float16)
-        getattr(OPS, name.replace("_rows", ""))(*args, **kwargs)
+        args, kwargs, _, _ = _case(name, torch.float16 if name == "quant_matmul" or name.startswith("fp8_")
+                                   else torch.float32)
+        _op_of(name)(*args, **kwargs)
     k, v, kc, vc, slots = _kv_case(torch.float32)
     OPS.write_kv(k, v, kc, vc, slots)
     held = _plan_tensors()
@@ -459,7 +505,7 @@ def _varlen_counting_reads(monkeypatch, validate):
     q, k, v = _r((13, 2, 32), torch.float16, 0), _r((17, 2, 32), torch.float16, 1), _r((17, 2, 32), torch.float16, 2)
     want = ref_attn.attention_varlen(q, k, v, cq, ck, 8, 9, causal=True)  # reads cu_seqlens: before counting
     given, reads = [], []
-    launcher, cached = A.attention_varlen, A._longest_cached
+    launcher, cached = A.attention_varlen, A.varlen.longest_cached
     tolist, item = torch.Tensor.tolist, torch.Tensor.item
 
     def spy(*a, **kw):
@@ -477,7 +523,7 @@ def _varlen_counting_reads(monkeypatch, validate):
         return read
 
     monkeypatch.setattr(A, "attention_varlen", spy)
-    monkeypatch.setattr(A, "_longest_cached", on_gpu)
+    monkeypatch.setattr(A.varlen, "longest_cached", on_gpu)
     monkeypatch.setattr(torch.Tensor, "tolist", counted(tolist))
     monkeypatch.setattr(torch.Tensor, "item", counted(item))
     A._CHECKED.clear()  # no tensor of an earlier test whose id these reuse

@@ -77,13 +77,11 @@ def tracing() -> bool:
             return True
     except AttributeError:
         pass
-    try:
-        from torch.fx._symbolic_trace import is_fx_tracing
+    import torch.fx._symbolic_trace as fx
 
-        if is_fx_tracing():
-            return True
-    except ImportError:
-        pass
+    symbolic = getattr(fx, "is_fx_symbolic_tracing", None) or getattr(fx, "is_fx_tracing", None)
+    if symbolic is not None and symbolic():
+        return True
     return (not dev.interpreted() and torch.cuda.is_available() and torch.cuda.is_initialized()
             and torch.cuda.is_current_stream_capturing())
 
