@@ -4,10 +4,14 @@
   intensity (FLOP per byte of the fewest bytes moved) and achieved TFLOP/s, under the measured ceilings
   recorded with the rows (copy bandwidth, matmul peak per dtype), and beside it each kernel's achieved
   bandwidth against the copy bandwidth.
+- The Nsight Compute counters ``tritune profile --ncu`` wrote into ``results/<gpu-slug>/profile.json``: one
+  bar chart per profiled command (DRAM, SM, tensor-pipe, occupancy % per tritune kernel; registers and
+  shared memory per CTA).
 - A tuning study's history from an Optuna storage: Optuna's own matplotlib views (optimization history,
   parameter importances).
 
-:func:`render_all` is what ``tritune report`` calls to embed the rooflines in docs/results.md.
+:func:`render_all` and :func:`render_counters` are what ``tritune report`` calls to embed the pictures in
+docs/results.md.
 """
 from __future__ import annotations
 
@@ -123,6 +127,84 @@ def render_all(results_dir, out_dir) -> list[Path]:
     return paths
 
 
+# ---------------------------------------------------------------------------------------------------
+# Nsight Compute counters of `tritune profile --ncu` (results/<gpu>/profile.json)
+# ---------------------------------------------------------------------------------------------------
+COUNTERS = (("dram_pct", "DRAM throughput"), ("sm_pct", "SM throughput"), ("tensor_pct", "tensor pipe"),
+            ("occupancy_pct", "achieved occupancy"))
+
+
+def profile_rows(gpu_dir: Path) -> list[dict]:
+    """The rows of a GPU folder's profile.json that hold Nsight Compute counters (one per profiled command)."""
+    try:
+        data = json.loads((Path(gpu_dir) / "profile.json").read_text())
+    except (OSError, ValueError):
+        return []
+    rows = data.get("rows") if isinstance(data, dict) else None
+    return [r for r in rows or [] if isinstance(r, dict) and r.get("command") and isinstance(r.get("ncu"), list)
+            and any(isinstance(k, dict) and k.get("kernel") for k in r["ncu"])]
+
+
+def file_stem(text: str, limit: int = 60) -> str:
+    """A file name part from free text (a command line): letters, digits, '-', '_', '.', '='."""
+    stem = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in text).strip("_")
+    while "__" in stem:
+        stem = stem.replace("__", "_")
+    return stem[:limit] or "command"
+
+
+def counters_chart(row: dict, out: Path, gpu: str = "") -> Path:
+    """One PNG for one profiled command: per tritune kernel, its four utilisation counters (% of peak) as
+    grouped bars, and beside them registers per thread and shared memory per CTA."""
+    plt = _pyplot()
+    ks = [k for k in row["ncu"] if isinstance(k, dict) and k.get("kernel")]
+    names = [k["kernel"] if len(k["kernel"]) <= 40 else k["kernel"][:37] + "..." for k in ks]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 2.0 + 0.9 * len(ks)),
+                                 gridspec_kw={"width_ratios": [3, 2]}, sharey=True)
+    h = 0.8 / len(COUNTERS)
+    for j, (key, label) in enumerate(COUNTERS):
+        ys = [i - 0.4 + h * (j + 0.5) for i in range(len(ks))]
+        vals = [k.get(key) if isinstance(k.get(key), (int, float)) else None for k in ks]
+        ax.barh(ys, [v or 0.0 for v in vals], height=h, label=label)
+        for y, v in zip(ys, vals):   # a counter ncu did not report is said so, not drawn as zero
+            ax.text((v or 0.0) + 0.5, y, "n/a" if v is None else f"{v:.0f}", va="center", fontsize=7)
+    ax.set_yticks(range(len(ks)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 110)
+    ax.set_xlabel("% of peak")
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(COUNTERS), frameon=False)
+    ax.grid(True, axis="x", alpha=0.25)
+    regs = [float(k.get("registers") or 0.0) for k in ks]
+    smem = [(float(k.get("smem_dynamic") or 0.0) + float(k.get("smem_static") or 0.0)) / 1024 for k in ks]
+    bx.barh(range(len(ks)), regs, height=0.6, color="gray")
+    for i, (r, m) in enumerate(zip(regs, smem)):
+        bx.text(r + 1, i, f"{r:.0f} regs, {m:.1f} KiB smem, {int(ks[i].get('launches') or 0)} launches",
+                va="center", fontsize=7)
+    bx.set_xlim(0, max(regs + [1.0]) * 1.9)
+    bx.set_xlabel("registers per thread (shared memory per CTA beside)")
+    bx.grid(True, axis="x", alpha=0.25)
+    cmd = row["command"] if len(row["command"]) <= 90 else row["command"][:87] + "..."
+    fig.suptitle(f"{gpu or row.get('gpu', '')}: Nsight Compute counters of `tritune {cmd}`"
+                 + (f" ({row['date']})" if row.get("date") else ""), fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def render_counters(results_dir, out_dir) -> list[Path]:
+    """A counters PNG per profiled command of each GPU folder: ``out_dir/ncu-<slug>-<command>.png``."""
+    results_dir, out_dir = Path(results_dir), Path(out_dir)
+    paths = []
+    for gpu_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+        for row in profile_rows(gpu_dir):
+            out = out_dir / f"ncu-{gpu_dir.name}-{file_stem(row['command'])}.png"
+            paths.append(counters_chart(row, out, row.get("gpu") or gpu_dir.name))
+    return paths
+
+
 def study_plots(storage, out_dir, names: list[str] | None = None) -> list[Path]:
     """Optimization history and parameter importances of each study in ``storage`` whose name contains one
     of ``names`` (all when empty) and that has at least two completed trials."""
@@ -191,7 +273,7 @@ def run(args) -> int:
         _pyplot()
     except RuntimeError as e:
         raise UsageError(str(e)) from None
-    paths = render_all(results, out)
+    paths = render_all(results, out) + render_counters(results, out)
     if args.storage:
         if "://" not in args.storage and not Path(args.storage).is_file():
             raise UsageError(f"--storage {args.storage!r}: no such file")
@@ -199,6 +281,6 @@ def run(args) -> int:
     for p in paths:
         print(f"wrote {p}")
     if not paths:
-        print(f"plot: nothing to draw (no kernel rows under {results}"
+        print(f"plot: nothing to draw (no kernel rows or profiled counters under {results}"
               + (", no study with two completed trials" if args.storage else "") + ")", file=sys.stderr)
     return 0

@@ -86,16 +86,17 @@ def baseline_rows(path: Path, rev: str | None = None) -> tuple[str | None, list[
     top = _git(path.parent, "rev-parse", "--show-toplevel")
     if not top:
         return None, None
-    rel = path.relative_to(Path(top.strip()).resolve()).as_posix()
+    top = Path(top.strip()).resolve()
+    rel = path.relative_to(top).as_posix()
     if rev is None:
-        revs = (_git(path.parent, "log", "-n", "2", "--format=%h", "--", rel) or "").split()
-        if revs and _git(path.parent, "show", f"{revs[0]}:{rel}") != path.read_text():
+        revs = (_git(top, "log", "-n", "2", "--format=%h", "--", rel) or "").split()
+        if revs and _git(top, "show", f"{revs[0]}:{rel}") != path.read_text():
             rev = revs[0]   # the working copy holds results not yet committed: the last commit is the baseline
         elif len(revs) == 2:
             rev = revs[1]
         else:
             return None, None
-    text = _git(path.parent, "show", f"{rev}:{rel}")
+    text = _git(top, "show", f"{rev}:{rel}")
     try:
         data = json.loads(text) if text is not None else None
     except ValueError:
@@ -436,10 +437,14 @@ def run(args) -> int:
     if not results.is_dir():
         print(f"error: --results-dir {results}: no such folder (run from the repository, or name it)", file=sys.stderr)
         return 2
+    baseline = getattr(args, "baseline", None)
+    if baseline is not None and not _git(results, "rev-parse", "--verify", "--quiet", f"{baseline}^{{commit}}"):
+        print(f"error: --baseline {baseline}: not a commit of the git repository holding {results}", file=sys.stderr)
+        return 2
     if args.print_only:
-        print(headline_table(results) + "\n\n" + results_tables(results, baseline=args.baseline))
+        print(headline_table(results) + "\n\n" + results_tables(results, baseline=baseline))
         return 0
-    changed = write_results_md(results, Path(args.docs), baseline=args.baseline)
+    changed = write_results_md(results, Path(args.docs), baseline=baseline)
     print(f"{args.docs}: {'updated' if changed else 'unchanged'}")
     readme = Path(args.readme)
     if readme.exists():

@@ -1,4 +1,4 @@
-"""GEMM with a fused epilogue: C = act(A @ B + bias) + residual.
+"""GEMM with a fused epilogue: C = act(norm(A) @ B + bias) + residual.
 
 A (..., K) with its leading dims flattened into M, B (K, N); either may be a transposed or strided view
 (both strides go to the kernel; nothing is copied). fp16/bf16 accumulate in fp32 on tensor cores; fp32
@@ -7,6 +7,19 @@ IEEE fp32 products, "high"/"medium" tf32 tensor cores on the GPU (``input_precis
 mantissa operands: the "tf32" tolerance; exact fp32 under the interpreter). The epilogue runs in fp32 on the accumulator and
 the output is rounded once to the input dtype. activation "gelu_tanh" is evaluated as x·sigmoid(2z),
 z = √(2/π)(x + 0.044715x³): the same function as x/2·(1 + tanh z) with no tanh and no overflow.
+
+activation "swiglu" (a Llama-family MLP's gate/up projection): B is the concatenated [gate | up] weight
+(K, 2F) as a checkpoint's two linears stack, bias (2F,) likewise, and C has F columns, silu(g)·u. Each
+program loads two B tiles per K step, the gate's columns n and the up's columns F + n, into two fp32
+accumulators, so a C tile's gate and up columns meet in the epilogue with no weight reordering (the
+stored weight stays what every other consumer reads: the torch backend, tensor-parallel shards,
+quantizers) and no cross-lane shuffle of the accumulator; silu(g) = g·sigmoid(g) in fp32, finite for
+any g. The two B tiles are BLOCK_N wide each: a tile reads the bytes and runs the MMAs of a plain
+GEMM tile 2·BLOCK_N wide (the space counts both for shared memory and registers).
+
+Prologues (pointer operands, one tile a program): ``ln`` a LayerNorm of each row of A, ``rms`` an RMSNorm
+(no mean subtracted), their row statistics over all of K (:mod:`tritune.kernels.rows`) computed before the
+main loop and applied to each A tile as it is loaded.
 
 Operands are read either through pointers (any strides, masked edges) or, with ``TMA=True`` on a GPU
 that has it (sm90+), through host-built TMA tensor descriptors when the view allows one (16-byte
@@ -33,9 +46,11 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.kernels.gemm_cases import (ACTIVATIONS, Problem, bad_inputs, flag_gems, gpt2, gpt2_fused,  # noqa: F401
-                                        make_inputs, problem_of, problems, vendor)
+                                        llama_swiglu, make_inputs, problem_of, problems, vendor)
 from tritune.kernels.gemm_space import (SMEM_BUDGET, SMEM_PER_SM, SPACE, bucket, cost, ctas_per_sm,  # noqa: F401
                                         default_config, tma_capable)
+from tritune.kernels.rows import prologue as _prologue
+from tritune.kernels.rows import row_rms as _row_rms
 from tritune.kernels.rows import row_stats as _row_stats
 from tritune.references import gemm as ref
 
@@ -49,11 +64,12 @@ except ImportError:  # pragma: no cover
 def _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
                     bias_v=None, res_v=None, PRE_EPI: tl.constexpr = 0,
-                    KC=None, VC=None, Slots=None, C_KV=0, HAS_KV: tl.constexpr = False):
+                    KC=None, VC=None, Slots=None, C_KV=0, HAS_KV: tl.constexpr = False, acc_up=None, N=0):
     """acc (fp32) -> act(acc + bias) + residual -> C, rounded once. PRE_EPI >= 1: the bias was loaded
     before the main loop (``bias_v``); 2: the residual tile too (``res_v``). HAS_KV: columns [C_KV, 2 C_KV)
     and [2 C_KV, 3 C_KV) of each row also go to the (slots, C_KV) caches KC / VC at the row's slot (< 0:
-    not written), the same rounded values as C."""
+    not written), the same rounded values as C. ACT 2 (SwiGLU): ``acc`` is the gate, ``acc_up`` the up
+    accumulator, whose bias is at Bias[N + col]."""
     if HAS_BIAS:
         if PRE_EPI >= 1:
             acc += bias_v.to(tl.float32)[None, :]
@@ -62,6 +78,10 @@ def _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_b
     if ACT == 1:  # gelu_tanh: x·sigmoid(2z); exp overflow to inf gives x/inf = -0, never NaN
         z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
         acc = acc / (1.0 + tl.exp(-2.0 * z))
+    if ACT == 2:  # swiglu: silu(g)·u, silu(g) = g·sigmoid(g) (exp overflow: g/inf = -0, never NaN)
+        if HAS_BIAS:
+            acc_up += tl.load(Bias + (cols + N) * s_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_RES:
         if PRE_EPI == 2:
@@ -92,6 +112,26 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _b_tile(B, b_ptrs, k, n0, k_hi, offs_k, mask_n, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            B_MODE: tl.constexpr, B_N_CONTIG: tl.constexpr):
+    """The BLOCK_K x BLOCK_N tile of B at (k, n0): through a descriptor (B_MODE 1, 2: of B's transpose) or
+    the pointer tile ``b_ptrs`` (rows past k_hi, and past N along a unit-stride N, read as zero)."""
+    if B_MODE == 1:
+        b = B.load([k, n0])
+    elif B_MODE == 2:
+        b = B.load([n0, k]).T
+    else:
+        if EVEN_K and B_N_CONTIG:
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            in_k = offs_k[:, None] < k_hi - k
+            b = tl.load(b_ptrs, mask=in_k & mask_n[None, :] if B_N_CONTIG else in_k, other=0.0)
+    return b
+
+
+@triton.jit
 def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num_pid_n,
                s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
@@ -101,13 +141,15 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
                PRECISION: tl.constexpr, PRE_EPI: tl.constexpr,
                LnW=None, LnB=None, KC=None, VC=None, Slots=None, C_KV=0, eps=0.0,
                HAS_LN: tl.constexpr = False, HAS_LN_W: tl.constexpr = False, HAS_LN_B: tl.constexpr = False,
-               HAS_KV: tl.constexpr = False, LN_BLOCK: tl.constexpr = 16):
+               HAS_KV: tl.constexpr = False, LN_BLOCK: tl.constexpr = 16, RMS: tl.constexpr = False):
     """One BLOCK_M x BLOCK_N tile of C over K slice pid_k of SPLIT_K. PRE_EPI (whole-K tiles only): the
     epilogue's bias (1), and its residual tile (2), are loaded before the main loop, so their latency
     hides under it instead of following it. HAS_LN (pointer operands only): each A tile is normalised
     as it is loaded, with its rows' statistics over all of K (every K slice computes them itself), and
-    rounded to A's dtype before the dot, as a LayerNorm kernel's output would be. HAS_KV: the epilogue
-    also writes the K/V columns to the caches."""
+    rounded to A's dtype before the dot, as a LayerNorm kernel's output would be; RMS: an RMSNorm
+    (x·rstd·LnW, no mean, no LnB) instead. HAS_KV: the epilogue also writes the K/V columns to the
+    caches. ACT 2 (SwiGLU): B has 2N columns; the up tile (columns N + n) goes into a second accumulator,
+    and split-K's workspace holds its partials after the gate's."""
     # this program's K slice: whole BLOCK_K tiles, the last slice cut at K
     tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_lo = pid_k * tiles_per_split * BLOCK_K
@@ -152,14 +194,20 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
         else:
             a_rows = a_m * s_am
         a_ptrs = A + a_rows[:, None] + kk[None, :] * s_ak
+    b_ptrs = bu_ptrs = B  # descriptor modes: unused
     if B_MODE == 0:
         b_ptrs = B + kk[:, None] * s_bk + b_n[None, :] * s_bn
+        if ACT == 2:  # the up half: columns N + n (b_n + N < 2N, in bounds whatever the wrap)
+            bu_ptrs = B + kk[:, None] * s_bk + (b_n + N)[None, :] * s_bn
 
     if HAS_LN:  # A_MODE == 0: the rows' statistics read A through the same (wrapped) row offsets
         # gemv's statistics (K read in LN_BLOCK chunks in order: a row's depend on the row, K and LN_BLOCK
         # only); rows outside get rstd 0, finite whatever eps
         row_ok = mask_m if A_M_CONTIG else offs_m >= 0
-        shift, m1, rstd = _row_stats((A + a_rows)[:, None], row_ok, K, s_ak, eps, BLOCK_M, LN_BLOCK)
+        if RMS:
+            rstd = _row_rms((A + a_rows)[:, None], row_ok, K, s_ak, eps, BLOCK_M, LN_BLOCK)
+        else:
+            shift, m1, rstd = _row_stats((A + a_rows)[:, None], row_ok, K, s_ak, eps, BLOCK_M, LN_BLOCK)
         rstd = tl.where(row_ok, rstd, 0.0)
     bias_v = None
     res_v = None
@@ -169,6 +217,9 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
         res_v = tl.load(R + rows[:, None] * s_rm + cols[None, :] * s_rn, mask=mask_m[:, None] & mask_n[None, :],
                         other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = None
+    if ACT == 2:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if A_MODE == 1:
             a = A.load([pid_m * BLOCK_M, k])
@@ -184,7 +235,10 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
                 a = tl.load(a_ptrs, mask=in_k & mask_m[:, None] if A_M_CONTIG else in_k, other=0.0)
             a_ptrs += BLOCK_K * s_ak
             if HAS_LN:
-                af = ((a.to(tl.float32) - shift[:, None]) - m1[:, None]) * rstd[:, None]
+                if RMS:
+                    af = a.to(tl.float32) * rstd[:, None]
+                else:
+                    af = ((a.to(tl.float32) - shift[:, None]) - m1[:, None]) * rstd[:, None]
                 k_ln = k + offs_k
                 if HAS_LN_W:
                     af = af * tl.load(LnW + k_ln, mask=k_ln < k_hi, other=0.0).to(tl.float32)[None, :]
@@ -193,28 +247,26 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
                 if not EVEN_K:  # past K: zero, as the unnormalised tile's masked load gave
                     af = tl.where((k_ln < k_hi)[None, :], af, 0.0)
                 a = af.to(a.dtype)
-        if B_MODE == 1:
-            b = B.load([k, pid_n * BLOCK_N])
-        elif B_MODE == 2:
-            b = B.load([pid_n * BLOCK_N, k]).T
-        else:
-            if EVEN_K and B_N_CONTIG:
-                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-            elif EVEN_K:
-                b = tl.load(b_ptrs)
-            else:
-                in_k = offs_k[:, None] < k_hi - k
-                b = tl.load(b_ptrs, mask=in_k & mask_n[None, :] if B_N_CONTIG else in_k, other=0.0)
+        b = _b_tile(B, b_ptrs, k, pid_n * BLOCK_N, k_hi, offs_k, mask_n, BLOCK_K, EVEN_K, B_MODE, B_N_CONTIG)
+        if ACT == 2:
+            b_up = _b_tile(B, bu_ptrs, k, N + pid_n * BLOCK_N, k_hi, offs_k, mask_n, BLOCK_K, EVEN_K, B_MODE,
+                           B_N_CONTIG)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+            if B_MODE == 0:
+                bu_ptrs += BLOCK_K * s_bk
+        if B_MODE == 0:
             b_ptrs += BLOCK_K * s_bk
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
     if SPLIT_K == 1:
         _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
-                        HAS_BIAS, ACT, HAS_RES, bias_v, res_v, PRE_EPI, KC, VC, Slots, C_KV, HAS_KV)
+                        HAS_BIAS, ACT, HAS_RES, bias_v, res_v, PRE_EPI, KC, VC, Slots, C_KV, HAS_KV, acc_up, N)
     else:
         mask = mask_m[:, None] & mask_n[None, :]
         w_tile = W + rows[:, None] * N + cols[None, :]
         tl.store(w_tile + pid_k * slab, acc, mask=mask)
+        if ACT == 2:  # the up partials: SPLIT_K slabs after the gate's
+            tl.store(w_tile + (SPLIT_K + pid_k) * slab, acc_up, mask=mask)
         # every thread's partial is written before the ticket is taken (the atomic releases them)
         tl.debug_barrier()
         tile = pid_m * num_pid_n + pid_n
@@ -223,9 +275,14 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on arrival order
                 acc += tl.load(w_tile + s * slab, mask=mask, other=0.0, cache_modifier=".cg")
+            if ACT == 2:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    acc_up += tl.load(w_tile + (SPLIT_K + s) * slab, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(Locks + tile, 0)
             _epilogue_store(acc, rows, cols, mask_m, mask_n, C, Bias, R, s_cm, s_cn, s_bias, s_rm, s_rn,
-                            HAS_BIAS, ACT, HAS_RES, KC=KC, VC=VC, Slots=Slots, C_KV=C_KV, HAS_KV=HAS_KV)
+                            HAS_BIAS, ACT, HAS_RES, KC=KC, VC=VC, Slots=Slots, C_KV=C_KV, HAS_KV=HAS_KV,
+                            acc_up=acc_up, N=N)
 
 
 @triton.jit
@@ -280,9 +337,10 @@ def _gemm_fused_kernel(A, B, C, Bias, R, W, Locks, LnW, LnB, KC, VC, Slots,
                        A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, INT64: tl.constexpr,
                        PRECISION: tl.constexpr, PRE_EPI: tl.constexpr,
                        HAS_LN: tl.constexpr, HAS_LN_W: tl.constexpr, HAS_LN_B: tl.constexpr,
-                       HAS_KV: tl.constexpr, LN_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       HAS_KV: tl.constexpr, LN_BLOCK: tl.constexpr, PDL: tl.constexpr, RMS: tl.constexpr = False):
     """C[m, n] = act(sum_k LN(A)[m, k] B[k, n] + bias[n]) + R[m, n], LN(A) = (A - mean) · rstd · LnW + LnB
-    over each row of A; with HAS_KV the K/V columns of C also go to the caches at Slots[m].
+    over each row of A (RMS: A · rstd · LnW, RMSNorm); with HAS_KV the K/V columns of C also go to the
+    caches at Slots[m].
 
     ``_gemm_kernel``'s tile with the fusions the decode step takes (a LayerNorm before the qkv, MLP-in and
     LM-head products; the qkv output's KV-cache write), on its own entry so the plain kernel compiles as
@@ -297,7 +355,7 @@ def _gemm_fused_kernel(A, B, C, Bias, R, W, Locks, LnW, LnB, KC, VC, Slots,
                s_a0, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, s_rm, s_rn,
                HAS_BIAS, ACT, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, 0, 0,
                A_3D, A_M_CONTIG, B_N_CONTIG, INT64, PRECISION, PRE_EPI,
-               LnW, LnB, KC, VC, Slots, C_KV, eps, HAS_LN, HAS_LN_W, HAS_LN_B, HAS_KV, LN_BLOCK)
+               LnW, LnB, KC, VC, Slots, C_KV, eps, HAS_LN, HAS_LN_W, HAS_LN_B, HAS_KV, LN_BLOCK, RMS)
 
 
 # ---------------------------------------------------------------------------------------------------

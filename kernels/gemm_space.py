@@ -4,6 +4,7 @@ and the cost model. The kernel and its launcher are in :mod:`tritune.kernels.gem
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -31,9 +32,9 @@ def tma_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pipeline_smem(c: dict, dtype) -> int:
-    """Bytes of shared memory the operand pipeline takes."""
-    return (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _ELEM[dtype] * c["num_stages"]
+def pipeline_smem(c: dict, dtype, b_tiles: int = 1) -> int:
+    """Bytes of shared memory the operand pipeline takes (``b_tiles`` B tiles a K step: 2 with SwiGLU)."""
+    return (c["BLOCK_M"] + b_tiles * c["BLOCK_N"]) * c["BLOCK_K"] * _ELEM[dtype] * c["num_stages"]
 
 
 def ctas_per_sm(c: dict, dtype) -> int:
@@ -67,7 +68,8 @@ def _elem(dtype) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _limits(p: Problem) -> tuple:
-    return max(16, triton.next_power_of_2(p.M)), max(16, triton.next_power_of_2(p.N)), max(16, triton.next_power_of_2(p.K))
+    """Tile limits: M, C's columns and K to powers of two (at least 16)."""
+    return max(16, triton.next_power_of_2(p.M)), max(16, triton.next_power_of_2(p.n_out)), max(16, triton.next_power_of_2(p.K))
 
 
 def constraint(c, p: Problem, dtype) -> str | None:
@@ -81,16 +83,18 @@ def constraint(c, p: Problem, dtype) -> str | None:
         return "BLOCK_N larger than N"
     if bk > k2:
         return "BLOCK_K larger than K"
-    smem = pipeline_smem(c, dtype)
+    # SwiGLU: a gate and an up tile of B per K step, two accumulators
+    tiles = 2 if p.act == "swiglu" else 1
+    smem = pipeline_smem(c, dtype, tiles)
     if dtype == torch.float32:
         # fp32 (tf32) tiles also take an fp32 scratch of the whole accumulator for the epilogue's layout
         # change, not shared with the pipeline: 128x256x32 in 3 stages asked for 278552 bytes on an H100
-        smem += bm * bn * 4
+        smem += tiles * bm * bn * 4
     if smem > SMEM_BUDGET:
         return f"{smem // 1024} KiB of shared memory for the pipeline"
     threads = 32 * c["num_warps"]
-    if bm * bn > 128 * threads:
-        return f"{bm * bn // threads} accumulator registers per thread"
+    if tiles * bm * bn > 128 * threads:
+        return f"{tiles * bm * bn // threads} accumulator registers per thread"
     if bm * bn < 4 * threads:
         return "idle warps"
     split = c["SPLIT_K"]
@@ -103,9 +107,11 @@ def constraint(c, p: Problem, dtype) -> str | None:
             return "split-K tiles are few: no grouping"
     if c["TMA"] and not tma_capable(0):
         return "no TMA on this GPU"
-    if (p.ln or p.kv) and (c["TMA"] or c["PERSISTENT"]):
-        # the LayerNorm statistics read A's rows through pointers, and the fused entry takes one tile a program
+    if (p.ln or p.rms or p.kv) and (c["TMA"] or c["PERSISTENT"]):
+        # the norm statistics read A's rows through pointers, and the fused entry takes one tile a program
         return "the LayerNorm prologue and the KV-cache write take pointer operands, one tile a program (no TMA, no persistent grid)"
+    if p.act == "swiglu" and (p.kv or p.N % 2):
+        return "SwiGLU takes an even N ([gate | up]) and no KV-cache write"
     return None
 
 
@@ -145,7 +151,13 @@ def default_config(p: Problem, dtype) -> dict:
       a few percent (4096^3 780 TFLOP/s, GPT-2 c_fc at M = 8192 1.2x cuBLAS + GELU). With N too
       narrow for that (768) but two 128x128 tiles per SM: the same at 128x128 (M = 8192: 10% faster
       than 128x128 pointer tiles).
-    - In between: the tiling (and split-K) that a wave model says finishes first, pointer loads."""
+    - In between: the tiling (and split-K) that a wave model says finishes first, pointer loads.
+    SwiGLU: the plain GEMM's tiling of all N = 2F columns of B, each tile's columns taken half from the
+    gate and half from the up weight (BLOCK_N halved: the same B bytes, MMAs and registers a tile)."""
+    if p.act == "swiglu":
+        cfg = default_config(dataclasses.replace(p, act=None), dtype)
+        cfg = dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2))
+        return _fit(cfg, p, dtype)
     e = _elem(dtype)
     m2 = max(16, triton.next_power_of_2(p.M))
     n2 = max(16, triton.next_power_of_2(p.N))
@@ -191,7 +203,7 @@ def default_config(p: Problem, dtype) -> dict:
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": min(k2, 64 if e == 2 else 32),
                "GROUP_M": 8 if split == 1 else 1, "SPLIT_K": split, "num_warps": warps, "num_stages": stages,
                "TMA": False, "PERSISTENT": False}
-    if p.ln or p.kv:  # the fused entry: pointer operands, one tile a program (see constraint)
+    if p.ln or p.rms or p.kv:  # the fused entry: pointer operands, one tile a program (see constraint)
         cfg = dict(cfg, TMA=False, PERSISTENT=False)
     return _fit(cfg, p, dtype)
 
@@ -221,19 +233,23 @@ def _fit(cfg: dict, p: Problem, dtype) -> dict:
 
 
 def bucket(p: Problem) -> dict:
-    """M to a power of two, N, K; and ln=1 / kv=1 only when fused, so the keys of plain problems (and the
-    store entries tuned under them) are what they were, and a fused problem never borrows a plain one's
-    config (nearest-bucket lookups need the same fields)."""
+    """M to a power of two, N, K; and ln=1 / kv=1 / rms=1 / swiglu=1 only when fused, so the keys of plain
+    problems (and the store entries tuned under them) are what they were, and a fused problem never
+    borrows a plain one's config (nearest-bucket lookups need the same fields)."""
     b = {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K}
     if p.ln:
         b["ln"] = 1
     if p.kv:
         b["kv"] = 1
+    if p.rms:
+        b["rms"] = 1
+    if p.act == "swiglu":
+        b["swiglu"] = 1
     return b
 
 
 def cost(p: Problem, dtype) -> K.Cost:
     e = _elem(dtype)
-    elems = p.M * p.K + p.K * p.N + p.M * p.N + (p.N if p.bias else 0) + (p.M * p.N if p.residual else 0)
-    elems += (2 * p.K if p.ln else 0) + (2 * p.M * (p.N // 3) if p.kv else 0)
+    elems = p.M * p.K + p.K * p.N + p.M * p.n_out + (p.N if p.bias else 0) + (p.M * p.n_out if p.residual else 0)
+    elems += (2 * p.K if p.ln else 0) + (p.K if p.rms else 0) + (2 * p.M * (p.N // 3) if p.kv else 0)
     return K.Cost(flops=2.0 * p.M * p.N * p.K, bytes=float(e * elems))

@@ -126,7 +126,7 @@ def _paged_attention_fwd(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
         GROUP_MERGE: tl.constexpr, PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr,
-        PREFETCH: tl.constexpr):
+        PREFETCH: tl.constexpr, WINDOW: tl.constexpr = 0):
     if PDL:  # programmatic dependent launch: q, the caches and the lengths come from launches before this
         tl.extra.cuda.gdc_wait()               # one (wait for them before any read or write); then the next
         tl.extra.cuda.gdc_launch_dependents()  # launch may start and read its weights: one launch ahead
@@ -134,11 +134,17 @@ def _paged_attention_fwd(
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(CL + b * stride_cl)
+    # WINDOW > 0: only the last WINDOW tokens (from lo on) exist for this program: the loops start at lo,
+    # chunks are counted from lo, so nothing before the window is read (its blocks not even looked up)
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    else:
+        lo = 0
     if PARTITION > 0:
-        start = part * PARTITION
+        start = lo + part * PARTITION
         end = tl.minimum(start + PARTITION, seq_len)
     else:
-        start = 0
+        start = lo
         end = seq_len
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -176,7 +182,7 @@ def _paged_attention_fwd(
 
     if PARTITION > 0:
         # Chunks past the length do nothing; a sequence that fits one chunk is finished here.
-        n_live = tl.maximum(tl.cdiv(seq_len, PARTITION), 1)
+        n_live = tl.maximum(tl.cdiv(seq_len - lo, PARTITION), 1)
         if n_live == 1:
             if part == 0:
                 _store_out(Out, b, heads, mask_g, offs_d, acc, l_i, stride_ob, stride_oh, stride_od)
@@ -265,9 +271,9 @@ def _name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
-def problem_of(q, k_cache, v_cache, block_tables, context_lens, **_) -> Problem:
+def problem_of(q, k_cache, v_cache, block_tables, context_lens, *, window=None, **_) -> Problem:
     return Problem(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
-                   block_tables.shape[1] * k_cache.shape[1], k_cache.shape[1])
+                   block_tables.shape[1] * k_cache.shape[1], k_cache.shape[1], window=window)
 
 
 def _check_scale(scale):
@@ -275,8 +281,13 @@ def _check_scale(scale):
         raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
 
 
+def _check_window(window):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: expected a positive int or None, got {window!r}")
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=None, out=None, config=None,
-                    validate: bool = True):
+                    validate: bool = True, window: int | None = None):
     """Decode attention over a paged KV cache. Returns out (B, Hq, D) in q's dtype.
 
     q (B, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D) with Hq a multiple of Hkv;
@@ -284,6 +295,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     ``validate=True`` also checks the values of context_lens and of the block-table entries in use,
     which costs a device-to-host sync; the engine passes ``validate=False`` on its hot path (then a
     length of 0 yields zeros, and lengths or block ids out of range are undefined behaviour).
+    ``window`` W (None: the whole context): sliding-window attention, each query sees only its sequence's
+    last W tokens (positions > context_len − 1 − W; its own token is one of them), as transformers'
+    ``sliding_window``; tokens before the window are not read, nor their block-table entries.
     Split-KV launches share per-device counters: two must not run at once on different streams.
     """
     # Decode launches are tiny, so the host-side work matters: the checks and every launch argument but
@@ -294,11 +308,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
                block_tables.shape, block_tables.stride(), block_tables.dtype, block_tables.device,
                context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.device,
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
-               scale, None if config is None else tuple(sorted(config.items())), K.precision_key(q.dtype))
+               scale, None if config is None else tuple(sorted(config.items())), K.precision_key(q.dtype),
+               window, type(window))
     except (AttributeError, TypeError):  # not tensors: the checks will say
         key = None
     plan = _PLANS.get_or_make(key, lambda: _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out,
-                                                 config), keep=lambda plan: plan.B)
+                                                 config, window), keep=lambda plan: plan.B)
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     else:
@@ -346,7 +361,7 @@ _locks = K.Counters(minimum=1 << 14)   # split-KV tickets, per device, zero betw
 _workspace = K.Workspace()             # split-KV partials (acc, m, l), per device
 
 
-def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -> _Plan:
+def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config, window=None) -> _Plan:
     """Every metadata check (clear errors naming the argument), the config, and the launch parameters."""
     K.check_tensor("q", q, ndim=3, dtypes=DTYPES)
     K.check_device("q", q)
@@ -378,13 +393,14 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
     if block_tables.shape[1] == 0:
         raise ValueError("block_tables: no columns (every sequence needs at least one block)")
     _check_scale(scale)
+    _check_window(window)
     if out is not None:
         K.check_out(out, (B, Hq, D), q.dtype, q.device)
     plan = _Plan(B=B, out_shape=(B, Hq, D))
     if B == 0:
         return plan
     max_blocks = block_tables.shape[1]
-    problem = Problem(B, Hq, Hkv, D, max_blocks * block_size, block_size)
+    problem = Problem(B, Hq, Hkv, D, max_blocks * block_size, block_size, window=window)
     cfg = SPEC.config_for(problem, q.dtype, config)
     if config is None:
         plan.cfg_key = SPEC.config_key(problem, q.dtype)
@@ -395,7 +411,7 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
     partition = cfg["PARTITION"]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     precision = K.fp32_precision() if q.dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
-    num_parts = triton.cdiv(max_blocks * block_size, partition) if partition else 1
+    num_parts = triton.cdiv(problem.span, partition) if partition else 1  # chunks count from the window's start
     group_merge = triton.next_power_of_2(group)
     parts_block = 1
     if partition:
@@ -417,7 +433,8 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config) -
     plan.meta = dict(GROUP=group, GROUP_PAD=group_pad, D=D, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
                      PARTITION=partition, USE_DOT=use_dot, PRECISION=precision, GROUP_MERGE=group_merge,
                      PARTS_BLOCK=parts_block, PDL=False, EVICT=cfg.get("EVICT", False),
-                     PREFETCH=cfg.get("PREFETCH", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                     PREFETCH=cfg.get("PREFETCH", False), WINDOW=window or 0, num_warps=cfg["num_warps"],
+                     num_stages=cfg["num_stages"])
     # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
     plan.meta_pdl = dict(plan.meta, PDL=True, launch_pdl=True) if K.pdl(q.device) else None
     plan.kernels = {} if K.DIRECT_LAUNCH and q.device.type == "cuda" else None
@@ -541,9 +558,9 @@ def _constraint(c, p: Problem, dtype) -> str | None:
     if part:
         if part % c["BLOCK_N"]:
             return "PARTITION not a multiple of BLOCK_N"
-        if part >= p.capacity:
-            return "one chunk holds the whole context (use PARTITION=0)"
-        if -(-p.capacity // part) > MAX_PARTS:
+        if part >= p.span:
+            return "one chunk holds the whole context or window (use PARTITION=0)"
+        if -(-p.span // part) > MAX_PARTS:
             return f"more than {MAX_PARTS} chunks"
     return None
 
@@ -621,12 +638,12 @@ def default_config(p: Problem, dtype) -> dict:
     # 1024, B=1 and B=8 with 12 heads chunks of 64..256; B=32 (Hkv 8, ctx 4096) 2 chunks (2% faster).
     # At >= 3 programs per SM (B=64 with 12 heads) splitting was slower: the merge costs, no tail to fill.
     programs = p.B * p.Hkv
-    if programs < 3 * SMS and p.capacity >= 256:
+    if programs < 3 * SMS and p.span >= 256:
         want = -(-3 * SMS // programs)
-        part = max(64, cfg["BLOCK_N"], triton.next_power_of_2(-(-p.capacity // want)))
-        while -(-p.capacity // part) > MAX_PARTS:
+        part = max(64, cfg["BLOCK_N"], triton.next_power_of_2(-(-p.span // want)))
+        while -(-p.span // part) > MAX_PARTS:
             part *= 2
-        if part < p.capacity and part <= 4096:
+        if part < p.span and part <= 4096:
             cfg["PARTITION"] = part
             # two warps per chunk program for D <= 64 (B=1 ctx 1024: 9.9 us vs 10.6 with four)
             two = dict(cfg, num_warps=2)
@@ -634,7 +651,7 @@ def default_config(p: Problem, dtype) -> dict:
                 cfg["num_warps"] = 2
     # A program of at most two tiles has nothing to pipeline beyond double buffering (B=1 ctx 4096, 128-
     # token chunks: 18.0 us with 2 stages, 23.6 with 3; B=256 ctx 128: 51.3 vs 52.5).
-    if use_dot and (cfg["PARTITION"] or p.capacity) <= 2 * cfg["BLOCK_N"]:
+    if use_dot and (cfg["PARTITION"] or p.span) <= 2 * cfg["BLOCK_N"]:
         cfg["num_stages"] = min(cfg["num_stages"], 2)
     # Short chunks: the hand-pipelined loop with evict_first K/V loads (probe_variants.py, H100 bf16,
     # zero-fill do_bench / CUDA graph): B=1 GPT-2 ctx 1024 in 64-token chunks 9.95 / 5.75 us against
@@ -651,15 +668,18 @@ def default_config(p: Problem, dtype) -> dict:
 
 
 def bucket(p: Problem) -> dict:
+    # a window's problem is looked up as the full-context problem of its span (the same work a query)
     return {"B": triton.next_power_of_2(p.B), "Hq": p.Hq, "Hkv": p.Hkv, "D": p.D,
-            "block_size": p.block_size, "ctx": triton.next_power_of_2(p.capacity)}
+            "block_size": p.block_size, "ctx": triton.next_power_of_2(p.span)}
 
 
 def cost(p: Problem, dtype) -> K.Cost:
-    """K and V of the context tokens read once, q read, out written (mixed problems: counted at ctx)."""
+    """K and V of the context tokens (the window's, with one) read once, q read, out written (mixed
+    problems: counted at ctx)."""
     e = torch.finfo(dtype).bits // 8
-    kv = 2.0 * p.B * p.ctx * p.Hkv * p.D * e
-    return K.Cost(flops=4.0 * p.B * p.Hq * p.ctx * p.D, bytes=kv + 2.0 * p.B * p.Hq * p.D * e)
+    n = p.ctx if p.window is None else min(p.ctx, p.window)
+    kv = 2.0 * p.B * n * p.Hkv * p.D * e
+    return K.Cost(flops=4.0 * p.B * p.Hq * n * p.D, bytes=kv + 2.0 * p.B * p.Hq * p.D * e)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -705,6 +725,8 @@ def _bad_inputs(device):
         ("non-power-of-two block size", pa(k_cache=torch.randn(6, 12, Hkv, D, device=device),
                                             v_cache=torch.randn(6, 12, Hkv, D, device=device)), ValueError),
         ("negative scale", lambda: paged_attention(q, kc, vc, bt, cl, scale=-1.0), ValueError),
+        ("window 0", lambda: paged_attention(q, kc, vc, bt, cl, window=0), ValueError),
+        ("float window", lambda: paged_attention(q, kc, vc, bt, cl, window=4.0), ValueError),
         ("out of the wrong shape", lambda: paged_attention(q, kc, vc, bt, cl, out=torch.empty(B, Hq, D + 1, device=device)), ValueError),
         ("write_kv: slot out of range", wk(slot_mapping=torch.tensor([0, B * nb * bs, -1], dtype=i32, device=device)), ValueError),
         ("write_kv: duplicate slot", wk(slot_mapping=torch.tensor([4, 4, -1], dtype=i32, device=device)), ValueError),
@@ -719,7 +741,7 @@ def _bad_inputs(device):
 
 SPEC = K.register(K.KernelSpec(
     name="paged_attention",
-    description="decode attention over a paged KV cache (GQA, split-KV)",
+    description="decode attention over a paged KV cache (GQA, split-KV, sliding window)",
     run=paged_attention,
     reference=ref.paged_attention,
     make_inputs=make_inputs,

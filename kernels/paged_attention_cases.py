@@ -24,11 +24,18 @@ class Problem:
     ctx: int                # context length (the longest, when mixed)
     block_size: int = 16    # tokens per cache block
     mixed: bool = False     # lengths drawn in [1, ctx] per sequence (tests); else all equal to ctx
+    window: int | None = None   # sliding window: each query sees its sequence's last `window` tokens
 
     @property
     def capacity(self) -> int:
         """Tokens the block table can address: what a launcher sees without reading context_lens."""
         return -(-self.ctx // self.block_size) * self.block_size
+
+    @property
+    def span(self) -> int:
+        """Tokens one query can attend to: the capacity, or the window where that is shorter (what the
+        split-KV chunks cover, and the context the config is chosen for)."""
+        return self.capacity if self.window is None else min(self.capacity, self.window)
 
 
 def context_lengths(p: Problem, seed: int) -> list[int]:
@@ -43,8 +50,9 @@ def context_lengths(p: Problem, seed: int) -> list[int]:
     return lens
 
 
-def fill_garbage(k_cache, v_cache, block_tables, lens):
-    """Put NaN / ±max in every slot no sequence may read: past each length, and in unowned blocks.
+def fill_garbage(k_cache, v_cache, block_tables, lens, window=None):
+    """Put NaN / ±max in every slot no sequence may read: past each length, before its window (``window``
+    tokens back from its length), and in unowned blocks.
 
     K gets NaN in odd blocks and +max in even ones (a leaked score is NaN or dominates the softmax),
     −max in unowned blocks; V gets NaN everywhere (even a zero-weighted V read shows: 0 · NaN = NaN).
@@ -55,7 +63,7 @@ def fill_garbage(k_cache, v_cache, block_tables, lens):
     readable = torch.zeros(num_blocks, bs, dtype=torch.bool)
     owned = torch.zeros(num_blocks, dtype=torch.bool)
     for b, n in enumerate(lens):
-        readable[tables[b]] = pos < n
+        readable[tables[b]] = (pos < n) & (pos >= (0 if window is None else n - window))
         owned[tables[b]] = True
     big = torch.finfo(k_cache.dtype).max
     odd = (torch.arange(num_blocks) % 2 == 1)[:, None].expand(num_blocks, bs)
@@ -71,7 +79,8 @@ def fill_garbage(k_cache, v_cache, block_tables, lens):
 def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
     """Sequences own disjoint, randomly permuted blocks of a pool that has a few spare blocks; every slot
     not holding a context token (the tail of a sequence's last block, its blocks past its length, the
-    spare blocks) holds NaN or ±max so a read that should not happen shows in the output.
+    spare blocks, and with ``p.window`` the tokens before each sequence's window) holds NaN or ±max so a
+    read that should not happen shows in the output.
 
     layout "strided": q is a slice of a wider (B, 3·Hq, D) buffer (q of a fused QKV) and K/V are views
     of one (num_blocks, block_size, 2, Hkv, D) pool.
@@ -94,10 +103,12 @@ def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous"
     g = torch.Generator().manual_seed(seed + 3)
     block_tables = torch.randperm(num_blocks, generator=g)[: p.B * nb].reshape(p.B, nb).to(torch.int32)
     lens = context_lengths(p, seed)
-    fill_garbage(k_cache, v_cache, block_tables, lens)
+    fill_garbage(k_cache, v_cache, block_tables, lens, p.window)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    return K.Case(args=(q, k_cache, v_cache, block_tables.to(device), context_lens),
-                  kwargs={"scale": 1.0 / math.sqrt(p.D) * (1.0 + 0.25 * (seed % 3)), "validate": False},
+    kwargs = {"scale": 1.0 / math.sqrt(p.D) * (1.0 + 0.25 * (seed % 3)), "validate": False}
+    if p.window is not None:
+        kwargs["window"] = p.window
+    return K.Case(args=(q, k_cache, v_cache, block_tables.to(device), context_lens), kwargs=kwargs,
                   out=torch.empty((p.B, p.Hq, p.D), dtype=dtype, device=device))
 
 
@@ -118,7 +129,9 @@ def problems(max_elems: int):
         top = max(1, min(100 if small else 4096, max_elems // (b * hkv * hd)))
         ctx = d(st.one_of(st.sampled_from([n for n in (1, bs, bs + 1, 2 * bs + 3) if n <= top] or [1]),
                           st.integers(1, top)))
-        return Problem(b, hkv * group, hkv, hd, ctx, bs, d(st.booleans()) and b > 1)
+        # a sliding window now and then: narrower than a block, than the context, or wider than it
+        window = d(st.one_of(st.none(), st.integers(1, ctx + 2), st.sampled_from([1, bs, bs + 1])))
+        return Problem(b, hkv * group, hkv, hd, ctx, bs, d(st.booleans()) and b > 1, window)
 
     return draw()
 
@@ -132,9 +145,11 @@ def contiguous_kv(c: K.Case):
         return None
     B = q.shape[0]
     blocks = block_tables[:, : -(-n // k_cache.shape[1])].long()
+    window = c.kwargs.get("window")
+    lo = 0 if window is None else max(n - window, 0)   # a window: its tokens only (the vendor has no window)
 
     def gather(cache):
-        return cache[blocks].reshape(B, -1, *cache.shape[2:])[:, :n].transpose(1, 2).contiguous()
+        return cache[blocks].reshape(B, -1, *cache.shape[2:])[:, lo:n].transpose(1, 2).contiguous()
 
     return gather(k_cache), gather(v_cache)
 

@@ -1200,3 +1200,17 @@ def test_window_is_checked():
             A.attention(q, k, v, causal=True, window=bad)
     with pytest.raises(ValueError, match="causal"):
         A.attention(q, k, v, window=4)
+
+
+def test_the_package_registers_both_specs_from_a_fresh_process():
+    """``kernels.get("attention_varlen")`` in a fresh interpreter: no module of that name, so the registry
+    falls back to discovery, whose import of the package registers both specs."""
+    import subprocess
+    import sys
+
+    code = ("import tritune.kernels as K; s = K.get('attention_varlen'); "
+            "print(s.name, s.run.__module__, sorted(n for n in K.REGISTRY if n.startswith('attention')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["attention_varlen", "tritune.kernels.attention.varlen", "['attention',",
+                                  "'attention_varlen']"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -171,6 +172,91 @@ def test_garbage_would_be_caught():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Sliding window: each query sees its sequence's last W tokens (positions > len - 1 - W, its own included),
+# as transformers' sliding_window masks. make_inputs puts NaN / ±max in every slot before a window too, so
+# a read there (even of a zero-weighted V) shows in the output.
+@pytest.mark.parametrize("window", [1, 7, 8, 9, 17, 33, 200])
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+@pytest.mark.parametrize("use_dot,prefetch", [(False, False), (True, False), (True, True)],
+                         ids=["bcast", "dot", "dot-prefetch"])
+def test_window_mixed_lengths_single_and_split(window, split, use_dot, prefetch):
+    """Windows inside a block, at its edges, over several; chunks of 8 (16 for tl.dot) tokens from the
+    window's start (a window of one chunk or less runs single-pass: the space refuses the split)."""
+    problem = P(4, 4, 2, 32, 77, 8, mixed=True, window=window)
+    block_n = 16 if use_dot else 8
+    _check(problem, torch.float32, _cfg(block_n, block_n if split else 0, use_dot, prefetch=prefetch),
+           seed=window + split)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_window_gqa_dtypes_and_default_config(dtype):
+    for problem in (P(3, 6, 2, 64, 70, 16, True, 21), P(2, 4, 1, 32, 40, 8, False, 16)):
+        _check(problem, dtype, None, seed=4, layout="strided")
+
+
+def test_window_wider_than_the_context_is_full_attention():
+    """window >= every length: the same launch as no window, bit for bit (split and single pass)."""
+    problem = P(3, 4, 2, 32, 45, 8, mixed=True)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 6)
+    for cfg in (_cfg(8, 0), _cfg(8, 16)):
+        full = pa.paged_attention(*c.args, config=cfg, **c.kwargs)
+        for w in (45, 46, 1000):
+            assert torch.equal(pa.paged_attention(*c.args, config=cfg, window=w, **c.kwargs), full)
+
+
+def test_window_split_chunks_count_from_the_window():
+    """Split-KV under a window: the chunks cover the window only (cdiv(W, PARTITION) programs a sequence,
+    not cdiv(capacity, PARTITION)); the config is chosen for the window's span."""
+    problem = P(2, 4, 2, 32, 300, 16, window=40)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 2)
+    want = ref.paged_attention(*c.args, **c.kwargs)
+    cmp.check(pa.paged_attention(*c.args, config=_cfg(8, 16), **c.kwargs), want, torch.float32)
+    plan = next(p for p in pa._PLANS.values() if p.meta.get("WINDOW") == 40 and p.meta["PARTITION"] == 16)
+    assert plan.grid == (2, 2, 3)
+    assert pa.bucket(problem)["ctx"] == 64 and pa.problem_of(*c.args, **c.kwargs).span == 40
+    with pytest.raises(ValueError, match="window"):   # one 64-token chunk would hold the whole window
+        pa.paged_attention(*c.args, config=_cfg(8, 64), **c.kwargs)
+
+
+@pytest.mark.skipif(not dev.interpreted() or DEVICE != "cpu", reason="counts the interpreter's loads")
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("partition", [0, 16], ids=["single", "split"])
+def test_each_kv_token_read_once_per_kv_head(monkeypatch, window, partition):
+    """GQA (4 query heads on each kv head): one program per (sequence, kv head[, chunk]) loads a K/V tile
+    once for the whole query group, so every K and V element in a sequence's window is read exactly once
+    per step, and nothing outside the windows (counted from the interpreter's loads of the cache)."""
+    from triton.runtime import interpreter
+
+    problem = P(3, 8, 2, 16, 50, 8, mixed=True, window=window)
+    c = pa.make_inputs(problem, torch.float32, DEVICE, 3)
+    q, kc, vc, bt, cl = c.args
+    reads = []
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def counted(self, ptrs, mask, other, *a):
+        addr = ptrs.data[mask.data.astype(bool)] if mask is not None else ptrs.data.ravel()
+        reads.append(addr.ravel().copy())
+        return load(self, ptrs, mask, other, *a)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    pa.paged_attention(*c.args, config=_cfg(8, partition), **c.kwargs)
+    monkeypatch.undo()
+    addr = torch.from_numpy(np.concatenate(reads).astype(np.int64))
+    for cache in (kc, vc):
+        base, size = cache.data_ptr(), cache.element_size()
+        mine = addr[(addr >= base) & (addr < base + cache.numel() * size)]
+        want = []
+        for b, n in enumerate(cl.tolist()):
+            lo = 0 if window is None else max(n - window, 0)
+            tok = torch.arange(lo, n)
+            slot = bt[b].long()[tok // 8] * 8 + tok % 8            # (tokens,) flat slots
+            el = (slot[:, None] * problem.Hkv + torch.arange(problem.Hkv)) * problem.D   # (tokens, Hkv)
+            want.append((el[:, :, None] + torch.arange(problem.D)).flatten())
+        want = torch.cat(want) * size + base
+        assert torch.equal(torch.sort(mine).values, torch.sort(want).values)
+
+
+# ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_write_kv_matches_reference(dtype, slot_dtype):
@@ -286,7 +372,7 @@ def test_error_messages_name_the_argument():
             thunk()
         msg = str(info.value)
         assert any(name in msg for name in ("q", "k_cache", "v_cache", "block_tables", "context_lens",
-                                            "scale", "out", "k:", "v:", "slot_mapping")), (label, msg)
+                                            "scale", "out", "k:", "v:", "slot_mapping", "window")), (label, msg)
 
 
 @pytest.mark.parametrize("partition", [0, 32], ids=["single", "split"])

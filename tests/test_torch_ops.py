@@ -131,6 +131,19 @@ def _op_of(name):
     return getattr(OPS, name.split("/")[0].replace("_rows", "").replace("_block", ""))
 
 
+def _bitwise_float8(monkeypatch):
+    """opcheck's schema check tells a mutated input by torch.allclose(before, after), which has no float8
+    kernel on the CPU; its intent, bitwise equality, compares float8 tensors by their bytes."""
+    allclose = torch.allclose
+
+    def bitwise(a, b, *args, **kwargs):
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype == a.dtype:
+            return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        return allclose(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", bitwise)
+
+
 def _half_only(name, dtype):
     """quant_matmul and the FP8 ops take (or give) fp16/bf16 activations; no float32 case."""
     if dtype == torch.float32 and (name == "quant_matmul" or name.startswith("fp8_")):
@@ -211,8 +224,9 @@ def test_mutating_ops_called_with_defaults_left_out(dtype):
 
 @pytest.mark.parametrize("dtype", FP, ids=str)
 @pytest.mark.parametrize("name", PURE)
-def test_opcheck(name, dtype):
+def test_opcheck(name, dtype, monkeypatch):
     _half_only(name, dtype)
+    _bitwise_float8(monkeypatch)
     args, kwargs, _, _ = _case(name, dtype)
     torch.library.opcheck(_op_of(name).default, args, kwargs)
 
@@ -249,6 +263,32 @@ def test_write_kv_mutates_caches(dtype):
         seen = kc._version
         OPS.write_kv(k, v, kc, vc, slots)
         assert kc._version > seen
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_ops_in_bf16(name, monkeypatch):
+    """The FP8 ops with bf16 activations and outputs (the serving dtype): opcheck and the reference."""
+    _bitwise_float8(monkeypatch)
+    args, kwargs, want, acc = _case(name, torch.bfloat16)
+    torch.library.opcheck(_op_of(name).default, args, kwargs)
+    cmp.check(_op_of(name)(*args, **kwargs), want, torch.bfloat16, acc, what=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp8_kv_write_mutates_caches(dtype, monkeypatch):
+    """fp8_kv_write quantizes into the four cache tensors in place (declared mutated, none defaulted):
+    opcheck, the float64 reference, the caches' version counters, and a call with validate left out."""
+    from tritune.kernels import fp8_kv_write as fkw
+
+    _bitwise_float8(monkeypatch)
+    c = fkw.WRITE_SPEC.make_inputs(fkw.WriteProblem(2 * 8 + 1, 2, 32, 8, 1), dtype, DEVICE, 1)
+    k, v, slots = c.args
+    caches = tuple(t.zero_() for t in c.out)
+    torch.library.opcheck(OPS.fp8_kv_write.default, (k, v, slots, *(t.clone() for t in caches), True))
+    before = tuple(t._version for t in caches) + (k._version,)
+    assert OPS.fp8_kv_write(k, v, slots, *caches) is None
+    cmp.check(caches, fkw.WRITE_SPEC.reference(*c.args, **c.kwargs), dtype, what="fp8_kv_write")
+    assert all(t._version > b for t, b in zip(caches, before)) and k._version == before[-1]
 
 
 def test_gemv_writes_kv_through_the_op():
@@ -412,6 +452,32 @@ def test_compile_gpt2_fullgraph_no_recompile():
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 96, (2, t), generator=g).to(DEVICE) for t in (3, 9, 16)]
     _compile_and_check(model, ids, torch.float32, "aot_eager")
+
+
+class Fp8Linear(torch.nn.Module):
+    """A W8A8 linear on the FP8 ops: RMSNorm fused into the per-token quantization, the scaled GEMM with a
+    per-channel weight scale, bias and residual."""
+
+    def __init__(self, C=96, N=40):
+        super().__init__()
+        from tritune.references import fp8 as ref_fp8
+
+        g = torch.Generator().manual_seed(3)
+        w8, ws = ref_fp8.quantize_channels(torch.randn(C, N, generator=g) / math.sqrt(C))
+        self.register_buffer("w8", w8.t().contiguous())  # stored (N, K), passed transposed
+        self.register_buffer("ws", ws)
+        self.register_buffer("norm_w", (1 + 0.1 * torch.randn(C, generator=g)).half())
+        self.register_buffer("bias", torch.randn(N, generator=g).half())
+
+    def forward(self, x):
+        q, s = OPS.fp8_quant(x, "rms", self.norm_w, None, 1e-6, False)
+        return OPS.fp8_gemm(q, self.w8.t(), s, self.ws, self.bias, "none", x[:, : self.w8.shape[0]], torch.float16)
+
+
+def test_compile_fp8_linear_fullgraph_no_recompile():
+    model = Fp8Linear().to(DEVICE)
+    xs = [_r((m, 96), torch.float16, m) for m in (5, 11, 17)]
+    _compile_and_check(model, xs, torch.float16, "aot_eager")
 
 
 def test_explain_reports_no_graph_break():

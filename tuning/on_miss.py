@@ -13,7 +13,8 @@ floor below tuning and never imports it).
   entry, the spec's seeds, the nearest buckets' winners on this GPU, then the nearest GPU type's winners;
   then TPE. Budget: ``TRITUNE_TUNE_ON_MISS_BUDGET`` seconds (default 30) and
   ``TRITUNE_TUNE_ON_MISS_TRIALS`` evaluated trials (default 24). Every trial is verified against the
-  float64 reference, as in ``tritune tune``.
+  float64 reference, as in ``tritune tune``; in this process unless ``TRITUNE_TUNE_ON_MISS_ISOLATION=process``
+  (:func:`isolation`).
 - One tuner per bucket: a file lock beside the journal (per study name) is held while the study runs; a
   second process waits for it, then finds the first one's entry in the user store and uses it. The lock
   dies with its process, so a killed tuner blocks no one.
@@ -42,10 +43,13 @@ from tritune.tuning.study import (SCALARS, Job, default_storage, ensure_seeds, e
 
 BUDGET_ENV = "TRITUNE_TUNE_ON_MISS_BUDGET"
 TRIALS_ENV = "TRITUNE_TUNE_ON_MISS_TRIALS"
+ISOLATION_ENV = "TRITUNE_TUNE_ON_MISS_ISOLATION"
 DEFAULT_BUDGET_S = 30.0
 DEFAULT_TRIALS = 24
 NEAREST = 3             # nearest buckets' (and the nearest GPU type's) winners each study tries first
 WAIT_MARGIN_S = 60.0    # a waiting process gives up after the budget and this much more (a hung tuner)
+
+UNTUNED = "launching untuned (the nearest bucket's stored config, else the heuristic default)"
 
 HANDLED: dict = {}      # (kernel, bucket, dtype key) -> the config this process settled on (None: the default)
 _STATE = threading.local()   # .busy: a study of this thread is running (its own launches never tune)
@@ -105,12 +109,13 @@ def handle(spec, problem, dtype, bucket: str, key: str, found: dict | None) -> t
     if any(not all(isinstance(c, SCALARS) for c in v) for v in spec.space.params.values()):
         return found, True   # a space the store cannot hold
     seconds, trials = budget()   # a malformed setting is the caller's error, raised
+    isolation()
     _STATE.busy = True
     try:
         cfg = tune_bucket(spec, problem, dtype, bucket, key, seconds, trials)
     except Exception as e:   # never a failed launch because tuning failed
         warnings.warn(f"tritune: tuning {spec.name} bucket {bucket} {key} on a miss failed "
-                      f"({type(e).__name__}: {e}); using the heuristic default", stacklevel=2)
+                      f"({type(e).__name__}: {e}); {UNTUNED}", stacklevel=2)
         cfg = None
     finally:
         _STATE.busy = False
@@ -171,9 +176,15 @@ def seed(study, job: Job) -> None:
 
 
 def isolation() -> str:
-    """On a GPU each trial runs in a worker process: a config that faults must not take the caller's CUDA
-    context with it. The interpreter evaluates in this process (nothing there can fault a context)."""
-    return "inline" if dev.interpreted() else "process"
+    """Where the trials run: in this process by default. A worker process (``TRITUNE_TUNE_ON_MISS_ISOLATION=
+    process``) keeps a config that faults from taking the caller's CUDA context with it, but it is started
+    by ``spawn``, which imports the caller's main script again (a script without a ``__main__`` guard would
+    run its work twice), and its start costs seconds of the budget; every config a study tries is a valid
+    point of the space, verified before it is timed."""
+    v = os.environ.get(ISOLATION_ENV, "").strip() or "inline"
+    if v not in ("inline", "process"):
+        raise ValueError(f"{ISOLATION_ENV}: expected 'inline' or 'process', got {v!r}")
+    return v
 
 
 def run(job: Job, storage, seconds: float, trials: int) -> dict:
@@ -183,7 +194,7 @@ def run(job: Job, storage, seconds: float, trials: int) -> dict:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = open_study(storage, job, make_sampler("tpe", job.spec.space, seed_for(0, job.name, "on-miss")))
     seed(study, job)
-    runner = make_runner(None, isolation())
+    runner = make_runner(None, isolation(), env={"TRITUNE_TUNE_ON_MISS": "0"})   # a worker never tunes
     try:
         run_study(study, job, runner, trials=trials, deadline=time.time() + seconds, seed=0)
     finally:
@@ -232,7 +243,7 @@ def claim_and_tune(spec, problem, dtype, bucket: str, key: str, seconds: float, 
         if not got:
             print("gave up waiting", file=sys.stderr, flush=True)
             warnings.warn(f"tritune: another process held the tuning of {spec.name} bucket {bucket} {key} for "
-                          f"over {seconds + WAIT_MARGIN_S:g} s; using the heuristic default", stacklevel=3)
+                          f"over {seconds + WAIT_MARGIN_S:g} s; {UNTUNED}", stacklevel=3)
             return None
         stats = run(job, open_storage(storage_url), seconds, trials)
         took = time.time() - t0
@@ -240,7 +251,7 @@ def claim_and_tune(spec, problem, dtype, bucket: str, key: str, seconds: float, 
             print("no verified config", file=sys.stderr, flush=True)
             reasons = ", ".join(f"{k} x{n}" for k, n in stats["failure_kinds"].items()) or "no trial finished"
             warnings.warn(f"tritune: tuning {spec.name} bucket {bucket} {key} on a miss found no verified "
-                          f"config ({reasons}); using the heuristic default", stacklevel=3)
+                          f"config ({reasons}); {UNTUNED}", stacklevel=3)
             return None
         try:
             store.write(spec, [entry_of(stats, took)])

@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_arguments(s)
     s.set_defaults(func=cmd_report)
 
-    s = sub.add_parser("plot", help="PNG pictures: a roofline per GPU from results/, a tuning study's history "
+    s = sub.add_parser("plot", help="PNG pictures: a roofline per GPU from results/, the Nsight Compute counters "
+                                    "of each command `profile --ncu` recorded, a tuning study's history "
                                     "(needs the plot extra: matplotlib)")
     from tritune.harness import plot
 

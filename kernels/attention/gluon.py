@@ -13,11 +13,12 @@ round robin under schedule 2 (the spilling points, found by compiling every poin
 the config space; docs/findings.md). A
 **one-warp producer** TMA-loads every warpgroup's Q once and K, V tiles into a ``STAGES``-deep ring (K and V
 on separate barriers, so QK^T starts as soon as K lands; a slot is freed when every consumer finished its
-P @ V). P @ V takes P from registers (wgmma's A operand). ``SCHEDULE`` orders a consumer's GEMMs (attention's config
-names them "ahead", "intra_wg" and "pingpong"): 0, QK^T of tile j+1 issued before the softmax of tile j; 1, FA3's intra-warpgroup order (QK^T of j+1 and
-P_j @ V_j issued together, the softmax of j+1 under P_j @ V_j); 2, 1 plus FA3's ping-pong (the
-warpgroups take turns issuing their GEMM pair, ordered by one mbarrier each). Causal: heaviest query tiles
-first, keys past the CTA's last diagonal never loaded; query i sees key j when j <= i + Tk - Tq (Tq <= Tk).
+P @ V). P @ V takes P from registers (wgmma's A operand). ``SCHEDULE`` orders a consumer's GEMMs (attention's
+config names them "ahead", "intra_wg" and "pingpong"): 0, QK^T of tile j+1 issued before the softmax of tile j;
+1, FA3's intra-warpgroup order (QK^T of j+1 and P_j @ V_j issued together, the softmax of j+1 under P_j @ V_j);
+2, 1 plus FA3's ping-pong (the warpgroups take turns issuing their GEMM pair, ordered by one mbarrier each).
+Causal: heaviest query tiles first, keys past the CTA's last diagonal never loaded; query i sees key j when
+j <= i + Tk - Tq (Tq <= Tk).
 
 Descriptors (``RANK``): 2-D over (B*H*T, D) where the tensors are contiguous, Tq a multiple of the CTA's
 rows, Tk of the key tile and D a power of two; else 4-D over the tensors' own (B, H, T, D) strides, blocks
@@ -46,7 +47,7 @@ try:  # Gluon is triton's; a build without it (or without its Hopper module) has
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor  # noqa: F401
     try:   # public from triton 3.8; triton's own Gluon kernels reach it here before that
         from triton.experimental.gluon import aggregate
     except ImportError:

@@ -16,7 +16,6 @@ import torch
 import triton
 
 from tritune import kernels as K
-from tritune.kernels.attention import gluon as G
 from tritune.kernels.attention import space as SP
 from tritune.kernels.attention.triton_fwd import attn_fwd
 

@@ -92,7 +92,7 @@ def engine_for(model, *, block_size: int = 16, cuda_graph: bool | None = None, t
     key = (block_size, mode, tokenizer, speculative)
     eng = per_model.get(key)
     if eng is None:
-        eng = Engine(model, num_blocks=-(-model.config.n_positions // block_size), block_size=block_size,
+        eng = Engine(model, num_blocks=-(-model.max_context // block_size), block_size=block_size,
                      speculative=speculative,
                      max_num_seqs=1, cuda_graphs=mode, tokenizer=tokenizer, run_ahead=True,
                      decode_steps=GENERATE_DECODE_STEPS)
@@ -121,7 +121,7 @@ class Generation:
             raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
         if stops and tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
-        eos = model.config.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
+        eos = model.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, seed=seed, stop=tuple(stops), ignore_eos=eos_token_id is not _DEFAULT,
                                   stop_token_ids=() if eos_token_id is _DEFAULT or eos is None else (eos,))

@@ -327,7 +327,7 @@ def invariant_model(model):
     if isinstance(model.ops, (TritonInvariantOps, TorchInvariantOps)):
         return model
     cls = TritonInvariantOps if model.backend == "triton" else TorchInvariantOps
-    return model.with_ops(cls(model.ops, model.config.n_positions))
+    return model.with_ops(cls(model.ops, model.max_context))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,229 @@
+"""FP8 W8A8 linears as a load-time swap: weights in e4m3 with a float32 scale per output channel (or per
+128x128 block, ``block=True``), activations quantized per token when the linear runs, the product on the
+scaled FP8 GEMM with its epilogues (bias, GELU, residual).
+
+``quantize_fp8(model)`` rounds every projection of every layer (GPT-2's qkv, attention out, MLP in/out;
+Llama's qkv, o, gate/up, down) to nearest e4m3; embeddings, norms and the LM head stay dense, as in
+Hugging Face's and vLLM's FP8 checkpoints (the head's logits are where the format's error shows most, and
+it is one GEMM of many). ``with_fp8_weights(model, weights)`` runs weights quantized elsewhere (a loaded
+FP8 checkpoint: :mod:`tritune.model.quant.fp8_hf`).
+
+Where the model's forward hands a norm and the linear after it to ``ln_linear`` (GPT-2's ln_1/ln_2 before
+the qkv and MLP-in projections), the norm is fused into the activation quantization (``fp8_quant``'s
+``norm=``): the normalized bf16 row never reaches memory. Elsewhere the activations are quantized as they
+come. Triton backend, fp16/bf16 activations: the kernels ``fp8_quant`` and ``fp8_gemm``; the torch backend
+(and fp32 activations, which ``fp8_gemm`` does not output) computes the same quantized math in PyTorch with
+``tritune.references.fp8``'s quantizers: rows scaled by max|row| / 448 and rounded to e4m3, the product of
+the dequantized operands in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from tritune.references import fp8 as ref
+
+E4M3 = torch.float8_e4m3fn
+BLOCK = ref.BLOCK
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear's weight in e4m3. ``data`` (N, K): the ``nn.Linear`` layout FP8 checkpoints store (the GEMM
+    reads it as its (K, N) transpose, K contiguous); ``scale`` float32: (N,) per output channel, or
+    (ceil(N/128), ceil(K/128)) per 128x128 block (Hugging Face's ``weight_scale_inv``): w ≈ data · scale."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        if not isinstance(self.data, torch.Tensor) or self.data.dtype != E4M3 or self.data.dim() != 2:
+            raise TypeError(f"data: expected a 2-D float8_e4m3fn tensor, got {getattr(self.data, 'dtype', self.data)}")
+        n, k = self.data.shape
+        blocks = (-(-n // BLOCK), -(-k // BLOCK))
+        if (not isinstance(self.scale, torch.Tensor) or self.scale.dtype != torch.float32
+                or tuple(self.scale.shape) not in ((n,), blocks)):
+            raise ValueError(f"scale: expected float32 of shape ({n},) (per channel) or {blocks} (128x128 blocks), "
+                             f"got {getattr(self.scale, 'dtype', None)} {tuple(getattr(self.scale, 'shape', ()))}")
+
+    @property
+    def N(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def K(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def block(self) -> bool:
+        return self.scale.dim() == 2
+
+    @property
+    def shape(self) -> tuple:
+        """The (K, N) shape of the dense weight it stands for (what the model's code reads)."""
+        return (self.K, self.N)
+
+    @property
+    def b(self) -> torch.Tensor:
+        """The (K, N) operand of ``fp8_gemm`` (a view)."""
+        return self.data.t()
+
+    @property
+    def b_scale(self) -> torch.Tensor:
+        """The scale in ``fp8_gemm``'s orientation: (N,), or (ceil(K/128), ceil(N/128)) (a view)."""
+        return self.scale.t() if self.block else self.scale
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The (K, N) weight the e4m3 values and scales stand for, computed in float32."""
+        s = self.b_scale
+        if self.block:
+            s = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: self.K, : self.N]
+        return (self.data.t().float() * s).to(dtype)
+
+    def to(self, device) -> "Fp8Weight":
+        return Fp8Weight(self.data.to(device), self.scale.to(device))
+
+    def nbytes(self) -> int:
+        return self.data.numel() + 4 * self.scale.numel()
+
+
+def quantize_weight(w: torch.Tensor, block: bool = False) -> Fp8Weight:
+    """A dense (K, N) weight (our layout) rounded to nearest e4m3, scales per channel or per block."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise TypeError(f"w: expected a 2-D tensor, got {type(w).__name__}")
+    if block:
+        q, s = ref.quantize_blocks(w.float())           # q (K, N), s (K/128, N/128)
+        return Fp8Weight(q.t().contiguous(), s.t().contiguous())
+    q, s = ref.quantize_channels(w.float())             # s (N,)
+    return Fp8Weight(q.t().contiguous(), s.contiguous())
+
+
+def linear_names(layer) -> tuple:
+    """The projections of a layer: its 2-D ``w_*`` fields (norms and biases are 1-D)."""
+    return tuple(f.name for f in fields(layer) if f.name.startswith("w_")
+                 and isinstance(getattr(layer, f.name), (torch.Tensor, Fp8Weight))
+                 and len(getattr(layer, f.name).shape) == 2)
+
+
+def quantize_weights(w, block: bool = False):
+    """A copy of a family's weights (GPT2Weights, LlamaWeights) with every layer's projections in FP8."""
+    if not is_dataclass(w) or not hasattr(w, "layers"):
+        raise TypeError(f"weights: expected a family's weights dataclass, got {type(w).__name__}")
+    layers = [replace(L, **{k: quantize_weight(getattr(L, k), block) for k in linear_names(L)}) for L in w.layers]
+    return replace(w, layers=layers)
+
+
+def is_fp8_weights(w) -> bool:
+    return any(isinstance(getattr(L, k), Fp8Weight) for L in getattr(w, "layers", ()) for k in linear_names(L))
+
+
+def mode_of(weights) -> str | None:
+    """"fp8" (per channel), "fp8-block" or None for dense weights."""
+    ws = [getattr(L, k) for L in weights.layers for k in linear_names(L)]
+    kinds = {x.block for x in ws if isinstance(x, Fp8Weight)}
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise ValueError("weights: FP8 linears with both per-channel and block scales")
+    return "fp8-block" if kinds.pop() else "fp8"
+
+
+# ---------------------------------------------------------------------------------------------------
+def torch_quant_rows(x2: torch.Tensor):
+    """``fp8_quant``'s math in PyTorch: per-row scale max|row| / 448 (float32), values rounded to e4m3."""
+    return ref.quantize_rows(x2.float())
+
+
+def torch_fp8_linear(q, s, w: Fp8Weight, b=None, activation=None, residual=None, out_dtype=torch.float32):
+    """``fp8_gemm``'s math in PyTorch (float32): the dequantized activations times the dequantized weight."""
+    y = (q.float() * s[:, None]) @ w.dequantize(torch.float32)
+    if b is not None:
+        y = y + b.float()
+    if activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    if residual is not None:
+        y = y + residual.reshape(y.shape).float()
+    return y.to(out_dtype)
+
+
+class Fp8Ops:
+    """A model's ops, with a linear whose weight is an :class:`Fp8Weight` run W8A8 (the rest delegated)."""
+
+    def __init__(self, base, backend: str, mode: str = "fp8"):
+        self.base, self.backend, self.quant = base, backend, mode
+        self.steps = dict(getattr(base, "steps", {}))
+        self.capturable = getattr(base, "capturable", False)
+        if backend == "triton":
+            from tritune.kernels.fp8_gemm import fp8_gemm
+            from tritune.kernels.fp8_quant import fp8_quant
+
+            self._quant, self._gemm = fp8_quant, fp8_gemm
+            self.steps["linear"] = (f"{mode}: per-token kernel tritune.kernels.fp8_quant (the LayerNorm before "
+                                    "it fused where the forward has one) + kernel tritune.kernels.fp8_gemm "
+                                    "(bias, GELU, residual in its epilogue) for fp16/bf16 activations; fp32: "
+                                    "the same quantized math in PyTorch")
+        else:
+            self._quant = self._gemm = None
+            self.steps["linear"] = f"{mode}: per-token e4m3 activations x e4m3 weights, the quantized math in PyTorch"
+
+    def __getattr__(self, name):
+        # every other step (norms, rotary, attention, the KV write) is the base's
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def _kernels(self, x) -> bool:
+        return self._gemm is not None and x.dtype in KERNEL_DTYPES
+
+    def _run(self, q, s, x, w: Fp8Weight, b, activation, residual):
+        lead = x.shape[:-1]
+        res = None if residual is None else residual.reshape(-1, w.N)
+        if self._kernels(x):
+            y = self._gemm(q, w.b, s, w.b_scale, b, activation=activation or "none", residual=res, out_dtype=x.dtype)
+        else:
+            y = torch_fp8_linear(q, s, w, b, activation, res, x.dtype)
+        return y.reshape(*lead, w.N)
+
+    def linear(self, x, w, b=None, activation=None, residual=None):
+        if not isinstance(w, Fp8Weight):
+            return self.base.linear(x, w, b, activation=activation, residual=residual)
+        x2 = x.reshape(-1, x.shape[-1])
+        q, s = self._quant(x2) if self._kernels(x) else torch_quant_rows(x2)
+        return self._run(q, s, x, w, b, activation, residual)
+
+    def ln_linear(self, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
+        """linear(layer_norm(x)) with the LayerNorm fused into the activation quantization; the KV cache is
+        never written here (returns (y, False)), so the caller's attention writes it."""
+        if not isinstance(w, Fp8Weight):
+            fused = getattr(self.base, "ln_linear", None)
+            if fused is not None:
+                return fused(x, ln_w, ln_b, eps, w, b, activation=activation, kv=kv)
+            return self.base.linear(self.base.layer_norm(x, ln_w, ln_b, eps), w, b, activation=activation), False
+        x2 = x.reshape(-1, x.shape[-1])
+        if self._kernels(x):
+            q, s = self._quant(x2, norm=("layer", ln_w, ln_b, eps))
+        else:
+            h = F.layer_norm(x2.float(), (x2.shape[-1],), None if ln_w is None else ln_w.float(),
+                             None if ln_b is None else ln_b.float(), eps)
+            q, s = torch_quant_rows(h)
+        return self._run(q, s, x, w, b, activation, None), False
+
+
+def with_fp8_weights(model, weights):
+    """``model`` on ``weights`` whose projections are :class:`Fp8Weight`, with ops that run them."""
+    mode = mode_of(weights)
+    if mode is None:
+        raise ValueError("weights: no linear is an Fp8Weight")
+    base = model.ops.base if isinstance(model.ops, Fp8Ops) else model.ops
+    return model.with_weights(weights, ops=Fp8Ops(base, model.backend, mode))
+
+
+def quantize_model(model, block: bool = False):
+    """``model`` with every layer's projections in FP8 (per-channel scales, or 128x128 blocks)."""
+    return with_fp8_weights(model, quantize_weights(model.w, block))
+
+
+def is_fp8(model) -> bool:
+    return isinstance(model.ops, Fp8Ops)
