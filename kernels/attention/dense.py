@@ -13,6 +13,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tritune import kernels as K
 from tritune.kernels.attention import gluon_launch as GL
 from tritune.kernels.attention import launch as L
+from tritune.kernels.attention import peers
 from tritune.kernels.attention.problem import (DTYPES, Problem, bucket, check_qkv, check_scale,  # noqa: F401
                                                check_window, cost, make_inputs, problems)
 from tritune.kernels.attention.space import SPACE, default_config, gluon_seeds
@@ -237,7 +238,7 @@ SPEC = K.register(K.KernelSpec(
     vendor=_vendor,
     vendor_name="sdpa (torch's default dispatch)",
     peers={"sdpa_flash": _sdpa_peer("FLASH_ATTENTION"), "sdpa_efficient": _sdpa_peer("EFFICIENT_ATTENTION"),
-           "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION"), "flex": _flex},
+           "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION"), "flex": _flex, "fa4": peers.fa4_dense},
     bad_inputs=bad_inputs,
     **COMMON,
 ))

@@ -11,6 +11,7 @@ import torch
 from tritune import kernels as K
 from tritune.kernels.attention import gluon_launch as GL
 from tritune.kernels.attention import launch as L
+from tritune.kernels.attention import peers
 from tritune.kernels.attention.dense import COMMON, bad_inputs as dense_bad_inputs
 from tritune.kernels.attention.problem import (PackedProblem, VarlenProblem, check_qkv, check_scale, check_window,
                                                make_varlen_inputs, varlen_problems)
@@ -262,6 +263,7 @@ VARLEN_SPEC = K.register(K.KernelSpec(
     layouts=("contiguous", "sliced"),
     vendor=_varlen_vendor,
     vendor_name="torch.nn.attention.varlen.varlen_attn",
+    peers={"fa4": peers.fa4_varlen},
     bad_inputs=bad_inputs,
     **COMMON,
 ))
