@@ -6,7 +6,8 @@ The spec contract, the registry, the checks and the launch machinery live one fl
 """
 from tritune.kernels.runtime.spec import (REGISTRY, Case, Cost, KernelSpec, PlanCache, Space, all_specs,  # noqa: F401
                                           bucket_key, clear_config_cache, CONFIG_CACHE, fp32_accumulation,
-                                          fp32_precision, get, precision_key, register, store_dtype)
+                                          fp32_precision, get, precision_key, register, set_tune_on_miss,
+                                          store_dtype)
 from tritune.kernels.runtime.checks import (check_device, check_fusions, check_no_alias, check_out,  # noqa: F401
                                             check_tensor, check_vec, extent, kernel_device, span, tensor_meta)
 from tritune.kernels.runtime.launch import (DIRECT_LAUNCH, PDL, PDL_KERNELS, Counters,  # noqa: F401

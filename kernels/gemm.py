@@ -49,6 +49,7 @@ from tritune.kernels.gemm_cases import (ACTIVATIONS, Problem, bad_inputs, flag_g
                                         llama_swiglu, make_inputs, problem_of, problems, vendor)
 from tritune.kernels.gemm_space import (SMEM_BUDGET, SMEM_PER_SM, SPACE, bucket, cost, ctas_per_sm,  # noqa: F401
                                         default_config, tma_capable)
+from tritune.kernels.rows import check_rms
 from tritune.kernels.rows import prologue as _prologue
 from tritune.kernels.rows import row_rms as _row_rms
 from tritune.kernels.rows import row_stats as _row_stats
@@ -194,7 +195,8 @@ def _gemm_tile(A, B, C, Bias, R, W, Locks, M, N, K, M1, pid_m, pid_n, pid_k, num
         else:
             a_rows = a_m * s_am
         a_ptrs = A + a_rows[:, None] + kk[None, :] * s_ak
-    b_ptrs = bu_ptrs = B  # descriptor modes: unused
+    b_ptrs = B  # descriptor modes: unused
+    bu_ptrs = B
     if B_MODE == 0:
         b_ptrs = B + kk[:, None] * s_bk + b_n[None, :] * s_bn
         if ACT == 2:  # the up half: columns N + n (b_n + N < 2N, in bounds whatever the wrap)
@@ -387,7 +389,7 @@ def _config(problem: Problem, dtype, config: dict | None) -> dict:
     if config is None:
         return SPEC.config_for(problem, dtype)
     key = (tuple(config.items()), triton.next_power_of_2(max(1, problem.M)), problem.N, problem.K, dtype,
-           problem.ln, problem.kv)
+           problem.ln, problem.kv, problem.rms, problem.act == "swiglu")
     hit = _VALID.get(key)
     if hit is None:
         hit = _VALID[key] = SPEC.config_for(problem, dtype, config)
@@ -436,23 +438,25 @@ _workspace = K.Workspace()
 _meta = K.tensor_meta
 
 
-def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, out=None,
+def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, rms=None, kv=None, out=None,
          config: dict | None = None):
-    """C = act(LN(a) @ b + bias) + residual. a (..., K), b (K, N), bias (N,), residual (..., N) or (M, N).
+    """C = act(norm(a) @ b + bias) + residual. a (..., K), b (K, N), bias (N,), residual (..., N) or (M, N).
 
+    activation: None, "gelu_tanh" or "swiglu": b the [gate | up] weight (K, 2F), bias (2F,), and C (and
+    the residual) F columns, silu(a @ b_gate + bias_gate) · (a @ b_up + bias_up).
     ln: None or (weight (K,) or None, bias (K,) or None, eps): a LayerNorm of each row of a over K first
-    (float32 statistics; the normalised rows rounded to a's dtype before the product). kv: None or
+    (float32 statistics; the normalised rows rounded to a's dtype before the product). rms: None or
+    (weight (K,) or None, eps): an RMSNorm instead (a · rsqrt(mean(a²) + eps) · weight; not with ln). kv: None or
     (k_cache, v_cache, slot_mapping): with N = 3·C, columns C..2C and 2C..3C of row m also go to k_cache /
     v_cache (num_blocks, block_size, heads, head_dim; heads·head_dim = C, contiguous) at flat slot
     slot_mapping[m] (< 0: skipped). The same arguments as ``gemv``'s.
-    Returns C of shape a.shape[:-1] + (N,) in a's dtype (written into ``out`` when given). ``out`` may be
-    ``residual`` itself (the residual stream updated in place); any other overlap with an input is refused.
+    Returns C of shape a.shape[:-1] + (N,) (N / 2 with SwiGLU) in a's dtype (written into ``out`` when
+    given). ``out`` may be ``residual`` itself (the residual stream updated in place); any other overlap
+    with an input is refused.
     """
-    if ln is not None and (not isinstance(ln, (tuple, list)) or len(ln) != 3):
-        raise TypeError("ln: expected (weight or None, bias or None, eps)")
+    ln_w, ln_b, eps, is_rms = _prologue(ln, rms)
     if kv is not None and (not isinstance(kv, (tuple, list)) or len(kv) != 3):
         raise TypeError("kv: expected (k_cache, v_cache, slot_mapping)")
-    ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
     kc, vc, slots = kv if kv is not None else (None, None, None)
     # Hot path: one dict lookup on everything the plan depends on (validation included: a hit means the
     # same shapes, strides, dtypes and devices passed the checks before). Anything odd (not tensors,
@@ -462,10 +466,10 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
                _meta(residual), _meta(out), activation, None if config is None else tuple(config.items()),
                INT32_LIMIT, FLATTEN, WARP_SPEC, PREFETCH_EPILOGUE, RES_PREFETCH_PER_THREAD, _num_sms,
                ln is not None, _meta(ln_w), _meta(ln_b), eps, _meta(kc), _meta(vc), _meta(slots),
-               K.precision_key(a.dtype))
+               K.precision_key(a.dtype), is_rms)
     except (AttributeError, TypeError, ValueError):
         key = None
-    plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config, ln, kv))
+    plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config, ln, kv, rms))
 
     if out is None:
         out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)
@@ -482,7 +486,7 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, kv=None, o
         work, locks = _workspace(a.device, plan.work_numel), plan.locks
     else:  # no split-K: the workspace and counters are never touched
         work = locks = out
-    if plan.fused:  # the LayerNorm prologue / KV-cache write: pointer operands, one tile a program
+    if plan.fused:  # the norm prologues / KV-cache write: pointer operands, one tile a program
         args = (a, b, out, out if bias is None else bias, r_arg, work, locks, out if ln_w is None else ln_w,
                 out if ln_b is None else ln_b, out if kc is None else kc, out if vc is None else vc,
                 out if slots is None else slots, *plan.ints[:4], plan.ints[4], float(eps), *plan.ints[5:])
@@ -535,8 +539,32 @@ def ln_block(kdim: int, cfg: dict) -> int:
     return max(16, min(triton.next_power_of_2(kdim), 1 << max(0, per.bit_length() - 1)))
 
 
-def _check_args(a, b, bias, activation, residual, out, ln, kv) -> tuple:
-    """Validate the arguments (errors name the argument): (out_shape, m, n, K, C of the kv fusion)."""
+def _check_epilogue(a, b, bias, activation, kv) -> int:
+    """Validate the activation and the bias (errors name the argument); returns C's columns (N, or N / 2
+    with SwiGLU)."""
+    n = b.shape[1]
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if bias is not None:
+        K.check_tensor("bias", bias, ndim=1)
+        if bias.dtype != a.dtype:
+            raise TypeError(f"bias: dtype {bias.dtype} differs from a's {a.dtype}")
+        if bias.shape[0] != n:
+            raise ValueError(f"bias: expected shape ({n},) to match b's N, got {tuple(bias.shape)}")
+        if bias.device != a.device:
+            raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
+    if activation != "swiglu":
+        return n
+    if n % 2:
+        raise ValueError(f"b: activation='swiglu' takes the [gate | up] weight, an even N; got N={n}")
+    if kv is not None:
+        raise ValueError("kv: the KV-cache write takes a qkv projection, not activation='swiglu'")
+    return n // 2
+
+
+def _check_args(a, b, bias, activation, residual, out, ln, kv, rms=None) -> tuple:
+    """Validate the arguments (errors name the argument): (out_shape, m, n, K, C of the kv fusion); n is
+    C's columns."""
     K.check_tensor("a", a, dtypes=DTYPES)
     if a.device.type != _device_type():
         K.check_device("a", a)
@@ -551,16 +579,7 @@ def _check_args(a, b, bias, activation, residual, out, ln, kv) -> tuple:
     if a.shape[-1] != kdim:
         raise ValueError(f"a, b: inner sizes differ: a is {tuple(a.shape)} (K={a.shape[-1]}), "
                          f"b is {tuple(b.shape)} (K={kdim})")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    if bias is not None:
-        K.check_tensor("bias", bias, ndim=1)
-        if bias.dtype != a.dtype:
-            raise TypeError(f"bias: dtype {bias.dtype} differs from a's {a.dtype}")
-        if bias.shape[0] != n:
-            raise ValueError(f"bias: expected shape ({n},) to match b's N, got {tuple(bias.shape)}")
-        if bias.device != a.device:
-            raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
+    n = _check_epilogue(a, b, bias, activation, kv)
     out_shape = (*a.shape[:-1], n)
     m = math.prod(a.shape[:-1])
     if residual is not None:
@@ -572,6 +591,7 @@ def _check_args(a, b, bias, activation, residual, out, ln, kv) -> tuple:
         if residual.device != a.device:
             raise ValueError(f"residual: on {residual.device}, but a is on {a.device}")
     c_kv = _check_fusions(ln, kv, m, n, kdim, a)
+    check_rms(rms, kdim, a, "a")
     if out is not None:
         K.check_out(out, out_shape, a.dtype, a.device)
     return out_shape, m, n, kdim, c_kv
@@ -610,24 +630,25 @@ def _row_views(p: _Plan, a, residual, out, m: int, n: int, kdim: int) -> tuple:
     return a2, a_3d, (s_a0, s_am, s_ak), r2, c2, (s_cm, s_cn)
 
 
-def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) -> _Plan:
+def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None, rms=None) -> _Plan:
     """Validate the arguments and work out the launch (see _Plan). Raises the errors that name the
     argument."""
-    out_shape, m, n, kdim, c_kv = _check_args(a, b, bias, activation, residual, out, ln, kv)
+    out_shape, m, n, kdim, c_kv = _check_args(a, b, bias, activation, residual, out, ln, kv, rms)
     p = _Plan()
     p.out_shape, p.m, p.n, p.k = out_shape, m, n, kdim
-    ln_w, ln_b, _ = ln if ln is not None else (None, None, 0.0)
+    ln_w, ln_b, _, _ = _prologue(ln, rms)
     kc, vc, slots = kv if kv is not None else (None, None, None)
     p.extents = tuple(K.extent(t) for t in (out, a, b, bias, residual, ln_w, ln_b, kc, vc, slots))  # check_no_alias
-    p.fused = ln is not None or kv is not None
+    p.fused = ln is not None or rms is not None or kv is not None
     p.cfg = p.cfg_key = None
     p.empty = m == 0 or n == 0
     if p.empty:
         return p
     a2, a_3d, (s_a0, s_am, s_ak), r2, c2, (s_cm, s_cn) = _row_views(p, a, residual, out, m, n, kdim)
 
-    problem = Problem(m, n, kdim, trans_a=s_ak != 1, trans_b=b.stride(1) != 1, bias=bias is not None,
-                      act=activation, residual=residual is not None, ln=ln is not None, kv=kv is not None)
+    problem = Problem(m, b.shape[1], kdim, trans_a=s_ak != 1, trans_b=b.stride(1) != 1, bias=bias is not None,
+                      act=activation, residual=residual is not None, ln=ln is not None, kv=kv is not None,
+                      rms=rms is not None)
     cfg = _config(problem, a.dtype, config)
     if config is None:  # from the store or the defaults: re-checked per launch against the config cache
         p.cfg, p.cfg_key = cfg, SPEC.config_key(problem, a.dtype)
@@ -637,14 +658,15 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
     p.a_tma = p.b_tma = None
     if cfg["TMA"] and not a_3d and tma_capable(a.device.index or 0):
         p.a_tma = _tma_layout(m, kdim, s_am, s_ak, e, bm, bk)
-        p.b_tma = _tma_layout(kdim, n, b.stride(0), b.stride(1), e, bk, bn)
+        p.b_tma = _tma_layout(kdim, b.shape[1], b.stride(0), b.stride(1), e, bk, bn)
 
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    p.work_numel = split * m * n if split > 1 else 0
+    accs = 2 if activation == "swiglu" else 1  # SwiGLU's split-K partials: the gate's, then the up's
+    p.work_numel = accs * split * m * n if split > 1 else 0
     # the plan holds its counters: a buffer grown later for another plan stays alive for this one (and
     # for any CUDA graph that captured it)
     p.locks = _locks(a.device, tiles) if split > 1 else None
-    int64 = (split * m * n >= INT32_LIMIT or K.span(a2) >= INT32_LIMIT or K.span(b) >= INT32_LIMIT
+    int64 = (accs * split * m * n >= INT32_LIMIT or K.span(a2) >= INT32_LIMIT or K.span(b) >= INT32_LIMIT
              or m * n >= INT32_LIMIT or (c2 is not None and K.span(c2) >= INT32_LIMIT)
              or (r2 is not None and K.span(r2) >= INT32_LIMIT))
     p.grid, pre_epi = launch_shape(cfg, m, n, a.dtype, _num_sms())
@@ -652,28 +674,28 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None) 
               s_a0, s_am, s_ak, b.stride(0), b.stride(1), s_cm, s_cn,
               bias.stride(0) if bias is not None else 0,
               r2.stride(0) if r2 is not None else 0, r2.stride(1) if r2 is not None else 0)
-    base = dict(HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
+    base = dict(HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation), HAS_RES=r2 is not None,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
                 EVEN_K=kdim % bk == 0, A_3D=a_3d, A_M_CONTIG=s_ak != 1, B_N_CONTIG=b.stride(0) != 1,
                 INT64=int64, PRECISION=K.fp32_precision() if a.dtype == torch.float32 else "ieee",
                 PERSISTENT=cfg["PERSISTENT"], FLATTEN=FLATTEN, WARP_SPEC=WARP_SPEC, PRE_EPI=pre_epi, PDL=False,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _launch_variants(p, base, a.device, ln, kv, c_kv, kdim, cfg)
+    _launch_variants(p, base, a.device, ln, kv, c_kv, kdim, cfg, rms)
     return p
 
 
-def _launch_variants(p: _Plan, base: dict, device, ln, kv, c_kv: int, kdim: int, cfg: dict) -> None:
+def _launch_variants(p: _Plan, base: dict, device, ln, kv, c_kv: int, kdim: int, cfg: dict, rms=None) -> None:
     """The plan's keyword sets: the fused kernel's, or the plain kernel's per (A, B) TMA mode; each also
     with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)."""
-    ln_w, ln_b, _ = ln if ln is not None else (None, None, 0.0)
+    ln_w, ln_b, _, is_rms = _prologue(ln, rms)
     pdl = K.pdl(device)
     p.kernels = {} if DIRECT_LAUNCH and device.type == "cuda" else None
     if p.fused:  # ints: m, n, K, M1, C (eps goes in per call), then the strides
         p.ints = (*p.ints[:4], c_kv, *p.ints[4:])
         for flag in ("PERSISTENT", "FLATTEN", "WARP_SPEC"):
             del base[flag]
-        p.kws = dict(base, HAS_LN=ln is not None, HAS_LN_W=ln_w is not None, HAS_LN_B=ln_b is not None,
-                     HAS_KV=kv is not None, LN_BLOCK=ln_block(kdim, cfg))
+        p.kws = dict(base, HAS_LN=ln is not None or is_rms, HAS_LN_W=ln_w is not None, HAS_LN_B=ln_b is not None,
+                     HAS_KV=kv is not None, LN_BLOCK=ln_block(kdim, cfg), RMS=is_rms)
         p.consts = tuple(p.kws[c] for c in _FUSED_CONSTEXPRS)
         p.kws_pdl = dict(p.kws, PDL=True, launch_pdl=True) if pdl else None
         p.consts_pdl = tuple(p.kws_pdl[c] for c in _FUSED_CONSTEXPRS) if pdl else None
@@ -686,7 +708,8 @@ def _launch_variants(p: _Plan, base: dict, device, ln, kv, c_kv: int, kdim: int,
 
 SPEC = K.register(K.KernelSpec(
     name="gemm",
-    description="GEMM with fused bias / GELU / residual epilogue, split-K, TMA; LayerNorm prologue, KV-cache write",
+    description="GEMM with fused bias / GELU / SwiGLU / residual epilogue, split-K, TMA; LayerNorm / RMSNorm "
+                "prologue, KV-cache write",
     run=gemm,
     reference=ref.gemm,
     make_inputs=make_inputs,
@@ -697,10 +720,12 @@ SPEC = K.register(K.KernelSpec(
     cost=cost,
     problem_of=problem_of,
     standard_problems=[p for m in (1, 8, 64, 512, 8192) for p in gpt2(m)]
-    + [Problem(4096, 4096, 4096), Problem(8192, 8192, 8192)] + [p for m in (1, 8) for p in gpt2_fused(m)],
+    + [Problem(4096, 4096, 4096), Problem(8192, 8192, 8192)] + [p for m in (1, 8) for p in gpt2_fused(m)]
+    + [llama_swiglu(m) for m in (1, 16, 128, 1024, 4096)],
     small_problems=[Problem(64, 96, 80, bias=True, act="gelu_tanh"),
                     Problem(5, 33, 47, trans_b=True, residual=True),
-                    Problem(7, 48, 40, bias=True, ln=True, kv=True)],
+                    Problem(7, 48, 40, bias=True, ln=True, kv=True),
+                    Problem(9, 64, 40, bias=True, act="swiglu", residual=True, rms=True)],
     layouts=("contiguous", "sliced"),
     accumulation=K.fp32_accumulation,
     vendor=vendor,

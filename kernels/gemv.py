@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode: y = act(LN(x) @ W + bias) + residual, with the KV-cache write fused.
+"""Skinny GEMM for decode: y = act(norm(x) @ W + bias) + residual, with the KV-cache write fused.
 
 The decode step of a GPT-2-sized model is a chain of launches that each read a few MB of weights for one
 to a few rows of activations: there the kernels are bound by latency and launch count, not by FLOPs. This
@@ -7,10 +7,16 @@ kernel takes those rows and folds into one launch what the decode step otherwise
 - ``ln=(weight, bias, eps)``: a LayerNorm of each row of x over K before the product (the row statistics
   are computed by every program from x, which is a few KB and sits in L2; float32, shifted sums as in
   ``layer_norm``). GPT-2's ln_1 / ln_2 / ln_f go into the qkv, MLP-in and LM-head products.
+- ``rms=(weight, eps)``: an RMSNorm instead (x · rsqrt(mean(x²) + eps) · weight, no mean): a Llama-family
+  model's input / post-attention / final norms, the same way.
 - ``kv=(k_cache, v_cache, slot_mapping)``: with N = 3·C (a fused qkv projection, C = heads·head_dim), the
   columns [C, 2C) and [2C, 3C) of each row are also written to the paged caches (num_blocks, block_size,
   heads, head_dim) at that row's slot (slot < 0: nothing written), which is what ``write_kv`` does.
 - bias, GELU (tanh form, as x·sigmoid(2z)) and a residual add in the epilogue, as in ``gemm``.
+- ``activation="swiglu"``: W is the [gate | up] weight (K, 2F) and y has F columns, silu(g)·u, as in
+  ``gemm``: each program reads the gate's columns n and the up's columns F + n of W into two float32
+  accumulators (two weight tiles per K step; the stored weight is not reordered), and the epilogue
+  combines them.
 
 Two inner loops, chosen by BLOCK_M. BLOCK_M = 1 (one row per program, the M = 1 decode): no tensor cores;
 each program multiplies its x slice into a BLOCK_K × BLOCK_N tile of W in float32 registers and reduces
@@ -47,6 +53,9 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.kernels.runtime import strategies as S
+from tritune.kernels.rows import check_rms
+from tritune.kernels.rows import prologue as _prologue
+from tritune.kernels.rows import row_rms as _row_rms
 from tritune.kernels.rows import row_stats as _row_stats
 from tritune.references import gemv as ref
 
@@ -58,7 +67,11 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_LN: tl.constexpr,
                  HAS_LN_W: tl.constexpr, HAS_LN_B: tl.constexpr, HAS_KV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 LN_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr):
+                 LN_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr,
+                 RMS: tl.constexpr = False):
+    """y = act(norm(x) @ W + bias) + R (see the module's docstring). HAS_LN: a LayerNorm of x's rows (RMS: an
+    RMSNorm). ACT 2 (SwiGLU): W has 2N columns, the up tile (columns N + n) in a second accumulator;
+    split-K's workspace holds its partials after the gate's."""
     if PDL:  # the next launch (when it too is launched with PDL) may start now; it waits for us at its gdc_wait
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -80,6 +93,10 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
     else:
         cols = offs_n
     x_rows = X + rows[:, None] * s_xm
+    acc_up = None
+    cols_up = cols
+    if ACT == 2:
+        cols_up = cols + N
 
     if BLOCK_M == 1:
         # One row: float32 products into a BLOCK_K x BLOCK_N register tile, reduced over K at the end.
@@ -90,6 +107,8 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
             # reads its last tile again instead (in bounds; its values are never used)
             kk = tl.minimum(k_lo, K - BLOCK_K) + offs_k
             wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+            if ACT == 2:
+                wu = tl.load(W + kk[:, None] * s_wk + cols_up[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
             if PDL:  # the weights are ours to read at once; x, the residual and every output wait for the
                 tl.extra.cuda.gdc_wait()  # launch before this one to finish
             xv = tl.load(x_row + kk * s_xk)
@@ -98,30 +117,47 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
             in_k = kk < k_hi
             wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=in_k[:, None] & mask_n[None, :],
                          other=0.0)
+            if ACT == 2:
+                wu = tl.load(W + kk[:, None] * s_wk + cols_up[None, :] * s_wn, mask=in_k[:, None] & mask_n[None, :],
+                             other=0.0)
             if PDL:
                 tl.extra.cuda.gdc_wait()
             xv = tl.load(x_row + kk * s_xk, mask=in_k, other=0.0)
         if HAS_LN:
-            shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
-            shift1 = tl.sum(shift, axis=0)
-            m1_1 = tl.sum(m1, axis=0)
-            rstd1 = tl.sum(rstd, axis=0)
+            if RMS:
+                rstd1 = tl.sum(_row_rms(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK), axis=0)
+            else:
+                shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
+                shift1 = tl.sum(shift, axis=0)
+                m1_1 = tl.sum(m1, axis=0)
+                rstd1 = tl.sum(rstd, axis=0)
         acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        if ACT == 2:
+            acc2_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             kk = k + offs_k
             kn = kk + BLOCK_K
             if EVEN_K:
                 kc = tl.minimum(k + BLOCK_K, k_hi - BLOCK_K) + offs_k
                 w_next = tl.load(W + kc[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+                if ACT == 2:
+                    wu_next = tl.load(W + kc[:, None] * s_wk + cols_up[None, :] * s_wn, mask=mask_n[None, :],
+                                      other=0.0)
                 x_next = tl.load(x_row + kc * s_xk)
             else:
                 in_n = kn < k_hi
                 w_next = tl.load(W + kn[:, None] * s_wk + cols[None, :] * s_wn,
                                  mask=in_n[:, None] & mask_n[None, :], other=0.0)
+                if ACT == 2:
+                    wu_next = tl.load(W + kn[:, None] * s_wk + cols_up[None, :] * s_wn,
+                                      mask=in_n[:, None] & mask_n[None, :], other=0.0)
                 x_next = tl.load(x_row + kn * s_xk, mask=in_n, other=0.0)
             xf = xv.to(tl.float32)
             if HAS_LN:
-                xf = ((xf - shift1) - m1_1) * rstd1
+                if RMS:
+                    xf = xf * rstd1
+                else:
+                    xf = ((xf - shift1) - m1_1) * rstd1
                 if HAS_LN_W:
                     xf = xf * tl.load(LnW + kk, mask=kk < K, other=0.0).to(tl.float32)
                 if HAS_LN_B:
@@ -129,27 +165,45 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
                 if not EVEN_K:
                     xf = tl.where(kk < k_hi, xf, 0.0)
             acc2 += xf[:, None] * wv.to(tl.float32)
+            if ACT == 2:
+                acc2_up += xf[:, None] * wu.to(tl.float32)
+                wu = wu_next
             wv = w_next
             xv = x_next
         acc = tl.sum(acc2, axis=0)[None, :]
+        if ACT == 2:
+            acc_up = tl.sum(acc2_up, axis=0)[None, :]
     else:
         if PDL:
             tl.extra.cuda.gdc_wait()
         if HAS_LN:
-            shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
+            if RMS:
+                rstd = _row_rms(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
+            else:
+                shift, m1, rstd = _row_stats(x_rows, mask_m, K, s_xk, eps, BLOCK_M, LN_BLOCK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if ACT == 2:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             kk = k + offs_k
             in_k = kk < k_hi
             if EVEN_K:
                 xv = tl.load(x_rows + kk[None, :] * s_xk, mask=mask_m[:, None], other=0.0)
                 wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
+                if ACT == 2:
+                    wu = tl.load(W + kk[:, None] * s_wk + cols_up[None, :] * s_wn, mask=mask_n[None, :], other=0.0)
             else:
                 xv = tl.load(x_rows + kk[None, :] * s_xk, mask=mask_m[:, None] & in_k[None, :], other=0.0)
                 wv = tl.load(W + kk[:, None] * s_wk + cols[None, :] * s_wn,
                              mask=in_k[:, None] & mask_n[None, :], other=0.0)
+                if ACT == 2:
+                    wu = tl.load(W + kk[:, None] * s_wk + cols_up[None, :] * s_wn,
+                                 mask=in_k[:, None] & mask_n[None, :], other=0.0)
             if HAS_LN:
-                xf = ((xv.to(tl.float32) - shift[:, None]) - m1[:, None]) * rstd[:, None]
+                if RMS:
+                    xf = xv.to(tl.float32) * rstd[:, None]
+                else:
+                    xf = ((xv.to(tl.float32) - shift[:, None]) - m1[:, None]) * rstd[:, None]
                 if HAS_LN_W:
                     xf = xf * tl.load(LnW + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
                 if HAS_LN_B:
@@ -157,6 +211,8 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
                 xf = tl.where(mask_m[:, None] & in_k[None, :], xf, 0.0)
                 xv = xf.to(W.dtype.element_ty)
             acc = tl.dot(xv, wv, acc, input_precision="ieee")
+            if ACT == 2:
+                acc_up = tl.dot(xv, wu, acc_up, input_precision="ieee")
 
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:
@@ -165,6 +221,8 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
             slab = slab.to(tl.int64)
         w_tile = Work + rows[:, None] * N + cols[None, :]
         tl.store(w_tile + pid_k * slab, acc, mask=mask)
+        if ACT == 2:  # the up partials: SPLIT_K slabs after the gate's
+            tl.store(w_tile + (SPLIT_K + pid_k) * slab, acc_up, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         tile = pid_m * tl.num_programs(0) + pid_n
         ticket = tl.atomic_add(Locks + tile, 1, sem="acq_rel", scope="gpu")
@@ -172,24 +230,34 @@ def _gemv_kernel(X, W, Y, Bias, R, LnW, LnB, KC, VC, Slots, Work, Locks,
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on arrival order
                 acc += tl.load(w_tile + s * slab, mask=mask, other=0.0, cache_modifier=".cg")
+            if ACT == 2:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    acc_up += tl.load(w_tile + (SPLIT_K + s) * slab, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(Locks + tile, 0)
             _epilogue(acc, rows, cols, mask_m, mask_n, mask, Y, Bias, R, KC, VC, Slots, C_KV,
-                      s_ym, s_yn, s_rm, s_rn, HAS_BIAS, ACT, HAS_RES, HAS_KV)
+                      s_ym, s_yn, s_rm, s_rn, HAS_BIAS, ACT, HAS_RES, HAS_KV, acc_up, cols_up)
     else:
         _epilogue(acc, rows, cols, mask_m, mask_n, mask, Y, Bias, R, KC, VC, Slots, C_KV,
-                  s_ym, s_yn, s_rm, s_rn, HAS_BIAS, ACT, HAS_RES, HAS_KV)
+                  s_ym, s_yn, s_rm, s_rn, HAS_BIAS, ACT, HAS_RES, HAS_KV, acc_up, cols_up)
 
 
 @triton.jit
 def _epilogue(acc, rows, cols, mask_m, mask_n, mask, Y, Bias, R, KC, VC, Slots, C_KV,
               s_ym, s_yn, s_rm, s_rn,
-              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_KV: tl.constexpr):
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_KV: tl.constexpr,
+              acc_up=None, cols_up=None):
     y = acc
     if HAS_BIAS:
         y += tl.load(Bias + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACT:  # tanh GELU as x·sigmoid(2z): no tanh, no overflow
+    if ACT == 1:  # tanh GELU as x·sigmoid(2z): no tanh, no overflow
         z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
         y = y / (1.0 + tl.exp(-2.0 * z))
+    if ACT == 2:  # SwiGLU: silu(g)·u, the up half's bias at columns N + n (exp overflow: g/inf = -0)
+        up = acc_up
+        if HAS_BIAS:
+            up += tl.load(Bias + cols_up, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y = y / (1.0 + tl.exp(-y)) * up
     if HAS_RES:
         y += tl.load(R + rows[:, None] * s_rm + cols[None, :] * s_rn, mask=mask, other=0.0).to(tl.float32)
     out = y.to(Y.dtype.element_ty)
@@ -211,13 +279,19 @@ class Problem:
     K: int
     trans_w: bool = False        # W is a column-major view (a tied embedding (N, K) read as its .t())
     bias: bool = False
-    act: str | None = None       # None or "gelu_tanh"
+    act: str | None = None       # None, "gelu_tanh" or "swiglu" (N: W's [gate | up] 2F columns; y has N / 2)
     residual: bool = False
     ln: bool = False             # LayerNorm (weight and bias) of x over K first
+    rms: bool = False            # RMSNorm (weight) of x over K first (instead of ln)
+
+    @property
+    def n_out(self) -> int:
+        """Columns of y."""
+        return self.N // 2 if self.act == "swiglu" else self.N
 
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ACTIVATIONS = (None, "gelu_tanh")
+ACTIVATIONS = (None, "gelu_tanh", "swiglu")
 INT32_LIMIT = 2**31
 SMEM_BUDGET = 200 * 1024
 _ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -234,28 +308,29 @@ class _Plan:
                  "empty", "c_kv", "extents")
 
 
-def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, kv=None, out=None,
+def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, rms=None, kv=None, out=None,
          config: dict | None = None):
-    """y = act(LN(x) @ w + bias) + residual for x (M, K) (or (..., K)), w (K, N) (any strides).
+    """y = act(norm(x) @ w + bias) + residual for x (M, K) (or (..., K)), w (K, N) (any strides).
 
-    ln: None or (weight (K,) or None, bias (K,) or None, eps). kv: None or (k_cache, v_cache, slot_mapping):
+    activation: None, "gelu_tanh" or "swiglu" (w the [gate | up] weight (K, 2F), bias (2F,); y and the
+    residual F columns, silu(g)·u). ln: None or (weight (K,) or None, bias (K,) or None, eps), a LayerNorm;
+    rms: None or (weight (K,) or None, eps), an RMSNorm (not with ln). kv: None or (k_cache, v_cache, slot_mapping):
     with N = 3·C, columns C..2C and 2C..3C of row m also go to k_cache / v_cache (num_blocks, block_size,
     heads, head_dim; heads·head_dim = C, contiguous) at flat slot slot_mapping[m] (< 0: skipped).
-    Returns y (..., N) in x's dtype (into ``out`` when given; ``out`` may be ``residual`` itself, in place).
+    Returns y (..., N) (N / 2 with SwiGLU) in x's dtype (into ``out`` when given; ``out`` may be
+    ``residual`` itself, in place).
     """
-    if ln is not None and (not isinstance(ln, (tuple, list)) or len(ln) != 3):
-        raise TypeError("ln: expected (weight or None, bias or None, eps)")
+    ln_w, ln_b, eps, is_rms = _prologue(ln, rms)
     if kv is not None and (not isinstance(kv, (tuple, list)) or len(kv) != 3):
         raise TypeError("kv: expected (k_cache, v_cache, slot_mapping)")
-    ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
     kc, vc, slots = kv if kv is not None else (None, None, None)
     try:
         key = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, _meta(bias), _meta(residual),
                _meta(out), activation, ln is not None, _meta(ln_w), _meta(ln_b), _meta(kc), _meta(vc),
-               _meta(slots), None if config is None else tuple(config.items()), INT32_LIMIT)
+               _meta(slots), None if config is None else tuple(config.items()), INT32_LIMIT, is_rms)
     except (AttributeError, TypeError, ValueError):
         key = None
-    plan = _PLANS.get_or_make(key, lambda: _make_plan(x, w, bias, activation, residual, ln, kv, out, config))
+    plan = _PLANS.get_or_make(key, lambda: _make_plan(x, w, bias, activation, residual, ln, kv, out, config, rms))
     if out is None:
         out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
     else:  # out=residual (the residual stream updated in place) is the one overlap allowed
@@ -301,7 +376,24 @@ def _residual_rows(residual, x, out_shape: tuple, m: int, n: int):
         raise ValueError(f"residual: its strides {residual.stride()} do not flatten to ({m}, {n})") from None
 
 
-def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
+def _check_epilogue(x, w, bias, activation, kv) -> int:
+    """The activation and the bias checked (errors name them); returns y's columns (N, or N / 2 with
+    SwiGLU)."""
+    n = w.shape[1]
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if bias is not None:
+        _check_vec("bias", bias, n, x.dtype, x.device)
+    if activation != "swiglu":
+        return n
+    if n % 2:
+        raise ValueError(f"w: activation='swiglu' takes the [gate | up] weight, an even N; got N={n}")
+    if kv is not None:
+        raise ValueError("kv: the KV-cache write takes a qkv projection, not activation='swiglu'")
+    return n // 2
+
+
+def _make_plan(x, w, bias, activation, residual, ln, kv, out, config, rms=None) -> _Plan:
     K.check_tensor("x", x, dtypes=DTYPES)
     if x.device.type != K.kernel_device():
         K.check_device("x", x)
@@ -312,14 +404,11 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
         raise TypeError(f"w: dtype {w.dtype} differs from x's {x.dtype}")
     if w.device != x.device:
         raise ValueError(f"w: on {w.device}, but x is on {x.device}")
-    kdim, n = w.shape
+    kdim = w.shape[0]
     if x.shape[-1] != kdim:
         raise ValueError(f"x, w: inner sizes differ: x is {tuple(x.shape)} (K={x.shape[-1]}), "
                          f"w is {tuple(w.shape)} (K={kdim})")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    if bias is not None:
-        _check_vec("bias", bias, n, x.dtype, x.device)
+    n = _check_epilogue(x, w, bias, activation, kv)
     m = math.prod(x.shape[:-1])
     out_shape = (*x.shape[:-1], n)
     try:
@@ -328,12 +417,13 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
         raise ValueError(f"x: its strides {x.stride()} do not flatten to ({m}, {kdim}) rows") from None
     r2 = _residual_rows(residual, x, out_shape, m, n)
     c_kv = K.check_fusions(ln, kv, m, n, kdim, x, "x", "w")
+    check_rms(rms, kdim, x, "x")
     if out is not None:
         K.check_out(out, out_shape, x.dtype, x.device)
 
     p = _Plan()
     p.out_shape, p.m, p.n, p.k, p.c_kv = out_shape, m, n, kdim, c_kv
-    ln_w, ln_b, _ = ln if ln is not None else (None, None, 0.0)
+    ln_w, ln_b, _, is_rms = _prologue(ln, rms)
     kc, vc, slots = kv if kv is not None else (None, None, None)
     p.extents = tuple(K.extent(t) for t in (out, x, w, bias, residual, ln_w, ln_b, kc, vc, slots))  # check_no_alias
     p.cfg = p.cfg_key = None
@@ -347,22 +437,23 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config) -> _Plan:
             s_ym, s_yn = out.view(m, n).stride()
         except RuntimeError:
             raise ValueError(f"out: its strides {out.stride()} do not flatten to ({m}, {n})") from None
-    problem = Problem(m, n, kdim, trans_w=w.stride(1) != 1, bias=bias is not None, act=activation,
-                      residual=residual is not None, ln=ln is not None)
+    problem = Problem(m, w.shape[1], kdim, trans_w=w.stride(1) != 1, bias=bias is not None, act=activation,
+                      residual=residual is not None, ln=ln is not None, rms=is_rms)
     cfg = SPEC.config_for(problem, x.dtype, config)
     if config is None:
         p.cfg, p.cfg_key = cfg, SPEC.config_key(problem, x.dtype)
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    p.work_numel = split * m * n if split > 1 else 0
+    accs = 2 if activation == "swiglu" else 1  # SwiGLU's split-K partials: the gate's, then the up's
+    p.work_numel = accs * split * m * n if split > 1 else 0
     p.locks = _locks(x.device, tiles) if split > 1 else None
     p.grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    int64 = K.span(w) >= INT32_LIMIT or split * m * n >= INT32_LIMIT or m * n >= INT32_LIMIT
+    int64 = K.span(w) >= INT32_LIMIT or accs * split * m * n >= INT32_LIMIT or m * n >= INT32_LIMIT
     p.ints = (x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), s_ym, s_yn,
               r2.stride(0) if r2 is not None else 0, r2.stride(1) if r2 is not None else 0)
-    p.kws = dict(HAS_BIAS=bias is not None, ACT=1 if activation == "gelu_tanh" else 0, HAS_RES=r2 is not None,
-                 HAS_LN=ln is not None, HAS_LN_W=ln is not None and ln[0] is not None,
-                 HAS_LN_B=ln is not None and ln[1] is not None, HAS_KV=kv is not None,
+    p.kws = dict(HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation), HAS_RES=r2 is not None,
+                 HAS_LN=ln is not None or is_rms, HAS_LN_W=ln_w is not None, HAS_LN_B=ln_b is not None,
+                 HAS_KV=kv is not None, RMS=is_rms,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                  LN_BLOCK=min(triton.next_power_of_2(kdim), max(64, 8192 // max(bm, 1))),
                  EVEN_K=kdim % bk == 0, INT64=int64, PDL=False, num_warps=cfg["num_warps"],
@@ -392,24 +483,27 @@ SPACE = K.Space(params={
 def _constraint(c, p: Problem, dtype) -> str | None:
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
     threads = 32 * c["num_warps"]
-    if bn > max(16, triton.next_power_of_2(p.N)):
+    tiles = 2 if p.act == "swiglu" else 1  # SwiGLU: a gate and an up tile of W, two accumulators
+    if p.act == "swiglu" and p.N % 2:
+        return "SwiGLU takes an even N ([gate | up])"
+    if bn > max(16, triton.next_power_of_2(p.n_out)):
         return "BLOCK_N larger than N"
     if bk > max(16, triton.next_power_of_2(p.K)):
         return "BLOCK_K larger than K"
     if bm > max(16, triton.next_power_of_2(p.M)):
         return "BLOCK_M larger than M"
     if bm == 1:
-        if bk * bn > 64 * threads:
-            return f"{bk * bn // threads} float32 products per thread"
+        if tiles * bk * bn > 64 * threads:
+            return f"{tiles * bk * bn // threads} float32 products per thread"
         if bk * bn < 2 * threads:
             return "idle threads"
         if p.M > 16:
             return "one row per program for many rows"
     else:
-        if (bm + bn) * bk * _ELEM[dtype] * max(1, c["num_stages"]) > SMEM_BUDGET:
+        if (bm + tiles * bn) * bk * _ELEM[dtype] * max(1, c["num_stages"]) > SMEM_BUDGET:
             return "shared memory for the pipeline"
-        if bm * bn > 128 * threads:
-            return f"{bm * bn // threads} accumulator registers per thread"
+        if tiles * bm * bn > 128 * threads:
+            return f"{tiles * bm * bn // threads} accumulator registers per thread"
         if bm * bn < 4 * threads:
             return "idle warps"
     if c["SPLIT_K"] > triton.cdiv(p.K, bk):
@@ -422,13 +516,16 @@ SPACE.constraint = _constraint
 
 def default_config(p: Problem, dtype) -> dict:
     """One row: BLOCK_M 1, 4 warps, a 64 x 64 tile of W (its unit-stride dim the 64); more rows: 16-row dot
-    tiles. Split-K while the programs fill fewer than two waves and each slice keeps two K tiles."""
+    tiles. Split-K while the programs fill fewer than two waves and each slice keeps two K tiles. SwiGLU:
+    the gate's and the up's tiles each half as wide (the same W bytes a program)."""
     if p.M == 1:
         bm, bn, bk, warps, stages = 1, 64, 64, 4, 3
     else:
         bm = min(64, max(16, triton.next_power_of_2(p.M)))
         bn, bk, warps, stages = 64, 64 if _ELEM[dtype] == 4 else 128, 4, 3
-    bn = min(bn, max(16, triton.next_power_of_2(p.N)))
+    if p.act == "swiglu":
+        bn //= 2
+    bn = min(bn, max(16, triton.next_power_of_2(p.n_out)))
     bk = min(bk, max(16, triton.next_power_of_2(p.K)))
     if bm == 1:
         while bk * bn < 2 * 32 * warps and warps > 1:
@@ -436,7 +533,7 @@ def default_config(p: Problem, dtype) -> dict:
     else:
         while bm * bn < 4 * 32 * warps and warps > 1:
             warps //= 2
-    tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
+    tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.n_out, bn)
     k_tiles = triton.cdiv(p.K, bk)
     split = 1
     while split < 16 and tiles * split * 2 <= 2 * K.num_sms() and k_tiles >= 4 * split:
@@ -449,63 +546,85 @@ def default_config(p: Problem, dtype) -> dict:
 
 
 def bucket(p: Problem) -> dict:
-    return {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K, "ln": int(p.ln)}
+    """M to a power of two, N, K, ln; rms=1 / swiglu=1 only when fused (the keys of the other problems, and
+    the store entries tuned under them, are what they were; nearest-bucket lookups need the same fields)."""
+    b = {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K, "ln": int(p.ln)}
+    if p.rms:
+        b["rms"] = 1
+    if p.act == "swiglu":
+        b["swiglu"] = 1
+    return b
 
 
 def cost(p: Problem, dtype) -> K.Cost:
     e = _ELEM[dtype]
-    elems = (p.M * p.K + p.K * p.N + p.M * p.N + (p.N if p.bias else 0) + (p.M * p.N if p.residual else 0)
-             + (2 * p.K if p.ln else 0))
+    elems = (p.M * p.K + p.K * p.N + p.M * p.n_out + (p.N if p.bias else 0) + (p.M * p.n_out if p.residual else 0)
+             + (2 * p.K if p.ln else 0) + (p.K if p.rms else 0))
     return K.Cost(flops=2.0 * p.M * p.N * p.K, bytes=float(e * elems))
 
 
-def problem_of(x, w, bias=None, *, activation=None, residual=None, ln=None, **_) -> Problem:
+def problem_of(x, w, bias=None, *, activation=None, residual=None, ln=None, rms=None, **_) -> Problem:
     return Problem(math.prod(x.shape[:-1]), w.shape[-1], x.shape[-1], trans_w=w.stride(1) != 1,
-                   bias=bias is not None, act=activation, residual=residual is not None, ln=ln is not None)
+                   bias=bias is not None, act=activation, residual=residual is not None, ln=ln is not None,
+                   rms=rms is not None)
 
 
 def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
     # x with a mean and spread per row (what LN removes); W scaled by 1/sqrt(K)
-    x = S.with_layout(S.randn((p.M, p.K), dtype, device, seed, scale=2.0, shift=0.5 if p.ln else 0.0), layout)
+    x = S.with_layout(S.randn((p.M, p.K), dtype, device, seed, scale=2.0, shift=0.5 if p.ln or p.rms else 0.0),
+                      layout)
     if p.trans_w:
         w = S.with_layout(S.randn((p.N, p.K), dtype, device, seed + 1, scale=1.0 / math.sqrt(p.K)), layout).t()
     else:
         w = S.with_layout(S.randn((p.K, p.N), dtype, device, seed + 1, scale=1.0 / math.sqrt(p.K)), layout)
     bias = S.randn((p.N,), dtype, device, seed + 2, scale=0.5) if p.bias else None
-    res = S.randn((p.M, p.N), dtype, device, seed + 3) if p.residual else None
+    res = S.randn((p.M, p.n_out), dtype, device, seed + 3) if p.residual else None
     ln = None
     if p.ln:
         ln = (S.randn((p.K,), dtype, device, seed + 4, scale=0.2, shift=1.0),
               S.randn((p.K,), dtype, device, seed + 5, scale=0.1), 1e-5)
-    return K.Case(args=(x, w, bias), kwargs={"activation": p.act, "residual": res, "ln": ln},
-                  out=torch.empty((p.M, p.N), dtype=dtype, device=device))
+    kwargs = {"activation": p.act, "residual": res, "ln": ln}
+    if p.rms:  # only then: the other problems' cases keep the keywords they had
+        kwargs["rms"] = (S.randn((p.K,), dtype, device, seed + 4, scale=0.2, shift=1.0), 1e-6)
+    return K.Case(args=(x, w, bias), kwargs=kwargs, out=torch.empty((p.M, p.n_out), dtype=dtype, device=device))
 
 
 def problems(max_elems: int):
-    """M up to 16 (the decode rows this kernel is for; any M is correct), N and K up to sqrt(max_elems)."""
+    """M up to 16 (the decode rows this kernel is for; any M is correct), N and K up to sqrt(max_elems);
+    the LayerNorm, the RMSNorm or no prologue; every activation (SwiGLU's N rounded to even)."""
     from hypothesis import strategies as st
 
     d = max(2, round(math.sqrt(max_elems)))
 
     @st.composite
     def draw(dr):
-        return Problem(dr(S.sizes(16)), dr(S.sizes(d)), dr(S.sizes(d)), trans_w=dr(st.booleans()),
-                       bias=dr(st.booleans()), act=dr(st.sampled_from(ACTIVATIONS)), residual=dr(st.booleans()),
-                       ln=dr(st.booleans()))
+        m, n, k = dr(S.sizes(16)), dr(S.sizes(d)), dr(S.sizes(d))
+        act, norm = dr(st.sampled_from(ACTIVATIONS)), dr(st.sampled_from([None, "ln", "rms"]))
+        if act == "swiglu":
+            n = 2 * max(1, n // 2)
+        return Problem(m, n, k, trans_w=dr(st.booleans()), bias=dr(st.booleans()), act=act,
+                       residual=dr(st.booleans()), ln=norm == "ln", rms=norm == "rms")
 
     return draw()
 
 
 def _vendor(c: K.Case):
-    """PyTorch as a model runs these ops: F.layer_norm, then cuBLAS (addmm) and the epilogue op by op."""
+    """PyTorch as a model runs these ops: F.layer_norm or F.rms_norm, then cuBLAS (addmm, as F.linear) and
+    the epilogue op by op (SwiGLU: F.silu(g) * u)."""
     x, w, bias = c.args
-    act, res, ln = c.kwargs["activation"], c.kwargs["residual"], c.kwargs["ln"]
+    act, res, ln, rms = c.kwargs["activation"], c.kwargs["residual"], c.kwargs["ln"], c.kwargs.get("rms")
+    F = torch.nn.functional
 
     def run():
-        h = x if ln is None else torch.nn.functional.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
+        h = x if ln is None else F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
+        if rms is not None:
+            h = F.rms_norm(x, (x.shape[-1],), rms[0], rms[1])
         y = torch.addmm(bias, h, w) if bias is not None else torch.mm(h, w)
         if act == "gelu_tanh":
-            y = torch.nn.functional.gelu(y, approximate="tanh")
+            y = F.gelu(y, approximate="tanh")
+        elif act == "swiglu":
+            g, u = y.chunk(2, dim=-1)
+            y = F.silu(g) * u
         if res is not None:
             y += res
         return y
@@ -514,16 +633,17 @@ def _vendor(c: K.Case):
 
 
 def _gemm_peer(c: K.Case):
-    """tritune's own path before this kernel: the layer_norm kernel, then the gemm kernel."""
+    """tritune's own path before this kernel: the layer_norm kernel, then the gemm kernel (the RMSNorm
+    prologue goes to gemm as it is)."""
     from tritune.kernels.gemm import gemm
     from tritune.kernels.layer_norm import layer_norm
 
     x, w, bias = c.args
-    act, res, ln = c.kwargs["activation"], c.kwargs["residual"], c.kwargs["ln"]
+    act, res, ln, rms = c.kwargs["activation"], c.kwargs["residual"], c.kwargs["ln"], c.kwargs.get("rms")
 
     def run():
         h = x if ln is None else layer_norm(x, ln[0], ln[1], ln[2])
-        return gemm(h, w, bias, activation=act, residual=res)
+        return gemm(h, w, bias, activation=act, residual=res, rms=rms)
 
     return run
 
@@ -551,6 +671,14 @@ def _bad_inputs(device):
         ("kv slots of a float dtype", lambda: gemv(x, w, kv=(kc, kc, slots.float())), TypeError),
         ("residual of the wrong shape", lambda: gemv(x, w, residual=torch.randn(2, 5, device=device)), ValueError),
         ("out of the wrong shape", lambda: gemv(x, w, out=torch.empty(2, 5, device=device)), ValueError),
+        ("swiglu with an odd N", lambda: gemv(x, torch.randn(8, 5, device=device), activation="swiglu"), ValueError),
+        ("swiglu with the KV-cache write", lambda: gemv(x, w, activation="swiglu", kv=(kc, kc, slots)), ValueError),
+        ("swiglu out of the whole N", lambda: gemv(x, w, activation="swiglu", out=torch.empty(2, 6, device=device)),
+         ValueError),
+        ("rms not a pair", lambda: gemv(x, w, rms=(None, None, 1e-6)), TypeError),
+        ("rms and ln together", lambda: gemv(x, w, ln=(None, None, 1e-5), rms=(None, 1e-6)), ValueError),
+        ("rms weight of the wrong length", lambda: gemv(x, w, rms=(torch.randn(7, device=device), 1e-6)), ValueError),
+        ("rms eps negative", lambda: gemv(x, w, rms=(None, -1.0)), ValueError),
     ]
 
 
@@ -564,9 +692,16 @@ def _gpt2(m: int) -> list[Problem]:
             Problem(m, 50257, 768, trans_w=True, ln=True)]
 
 
+def _llama(m: int) -> list[Problem]:
+    """Llama-3.2-1B's decode linears with what they fuse (hidden 2048, 32 / 8 heads of 64, intermediate
+    8192): input RMSNorm + qkv, post-attention RMSNorm + gate/up + SwiGLU."""
+    return [Problem(m, 3072, 2048, rms=True), Problem(m, 16384, 2048, act="swiglu", rms=True)]
+
+
 SPEC = K.register(K.KernelSpec(
     name="gemv",
-    description="skinny GEMM for decode: LayerNorm prologue, bias / GELU / residual epilogue, KV-cache write",
+    description="skinny GEMM for decode: LayerNorm / RMSNorm prologue, bias / GELU / SwiGLU / residual epilogue, "
+                "KV-cache write",
     run=gemv,
     reference=ref.gemv,
     make_inputs=make_inputs,
@@ -577,12 +712,14 @@ SPEC = K.register(K.KernelSpec(
     cost=cost,
     problem_of=problem_of,
     standard_problems=[p for m in (1, 4, 8) for p in _gpt2(m)]
-    + [Problem(1, 4096, 4096), Problem(1, 28672, 8192), Problem(8, 28672, 8192)],
+    + [Problem(1, 4096, 4096), Problem(1, 28672, 8192), Problem(8, 28672, 8192)]
+    + [p for m in (1, 16) for p in _llama(m)],
     small_problems=[Problem(1, 96, 80, bias=True, act="gelu_tanh", ln=True),
-                    Problem(5, 33, 47, trans_w=True, residual=True)],
+                    Problem(5, 33, 47, trans_w=True, residual=True),
+                    Problem(3, 64, 40, bias=True, act="swiglu", residual=True, rms=True)],
     layouts=("contiguous", "sliced"),
     vendor=_vendor,
-    vendor_name="torch (F.layer_norm + cuBLAS)",
+    vendor_name="torch (F.layer_norm / F.rms_norm + cuBLAS)",
     peers={"tritune_ln_gemm": _gemm_peer},
     bad_inputs=_bad_inputs,
 ))

@@ -2,14 +2,19 @@
 fused ``ln=`` prologues compute (float32, shifted sums as in ``layer_norm``), and the RMSNorm statistic of
 their ``rms=`` prologues (float32 sum of squares, no mean).
 
-A module of shared device code registers no kernel. Its function keeps the name and text it had inside
+Also the host side of those prologues both launchers share: :func:`prologue` (the ``ln`` / ``rms`` forms)
+and :func:`check_rms`. A module of shared device code registers no kernel. Its function keeps the name and text it had inside
 gemv: the store's source hash of a kernel covers the name and source of every jitted function the kernel's
 module holds, so gemm's and gemv's tuned entries stay current; kernels import it as ``row_stats`` (and ``_row_rms`` as ``row_rms``).
 """
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
+
+from tritune import kernels as K
 
 
 @triton.jit
@@ -52,3 +57,36 @@ def _row_rms(x_rows, mask_m, K, s_xk, eps, BLOCK_M: tl.constexpr, LN_BLOCK: tl.c
 
 row_stats = _row_stats
 row_rms = _row_rms
+
+
+_NO_NORM = (None, None, 0.0, False)
+
+
+def prologue(ln, rms) -> tuple:
+    """(weight, bias, eps, is_rms) of a linear's norm prologue, from ``ln`` (weight or None, bias or None,
+    eps), a LayerNorm, or ``rms`` (weight or None, eps), an RMSNorm; at most one of them. Checks the forms
+    only (the hot path); :func:`check_rms` and ``check_fusions`` check the values."""
+    if rms is None:
+        if ln is None:
+            return _NO_NORM
+        if not isinstance(ln, (tuple, list)) or len(ln) != 3:
+            raise TypeError("ln: expected (weight or None, bias or None, eps)")
+        return ln[0], ln[1], ln[2], False
+    if not isinstance(rms, (tuple, list)) or len(rms) != 2:
+        raise TypeError("rms: expected (weight or None, eps)")
+    if ln is not None:
+        raise ValueError("rms: given with ln; a linear takes one norm prologue, the LayerNorm or the RMSNorm")
+    return rms[0], None, rms[1], True
+
+
+def check_rms(rms, kdim: int, x, x_name: str) -> None:
+    """An RMSNorm prologue ``rms`` (weight (K,) or None, eps) over the K of ``x``: errors name it."""
+    if rms is None:
+        return
+    w, eps = rms
+    if w is not None:
+        K.check_vec("rms weight", w, kdim, x.dtype, x.device, x_name)
+        if w.stride(0) != 1:
+            raise ValueError(f"rms weight: expected unit stride, got {w.stride(0)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or math.isinf(eps):
+        raise ValueError(f"rms eps: expected a finite number >= 0, got {eps!r}")

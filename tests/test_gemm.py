@@ -2,7 +2,8 @@
 
 Edge sizes (1 in each dim), every transposition and epilogue combination, batched and non-mergeable
 3-D A, split-K (uneven and empty slices, counters reset, deterministic), TMA descriptors and their
-pointer fallback, the 64-bit offset path, and the config space itself.
+pointer fallback, the 64-bit offset path, and the config space itself; the fusions: the LayerNorm and
+RMSNorm prologues, the KV-cache write, the SwiGLU epilogue over a [gate | up] weight.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_transposed_operands(trans_a, trans_b, tma, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias,act,residual", list(itertools.product([False, True], G.ACTIVATIONS, [False, True])))
 def test_epilogues(bias, act, residual, dtype):
-    _check(G.Problem(33, 45, 70, bias=bias, act=act, residual=residual), dtype)
+    _check(G.Problem(33, 46 if act == "swiglu" else 45, 70, bias=bias, act=act, residual=residual), dtype)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp(+big) = inf
@@ -339,8 +340,11 @@ def _check_cache(case, y):
 @pytest.mark.parametrize("prob", [dict(M=7, N=48, K=40, bias=True, ln=True, kv=True),
                                   dict(M=37, N=33, K=70, act="gelu_tanh", residual=True, ln=True, trans_a=True),
                                   dict(M=12, N=24, K=64, ln=True, kv=True, batch=3, trans_a=True),
-                                  dict(M=5, N=21, K=33, trans_b=True, kv=True)],
-                         ids=["qkv", "mlp-in", "3-D A", "kv only"])
+                                  dict(M=5, N=21, K=33, trans_b=True, kv=True),
+                                  dict(M=7, N=48, K=40, bias=True, rms=True, kv=True),
+                                  dict(M=37, N=34, K=70, act="swiglu", residual=True, rms=True, trans_a=True),
+                                  dict(M=12, N=24, K=64, act="swiglu", ln=True, batch=3, trans_b=True)],
+                         ids=["qkv", "mlp-in", "3-D A", "kv only", "rms qkv", "rms swiglu", "ln swiglu 3-D A"])
 def test_ln_prologue_and_kv_write(prob, extra, dtype):
     # every K slice computes the rows' statistics itself; the cache gets the rounded output's k, v columns
     p = G.Problem(**prob)
@@ -442,3 +446,103 @@ def test_gpu_fused_gpt2_rows_bitwise_alone_and_batched():
             for i in (0, 1, 15, 16, 36):
                 one = G.gemm(a[i:i + 1].clone(), b, bias, activation=p.act, ln=case.kwargs["ln"], config=cfg)
                 assert torch.equal(one[0], y[i]), (p, i)
+
+
+# ---------------------------------------------------------------------------------------------------
+# SwiGLU (activation="swiglu": b the [gate | up] weight) and the RMSNorm prologue (rms=)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("extra", [{}, {"SPLIT_K": 4, "GROUP_M": 1, "BLOCK_K": 16}, {"TMA": True},
+                                   {"TMA": True, "PERSISTENT": True}, {"BLOCK_N": 16, "BLOCK_M": 16, "num_warps": 2}],
+                         ids=["default", "split-K 4", "TMA", "persistent TMA", "16x16"])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_swiglu_epilogue(trans_b, extra, dtype):
+    # 48 x 2·40 x 64: aligned, so TMA=True takes descriptors (the up tile at column 40 of the same one)
+    p = G.Problem(48, 80, 64, trans_b=trans_b, bias=True, act="swiglu", residual=True)
+    cfg = dict(G.default_config(p, dtype), **extra)
+    if G.SPACE.why_invalid(cfg, p, dtype):
+        pytest.skip(G.SPACE.why_invalid(cfg, p, dtype))
+    case = G.make_inputs(p, dtype, DEV, 2)
+    assert case.out.shape == (48, 40)
+    _check(p, dtype, extra)
+    # odd sizes, strided views: pointer loads with masked edges (the wrap of the gate's columns never
+    # reaches the up half)
+    _check(G.Problem(19, 2 * 27, 70, trans_b=trans_b, act="swiglu"), dtype, dict(extra, TMA=False, PERSISTENT=False),
+           layout="sliced")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp(+big) = inf
+def test_swiglu_is_silu_of_the_gate_times_the_up_half_and_finite_at_extremes():
+    a = torch.tensor([[1.0], [-1.0], [0.5]], device=DEV)
+    wg, wu = torch.tensor([[1.0, 100.0, -100.0]], device=DEV), torch.tensor([[2.0, -1.0, 3.0]], device=DEV)
+    got = G.gemm(a, torch.cat([wg, wu], dim=1), activation="swiglu")
+    want = torch.nn.functional.silu(a.double() @ wg.double()) * (a.double() @ wu.double())
+    assert got.shape == (3, 3) and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_prologue_without_weight_cached_plans_and_rows_independent_of_m():
+    p = G.Problem(37, 48, 160, bias=True, act="swiglu", rms=True)
+    cfg = dict(G.default_config(G.Problem(16, 48, 160, bias=True, act="swiglu", rms=True), torch.float32), SPLIT_K=2)
+    for seed in (1, 2, 1):   # one plan, each call's data and eps
+        case = G.make_inputs(p, torch.float32, DEV, seed)
+        a, b, bias = case.args
+        for rms in ((None, 1e-6), (case.kwargs["rms"][0], 0.5)):
+            y = G.gemm(a, b, bias, activation="swiglu", rms=rms, config=cfg)
+            cmp.check(y, G.ref.gemm(a, b, bias, activation="swiglu", rms=rms), torch.float32, "ieee", what=str(rms[1]))
+    # a row's statistics and products follow the row and the config only (the batch-invariant premise)
+    for i in (0, 15, 36):
+        assert torch.equal(G.gemm(a[i:i + 1].clone(), b, bias, activation="swiglu", rms=rms, config=cfg)[0], y[i])
+    # the RMSNorm is not the LayerNorm: rows with a mean give different results
+    ln = G.gemm(a, b, bias, activation="swiglu", ln=(rms[0], None, rms[1]), config=cfg)
+    assert not torch.allclose(ln, y)
+
+
+def test_swiglu_and_rms_buckets_space_and_defaults():
+    # the old problems' store keys are what they were; the new fusions have their own fields
+    assert G.bucket(G.Problem(8, 3072, 768, bias=True, act="gelu_tanh")) == {"M": 8, "N": 3072, "K": 768}
+    assert G.bucket(G.Problem(8, 16384, 2048, act="swiglu")) == {"M": 8, "N": 16384, "K": 2048, "swiglu": 1}
+    assert G.bucket(G.Problem(1, 3072, 2048, rms=True)) == {"M": 1, "N": 3072, "K": 2048, "rms": 1}
+    sw = G.Problem(4096, 16384, 2048, act="swiglu")
+    for c in G.SPACE.points(sw, torch.bfloat16):   # both B tiles and both accumulators counted
+        assert (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["num_stages"] <= G.SMEM_BUDGET
+        assert 2 * c["BLOCK_M"] * c["BLOCK_N"] <= 128 * 32 * c["num_warps"]
+    assert "even N" in G.SPACE.why_invalid(G.default_config(G.Problem(4, 8, 8), torch.float32),
+                                           G.Problem(4, 7, 8, act="swiglu"), torch.float32)
+    for flag in ("TMA", "PERSISTENT"):
+        p = G.Problem(64, 96, 64, rms=True)
+        assert "pointer operands" in G.SPACE.why_invalid(dict(G.default_config(p, torch.float16), **{flag: True}),
+                                                         p, torch.float16)
+    for m in (1, 16, 128, 1024, 4096):   # the Llama-3.2-1B projection's default: half-width tiles of the plain one
+        p = G.llama_swiglu(m)
+        assert p in G.SPEC.standard_problems
+        plain = G.default_config(G.Problem(m, p.N, p.K), torch.bfloat16)
+        assert G.default_config(p, torch.bfloat16)["BLOCK_N"] == plain["BLOCK_N"] // 2
+    for m in (1, 7, 64, 129, 8192):
+        for n in (2, 14, 130, 3072, 16384):
+            for k in (1, 64, 2048):
+                for dt in G.DTYPES:
+                    for p in (G.Problem(m, n, k, act="swiglu"), G.Problem(m, n, k, rms=True, act="swiglu")):
+                        assert G.SPACE.why_invalid(G.default_config(p, dt), p, dt) is None, (p, dt)
+
+
+@pytest.mark.parametrize("label,call,exc,match", [
+    ("odd N", lambda d: G.gemm(torch.randn(4, 8, device=d), torch.randn(8, 5, device=d), activation="swiglu"),
+     ValueError, "b: activation='swiglu'"),
+    ("bias of C's width", lambda d: G.gemm(torch.randn(4, 8, device=d), torch.randn(8, 6, device=d),
+                                           torch.randn(3, device=d), activation="swiglu"), ValueError, "bias"),
+    ("kv", lambda d: G.gemm(torch.randn(4, 8, device=d), torch.randn(8, 6, device=d), activation="swiglu",
+                            kv=(torch.zeros(3, 4, 1, 2, device=d),) * 2 + (torch.zeros(4, dtype=torch.int32, device=d),)),
+     ValueError, "kv"),
+    ("rms triple", lambda d: G.gemm(torch.randn(4, 8, device=d), torch.randn(8, 6, device=d), rms=(None, None, 1.0)),
+     TypeError, "rms"),
+    ("rms and ln", lambda d: G.gemm(torch.randn(4, 8, device=d), torch.randn(8, 6, device=d), rms=(None, 1e-6),
+                                    ln=(None, None, 1e-5)), ValueError, "rms"),
+    ("rms weight", lambda d: G.gemm(torch.randn(4, 8, device=d), torch.randn(8, 6, device=d),
+                                    rms=(torch.randn(6, device=d), 1e-6)), ValueError, "rms weight"),
+    ("rms eps", lambda d: G.gemm(torch.randn(4, 8, device=d), torch.randn(8, 6, device=d), rms=(None, float("nan"))),
+     ValueError, "rms eps"),
+])
+def test_swiglu_and_rms_bad_inputs_name_the_argument(label, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(DEV)

@@ -1,5 +1,6 @@
 """gemv beyond the spec-generated tests: the KV-cache write, LayerNorm statistics on rows far from zero
-mean, split-K counters and determinism, and the decode step that uses it."""
+mean, the RMSNorm prologue and the SwiGLU epilogue, split-K counters and determinism, and the decode step
+that uses it."""
 from __future__ import annotations
 
 import pytest
@@ -191,3 +192,54 @@ def test_int64_offsets(monkeypatch, config):
         cmp.poison(case.out)
         got = G.gemv(*case.args, out=case.out, config=config, **case.kwargs)
         cmp.check(got, G.ref.gemv(*case.args, **case.kwargs), torch.float32, "ieee")
+
+
+# ---------------------------------------------------------------------------------------------------
+# SwiGLU (activation="swiglu": w the [gate | up] weight) and the RMSNorm prologue (rms=)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", [None, ONE_ROW, {**ONE_ROW, "SPLIT_K": 1, "BLOCK_K": 32}, DOT, {**DOT, "SPLIT_K": 2}],
+                         ids=["default", "one-row split-K", "one-row", "dot", "dot split-K"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu_and_rms(config, dtype):
+    m = 1 if config is not None and config["BLOCK_M"] == 1 else 5
+    for p, layout in ((G.Problem(m, 2 * 37, 70, bias=True, act="swiglu", residual=True, rms=True), "contiguous"),
+                      (G.Problem(m, 2 * 24, 33, trans_w=True, act="swiglu"), "sliced"),
+                      (G.Problem(m, 30, 70, bias=True, act="gelu_tanh", rms=True), "sliced")):
+        case = G.make_inputs(p, dtype, DEV, 4, layout)
+        cmp.poison(case.out)
+        y = G.gemv(*case.args, out=case.out, config=config, **case.kwargs)
+        assert y.shape == (m, p.n_out)
+        cmp.check(y, G.ref.gemv(*case.args, **case.kwargs), dtype, "ieee", what=f"{p} {config}")
+
+
+def test_rms_without_weight_split_k_determinism_and_rows_independent_of_m():
+    p = G.Problem(5, 2 * 35, 100, bias=True, act="swiglu", residual=True, rms=True)
+    case = G.make_inputs(p, torch.float32, DEV, 3)
+    x, w, bias = case.args
+    config = {**DOT, "SPLIT_K": 4}
+    for rms in ((None, 1e-6), (case.kwargs["rms"][0], 0.25)):
+        kw = dict(case.kwargs, rms=rms)
+        ys = [G.gemv(x, w, bias, config=config, **kw) for _ in range(3)]
+        assert all(torch.equal(ys[0], y) for y in ys[1:])
+        cmp.check(ys[0], G.ref.gemv(x, w, bias, **kw), torch.float32, "ieee")
+    for buf in G._locks.buffers.values():
+        assert int(buf.abs().sum()) == 0
+    res = case.kwargs["residual"]
+    for i in (0, 4):   # a row alone gives the same bits as in the batch
+        one = G.gemv(x[i:i + 1].clone(), w, bias, activation="swiglu", residual=res[i:i + 1].clone(), rms=rms,
+                     config=config)
+        assert torch.equal(one[0], ys[0][i])
+
+
+def test_swiglu_and_rms_buckets_space_and_defaults():
+    assert G.bucket(G.Problem(1, 2304, 768, bias=True, ln=True)) == {"M": 1, "N": 2304, "K": 768, "ln": 1}
+    assert G.bucket(G.Problem(1, 16384, 2048, act="swiglu", rms=True)) == {"M": 1, "N": 16384, "K": 2048, "ln": 0,
+                                                                            "rms": 1, "swiglu": 1}
+    for p in G.SPEC.standard_problems + G.SPEC.small_problems:
+        for dt in DTYPES:
+            assert G.SPACE.why_invalid(G.default_config(p, dt), p, dt) is None, (p, dt)
+    sw = G.Problem(1, 16384, 2048, act="swiglu")
+    for c in G.SPACE.points(sw, torch.bfloat16):   # both W tiles counted
+        assert c["BLOCK_M"] > 1 or 2 * c["BLOCK_K"] * c["BLOCK_N"] <= 64 * 32 * c["num_warps"]
+    assert "even N" in G.SPACE.why_invalid(G.default_config(G.Problem(1, 8, 8), torch.float32),
+                                           G.Problem(1, 7, 8, act="swiglu"), torch.float32)

@@ -174,7 +174,7 @@ def test_rope_types_change_the_tables(checkpoint):
 
 def test_config_reads_the_family_options(checkpoint):
     c = LlamaConfig.from_file(checkpoint("mistral-gqa4-window")[1] / "config.json")
-    assert (c.n_kv_head, c.sliding_window, c.n_positions) == (1, 48, 48)   # capped to the window
+    assert (c.n_kv_head, c.sliding_window, c.layer_windows, c.n_positions) == (1, 48, (48, 48), 64)
     c = LlamaConfig.from_file(checkpoint("qwen2-gqa2-tied")[1] / "config.json")
     assert c.qkv_bias and not c.o_bias and c.tie_word_embeddings and c.sliding_window is None
     c = LlamaConfig.from_file(checkpoint("qwen3-qk-norm")[1] / "config.json")
@@ -295,14 +295,6 @@ def test_engine_on_the_triton_backend(checkpoint):
         assert r.output_ids == greedy(model, p, 4)
 
 
-def test_sequence_past_the_sliding_window_refused(checkpoint):
-    """No window in the attention yet: sequences run up to the window (where full attention is the same) and
-    longer ones are refused rather than attending too far back."""
-    model = load_model(checkpoint("mistral-gqa4-window")[1], backend="torch")
-    with pytest.raises(ValueError, match="n_positions=48"):
-        model.prefill(torch.zeros(49, dtype=torch.long), [49])
-
-
 def test_generate_cli_on_a_llama_checkpoint(tmp_path):
     """``tritune generate --model DIR`` on a Llama checkpoint with its tokenizer.json (byte-level BPE): the
     family is found by model_type, and the text is the model's own greedy tokens decoded; with
@@ -341,14 +333,14 @@ def test_generate_cli_on_a_llama_checkpoint(tmp_path):
 
 
 def test_qwen2_sliding_layers_recorded():
-    """Qwen2 with use_sliding_window: the layers past max_window_layers slide; the window is recorded and
-    bounds the sequences run. Without use_sliding_window the window field is ignored, as transformers does."""
+    """Qwen2 with use_sliding_window: the layers past max_window_layers slide (tests/test_llama_window.py runs
+    them). Without use_sliding_window the window field is ignored, as transformers does."""
     cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
                                    use_sliding_window=True, sliding_window=32, max_window_layers=1)
     c = LlamaConfig.from_dict(cfg.to_dict())
-    assert (c.sliding_window, c.n_positions) == (32, 32)
+    assert (c.sliding_window, c.layer_windows, c.n_positions) == (32, (None, 32), 64)
     cfg.use_sliding_window = False
     cfg.layer_types = ["full_attention"] * 2
     c = LlamaConfig.from_dict(cfg.to_dict())
-    assert (c.sliding_window, c.n_positions) == (None, 64)
+    assert (c.sliding_window, c.layer_windows, c.n_positions) == (None, (), 64)

@@ -84,10 +84,13 @@ def test_off_by_default(miss_env, monkeypatch):
     assert not spec_mod.tune_on_miss()
     assert launch() == gelu_mod.default_config(PROBLEM, torch.float32)
     assert not called and not user_entries(miss_env)
+    with spec_mod.set_tune_on_miss(True):   # switched on: a bucket launched untuned before misses again
+        launch()
+    assert len(called) == 1
     monkeypatch.setenv("TRITUNE_TUNE_ON_MISS", "1")   # the env var switches it on
     K.clear_config_cache()
     launch()
-    assert len(called) == 1
+    assert len(called) == 2
 
 
 def test_a_failing_study_falls_back_to_the_default_with_a_warning(miss_env, monkeypatch):
@@ -136,7 +139,8 @@ def test_two_processes_at_once_tune_the_bucket_once(miss_env):
     assert all(p.returncode == 0 for p in procs), outs
     errs = [err for _, err in outs]
     assert sum("stored, " in e for e in errs) == 1, errs    # one process tuned it ...
-    assert sum("another process tuned it" in e for e in errs) == 1, errs   # ... the other waited and reused it
+    # ... the other waited for it and reused its entry (or, arriving later, found the entry at once)
+    assert sum("another process tuned it" in e or "tritune: tuning" not in e for e in errs) == 1, errs
     configs = {next(ln for ln in out.splitlines() if ln.startswith("CONFIG")) for out, _ in outs}
     assert len(configs) == 1
     (e,) = user_entries(miss_env)

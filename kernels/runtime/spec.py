@@ -299,6 +299,8 @@ class set_tune_on_miss:
     def __init__(self, on: bool | None = True):
         if on is not None and not isinstance(on, bool):
             raise TypeError(f"tune_on_miss: expected True, False or None, got {on!r}")
+        if on and not tune_on_miss():
+            clear_config_cache()   # buckets already launched with an untuned config get their miss again
         self.before, MISS["on"] = MISS["on"], on
 
     def __enter__(self):

@@ -63,7 +63,8 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False               # Qwen3
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None   # recorded; n_positions is capped to it (see from_dict)
+    sliding_window: int | None = None   # the window of the sliding layers (None: no layer slides)
+    layer_windows: tuple = ()           # per layer: its attention window (None: full); () = no layer slides
     eos_token_id: int | None = None
     eos_token_ids: tuple = ()
     bos_token_id: int | None = None
@@ -115,11 +116,8 @@ class LlamaConfig:
         max_pos = int(d.get("max_position_embeddings", 2048))
         rope = rope_of(d, max_pos, source)
         window = _window(d, mt)
-        # no window in our attention: a sequence within the window attends to all of it anyway, so we run
-        # sequences up to the window's length and refuse longer ones instead of attending too far back
+        layer_windows = _layer_windows(d, mt, window)
         n_pos = max_pos if rope.type != "dynamic" else int(max_pos * rope.factor)
-        if window is not None:
-            n_pos = min(n_pos, window)
         vocab = d["vocab_size"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos])
@@ -134,6 +132,7 @@ class LlamaConfig:
             qkv_bias=attn_bias or mt == "qwen2", o_bias=attn_bias and mt in ("llama", "qwen3"),
             mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=mt == "qwen3",
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), sliding_window=window,
+            layer_windows=layer_windows,
             eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids,
             bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None)
 
@@ -171,6 +170,8 @@ def _refuse(d: dict, mt: str, source: str) -> None:
 def _window(d: dict, mt: str) -> int | None:
     """The sliding attention window the checkpoint's attention uses, or None (full attention)."""
     w = d.get("sliding_window")
+    if mt == "llama":   # transformers' Llama has no window, whatever the config holds
+        return None
     if mt in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
         return None
     if mt in ("qwen2", "qwen3"):
@@ -178,6 +179,26 @@ def _window(d: dict, mt: str) -> int | None:
         if types and "sliding_attention" not in types:
             return None
     return int(w) if isinstance(w, int) and w > 0 else None
+
+
+def _layer_windows(d: dict, mt: str, window: int | None) -> tuple:
+    """Each layer's window, as transformers picks it: Mistral every layer; Qwen2/Qwen3 the layers that
+    ``layer_types`` marks "sliding_attention", or (a config.json without layer_types) those from
+    ``max_window_layers`` on under ``use_sliding_window``. () when no layer slides."""
+    if window is None:
+        return ()
+    n = int(d["num_hidden_layers"])
+    if mt == "mistral":
+        return (window,) * n
+    types = d.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
+        out = tuple(window if t == "sliding_attention" else None for t in types)
+    else:
+        first = int(d.get("max_window_layers", 28))   # transformers' Qwen2Config / Qwen3Config default
+        out = tuple(window if i >= first else None for i in range(n))
+    return out if any(w is not None for w in out) else ()
 
 
 def rope_of(d: dict, max_pos: int, source: str = "config.json") -> RopeConfig:

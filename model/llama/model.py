@@ -69,18 +69,38 @@ def _repeat_kv(t, n: int, dim: int):
     return t if n == 1 else t.repeat_interleave(n, dim=dim)
 
 
-def torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen):
+def torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen, window=None):
     """q (T, Hq, D), k, v (T, Hkv, D) packed; causal within each sequence; query head h reads KV head
-    h // (Hq / Hkv)."""
+    h // (Hq / Hkv). ``window`` W: query i sees keys i − W < j <= i only (SDPA with that mask)."""
     n = q.shape[1] // k.shape[1]
-    return G.torch_attn_prefill(q, _repeat_kv(k, n, 1), _repeat_kv(v, n, 1), seq_lens, cu_seqlens, max_seqlen)
+    k, v = _repeat_kv(k, n, 1), _repeat_kv(v, n, 1)
+    if window is None:
+        return G.torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    s = 0
+    for m in seq_lens:
+        i = torch.arange(m, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        o = F.scaled_dot_product_attention(q[s:s + m].transpose(0, 1), k[s:s + m].transpose(0, 1),
+                                           v[s:s + m].transpose(0, 1), attn_mask=mask)
+        out[s:s + m] = o.transpose(0, 1)
+        s += m
+    return out
 
 
-def torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens):
-    """q (B, Hq, D) over paged (num_blocks, block_size, Hkv, D) caches."""
+def torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens, window=None):
+    """q (B, Hq, D) over paged (num_blocks, block_size, Hkv, D) caches; ``window`` W: the last W tokens only."""
     n = q.shape[1] // k_cache.shape[2]
-    return G.torch_attn_decode(q, _repeat_kv(k_cache, n, 2), _repeat_kv(v_cache, n, 2), block_tables,
-                               context_lens)
+    k_cache, v_cache = _repeat_kv(k_cache, n, 2), _repeat_kv(v_cache, n, 2)
+    if window is None:
+        return G.torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens)
+    B, nb = block_tables.shape
+    bs = k_cache.shape[1]
+    k = k_cache[block_tables.long()].reshape(B, nb * bs, *k_cache.shape[2:]).transpose(1, 2)   # (B, H, L, D)
+    v = v_cache[block_tables.long()].reshape(B, nb * bs, *v_cache.shape[2:]).transpose(1, 2)
+    pos, ctx = torch.arange(nb * bs, device=q.device)[None, :], context_lens[:, None].long()
+    mask = (pos < ctx) & (pos >= ctx - window)
+    return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :])[:, :, 0, :]
 
 
 def swiglu(gu):
@@ -130,6 +150,21 @@ class TritonOps(G.TritonOps):
         # validate=False: positions come from the engine's own bookkeeping (checking them syncs the host)
         return self._rotary(q, k, cos, sin, positions, out=(q, k), validate=False)
 
+    def attn_prefill(self, q, k, v, seq_lens, cu_seqlens, max_seqlen, window=None):
+        if window is None:
+            return super().attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+        if self._varlen:   # tiles wholly before every row's window are skipped
+            return self._varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True,
+                                validate=False, window=window)
+        return torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen, window)
+
+    def attn_decode(self, q, k_cache, v_cache, block_tables, context_lens, window=None):
+        if window is None:
+            return super().attn_decode(q, k_cache, v_cache, block_tables, context_lens)
+        if self._paged:    # the window's blocks only; the config chosen for the window's span
+            return self._paged(q, k_cache, v_cache, block_tables, context_lens, validate=False, window=window)
+        return torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens, window)
+
     def rotary_kv(self, q, k, v, cos, sin, positions, kv):
         """:meth:`rotary` that also writes the rotated k and v to the paged caches ``kv`` = (k_cache, v_cache,
         slots): the step's KV-cache write fused into the rotation (one launch and one read of k, v fewer)."""
@@ -177,6 +212,7 @@ class Llama:
         self.device = weights.wte.device
         self.cos, self.sin = rope.tables(config, device=self.device)
         self.positions = None     # the positions of the tokens embed() saw last (see blocks)
+        self.windows = config.layer_windows or (None,) * config.n_layer   # each layer's sliding window
 
     # -- the engine's contract (tritune.model.engine.contract.EngineModel): sizes and KV layout ---------
     @property
@@ -197,7 +233,9 @@ class Llama:
 
     @property
     def max_context(self) -> int:
-        return self.config.n_positions
+        # The engine's attention callbacks pass no window yet: within the smallest window full attention is
+        # the same, so the engine runs sequences up to it (prefill/decode here take the whole n_positions).
+        return min([self.config.n_positions] + [w for w in self.windows if w is not None])
 
     @property
     def vocab_size(self) -> int:
@@ -320,7 +358,7 @@ class Llama:
         def attend(i, q, k, v, written=False):
             if kv_cache is not None and not written:
                 ops.write_kv(k, v, kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping)
-            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen, **self._window_kw(i))
 
         x = self.blocks(self.embed(input_ids, positions), attend, positions=positions)
         if not all_logits:
@@ -342,7 +380,7 @@ class Llama:
             kc, vc = kv_cache.k_caches[i], kv_cache.v_caches[i]
             if not written:
                 ops.write_kv(k, v, kc, vc, slot_mapping)
-            return ops.attn_decode(q, kc, vc, block_tables, context_lens)
+            return ops.attn_decode(q, kc, vc, block_tables, context_lens, **self._window_kw(i))
 
         def kv_for(i):
             return kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping
@@ -359,6 +397,11 @@ class Llama:
         flat = [t for s in seqs for t in s]
         logits = self.prefill(torch.tensor(flat, dtype=torch.long), [len(s) for s in seqs], all_logits=True)
         return list(logits.split([len(s) for s in seqs]))
+
+    def _window_kw(self, i: int) -> dict:
+        """The attention ops' keyword for layer i's sliding window (none for a full layer: ops that take no
+        window still run the model's full layers)."""
+        return {} if self.windows[i] is None else {"window": self.windows[i]}
 
     def _check_ids(self, ids):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
