@@ -243,14 +243,16 @@ def _quantize_b(w, mode: str):
 
 def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
     """bf16-like activations and weights, quantized by the reference quantizers (so kernel and reference
-    read the same e4m3 values and scales). "transposed": B stored (N, K) as weights usually are."""
+    read the same e4m3 values and scales). B is stored (N, K) and passed as its (K, N) transpose, as model
+    weights are (and as Hopper's FP8 tensor cores read B: K-major); "transposed" gives the (K, N) row-major
+    form instead."""
     x = S.randn((p.M, p.K), torch.float32, device, seed, scale=2.0)
     w = S.randn((p.K, p.N), torch.float32, device, seed + 1, scale=1.0 / math.sqrt(p.K))
     a, sa = ref.quantize_rows(x) if p.a_scale == "row" else ref.quantize_tensor(x)
     b, sb = _quantize_b(w, p.b_scale)
-    if layout == "transposed":
+    if layout != "transposed":
         b = b.t().contiguous().t()
-    elif layout == "sliced":
+    if layout == "sliced":
         a = torch.empty((p.M, p.K + 16), dtype=E4M3, device=device)[:, 8:8 + p.K].copy_(a)
     bias = S.randn((p.N,), dtype, device, seed + 2, scale=0.5) if p.bias else None
     res = S.randn((p.M, p.N), dtype, device, seed + 3) if p.residual else None
