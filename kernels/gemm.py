@@ -465,8 +465,8 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, rms=None, 
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, _meta(bias),
                _meta(residual), _meta(out), activation, None if config is None else tuple(config.items()),
                INT32_LIMIT, FLATTEN, WARP_SPEC, PREFETCH_EPILOGUE, RES_PREFETCH_PER_THREAD, _num_sms,
-               ln is not None, _meta(ln_w), _meta(ln_b), eps, _meta(kc), _meta(vc), _meta(slots),
-               K.precision_key(a.dtype), is_rms)
+               ln is not None, is_rms, _meta(ln_w), _meta(ln_b), eps, _meta(kc), _meta(vc), _meta(slots),
+               K.precision_key(a.dtype))
     except (AttributeError, TypeError, ValueError):
         key = None
     plan = _PLANS.get_or_make(key, lambda: _make_plan(a, b, bias, activation, residual, out, config, ln, kv, rms))

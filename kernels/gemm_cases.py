@@ -1,7 +1,7 @@
 """GEMM's problems and cases: the problem type, the inputs the tests, the benchmark and the tuner launch on
 (with the LayerNorm / RMSNorm and KV-cache fusions' arguments), the hypothesis strategy of problems, GPT-2's
-linears and Llama-3.2-1B's SwiGLU projection as standard problems, the vendor (cuBLAS through torch, op by op) and FlagGems' peer, and the bad arguments the
-launcher must refuse. The kernel, its launcher and its config space are in :mod:`tritune.kernels.gemm`, which
+linears and Llama-3.2-1B's SwiGLU projection as standard problems, the vendor (cuBLAS through torch, op by
+op) and FlagGems' peer, and the bad arguments the launcher must refuse. The kernel, its launcher and its config space are in :mod:`tritune.kernels.gemm`, which
 registers the spec; this module registers none.
 """
 from __future__ import annotations
@@ -235,8 +235,8 @@ def bad_inputs(gemm, device):
         ("kv slots of a float dtype", lambda: gemm(a, b6, kv=(kc, kc, slots.float())), TypeError),
         ("swiglu with an odd N", lambda: gemm(a, b, activation="swiglu"), ValueError),
         ("swiglu with the KV-cache write", lambda: gemm(a, b6, activation="swiglu", kv=(kc, kc, slots)), ValueError),
-        ("swiglu residual of the whole N", lambda: gemm(a, b6, activation="swiglu", residual=torch.randn(4, 6, device=device)),
-         ValueError),
+        ("swiglu residual of the whole N",
+         lambda: gemm(a, b6, activation="swiglu", residual=torch.randn(4, 6, device=device)), ValueError),
         ("rms not a pair", lambda: gemm(a, b, rms=(None, None, 1e-6)), TypeError),
         ("rms and ln together", lambda: gemm(a, b, ln=(None, None, 1e-5), rms=(None, 1e-6)), ValueError),
         ("rms weight of the wrong length", lambda: gemm(a, b, rms=(torch.randn(7, device=device), 1e-6)), ValueError),

@@ -69,7 +69,7 @@ def _elem(dtype) -> int:
 @functools.lru_cache(maxsize=4096)
 def _limits(p: Problem) -> tuple:
     """Tile limits: M, C's columns and K to powers of two (at least 16)."""
-    return max(16, triton.next_power_of_2(p.M)), max(16, triton.next_power_of_2(p.n_out)), max(16, triton.next_power_of_2(p.K))
+    return tuple(max(16, triton.next_power_of_2(v)) for v in (p.M, p.n_out, p.K))
 
 
 def constraint(c, p: Problem, dtype) -> str | None:

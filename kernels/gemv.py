@@ -326,8 +326,8 @@ def gemv(x, w, bias=None, *, activation=None, residual=None, ln=None, rms=None, 
     kc, vc, slots = kv if kv is not None else (None, None, None)
     try:
         key = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, _meta(bias), _meta(residual),
-               _meta(out), activation, ln is not None, _meta(ln_w), _meta(ln_b), _meta(kc), _meta(vc),
-               _meta(slots), None if config is None else tuple(config.items()), INT32_LIMIT, is_rms)
+               _meta(out), activation, ln is not None, is_rms, _meta(ln_w), _meta(ln_b), _meta(kc), _meta(vc),
+               _meta(slots), None if config is None else tuple(config.items()), INT32_LIMIT)
     except (AttributeError, TypeError, ValueError):
         key = None
     plan = _PLANS.get_or_make(key, lambda: _make_plan(x, w, bias, activation, residual, ln, kv, out, config, rms))
@@ -713,7 +713,7 @@ SPEC = K.register(K.KernelSpec(
     problem_of=problem_of,
     standard_problems=[p for m in (1, 4, 8) for p in _gpt2(m)]
     + [Problem(1, 4096, 4096), Problem(1, 28672, 8192), Problem(8, 28672, 8192)]
-    + [p for m in (1, 16) for p in _llama(m)],
+    + [p for m in (1, 8) for p in _llama(m)],
     small_problems=[Problem(1, 96, 80, bias=True, act="gelu_tanh", ln=True),
                     Problem(5, 33, 47, trans_w=True, residual=True),
                     Problem(3, 64, 40, bias=True, act="swiglu", residual=True, rms=True)],

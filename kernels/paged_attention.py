@@ -15,6 +15,12 @@ from a per-(sequence, kv head) counter; the program that takes the last ticket m
 resets the counter (one launch, no second kernel, no zero-fill). This fills the GPU when B·Hkv programs
 alone would leave SMs idle (small batch, long context), or run in a fraction of a wave.
 
+Sliding window, WINDOW = W > 0 (a constexpr: W = 0 compiles the full-context kernel unchanged): a
+sequence's keys are its last W tokens, from lo = max(len − W, 0) on. The tile loop starts at lo (not at a
+BLOCK_N boundary: tokens are looked up one by one, so nothing before lo is read, neither K/V nor its
+block-table entry), and split-KV chunks are counted from lo, so the grid has cdiv(min(capacity, W),
+PARTITION) chunks a sequence and the config is chosen for that span (``Problem.span``).
+
 Two tuned switches shape the tile loop: PREFETCH loads tile i + 1 by hand while tile i is used (with
 num_stages 1: plain loads instead of the pipeliner's cp.async), and EVICT marks the K/V loads
 evict_first (read once a step; the hint survives only plain loads: a compiled kernel's PTX has it at

@@ -3,9 +3,9 @@ fused ``ln=`` prologues compute (float32, shifted sums as in ``layer_norm``), an
 their ``rms=`` prologues (float32 sum of squares, no mean).
 
 Also the host side of those prologues both launchers share: :func:`prologue` (the ``ln`` / ``rms`` forms)
-and :func:`check_rms`. A module of shared device code registers no kernel. Its function keeps the name and text it had inside
-gemv: the store's source hash of a kernel covers the name and source of every jitted function the kernel's
-module holds, so gemm's and gemv's tuned entries stay current; kernels import it as ``row_stats`` (and ``_row_rms`` as ``row_rms``).
+and :func:`check_rms`. A module of shared device code registers no kernel. ``_row_stats`` keeps the name and
+text it had inside gemv (the store's code key of a kernel covers the name and source of every jitted
+function its module holds); kernels import it as ``row_stats``, and ``_row_rms`` as ``row_rms``.
 """
 from __future__ import annotations
 

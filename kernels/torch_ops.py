@@ -228,7 +228,7 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, activation: Option
 @gemm.register_fake
 def _(a, b, bias=None, activation=None, residual=None):
     _inner("a", a, "b", b.shape[0])
-    return a.new_empty(_rows_times(a, b.shape[1]))
+    return a.new_empty(_rows_times(a, b.shape[1] // 2 if activation == "swiglu" else b.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def gemv(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, activation: Option
 @gemv.register_fake
 def _(x, w, bias=None, activation=None, residual=None, ln_weight=None, ln_bias=None, ln_eps=None):
     _inner("x", x, "w", w.shape[0])
-    return x.new_empty(_rows_times(x, w.shape[1]))
+    return x.new_empty(_rows_times(x, w.shape[1] // 2 if activation == "swiglu" else w.shape[1]))
 
 
 # The mutating form is its own op, its caches required arguments: a mutated argument that may be left out
@@ -281,7 +281,7 @@ def gemv_kv(x: Tensor, w: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping
 def _(x, w, k_cache, v_cache, slot_mapping, bias=None, activation=None, residual=None, ln_weight=None,
       ln_bias=None, ln_eps=None):
     _inner("x", x, "w", w.shape[0])
-    return x.new_empty(_rows_times(x, w.shape[1]))
+    return x.new_empty(_rows_times(x, w.shape[1] // 2 if activation == "swiglu" else w.shape[1]))
 
 
 GEMV_MAX_M = 8  # rows up to which `linear` takes the gemv kernel (the engine's threshold)
@@ -307,7 +307,7 @@ def linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, activation: Opti
 @linear.register_fake
 def _(x, w, bias=None, activation=None, residual=None, ln_weight=None, ln_bias=None, ln_eps=None):
     _inner("x", x, "w", w.shape[0])
-    return x.new_empty(_rows_times(x, w.shape[1]))
+    return x.new_empty(_rows_times(x, w.shape[1] // 2 if activation == "swiglu" else w.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -28,7 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROWS = ("fp32", "fp16", "bf16", "int8", "int4-rtn", "int4-gptq", "int4-awq")
+ROWS = ("fp32", "fp16", "bf16", "int8", "int4-rtn", "int4-gptq", "int4-awq", "fp8", "fp8-block", "fp8-kv", "fp8+kv")
+# FP8 rows (model/quant/fp8.py, model/engine/kv_fp8.py): W8A8 e4m3 linears with per-channel ("fp8") or
+# 128x128-block ("fp8-block") weight scales and per-token activations; "fp8-kv": dense weights, K/V as the
+# e4m3 cache (per-token scales) holds them; "fp8+kv": both
+FP8_ROWS = {"fp8": (True, False, False), "fp8-block": (True, True, False), "fp8-kv": (False, False, True),
+            "fp8+kv": (True, False, True)}
 DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -102,7 +107,9 @@ def weight_bytes(weights) -> int:
     return total
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(config, dtype: torch.dtype, fp8: bool = False) -> int:
+    if fp8:     # one byte a value and a float32 scale per (token, head)
+        return 2 * config.n_layer * (config.n_embd + 4 * config.n_head)
     return 2 * config.n_layer * config.n_embd * torch.empty(0, dtype=dtype).element_size()
 
 
@@ -165,7 +172,13 @@ def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n
 
     if row in DENSE:
         return GPT2.from_pretrained(model_dir, backend=backend, dtype=DENSE[row], device=device)
+    if row in FP8_ROWS:
+        return _fp8_row(row, model_dir, backend=backend, device=device, act_dtype=act_dtype)
     if Path(row).is_dir():
+        from tritune.model.quant import fp8_hf
+
+        if fp8_hf.is_fp8_checkpoint(row):
+            return fp8_hf.load_model(row, backend=backend, dtype=act_dtype, device=device)
         return hf_quant.load_model(row, backend=backend, dtype=act_dtype, device=device)
     specs = {"int8": QZ.QuantSpec("rtn", 8), "int4-rtn": QZ.QuantSpec("rtn", 4, group),
              "int4-gptq": QZ.QuantSpec("gptq", 4, group, act_order=True),
@@ -183,6 +196,18 @@ def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n
     qw = QZ.quantize_weights(fp.config, fp.w, ids, spec, progress=progress, seed=seed)
     base = GPT2(fp.config, _cast(fp.w, act_dtype, device), backend=backend, directory=fp.directory)
     return hf_quant.install(base, _cast(qw, act_dtype, device))
+
+
+def _fp8_row(row, model_dir, *, backend, device, act_dtype):
+    from tritune.model.engine.kv_fp8 import Fp8KVPrefillOps
+    from tritune.model.gpt2.model import GPT2
+    from tritune.model.quant import fp8
+
+    weights, block, kv = FP8_ROWS[row]
+    m = GPT2.from_pretrained(model_dir, backend=backend, dtype=act_dtype, device=device)
+    if weights:
+        m = fp8.quantize_model(m, block)
+    return m.with_ops(Fp8KVPrefillOps(m.ops)) if kv else m
 
 
 def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_dtype=torch.bfloat16,
@@ -212,7 +237,8 @@ def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_
         t_build = time.perf_counter() - t0
         ppl = perplexity(m, stream, max_windows=max_windows)
         r = {"row": row, "perplexity": round(ppl, 4), "weight_bytes": weight_bytes(m.w),
-             "kv_bytes_per_token": kv_bytes_per_token(m.config, m.dtype), "build_s": round(t_build, 1)}
+             "kv_bytes_per_token": kv_bytes_per_token(m.config, m.dtype, FP8_ROWS.get(row, (0, 0, 0))[2]),
+             "build_s": round(t_build, 1)}
         if row == "bf16":
             base_ppl = ppl
         batches = [decode_batch] if isinstance(decode_batch, int) else list(decode_batch)

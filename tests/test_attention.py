@@ -1192,6 +1192,31 @@ def test_window_varlen(window):
               A.SPEC.accumulation(torch.float16), what=f"varlen window={window}")
 
 
+def test_window_skips_key_blocks_wholly_outside_it():
+    """Keys in blocks before the first query's window (16-key blocks here) hold NaN: a window launch never
+    reads them (a masked read would still give 0 · NaN = NaN through P·V), dense and packed, from the
+    problems strategy's window field through make_inputs."""
+    window, tq, tk = 20, 8, 100
+    cfg_over = dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    skipped = (tk - tq - window + 1) // 16 * 16   # 64: keys [0, 64) are in no query's window's blocks
+    p = P(2, 4, 2, tq, tk, 32, True, window)
+    case = A.make_inputs(p, torch.float32, DEV, 3)
+    assert case.kwargs == {"causal": True, "window": window}
+    q, k, v = case.args
+    want = ref.attention(q, k, v, **case.kwargs)
+    k[:, :, :skipped], v[:, :, :skipped] = float("nan"), float("nan")
+    out = A.attention(q, k, v, **case.kwargs, config=_config(p, torch.float32, **cfg_over))
+    cmp.check(out, want, torch.float32, A.SPEC.accumulation(torch.float32), what="dense window skip")
+    vp = VP((tq, 3), (tk, 40), 4, 2, 32, True, window)
+    case = A.make_varlen_inputs(vp, torch.float32, DEV, 4)
+    q, k, v, cu_q, cu_k, mq, mk = case.args
+    want = ref.attention_varlen(*case.args, **case.kwargs)
+    k[:skipped], v[:skipped] = float("nan"), float("nan")   # the first sequence's keys before its window
+    vcfg = dict(A.VARLEN_SPEC.config_for(A.varlen_problem_of(*case.args, **case.kwargs), torch.float32), **cfg_over)
+    out = A.attention_varlen(*case.args, **case.kwargs, config=vcfg)
+    cmp.check(out, want, torch.float32, A.SPEC.accumulation(torch.float32), what="varlen window skip")
+
+
 def test_window_is_checked():
     p = P(1, 2, 1, 8, 8, 32, True)
     q, k, v = A.make_inputs(p, torch.float32, DEV, 0).args

@@ -105,7 +105,7 @@ def test_write_skips_padding_and_leaves_other_slots_alone():
     want = ref.fp8_write_kv(k, v, slots, *before)
     for got, w in zip(caches, want):
         cmp.check(got, w, BF16)
-    untouched = torch.ones(32, dtype=torch.bool)
+    untouched = torch.ones(32, dtype=torch.bool, device=DEV)
     untouched[[3, 17, 31]] = False
     for got, old in zip(caches, before):
         flat = got.view(32, *got.shape[2:]).view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got.view(32, -1)
@@ -125,7 +125,8 @@ def test_cache_round_trip_against_unquantized_attention(qdtype):
     k, v = k.to(qdtype).to(DEV), v.to(qdtype).to(DEV)
     q = (torch.randn(B, Hq, D, generator=g) * 0.5).to(qdtype).to(DEV)
     tables = torch.randperm(nb, generator=g).reshape(B, -1).to(torch.int32).to(DEV)
-    slots = (tables.long()[:, torch.arange(ctx) // bs] * bs + torch.arange(ctx) % bs).reshape(-1)
+    pos = torch.arange(ctx, device=tables.device)
+    slots = (tables.long()[:, pos // bs] * bs + pos % bs).reshape(-1)
     caches = _pool(nb, bs, Hkv, D)
     W.fp8_write_kv(k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), slots.to(DEV), *caches)
     lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)

@@ -243,3 +243,41 @@ def test_swiglu_and_rms_buckets_space_and_defaults():
         assert c["BLOCK_M"] > 1 or 2 * c["BLOCK_K"] * c["BLOCK_N"] <= 64 * 32 * c["num_warps"]
     assert "even N" in G.SPACE.why_invalid(G.default_config(G.Problem(1, 8, 8), torch.float32),
                                            G.Problem(1, 7, 8, act="swiglu"), torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12], ids=["gemv one row", "gemv rows", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_llama_rms_linear_is_rms_norm_then_linear_then_swiglu(rows, dtype):
+    """The Llama triton backend's fused RMSNorm + linear (+ SwiGLU), on gemv at <= GEMV_MAX_M rows and
+    rms_norm + gemm above, gives what the steps one by one give; an ops wrapper that forwards what it lacks
+    to its base (``__getattr__``) takes the steps through its own ``linear``."""
+    from tritune.model.llama import model as LM
+
+    ops = LM.TritonOps()
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 40, generator=g) * 2 + 0.5).to(DEV, dtype)
+    nw = (1 + 0.2 * torch.randn(40, generator=g)).to(DEV, dtype)
+    w_gu = (torch.randn(40, 2 * 24, generator=g) / 40 ** 0.5).to(DEV, dtype)
+    b_gu = (0.5 * torch.randn(2 * 24, generator=g)).to(DEV, dtype)
+    for w, b, act in ((w_gu, b_gu, "swiglu"), (w_gu, None, None)):
+        y = LM.rms_linear(ops, x, nw, 1e-6, w, b, activation=act)
+        h = LM.torch_rms_norm(x, nw, 1e-6)
+        want = LM.swiglu(h.double() @ w.double() + (0 if b is None else b.double())) if act else h.double() @ w.double()
+        # the fused prologue's normalised rows are the kernel's (fp32, one rounding) not transformers' (two)
+        cmp.check(y, want, dtype, "ieee", what=f"rows={rows} {act}")
+
+    class Forwarding:   # tensor parallel / fp8 ops: their own linear, the rest forwarded
+        def __init__(self, base):
+            self.base, self.calls = base, 0
+
+        def __getattr__(self, name):
+            return getattr(self.base, name)
+
+        def linear(self, *args, **kwargs):
+            self.calls += 1
+            return self.base.linear(*args, **kwargs)
+
+    fw = Forwarding(ops)
+    torch.testing.assert_close(LM.rms_linear(fw, x, nw, 1e-6, w_gu, b_gu, activation="swiglu"),
+                               LM.swiglu(ops.linear(ops.rms_norm(x, nw, 1e-6), w_gu, b_gu)))
+    assert fw.calls == 1

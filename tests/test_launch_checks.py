@@ -150,3 +150,56 @@ def test_neighbouring_bucket_config_that_does_not_fit_is_not_reported(monkeypatc
             assert G.SPEC.config_for(p, torch.float32) == G.default_config(p, torch.float32)
     finally:
         K.clear_config_cache()
+
+
+def _signature(jit_fn):
+    import inspect
+
+    return list(inspect.signature(getattr(jit_fn, "fn", jit_fn)).parameters.values())
+
+
+def test_direct_launch_arguments_match_each_kernels_signature(monkeypatch):
+    """Triton's compiled launcher takes every parameter of the jitted function, constexprs included, in
+    order; a direct launch passes ``args + consts``. Each launcher's tuple is checked here against the
+    signature read independently (the runtime arguments, then one value per constexpr: the value its
+    launch through triton gets), since the interpreter never launches directly and a GPU only refuses a
+    wrong count with "function takes exactly N arguments"."""
+    seen = {}
+    real = K.launch_cached
+
+    def recording(jit_fn, kernels, grid, args, kws, consts, variant, ptrs):
+        params = _signature(jit_fn)
+        name = getattr(getattr(jit_fn, "fn", jit_fn), "__name__", "?")
+        assert len(args) + len(consts) == len(params), name
+        tail = params[len(args):]
+        assert all("constexpr" in str(p.annotation) for p in tail), name
+        assert not any("constexpr" in str(p.annotation) for p in params[:len(args)]), name
+        assert consts == tuple(kws.get(p.name, p.default) for p in tail), name
+        seen[name] = seen.get(name, 0) + 1
+        return real(jit_fn, kernels, grid, args, kws, consts, variant, ptrs)
+
+    monkeypatch.setattr(K, "launch_cached", recording)
+    q = _r(1, 2, 16, 32)
+    k, v = _r(1, 2, 16, 32, seed=1), _r(1, 2, 16, 32, seed=2)
+    A.attention(q, k, v, causal=True)
+    A.attention(q, k, v, causal=True, window=4)
+    qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=DEV)
+    A.attention_varlen(qp, kp, vp, cu, cu, 16, 16)
+    G.gemm(_r(6, 16), _r(16, 16, seed=1))
+    GV.gemv(_r(2, 16), _r(16, 16, seed=1))
+    case = PA.SPEC.make_inputs(PA.SPEC.small_problems[0], torch.float32, DEV, 0)
+    PA.paged_attention(*case.args, **case.kwargs)
+    assert {"attn_fwd", "_gemm_kernel", "_gemv_kernel", "_paged_attention_fwd"} <= set(seen), seen
+
+
+def test_direct_launch_argument_count_is_checked():
+    from tritune.kernels.attention import launch as AL
+    from tritune.kernels.attention.triton_fwd import attn_fwd
+
+    names = [p.name for p in _signature(attn_fwd) if "constexpr" in str(p.annotation)]
+    assert AL.CONSTEXPRS == tuple(names) and "WINDOW" in names
+    n = len(_signature(attn_fwd))
+    K.runtime.launch.check_direct_args(attn_fwd, (0,) * (n - len(names)), (0,) * len(names))
+    with pytest.raises(TypeError, match=r"^direct launch of attn_fwd: 37 runtime arguments \+ 0 constexprs"):
+        K.runtime.launch.check_direct_args(attn_fwd, (0,) * (n - len(names)), ())

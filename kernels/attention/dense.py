@@ -24,8 +24,8 @@ from tritune.kernels.attention.triton_fwd import (attn_fwd, attn_inner, attn_inn
 from tritune.references import attention as ref
 
 
-def problem_of(q, k, v, *, causal=False, **_) -> Problem:
-    return Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(causal))
+def problem_of(q, k, v, *, causal=False, window=None, **_) -> Problem:
+    return Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(causal), window)
 
 
 PLANS = K.PlanCache()

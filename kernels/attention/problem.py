@@ -19,6 +19,7 @@ class Problem:
     Tk: int                # key length
     D: int                 # head dim
     causal: bool = False
+    window: int | None = None   # causal local attention: a query sees the last `window` keys up to its own
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class VarlenProblem:
     Hkv: int
     D: int
     causal: bool = False
+    window: int | None = None
 
     # What a launcher sees without reading cu_seqlens: the batch and the longest lengths.
     @property
@@ -108,10 +110,11 @@ def bucket(p) -> dict:
 
 
 def _pairs(p) -> float:
-    """Query-key pairs a row of heads computes: Tq·Tk, halved under causal masking (square case)."""
-    if isinstance(p, VarlenProblem):
-        return sum(q * k for q, k in zip(p.seqlens_q, p.seqlens_k)) * (0.5 if p.causal else 1.0)
-    return p.B * p.Tq * p.Tk * (0.5 if p.causal else 1.0)
+    """Query-key pairs a row of heads computes: Tq·Tk, halved under causal masking (square case); under a
+    window at most the window's keys a query."""
+    lens = zip(p.seqlens_q, p.seqlens_k) if isinstance(p, VarlenProblem) else [(p.Tq, p.Tk)] * p.B
+    w = getattr(p, "window", None)
+    return sum(q * k * (0.5 if p.causal else 1.0) if w is None else q * min(k, w) for q, k in lens)
 
 
 def cost(p, dtype) -> K.Cost:
@@ -141,8 +144,12 @@ def _qkv(shape_q, shape_kv, dtype, device, seed, layout):
 
 def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
     q, k, v = _qkv((p.B, p.Hq, p.Tq, p.D), (p.B, p.Hkv, p.Tk, p.D), dtype, device, seed, layout)
-    return K.Case(args=(q, k, v), kwargs={"causal": p.causal},
+    return K.Case(args=(q, k, v), kwargs=_mask_kwargs(p),
                   out=torch.empty((p.B, p.Hq, p.Tq, p.D), dtype=dtype, device=device))
+
+
+def _mask_kwargs(p) -> dict:
+    return {"causal": p.causal} if p.window is None else {"causal": p.causal, "window": p.window}
 
 
 def cu_seqlens(lens, device):
@@ -156,7 +163,7 @@ def make_varlen_inputs(p: VarlenProblem, dtype, device, seed: int, layout: str =
     tq, tk = sum(p.seqlens_q), sum(p.seqlens_k)
     q, k, v = _qkv((tq, p.Hq, p.D), (tk, p.Hkv, p.D), dtype, device, seed, layout)
     return K.Case(args=(q, k, v, cu_seqlens(p.seqlens_q, device), cu_seqlens(p.seqlens_k, device), p.Tq, p.Tk),
-                  kwargs={"causal": p.causal}, out=torch.empty((tq, p.Hq, p.D), dtype=dtype, device=device))
+                  kwargs=_mask_kwargs(p), out=torch.empty((tq, p.Hq, p.D), dtype=dtype, device=device))
 
 
 def _heads(d, max_elems):
@@ -166,6 +173,13 @@ def _heads(d, max_elems):
     hkv = d(st.sampled_from([1, 2] if small else [1, 2, 3, 4]))
     group = d(st.sampled_from([1, 2, 4] if small else [1, 2, 4, 8]))
     return hkv * group, hkv
+
+
+def _window(d, causal: bool, t: int):
+    """A sliding window now and then under causal masking: one key, a few, or about the lengths."""
+    from hypothesis import strategies as st
+
+    return d(st.one_of(st.none(), st.integers(1, max(1, t) + 1))) if causal else None
 
 
 def problems(max_elems: int):
@@ -182,7 +196,8 @@ def problems(max_elems: int):
         tq = d(S.sizes(t_max))
         tk = d(st.one_of(st.just(tq), S.sizes(t_max)))
         b_max = max(1, min(4, max_elems // (hq * max(tq, tk) * D), 4 * max_elems // (hq * tq * tk)))
-        return Problem(d(st.integers(1, b_max)), hq, hkv, tq, tk, D, d(st.booleans()))
+        causal = d(st.booleans())
+        return Problem(d(st.integers(1, b_max)), hq, hkv, tq, tk, D, causal, _window(d, causal, max(tq, tk)))
 
     return draw()
 
@@ -199,7 +214,8 @@ def varlen_problems(max_elems: int):
         length = st.one_of(st.sampled_from([0, 1]), S.sizes(t_max))
         lq = d(st.lists(length, min_size=1, max_size=4))
         lk = tuple(lq) if d(st.booleans()) else tuple(d(st.lists(length, min_size=len(lq), max_size=len(lq))))
-        return VarlenProblem(tuple(lq), lk, hq, hkv, D, d(st.booleans()))
+        causal = d(st.booleans())
+        return VarlenProblem(tuple(lq), lk, hq, hkv, D, causal, _window(d, causal, max(lq + list(lk))))
 
     return draw()
 

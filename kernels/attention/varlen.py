@@ -69,10 +69,11 @@ def longest_cached(name, cu, total, always: bool) -> int:
     return longest
 
 
-def varlen_problem_of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, **_):
+def varlen_problem_of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, window=None,
+                      **_):
     """The shape a launcher configures for: batch and longest lengths (no need to read cu_seqlens)."""
     return PackedProblem(cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], int(max_seqlen_q), int(max_seqlen_k),
-                         q.shape[2], bool(causal))
+                         q.shape[2], bool(causal), window)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal: bool = False,

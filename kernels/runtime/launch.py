@@ -127,14 +127,47 @@ def num_sms() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def constexpr_params(jit_fn) -> tuple:
-    """Names of a @triton.jit function's tl.constexpr parameters, in order: the values a direct launch
-    passes after the runtime arguments (read off the signature, so they cannot drift from it)."""
+def _is_constexpr(annotation) -> bool:
+    """Triton's own rule (``KernelParam.is_constexpr``): "constexpr" in the annotation's name, whether the
+    module's annotations are strings (``from __future__ import annotations``) or the class itself."""
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    return "constexpr" in name
+
+
+def jit_params(jit_fn) -> tuple:
+    """``(name, is_constexpr)`` for each parameter of a @triton.jit function, in order: triton's own
+    reading where the function has it (a JITFunction; the interpreter's wrapper has none), else the same
+    rule applied to the signature."""
+    params = getattr(jit_fn, "params", None)
+    if params is not None and all(hasattr(p, "is_constexpr") for p in params):
+        return tuple((p.name, bool(p.is_constexpr)) for p in params)
     import inspect
 
     fn = getattr(jit_fn, "fn", jit_fn)
-    return tuple(n for n, p in inspect.signature(fn).parameters.items()
-                 if str(p.annotation).replace(" ", "").endswith("constexpr"))
+    return tuple((n, _is_constexpr(p.annotation)) for n, p in inspect.signature(fn).parameters.items())
+
+
+def constexpr_params(jit_fn) -> tuple:
+    """Names of a @triton.jit function's tl.constexpr parameters, in order: the values a direct launch
+    passes after the runtime arguments (read off the signature, so they cannot drift from it)."""
+    return tuple(n for n, c in jit_params(jit_fn) if c)
+
+
+@functools.lru_cache(maxsize=None)
+def _param_counts(jit_fn) -> tuple:
+    ps = jit_params(jit_fn)
+    return len(ps), sum(c for _, c in ps)
+
+
+def check_direct_args(jit_fn, args: tuple, consts: tuple) -> None:
+    """A direct launch passes every parameter of ``jit_fn`` (triton's compiled launcher takes the
+    constexprs too, and refuses any other count with a bare "function takes exactly N arguments"): the
+    runtime ``args`` then ``consts``, one value per constexpr. TypeError naming the kernel otherwise."""
+    n, nc = _param_counts(jit_fn)
+    if len(args) + len(consts) != n or len(consts) != nc:
+        name = getattr(getattr(jit_fn, "fn", jit_fn), "__name__", jit_fn)
+        raise TypeError(f"direct launch of {name}: {len(args)} runtime arguments + {len(consts)} constexprs, "
+                        f"the kernel has {n - nc} + {nc}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -245,6 +278,8 @@ def launch_cached(jit_fn, kernels: dict | None, grid, args: tuple, kws: dict, co
     ``variant`` is whatever else picks another compiled kernel for the same plan (PDL, descriptor modes).
     ``kernels=None``: always through triton (the interpreter, or direct launches switched off)."""
     if kernels is None:
+        # checked here too (the interpreter never launches directly), so a drift shows on the CPU
+        check_direct_args(jit_fn, args, consts)
         jit_fn[grid](*args, **kws)
         return
     align = 0
@@ -257,6 +292,7 @@ def launch_cached(jit_fn, kernels: dict | None, grid, args: tuple, kws: dict, co
     if kern is not None:
         launch_direct(kern, grid, drv.get_current_stream(device), args + consts)
     else:
+        check_direct_args(jit_fn, args, consts)
         kern = jit_fn[grid](*args, **kws)
         if keepable(kern):
             kernels[key] = kern

@@ -10,11 +10,15 @@ One layer, the residual stream ``x`` (T, E) over the T tokens of the step::
     a = attention(q, k, v)                    grouped-query: Hkv <= Hq, one KV head per group of Hq / Hkv
     x = gemm(a, W_o, b_o, residual=x)         residual add fused into the GEMM epilogue
     h = rms_norm(x)                           post_attention_layernorm
-    g | u = gemm(h, W_gu, b_gu)               gate and up as one (E, 2F) projection
-    x = gemm(silu(g) * u, W_down, residual=x)
+    f = gemm(h, W_gu, b_gu, activation="swiglu")   gate and up as one (E, 2F) [gate | up] projection,
+                                              silu(g) * u in its epilogue
+    x = gemm(f, W_down, residual=x)
 
-then ``logits = gemm(rms_norm(x), lm_head)``. The rotary tables (cos, sin per position, every rope scaling
-type worked into them: :mod:`tritune.model.llama.rope`) are built once, at load.
+then ``logits = gemm(rms_norm(x), lm_head)``. Each RMSNorm and the linear after it go through
+:func:`rms_linear`: on the triton backend, at <= ``GEMV_MAX_M`` rows (decode) the norm runs in the gemv's
+prologue (``rms=``), as GPT-2's LayerNorms do (``ln=``); on more rows the rms_norm kernel, then the gemm.
+The rotary tables (cos, sin per position, every rope scaling type worked into them:
+:mod:`tritune.model.llama.rope`) are built once, at load.
 
 Backends: ``"triton"`` runs RMSNorm and rotary on their tritune kernels and the rest as GPT-2's triton ops do
 (gemm / gemv, varlen and paged attention, which take Hkv < Hq); ``"torch"`` runs plain PyTorch in the
@@ -109,6 +113,17 @@ def swiglu(gu):
     return F.silu(gu[..., :f]) * gu[..., f:]
 
 
+def rms_linear(ops, x, norm_w, eps, w, b=None, activation=None):
+    """linear(rms_norm(x)), with ``activation`` None or "swiglu" (``w`` the [gate | up] weight): the ops' own
+    fused ``rms_linear`` where their class defines one, else the steps one by one. An ops wrapper that
+    forwards what it lacks to its base (``__getattr__``: tensor parallel, fp8) takes the steps, so its own
+    ``linear`` (a collective, a quantized product) is never skipped."""
+    if hasattr(type(ops), "rms_linear"):
+        return ops.rms_linear(x, norm_w, eps, w, b, activation=activation)
+    y = ops.linear(ops.rms_norm(x, norm_w, eps), w, b)
+    return ops.swiglu(y) if activation == "swiglu" else y
+
+
 class TorchOps:
     capturable = False      # write_kv masks padding slots on the host
     steps = {s: "plain PyTorch in the model dtype" for s in
@@ -134,17 +149,24 @@ class TritonOps(G.TritonOps):
         self._rms, self._rotary = rms_norm, rotary
         for gone in ("layernorm", "gelu"):
             self.steps.pop(gone, None)
-        self.steps["decode linears"] = f"kernel tritune.kernels.gemv at <= {self.GEMV_MAX_M} rows"
+        self.steps["decode linears"] = (f"kernel tritune.kernels.gemv at <= {self.GEMV_MAX_M} rows (the RMSNorms "
+                                        "before qkv, gate/up and the LM head fused in: rms=)")
         self.steps.update({
-            "rmsnorm": "kernel tritune.kernels.rms_norm",
+            "rmsnorm": "kernel tritune.kernels.rms_norm (in decode steps: the gemv's prologue)",
             "rotary": "kernel tritune.kernels.rotary (in place on the qkv projection's output; in decode steps "
                       "the KV-cache write fused in)",
-            # TODO: silu(g) * u in the gate/up gemm's epilogue (activation="swiglu"), one pass fewer over 2F
-            "swiglu": "torch F.silu(g) * u after the fused gate/up gemm",
+            "swiglu": "fused into the gate/up gemm / gemv epilogue (activation='swiglu')",
         })
 
     def rms_norm(self, x, w, eps):
         return self._rms(x, w, eps)
+
+    def rms_linear(self, x, norm_w, eps, w, b=None, activation=None):
+        """linear(rms_norm(x)) (see :func:`rms_linear`): at <= GEMV_MAX_M rows one gemv with the RMSNorm in
+        its prologue, else the rms_norm kernel and the gemm; SwiGLU in the epilogue of either."""
+        if self._gemv_rows(x, w):
+            return self._gemv(x, w, b, activation=activation, rms=(norm_w, eps))
+        return self.linear(self.rms_norm(x, norm_w, eps), w, b, activation=activation)
 
     def rotary(self, q, k, cos, sin, positions):
         # validate=False: positions come from the engine's own bookkeeping (checking them syncs the host)
@@ -304,7 +326,7 @@ class Llama:
         eps = c.rms_norm_eps
         fused_kv = getattr(ops, "rotary_kv", None) if kv_for is not None else None
         for i, L in enumerate(self.w.layers):
-            qkv = ops.linear(ops.rms_norm(x, L.ln1_w, eps), L.w_qkv, L.b_qkv)
+            qkv = rms_linear(ops, x, L.ln1_w, eps, L.w_qkv, L.b_qkv)
             q = qkv[:, :Hq * D].view(T, Hq, D)
             k = qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
             v = qkv[:, (Hq + Hk) * D:].view(T, Hk, D)
@@ -316,12 +338,12 @@ class Llama:
                 q, k = ops.rotary(q, k, self.cos, self.sin, pos)
             a = attend(i, q, k, v, fused_kv is not None)
             x = ops.linear(a.reshape(T, Hq * D), L.w_o, L.b_o, residual=x)
-            f = ops.swiglu(ops.linear(ops.rms_norm(x, L.ln2_w, eps), L.w_gu, L.b_gu))
+            f = rms_linear(ops, x, L.ln2_w, eps, L.w_gu, L.b_gu, activation="swiglu")
             x = ops.linear(f, L.w_down, L.b_down, residual=x)
         return x
 
     def logits(self, x):
-        return self.ops.linear(self.ops.rms_norm(x, self.w.lnf_w, self.config.rms_norm_eps), self.w.lm_head)
+        return rms_linear(self.ops, x, self.w.lnf_w, self.config.rms_norm_eps, self.w.lm_head)
 
     # -- entry points -------------------------------------------------------------------------------
     @torch.inference_mode()
