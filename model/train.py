@@ -470,6 +470,10 @@ def parse_args(argv=None):
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-positions", type=int, default=256)
+    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                   help="gpt2 (model/default) or llama (model/default_llama: RMSNorm, rope, GQA, SwiGLU, tied head)")
+    p.add_argument("--n-kv-head", type=int, default=2, help="--arch llama: key/value heads")
+    p.add_argument("--intermediate", type=int, default=688, help="--arch llama: the SwiGLU MLP's width")
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-steps", type=int, default=5000)
@@ -510,14 +514,19 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     t_start = time.time()
     data = _load_data(args, tok_dir)
-    a = ModelArgs(vocab_size=data.tok.get_vocab_size(), n_positions=args.n_positions, n_embd=args.n_embd,
-                  n_layer=args.n_layer, n_head=args.n_head, dropout=args.dropout)
+    a = _model_args(args, data.tok.get_vocab_size())
     model, teacher, n_params = _build_model(args, a, device)
     run = _train(args, a, model, teacher, data, device)
 
     model.load_state_dict(run.best["state"])
     out = Path(args.out)
-    nbytes = save_checkpoint(model, data.tok, out, data.eos_id, write_tokenizer=tok_dir is None)
+    if args.arch == "llama":
+        from tritune.model import train_llama
+
+        nbytes = train_llama.save_checkpoint(model, out, data.eos_id)
+        data.tok.save(str(out / "tokenizer.json"))      # a packaged model carries its tokenizer, even a reused one
+    else:
+        nbytes = save_checkpoint(model, data.tok, out, data.eos_id, write_tokenizer=tok_dir is None)
     agreement = None
     if teacher is not None:
         agreement = teacher_agreement(model, teacher.float(), run.val_x[:64], 16, device)
@@ -532,6 +541,19 @@ def main(argv=None) -> int:
     if args.sample_prompt:
         _write_sample(args, out, tok_dir)
     return 0
+
+
+def _model_args(args, vocab_size: int):
+    if args.arch == "llama":
+        if args.teacher or args.compile:
+            raise SystemExit("--arch llama: --teacher and --compile are GPT-2 only")
+        from tritune.model.train_llama import LlamaArgs
+
+        return LlamaArgs(vocab_size=vocab_size, n_positions=args.n_positions, n_embd=args.n_embd,
+                         n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
+                         intermediate=args.intermediate, dropout=args.dropout)
+    return ModelArgs(vocab_size=vocab_size, n_positions=args.n_positions, n_embd=args.n_embd,
+                     n_layer=args.n_layer, n_head=args.n_head, dropout=args.dropout)
 
 
 def _load_data(args, tok_dir):
@@ -554,11 +576,15 @@ def _load_data(args, tok_dir):
 
 def _build_model(args, a: ModelArgs, device):
     """(the model, from --init's weights when given; the --teacher or None; the parameter count)."""
-    n_params = num_params(a)
+    if args.arch == "llama":
+        from tritune.model import train_llama as TL
+
+        n_params, model = TL.num_params(a), TL.LlamaLM(a).to(device)
+    else:
+        n_params, model = num_params(a), GPT2LM(a).to(device)
     if 2 * n_params > MAX_CHECKPOINT_BYTES:
         raise SystemExit(f"model of {n_params:,} parameters is {2 * n_params / 2**20:.1f} MiB in fp16, over the "
                          f"{MAX_CHECKPOINT_BYTES / 2**20:.0f} MiB the package may ship")
-    model = GPT2LM(a).to(device)
     assert sum(p.numel() for p in model.parameters()) == n_params
     if args.init:
         from safetensors.torch import load_file
@@ -666,7 +692,12 @@ def _metrics(args, argv, a, data, r, out, device, n_params, nbytes, tok_dir, tea
     for split, ids in (("val", data.val_ids), ("test", data.test_ids)):
         if ids is None:
             continue
-        loss = checkpoint_loss(out, ids, device)
+        if args.arch == "llama":
+            from tritune.model.train_llama import checkpoint_loss as llama_loss
+
+            loss = llama_loss(out, ids, windows)
+        else:
+            loss = checkpoint_loss(out, ids, device)
         # Bits per character compare across tokenizers; perplexity is per token of this vocabulary.
         bpc = loss * ids.numel() / data.n_chars[split] / math.log(2)
         metrics[split] = {"loss": round(loss, 4), "perplexity": round(math.exp(loss), 2),
@@ -674,8 +705,8 @@ def _metrics(args, argv, a, data, r, out, device, n_params, nbytes, tok_dir, tea
         print(f"{split}: loss {loss:.4f}  perplexity {math.exp(loss):.2f}  bits/char {bpc:.3f}", flush=True)
     metrics.update({
         "validation_loss": metrics["val"]["loss"], "validation_perplexity": metrics["val"]["perplexity"],
-        "measured_on": "the saved fp16 checkpoint, tritune.model.gpt2.model torch backend in fp32, non-overlapping "
-                       f"{a.n_positions}-token windows",
+        "measured_on": f"the saved fp16 checkpoint, tritune.model.{args.arch}.model torch backend in fp32, "
+                       f"non-overlapping {a.n_positions}-token windows",
         "model": asdict(a), "parameters": n_params, "checkpoint_bytes": nbytes,
         **({"tokenizer": {"from": str(tok_dir), "sha256": _sha256(Path(tok_dir).expanduser() / "tokenizer.json")}}
            if tok_dir else {}),
@@ -701,11 +732,11 @@ def _metrics(args, argv, a, data, r, out, device, n_params, nbytes, tok_dir, tea
 def _write_sample(args, out: Path, tok_dir) -> None:
     """sample.txt: the saved checkpoint's greedy and sampled continuations of --sample-prompt."""
     from tritune.model.engine.generate import generate
-    from tritune.model.gpt2.model import GPT2
+    from tritune.model.load import load_model
     from tritune.model.tokenizer import Tokenizer
 
-    m = GPT2.from_pretrained(out, backend="torch", dtype=torch.float32, device="cpu")
-    tk = Tokenizer.from_dir(tok_dir or out)
+    m = load_model(out, backend="torch", dtype=torch.float32, device="cpu")
+    tk = Tokenizer.from_dir(out if (out / "tokenizer.json").is_file() else tok_dir)
     greedy = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens)
     sampled = generate(m, args.sample_prompt, tokenizer=tk, max_new_tokens=args.sample_tokens,
                        temperature=0.8, top_k=50, seed=0)

@@ -394,7 +394,7 @@ def test_fp32_broadcast_form_keeps_ieee_precision_on_16_wide_tiles(partition):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_dtype_id)
 def test_every_path_on_gpu(dtype):
-    """Both score forms, split and single pass, several tiles and warps, on mid-size GQA problems."""
+    """Both score forms, split and single pass, several tiles and warps, on mid-size GQA problems (one windowed)."""
     for problem in [P(5, 32, 8, 128, 1500, 16, True), P(3, 12, 12, 64, 777, 32, True), P(2, 8, 1, 64, 300, 8),
                     P(4, 32, 8, 128, 1500, 16, True, window=333)]:
         for cfg in [_cfg(32, 0, False, 4, 1), _cfg(64, 256, False, 4, 2), _cfg(16, 0, True, 4, 2),

@@ -43,6 +43,8 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--draft", default=None, help="--speculative draft: the draft checkpoint (sharing the tokenizer)")
     s.add_argument("--spec-k", type=int, default=None,
                    help="--speculative: draft tokens per step (default 4 for ngram, 2 for draft)")
+    s.add_argument("--kv-cache-dtype", choices=("fp8",), default=None,
+                   help="fp8: the paged KV cache in e4m3 with per-token scales (default: the model's dtype)")
     s.set_defaults(func=run)
 
 
@@ -91,7 +93,7 @@ def run(args) -> int:
         top_p = sd["top_p"] if args.top_p is None else args.top_p
         g = stream(model, args.prompt, tokenizer=tok, max_new_tokens=args.max_new_tokens,
                    temperature=temperature, top_k=top_k, top_p=top_p, seed=args.seed,
-                   stop=args.stop, truncate=args.truncate, speculative=spec)
+                   stop=args.stop, truncate=args.truncate, speculative=spec, kv_cache_dtype=args.kv_cache_dtype)
     except ContextLimitError as e:
         print(f"tritune generate: {e.describe(lambda n: f'--max-new-tokens {n}', '--truncate')}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ GRAPH_PREFILL_TOKENS = 64
 GRAPH_PREFILL_WORK = 16384     # context positions the prefill rows of a step beside decodes read
 POLICIES = ("fcfs", "priority", "spf")
 MAX_DECODE_STEPS = 64
+KV_CACHE_DTYPES = (None, "auto", "fp8")    # None/"auto": the model's dtype; "fp8": e4m3, per-token scales
 
 
 def _int(name: str, v, lo: int, hi: int | None = None, none: bool = False) -> None:
@@ -50,6 +51,8 @@ class EngineConfig:
     compile: bool = False
     quant: str | None = None
     group_size: int = 128
+    fp8_block: bool = False
+    kv_cache_dtype: str | None = None
     graph_buckets: tuple = GRAPH_BUCKETS
     prefill_batching: bool | None = None
     prefill_min_seats: int | None = None
@@ -76,6 +79,7 @@ class EngineConfig:
             raise ValueError("cuda_graphs and compile: pick one fast decode path")
         Q.check_mode(self.quant)
         _int("group_size", self.group_size, 1)
+        self._check_fp8()
         buckets = tuple(self.graph_buckets)
         if not buckets:
             raise ValueError("graph_buckets: expected at least one batch size")
@@ -98,6 +102,16 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold: cuts prompts into chunks; it needs "
                              "enable_chunked_prefill=True")
+
+    def _check_fp8(self) -> None:
+        _choice("fp8_block", self.fp8_block, (True, False))
+        if self.fp8_block and self.quant != "fp8":
+            raise ValueError(f"fp8_block: block-scaled weights need quant='fp8', got quant={self.quant!r}")
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype == "fp8":
+            for name in ("speculative", "batch_invariant", "compile"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"kv_cache_dtype: 'fp8' does not run with {name} (its paths read a dense cache)")
 
     def _check_kv(self) -> None:
         given = [n for n in ("num_blocks", "kv_memory_bytes", "kv_memory_fraction") if getattr(self, n) is not None]

@@ -20,17 +20,23 @@ rows) while the family owns everything else (norms, projections, positions, MLP)
   ``x`` the tokens already embedded.
 - KV layout: the cache holds per layer (num_blocks, block_size, n_kv_heads, head_dim) tensors of
   ``dtype`` on ``device``; ``n_layers``, ``n_kv_heads``, ``head_dim`` size it (``n_heads``: query heads), ``max_context`` bounds a
-  sequence, ``vocab_size`` and ``eos_token_id`` the tokens.
+  sequence, ``vocab_size`` and ``eos_token_id`` the tokens; ``eos_token_ids`` (optional): every id that ends a
+  request where the checkpoint lists several (Llama-3: end of text and end of turn), ``eos_token_id`` first.
 - ``ops``: the step implementations the runner may wrap (``write_kv``, ``attn_prefill``, ``attn_decode``;
   ``capturable``: the decode step never syncs with the host), ``backend`` ("triton" or "torch"),
   ``with_ops(ops)``: the same model (weights shared) on other ops; ``config``: the family's config (part of
   the prefix cache's key, with ``directory`` and ``w``, the weights object).
 
+- The device-side decode step (CUDA graphs, and the speculative step's) embeds on the device from
+  ``w.wte`` (V, E), plus ``w.wpe`` where the family has learned positions (absent or None: rotary families,
+  whose ``decode`` applies positions itself, taking each row's position as its context length - 1 when
+  given ``positions=None``).
+- ``quant=``: the weight-only swap quantizes the projections the family's weights module lists as
+  ``LINEARS`` (``gpt2/weights`` or ``llama/weights``) and the LM head.
+
 GPT-2's fast paths beyond the contract are its own: the fused persistent decode step
 (:mod:`~tritune.model.engine.fused_decode`) and ``compile=True`` read GPT-2's weights by name and are
-refused (said in the engine's notes) for another family; the device-side step's embedding kernel reads
-``w.wte`` and ``w.wpe`` (a family without learned positions embeds with ``wpe`` None once that kernel
-takes it: until then its device-side step runs without capture).
+refused (said in the engine's notes) for another family.
 """
 from __future__ import annotations
 
@@ -95,3 +101,13 @@ def check(model) -> None:
     if missing:
         raise TypeError(f"model: {type(model).__name__} does not meet the engine's model contract "
                         f"(tritune.model.engine.contract.EngineModel); it lacks {', '.join(missing)}")
+
+
+def eos_ids(model) -> tuple:
+    """Every id that ends a request of ``model``: its ``eos_token_ids`` where it lists them, else its
+    ``eos_token_id`` (none: ())."""
+    out = [] if model.eos_token_id is None else [model.eos_token_id]
+    for e in getattr(model, "eos_token_ids", None) or ():
+        if e not in out:
+            out.append(e)
+    return tuple(out)

@@ -136,7 +136,10 @@ class Engine:
     steps back to back (the tokens fed back on the device), then reads all their tokens with one sync
     (1: one step per sync; stop strings, checked on the text, take one step per sync). ``compile``: torch.compile the decode forward instead (dynamic
     shapes). ``quant``: None, "int8" or "int4" weight-only for every linear (round to nearest; a model
-    quantized beforehand, e.g. by ``tritune.model.quant.ops.with_quantized_weights``, runs as it is).
+    quantized beforehand, e.g. by ``tritune.model.quant.ops.with_quantized_weights``, runs as it is), or
+    "fp8": W8A8 e4m3 (:mod:`~tritune.model.quant.fp8`; per-channel weight scales, 128x128 blocks with
+    ``fp8_block``). ``kv_cache_dtype``: None (the model's dtype) or "fp8": the paged cache in e4m3 with
+    per-token scales (:mod:`~tritune.model.engine.kv_fp8`; not with speculative, batch_invariant, compile).
     ``batch_invariant``: every kernel's reduction order pinned per request (:mod:`~tritune.model.engine.invariant`):
     a request's tokens are bitwise those it gets alone, and a token's logits the same prefilled or decoded.
     ``fused_decode``: True, False or "auto" (default): device-side decode steps of up to 8 rows as one
@@ -179,6 +182,7 @@ class Engine:
             set_cpu_threads(unless_changed_from=_THREADS_AT_IMPORT)
         model = self._prepare(model, cfg)
         self.pool = self._make_pool(model, cfg)
+        model = self._on_fp8_pool(model)
         self.runner = ModelRunner(model, self.pool, max_num_seqs=cfg.max_num_seqs, cuda_graphs=cfg.cuda_graphs,
                                   compile=cfg.compile, graph_buckets=cfg.graph_buckets,
                                   hist=max(16, cfg.decode_steps), fused_decode=cfg.fused_decode,
@@ -187,7 +191,8 @@ class Engine:
         cap = self.runner.graph_prefill_tokens if cfg.enable_chunked_prefill else 0
         self.scheduler = Scheduler(
             self.pool, model.max_context, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_batch_tokens,
-            eos_token_id=model.eos_token_id, vocab_size=model.vocab_size, policy=cfg.policy,
+            eos_token_id=model.eos_token_id, eos_token_ids=contract.eos_ids(model), vocab_size=model.vocab_size,
+            policy=cfg.policy,
             enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             # with a fast decode path a prefill costs a forward of its own: batch them (Scheduler's docstring)
@@ -207,7 +212,7 @@ class Engine:
         """The model as the engine runs it: quantized (``quant``), on pinned reduction orders
         (``batch_invariant``, or a model already on invariant ops: ``tritune generate --deterministic``'s)."""
         if cfg.quant:
-            model = Q.quantize_model(model, cfg.quant, cfg.group_size)
+            model = Q.quantize_model(model, cfg.quant, cfg.group_size, cfg.fp8_block)
         self.quant = cfg.quant or (model.ops.quant if Q.is_quantized(model) else None)
         if self.quant:
             self.notes.append(f"{self.quant} linears: {model.ops.steps['linear']}")
@@ -234,9 +239,22 @@ class Engine:
                 memory = 0.5 if self.device.type == "cuda" else CPU_KV_BYTES
         # the prefix cache's keys include what else K/V depend on: the model, its dtype and quantization
         salt = (f"{model.config}|{getattr(model, 'directory', None)}|{self.dtype}|{self.quant}|{cfg.group_size}"
-                f"|{id(model.w)}")
-        return BlockPool(model.n_layers, model.n_kv_heads, model.head_dim, cfg.block_size, self.dtype, self.device,
+                f"|{cfg.fp8_block}|{cfg.kv_cache_dtype}|{id(model.w)}")
+        kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
+        return BlockPool(model.n_layers, model.n_kv_heads, model.head_dim, cfg.block_size, kv_dtype, self.device,
                          num_blocks=cfg.num_blocks, memory=memory, cache_salt=salt)
+
+    def _on_fp8_pool(self, model):
+        """The model on ops that write and read the pool's e4m3 blocks and their scales, when it has them
+        (``kv_cache_dtype="fp8"``: tritune.model.engine.kv_fp8)."""
+        if self.pool.k_scales is None:
+            return model
+        from tritune.model.engine.kv_fp8 import Fp8KVOps
+
+        p = self.pool
+        model = model.with_ops(Fp8KVOps(model.ops, model.backend, p.k_caches, p.v_caches, p.k_scales, p.v_scales))
+        self.notes.append(f"fp8 KV cache: {model.ops.steps['attention decode']}")
+        return model
 
     def _init_stats(self) -> None:
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0,

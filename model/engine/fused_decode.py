@@ -47,6 +47,11 @@ def stored_config(config, M: int, dtype) -> dict | None:
 
 def why_not(model, kv=None) -> str | None:
     """Why this model (and cache) cannot take the fused path, or None."""
+    from tritune.model.gpt2.weights import GPT2Weights
+
+    if not isinstance(getattr(model, "w", None), GPT2Weights):
+        return (f"not for this family ({getattr(model.config, 'model_type', type(model).__name__)}: the fused "
+                "step is GPT-2's layer, read by its weight names)")
     c = model.config
     if getattr(model, "backend", "triton") != "triton":
         return f"backend {model.backend!r} (the fused step is a Triton kernel)"
@@ -65,6 +70,8 @@ def why_not(model, kv=None) -> str | None:
         return "batch-invariant mode (its reductions are pinned per row; the fused step's are not)"
     if kv is not None:
         kc, vc = kv.k_caches, kv.v_caches
+        if kc[0].dtype != model.dtype:
+            return f"a {kc[0].dtype} KV cache (the fused step writes and reads the model's dtype)"
         if kc[0].shape[2:] != (c.n_head, c.head_dim):
             return f"KV cache heads {tuple(kc[0].shape[2:])} differ from the model's ({c.n_head}, {c.head_dim})"
         if not all(t.is_contiguous() for t in (*kc, *vc)):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritune.model.engine import contract
 from tritune.model.engine.engine import Engine
 from tritune.model.engine.sampling import check_sampling, sample  # noqa: F401  (re-exported)
 from tritune.model.engine.scheduler import SamplingParams
@@ -79,7 +80,7 @@ def graphs_available(model) -> bool:
 
 
 def engine_for(model, *, block_size: int = 16, cuda_graph: bool | None = None, tokenizer=None,
-               speculative=None) -> Engine:
+               speculative=None, kv_cache_dtype=None) -> Engine:
     """The batch-1 engine ``stream`` runs ``model`` on (built on first use). ``cuda_graph``: None captures
     the decode step where :func:`graphs_available`; True does, or elsewhere runs the same device-side step
     without capture; False runs a plain forward per step. ``speculative``: as :class:`Engine`'s ("draft":
@@ -89,13 +90,13 @@ def engine_for(model, *, block_size: int = 16, cuda_graph: bool | None = None, t
     else:
         mode = (True if graphs_available(model) else "eager") if cuda_graph else False
     per_model = _ENGINES.setdefault(model, {})
-    key = (block_size, mode, tokenizer, speculative)
+    key = (block_size, mode, tokenizer, speculative, kv_cache_dtype)
     eng = per_model.get(key)
     if eng is None:
         eng = Engine(model, num_blocks=-(-model.max_context // block_size), block_size=block_size,
                      speculative=speculative,
                      max_num_seqs=1, cuda_graphs=mode, tokenizer=tokenizer, run_ahead=True,
-                     decode_steps=GENERATE_DECODE_STEPS)
+                     decode_steps=GENERATE_DECODE_STEPS, kv_cache_dtype=kv_cache_dtype)
         per_model[key] = eng
     return eng
 
@@ -112,7 +113,7 @@ class Generation:
     """One request queued on the model's batch-1 engine; iterate it (once) for its tokens."""
 
     def __init__(self, model, prompt_ids, *, tokenizer, max_new_tokens, temperature, top_k, top_p, seed,
-                 stop, eos_token_id, truncate, block_size, cuda_graph=None, speculative=None):
+                 stop, eos_token_id, truncate, block_size, cuda_graph=None, speculative=None, kv_cache_dtype=None):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         check_sampling(temperature, top_k, top_p)
@@ -126,8 +127,10 @@ class Generation:
                                   top_p=top_p, seed=seed, stop=tuple(stops), ignore_eos=eos_token_id is not _DEFAULT,
                                   stop_token_ids=() if eos_token_id is _DEFAULT or eos is None else (eos,))
         self.engine = engine_for(model, block_size=block_size, cuda_graph=cuda_graph, tokenizer=tokenizer,
-                                 speculative=speculative)
+                                 speculative=speculative, kv_cache_dtype=kv_cache_dtype)
         self.tokenizer, self.stops, self.eos = tokenizer, stops, eos
+        # the ids that end it: all of the model's (Llama-3 lists several), or the one given
+        self.eos_ids = frozenset(contract.eos_ids(model) if eos_token_id is _DEFAULT else () if eos is None else (eos,))
         self.max_new_tokens = max_new_tokens
         self._tokens = self.engine.stream(prompt_ids, sampling, truncate=truncate)
         self.request = req = self._tokens.request
@@ -180,7 +183,7 @@ class Generation:
         res = self.result
         res.tokens.append(token)
         res.timings.new_tokens = len(res.tokens)
-        if self.eos is not None and token == self.eos:
+        if token in self.eos_ids:
             res.finish_reason = "eos"
         piece = ""
         if self._dec is not None and res.finish_reason != "eos":
@@ -217,14 +220,14 @@ def _sync(device):
 def stream(model, prompt, *, tokenizer=None, max_new_tokens: int = 64, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=None, eos_token_id=_DEFAULT,
            truncate: bool = False, block_size: int = 16, cuda_graph: bool | None = None,
-           speculative=None) -> Generation:
+           speculative=None, kv_cache_dtype=None) -> Generation:
     """A generation to iterate: ``prompt`` is text (needs ``tokenizer``) or a list of token ids.
 
     Stops at ``eos_token_id`` (default: the config's; None never stops on it), at a ``stop`` string (the
     text ends before it), or after ``max_new_tokens``. A prompt that does not leave room for
     ``max_new_tokens`` in the context raises :class:`~tritune.model.engine.scheduler.ContextLimitError` (a
     ValueError); ``truncate=True`` instead keeps its last ``n_positions - max_new_tokens`` tokens.
-    ``cuda_graph``, ``speculative``: see :func:`engine_for`.
+    ``cuda_graph``, ``speculative``: see :func:`engine_for`; ``kv_cache_dtype``: the engine's ("fp8").
     """
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -233,7 +236,7 @@ def stream(model, prompt, *, tokenizer=None, max_new_tokens: int = 64, temperatu
     return Generation(model, prompt, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                       eos_token_id=eos_token_id, truncate=truncate, block_size=block_size,
-                      cuda_graph=cuda_graph, speculative=speculative)
+                      cuda_graph=cuda_graph, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:

@@ -117,10 +117,10 @@ def capture_buckets(buckets, run, device, what: str) -> tuple[dict, dict, float]
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte, stride_wpe, E, max_pos,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    """Row b of a decode step: x = wte[ids[b]] + wpe[pos[b]], the new token's cache slot
-    bt[b, pos // block_size] * block_size + pos % block_size and context length pos + 1.
-    pos < 0 marks a padding row: slot -1 (write_kv skips it), context 1, position 0."""
+                    BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr, HAS_WPE: tl.constexpr = True):
+    """Row b of a decode step: x = wte[ids[b]] (+ wpe[pos[b]] where the family has learned positions), the
+    new token's cache slot bt[b, pos // block_size] * block_size + pos % block_size and context length
+    pos + 1. pos < 0 marks a padding row: slot -1 (write_kv skips it), context 1, position 0."""
     if PDL:  # the step's first gemv may start now (its weight tiles); our inputs come from the last step
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -131,18 +131,29 @@ def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte
     blk = tl.load(BT + b * stride_bt + p // BLOCK_SIZE)
     tl.store(Slots + b, tl.where(pos >= 0, blk * BLOCK_SIZE + p % BLOCK_SIZE, -1))
     tl.store(Ctx + b, p + 1)
-    embed_row(Wte, Wpe, X, b, tok, p, stride_wte, stride_wpe, E, BLOCK_E)
+    embed_row(Wte, Wpe, X, b, tok, p, stride_wte, stride_wpe, E, BLOCK_E, HAS_WPE)
 
 
 @triton.jit
-def embed_row(Wte, Wpe, X, row, tok, p, stride_wte, stride_wpe, E, BLOCK_E: tl.constexpr):
+def embed_row(Wte, Wpe, X, row, tok, p, stride_wte, stride_wpe, E, BLOCK_E: tl.constexpr,
+              HAS_WPE: tl.constexpr = True):
     """Row ``row`` of X = wte[tok] + wpe[p], the sum in fp32 rounded once: what torch's wte[ids] + wpe[pos]
-    computes (shared by the decode step's and the speculative step's input kernels)."""
+    computes (shared by the decode step's and the speculative step's input kernels). Without ``HAS_WPE``
+    (rotary families: positions applied inside the layers) X = wte[tok], copied as it is."""
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
-    x = (tl.load(Wte + tok * stride_wte + offs, mask=mask).to(tl.float32)
-         + tl.load(Wpe + p.to(tl.int64) * stride_wpe + offs, mask=mask).to(tl.float32))
+    x = tl.load(Wte + tok * stride_wte + offs, mask=mask).to(tl.float32)
+    if HAS_WPE:
+        x = x + tl.load(Wpe + p.to(tl.int64) * stride_wpe + offs, mask=mask).to(tl.float32)
     tl.store(X + row.to(tl.int64) * E + offs, x.to(X.dtype.element_ty), mask=mask)
+
+
+def embedding_tables(model):
+    """(wte (V, E), wpe or None, width E) the device-side steps embed with: the token table and, for a
+    family with learned positions, the position table (the contract's ``w.wte`` / ``w.wpe``)."""
+    wte = model.w.wte
+    wpe = getattr(model.w, "wpe", None)
+    return wte, wpe, wte.shape[1]
 
 
 @triton.jit
@@ -236,12 +247,12 @@ class DecodeGraphs:
     def _run(self, b):
         pdl = {"PDL": True, "launch_pdl": True} if self.pdl_ok and K.pdl_now("engine") else {"PDL": False}
         m = self.model
-        E = m.config.n_embd
-        wte, wpe = m.w.wte, m.w.wpe
+        wte, wpe, E = embedding_tables(m)
         x = torch.empty((b, E), dtype=m.dtype, device=self.device)
-        _step_in_kernel[(b,)](self.ids, self.pos, self.bt, wte, wpe, x, self.slots, self.ctx, self.bt.stride(0),
-                              wte.stride(0), wpe.stride(0), E, self.max_pos, BLOCK_SIZE=self.block_size,
-                              BLOCK_E=triton.next_power_of_2(E), num_warps=4 if E >= 512 else 1, **pdl)
+        _step_in_kernel[(b,)](self.ids, self.pos, self.bt, wte, wte if wpe is None else wpe, x, self.slots, self.ctx,
+                              self.bt.stride(0), wte.stride(0), 0 if wpe is None else wpe.stride(0), E, self.max_pos,
+                              BLOCK_SIZE=self.block_size, BLOCK_E=triton.next_power_of_2(E),
+                              num_warps=4 if E >= 512 else 1, HAS_WPE=wpe is not None, **pdl)
         logits = m.decode(None, None, self.kv, self.slots[:b], self.bt[:b], self.ctx[:b], x=x)
         V = logits.shape[1]
         _step_out_kernel[(b, self.out_chunks)](logits, logits.stride(0), V, self.ids, self.pos, self.stop, self.eos,

@@ -118,6 +118,13 @@ def layer_norm_config(N: int, dtype) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def rms_norm_config(N: int, dtype) -> dict:
+    from tritune.kernels import rms_norm as RN
+
+    return dict(RN.default_config(RN.Problem(1, N), dtype), ROWS=1)
+
+
+@functools.lru_cache(maxsize=None)
 def paged_config(Hq: int, Hkv: int, D: int, block_size: int, capacity: int, dtype) -> dict:
     """The default of one sequence at full capacity, its partition fixed at PARTITION_TOKENS (or none
     when the whole capacity fits one chunk)."""
@@ -153,6 +160,7 @@ class TritonInvariantOps:
         from tritune.kernels.gemm import gemm
         from tritune.kernels.layer_norm import layer_norm
         from tritune.kernels.quant_matmul import quant_matmul
+        from tritune.kernels.rms_norm import rms_norm
 
         if not getattr(base, "capturable", False):
             raise ValueError("batch_invariant: the triton backend needs the paged-attention kernel for this "
@@ -163,7 +171,11 @@ class TritonInvariantOps:
         self.capturable = True
         self.quant = getattr(base, "quant", None)
         self._dense: dict = {}
+        self._rms = rms_norm
         self.steps = dict(getattr(base, "steps", {}))
+        if "rmsnorm" in self.steps:      # the Llama family: its norms and rotary (elementwise: invariant as is)
+            self.steps["rmsnorm"] = "kernel tritune.kernels.rms_norm, one row a program (batch-invariant)"
+            self.steps["swiglu"] = "elementwise after the pinned gemm"
         self.steps.update({
             "layernorm": "fused into the linear after it (kernel tritune.kernels.gemm, ln=; the qkv's KV-cache "
                          "write in its epilogue); kernel tritune.kernels.layer_norm, one row a program, before a "
@@ -179,6 +191,15 @@ class TritonInvariantOps:
 
     def layer_norm(self, x, w, b, eps):
         return self._ln(x, w, b, eps, config=layer_norm_config(x.shape[-1], x.dtype))
+
+    def rms_norm(self, x, w, eps):
+        return self._rms(x, w, eps, config=rms_norm_config(x.shape[-1], x.dtype))
+
+    def rotary(self, q, k, cos, sin, positions):
+        return self.base.rotary(q, k, cos, sin, positions)
+
+    def swiglu(self, gu):
+        return self.base.swiglu(gu)
 
     def linear(self, x, w, b=None, activation=None, residual=None):
         if isinstance(w, RQ.QuantizedWeight):
@@ -258,8 +279,9 @@ class TorchInvariantOps:
         self.base, self.n_positions = base, n_positions
         self.quant = getattr(base, "quant", None)
         self._dense: dict = {}
+        norms = ("rmsnorm", "rotary", "swiglu") if hasattr(base, "rms_norm") else ("layernorm", "gelu")
         self.steps = {s: "plain PyTorch, row by row (batch-invariant)" for s in
-                      ("layernorm", "linear", "gelu", "attention prefill", "attention decode")}
+                      (*norms, "linear", "attention prefill", "attention decode")}
 
     @staticmethod
     def layer_norm(x, w, b, eps):
@@ -291,16 +313,36 @@ class TorchInvariantOps:
         y = torch.cat(rows) if rows else x2.new_empty((0, w.shape[1]))
         return y.reshape(*x.shape[:-1], w.shape[1])
 
+    def rms_norm(self, x, w, eps):
+        x2 = x.reshape(-1, x.shape[-1])
+        rows = [self.base.rms_norm(_fresh(r), w, eps) for r in x2.split(1)]
+        return (torch.cat(rows) if rows else torch.empty_like(x2)).reshape(x.shape)
+
+    def rotary(self, q, k, cos, sin, positions):
+        # per row: the transcendental-free rotation still splits a big tensor into thread chunks
+        outs = [self.base.rotary(_fresh(q[i:i + 1]), _fresh(k[i:i + 1]), cos, sin, positions[i:i + 1])
+                for i in range(q.shape[0])]
+        if not outs:
+            return q, k
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+    def swiglu(self, gu):
+        # per row, as GELU: silu's exp has a vector and a scalar path (module docstring)
+        rows = [self.base.swiglu(_fresh(r)) for r in gu.reshape(-1, gu.shape[-1]).split(1)]
+        f = gu.shape[-1] // 2
+        return (torch.cat(rows) if rows else gu.new_empty((0, f))).reshape(*gu.shape[:-1], f)
+
     write_kv = staticmethod(G.torch_write_kv)
 
     def attn_rows(self, q, k_cache, v_cache, block_tables, context_lens):
         bs = k_cache.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.empty_like(q)
+        group = q.shape[1] // k_cache.shape[2]     # grouped-query attention: query head h reads KV head h // group
         for i, (table, n) in enumerate(zip(block_tables.tolist(), context_lens.tolist())):
             idx = torch.tensor(table[:-(-n // bs)], device=q.device)
-            k = k_cache[idx].flatten(0, 1)[:n].float().permute(1, 2, 0)      # (H, D, n)
-            v = v_cache[idx].flatten(0, 1)[:n].float().transpose(0, 1)       # (H, n, D)
+            k = k_cache[idx].flatten(0, 1)[:n].float().repeat_interleave(group, 1).permute(1, 2, 0)  # (H, D, n)
+            v = v_cache[idx].flatten(0, 1)[:n].float().repeat_interleave(group, 1).transpose(0, 1)   # (H, n, D)
             p = torch.softmax(torch.bmm(_fresh(q[i]).float()[:, None, :], k) * scale, dim=-1)
             out[i] = torch.bmm(p, v)[:, 0].to(q.dtype)
         return out

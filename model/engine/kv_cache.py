@@ -59,6 +59,12 @@ class BlockPool:
                                  device=self.device)
         self.k_caches = list(self.cache[0].unbind(0))
         self.v_caches = list(self.cache[1].unbind(0))
+        # an FP8 (e4m3) pool: a float32 scale per (token, kv head) beside it (tritune.model.engine.kv_fp8)
+        self.k_scales = self.v_scales = None
+        if dtype == torch.float8_e4m3fn:
+            self.scales = torch.zeros(2, n_layer, num_blocks, block_size, n_kv_heads, dtype=torch.float32,
+                                      device=self.device)
+            self.k_scales, self.v_scales = list(self.scales[0].unbind(0)), list(self.scales[1].unbind(0))
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: allocate() hands out 0, 1, 2, ... first
         self._ref = [0] * num_blocks
         self.peak_used = 0
@@ -195,7 +201,9 @@ class BlockPool:
 
 
 def bytes_per_block(n_layer, n_kv_heads, head_dim, block_size, dtype) -> int:
-    """K and V of every layer for ``block_size`` tokens."""
+    """K and V of every layer for ``block_size`` tokens (an e4m3 cache: with its float32 per-token scales)."""
+    if dtype == torch.float8_e4m3fn:
+        return 2 * n_layer * block_size * n_kv_heads * (head_dim + 4)
     return 2 * n_layer * block_size * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 

@@ -44,8 +44,12 @@ def attn_context(model, q, k_cache, v_cache, seq_lens, cu_q, max_q, context):
     (P+1,) int32 cu_seqlens of the contexts, the longest context, ctx_lens)): the new tokens' K/V were
     written first. Prefix-cache hits, prefill chunks and speculative verification all take this path."""
     idx, cu_k, max_k, ctx_lens = context
-    k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, idx)
-    v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, idx)
+    gather = getattr(model.ops, "gather_kv", None)     # an FP8 cache: its rows dequantized (kv_fp8)
+    if gather is not None:
+        k, v = gather(k_cache, v_cache, idx, q.dtype)
+    else:
+        k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, idx)
+        v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, idx)
     if model.backend == "triton":
         from tritune.kernels import attention
 
@@ -311,7 +315,9 @@ class ModelRunner:
         self.max_blocks = -(-model.max_context // pool.block_size)
         self.notes: list[str] = []
         # eager forwards only write real slots, so the torch backend skips its masked write (a host sync)
-        self.model = model.with_ops(IndexWriteOps(model.ops)) if model.backend == "torch" else model
+        # (an FP8 cache keeps its own write: it quantizes)
+        plain = model.backend == "torch" and getattr(model.ops, "gather_kv", None) is None
+        self.model = model.with_ops(IndexWriteOps(model.ops)) if plain else model
         buckets = [b for b in graph_buckets if b < max_num_seqs] + [min(
             max_num_seqs, next((b for b in graph_buckets if b >= max_num_seqs), max_num_seqs))]
         buckets = sorted(set(buckets))
@@ -344,8 +350,15 @@ class ModelRunner:
         elif self.graph_prefill_tokens:
             self.notes.append(f"prefill rows in the device-side step: up to {self.graph_prefill_tokens} a step")
         if compile:
-            if is_quantized(model):
+            from tritune.model.gpt2.weights import GPT2Weights
+
+            if not isinstance(model.w, GPT2Weights):
+                self.notes.append(f"compile off: not for this family ({getattr(model.config, 'model_type', '?')}: the "
+                                  "compiled decode is GPT-2's layer, read by its weight names)")
+            elif is_quantized(model):
                 self.notes.append("compile off: quantized linears have no compiled decode")
+            elif getattr(model.ops, "gather_kv", None) is not None:
+                self.notes.append("compile off: the compiled decode reads a dense KV cache")
             elif model.backend == "triton" and not getattr(model.ops, "capturable", False):
                 self.notes.append("compile off: no paged-attention kernel for head dim "
                                   f"{model.head_dim}")

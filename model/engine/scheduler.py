@@ -108,6 +108,17 @@ class Request:
         return self.state == FINISHED
 
 
+def eos_ids(eos_token_id=None, eos_token_ids=()) -> tuple:
+    """Every EOS id of a model, ``eos_token_id`` first (None and repeats dropped): the ids that end a request."""
+    out = []
+    for e in (eos_token_id, *(eos_token_ids or ())):
+        if e is not None and e not in out:
+            if isinstance(e, bool) or not isinstance(e, int):
+                raise TypeError(f"eos_token_ids: expected ints, got {type(e).__name__} {e!r}")
+            out.append(e)
+    return tuple(out)
+
+
 @dataclass
 class SchedulerOutput:
     """One step's work. Prefills first, then decodes: ``update`` takes the sampled tokens of
@@ -206,7 +217,7 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, n_positions: int, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, eos_token_id: int | None = None,
-                 vocab_size: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 eos_token_ids=(), vocab_size: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  policy: str = "fcfs", enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
                  long_prefill_token_threshold: int | None = None, prefill_batching: bool = False,
                  prefill_min_seats: int | None = None, prefill_max_wait: int = 8,
@@ -246,6 +257,8 @@ class Scheduler:
                              f"(n_positions={n_positions}); a long prompt could never be scheduled "
                              "(enable_chunked_prefill=True cuts it into chunks)")
         self.eos_token_id, self.vocab_size, self.clock = eos_token_id, vocab_size, clock
+        # every id that ends a request (Llama-3 lists several: end of text, end of turn, ...)
+        self.eos_ids = frozenset(eos_ids(eos_token_id, eos_token_ids))
         self.waiting: list[Request] = []     # in policy order: waiting[0] is admitted next
         self.running: list[Request] = []     # in policy order: running[-1] is preempted first
         self.stats = {"prefill_tokens": 0, "cached_tokens": 0}
@@ -533,7 +546,7 @@ class Scheduler:
             if req.state == FINISHED:       # its stream failed
                 done.append(req)
                 continue
-            if (tok == self.eos_token_id and not req.sampling.ignore_eos) or tok in req.sampling.stop_token_ids:
+            if (tok in self.eos_ids and not req.sampling.ignore_eos) or tok in req.sampling.stop_token_ids:
                 self.finish(req, "stop")
             elif len(req.output_ids) >= req.max_new_tokens:
                 self.finish(req, "length")

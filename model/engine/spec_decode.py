@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritune.model.engine.graphs import embed_row
+from tritune.model.engine.graphs import embed_row, embedding_tables
 from tritune.model.engine.kv_cache import BlockPool, BlockTable
 from tritune.model.engine.runner import ModelRunner
 from tritune.model.engine.sampling import probs
@@ -127,20 +127,20 @@ class DraftModelProposer:
         self.num_blocks = num_blocks
         self.pool = self.runner = None
         self.state: dict = {}           # request id -> [request, table, tokens whose draft K/V are cached]
-        self.name = f"draft({model.config.n_layer} layers, k={k})"
+        self.name = f"draft({model.n_layers} layers, k={k})"
 
     def attach(self, engine) -> None:
-        c, t = self.model.config, engine.config
-        if c.vocab_size != t.vocab_size:
-            raise ValueError(f"draft model: vocabulary of {c.vocab_size} tokens, the target's has {t.vocab_size} "
+        m, t = self.model, engine.model
+        if m.vocab_size != t.vocab_size:
+            raise ValueError(f"draft model: vocabulary of {m.vocab_size} tokens, the target's has {t.vocab_size} "
                              "(the two must share a tokenizer)")
-        if c.n_positions < t.n_positions:
-            raise ValueError(f"draft model: context of {c.n_positions} tokens, shorter than the target's "
-                             f"{t.n_positions}")
+        if m.max_context < t.max_context:
+            raise ValueError(f"draft model: context of {m.max_context} tokens, shorter than the target's "
+                             f"{t.max_context}")
         if torch.device(self.model.device) != engine.device:
             raise ValueError(f"draft model on {self.model.device}, the target on {engine.device}")
         n = self.num_blocks or engine.pool.num_blocks
-        self.pool = BlockPool(c.n_layer, c.n_head, c.head_dim, self.block_size, self.model.dtype,
+        self.pool = BlockPool(m.n_layers, m.n_kv_heads, m.head_dim, self.block_size, self.model.dtype,
                               self.model.device, num_blocks=n)
         self.runner = ModelRunner(self.model, self.pool, max_num_seqs=engine.max_num_seqs, cuda_graphs=False)
         self.live = engine.scheduler.requests
@@ -223,7 +223,7 @@ SPEC_MAX_BATCH = 16
 def _spec_in_kernel(Hist, stride_h, Len, Live, Drafts, stride_d, BT, stride_bt, BTR, stride_btr, Wte, Wpe, X,
                     Slots, Ctx, stride_wte, stride_wpe, E, MB, max_pos, R: tl.constexpr, FIRST: tl.constexpr,
                     COPY_BT: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_MB: tl.constexpr):
+                    BLOCK_MB: tl.constexpr, HAS_WPE: tl.constexpr = True):
     """Row r = b * R + j of a forward over R query tokens per sequence: the token at relative position
     rel = FIRST + j after the sequence's last token (rel <= 0: from its history, at position L - 1 + rel;
     rel >= 1: draft token rel), its embedding, cache slot and context length (pos + 1: causal within the
@@ -248,7 +248,7 @@ def _spec_in_kernel(Hist, stride_h, Len, Live, Drafts, stride_d, BT, stride_bt, 
     blk = tl.load(BT + b * stride_bt + p // BLOCK_SIZE)
     tl.store(Slots + r, tl.where(live, blk * BLOCK_SIZE + p % BLOCK_SIZE, -1))
     tl.store(Ctx + r, p + 1)
-    embed_row(Wte, Wpe, X, r, tok, p, stride_wte, stride_wpe, E, BLOCK_E)
+    embed_row(Wte, Wpe, X, r, tok, p, stride_wte, stride_wpe, E, BLOCK_E, HAS_WPE)
 
 
 @triton.jit
@@ -356,7 +356,7 @@ class SpecGraphs:
         self.draft, self.dpool, self.ngram = draft, draft_pool, ngram
         self.device = dev = torch.device(model.device)
         self.buckets, self.Bmax = list(buckets), buckets[-1]
-        self.n_pos = model.config.n_positions
+        self.n_pos = model.max_context
         self.bs = pool.k_caches[0].shape[1]
         self.mb = -(-self.n_pos // self.bs)
         self.dmb = -(-self.n_pos // draft_pool.k_caches[0].shape[1]) if draft is not None else 0
@@ -397,15 +397,16 @@ class SpecGraphs:
     def _forward(self, tag, m, kv, bt, b, R, first):
         """``m``'s forward over R query rows per sequence (relative positions first .. first + R - 1)."""
         slots, ctx, btr = self._rows(tag, R, bt.shape[1])
-        E = m.config.n_embd
-        wte, wpe = m.w.wte, m.w.wpe
+        wte, wpe, E = embedding_tables(m)
         x = torch.empty((b * R, E), dtype=m.dtype, device=self.device)
         bs = kv.k_caches[0].shape[1]
         _spec_in_kernel[(b * R,)](self.hist, self.hist.stride(0), self.len, self.live, self.drafts,
-                                  self.drafts.stride(0), bt, bt.stride(0), btr, btr.stride(0), wte, wpe, x, slots,
-                                  ctx, wte.stride(0), wpe.stride(0), E, bt.shape[1], self.n_pos - 1, R=R,
+                                  self.drafts.stride(0), bt, bt.stride(0), btr, btr.stride(0), wte,
+                                  wte if wpe is None else wpe, x, slots, ctx, wte.stride(0),
+                                  0 if wpe is None else wpe.stride(0), E, bt.shape[1], self.n_pos - 1, R=R,
                                   FIRST=first, COPY_BT=R > 1, BLOCK_SIZE=bs, BLOCK_E=triton.next_power_of_2(E),
-                                  BLOCK_MB=triton.next_power_of_2(bt.shape[1]), num_warps=4 if E >= 512 else 1)
+                                  BLOCK_MB=triton.next_power_of_2(bt.shape[1]), num_warps=4 if E >= 512 else 1,
+                                  HAS_WPE=wpe is not None)
         tables = btr[:b * R] if R > 1 else bt[:b]
         return m.decode(None, None, kv, slots[:b * R], tables, ctx[:b * R], x=x)
 

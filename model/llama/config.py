@@ -14,7 +14,7 @@ Names shared with GPT2Config (``n_layer``, ``n_head``, ``n_embd``, ``n_positions
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -148,6 +148,20 @@ class LlamaConfig:
         if not isinstance(d, dict):
             raise ValueError(f"{path}: expected a JSON object")
         return cls.from_dict(d, str(path))
+
+    def with_generation_eos(self, path) -> "LlamaConfig":
+        """This config with the EOS ids of ``path`` (a checkpoint's generation_config.json, where Llama-3
+        lists end of text and end of turn) added to its own; unchanged when the file is absent or unreadable."""
+        try:
+            eos = json.loads(Path(path).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            return self
+        extra = [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)
+                 and not isinstance(e, bool) and 0 <= e < self.vocab_size and e not in self.eos_token_ids]
+        if not extra:
+            return self
+        ids = self.eos_token_ids + tuple(extra)
+        return replace(self, eos_token_ids=ids, eos_token_id=ids[0])
 
 
 def _refuse(d: dict, mt: str, source: str) -> None:

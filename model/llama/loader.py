@@ -8,5 +8,8 @@ def load(directory, *, backend: str = "triton", dtype: torch.dtype = torch.float
     """A :class:`~tritune.model.llama.model.Llama` from ``directory`` (dense checkpoints only: a quantized one
     is refused by name in its config)."""
     from tritune.model.llama.model import load_model
+    from tritune.model.quant import fp8_hf
 
+    if fp8_hf.is_fp8_checkpoint(directory):     # FP8 in Hugging Face's layout: W8A8 linears
+        return fp8_hf.load_model(directory, backend=backend, dtype=dtype, device=device)
     return load_model(directory, backend=backend, dtype=dtype, device=device)

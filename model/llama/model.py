@@ -267,6 +267,11 @@ class Llama:
     def eos_token_id(self) -> int | None:
         return self.config.eos_token_id
 
+    @property
+    def eos_token_ids(self) -> tuple:
+        """Every id that ends a request (config.json's and generation_config.json's ``eos_token_id``)."""
+        return self.config.eos_token_ids
+
     def with_ops(self, ops) -> "Llama":
         """The same model (weights shared) running on ``ops``: this one is left as it is."""
         m = copy.copy(self)

@@ -140,6 +140,7 @@ def load(model, dtype: torch.dtype = torch.float32, device="cpu"):
     """(config, weights in our layout, checkpoint directory)."""
     directory = resolve(model)
     config = LlamaConfig.from_file(Path(directory) / "config.json")
+    config = config.with_generation_eos(Path(directory) / "generation_config.json")
     state = load_state_dict(directory)
     check_state(config, state, str(directory))
     return config, to_layout(config, state, dtype, device), directory

@@ -17,8 +17,16 @@ import torch.nn.functional as F
 from tritune.kernels.quant_matmul import quant_linear
 from tritune.references import quant as Q
 
-QUANT_MODES = (None, "int8", "int4")
-LINEARS = ("w_qkv", "w_o", "w_fc", "w_proj")
+QUANT_MODES = (None, "int8", "int4", "fp8")   # fp8: W8A8, tritune.model.quant.fp8
+LINEARS = ("w_qkv", "w_o", "w_fc", "w_proj")   # GPT-2's; a family's weights module lists its own
+
+
+def linears_of(weights) -> tuple:
+    """The projections a weight-only swap quantizes: ``LINEARS`` of the module defining ``weights``' class
+    (``tritune.model.gpt2.weights``, ``tritune.model.llama.weights``), GPT-2's where it lists none."""
+    import sys
+
+    return getattr(sys.modules.get(type(weights).__module__), "LINEARS", LINEARS)
 
 
 class QuantOps:
@@ -26,8 +34,7 @@ class QuantOps:
 
     def __init__(self, base, mode: str):
         self.base, self.quant = base, mode
-        self.layer_norm, self.attn_prefill = base.layer_norm, base.attn_prefill
-        self.write_kv, self.attn_decode = base.write_kv, base.attn_decode
+        self.attn_prefill, self.write_kv, self.attn_decode = base.attn_prefill, base.write_kv, base.attn_decode
         self.steps = dict(getattr(base, "steps", {}))
         self.capturable = getattr(base, "capturable", False)
         self.steps["linear"] = (f"{mode}: kernel tritune.kernels.quant_matmul.quant_linear for fp16/bf16 "
@@ -44,9 +51,18 @@ class QuantOps:
             y = torch.mm(x2, wd) if b is None else torch.addmm(b, x2, wd)
         if activation == "gelu_tanh":
             y = F.gelu(y, approximate="tanh")
+        elif activation == "swiglu":   # a [gate | up] projection (the Llama family's MLP)
+            f = y.shape[-1] // 2
+            y = F.silu(y[:, :f]) * y[:, f:]
         if residual is not None:
             y = y + residual.reshape(y.shape)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def __getattr__(self, name):
+        # the family's other steps (layer_norm; rms_norm, rotary, swiglu) are the base ops'
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
 
 def check_mode(quant) -> None:
@@ -60,6 +76,8 @@ def quantize_weights(w, quant: str, group_size: int = 128):
     Our projections are stored (K, N) for gemm; the quantizers take the nn.Linear (N, K) layout, hence .t().
     """
     check_mode(quant)
+    if quant not in ("int8", "int4"):
+        raise ValueError(f"quant: {quant!r} is not weight-only (fp8: tritune.model.quant.fp8.quantize_weights)")
     bits = {"int8": 8, "int4": 4}[quant]
     if bits == 4 and group_size not in Q.INT4_GROUP_SIZES:
         raise ValueError(f"group_size: expected one of {Q.INT4_GROUP_SIZES}, got {group_size!r}")
@@ -73,13 +91,13 @@ def quantize_weights(w, quant: str, group_size: int = 128):
                 raise ValueError(f"int4: K={K} is not a multiple of any group size in {Q.INT4_GROUP_SIZES}")
         return Q.quantize(t.t().contiguous(), bits, g)
 
-    layers = [replace(L, **{k: q(getattr(L, k)) for k in LINEARS}) for L in w.layers]
+    layers = [replace(L, **{k: q(getattr(L, k)) for k in linears_of(w)}) for L in w.layers]
     return replace(w, layers=layers, lm_head=q(w.lm_head))
 
 
 def mode_of(weights) -> str | None:
     """"int8" or "int4" when the weights' linears are quantized, None when they are dense."""
-    qws = [getattr(L, k) for L in weights.layers for k in LINEARS] + [weights.lm_head]
+    qws = [getattr(L, k) for L in weights.layers for k in linears_of(weights)] + [weights.lm_head]
     bits = {qw.bits for qw in qws if isinstance(qw, Q.QuantizedWeight)}
     if not bits:
         return None
@@ -98,10 +116,23 @@ def with_quantized_weights(model, weights):
     return model.with_weights(weights, ops=QuantOps(base, mode))
 
 
-def quantize_model(model, quant: str, group_size: int = 128):
-    """``model`` with every linear weight-only quantized (round to nearest; see :func:`quantize_weights`)."""
+def quantize_model(model, quant: str, group_size: int = 128, fp8_block: bool = False):
+    """``model`` with every linear weight-only quantized (round to nearest; see :func:`quantize_weights`);
+    ``quant="fp8"``: W8A8 e4m3, per-channel weight scales or 128x128 blocks (``fp8_block``)."""
+    if quant == "fp8":
+        from tritune.model.quant import fp8
+
+        return fp8.quantize_model(model, fp8_block)
     return with_quantized_weights(model, quantize_weights(model.w, quant, group_size))
 
 
 def is_quantized(model) -> bool:
-    return isinstance(model.ops, QuantOps)
+    """Whether the model runs quantized linears (weight-only INT8/INT4, or FP8 W8A8)."""
+    from tritune.model.quant import fp8
+
+    ops = model.ops
+    while ops is not None:      # under wrappers that keep the ops they wrap as ``base`` (the FP8 KV cache's)
+        if isinstance(ops, (QuantOps, fp8.Fp8Ops)):
+            return True
+        ops = vars(ops).get("base") if hasattr(ops, "__dict__") else None
+    return False

@@ -533,7 +533,10 @@ def add_parser(subparsers, name: str) -> None:
         return
     s = subparsers.add_parser("quantize", help="quantize a GPT-2 (RTN, GPTQ, AWQ) into an HF GPTQ/AWQ checkpoint")
     s.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the packaged model)")
-    s.add_argument("--method", choices=METHODS, default="gptq")
+    s.add_argument("--method", choices=METHODS + ("fp8",), default="gptq",
+                   help="fp8: e4m3 weights with 128x128 block scales in Hugging Face's FP8 layout (W8A8 at run time)")
+    s.add_argument("--fp8-per-channel", action="store_true",
+                   help="fp8: one scale per output channel instead of 128x128 blocks")
     s.add_argument("--bits", type=int, choices=(4, 8), default=4)
     s.add_argument("--group", type=int, default=128, help="int4 group size: 32, 64 or 128 (int8 is per channel)")
     s.add_argument("--sym", action="store_true", help="int4 symmetric groups (zero point 8)")
@@ -559,6 +562,8 @@ def run(args) -> int:
     model = model_or_default(args.model)
     if model is None:
         return 2
+    if args.method == "fp8":
+        return _run_fp8(args, model)
     spec = QuantSpec(method=args.method, bits=args.bits, group_size=args.group, sym=args.sym,
                      act_order=args.act_order, damp=args.damp, lm_head=not args.keep_lm_head)
     out = args.out or f"{Path(model).name}-{args.method}-int{args.bits}"
@@ -571,4 +576,19 @@ def run(args) -> int:
         return 2
     print(f"wrote {out} ({args.method}, int{args.bits}"
           f"{'' if args.bits == 8 else f', group {args.group}'})")
+    return 0
+
+
+def _run_fp8(args, model) -> int:
+    from tritune.model.quant import fp8_hf
+
+    block = not args.fp8_per_channel
+    out = args.out or f"{Path(model).name}-fp8"
+    try:
+        out = fp8_hf.quantize_checkpoint(model, out, block=block)
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (fp8 e4m3, {'128x128 block' if block else 'per-channel'} weight scales, dynamic "
+          "per-token activations)")
     return 0

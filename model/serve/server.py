@@ -417,7 +417,11 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--backend", choices=("triton", "torch"), default=None,
                    help="default: triton with a CUDA GPU, torch without")
     s.add_argument("--dtype", type=parse_dtype, default=None, help="default bf16 on a GPU, fp32 on the CPU")
-    s.add_argument("--quant", choices=("int8", "int4"), default=None, help="weight-only quantized linears")
+    s.add_argument("--quant", choices=("int8", "int4", "fp8"), default=None,
+                   help="quantized linears: weight-only int8/int4, or fp8 (W8A8 e4m3, per-token activations)")
+    s.add_argument("--fp8-block", action="store_true", help="--quant fp8: 128x128 block weight scales")
+    s.add_argument("--kv-cache-dtype", choices=("fp8",), default=None,
+                   help="fp8: the paged KV cache in e4m3 with per-token scales (about half the bytes)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="the running batch's seats")
     s.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond the seats before "
                    "answering 429")
@@ -473,7 +477,9 @@ def engine_spec(args) -> dict:
     return {"model": str(resolve(path)), "backend": backend, "dtype": str(dtype).removeprefix("torch."),
             "engine": dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                            max_num_seqs=args.max_num_seqs, cuda_graphs=not args.no_cuda_graphs, quant=args.quant,
-                           batch_invariant=getattr(args, "deterministic", False), **kv)}
+                           batch_invariant=getattr(args, "deterministic", False), **kv,
+                           **{k: v for k, v in (("fp8_block", getattr(args, "fp8_block", False)),
+                                                ("kv_cache_dtype", getattr(args, "kv_cache_dtype", None))) if v})}
 
 
 def build_engine(args):
