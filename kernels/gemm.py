@@ -513,11 +513,12 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, rms=None, 
     return out
 
 
-def launch_shape(cfg: dict, m: int, n: int, dtype, sms: int) -> tuple[tuple[int, int], int]:
-    """(grid, PRE_EPI) of a launch of ``cfg`` on an (m, n) output with ``sms`` SMs."""
+def launch_shape(cfg: dict, m: int, n: int, dtype, sms: int, b_tiles: int = 1) -> tuple[tuple[int, int], int]:
+    """(grid, PRE_EPI) of a launch of ``cfg`` on an (m, n) output with ``sms`` SMs (``b_tiles``: 2 with
+    SwiGLU, whose programs hold two B tiles and accumulators)."""
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
-    grid = (min(tiles, sms * ctas_per_sm(cfg, dtype)), 1) if cfg["PERSISTENT"] else (tiles, split)
+    grid = (min(tiles, sms * ctas_per_sm(cfg, dtype, b_tiles)), 1) if cfg["PERSISTENT"] else (tiles, split)
     pre_epi = 0
     if PREFETCH_EPILOGUE and split == 1 and tiles <= grid[0]:  # one tile a program, all of K
         pre_epi = 2 if cfg["BLOCK_M"] * cfg["BLOCK_N"] <= RES_PREFETCH_PER_THREAD * 32 * cfg["num_warps"] else 1
@@ -669,7 +670,7 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None, 
     int64 = (accs * split * m * n >= INT32_LIMIT or K.span(a2) >= INT32_LIMIT or K.span(b) >= INT32_LIMIT
              or m * n >= INT32_LIMIT or (c2 is not None and K.span(c2) >= INT32_LIMIT)
              or (r2 is not None and K.span(r2) >= INT32_LIMIT))
-    p.grid, pre_epi = launch_shape(cfg, m, n, a.dtype, _num_sms())
+    p.grid, pre_epi = launch_shape(cfg, m, n, a.dtype, _num_sms(), accs)
     p.ints = (m, n, kdim, a.shape[1] if a_3d else m,
               s_a0, s_am, s_ak, b.stride(0), b.stride(1), s_cm, s_cn,
               bias.stride(0) if bias is not None else 0,

@@ -37,10 +37,12 @@ def pipeline_smem(c: dict, dtype, b_tiles: int = 1) -> int:
     return (c["BLOCK_M"] + b_tiles * c["BLOCK_N"]) * c["BLOCK_K"] * _ELEM[dtype] * c["num_stages"]
 
 
-def ctas_per_sm(c: dict, dtype) -> int:
-    """Programs resident per SM, by shared memory and registers (64K per SM, ~up to 255 a thread)."""
-    by_smem = SMEM_PER_SM // (pipeline_smem(c, dtype) + 8 * 1024)
-    by_regs = 65536 // (32 * c["num_warps"] * max(64, 2 * c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"])))
+def ctas_per_sm(c: dict, dtype, b_tiles: int = 1) -> int:
+    """Programs resident per SM, by shared memory and registers (64K per SM, ~up to 255 a thread);
+    ``b_tiles`` B tiles and accumulators a program (2 with SwiGLU)."""
+    by_smem = SMEM_PER_SM // (pipeline_smem(c, dtype, b_tiles) + 8 * 1024)
+    acc = b_tiles * c["BLOCK_M"] * c["BLOCK_N"]
+    by_regs = 65536 // (32 * c["num_warps"] * max(64, 2 * acc // (32 * c["num_warps"])))
     return max(1, min(by_smem, by_regs, 4))
 
 

@@ -5,18 +5,29 @@ import sys
 from pathlib import Path
 
 
-def default_model_dir() -> Path | None:
-    """The packaged checkpoint (model/default/), when one has been trained into it."""
+# Short names of the checkpoints the package ships -> their folder under model/ (``--model llama``).
+PACKAGED = {"default": "default", "llama": "default_llama"}
+
+
+def default_model_dir(name: str = "default") -> Path | None:
+    """A packaged checkpoint (model/default/, or another of :data:`PACKAGED`), when one has been trained into it."""
     import tritune.model
 
-    d = Path(list(tritune.model.__path__)[0]) / "default"  # __file__ is None for a stale namespace install
+    d = Path(list(tritune.model.__path__)[0]) / PACKAGED[name]  # __file__ is None for a stale namespace install
     return d if (d / "config.json").is_file() else None
+
+
+def packaged_or(model):
+    """``model`` as given, or the packaged checkpoint it names (a :data:`PACKAGED` key that is not a path)."""
+    if isinstance(model, str) and model in PACKAGED and not Path(model).exists():
+        return default_model_dir(model) or model
+    return model
 
 
 def model_or_default(model):
     """MODEL as the user gave it, else the packaged checkpoint; None, after one line on stderr, when neither
     exists (the caller exits 2)."""
-    path = model or default_model_dir()
+    path = packaged_or(model) or default_model_dir()
     if path is None:
         print("error: no MODEL given and no packaged checkpoint (model/default/config.json is missing)",
               file=sys.stderr)
@@ -63,7 +74,7 @@ def load_model(model, *, backend: str = "triton", dtype=None, device=None):
     from tritune.model import families
     from tritune.model.gpt2 import weights as W
 
-    directory = W.resolve(model)
+    directory = W.resolve(packaged_or(model))
     mt = model_type(directory)
     if mt is None and not (Path(directory) / "config.json").is_file():
         raise FileNotFoundError(f"{directory}: no config.json (expected a checkpoint directory)")

@@ -483,6 +483,8 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-windows", type=int, default=0,
+                   help="validate during training on the first N windows only (0: all)")
     p.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
@@ -634,6 +636,8 @@ def _train(args, a: ModelArgs, model, teacher, data, device):
     r = SimpleNamespace(best={"loss": float("inf"), "step": -1, "state": None}, history=[], step=0, tokens_seen=0,
                         first_loss=None, last_loss=None, cuda=cuda, B=args.batch_size, T=a.n_positions)
     r.val_x, r.val_y = windows(data.val_ids, a.n_positions)
+    if args.eval_windows:     # the loop's validation on a prefix (a CPU run); metrics.json's is on the whole split
+        r.val_x, r.val_y = r.val_x[:args.eval_windows], r.val_y[:args.eval_windows]
     gen = torch.Generator().manual_seed(args.seed)
     T, B = r.T, r.B
     train_dev = data.train_ids.to(device)

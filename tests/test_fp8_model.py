@@ -290,3 +290,99 @@ def test_llama_fp8_block_parts_off_the_grid_are_requantized(tmp_path):
     with pytest.warns(UserWarning, match="requantized"):
         model = fp8_hf.load_model(tmp_path, backend="torch", dtype=torch.float32, device="cpu")
     assert model.w.layers[0].w_qkv.block
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine: quant="fp8" and kv_cache_dtype="fp8"
+# ---------------------------------------------------------------------------------------------------
+def _engine_case(backend, dtype):
+    from tests.test_engine import prompts, tiny_model
+
+    ps = prompts(3, seed=5, lo=3, hi=12)
+    ps.append(ps[0] + [7, 8, 9, 10, 11])     # continues ps[0]: a prefix-cache hit on its full blocks
+    return tiny_model(backend, dtype=dtype), ps
+
+
+def _fp8_alone(model, p, new):
+    from tritune.model.engine.kv_fp8 import with_fp8_cache
+
+    m, cache = with_fp8_cache(model, len(p) + new, 4)
+    return _greedy(m, cache, p, new)[0]
+
+
+@pytest.mark.parametrize("backend, dtype, graphs", [("torch", torch.float32, False),
+                                                   ("triton", torch.float16, "eager")], ids=["torch", "triton"])
+def test_engine_fp8_kv_cache_matches_each_request_alone(backend, dtype, graphs):
+    """Continuous batching over the e4m3 pool (the triton backend's device-side step, the torch backend's
+    eager prefix-cache continuation reading dequantized blocks): each request's greedy tokens are those
+    it gets alone over a private FP8 cache, and here the dense cache's too."""
+    from tests.test_engine import alone
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
+
+    m, ps = _engine_case(backend, dtype)
+    eng = Engine(m, num_blocks=64, block_size=4, max_num_seqs=4, cuda_graphs=graphs, kv_cache_dtype="fp8")
+    assert eng.pool.cache.dtype == torch.float8_e4m3fn and eng.pool.k_scales[0].shape == (64, 4, 2)
+    assert any(n.startswith("fp8 KV cache") for n in eng.notes), eng.notes
+    res = eng.generate(ps, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert eng.pool.stats["hit_blocks"] >= 2
+    for p, r in zip(ps, res):
+        assert r.token_ids == _fp8_alone(m, p, 6) == alone(m, p, 6)
+
+
+def test_engine_w8a8_matches_each_request_alone():
+    from tests.test_engine import alone
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
+
+    m, ps = _engine_case("torch", torch.float32)
+    for block in (False, True):
+        eng = Engine(m, num_blocks=64, block_size=4, max_num_seqs=4, quant="fp8", fp8_block=block)
+        assert eng.quant == "fp8" and F8.is_fp8(eng.model) and any("fp8" in n for n in eng.notes)
+        q = F8.quantize_model(m, block)
+        res = eng.generate(ps, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert [r.token_ids for r in res] == [alone(q, p, 6) for p in ps]
+
+
+def test_fp8_kv_pool_bytes():
+    from tritune.model.engine.kv_cache import BlockPool, bytes_per_block
+
+    assert bytes_per_block(2, 2, 32, 4, torch.float8_e4m3fn) == 2 * 2 * 4 * 2 * (32 + 4)
+    assert bytes_per_block(2, 2, 32, 4, torch.bfloat16) == 2 * 2 * 4 * 2 * 32 * 2
+    pool = BlockPool(2, 2, 32, 4, torch.float16, "cpu", num_blocks=3)
+    assert pool.k_scales is None
+
+
+@pytest.mark.parametrize("kw, match", [(dict(fp8_block=True), "fp8_block"),
+                                       (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+                                       (dict(kv_cache_dtype="fp8", batch_invariant=True), "kv_cache_dtype"),
+                                       (dict(quant="fp4"), "quant")])
+def test_engine_config_refuses_fp8_settings_by_name(kw, match):
+    from tritune.model.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------------
+def test_quantize_fp8_then_generate_and_eval(tmp_path, capsys):
+    from tritune.harness.cli import main as cli
+
+    out = tmp_path / "fp8"
+    assert cli(["quantize", str(DEFAULT), "--method", "fp8", "--out", str(out)]) == 0
+    assert fp8_hf.read_qcfg(out)["weight_block_size"] == [128, 128] and "wrote" in capsys.readouterr().out
+    assert cli(["generate", "ROMEO:", "--model", str(out), "--max-new-tokens", "8", "--backend", "torch",
+                "--kv-cache-dtype", "fp8"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:\n")
+    js = tmp_path / "e.json"
+    assert cli(["eval", str(DEFAULT), "--quant", "bf16,fp8,fp8-block,fp8-kv,fp8+kv,int8", "--max-windows", "2",
+                "--no-decode", "--quiet", "--out", str(js)]) == 0
+    rows = {r["row"]: r for r in json.loads(js.read_text())["rows"]}
+    c = json.loads((DEFAULT / "config.json").read_text())
+    assert rows["fp8-kv"]["kv_bytes_per_token"] == 2 * c["n_layer"] * (c["n_embd"] + 4 * c["n_head"])
+    assert rows["fp8"]["weight_bytes"] < rows["bf16"]["weight_bytes"]
+    for r in ("fp8", "fp8-block", "fp8-kv", "fp8+kv"):
+        assert abs(rows[r]["vs_bf16_pct"]) < 3, rows[r]

@@ -19,7 +19,7 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("prompt", help="the prompt text")
     s.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face hub id, dense or quantized (`tritune quantize`'s "
-                        "GPTQ/AWQ output; default: the packaged checkpoint)")
+                        "GPTQ/AWQ output; default: the packaged checkpoint; `llama`: the packaged Llama-style one)")
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=None,
                    help="0 is greedy (default: the checkpoint's generation_config.json, else greedy)")

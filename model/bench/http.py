@@ -485,7 +485,7 @@ def bench_engine(*, kind: str, engine: dict, stub: dict | None = None, model: st
     """The engine a benchmark serves, from plain data (so an engine process builds the same one):
     ``kind`` "stub" (stub.StubEngine(**stub)), "random" (GPT-2 small's config, random weights, triton
     backend on the GPU, with a stand-in tokenizer) or "checkpoint" (``model`` on the triton backend on a GPU,
-    torch on the CPU)."""
+    torch on the CPU; any family :func:`tritune.model.load.load_model` runs)."""
     import torch
 
     if kind == "stub":
@@ -493,11 +493,11 @@ def bench_engine(*, kind: str, engine: dict, stub: dict | None = None, model: st
 
         return StubEngine(**(stub or {}))
     from tritune.model.engine.engine import Engine
+    from tritune.model.load import set_cpu_threads
 
     gpu = torch.cuda.is_available()
     dt = getattr(torch, dtype) if gpu else torch.float32
-    if not gpu:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))     # see serve.proc.gpt2_engine
+    set_cpu_threads()       # the cores are shared with the API process (see tritune.model.load)
     if kind == "random":
         from tritune.model.bench.runs import build_model, load_models
 
@@ -505,10 +505,10 @@ def bench_engine(*, kind: str, engine: dict, stub: dict | None = None, model: st
         model_ = build_model(config, state, "triton", dt, "cuda")
         tok = stand_in_tokenizer(config.vocab_size)
     elif kind == "checkpoint":
-        from tritune.model.gpt2.model import GPT2
+        from tritune.model.load import load_model
         from tritune.model.tokenizer import Tokenizer
 
-        model_ = GPT2.from_pretrained(model, backend="triton" if gpu else "torch", dtype=dt)
+        model_ = load_model(model, backend="triton" if gpu else "torch", dtype=dt)
         tok = Tokenizer.from_dir(model_.directory)
     else:
         raise ValueError(f"kind: expected 'stub', 'random' or 'checkpoint', got {kind!r}")

@@ -1,5 +1,5 @@
 """The in-process serving runs serve-bench times: the engine's configurations (``MODES``), the model
-(a checkpoint or GPT-2 small's config with random weights), a workload served with arrivals honoured
+(a checkpoint of any family, or a real model's shape with random weights), a workload served with arrivals honoured
 (:func:`run_engine`), the batch-1 decode rate, and a log of Triton compiles met inside a timed run."""
 from __future__ import annotations
 
@@ -26,44 +26,86 @@ MODES = {
 }
 
 
-def load_models(model_dir, dtype, device, need_hf=True):
-    """(our config, state dict on the CPU, HF model or None). Random GPT-2 small without model_dir."""
+# Random-init stand-ins of real models' shapes (HF config fields), for serve-bench without a checkpoint;
+# "gpt2" (GPT-2 small) is the default.
+SHAPES = {
+    "gpt2": dict(model_type="gpt2"),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                         max_position_embeddings=131072, rope_theta=5e5, rms_norm_eps=1e-5,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+def random_checkpoint(shape: str, folder, dtype=None):
+    """A checkpoint of ``shape`` (:data:`SHAPES`) with transformers' random initialisation (seed 0), written
+    into ``folder`` by ``save_pretrained``; the folder."""
     import torch
+    import transformers
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
+    fields = dict(SHAPES[shape])
+    kind = fields.pop("model_type")
+    cfg = transformers.AutoConfig.for_model(kind, **fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def load_models(model_dir, dtype, device, need_hf=True, shape: str = "gpt2"):
+    """(the model's config, its checkpoint directory, the transformers model or None): ``model_dir`` of any
+    family :func:`tritune.model.load.load_model` runs, else a random checkpoint of ``shape`` written into a
+    temporary directory (removed at exit). :func:`build_model` takes the config and directory."""
+    import atexit
+    import shutil
+    import tempfile
 
     from tritune.model.gpt2 import weights as W
-    from tritune.model.gpt2.config import GPT2Config
 
     if model_dir:
         directory = W.resolve(model_dir)
-        config = GPT2Config.from_file(directory / "config.json")
-        state = W.load_state_dict(directory)
-        W.check_state(config, state, str(directory))
-        hf = None
-        if need_hf:
-            from transformers import GPT2LMHeadModel
-
-            hf = GPT2LMHeadModel.from_pretrained(str(directory), torch_dtype=dtype)
     else:
-        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+        directory = tempfile.mkdtemp(prefix=f"tritune-{shape}-")
+        atexit.register(shutil.rmtree, directory, True)
+        random_checkpoint(shape, directory, dtype)
+    config = _family_config(directory)
+    hf = None
+    if need_hf:
+        from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(0)
-        hc = HFConfig()
-        hf = GPT2LMHeadModel(hc)
-        state = {k[len("transformer."):] if k.startswith("transformer.") else k: v
-                 for k, v in hf.state_dict().items()}
-        config = GPT2Config.from_dict(hc.to_dict(), "transformers GPT2Config()")
-        if not need_hf:
-            hf = None
-    if hf is not None:
-        hf = hf.to(device=device, dtype=dtype).eval()
-    return config, state, hf
+        hf = AutoModelForCausalLM.from_pretrained(str(directory), torch_dtype=dtype).to(device=device).eval()
+    return config, directory, hf
 
 
-def build_model(config, state, backend, dtype, device):
-    from tritune.model.gpt2 import weights as W
-    from tritune.model.gpt2.model import GPT2
+def _family_config(directory):
+    """The config object of the checkpoint's family (vocab_size, n_positions, ... as the engine reads them)."""
+    from pathlib import Path
 
-    return GPT2(config, W.to_layout(config, state, dtype, device), backend=backend)
+    from tritune.model.load import model_type
+
+    f = Path(directory) / "config.json"
+    if model_type(directory) == "gpt2":
+        from tritune.model.gpt2.config import GPT2Config
+
+        return GPT2Config.from_file(f)
+    from tritune.model.llama.config import LlamaConfig
+
+    return LlamaConfig.from_file(f)
+
+
+def build_model(config, directory, backend, dtype, device):
+    """The model of ``directory`` (:func:`load_models`'s second item) for ``backend``."""
+    from tritune.model.load import load_model
+
+    return load_model(directory, backend=backend, dtype=dtype, device=device)
 
 
 def sync():

@@ -12,7 +12,9 @@ total tok/s, req/s, TTFT and TPOT P50/P95/P99, peak KV blocks, steps and preempt
 decode rate. Baselines on the same workload and model: ``transformers`` ``generate`` with static batches
 of ``--hf-batch-size`` (left-padded, each batch runs to its longest output; timed on the first
 ``--hf-requests`` requests and extrapolated), and naive single-request inference (no KV cache: the whole
-sequence re-run for every token). Without ``--model``, GPT-2 small's config with random weights.
+sequence re-run for every token). ``--model``: a checkpoint of any family tritune loads (GPT-2, Llama,
+Qwen2/3, Mistral); without it, a real model's shape (``--shape gpt2`` (GPT-2 small, the default) |
+``qwen2.5-0.5b`` | ``llama-3.2-1b``) with transformers' random weights, written into a temporary directory.
 
 Defaults fit the machine: on a GPU the triton-graphs mode and the workload above; without one (the triton
 kernels would run through the Triton interpreter, minutes per step at GPT-2 small's sizes) the torch mode,
@@ -34,8 +36,10 @@ from pathlib import Path
 from tritune.model.bench.baselines import run_hf, run_naive
 from tritune.model.bench.features import (WORKLOADS, run_mixed, run_shared_prefix, run_speculative,  # noqa: F401
                                           run_workload, shared_prefix_items)
-from tritune.model.bench.runs import (CPU_DEFAULTS, GPU_DEFAULTS, MODES, CompileLog, build_model,  # noqa: F401
-                                      decode_rate, fill_defaults, load_models, progress, run_engine, say)
+from tritune.model.bench.runs import (CPU_DEFAULTS, GPU_DEFAULTS, MODES, SHAPES, CompileLog,  # noqa: F401
+                                      build_model, decode_rate, fill_defaults, load_models, progress, run_engine,
+                                      say)
+from tritune.model.load import default_dtype
 from tritune.model.bench.workload import Item, make_workload, parse_range, percentiles  # noqa: F401
 from tritune.model.serve.warmup import warm_up
 
@@ -89,8 +93,10 @@ def add_parser(subparsers, name: str) -> None:
 
     s = subparsers.add_parser("serve-bench", help="serving throughput/latency of the engine vs transformers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--model", default=None, help="checkpoint directory or hub id (default: GPT-2 small config, "
-                   "random weights)")
+    s.add_argument("--model", default=None, help="checkpoint directory or hub id, any family (default: --shape's "
+                   "config with random weights)")
+    s.add_argument("--shape", choices=tuple(SHAPES), default="gpt2",
+                   help="without --model: the random-weight model's shape (default gpt2: GPT-2 small)")
     s.add_argument("-n", "--num-requests", type=int, default=512)
     s.add_argument("--prompt-len", type=parse_range, default=None, help="LO:HI, uniform (default 64:512 on a GPU, "
                    "16:64 on the CPU)")
@@ -214,10 +220,11 @@ def _setup(args, gpu: bool):
     bad = [m for m in args.modes.split(",") if m and m not in MODES]
     if bad:
         return _fail(f"unknown mode(s) {bad}; expected from {list(MODES)}")
-    dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
+    dtype = args.dtype or default_dtype()
     need_hf = args.hf_requests >= 0 or args.naive_requests > 0
     try:
-        config, state, hf = load_models(args.model, dtype, "cuda" if gpu else "cpu", need_hf)
+        config, state, hf = load_models(args.model, dtype, "cuda" if gpu else "cpu", need_hf,
+                                        shape=getattr(args, "shape", "gpt2"))
         items = make_workload(args.num_requests, args.prompt_len, args.output_len, config.vocab_size, args.seed,
                               args.rate, args.jsonl)
     except (OSError, ValueError) as e:
@@ -234,7 +241,7 @@ def _result_head(args, items, dtype, gpu: bool) -> dict:
     from tritune.kernels.runtime import device as hdev
 
     return {"gpu": hdev.gpu_name() if gpu else "cpu", "dtype": str(dtype).replace("torch.", ""),
-            "model": args.model or "GPT-2 small config, random weights",
+            "model": args.model or f"{getattr(args, 'shape', 'gpt2')} config, random weights",
             "workload": {"requests": len(items), "prompt_len": list(args.prompt_len),
                          "output_len": list(args.output_len), "jsonl": args.jsonl, "seed": args.seed,
                          "rate": None if math.isinf(args.rate) else args.rate,

@@ -226,4 +226,10 @@ def quantize_model(model, block: bool = False):
 
 
 def is_fp8(model) -> bool:
-    return isinstance(model.ops, Fp8Ops)
+    """Whether the model's ops (or the ops they wrap, as ``base``) run FP8 linears."""
+    ops = model.ops
+    while ops is not None:
+        if isinstance(ops, Fp8Ops):
+            return True
+        ops = vars(ops).get("base") if hasattr(ops, "__dict__") else None
+    return False

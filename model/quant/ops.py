@@ -59,8 +59,9 @@ class QuantOps:
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def __getattr__(self, name):
-        # the family's other steps (layer_norm; rms_norm, rotary, swiglu) are the base ops'
-        if name == "base":
+        # the family's other steps (layer_norm; rms_norm, rotary, swiglu) are the base ops'; never a fused
+        # norm + linear of theirs (ln_linear, rms_linear), which would run the quantized weight as dense
+        if name == "base" or "linear" in name:
             raise AttributeError(name)
         return getattr(self.base, name)
 

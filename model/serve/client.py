@@ -90,7 +90,7 @@ class EngineClient(abc.ABC):
 
 # Engine counters (``engine.stats`` keys) that travel with the load after every step, for /metrics: a
 # dict read per step, no round trip to the engine.
-LOAD_COUNTERS = ("spec_skipped_rows",)
+LOAD_COUNTERS = ("spec_skipped_rows", "spec_over_batch_steps", "request_errors")
 
 
 def engine_load(engine) -> dict:

@@ -7,7 +7,11 @@ from tritune.model.serve.client import LOAD_COUNTERS
 
 # engine counter -> (metric name, help) for the counters of client.LOAD_COUNTERS
 COUNTER_DOCS = {"spec_skipped_rows": ("tritune_spec_skipped_rows", "Decode rows that ran without speculative "
-                                      "decoding because the batch was above its limit")}
+                                      "decoding because the batch was above its limit"),
+               "spec_over_batch_steps": ("tritune_spec_over_batch_steps", "Decode steps of more rows than "
+                                         "speculative decoding's largest batch, run as plain decode steps"),
+               "request_errors": ("tritune_request_errors", "Requests the engine ended alone because of a "
+                                  "failure of their own (a non-finite logits row, a sampling error)")}
 
 
 class Metrics:

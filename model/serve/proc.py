@@ -751,23 +751,24 @@ class EngineProcess(EngineClient):
 # ---------------------------------------------------------------------------------------------------
 # Builders (what `tritune serve` and the benchmarks run in the engine process)
 # ---------------------------------------------------------------------------------------------------
-def gpt2_engine(*, model: str, backend: str, dtype: str, engine: dict, tokenizer: bool = True):
-    """A GPT-2 :class:`~tritune.model.engine.engine.Engine` from plain data (``dtype``: a torch dtype's name)."""
+def model_engine(*, model: str, backend: str, dtype: str, engine: dict, tokenizer: bool = True):
+    """An :class:`~tritune.model.engine.engine.Engine` over any family's checkpoint
+    (:func:`tritune.model.load.load_model`: GPT-2, Llama, Qwen2/3, Mistral, quantized GPT-2) from plain data
+    (``dtype``: a torch dtype's name)."""
     import torch
 
     import tritune.kernels.runtime  # noqa: F401  (the interpreter switch before triton loads, on the CPU)
     from tritune.model.engine.engine import Engine
-    from tritune.model.gpt2.model import GPT2
+    from tritune.model.load import load_model, set_cpu_threads
     from tritune.model.tokenizer import Tokenizer
 
-    if not torch.cuda.is_available():
-        # The CPU's cores are shared with the API process: half each. (A full-width OpenMP team in the
-        # engine process's main thread waits at every op's barrier for a worker the API process has
-        # descheduled: 30x slower per step on a busy 2-core machine.)
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    m = GPT2.from_pretrained(model, backend=backend, dtype=getattr(torch, dtype))
+    set_cpu_threads()       # the CPU's cores are shared with the API process
+    m = load_model(model, backend=backend, dtype=getattr(torch, dtype))
     tok = Tokenizer.from_dir(m.directory) if tokenizer else None
     return Engine(m, tokenizer=tok, **engine)
+
+
+gpt2_engine = model_engine      # the name engine processes were started by before other families ran
 
 
 def stub_engine(**kw):

@@ -460,19 +460,19 @@ def _fail(msg: str) -> int:
 
 
 def engine_spec(args) -> dict:
-    """The serve arguments as plain data for :func:`tritune.model.serve.proc.gpt2_engine` (built here in
+    """The serve arguments as plain data for :func:`tritune.model.serve.proc.model_engine` (built here in
     the thread mode, in the engine process otherwise)."""
     import torch
 
-    from tritune.model.load import default_model_dir
     from tritune.model.gpt2.weights import resolve
+    from tritune.model.load import default_dtype, default_model_dir, packaged_or
 
-    path = args.model or default_model_dir()
+    path = packaged_or(args.model) or default_model_dir()
     if path is None:
         raise ValueError("no packaged default checkpoint (model/default/config.json is missing); pass MODEL")
     gpu = torch.cuda.is_available()
     backend = args.backend or ("triton" if gpu else "torch")
-    dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
+    dtype = args.dtype or default_dtype()
     kv = {"kv_memory_fraction": args.kv_memory_fraction} if args.kv_memory_fraction is not None else {}
     return {"model": str(resolve(path)), "backend": backend, "dtype": str(dtype).removeprefix("torch."),
             "engine": dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
@@ -484,9 +484,9 @@ def engine_spec(args) -> dict:
 
 def build_engine(args):
     """(engine, tokenizer, model directory) from the serve arguments: the engine in this process."""
-    from tritune.model.serve.proc import gpt2_engine
+    from tritune.model.serve.proc import model_engine
 
-    engine = gpt2_engine(**engine_spec(args))
+    engine = model_engine(**engine_spec(args))
     return engine, engine.tokenizer, engine.model.directory
 
 
@@ -507,7 +507,7 @@ def _build_app(args, api_key):
     if mode == "process":
         directory = spec["model"]
         tok = Tokenizer.from_dir(directory)     # read before the engine process spends its start-up
-        engine = EngineProcess("tritune.model.serve.proc:gpt2_engine", spec,
+        engine = EngineProcess("tritune.model.serve.proc:model_engine", spec,
                                warm_up="tritune.model.serve.warmup:serve_warm_up" if warm else None)
     else:
         engine, tok, directory = build_engine(args)
