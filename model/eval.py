@@ -1,5 +1,6 @@
 """``tritune eval``: perplexity and memory of a GPT-2 in each precision: fp32, fp16, bf16, int8, int4-RTN,
-int4-GPTQ, int4-AWQ (and any GPTQ/AWQ checkpoint directory).
+int4-GPTQ, int4-AWQ, FP8 (W8A8 per channel or 128x128 block, the FP8 KV cache, both; see ``FP8_ROWS``) (and
+any GPTQ/AWQ/FP8 checkpoint directory).
 
 Perplexity: exp of the mean next-token loss over non-overlapping windows of ``n_positions`` tokens (the
 measure of ``model/default/metrics.json``) of held-out text: by default the packaged model's validation
@@ -113,7 +114,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype, fp8: bool = False) -> int:
     return 2 * config.n_layer * config.n_embd * torch.empty(0, dtype=dtype).element_size()
 
 
-def decode_run(model, batch: int = 16, new_tokens: int = 128, prompt_len: int = 16, seed: int = 0) -> dict:
+def decode_run(model, batch: int = 16, new_tokens: int = 128, prompt_len: int = 16, seed: int = 0,
+               kv_cache_dtype=None) -> dict:
     """Peak GPU memory (bytes) and decode tokens/s of ``batch`` greedy sequences of ``new_tokens`` each,
     through the engine with CUDA graphs and a KV pool of exactly the blocks they need. GPU only."""
     from tritune.model.engine.engine import Engine
@@ -131,8 +133,9 @@ def decode_run(model, batch: int = 16, new_tokens: int = 128, prompt_len: int = 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    # no prefix caching: the timed run repeats the warm-up's prompts
     eng = Engine(model, num_blocks=blocks + batch, block_size=block, max_num_seqs=batch, cuda_graphs=True,
-                 enable_prefix_caching=False)   # the timed run repeats the warm-up's prompts
+                 enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     eng.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))   # warm-up: compiles, graphs
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -242,7 +245,9 @@ def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_
         if row == "bf16":
             base_ppl = ppl
         batches = [decode_batch] if isinstance(decode_batch, int) else list(decode_batch)
-        runs = {b: decode_run(m, batch=b) for b in batches} if decode else {}
+        kv8 = FP8_ROWS.get(row, (0, 0, 0))[2]    # the decode run on the FP8 cache itself (its ops only measure)
+        dm, kvd = (m.with_ops(m.ops.base), "fp8") if kv8 else (m, None)
+        runs = {b: decode_run(dm, batch=b, kv_cache_dtype=kvd) for b in batches} if decode else {}
         r.update(runs[batches[0]] if runs else {"peak_bytes": None, "decode_tok_s": None})
         for b in batches[1:]:
             if b in runs:

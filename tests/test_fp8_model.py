@@ -356,7 +356,8 @@ def test_fp8_kv_pool_bytes():
 @pytest.mark.parametrize("kw, match", [(dict(fp8_block=True), "fp8_block"),
                                        (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
                                        (dict(kv_cache_dtype="fp8", batch_invariant=True), "kv_cache_dtype"),
-                                       (dict(quant="fp4"), "quant")])
+                                       (dict(quant="fp4"), "quant"),
+                                       (dict(quant="fp8", batch_invariant=True), "quant")])
 def test_engine_config_refuses_fp8_settings_by_name(kw, match):
     from tritune.model.engine.config import EngineConfig
 
@@ -386,3 +387,19 @@ def test_quantize_fp8_then_generate_and_eval(tmp_path, capsys):
     assert rows["fp8"]["weight_bytes"] < rows["bf16"]["weight_bytes"]
     for r in ("fp8", "fp8-block", "fp8-kv", "fp8+kv"):
         assert abs(rows[r]["vs_bf16_pct"]) < 3, rows[r]
+
+
+def test_llama_fp8_checkpoint_through_the_engine(tmp_path):
+    """An FP8 Llama checkpoint found by its family's loader (``tritune generate --model DIR``'s path), run by
+    the engine over the FP8 cache: each request's tokens are those it gets alone over a private FP8 cache."""
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
+    from tritune.model.load import load_model
+
+    _llama_fp8_checkpoint(tmp_path, True)
+    m = load_model(tmp_path, backend="torch", dtype=torch.float32, device="cpu")
+    assert F8.is_fp8(m) and m.ops.quant == "fp8-block"
+    ps = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [3, 14, 15, 92, 65, 43, 38]]
+    eng = Engine(m, num_blocks=32, block_size=4, max_num_seqs=3, kv_cache_dtype="fp8")
+    res = eng.generate(ps, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert [r.token_ids for r in res] == [_fp8_alone(m, p, 5) for p in ps]

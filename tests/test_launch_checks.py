@@ -187,10 +187,11 @@ def test_direct_launch_arguments_match_each_kernels_signature(monkeypatch):
     cu = torch.tensor([0, 16], dtype=torch.int32, device=DEV)
     A.attention_varlen(qp, kp, vp, cu, cu, 16, 16)
     G.gemm(_r(6, 16), _r(16, 16, seed=1))
+    G.gemm(_r(6, 32), _r(32, 16, seed=1), rms=(torch.ones(32, device=DEV), 1e-6))  # the fused-prologue kernel
     GV.gemv(_r(2, 16), _r(16, 16, seed=1))
     case = PA.SPEC.make_inputs(PA.SPEC.small_problems[0], torch.float32, DEV, 0)
     PA.paged_attention(*case.args, **case.kwargs)
-    assert {"attn_fwd", "_gemm_kernel", "_gemv_kernel", "_paged_attention_fwd"} <= set(seen), seen
+    assert {"attn_fwd", "_gemm_kernel", "_gemm_fused_kernel", "_gemv_kernel", "_paged_attention_fwd"} <= set(seen), seen
 
 
 def test_direct_launch_argument_count_is_checked():

@@ -223,3 +223,15 @@ def test_captured_decode_graphs_on_the_gpu(tmp_path):
     assert run_all(eng, ps, 6) == want
     eng = Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, cuda_graphs=True, speculative="ngram")
     assert run_all(eng, ps, 6) == want
+
+
+def test_gptq_awq_refuse_the_family_by_name(tmp_path):
+    """``tritune quantize`` (RTN/GPTQ/AWQ into the HF GPTQ/AWQ layout) calibrates through GPT-2's layer: a
+    Llama checkpoint is refused by its model_type, before any work (``quant="int8"/"int4"`` at load is the
+    family's weight-only path)."""
+    from tritune.model.quant.quantize import QuantSpec, quantize_checkpoint
+
+    d = write_checkpoint(tmp_path / "ckpt", "torch")
+    for method in ("gptq", "awq"):
+        with pytest.raises(ValueError, match="model_type"):
+            quantize_checkpoint(d, tmp_path / method, QuantSpec(method=method), progress=False)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tritune.kernels.rms_norm import SPEC, rms_norm
+from tritune.kernels.rms_norm import SPEC, Problem, rms_norm
 from tritune.kernels.runtime import compare as cmp
 from tritune.kernels.runtime import device as dev
 from tritune.references import rms_norm as ref
@@ -47,3 +47,50 @@ def test_out_sum_may_not_overlap_y():
     y = torch.empty_like(x)
     with pytest.raises(ValueError, match="out"):
         rms_norm(x, None, 1e-6, r, out=(y, y))
+
+
+
+@pytest.mark.parametrize("problem,layout", [(Problem(9, 100, True, True), "transposed"),
+                                            (Problem(33, 33, False, True), "sliced")])
+def test_every_config_point_matches(problem, layout):
+    """Every point of the space the tuner (and the contract) may pick, on rows short enough to run each
+    through the interpreter: one-pass and looped, ROWS > 1 tiles with masked rows past M and masked columns
+    past N, idle lanes of small tiles."""
+    for i, cfg in enumerate(SPEC.space.points(problem, torch.float32)):
+        case = SPEC.make_inputs(problem, torch.float32, dev.device(), i, layout)
+        for o in case.out if isinstance(case.out, tuple) else (case.out,):
+            cmp.poison(o)
+        got = rms_norm(*case.args, out=case.out, config=cfg, **case.kwargs)
+        cmp.check(got, ref.rms_norm(*case.args, **case.kwargs), torch.float32, what=f"{problem} cfg={cfg}")
+
+
+@pytest.mark.parametrize("over", ["residual", "x"])
+@pytest.mark.parametrize("config", [{"BLOCK_N": 8192, "ROWS": 4, "num_warps": 16},
+                                    {"BLOCK_N": 16384, "ROWS": 2, "num_warps": 32}])
+def test_longest_rows_two_pass_in_place(over, config):
+    """N = MAX_N through the two-pass loop with ROWS > 1 (rows past M masked), the sum written over the
+    residual or over x while the second pass reads it back: the stored sum is exactly the bf16 add, y
+    matches the reference of that sum."""
+    N = 65536
+    x, r, w = (_data((3, N), 20 + i, torch.bfloat16) for i in range(3))
+    w = w[0]
+    want_y, want_s = ref.rms_norm(x, w, 1e-6, residual=r)
+    add = x + r
+    y = torch.empty_like(x)
+    s = r if over == "residual" else x
+    rms_norm(x, w, 1e-6, r, out=(y, s), config=config)
+    assert torch.equal(s, add) and torch.equal(s.double(), want_s)
+    cmp.check(y, want_y, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_reference_sum_is_the_kernels_sum(dtype):
+    """The reference's s is the add in x's dtype (what the kernel stores and normalises), bit for bit, on
+    the one-pass and the looped path; far-apart magnitudes make the rounding matter."""
+    x = _data((5, 1000), 30, dtype) * 64
+    r = _data((5, 1000), 31, dtype) / 64
+    want_y, want_s = ref.rms_norm(x, None, 1e-6, residual=r)
+    for cfg in (None, {"BLOCK_N": 128, "ROWS": 2, "num_warps": 2}):
+        y, s = rms_norm(x, None, 1e-6, r, config=cfg)
+        assert torch.equal(s.double(), want_s)
+        cmp.check(y, want_y, dtype)

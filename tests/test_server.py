@@ -75,7 +75,7 @@ def engine_process(**engine_kw):
     """The packaged model's engine (torch backend, fp32) in a process of its own."""
     from tritune.model.serve.proc import EngineProcess
 
-    return EngineProcess("tritune.model.serve.proc:gpt2_engine", {
+    return EngineProcess("tritune.model.serve.proc:model_engine", {
         "model": str(default_model_dir()), "backend": "torch", "dtype": "float32", "engine": engine_kw})
 
 
@@ -599,7 +599,7 @@ def test_gpu_graph_engine_serves_concurrent_streams(mode):
         model = GPT2.from_pretrained(default_model_dir(), backend="triton", dtype=torch.bfloat16)
         engine = Engine(model, tokenizer=tok, **kw)
     else:
-        engine = EngineProcess("tritune.model.serve.proc:gpt2_engine", {
+        engine = EngineProcess("tritune.model.serve.proc:model_engine", {
             "model": str(default_model_dir()), "backend": "triton", "dtype": "bfloat16", "engine": kw})
     ts = ThreadServer(create_app(engine, tok, NAME))
     try:

@@ -138,7 +138,8 @@ def _bitwise_float8(monkeypatch):
 
     def bitwise(a, b, *args, **kwargs):
         if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype == a.dtype:
-            return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+            return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                      b.contiguous().view(torch.uint8))
         return allclose(a, b, *args, **kwargs)
 
     monkeypatch.setattr(torch, "allclose", bitwise)

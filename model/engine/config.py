@@ -107,6 +107,9 @@ class EngineConfig:
         _choice("fp8_block", self.fp8_block, (True, False))
         if self.fp8_block and self.quant != "fp8":
             raise ValueError(f"fp8_block: block-scaled weights need quant='fp8', got quant={self.quant!r}")
+        if self.quant == "fp8" and self.batch_invariant:
+            raise ValueError("quant: 'fp8' does not run with batch_invariant (its pinned kernels take dense or "
+                             "int8/int4 weights)")
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_cache_dtype == "fp8":
             for name in ("speculative", "batch_invariant", "compile"):

@@ -219,6 +219,9 @@ class Engine:
         from tritune.model.engine import invariant
 
         self.batch_invariant = cfg.batch_invariant or invariant.is_invariant(model)
+        if self.batch_invariant and self.quant in ("fp8", "fp8-block"):
+            raise ValueError("quant: FP8 linears do not run with batch_invariant (its pinned kernels take dense "
+                             "or int8/int4 weights)")
         if self.batch_invariant:    # pinned reduction orders (tritune.model.engine.invariant); CUDA graphs kept
             if cfg.compile:
                 raise ValueError("batch_invariant and compile: the compiled decode's reductions follow the batch")
