@@ -109,10 +109,15 @@ def pytest_runtest_call(item):
         return
     from tritune.testing.contract import budgeted, default_budget
 
+    from tritune.testing.contract import BudgetSpent
+
     inner = handle.inner_test
     handle.inner_test = budgeted(inner, default_budget())  # per item: parametrized items share the function
     try:
-        yield
+        outcome = yield
+        excinfo = outcome.excinfo
+        if excinfo is not None and issubclass(excinfo[0], BudgetSpent):
+            outcome.force_result(None)   # the budget ended the run: the examples so far passed
     finally:
         handle.inner_test = inner
 

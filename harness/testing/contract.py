@@ -74,10 +74,25 @@ def _settings(examples: int, fast: bool = False) -> settings:
                     derandomize=dev.interpreted(), print_blob=True, phases=phases)
 
 
+class BudgetSpent(BaseException):
+    """A budgeted property test has used its time: the examples run so far passed."""
+
+
+def run_budgeted(test) -> None:
+    """Run a hypothesis test whose body is :func:`budgeted`; a spent budget ends it as a pass."""
+    try:
+        test()
+    except BudgetSpent:
+        pass
+
+
 def budgeted(fn, budget: float | None, at_least: int = 2):
-    """``fn`` that stops doing anything once ``budget`` seconds have passed since its first call (after at
-    least ``at_least`` runs). Hypothesis keeps drawing examples, which cost microseconds; the ones past the
-    budget launch nothing. After a failure the budget is off, so shrinking replays every example."""
+    """``fn`` that ends the hypothesis run once ``budget`` seconds have passed since its first call (after at
+    least ``at_least`` runs), by raising :class:`BudgetSpent` (a ``BaseException``: hypothesis lets it through
+    at once, no shrinking; :func:`run_budgeted` and the test suite's hook take it as a pass). An example that
+    returned without drawing would be flaky data to hypothesis, which replays recorded prefixes and calls a
+    test whose draws changed "inconsistent data generation". After a failure the budget is off, so shrinking
+    replays every example."""
     state = {"t0": None, "runs": 0, "failed": False}
 
     @functools.wraps(fn)
@@ -87,7 +102,7 @@ def budgeted(fn, budget: float | None, at_least: int = 2):
             state["t0"] = now
         if (budget is not None and not state["failed"] and state["runs"] >= at_least
                 and now - state["t0"] > budget):
-            return
+            raise BudgetSpent(f"{state['runs']} examples in {budget:.0f} s")
         state["runs"] += 1
         try:
             fn(*args, **kwargs)
@@ -173,7 +188,7 @@ def check_matches_reference(spec, dtype, examples: int, budget: float | None, fa
 
     test = given(problem=spec.problems(MAX_ELEMS), layout=st.sampled_from(spec.layouts),
                  seed=st.integers(0, 2**31 - 1), data=st.data())(budgeted(prop, budget))
-    _settings(examples, fast)(test)()
+    run_budgeted(_settings(examples, fast)(test))
 
 
 def check_cached_launch_plans(spec) -> None:
