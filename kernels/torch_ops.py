@@ -14,8 +14,13 @@ Schemas flatten the launchers' Python-object arguments: gemv's ``ln`` tuple is (
 ln_eps) with ``ln_eps`` None for no LayerNorm; its ``kv`` tuple is (k_cache, v_cache, slot_mapping), the
 required arguments of a second op, ``gemv_kv``, which declares the caches mutated (an op's mutated
 arguments are never optional: see ``gemv_kv``); quant_matmul's ``QuantizedWeight`` travels as its
-tensors and ints. An explicit ``config`` is a launcher argument only (the op takes the tuned or default
-config), and so are ``out=``, ``return_lse`` and ``return_stats``.
+tensors and ints. fp8_quant's ``norm`` tuple is (norm, norm_weight, norm_bias, eps) with ``norm`` None,
+"rms" or "layer"; fp8_kv_write (the spec's name; launcher ``fp8_write_kv``) writes four tensors in place,
+all required. A launcher whose result is one tensor or a pair by its arguments is two ops: rms_norm and
+``rms_norm_add`` (with ``residual``), rotary (new tensors) and ``rotary_kv`` (its ``kv`` tuple as
+k_cache, v_cache, slot_mapping, v; the caches written in place). An explicit ``config`` is a launcher
+argument only (the op takes the tuned or default config), and so are ``out=``, ``return_lse`` and
+``return_stats``.
 
 This module is imported by kernel discovery like any other in ``kernels/`` (it registers no spec): the
 registrations cost ~1 ms each, once a process, and need nothing but torch.
@@ -39,6 +44,8 @@ from tritune.kernels import gemv as _gemv
 from tritune.kernels import layer_norm as _layer_norm
 from tritune.kernels import paged_attention as _paged
 from tritune.kernels import quant_matmul as _qmm
+from tritune.kernels import rms_norm as _rms_norm
+from tritune.kernels import rotary as _rotary
 from tritune.references import quant as _quant
 
 Tensor = torch.Tensor
@@ -489,8 +496,65 @@ def _(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale=N
     return q.new_empty(q.shape)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The Llama family's RMSNorm and rotary embedding. Each launcher returns one thing or a pair as its
+# arguments ask (``residual``; ``kv``), an op one fixed schema: the pair forms are ops of their own.
+@_op("rms_norm", ())
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last dim (tritune.kernels.rms_norm.rms_norm). With the residual add: ``rms_norm_add``."""
+    return _rms_norm.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight=None, eps=1e-6):
+    return x.new_empty(x.shape)
+
+
+@_op("rms_norm_add", ())
+def rms_norm_add(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
+                 eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """(RMSNorm(x + residual), x + residual): the residual add fused before the norm, the sum rounded to x's
+    dtype (tritune.kernels.rms_norm.rms_norm with ``residual``)."""
+    return _rms_norm.rms_norm(x, weight, eps, residual)
+
+
+@rms_norm_add.register_fake
+def _(x, residual, weight=None, eps=1e-6):
+    torch._check(residual.shape == x.shape, lambda: f"residual: shape {tuple(residual.shape)} differs from x's")
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@_op("rotary", ())
+def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+           validate: bool = True) -> tuple[Tensor, Tensor]:
+    """(q, k) (T, H, D) rotated by the angles of ``positions`` into new tensors (tritune.kernels.rotary.rotary);
+    the fused paged-KV write is ``rotary_kv``."""
+    return _rotary.rotary(q, k, cos, sin, positions, validate=validate)
+
+
+@rotary.register_fake
+def _(q, k, cos, sin, positions, validate=True):
+    torch._check(q.dim() == 3 and k.dim() == 3, lambda: "q, k: expected 3 dims (T, H, D)")
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@_op("rotary_kv", ("k_cache", "v_cache"))
+def rotary_kv(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
+              slot_mapping: Tensor, v: Tensor, validate: bool = True) -> tuple[Tensor, Tensor]:
+    """``rotary`` that also writes the rotated k and ``v`` to the paged caches (num_blocks, block_size, Hk, D)
+    at each token's slot (< 0: skipped), in place; the launcher's ``kv`` tuple flattened."""
+    return _rotary.rotary(q, k, cos, sin, positions, kv=(k_cache, v_cache, slot_mapping, v), validate=validate)
+
+
+@rotary_kv.register_fake
+def _(q, k, cos, sin, positions, k_cache, v_cache, slot_mapping, v, validate=True):
+    torch._check(q.dim() == 3 and k.dim() == 3, lambda: "q, k: expected 3 dims (T, H, D)")
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
 # every op by name: what the tests iterate
 OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "gemv_kv": gemv_kv, "linear": linear,
        "attention": attention, "attention_varlen": attention_varlen, "paged_attention": paged_attention,
        "write_kv": write_kv, "quant_matmul": quant_matmul, "fp8_gemm": fp8_gemm, "fp8_quant": fp8_quant,
-       "fp8_attention": fp8_attention, "fp8_kv_write": fp8_kv_write, "fp8_paged_attention": fp8_paged_attention}
+       "fp8_attention": fp8_attention, "fp8_kv_write": fp8_kv_write, "fp8_paged_attention": fp8_paged_attention,
+       "rms_norm": rms_norm, "rms_norm_add": rms_norm_add, "rotary": rotary, "rotary_kv": rotary_kv}

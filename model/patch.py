@@ -79,12 +79,18 @@ def _check_config(cfg) -> None:
 
 
 def patch(model, cuda_graphs: bool = True):
-    """Run a ``GPT2LMHeadModel`` (or ``GPT2Model``) on tritune kernels from now on; returns the model.
+    """Run a ``GPT2LMHeadModel`` (or ``GPT2Model``) on tritune kernels from now on; returns the model. A
+    Llama or Qwen2 model (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, their base models) is patched module by
+    module instead (:mod:`tritune.model.patch_llama`).
     Refuses (ValueError naming the option) config options the kernels do not implement. Idempotent.
     ``cuda_graphs``: generate's compiled decode steps replay one CUDA graph per key (``ThinGraphCall``)
     instead of torch's CUDA-graph trees (the default); False leaves ``get_compiled_call`` to transformers."""
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"cuda_graphs: expected a bool, got {type(cuda_graphs).__name__}")
+    if getattr(getattr(model, "config", None), "model_type", None) in ("llama", "qwen2"):
+        from tritune.model.patch_llama import patch_llama     # (cuda_graphs: GPT-2's compiled decode steps only)
+
+        return patch_llama(model)
     try:
         from transformers import GPT2LMHeadModel, GPT2Model
     except ImportError as e:  # pragma: no cover - transformers is a test extra
@@ -94,7 +100,8 @@ def patch(model, cuda_graphs: bool = True):
     elif isinstance(model, GPT2Model):
         base, head = model, None
     else:
-        raise TypeError(f"model: expected a transformers GPT2LMHeadModel or GPT2Model, got {type(model).__name__}")
+        raise TypeError(f"model: expected a transformers GPT2LMHeadModel or GPT2Model (or a Llama / Qwen2 model), "
+                        f"got {type(model).__name__}")
     _check_config(model.config)
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):

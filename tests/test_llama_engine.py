@@ -122,6 +122,25 @@ def test_ngram_speculative_decoding(model):
         assert eng.stats["spec_proposed"] > 0
 
 
+def test_draft_model_speculative_decoding(model):
+    """A Llama draft (the target's first layer: early exit; the checkpoint itself through ``make_proposer``,
+    loaded by its family) on its own paged pool of the draft's KV heads, host-side and device-side (eager):
+    the target's greedy tokens."""
+    from tritune.model.engine.spec_decode import DraftModelProposer, early_exit_draft, make_proposer
+
+    if model.n_layers < 2:
+        pytest.skip("an early-exit draft needs two layers")
+    ps = [_prompt(10, 55), _prompt(7, 56)]
+    want = [greedy(model, p, 6) for p in ps]
+    for graphs in (False, "eager"):
+        for prop in (DraftModelProposer(early_exit_draft(model, 1), k=3, block_size=4),
+                     make_proposer("draft", model, draft=model.directory, block_size=4)):
+            eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=2, cuda_graphs=graphs, speculative=prop)
+            assert run_all(eng, ps, 6) == want, (graphs, prop.name)
+            assert prop.pool.n_kv_heads == model.n_kv_heads
+    assert eng.stats["spec_accepted"] == eng.stats["spec_proposed"] > 0     # the target drafting itself
+
+
 def test_batch_invariant(model):
     """A request's logits, bit for bit, alone and batched with others (rms_norm, rotary, SwiGLU and
     grouped-query attention row by row / on pinned configs)."""
@@ -197,15 +216,36 @@ def test_several_eos_ids(tmp_path):
         r = eng.add_request(p, SamplingParams(max_new_tokens=8))
         eng.run()
         assert r.output_ids == toks[:stop_at + 1] and r.finish_reason == "stop", graphs
+    # the device-side step itself stops a row at any of its EOS ids (here the second)
+    g = eng.runner.graphs
+    assert g.NE == 2
+    blocks = list(range(4))
+    g.load([p[-1]], [len(p)], [len(p) + 4], [-1], [blocks])
+    g.run(1, 1)
+    first = g.tokens([len(p)], 1)[0][0]
+    g.load([p[-1]], [len(p)], [len(p) + 4], [(VOCAB + 5, first)], [blocks])
+    g.run(1, 3)
+    assert int(g.pos[0]) == -1 and g.tokens([len(p)], 1)[0][0] == first
 
 
-def test_gpt2_only_paths_say_why(model):
-    """The fused persistent decode step and ``compile=True`` are GPT-2's layer: refused by name, not an
-    AttributeError."""
+def test_fused_decode_says_not_for_this_family(model):
+    """The fused persistent decode step is GPT-2's layer: refused by name, not an AttributeError."""
     assert "not for this family" in FD.why_not(model)
     assert FD.choose(model, None, True, 8)[0] is False
-    eng = Engine(model, num_blocks=16, block_size=4, cuda_graphs=False, compile=True)
-    assert eng.runner.compiled is None and any("compile off: not for this family" in n for n in eng.notes)
+    eng = Engine(model, num_blocks=16, block_size=4, cuda_graphs="eager", fused_decode=True)
+    assert any("fused decode off: not for this family" in n for n in eng.notes)
+
+
+def test_compiled_decode(model):
+    """``compile=True``: on the torch backend the family's own compiled decode (layer and head under
+    torch.compile, rotary inside), the tokens greedy's; on the triton backend refused with a note."""
+    eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=2, cuda_graphs=False, compile=True)
+    if model.backend == "triton":
+        assert eng.runner.compiled is None and any("compile off" in n for n in eng.notes)
+        return
+    assert eng.runner.compiled is not None
+    ps = [_prompt(n, 95 + n) for n in (3, 6, 4)]
+    assert run_all(eng, ps, 4) == [greedy(model, p, 4) for p in ps]
 
 
 @pytest.mark.gpu

@@ -86,6 +86,18 @@ def _case(name, dtype):
                 ref_qmm.quant_matmul(x, qw, b), acc)
     if name.startswith("fp8_"):
         return _fp8_case(name, dtype) + (acc,)
+    if name in ("rms_norm", "rms_norm_add"):  # a 3-D input (rows are every leading dim), a 130-wide row
+        from tritune.references import rms_norm as ref_rms
+
+        x, w, r = _r((2, 3, 130), dtype, 0, 2.0), _r((130,), dtype, 1, 0.5), _r((2, 3, 130), dtype, 2)
+        if name == "rms_norm":
+            return (x, w, 1e-6), {}, ref_rms.rms_norm(x, w, 1e-6), acc
+        return (x, r, w, 1e-5), {}, ref_rms.rms_norm(x, w, 1e-5, r), acc
+    if name == "rotary":  # partial rotary (R 32 of D 48), GQA, positions in any order
+        from tritune.kernels import rotary as rot
+
+        c = rot.SPEC.make_inputs(rot.Problem(7, 4, 2, 48, 32), dtype, DEVICE, 0)
+        return (*c.args, True), {}, rot.SPEC.reference(*c.args), acc
     raise KeyError(name)
 
 
@@ -123,7 +135,7 @@ def _fp8_case(name, dtype):
 FP8 = ["fp8_gemm", "fp8_gemm_block", "fp8_quant/none", "fp8_quant/rms", "fp8_quant/layer", "fp8_quant/swiglu",
        "fp8_attention", "fp8_paged_attention"]
 PURE = ["layer_norm", "gemm", "gelu", "gemv", "linear", "linear_rows", "attention", "attention_varlen",
-        "paged_attention", "quant_matmul"] + FP8
+        "paged_attention", "quant_matmul", "rms_norm", "rms_norm_add", "rotary"] + FP8
 
 
 def _op_of(name):
@@ -238,7 +250,7 @@ def test_matches_reference(name, dtype):
     _half_only(name, dtype)
     args, kwargs, want, acc = _case(name, dtype)
     got = _op_of(name)(*args, **kwargs)
-    out_dtype = dtype if name.startswith("fp8_quant") else got.dtype  # q and its scale: held as the input's
+    out_dtype = dtype if isinstance(got, tuple) else got.dtype  # a pair (fp8_quant's q and scale): the input's
     cmp.check(got, want, out_dtype, acc, what=name)
 
 
@@ -290,6 +302,28 @@ def test_fp8_kv_write_mutates_caches(dtype, monkeypatch):
     assert OPS.fp8_kv_write(k, v, slots, *caches) is None
     cmp.check(caches, fkw.WRITE_SPEC.reference(*c.args, **c.kwargs), dtype, what="fp8_kv_write")
     assert all(t._version > b for t, b in zip(caches, before)) and k._version == before[-1]
+
+
+@pytest.mark.parametrize("dtype", FP, ids=str)
+def test_rotary_kv_writes_the_caches(dtype):
+    """rotary_kv: the rotated k and v written to the paged caches at each token's slot (-1 skipped), the
+    caches declared mutated (opcheck), the rotation itself the reference's."""
+    from tritune.kernels import rotary as rot
+
+    c = rot.SPEC.make_inputs(rot.Problem(5, 4, 2, 32, 32), dtype, DEVICE, 1)
+    q, k, cos, sin, pos = c.args
+    v = _r((5, 2, 32), dtype, 9)
+    kc, vc = torch.zeros(3, 4, 2, 32, dtype=dtype, device=DEVICE), torch.zeros(3, 4, 2, 32, dtype=dtype, device=DEVICE)
+    slots = torch.tensor([6, 0, -1, 11, 3], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(OPS.rotary_kv.default, (q, k, cos, sin, pos, kc.clone(), vc.clone(), slots, v, True))
+    before = kc._version
+    qo, ko = OPS.rotary_kv(q, k, cos, sin, pos, kc, vc, slots, v)
+    cmp.check((qo, ko), rot.SPEC.reference(*c.args), dtype, what="rotary_kv")
+    assert kc._version > before
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(kc.view(-1, 2, 32)[s], ko[t]) and torch.equal(vc.view(-1, 2, 32)[s], v[t])
+    assert not kc.view(-1, 2, 32)[[1, 2, 4, 5, 7, 8, 9, 10]].any()
 
 
 def test_gemv_writes_kv_through_the_op():
@@ -618,7 +652,7 @@ def test_varlen_op_default_is_the_launchers():
 
 
 # --- the runtime path: the body at the device keys, an autograd fast path, custom_op for the rest --------
-MUTATING = ("gemv_kv", "write_kv")
+MUTATING = ("gemv_kv", "write_kv", "fp8_kv_write", "rotary_kv")
 
 
 @pytest.mark.skipif(not torch_ops.LEAN, reason="the lean dispatch path is off on this torch (TRITUNE_LEAN_DISPATCH=1 forces it)")

@@ -119,3 +119,63 @@ def test_packaged_default_checkpoint_loads_and_generates():
     assert model.config.eos_token_id == tok.token_id(T.EOS)
     r = generate(model, "ROMEO:", tokenizer=tok, max_new_tokens=16)
     assert len(r.tokens) == 16 and r.text.strip()
+
+
+@pytest.fixture(scope="module")
+def trained_llama(tmp_path_factory, trained):
+    """A tiny --arch llama run reusing the GPT-2 run's tokenizer (as the packaged Llama-style model does)."""
+    data = tmp_path_factory.mktemp("texts_llama")
+    for i, n in enumerate(["a_gut", "b_gut", "c_gut"]):
+        (data / f"{n}.txt").write_text((PLAY * (4 + i)).replace("Verona", f"Verona {i}"))
+    out = tmp_path_factory.mktemp("ckpt_llama")
+    args = ["--arch", "llama", "--data", str(data), "--tokenizer", str(trained), "--out", str(out), "--n-layer", "2",
+            "--n-embd", "64", "--n-head", "2", "--n-kv-head", "1", "--intermediate", "96", "--n-positions", "32",
+            "--dropout", "0", "--batch-size", "8", "--max-steps", "40", "--warmup", "5", "--lr", "3e-3",
+            "--eval-every", "10", "--device", "cpu", "--sample-tokens", "8"]
+    assert T.main(args) == 0
+    return out
+
+
+def test_llama_training_writes_an_hf_llama_checkpoint(trained_llama, trained):
+    d = trained_llama
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["num_key_value_heads"] == 1 and cfg["tie_word_embeddings"]
+    assert (d / "tokenizer.json").read_bytes() == (trained / "tokenizer.json").read_bytes()
+    assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == cfg["eos_token_id"]
+    m = json.loads((d / "metrics.json").read_text())
+    hist = m["training"]["history"]
+    assert hist[-1]["train_loss"] < hist[0]["train_loss"] - 1.0
+    assert m["val"]["loss"] == pytest.approx(min(h["val_loss"] for h in hist), abs=2e-2)   # fp16 rounding
+    transformers = pytest.importorskip("transformers")
+    from tritune.model.load import load_model
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    ours = load_model(d, backend="torch", dtype=torch.float32, device="cpu")
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours.forward([ids])[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_packaged_llama_checkpoint_loads_and_generates_through_the_engine(capsys):
+    from tritune.model.engine.engine import Engine
+    from tritune.model.engine.scheduler import SamplingParams
+    from tritune.model.load import default_model_dir, load_model
+
+    d = default_model_dir("llama")
+    if d is None:
+        pytest.skip("no packaged Llama-style checkpoint (model/default_llama/config.json) in this checkout")
+    assert (d / "model.safetensors").stat().st_size <= T.MAX_CHECKPOINT_BYTES
+    m = json.loads((d / "metrics.json").read_text())
+    assert m["validation_perplexity"] == pytest.approx(torch.tensor(m["validation_loss"]).exp().item(), rel=1e-3)
+    model = load_model("llama", backend="torch", dtype=torch.float32)      # the short name
+    assert type(model).__name__ == "Llama" and model.directory == d
+    tok = Tokenizer.from_dir(d)
+    assert model.config.eos_token_id == tok.token_id(T.EOS)
+    eng = Engine(model, tokenizer=tok, num_blocks=64, block_size=16, cuda_graphs=False)
+    r, = eng.generate([tok.encode("ROMEO:")], SamplingParams(max_new_tokens=16))
+    assert len(r.token_ids) == 16 and tok.decode(r.token_ids).strip()
+    from tritune.harness.cli import main
+
+    assert main(["generate", "ROMEO:", "--model", "llama", "--max-new-tokens", "16"]) == 0
+    assert tok.decode(r.token_ids) in capsys.readouterr().out      # the CLI's greedy text is the engine's

@@ -23,6 +23,8 @@ MODES = {
     "triton-graphs": dict(backend="triton", cuda_graphs=True),
     "triton-int8": dict(backend="triton", cuda_graphs=True, quant="int8"),
     "triton-int4": dict(backend="triton", cuda_graphs=True, quant="int4"),
+    "triton-fp8": dict(backend="triton", cuda_graphs=True, quant="fp8"),
+    "triton-fp8-kv": dict(backend="triton", cuda_graphs=True, quant="fp8", kv_cache_dtype="fp8"),
 }
 
 
@@ -53,10 +55,12 @@ def random_checkpoint(shape: str, folder, dtype=None):
     kind = fields.pop("model_type")
     cfg = transformers.AutoConfig.for_model(kind, **fields)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):     # a GPU initialises 1B weights in seconds
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(str(folder), safe_serialization=True)
+    del model
     return folder
 
 

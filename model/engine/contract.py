@@ -34,9 +34,13 @@ rows) while the family owns everything else (norms, projections, positions, MLP)
 - ``quant=``: the weight-only swap quantizes the projections the family's weights module lists as
   ``LINEARS`` (``gpt2/weights`` or ``llama/weights``) and the LM head.
 
-GPT-2's fast paths beyond the contract are its own: the fused persistent decode step
-(:mod:`~tritune.model.engine.fused_decode`) and ``compile=True`` read GPT-2's weights by name and are
-refused (said in the engine's notes) for another family.
+- ``compiled_decode(kv, write_kv)`` (optional): ``compile=True``'s decode over the paged cache ``kv``, a
+  callable ``(ids, positions, slots, block_tables, context_lens) -> logits`` (None where the model's backend
+  has none). GPT-2's is the runner's own :class:`~tritune.model.engine.runner.CompiledDecode`.
+
+The fused persistent decode step (:mod:`~tritune.model.engine.fused_decode`) is GPT-2's layer, read by its
+weights' names: refused for another family (said in the engine's notes), as ``compile=True`` is for a family
+without ``compiled_decode``.
 """
 from __future__ import annotations
 

@@ -505,7 +505,8 @@ class Engine:
         """Queue up to ``decode_steps`` decode steps of ``out`` on the device-side step (no host sync)."""
         K = self._num_steps(out)
         reqs, pos = out.decode, out.decode_positions
-        eos = self.model.eos_token_id
+        ids = contract.eos_ids(self.model)
+        eos = ids if len(ids) > 1 else ids[0] if ids else None    # every id a row stops at (Llama-3: several)
         stops = [p + min(K, r.tokens_left) for r, p in zip(reqs, pos)]
         # a sampled row's EOS is the drawn token's, seen by update() on the host (the device checks the greedy one)
         eoss = [-1 if eos is None or r.sampling.ignore_eos or r.sampling.temperature else eos for r in reqs]

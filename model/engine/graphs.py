@@ -158,13 +158,15 @@ def embedding_tables(model):
 
 @triton.jit
 def _step_out_kernel(Logits, stride_l, V, Ids, Pos, Stop, Eos, Hist, R, PartV, PartI, Tickets,
-                     CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                     CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+                     NE: tl.constexpr = 1, NE_P2: tl.constexpr = 2):
     """Row b after a decode step, CHUNKS programs per row: the greedy token (the first maximum of its
     logits, as torch.argmax). Program c takes the maximum of chunk c and its first index; the last of the
     row's programs to finish (a ticket) takes the first chunk holding the overall maximum and finishes the
     row: for a live row (pos >= 0) the token becomes the next input and lands in the row's ring of the
     last R tokens at (pos + 1) % R, and pos advances; the row turns to padding (pos -1) once pos reaches
-    stop[b] or the token is eos[b] (-1: none). The ticket is reset for the next step."""
+    stop[b] or the token is one of the row's NE EOS ids eos[b, :] (-1: none). The ticket is reset for the next
+    step."""
     if PDL:  # launched while the LM head ends: wait for its logits
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -188,8 +190,10 @@ def _step_out_kernel(Logits, stride_l, V, Ids, Pos, Stop, Eos, Hist, R, PartV, P
             tl.store(Ids + b, tok)
             tl.store(Hist + b * R + (pos + 1) % R, tok)
             stop = tl.load(Stop + b)
-            eos = tl.load(Eos + b)
-            tl.store(Pos + b, tl.where((pos + 1 >= stop) | (tok == eos), -1, pos + 1))
+            es = tl.arange(0, NE_P2)
+            eos = tl.load(Eos + b * NE + es, mask=es < NE, other=-1)
+            hit = tl.max((eos == tok).to(tl.int32), axis=0) > 0
+            tl.store(Pos + b, tl.where((pos + 1 >= stop) | hit, -1, pos + 1))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,12 +209,12 @@ class DecodeGraphs:
     advances the state on the device (one kernel): the token becomes the next input and lands in a ring
     of the last ``hist`` tokens, the position moves on, a row that reached its stop or produced its EOS
     turns to padding. ``capture=False`` runs the same step eagerly (no CUDA graphs: the CPU, and tests of
-    the host logic).
+    the host logic). ``n_eos``: EOS ids a row may have (a model listing several, as Llama-3 does).
     """
 
     OUT_CHUNKS = 8
 
-    def __init__(self, model, kv, max_blocks, buckets, *, hist: int = 16, capture: bool = True):
+    def __init__(self, model, kv, max_blocks, buckets, *, hist: int = 16, capture: bool = True, n_eos: int = 1):
         self.model, self.kv = model, kv
         self.device = torch.device(model.device)
         self.buckets, self.Bmax, self.mb, self.R = list(buckets), buckets[-1], max_blocks, hist
@@ -218,13 +222,16 @@ class DecodeGraphs:
         self.max_pos = min(model.max_context, max_blocks * self.block_size) - 1
         Bm, dev = self.Bmax, self.device
         pin = dev.type == "cuda"
-        self.h = torch.zeros(4 * Bm + Bm * max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.NE = NE = max(1, int(n_eos))
+        self.top = (3 + NE) * Bm           # ids, positions, stops, EOS ids (NE a row); block tables after
+        self.h = torch.zeros(self.top + Bm * max_blocks, dtype=torch.int32, pin_memory=pin)
         self.n = self.h.numpy()
         self.n[Bm:2 * Bm] = -1             # every row padding
-        self.n[3 * Bm:4 * Bm] = -1         # no EOS
+        self.n[3 * Bm:self.top] = -1       # no EOS
         self.d = self.h.to(dev)
-        self.ids, self.pos, self.stop, self.eos = (self.d[i * Bm:(i + 1) * Bm] for i in range(4))
-        self.bt = self.d[4 * Bm:].view(Bm, max_blocks)
+        self.ids, self.pos, self.stop = (self.d[i * Bm:(i + 1) * Bm] for i in range(3))
+        self.eos = self.d[3 * Bm:self.top]
+        self.bt = self.d[self.top:].view(Bm, max_blocks)
         self.slots = torch.full((Bm,), -1, dtype=torch.int32, device=dev)
         self.ctx = torch.ones(Bm, dtype=torch.int32, device=dev)
         self.hist = torch.zeros((Bm, hist), dtype=torch.int32, device=dev)
@@ -259,7 +266,8 @@ class DecodeGraphs:
                                                self.hist, self.R, self.part_v, self.part_i, self.tickets,
                                                CHUNKS=self.out_chunks,
                                                CHUNKS_P2=triton.next_power_of_2(self.out_chunks),
-                                               BLOCK_V=self.out_block,
+                                               BLOCK_V=self.out_block, NE=self.NE,
+                                               NE_P2=max(2, triton.next_power_of_2(self.NE)),
                                                num_warps=8 if self.out_block >= 4096 else 4, **pdl)
         return logits
 
@@ -272,16 +280,25 @@ class DecodeGraphs:
 
     def load(self, ids, positions, stops, eos, tables):
         """Set rows 0..B-1 (the rest of the bucket: padding): input token, its position, the position at
-        which the row stops, its EOS id (-1: none), its block table (BlockTable or list of block ids; rows
-        of one prefill chunk pass the same object)."""
+        which the row stops, its EOS id (-1: none; with ``n_eos`` > 1 a sequence of up to that many ids),
+        its block table (BlockTable or list of block ids; rows of one prefill chunk pass the same object)."""
         B = len(ids)
         b, Bm, n = self.bucket(B), self.Bmax, self.n
         n[:B] = ids
         n[Bm:Bm + B] = positions
         n[Bm + B:Bm + b] = -1
         n[2 * Bm:2 * Bm + B] = stops
-        n[3 * Bm:3 * Bm + B] = eos
-        bt = n[4 * Bm:].reshape(Bm, self.mb)
+        if self.NE == 1:
+            n[3 * Bm:3 * Bm + B] = eos
+        else:
+            e = n[3 * Bm:self.top].reshape(Bm, self.NE)
+            e[:B] = -1
+            for i, ids_i in enumerate(eos):
+                if isinstance(ids_i, (int, np.integer)):
+                    e[i, 0] = ids_i
+                else:
+                    e[i, :len(ids_i)] = ids_i
+        bt = n[self.top:].reshape(Bm, self.mb)
         rows, lens = self._rows, self._row_len
         i = 0
         while i < B:                         # a row's table only grows: write just its new blocks
@@ -303,7 +320,7 @@ class DecodeGraphs:
                 rows[i], lens[i] = t, k
             i = j
         # The previous load's copy is done: every caller syncs on its tokens before loading again.
-        k = 4 * Bm + b * self.mb
+        k = self.top + b * self.mb
         self.d[:k].copy_(self.h[:k], non_blocking=True)
 
     def run(self, B, steps: int = 1):

@@ -19,6 +19,8 @@ reduction a row takes depends only on that row:
   So a decode step has the default step's launches. Where a linear does not take it (quantized weights
   on ``quant_matmul``) LayerNorm runs as its own kernel, one row per program (``ROWS=1``), the row's
   block pinned;
+- RMSNorm (the Llama family): its own kernel, one row a program (``ROWS=1``), the row's block pinned;
+  rotary and SwiGLU are elementwise (on the torch backend row by row, as GELU below);
 - attention, prefill and decode alike: every row (prefill tokens and decode tokens of one step) attends
   through ``paged_attention`` over the KV cache, its context its own position + 1, with one config per
   model (fixed KV partition in tokens, so the chunks and their merge order follow only the row's own
@@ -365,7 +367,7 @@ def is_invariant(model) -> bool:
 
 
 def invariant_model(model):
-    """``model`` (a GPT2, maybe quantized) on batch-invariant ops; the caller's model is left as it is."""
+    """``model`` (any family's, maybe quantized) on batch-invariant ops; the caller's model is left as it is."""
     if isinstance(model.ops, (TritonInvariantOps, TorchInvariantOps)):
         return model
     cls = TritonInvariantOps if model.backend == "triton" else TorchInvariantOps

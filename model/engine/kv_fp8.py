@@ -69,7 +69,8 @@ class Fp8KVOps:
         else:
             self.steps["attention decode"] = "fp8 KV cache: per-token e4m3 in PyTorch, decode on dequantized blocks"
         # the decode step never syncs with the host where both kernels run it (validate=False)
-        self.capturable = backend == "triton" and getattr(base, "capturable", False)
+        kernels = self._write is not None and all(kc.shape[-1] in self._head_dims for kc in k_caches)
+        self.capturable = kernels and getattr(base, "capturable", False)
 
     def __getattr__(self, name):
         if name == "base":
@@ -123,6 +124,14 @@ class Fp8KVOps:
         if fused is not None:
             return fused(x, ln_w, ln_b, eps, w, b, activation=activation, kv=None)
         return self.base.linear(self.base.layer_norm(x, ln_w, ln_b, eps), w, b, activation=activation), False
+
+
+    def rms_linear(self, x, norm_w, eps, w, b=None, activation=None):
+        """The base's fused RMSNorm + linear where it has one (the Llama family's hook), else the steps."""
+        if hasattr(type(self.base), "rms_linear"):
+            return self.base.rms_linear(x, norm_w, eps, w, b, activation=activation)
+        y = self.base.linear(self.base.rms_norm(x, norm_w, eps), w, b)
+        return self.base.swiglu(y) if activation == "swiglu" else y
 
 
 def is_fp8_kv(ops) -> bool:

@@ -30,6 +30,7 @@ import torch
 
 from tritune.model.gpt2 import model as G
 from tritune.model.engine.config import GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, GRAPH_PREFILL_WORK  # noqa: F401
+from tritune.model.engine.contract import eos_ids
 from tritune.model.engine.graphs import DecodeGraphs
 from tritune.model.quant.ops import is_quantized
 
@@ -329,7 +330,7 @@ class ModelRunner:
         if cuda_graphs == "eager":
             # the model's own ops: padding rows (slot -1) go through write_kv, which must skip them
             self.graphs = DecodeGraphs(self._decode_model(model, fused_decode, buckets), pool, self.max_blocks,
-                                       buckets, hist=hist, capture=False)
+                                       buckets, hist=hist, capture=False, n_eos=len(eos_ids(model)))
             self.notes.append(f"device-side decode step at batch {buckets}, run eagerly (no capture)")
         elif cuda_graphs:
             if self.device.type != "cuda":
@@ -342,7 +343,7 @@ class ModelRunner:
                                   f"kernel for head dim {model.head_dim})")
             else:
                 self.graphs = DecodeGraphs(self._decode_model(model, fused_decode, buckets), pool, self.max_blocks,
-                                           buckets, hist=hist)
+                                           buckets, hist=hist, n_eos=len(eos_ids(model)))
                 self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
                                   f"(captured in {self.graphs.capture_s:.1f} s)")
         if self.graphs is None:
@@ -350,23 +351,33 @@ class ModelRunner:
         elif self.graph_prefill_tokens:
             self.notes.append(f"prefill rows in the device-side step: up to {self.graph_prefill_tokens} a step")
         if compile:
-            from tritune.model.gpt2.weights import GPT2Weights
+            self._compile(model, pool)
 
-            if not isinstance(model.w, GPT2Weights):
-                self.notes.append(f"compile off: not for this family ({getattr(model.config, 'model_type', '?')}: the "
-                                  "compiled decode is GPT-2's layer, read by its weight names)")
-            elif is_quantized(model):
-                self.notes.append("compile off: quantized linears have no compiled decode")
-            elif getattr(model.ops, "gather_kv", None) is not None:
-                self.notes.append("compile off: the compiled decode reads a dense KV cache")
-            elif model.backend == "triton" and not getattr(model.ops, "capturable", False):
-                self.notes.append("compile off: no paged-attention kernel for head dim "
-                                  f"{model.head_dim}")
-            else:
-                self.compiled = CompiledDecode(self.model, pool)
-                on = "the Triton kernels as torch.ops.tritune" if model.backend == "triton" else "the torch ops"
-                self.notes.append(f"decode forward's layer and head under torch.compile(dynamic=True) on {on}, "
-                                  "one compile for all layers; KV write and prefill eager")
+    def _compile(self, model, pool) -> None:
+        """``compile=True``: GPT-2's compiled decode (:class:`CompiledDecode`), or the family's own
+        (``model.compiled_decode(kv, write_kv)``, None where its backend has none); else a note why not."""
+        from tritune.model.gpt2.weights import GPT2Weights
+
+        gpt2 = isinstance(model.w, GPT2Weights)
+        family = None if gpt2 else getattr(self.model, "compiled_decode", None)
+        if not gpt2 and family is None:
+            self.notes.append(f"compile off: not for this family ({getattr(model.config, 'model_type', '?')}: the "
+                              "compiled decode is GPT-2's layer, read by its weight names)")
+        elif is_quantized(model):
+            self.notes.append("compile off: quantized linears have no compiled decode")
+        elif getattr(model.ops, "gather_kv", None) is not None:
+            self.notes.append("compile off: the compiled decode reads a dense KV cache")
+        elif model.backend == "triton" and not getattr(model.ops, "capturable", False):
+            self.notes.append("compile off: no paged-attention kernel for head dim "
+                              f"{model.head_dim}")
+        else:
+            self.compiled = CompiledDecode(self.model, pool) if gpt2 else family(pool, _index_write_kv)
+            if self.compiled is None:
+                self.notes.append(f"compile off: no compiled decode for this family on the {model.backend} backend")
+                return
+            on = "the Triton kernels as torch.ops.tritune" if model.backend == "triton" else "the torch ops"
+            self.notes.append(f"decode forward's layer and head under torch.compile(dynamic=True) on {on}, "
+                              "one compile for all layers; KV write and prefill eager")
 
     def _decode_model(self, model, fused_decode, buckets):
         """The model the device-side decode step runs: batches of up to 8 rows as one persistent launch

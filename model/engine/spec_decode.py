@@ -736,15 +736,15 @@ def default_draft_dir(model):
 
 
 def load_draft(model, draft=None):
-    """The draft GPT-2 for ``model``: ``draft`` (a directory or hub id), default :func:`default_draft_dir`;
-    on the target's backend, dtype and device."""
-    from tritune.model.gpt2.model import GPT2
+    """The draft for ``model``: ``draft`` (a directory or hub id; any family, by its config.json), default
+    :func:`default_draft_dir`; on the target's backend, dtype and device."""
+    from tritune.model.load import load_model
 
     path = draft if draft is not None else default_draft_dir(model)
     if path is None:
         raise ValueError(f"draft: {getattr(model, 'directory', None) or 'the model'} has no packaged draft "
                          f"({DRAFT_SUBDIR}/config.json); pass a draft checkpoint sharing its tokenizer")
-    return GPT2.from_pretrained(path, backend=model.backend, dtype=model.dtype, device=model.device)
+    return load_model(path, backend=model.backend, dtype=model.dtype, device=model.device)
 
 
 def make_proposer(name: str, model, *, k: int | None = None, draft=None, block_size: int = 16):

@@ -286,6 +286,15 @@ class Llama:
             m.ops = ops
         return m
 
+    def compiled_decode(self, kv, write_kv):
+        """The engine's ``compile=True`` decode over the paged cache ``kv`` (torch backend: the layer and head
+        under torch.compile; ``write_kv`` the eager cache write), or None where this backend has none."""
+        if self.backend != "torch":
+            return None
+        from tritune.model.llama.compiled import CompiledDecode
+
+        return CompiledDecode(self, kv, write_kv, TorchOps)
+
     @classmethod
     def from_pretrained(cls, model, *, backend: str = "triton", dtype: torch.dtype = torch.float32,
                         device=None) -> "Llama":

@@ -9,9 +9,9 @@ it is one GEMM of many). ``with_fp8_weights(model, weights)`` runs weights quant
 FP8 checkpoint: :mod:`tritune.model.quant.fp8_hf`).
 
 Where the model's forward hands a norm and the linear after it to ``ln_linear`` (GPT-2's ln_1/ln_2 before
-the qkv and MLP-in projections), the norm is fused into the activation quantization (``fp8_quant``'s
-``norm=``): the normalized bf16 row never reaches memory. Elsewhere the activations are quantized as they
-come. Triton backend, fp16/bf16 activations: the kernels ``fp8_quant`` and ``fp8_gemm``; the torch backend
+the qkv and MLP-in projections) or to ``rms_linear`` (the Llama family's input and post-attention
+RMSNorms), the norm is fused into the activation quantization (``fp8_quant``'s ``norm=``): the normalized
+bf16 row never reaches memory. Elsewhere the activations are quantized as they come. Triton backend, fp16/bf16 activations: the kernels ``fp8_quant`` and ``fp8_gemm``; the torch backend
 (and fp32 activations, which ``fp8_gemm`` does not output) computes the same quantized math in PyTorch with
 ``tritune.references.fp8``'s quantizers: rows scaled by max|row| / 448 and rounded to e4m3, the product of
 the dequantized operands in float32.
@@ -179,6 +179,9 @@ class Fp8Ops:
 
     def _run(self, q, s, x, w: Fp8Weight, b, activation, residual):
         lead = x.shape[:-1]
+        if activation == "swiglu":      # on the [gate | up] output: not an fp8_gemm epilogue (N halves)
+            y = self.base.swiglu(self._run(q, s, x, w, b, None, None))
+            return y if residual is None else y + residual
         res = None if residual is None else residual.reshape(-1, w.N)
         if self._kernels(x):
             y = self._gemm(q, w.b, s, w.b_scale, b, activation=activation or "none", residual=res, out_dtype=x.dtype)
@@ -209,6 +212,23 @@ class Fp8Ops:
                              None if ln_b is None else ln_b.float(), eps)
             q, s = torch_quant_rows(h)
         return self._run(q, s, x, w, b, activation, None), False
+
+
+    def rms_linear(self, x, norm_w, eps, w, b=None, activation=None):
+        """linear(rms_norm(x)) (the Llama family's hook), the RMSNorm fused into the activation quantization;
+        ``activation`` None or "swiglu" (``w`` the [gate | up] weight), applied to the GEMM's output."""
+        if not isinstance(w, Fp8Weight):
+            if hasattr(type(self.base), "rms_linear"):
+                return self.base.rms_linear(x, norm_w, eps, w, b, activation=activation)
+            y = self.base.linear(self.base.rms_norm(x, norm_w, eps), w, b)
+            return self.base.swiglu(y) if activation == "swiglu" else y
+        x2 = x.reshape(-1, x.shape[-1])
+        if self._kernels(x):
+            q, s = self._quant(x2, norm=("rms", norm_w, eps))
+        else:
+            h = x2.float() * torch.rsqrt(x2.float().pow(2).mean(-1, keepdim=True) + eps)
+            q, s = torch_quant_rows(h if norm_w is None else h * norm_w.float())
+        return self._run(q, s, x, w, b, activation, None)
 
 
 def with_fp8_weights(model, weights):

@@ -72,7 +72,8 @@ def check_mode(quant) -> None:
 
 
 def quantize_weights(w, quant: str, group_size: int = 128):
-    """A copy of GPT2Weights with every linear weight rounded to nearest (embeddings and norms kept).
+    """A copy of a family's weights (GPT2Weights, LlamaWeights) with every linear weight (:func:`linears_of`)
+    and the LM head rounded to nearest (embeddings and norms kept).
 
     Our projections are stored (K, N) for gemm; the quantizers take the nn.Linear (N, K) layout, hence .t().
     """
@@ -108,7 +109,7 @@ def mode_of(weights) -> str | None:
 
 
 def with_quantized_weights(model, weights):
-    """``model`` (a GPT2) on ``weights`` (GPT2Weights whose linears are QuantizedWeight, from any
+    """``model`` (any family's) on ``weights`` (its weights whose linears are QuantizedWeight, from any
     quantizer), with ops that run them. The caller's model is left as it is."""
     mode = mode_of(weights)
     if mode is None:

@@ -22,6 +22,9 @@ generation answer 503 ("warming up", with Retry-After), so a client or a load ba
 Beyond OpenAI's fields: ``top_k``, ``ignore_eos``, and ``return_token_ids`` (each choice, and each streamed
 chunk, carries its token ids). A client that disconnects aborts its requests at the engine's next step,
 which frees their KV blocks.
+Models: any checkpoint :func:`tritune.model.load.load_model` runs (GPT-2 dense or quantized, Llama, Qwen2/3,
+Mistral), or ``llama`` (the packaged Llama-style model); the chat template is the checkpoint's
+(``chat_template`` of tokenizer_config.json), rendered as transformers' ``apply_chat_template`` does.
 """
 from __future__ import annotations
 
@@ -407,7 +410,8 @@ def add_parser(subparsers, name: str) -> None:
     s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory or Hugging Face hub id (default: the packaged checkpoint)")
+                   help="checkpoint directory or Hugging Face hub id of any family tritune loads (GPT-2, Llama, "
+                        "Qwen2/3, Mistral; default: the packaged checkpoint; `llama`: the packaged Llama-style one)")
     s.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request "
