@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tritune.kernels.runtime import compare as cmp  # noqa: E402
+from tritune.kernels.runtime import device as runtime_device  # noqa: E402
 from tritune.model.llama import rope  # noqa: E402
 from tritune.model.llama.config import LlamaConfig, UnsupportedModelError  # noqa: E402
 from tritune.model.llama.model import load_model  # noqa: E402
@@ -225,7 +226,7 @@ def test_triton_backend_matches_transformers(checkpoint):
     """The smallest config on the kernels (interpreter): rms_norm, rotary, gemm / gemv, varlen attention with
     2 query heads per KV head, the paged KV write and paged attention."""
     hf, d = checkpoint("llama-triton")
-    model = load_model(d, backend="triton", device="cpu")
+    model = load_model(d, backend="triton", device=runtime_device.device())
     assert "kernel tritune.kernels.rotary" in model.backend_report()
     p = _prompt(9, 4)
     with torch.no_grad():
@@ -285,7 +286,7 @@ def test_engine_on_the_triton_backend(checkpoint):
     from tritune.model.engine.engine import Engine
     from tritune.model.engine.scheduler import SamplingParams
 
-    model = load_model(checkpoint("llama-triton")[1], backend="triton", device="cpu")
+    model = load_model(checkpoint("llama-triton")[1], backend="triton", device=runtime_device.device())
     ps = [_prompt(5, 40), _prompt(3, 41)]
     eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=2, cuda_graphs=False)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in ps]

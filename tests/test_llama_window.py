@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tritune.kernels.runtime import compare as cmp  # noqa: E402
+from tritune.kernels.runtime import device as runtime_device  # noqa: E402
 from tritune.model.llama.config import LlamaConfig  # noqa: E402
 from tritune.model.llama.model import load_model  # noqa: E402
 
@@ -133,7 +134,7 @@ def test_fp32_logits_past_the_window_match_transformers(checkpoint, name):
         with torch.no_grad():
             want = hf(torch.tensor([s])).logits[0]
         cmp.check(g, want.double(), torch.float32, what=name)
-    assert not torch.allclose(got[0], _full_attention_logits(hf, seqs[0]), atol=1e-3)
+    assert not torch.allclose(got[0].cpu(), _full_attention_logits(hf, seqs[0]), atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2"])
@@ -149,7 +150,7 @@ def test_greedy_past_the_window_matches_transformers_generate(checkpoint, name):
 def test_triton_backend_window_matches_transformers(checkpoint):
     """The kernels (interpreter): varlen prefill with window=6 over a 13-token prompt, paged decode with it."""
     hf, d = checkpoint("mistral-triton")
-    model = load_model(d, backend="triton", device="cpu")
+    model = load_model(d, backend="triton", device=runtime_device.device())
     seqs = [_prompt(13, 7), _prompt(4, 8)]
     for s, g in zip(seqs, model.forward(seqs)):
         with torch.no_grad():

@@ -48,7 +48,7 @@ def miss_env(tmp_path, monkeypatch):
 
 
 def launch():
-    x = torch.randn(1021, dtype=torch.float32)
+    x = torch.randn(1021, dtype=torch.float32, device=dev.device())
     y = gelu_mod.gelu(x, "tanh")
     torch.testing.assert_close(y.double(), torch.nn.functional.gelu(x.double(), approximate="tanh"),
                                rtol=1e-5, atol=1e-5)
@@ -119,12 +119,13 @@ TWO = r"""
 import os, sys, time
 import torch
 from tritune.kernels import gelu
+from tritune.kernels.runtime import device as dev
 rv, me = sys.argv[1], sys.argv[2]
 open(os.path.join(rv, me), "w").close()
 while len(os.listdir(rv)) < 2:   # both imported: launch together
     time.sleep(0.05)
 from tritune import kernels as K
-gelu.gelu(torch.randn(1021), "tanh")
+gelu.gelu(torch.randn(1021, device=dev.device()), "tanh")
 print("CONFIG", K.CONFIG_CACHE[gelu.SPEC.config_key(gelu.Problem(1021, "tanh"), torch.float32)])
 """
 
