@@ -201,3 +201,18 @@ def test_no_lab_paths(folder):
     lab = "lab" + "/"   # spelled apart, so that `git grep` for lab paths finds none in the tree
     hits = [str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*.py") if lab in p.read_text()]
     assert not hits, f"files citing {lab} paths: {hits}"
+
+
+def test_every_package_folder_is_installed():
+    """A folder with an ``__init__.py`` that pyproject does not list is missing from a non-editable install
+    (an editable one finds it anyway): CI installs as users do."""
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    dirs = {v: k for k, v in cfg["package-dir"].items()}
+    found = set()
+    for init in (p for f in FOLDERS for p in (ROOT / f).rglob("__init__.py") if "__pycache__" not in p.parts):
+        rel = init.parent.relative_to(ROOT).as_posix()
+        found.add(dirs.get(rel) or module_name(init))
+    assert found <= listed, f"packages missing from pyproject: {sorted(found - listed)}"
