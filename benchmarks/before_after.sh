@@ -31,9 +31,9 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     use "$dir" "$t" || exit 1
     echo "== round $r: $t ($(cd "$dir" && cat .commit 2>/dev/null || echo checkout))"
     # shellcheck disable=SC2046  (the script and its output flag)
-    (cd "$dir" && timeout 150 python $(decode_cmd "$dir" "$OUT/$t/decode-$r") --methods engine,triton-graph \
+    (cd "$dir" && timeout "${DECODE_TIMEOUT:-150}" python $(decode_cmd "$dir" "$OUT/$t/decode-$r") --methods engine,triton-graph \
         --new 128 --reps 3 2>&1 | tail -8)
-    (cd "$dir" && timeout 200 tritune serve-bench -n "${SERVE_N:-512}" --modes triton-graphs --hf-requests -1 \
+    (cd "$dir" && timeout "${SERVE_TIMEOUT:-200}" tritune serve-bench -n "${SERVE_N:-512}" --modes triton-graphs --hf-requests -1 \
         --naive-requests 0 --out "$OUT/$t/serve-$r.json" -q 2>&1 | tail -6)
     if [ "$r" = 1 ]; then
       (cd "$dir" && timeout "${BENCH_BUDGET:-240}" tritune bench ${KERNELS:-} --dtype bf16 --no-peers \
