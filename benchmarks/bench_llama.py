@@ -139,7 +139,7 @@ def main(argv=None) -> int:
 
     from tritune.kernels.runtime import device as dev
 
-    bw = dev.ceilings()["copy_bytes_per_s"] / 2   # a copy reads and writes: bytes moved each way per second
+    bw = dev.ceilings()["copy_bytes_per_s"]   # bytes a copy moves per second (read + write), as the rooflines use
     out = []
     for shape in args.shape or ["llama-3.2-1b"]:
         with tempfile.TemporaryDirectory() as tmp:
