@@ -69,14 +69,13 @@ def serve(model, group=None):
     if group is not None and group.rank != 0:
         ledger, pool = serving.follow(group, model)
         return {"ledger": ledger.summary(), "num_blocks": pool.num_blocks, "cache": pool.cache.numpy().copy()}
-    eng = Engine(model, num_blocks=NUM_BLOCKS, cuda_graphs=False)
-    lead = serving.lead(eng.runner, group) if group is not None else None
+    eng = Engine(model, num_blocks=NUM_BLOCKS)      # on a group's rank 0 it leads the others (tp_lead)
     tokens = [c.token_ids for c in eng.generate(ps, GREEDY)]
     out = {"tokens": tokens, "num_free": eng.pool.num_free, "peak_used": eng.pool.peak_used,
            "num_blocks": eng.pool.num_blocks, "cache": eng.pool.cache.numpy().copy()}
-    if lead is not None:
-        lead.close()
-        out["ledger"] = lead.ledger.summary()
+    eng.close()
+    if group is not None:
+        out["ledger"] = eng.tp_lead.ledger.summary()
     return out
 
 
@@ -228,12 +227,11 @@ def test_refusals_name_the_argument():
 # ---------------------------------------------------------------------------------------------------
 def test_engine_on_a_started_group_and_a_killed_follower(reference):
     ref = reference["gpt2"]
-    local = serving.start(reference["gpt2_model"], 2)
-    session = local.tp.session
+    eng = Engine(reference["gpt2_model"], tensor_parallel=2, num_blocks=NUM_BLOCKS)
+    session = eng.model.tp.session
     try:
-        eng = Engine(local, num_blocks=NUM_BLOCKS, cuda_graphs=False)
-        session.lead(eng.runner)
-        ps = prompts(local.vocab_size)
+        assert eng.runner.graphs is None and any("tensor parallel over 2" in n for n in eng.notes)
+        ps = prompts(eng.model.vocab_size)
         assert [c.token_ids for c in eng.generate(ps, GREEDY)] == ref["tokens"]
         assert eng.pool.num_free == NUM_BLOCKS
         # a follower killed between steps: the next step fails its requests with the rank and exit code
@@ -248,7 +246,32 @@ def test_engine_on_a_started_group_and_a_killed_follower(reference):
         with pytest.raises(RuntimeError, match="unusable"):     # and it stays failed, fast
             eng.generate([ps[0]], GREEDY)
     finally:
-        session.close()
+        eng.close()
+    eng.close()                                                 # (once is enough)
+
+
+def test_engine_refuses_what_has_no_tensor_parallel_path(reference):
+    m = reference["gpt2_model"]
+    with pytest.raises(ValueError, match="tensor_parallel: not supported with quant"):
+        Engine(m, tensor_parallel=2, quant="int8")
+    with pytest.raises(ValueError, match="tensor_parallel: 3 ranks do not divide the 4 attention heads"):
+        Engine(m, tensor_parallel=3)
+    with pytest.raises(ValueError, match="tensor_parallel: expected an int >= 1"):
+        Engine(m, tensor_parallel=0)
+
+
+def test_generate_cli_tp_flag(capsys):
+    from tritune.harness.cli import main
+
+    base = ["generate", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0", "--dtype", "fp32",
+            "--backend", "torch"]
+    assert main(base) == 0
+    out = capsys.readouterr()[0]
+    assert main(base + ["--tp", "2"]) == 0
+    got, err = capsys.readouterr()
+    assert got == out and "tp 2" in err
+    assert main(base + ["--tp", "3"]) == 2
+    assert "--tp: 3 ranks do not divide" in capsys.readouterr()[1]
 
 
 def test_init_from_torchrun_variables(monkeypatch):

@@ -45,6 +45,9 @@ def add_parser(subparsers, name: str) -> None:
                    help="--speculative: draft tokens per step (default 4 for ngram, 2 for draft)")
     s.add_argument("--kv-cache-dtype", choices=("fp8",), default=None,
                    help="fp8: the paged KV cache in e4m3 with per-token scales (default: the model's dtype)")
+    s.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism: split the model over this many ranks (processes started here; gloo on "
+                        "the CPU, NCCL on GPUs)")
     s.set_defaults(func=run)
 
 
@@ -73,12 +76,14 @@ def run(args) -> int:
                   "through the Triton interpreter, slowly)", file=sys.stderr)
     dtype = args.dtype or default_dtype()
     set_cpu_threads()
+    model = None
     try:
         model = load_model(model_path, backend=backend, dtype=dtype)
         if args.deterministic:
             from tritune.model.engine.invariant import invariant_model
 
             model = invariant_model(model)
+        model = _tensor_parallel(model, args)
         tok = Tokenizer.from_dir(model.directory)
         spec = None
         if args.speculative:
@@ -95,9 +100,11 @@ def run(args) -> int:
                    temperature=temperature, top_k=top_k, top_p=top_p, seed=args.seed,
                    stop=args.stop, truncate=args.truncate, speculative=spec, kv_cache_dtype=args.kv_cache_dtype)
     except ContextLimitError as e:
+        _close_tp(model)
         print(f"tritune generate: {e.describe(lambda n: f'--max-new-tokens {n}', '--truncate')}", file=sys.stderr)
         return 2
     except (FileNotFoundError, NotADirectoryError, ValueError, TypeError) as e:
+        _close_tp(model)
         print(f"tritune generate: {_flags(str(e))}", file=sys.stderr)
         return 2
     if g.result.truncated:
@@ -116,15 +123,36 @@ def run(args) -> int:
         st = g.engine.stats
         spec_note = (f"; {spec.name}: {st['spec_accepted']}/{st['spec_proposed']} drafts accepted"
                      if st.get("spec_proposed") else f"; {spec.name}: no drafts proposed")
-    print(f"[{backend}, {str(dtype).replace('torch.', '')}, {model.device}] {r.timings}; "
+    g.engine.close()        # (the other ranks of --tp)
+    tp_note = f", tp {args.tp}" if args.tp > 1 else ""
+    print(f"[{backend}, {str(dtype).replace('torch.', '')}, {model.device}{tp_note}] {r.timings}; "
           f"stopped: {r.finish_reason}{spec_note}", file=sys.stderr)
     return 0
+
+
+def _tensor_parallel(model, args):
+    """--tp N: rank 0's shard of the model, the other ranks started (tritune.model.parallel)."""
+    if args.tp == 1:
+        return model
+    from tritune.model.parallel.serving import engine_model
+
+    return engine_model(model, args.tp, batch_invariant=args.deterministic, speculative=args.speculative,
+                        kv_cache_dtype=args.kv_cache_dtype)
+
+
+def _close_tp(model) -> None:
+    """Stop the ranks --tp started (a command that fails after starting them)."""
+    if getattr(model, "tp", None) is not None:
+        from tritune.model.parallel.serving import engine_close
+
+        engine_close(model, None)
 
 
 def _flags(msg: str) -> str:
     """A library message in the command line's terms: argument names become the flags that set them."""
     if msg.startswith("k: "):       # the proposer's draft length
         msg = "--spec-k: " + msg[3:]
+    msg = msg.replace("tensor_parallel:", "--tp:", 1)
     for name in ("max_new_tokens", "temperature", "top_k", "top_p", "draft"):
         msg = msg.replace(f"{name}:", f"--{name.replace('_', '-')}:", 1)
     return msg

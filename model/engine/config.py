@@ -68,6 +68,7 @@ class EngineConfig:
     graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS
     graph_prefill_work: int | None = GRAPH_PREFILL_WORK
     long_prefill_token_threshold: int | None = None
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         self._check_kv()
@@ -99,6 +100,7 @@ class EngineConfig:
         _int("graph_prefill_tokens", self.graph_prefill_tokens, 0)
         _int("graph_prefill_work", self.graph_prefill_work, 1, none=True)
         _int("long_prefill_token_threshold", self.long_prefill_token_threshold, 1, none=True)
+        _int("tensor_parallel", self.tensor_parallel, 1)
         if self.long_prefill_token_threshold is not None and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold: cuts prompts into chunks; it needs "
                              "enable_chunked_prefill=True")

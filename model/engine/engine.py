@@ -160,6 +160,9 @@ class Engine:
     ``long_prefill_token_threshold`` (chunked prefill only; default None: off): at most this many tokens of
     one prompt per step, e.g. ``graph_prefill_tokens`` so that every chunk takes that path.
     ``stats["request_errors"]``: requests ended alone by a failure of their own (:meth:`step`).
+    ``tensor_parallel`` (default 1): split the model over this many ranks (:mod:`tritune.model.parallel`:
+    processes started here, gloo on the CPU, NCCL on GPUs; this process is rank 0 and schedules); a model
+    that is already one rank's shard runs as it is. Decode steps run eager; :meth:`close` stops the ranks.
     ``path_counts``: how many steps took each path ("graph": decode-only replays, "graph-mixed",
     "graph-prefill", "graph" beside an eager prefill is "graph+eager", "eager", "mixed", "compile", "spec").
     """
@@ -167,6 +170,11 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None, **kwargs):
         cfg = self.engine_config = EngineConfig.build(config, **kwargs)
         contract.check(model)
+        from tritune.model.parallel import serving as tp
+        # one rank's shard of a tensor-parallel model (tritune.model.parallel), split here for tensor_parallel > 1
+        model = tp.engine_model(model, cfg.tensor_parallel, quant=cfg.quant, compile=cfg.compile,
+                                batch_invariant=cfg.batch_invariant, speculative=cfg.speculative is not None,
+                                kv_cache_dtype=cfg.kv_cache_dtype)
         self.decode_steps = cfg.decode_steps
         self.run_ahead = cfg.run_ahead
         self._ahead = None      # (out, launched) of decode steps queued by the last step(), tokens not read yet
@@ -183,7 +191,8 @@ class Engine:
         model = self._prepare(model, cfg)
         self.pool = self._make_pool(model, cfg)
         model = self._on_fp8_pool(model)
-        self.runner = ModelRunner(model, self.pool, max_num_seqs=cfg.max_num_seqs, cuda_graphs=cfg.cuda_graphs,
+        self.runner = ModelRunner(model, self.pool, max_num_seqs=cfg.max_num_seqs,
+                                  cuda_graphs=cfg.cuda_graphs and not hasattr(model, "tp"),
                                   compile=cfg.compile, graph_buckets=cfg.graph_buckets,
                                   hist=max(16, cfg.decode_steps), fused_decode=cfg.fused_decode,
                                   graph_prefill_tokens=cfg.graph_prefill_tokens, invariant=self.batch_invariant)
@@ -200,6 +209,10 @@ class Engine:
             prefill_min_seats=cfg.prefill_min_seats, prefill_max_wait=cfg.prefill_max_wait,
             decode_step_prefill_cap=cap or None, decode_step_prefill_work=cfg.graph_prefill_work if cap else None)
         self.notes += self.runner.notes
+        self.tp_lead = tp.engine_lead(self.runner, model)     # rank 0 broadcasts each step to the other ranks
+        if self.tp_lead is not None:
+            self.notes.append(f"tensor parallel over {model.tp.group.world_size} ranks ({model.tp.group.backend}); "
+                              "decode steps eager (no CUDA graphs yet)")
         self.sampler = Sampler(self.device)
         self._init_stats()
         self.spec = None
@@ -364,6 +377,13 @@ class Engine:
         """Step until every queued request has finished."""
         while self.scheduler.has_unfinished():
             self.step()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (those it started: collected, the group left);
+        a no-op otherwise."""
+        from tritune.model.parallel import serving as tp
+
+        tp.engine_close(self.runner.model, self.tp_lead)
 
     def warm_up(self) -> float:
         """Compile the kernel variants a serving run meets, before it runs (seconds taken; see

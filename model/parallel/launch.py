@@ -120,8 +120,8 @@ def launch(n: int, fn, *args, backend: str = "gloo", timeout_s: float = 300.0,
         while True:
             err = kids.failure()
             if err is not None:
-                kids.stop()
-                raise kids.failure() or err
+                kids.stop()         # (the ranks stopped here are not failures: err was taken before)
+                raise err
             if kids.done():
                 return [kids.got[r][1] for r in range(n)]
             if time.monotonic() > deadline:
