@@ -192,7 +192,7 @@ class Engine:
         self.pool = self._make_pool(model, cfg)
         model = self._on_fp8_pool(model)
         self.runner = ModelRunner(model, self.pool, max_num_seqs=cfg.max_num_seqs,
-                                  cuda_graphs=cfg.cuda_graphs and not hasattr(model, "tp"),
+                                  cuda_graphs=False if hasattr(model, "tp") else cfg.cuda_graphs,
                                   compile=cfg.compile, graph_buckets=cfg.graph_buckets,
                                   hist=max(16, cfg.decode_steps), fused_decode=cfg.fused_decode,
                                   graph_prefill_tokens=cfg.graph_prefill_tokens, invariant=self.batch_invariant)
