@@ -693,35 +693,43 @@ def _stub_ops(tag):
     return ops, calls, lib
 
 
-def _us_per_call(fn, args, n=2000, rounds=9):
-    import statistics
-    import time
+def _python_calls(fn, args) -> int:
+    """Python frames one call enters (sys.setprofile): the host layers a call goes through, counted, not
+    timed, so a loaded machine cannot change the answer."""
+    import sys
 
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn(*args)
-        times.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(times)
+    n = [0]
+
+    def prof(frame, event, arg):
+        if event == "call":
+            n[0] += 1
+
+    sys.setprofile(prof)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return n[0]
 
 
 def test_host_cost_through_torch_ops_is_near_the_body_call():
-    """A stub body (no launch): through torch.ops the lean op's host cost a call is the dispatcher's call
-    into one Python kernel, a few us; custom_op's layers cost ~3x that (CPU: ~8.7 vs ~2.6 us a call,
-    inference_mode 1.8). Bounds generous for a shared CPU: the lean op within half custom_op's cost and
-    under 2x the cost the body pays under inference_mode, where no autograd kernel runs."""
+    """A stub body (no launch): through torch.ops the lean op's call is the dispatcher's call into one Python
+    kernel and the body, where custom_op's path goes through its Python layers (CPU, measured: ~2.6 against
+    ~8.7 us a call). Counted in Python frames rather than timed (a timed bound breaks on a loaded 2-core
+    machine): the lean op enters a few frames, under a third of custom_op's, and under inference_mode (no
+    autograd kernel) no more than without it."""
     ops, calls, lib = _stub_ops("cost")
     x, w, b = torch.randn(16, 8), torch.randn(8, 8), torch.randn(8)
     plain, lean = ops["plain"]._opoverload, ops["lean"]._opoverload
     with torch.no_grad():
         lean(x, w, b, x)
         assert len(calls) == 1
-        t_plain, t_lean = _us_per_call(plain, (x, w, b, x)), _us_per_call(lean, (x, w, b, x))
+        plain(x, w, b, x)
+        n_plain, n_lean = _python_calls(plain, (x, w, b, x)), _python_calls(lean, (x, w, b, x))
     with torch.inference_mode():
-        t_inf = _us_per_call(lean, (x, w, b, x))
-    assert t_lean < 0.5 * t_plain, (t_lean, t_plain)
-    assert t_lean < 2.0 * t_inf + 1.0, (t_lean, t_inf)
+        n_inf = _python_calls(lean, (x, w, b, x))
+    assert n_lean * 3 <= n_plain, (n_lean, n_plain)
+    assert n_inf <= n_lean, (n_inf, n_lean)
     lib._destroy()
 
 
