@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tritune.kernels.runtime import compare as cmp  # noqa: E402
+from tritune.kernels.runtime.device import device as kernel_device  # noqa: E402
 from tritune.model.engine import fused_decode as FD  # noqa: E402
 from tritune.model.engine.engine import Engine, forward_step  # noqa: E402
 from tritune.model.engine.scheduler import SamplingParams  # noqa: E402
@@ -55,7 +56,9 @@ def write_checkpoint(directory, backend, seed=0, generation_eos=None):
 @pytest.fixture(scope="module", params=["torch", "triton"])
 def model(request, tmp_path_factory):
     d = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
-    return load_model(d, backend=request.param, device="cpu")
+    # the Triton kernels (the triton backend's, and the device-side step's that cuda_graphs="eager" runs on
+    # either backend) run where the model is: the kernels' device (the CPU under the interpreter)
+    return load_model(d, backend=request.param, device=kernel_device())
 
 
 def _prompt(n, seed):
@@ -187,12 +190,13 @@ def test_weight_only_quant(model, quant):
     qw = eng.model.w
     dense = model.with_weights(replace(qw, lm_head=deq(qw.lm_head), layers=[
         replace(L, **{k: deq(getattr(L, k)) for k in ("w_qkv", "w_o", "w_gu", "w_down")}) for L in qw.layers]))
-    ids = torch.tensor(_prompt(7, 70))
+    dev = model.device
+    ids = torch.tensor(_prompt(7, 70), device=dev)
     T = len(ids)
     want = dense.prefill(ids, [T], all_logits=True)
-    got = forward_step(eng.model, eng.pool, ids, torch.arange(T), torch.arange(T), seq_lens=[T],
-                       cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
-    cmp.check(got, want.double(), torch.float32, what=f"{quant} engine logits")
+    got = forward_step(eng.model, eng.pool, ids, torch.arange(T, device=dev), torch.arange(T, device=dev),
+                       seq_lens=[T], cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=dev))
+    cmp.check(got.cpu(), want.double().cpu(), torch.float32, what=f"{quant} engine logits")
     ps = [_prompt(n, 71 + n) for n in (3, 5)]
     assert run_all(eng, ps, 4) == [greedy(eng.model, p, 4) for p in ps]
 

@@ -104,7 +104,8 @@ def test_serve_a_llama_checkpoint_with_its_chat_template(ckpt):
     from tritune.model.tokenizer import Tokenizer
 
     args = build_parser().parse_args(["serve", str(ckpt), "--engine", "thread", "--no-warm-up", "--backend", "torch",
-                                      "--served-model-name", "tiny-llama"])
+                                      # fp32 as transformers' reference (serve's default is bf16 on a GPU)
+                                      "--dtype", "fp32", "--served-model-name", "tiny-llama"])
     app, engine, mode, _ = _build_app(args, None)
     assert mode == "thread" and type(engine.model).__name__ == "Llama"
     ts = _serve(app)

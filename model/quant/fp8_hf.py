@@ -269,4 +269,6 @@ def load_model(directory, *, backend: str = "triton", dtype: torch.dtype = torch
         from tritune.model.llama.model import Llama
 
         model = Llama(c, w, backend=backend, directory=d)
-    return F8.with_fp8_weights(model, w)
+    # model.w, not w: the constructor lays the LM head out as the gemm is tuned for (GPT-2's tied head a
+    # view of wte), as quantize_model's models have it
+    return F8.with_fp8_weights(model, model.w)
