@@ -228,14 +228,14 @@ def test_refusals_name_the_argument():
 def test_engine_on_a_started_group_and_a_killed_follower(reference):
     ref = reference["gpt2"]
     eng = Engine(reference["gpt2_model"], tensor_parallel=2, num_blocks=NUM_BLOCKS)
-    session = eng.model.tp.session
+    leadership = eng.model.tp.leadership
     try:
         assert eng.runner.graphs is None and any("tensor parallel over 2" in n for n in eng.notes)
         ps = prompts(eng.model.vocab_size)
         assert [c.token_ids for c in eng.generate(ps, GREEDY)] == ref["tokens"]
         assert eng.pool.num_free == NUM_BLOCKS
         # a follower killed between steps: the next step fails its requests with the rank and exit code
-        session.workers.kids.procs[1].kill()
+        leadership.workers.kids.procs[1].kill()
         t0 = time.monotonic()
         req = eng.add_request(ps[1], GREEDY)
         with pytest.raises(RankFailed) as e:

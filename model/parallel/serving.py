@@ -199,7 +199,7 @@ def follower_main(group: TPGroup, spec: ModelSpec) -> dict:
     return ledger.summary()
 
 
-class Session:
+class Leadership:
     """Rank 0's handle on the group :func:`start` made: ``group``, the follower processes (``workers``, with
     their watchdog), and the :class:`Lead` of the one engine that runs the model (:meth:`lead`)."""
 
@@ -236,8 +236,8 @@ class Session:
 
 def start(model, n: int, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
     """Split ``model`` over ``n`` ranks: ranks 1..n-1 spawned (each rebuilds the model from the weights sent
-    to it and keeps its shard), this process rank 0. Returns rank 0's shard, ``.tp.session`` its
-    :class:`Session` (an engine built on the shard leads the group through it). ``backend``: gloo on the
+    to it and keeps its shard), this process rank 0. Returns rank 0's shard, ``.tp.leadership`` its
+    :class:`Leadership` (an engine built on the shard leads the group through it). ``backend``: gloo on the
     CPU, NCCL for a CUDA model (default by the model's device)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel: expected an int >= 1, got {n!r}")
@@ -252,7 +252,7 @@ def start(model, n: int, *, backend: str | None = None, timeout_s: float = DEFAU
     workers = L.Workers(n, follower_main, spec, backend=backend, timeout_s=timeout_s,
                         threads=1 if not cuda else None)
     local = tensor_parallel(model, workers.group)
-    local.tp.session = Session(workers.group, workers)
+    local.tp.leadership = Leadership(workers.group, workers)
     return local
 
 
@@ -288,8 +288,8 @@ def engine_lead(runner: ModelRunner, model) -> Lead | None:
     tp = getattr(model, "tp", None)
     if tp is None or tp.group.world_size == 1:
         return None
-    session = getattr(tp, "session", None)
-    return session.lead(runner) if session is not None else lead(runner, tp.group)
+    leadership = getattr(tp, "leadership", None)
+    return leadership.lead(runner) if leadership is not None else lead(runner, tp.group)
 
 
 def engine_close(model, leader: Lead | None) -> None:
@@ -297,6 +297,6 @@ def engine_close(model, leader: Lead | None) -> None:
     collected, the group left)."""
     if leader is not None:
         leader.close()
-    session = getattr(getattr(model, "tp", None), "session", None)
-    if session is not None:
-        session.close()
+    leadership = getattr(getattr(model, "tp", None), "leadership", None)
+    if leadership is not None:
+        leadership.close()
