@@ -6,6 +6,9 @@ import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anythin
 
 import json
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,8 +19,9 @@ from tritune.kernels.runtime import device as runtime_device  # noqa: E402
 from tritune.model.llama import rope  # noqa: E402
 from tritune.model.llama.config import LlamaConfig, UnsupportedModelError  # noqa: E402
 from tritune.model.llama.model import load_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside the tests
+from llama_helpers import VOCAB, assert_same_greedy, greedy, hf_greedy, prompt, randomize  # noqa: E402
 
-VOCAB = 97
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 # name -> (family, config overrides): hidden 64, 4 heads, GQA ratio 4 / KV heads
@@ -66,12 +70,7 @@ def checkpoint(tmp_path_factory):
             cfg, arch = _hf_config(name)
             torch.manual_seed(sorted(CASES).index(name))
             m = getattr(transformers, arch)(cfg).eval()
-            with torch.no_grad():
-                for n, p in m.named_parameters():
-                    if "norm" in n:
-                        p.copy_(1 + 0.1 * torch.randn_like(p))
-                    else:
-                        p.normal_(0, 0.25 if p.dim() == 2 else 0.05)
+            randomize(m)
             d = tmp_path_factory.mktemp(name)
             m.save_pretrained(d)
             _MADE[name] = (m, d)
@@ -81,54 +80,12 @@ def checkpoint(tmp_path_factory):
     _MADE.clear()
 
 
-def _prompt(n, seed):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def greedy(model, p, max_new):
-    """Greedy tokens through the model's own prefill and paged decode over a private cache (block size 4)."""
-    dev = model.device
-    cache = model.new_cache(len(p) + max_new, 4)
-    table = torch.arange(cache.num_blocks, dtype=torch.int32, device=dev)[None, :]
-    logits = model.prefill(torch.tensor(p, device=dev), [len(p)], kv_cache=cache,
-                           slot_mapping=torch.arange(len(p), device=dev))
-    out = [int(logits[0].argmax())]
-    for n in range(len(p), len(p) + max_new - 1):
-        pos = torch.tensor([n], device=dev)
-        logits = model.decode(torch.tensor([out[-1]], device=dev), pos, cache, pos, table,
-                              torch.tensor([n + 1], dtype=torch.int32, device=dev))
-        out.append(int(logits[0].argmax()))
-    return out
-
-
-def _hf_greedy(hf, p, max_new):
-    """transformers' greedy tokens and, per step, whether its top-2 logit gap exceeds 1e-3 (a clear choice)."""
-    with torch.no_grad():
-        g = hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                        output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    toks = g.sequences[0, len(p):].tolist()
-    clear = [bool((lg[0].topk(2).values[0] - lg[0].topk(2).values[1]) > 1e-3) for lg in g.logits]
-    return toks, clear
-
-
-def _assert_same_greedy(ours, theirs, clear):
-    """Equal token for token; a step whose choice transformers makes by less than 1e-3 may differ, and
-    the sequences are compared no further after such a difference."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            assert not clear[i], f"step {i}: {a} != {b} with a clear top-2 gap ({ours} vs {theirs})"
-            assert i >= len(clear) // 2, f"diverged at a near-tie after only {i} tokens ({ours} vs {theirs})"
-            return
-    assert len(ours) == len(theirs)
-
-
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", [n for n in CASES if n != "llama-triton"])
 def test_fp32_logits_match_transformers(checkpoint, name):
     hf, d = checkpoint(name)
     model = load_model(d, backend="torch")
-    seqs = [_prompt(13, 1), _prompt(5, 2)]
+    seqs = [prompt(13, 1), prompt(5, 2)]
     got = model.forward(seqs)
     for s, g in zip(seqs, got):
         with torch.no_grad():
@@ -143,22 +100,22 @@ def test_greedy_matches_transformers_generate(checkpoint, name):
     grows the rope base token by token as the tables do."""
     hf, d = checkpoint(name)
     model = load_model(d, backend="torch")
-    p = _prompt(7, 3)
+    p = prompt(7, 3)
     n = 24
-    theirs, clear = _hf_greedy(hf, p, n)
+    theirs, clear = hf_greedy(hf, p, n)
     ours = greedy(model, p, n)
     assert len(set(ours)) > 3, ours       # varied outputs, or the equality proves little
-    _assert_same_greedy(ours, theirs, clear)
+    assert_same_greedy(ours, theirs, clear)
 
 
 @pytest.mark.parametrize("name", ["qwen2-gqa7", "llama-llama3-bias"])
 def test_greedy_128_tokens_match_transformers(checkpoint, name):
     hf, d = checkpoint(name)
     model = load_model(d, backend="torch")
-    p = _prompt(16, 5)
+    p = prompt(16, 5)
     n = min(128, model.config.n_positions - len(p))
-    theirs, clear = _hf_greedy(hf, p, n)
-    _assert_same_greedy(greedy(model, p, n), theirs, clear)
+    theirs, clear = hf_greedy(hf, p, n)
+    assert_same_greedy(greedy(model, p, n), theirs, clear)
 
 
 def test_rope_types_change_the_tables(checkpoint):
@@ -228,12 +185,12 @@ def test_triton_backend_matches_transformers(checkpoint):
     hf, d = checkpoint("llama-triton")
     model = load_model(d, backend="triton", device=runtime_device.device())
     assert "kernel tritune.kernels.rotary" in model.backend_report()
-    p = _prompt(9, 4)
+    p = prompt(9, 4)
     with torch.no_grad():
         want = hf(torch.tensor([p])).logits[0]
     cmp.check(model.forward([p])[0], want.double(), torch.float32, what="triton prefill")
-    theirs, clear = _hf_greedy(hf, p, 6)
-    _assert_same_greedy(greedy(model, p, 6), theirs, clear)
+    theirs, clear = hf_greedy(hf, p, 6)
+    assert_same_greedy(greedy(model, p, 6), theirs, clear)
 
 
 def test_engine_runs_the_model_unchanged(checkpoint):
@@ -243,7 +200,7 @@ def test_engine_runs_the_model_unchanged(checkpoint):
     from tritune.model.engine.scheduler import SamplingParams
 
     model = load_model(checkpoint("qwen2-gqa2-tied")[1], backend="torch")
-    ps = [_prompt(n, 10 + n) for n in (3, 11, 6, 9)]
+    ps = [prompt(n, 10 + n) for n in (3, 11, 6, 9)]
     eng = Engine(model, num_blocks=64, block_size=4, max_num_seqs=3, cuda_graphs=False)
     assert eng.pool.n_kv_heads == 2
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in ps]
@@ -260,8 +217,8 @@ def test_engine_prefix_cache_and_chunked_prefill(checkpoint):
     from tritune.model.engine.scheduler import SamplingParams
 
     model = load_model(checkpoint("qwen2-gqa2-tied")[1], backend="torch")
-    shared = _prompt(12, 20)
-    ps = [shared + _prompt(n, 30 + n) for n in (2, 5, 3)]
+    shared = prompt(12, 20)
+    ps = [shared + prompt(n, 30 + n) for n in (2, 5, 3)]
     eng = Engine(model, num_blocks=64, block_size=4, max_num_seqs=2, cuda_graphs=False,
                  enable_chunked_prefill=True, max_batch_tokens=8)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in ps]
@@ -287,7 +244,7 @@ def test_engine_on_the_triton_backend(checkpoint):
     from tritune.model.engine.scheduler import SamplingParams
 
     model = load_model(checkpoint("llama-triton")[1], backend="triton", device=runtime_device.device())
-    ps = [_prompt(5, 40), _prompt(3, 41)]
+    ps = [prompt(5, 40), prompt(3, 41)]
     eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=2, cuda_graphs=False)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in ps]
     while eng.has_unfinished():

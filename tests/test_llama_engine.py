@@ -9,6 +9,9 @@ import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anythin
 import json
 from dataclasses import replace
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,8 +24,9 @@ from tritune.model.engine.engine import Engine, forward_step  # noqa: E402
 from tritune.model.engine.scheduler import SamplingParams  # noqa: E402
 from tritune.model.llama.model import load_model  # noqa: E402
 from tritune.model.quant import ops as Q  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside the tests
+from llama_helpers import VOCAB, greedy, prompt, randomize  # noqa: E402
 
-VOCAB = 97
 # backend -> transformers config: GQA (2 query heads per KV head); head dim 16 on torch, 32 on triton (the
 # attention kernels' smallest), one layer there to keep the interpreter quick
 CONFIGS = {
@@ -41,12 +45,7 @@ def write_checkpoint(directory, backend, seed=0, generation_eos=None):
                                          tie_word_embeddings=False, **kw)
     torch.manual_seed(seed)
     m = getattr(transformers, arch)(cfg).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.25 if p.dim() == 2 else 0.05)
+    randomize(m)
     m.save_pretrained(directory)
     if generation_eos is not None:
         (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
@@ -61,27 +60,6 @@ def model(request, tmp_path_factory):
     return load_model(d, backend=request.param, device=kernel_device())
 
 
-def _prompt(n, seed):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def greedy(model, p, max_new):
-    """Greedy tokens through the model's own prefill and paged decode over a private cache."""
-    dev = model.device
-    cache = model.new_cache(len(p) + max_new, 4)
-    table = torch.arange(cache.num_blocks, dtype=torch.int32, device=dev)[None, :]
-    logits = model.prefill(torch.tensor(p, device=dev), [len(p)], kv_cache=cache,
-                           slot_mapping=torch.arange(len(p), device=dev))
-    out = [int(logits[0].argmax())]
-    for n in range(len(p), len(p) + max_new - 1):
-        pos = torch.tensor([n], device=dev)
-        logits = model.decode(torch.tensor([out[-1]], device=dev), pos, cache, pos, table,
-                              torch.tensor([n + 1], dtype=torch.int32, device=dev))
-        out.append(int(logits[0].argmax()))
-    return out
-
-
 def run_all(eng, ps, max_new, **sp):
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=max_new, ignore_eos=True, **sp)) for p in ps]
     eng.run()
@@ -94,7 +72,7 @@ def test_continuous_batching_and_the_device_side_step(model):
     """More requests than seats, on the eager forward and on the device-side decode step (run eagerly:
     the embedding from ``w.wte`` alone, positions from the context lengths, the greedy token fed back on
     the device for several steps per sync)."""
-    ps = [_prompt(n, 10 + n) for n in (3, 7, 5)]
+    ps = [prompt(n, 10 + n) for n in (3, 7, 5)]
     want = [greedy(model, p, 5) for p in ps]
     eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=2, cuda_graphs=False)
     assert run_all(eng, ps, 5) == want
@@ -106,8 +84,8 @@ def test_continuous_batching_and_the_device_side_step(model):
 def test_prefix_cache_and_chunked_prefill(model):
     """Requests sharing a prefix hit the cache (2 query heads per KV head read the cached K/V), and a long
     prompt cut into chunks gets the tokens it gets alone."""
-    shared = _prompt(12, 20)
-    ps = [shared + _prompt(n, 30 + n) for n in (2, 5)]
+    shared = prompt(12, 20)
+    ps = [shared + prompt(n, 30 + n) for n in (2, 5)]
     eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=1, cuda_graphs=False,
                  enable_chunked_prefill=True, max_batch_tokens=8)
     assert run_all(eng, ps, 4) == [greedy(model, p, 4) for p in ps]
@@ -117,7 +95,7 @@ def test_prefix_cache_and_chunked_prefill(model):
 def test_ngram_speculative_decoding(model):
     """Prompt-lookup speculation: host-side verification and the device-side speculative step (eager),
     both equal to plain greedy."""
-    ps = [_prompt(40, 50), _prompt(30, 51)]       # long enough that the outputs' tokens occur in them
+    ps = [prompt(40, 50), prompt(30, 51)]       # long enough that the outputs' tokens occur in them
     want = [greedy(model, p, 6) for p in ps]
     for graphs in (False, "eager"):
         eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=2, cuda_graphs=graphs, speculative="ngram")
@@ -133,7 +111,7 @@ def test_draft_model_speculative_decoding(model):
 
     if model.n_layers < 2:
         pytest.skip("an early-exit draft needs two layers")
-    ps = [_prompt(10, 55), _prompt(7, 56)]
+    ps = [prompt(10, 55), prompt(7, 56)]
     want = [greedy(model, p, 6) for p in ps]
     for graphs in (False, "eager"):
         for prop in (DraftModelProposer(early_exit_draft(model, 1), k=3, block_size=4),
@@ -147,7 +125,7 @@ def test_draft_model_speculative_decoding(model):
 def test_batch_invariant(model):
     """A request's logits, bit for bit, alone and batched with others (rms_norm, rotary, SwiGLU and
     grouped-query attention row by row / on pinned configs)."""
-    ps = [_prompt(n, 60 + n) for n in (4, 6, 3)]
+    ps = [prompt(n, 60 + n) for n in (4, 6, 3)]
     logged = {}
 
     def engine():
@@ -191,13 +169,13 @@ def test_weight_only_quant(model, quant):
     dense = model.with_weights(replace(qw, lm_head=deq(qw.lm_head), layers=[
         replace(L, **{k: deq(getattr(L, k)) for k in ("w_qkv", "w_o", "w_gu", "w_down")}) for L in qw.layers]))
     dev = model.device
-    ids = torch.tensor(_prompt(7, 70), device=dev)
+    ids = torch.tensor(prompt(7, 70), device=dev)
     T = len(ids)
     want = dense.prefill(ids, [T], all_logits=True)
     got = forward_step(eng.model, eng.pool, ids, torch.arange(T, device=dev), torch.arange(T, device=dev),
                        seq_lens=[T], cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=dev))
     cmp.check(got.cpu(), want.double().cpu(), torch.float32, what=f"{quant} engine logits")
-    ps = [_prompt(n, 71 + n) for n in (3, 5)]
+    ps = [prompt(n, 71 + n) for n in (3, 5)]
     assert run_all(eng, ps, 4) == [greedy(eng.model, p, 4) for p in ps]
 
 
@@ -206,7 +184,7 @@ def test_several_eos_ids(tmp_path):
     single id: a request stops at any of them, on the eager path and the device-side step."""
     d = write_checkpoint(tmp_path, "torch", seed=3)
     model = load_model(d, backend="torch")
-    p = _prompt(5, 80)
+    p = prompt(5, 80)
     toks = greedy(model, p, 8)
     stop_at = next(i for i in range(2, 8) if toks[i] not in toks[:i])
     cfg = json.loads((d / "config.json").read_text())
@@ -248,7 +226,7 @@ def test_compiled_decode(model):
         assert eng.runner.compiled is None and any("compile off" in n for n in eng.notes)
         return
     assert eng.runner.compiled is not None
-    ps = [_prompt(n, 95 + n) for n in (3, 6, 4)]
+    ps = [prompt(n, 95 + n) for n in (3, 6, 4)]
     assert run_all(eng, ps, 4) == [greedy(model, p, 4) for p in ps]
 
 
@@ -260,7 +238,7 @@ def test_captured_decode_graphs_on_the_gpu(tmp_path):
         pytest.skip("needs a GPU")
     d = write_checkpoint(tmp_path, "triton")
     model = load_model(d, backend="triton", device="cuda")
-    ps = [_prompt(n, 90 + n) for n in (3, 6, 4)]
+    ps = [prompt(n, 90 + n) for n in (3, 6, 4)]
     want = [greedy(model, p, 6) for p in ps]
     eng = Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, cuda_graphs=True)
     assert eng.runner.graphs is not None and eng.runner.graphs.graphs

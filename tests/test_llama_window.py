@@ -4,6 +4,9 @@
 window's mask) and the triton backend (varlen prefill and paged decode with ``window``, interpreter)."""
 import tritune.kernels.runtime  # noqa: F401  (interpreter switch before anything imports triton)
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,8 +16,9 @@ from tritune.kernels.runtime import compare as cmp  # noqa: E402
 from tritune.kernels.runtime import device as runtime_device  # noqa: E402
 from tritune.model.llama.config import LlamaConfig  # noqa: E402
 from tritune.model.llama.model import load_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside the tests
+from llama_helpers import VOCAB, assert_same_greedy, greedy, hf_greedy, prompt, randomize  # noqa: E402
 
-VOCAB = 97
 # name -> (config class, model class, overrides); windows of 6 and 7 tokens: not a multiple of the cache's
 # 4-token blocks, so a window starts inside a block
 CASES = {
@@ -40,12 +44,7 @@ def checkpoint(tmp_path_factory):
             args.update(kw)
             torch.manual_seed(sorted(CASES).index(name) + 11)
             m = getattr(transformers, arch)(getattr(transformers, cfg_cls)(**args)).eval()
-            with torch.no_grad():
-                for n, p in m.named_parameters():
-                    if "norm" in n:
-                        p.copy_(1 + 0.1 * torch.randn_like(p))
-                    else:
-                        p.normal_(0, 0.25 if p.dim() == 2 else 0.05)
+            randomize(m)
             d = tmp_path_factory.mktemp(name)
             m.save_pretrained(d)
             _MADE[name] = (m, d)
@@ -53,46 +52,6 @@ def checkpoint(tmp_path_factory):
 
     yield make
     _MADE.clear()
-
-
-def _prompt(n, seed):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def greedy(model, p, max_new):
-    """Greedy tokens through the model's own prefill and paged decode over a private cache (block size 4)."""
-    dev = model.device
-    cache = model.new_cache(len(p) + max_new, 4)
-    table = torch.arange(cache.num_blocks, dtype=torch.int32, device=dev)[None, :]
-    logits = model.prefill(torch.tensor(p, device=dev), [len(p)], kv_cache=cache,
-                           slot_mapping=torch.arange(len(p), device=dev))
-    out = [int(logits[0].argmax())]
-    for n in range(len(p), len(p) + max_new - 1):
-        pos = torch.tensor([n], device=dev)
-        logits = model.decode(torch.tensor([out[-1]], device=dev), pos, cache, pos, table,
-                              torch.tensor([n + 1], dtype=torch.int32, device=dev))
-        out.append(int(logits[0].argmax()))
-    return out
-
-
-def _hf_greedy(hf, p, max_new):
-    """transformers' greedy tokens (its sliding-window cache) and, per step, whether its top-2 gap > 1e-3."""
-    with torch.no_grad():
-        g = hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                        output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    toks = g.sequences[0, len(p):].tolist()
-    clear = [bool((lg[0].topk(2).values[0] - lg[0].topk(2).values[1]) > 1e-3) for lg in g.logits]
-    return toks, clear
-
-
-def _assert_same_greedy(ours, theirs, clear):
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            assert not clear[i], f"step {i}: {a} != {b} with a clear top-2 gap ({ours} vs {theirs})"
-            assert i >= len(clear) // 2, f"diverged at a near-tie after only {i} tokens ({ours} vs {theirs})"
-            return
-    assert len(ours) == len(theirs)
 
 
 def _full_attention_logits(hf, seq):
@@ -128,7 +87,7 @@ def test_fp32_logits_past_the_window_match_transformers(checkpoint, name):
     from full attention's there, so the window is really applied)."""
     hf, d = checkpoint(name)
     model = load_model(d, backend="torch")
-    seqs = [_prompt(31, 1), _prompt(9, 2), _prompt(3, 3)]
+    seqs = [prompt(31, 1), prompt(9, 2), prompt(3, 3)]
     got = model.forward(seqs)
     for s, g in zip(seqs, got):
         with torch.no_grad():
@@ -142,23 +101,23 @@ def test_greedy_past_the_window_matches_transformers_generate(checkpoint, name):
     """A prompt of twice the window, then 24 tokens: the paged decode reads only each window's blocks."""
     hf, d = checkpoint(name)
     model = load_model(d, backend="torch")
-    p = _prompt(14, 5)
-    theirs, clear = _hf_greedy(hf, p, 24)
-    _assert_same_greedy(greedy(model, p, 24), theirs, clear)
+    p = prompt(14, 5)
+    theirs, clear = hf_greedy(hf, p, 24)
+    assert_same_greedy(greedy(model, p, 24), theirs, clear)
 
 
 def test_triton_backend_window_matches_transformers(checkpoint):
     """The kernels (interpreter): varlen prefill with window=6 over a 13-token prompt, paged decode with it."""
     hf, d = checkpoint("mistral-triton")
     model = load_model(d, backend="triton", device=runtime_device.device())
-    seqs = [_prompt(13, 7), _prompt(4, 8)]
+    seqs = [prompt(13, 7), prompt(4, 8)]
     for s, g in zip(seqs, model.forward(seqs)):
         with torch.no_grad():
             want = hf(torch.tensor([s])).logits[0]
         cmp.check(g, want.double(), torch.float32, what="triton prefill")
-    p = _prompt(11, 9)
-    theirs, clear = _hf_greedy(hf, p, 8)
-    _assert_same_greedy(greedy(model, p, 8), theirs, clear)
+    p = prompt(11, 9)
+    theirs, clear = hf_greedy(hf, p, 8)
+    assert_same_greedy(greedy(model, p, 8), theirs, clear)
     torch_model = load_model(d, backend="torch")
     assert greedy(model, p, 8) == greedy(torch_model, p, 8)
 
