@@ -39,6 +39,7 @@ import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton 
 import torch
 import torch.nn.functional as F
 
+from tritune.model.packed import packed
 from tritune.model.gpt2 import weights as W
 from tritune.model.gpt2.config import GPT2Config
 
@@ -410,28 +411,11 @@ class GPT2:
         Returns logits (len(seq_lens), V) of each sequence's last token, or (T, V) with ``all_logits``.
         With ``kv_cache``, every token's K/V goes to ``slot_mapping`` (T,) (flat slots; < 0 skips).
         """
-        seq_lens = [int(n) for n in seq_lens]
-        input_ids = torch.as_tensor(input_ids, device=self.device).long().reshape(-1)
-        T = input_ids.numel()
-        if not seq_lens or min(seq_lens) < 1 or sum(seq_lens) != T:
-            raise ValueError(f"seq_lens: expected positive lengths summing to len(input_ids)={T}, got {seq_lens}")
-        if max(seq_lens) > self.config.n_positions:
-            raise ValueError(f"seq_lens: a sequence of {max(seq_lens)} tokens exceeds n_positions="
-                             f"{self.config.n_positions}")
-        if positions is None:
-            positions = torch.cat([torch.arange(n) for n in seq_lens]).to(self.device)
-        self._check_ids(input_ids)
-        if kv_cache is not None:
-            if slot_mapping is None:
-                raise ValueError("slot_mapping: required with kv_cache")
-            slot_mapping = torch.as_tensor(slot_mapping, device=self.device).reshape(-1)
-            if slot_mapping.numel() != T:
-                raise ValueError(f"slot_mapping: expected {T} slots, got {slot_mapping.numel()}")
-        cu = [0]
-        for n in seq_lens:
-            cu.append(cu[-1] + n)
-        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=self.device)
-        max_seqlen = max(seq_lens)
+        pk = packed(input_ids, seq_lens, positions, kv_cache, slot_mapping, device=self.device,
+                    n_positions=self.config.n_positions)
+        self._check_ids(pk.input_ids)
+        input_ids, seq_lens, positions, slot_mapping = pk.input_ids, pk.seq_lens, pk.positions, pk.slot_mapping
+        cu, cu_seqlens, max_seqlen = pk.cu, pk.cu_seqlens, pk.max_seqlen
         ops = self.ops
 
         def attend(i, q, k, v, written=False):
