@@ -21,5 +21,5 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv >"$O
 echo "commit $TRITUNE_COMMIT, GPU slug $(python -c 'from tritune.kernels.runtime import device; print(device.gpu_slug())')"
 # shellcheck disable=SC2086  (TEST_ARGS: several pytest arguments)
 TRITUNE_TEST_LOG="$OUT/tests.log" timeout "${TEST_BUDGET:-540}" \
-  python -m pytest -n "${WORKERS:-16}" -q -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tail -60 | tee "$OUT/pytest.log"
+  python -m pytest -n "${WORKERS:-16}" --dist worksteal -q -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tail -60 | tee "$OUT/pytest.log"
 exit "${PIPESTATUS[0]}"

@@ -675,16 +675,21 @@ def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal):
 
 @needs_gluon
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_gluon_varlen_every_tile_and_stage_count(D):
-    """Every (BLOCK_N, num_stages) the space admits on a packed batch, ping-pong schedule, causal and not."""
-    for causal in (False, True):
-        vp = VP((1, 200, 64, 333), (40, 700, 64, 128), 2, 1, D, causal)
-        for bn in A.SPACE.params["BLOCK_N"]:
-            for st in A.SPACE.params["num_stages"]:
-                cfg = A.gluon_config(vp, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
-                if A.SPACE.why_invalid(cfg, vp, torch.bfloat16):
-                    continue
-                _varlen(vp, torch.bfloat16, seed=bn + st, config=cfg, lse=False)
+@pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
+def test_gluon_varlen_every_tile_and_stage_count(D, st):
+    """Every (BLOCK_N, num_stages) the space admits on a packed batch, ping-pong schedule, causal and not.
+    A test per point, so that a parallel run spreads the compiles."""
+    ran = 0
+    for bn in A.SPACE.params["BLOCK_N"]:
+        for causal in (False, True):
+            vp = VP((1, 200, 64, 333), (40, 700, 64, 128), 2, 1, D, causal)
+            cfg = A.gluon_config(vp, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
+            if A.SPACE.why_invalid(cfg, vp, torch.bfloat16):
+                continue
+            ran += 1
+            _varlen(vp, torch.bfloat16, seed=bn + st, config=cfg, lse=False)
+    if not ran:
+        pytest.skip(f"num_stages={st} is not a point of the Gluon space at D={D}")
 
 
 @needs_gluon
@@ -714,17 +719,22 @@ def test_gluon_varlen_in_a_cuda_graph():
 
 @needs_gluon
 @pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
-def test_gluon_every_tile_and_stage_count(D):
+@pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
+def test_gluon_every_tile_and_stage_count(D, st):
     """Every (BLOCK_N, num_stages) the space admits, with the ping-pong schedule, causal and not; key counts
-    below, at and past a tile and the ring's depth."""
+    below, at and past a tile and the ring's depth. A test per point, so that a parallel run spreads the
+    compiles."""
+    ran = 0
     for bn in A.SPACE.params["BLOCK_N"]:
-        for st in A.SPACE.params["num_stages"]:
-            for tk, causal in ((40, False), (128, True), (700, True), (1000, False)):
-                p = P(1, 2, 1, min(tk, 300), tk, D, causal)
-                cfg = A.gluon_config(p, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
-                if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
-                    continue
-                _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
+        for tk, causal in ((40, False), (128, True), (700, True), (1000, False)):
+            p = P(1, 2, 1, min(tk, 300), tk, D, causal)
+            cfg = A.gluon_config(p, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
+            if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
+                continue
+            ran += 1
+            _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
+    if not ran:
+        pytest.skip(f"num_stages={st} is not a point of the Gluon space at D={D}")
 
 
 @needs_gluon
@@ -943,7 +953,8 @@ def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
 @needs_gluon
 @pytest.mark.parametrize("D", [d for d in A.HEAD_DIMS if d <= 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_three_warpgroups_every_head_dim_schedule_and_form(D, causal):
+@pytest.mark.parametrize("ws", [5, 4, 3, 6, 7])
+def test_gluon_three_warpgroups_every_head_dim_schedule_and_form(D, causal, ws):
     """CTAs of three consumer warpgroups (BLOCK_M=192), every Gluon schedule and form at this head dim (the key tile the
     space admits: 128 up to D=64, 64 past it and for schedule 0). Each: ragged lengths (4-D descriptors, rows
     past Tq clipped mid-CTA) with the lse output; the persistent form over more items than SMs (the ring, the
@@ -956,25 +967,21 @@ def test_gluon_three_warpgroups_every_head_dim_schedule_and_form(D, causal):
     many = P(3, 16, 4, 700, 1000, D, causal)   # 3 x 16 x 4 = 192 items
     vp = VP((300, 0, 129, 5, 77, 260), (517, 40, 0, 5, 30, 3), 4, 2, D, causal)
     dt = torch.bfloat16
-    ran = []
-    for ws in (5, 4, 3, 6, 7):
-        _, schedule, persistent = M.WARP_SPEC[ws]
-        bn = 128 if D <= 64 and ws != 3 else 64
-        cfg = A.gluon_config(p, dt, schedule, BLOCK_N=bn, num_stages=3, persistent=persistent, BLOCK_M=192)
-        if A.SPACE.why_invalid(cfg, p, dt):
-            assert D > 64 and ws == 7, A.SPACE.why_invalid(cfg, p, dt)
-            continue
-        ran.append(ws)
-        _dense(p, dt, seed=D + ws, config=cfg, lse=True)
-        assert _gluon_plan(cfg).gluon["rows"] == 192
-        if persistent:
-            _dense(many, dt, seed=D + ws + 1, config=cfg, lse=True)
-        else:
-            _dense(flat, dt, seed=D + ws + 2, config=cfg, lse=False)
-            _varlen(vp, dt, seed=D + ws + 3, config=cfg, lse=True)
-        if ws == 5:
-            _dense(p, torch.float16, seed=D + 9, layout="bthd", config=cfg, lse=False)
-    assert len(ran) == (5 if D <= 64 else 4)
+    _, schedule, persistent = M.WARP_SPEC[ws]
+    bn = 128 if D <= 64 and ws != 3 else 64
+    cfg = A.gluon_config(p, dt, schedule, BLOCK_N=bn, num_stages=3, persistent=persistent, BLOCK_M=192)
+    if A.SPACE.why_invalid(cfg, p, dt):
+        assert D > 64 and ws == 7, A.SPACE.why_invalid(cfg, p, dt)
+        pytest.skip("the persistent ping-pong has no three-warpgroup form past D=64")
+    _dense(p, dt, seed=D + ws, config=cfg, lse=True)
+    assert _gluon_plan(cfg).gluon["rows"] == 192
+    if persistent:
+        _dense(many, dt, seed=D + ws + 1, config=cfg, lse=True)
+    else:
+        _dense(flat, dt, seed=D + ws + 2, config=cfg, lse=False)
+        _varlen(vp, dt, seed=D + ws + 3, config=cfg, lse=True)
+    if ws == 5:
+        _dense(p, torch.float16, seed=D + 9, layout="bthd", config=cfg, lse=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1031,19 +1038,24 @@ def test_gluon_persistent_every_head_dim_schedule_and_layout(schedule, D, causal
 
 @needs_gluon
 @pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
-def test_gluon_persistent_every_tile_and_stage_count(D):
+@pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
+@pytest.mark.parametrize("schedule", [1, 2])
+def test_gluon_persistent_every_tile_and_stage_count(D, st, schedule):
     """Every (BLOCK_N, num_stages) the space admits for the persistent form, schedules 1 and 2, causal and not;
-    key counts below, at and past a tile and the ring's depth, and more items than SMs."""
+    key counts below, at and past a tile and the ring's depth, and more items than SMs. A test per point, so
+    that a parallel run spreads the compiles."""
+    ran = 0
     for bn in A.SPACE.params["BLOCK_N"]:
-        for st in A.SPACE.params["num_stages"]:
-            for schedule in (1, 2):
-                for B, H, tk, causal in ((1, 2, 40, False), (1, 2, 128, True), (2, 8, 700, True), (40, 4, 300, False)):
-                    p = P(B, H, 1, min(tk, 300), tk, D, causal)
-                    cfg = A.gluon_config(p, torch.bfloat16, schedule=schedule, BLOCK_N=bn, num_stages=st,
-                                         persistent=True)
-                    if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
-                        continue
-                    _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
+        for B, H, tk, causal in ((1, 2, 40, False), (1, 2, 128, True), (2, 8, 700, True), (40, 4, 300, False)):
+            p = P(B, H, 1, min(tk, 300), tk, D, causal)
+            cfg = A.gluon_config(p, torch.bfloat16, schedule=schedule, BLOCK_N=bn, num_stages=st,
+                                 persistent=True)
+            if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
+                continue
+            ran += 1
+            _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
+    if not ran:
+        pytest.skip(f"num_stages={st} is not a point of the persistent Gluon space at D={D}")
 
 
 # ---------------------------------------------------------------------------------------------------
