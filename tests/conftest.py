@@ -107,16 +107,14 @@ def pytest_runtest_call(item):
     if handle is None or (dev.interpreted() and not explicit) or item.get_closest_marker("slow"):
         yield
         return
-    from tritune.testing.contract import budgeted, default_budget
-
-    from tritune.testing.contract import BudgetSpent
+    from tritune.testing.contract import budgeted, default_budget, ended_by_budget
 
     inner = handle.inner_test
-    handle.inner_test = budgeted(inner, default_budget())  # per item: parametrized items share the function
+    handle.inner_test = wrapped = budgeted(inner, default_budget())  # per item: parametrized items share it
     try:
         outcome = yield
         excinfo = outcome.excinfo
-        if excinfo is not None and issubclass(excinfo[0], BudgetSpent):
+        if excinfo is not None and ended_by_budget(excinfo[1], wrapped.state):
             outcome.force_result(None)   # the budget ended the run: the examples so far passed
     finally:
         handle.inner_test = inner

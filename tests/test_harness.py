@@ -1,4 +1,5 @@
 """The harness must catch what it exists to catch."""
+import time
 import math
 
 import pytest
@@ -221,6 +222,23 @@ def test_hypothesis_time_budget_stops_launching_but_still_shrinks():
     with pytest.raises(AssertionError):
         settings(max_examples=200, database=None, derandomize=True)(
             given(st.integers(0, 100))(budgeted(failing, 0.0, 30)))()
+
+
+def test_a_budget_spent_on_a_small_domain_is_a_pass_not_flaky_data():
+    """Hypothesis replays prefixes it has seen: an example the budget stops before its draws, at a prefix an
+    earlier example drew past, is "inconsistent data generation" to it. That ending is still the budget's."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from tritune.testing.contract import budgeted, run_budgeted
+
+    def prop(x, data):
+        data.draw(st.integers(0, 10))
+        time.sleep(0.005)
+
+    for budget in (0.0, 0.02, 0.05, 0.1):
+        test = given(x=st.integers(0, 3), data=st.data())(budgeted(prop, budget))
+        run_budgeted(settings(max_examples=200, deadline=None, database=None,
+                              suppress_health_check=list(HealthCheck))(test))
 
 
 def test_unwritten_is_told_apart_from_written_nan():

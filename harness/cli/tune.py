@@ -73,6 +73,9 @@ def parse_problems(spec, text: str) -> list:
             if k not in fields:
                 raise ValueError(f"--problems: {spec.name} problems have no field {k!r} (fields: {', '.join(fields)})")
             f = fields[k]
+            if v == "None" and "None" in str(f.type):   # an optional field left out (as bench labels write it)
+                kw[k] = None
+                continue
             try:
                 kw[k] = _convert(v, getattr(example, k), str(f.type))
             except ValueError as e:

@@ -28,6 +28,7 @@ import time
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
+from hypothesis.errors import FlakyStrategyDefinition
 
 from tritune import kernels
 from tritune.kernels.runtime import compare as cmp
@@ -78,22 +79,32 @@ class BudgetSpent(BaseException):
     """A budgeted property test has used its time: the examples run so far passed."""
 
 
+def ended_by_budget(exc: BaseException, state: dict) -> bool:
+    """Whether ``exc``, out of a hypothesis run of a :func:`budgeted` body with ``state`` (its ``.state``),
+    only says that the budget ended the run: no example failed."""
+    if isinstance(exc, BudgetSpent):
+        return True
+    return isinstance(exc, FlakyStrategyDefinition) and state.get("spent", False) and not state["failed"]
+
+
 def run_budgeted(test) -> None:
     """Run a hypothesis test whose body is :func:`budgeted`; a spent budget ends it as a pass."""
     try:
         test()
-    except BudgetSpent:
-        pass
+    except BaseException as e:  # noqa: BLE001 (re-raised unless the budget ended the run)
+        state = getattr(getattr(getattr(test, "hypothesis", None), "inner_test", None), "state", {})
+        if not ended_by_budget(e, state):
+            raise
 
 
 def budgeted(fn, budget: float | None, at_least: int = 2):
     """``fn`` that ends the hypothesis run once ``budget`` seconds have passed since its first call (after at
-    least ``at_least`` runs), by raising :class:`BudgetSpent` (a ``BaseException``: hypothesis lets it through
-    at once, no shrinking; :func:`run_budgeted` and the test suite's hook take it as a pass). An example that
-    returned without drawing would be flaky data to hypothesis, which replays recorded prefixes and calls a
-    test whose draws changed "inconsistent data generation". After a failure the budget is off, so shrinking
-    replays every example."""
-    state = {"t0": None, "runs": 0, "failed": False}
+    least ``at_least`` runs), by raising :class:`BudgetSpent` (a ``BaseException``: no shrinking) before the
+    example draws anything. Hypothesis may then report "inconsistent data generation" instead (an earlier
+    example with the same prefix drew more): :func:`ended_by_budget` tells both apart from a failure, and
+    :func:`run_budgeted` and the test suite's hook take them as a pass. After a failure the budget is off,
+    so shrinking replays every example."""
+    state = {"t0": None, "runs": 0, "failed": False, "spent": False}
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -102,6 +113,7 @@ def budgeted(fn, budget: float | None, at_least: int = 2):
             state["t0"] = now
         if (budget is not None and not state["failed"] and state["runs"] >= at_least
                 and now - state["t0"] > budget):
+            state["spent"] = True
             raise BudgetSpent(f"{state['runs']} examples in {budget:.0f} s")
         state["runs"] += 1
         try:

@@ -29,7 +29,7 @@ from tritune.model.engine.config import (GRAPH_BUCKETS, GRAPH_PREFILL_TOKENS, GR
                                          EngineConfig)
 from tritune.model.engine.graphs import DecodeGraphs  # noqa: F401  (re-exported)
 from tritune.model.engine import contract
-from tritune.model.engine.kv_cache import BlockPool
+from tritune.model.engine.kv_cache import BlockPool, blocks_for_budget, bytes_per_block
 from tritune.model.engine.runner import ModelRunner, forward_step  # noqa: F401  (forward_step re-exported)
 from tritune.model.engine.sampling import Sampler, sample  # noqa: F401  (sample re-exported)
 from tritune.model.engine.scheduler import (FINISHED, ContextLimitError, Request, SamplingParams,  # noqa: F401
@@ -243,22 +243,28 @@ class Engine:
         return model
 
     def _make_pool(self, model, cfg: EngineConfig) -> BlockPool:
-        """The KV block pool, sized by ``num_blocks``, ``kv_memory_bytes`` or ``kv_memory_fraction`` (default
-        half the free GPU memory, or CPU_KV_BYTES on the CPU)."""
-        memory = None
-        if cfg.num_blocks is None:
+        """The KV block pool, sized by ``num_blocks``, ``kv_memory_bytes`` or ``kv_memory_fraction`` (default:
+        half the free GPU memory, at most twice the blocks ``max_num_seqs`` sequences of the full context hold;
+        CPU_KV_BYTES on the CPU)."""
+        memory, num_blocks = None, cfg.num_blocks
+        kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
+        if num_blocks is None:
             if cfg.kv_memory_bytes is not None:
                 memory = int(cfg.kv_memory_bytes)
             elif cfg.kv_memory_fraction is not None:
                 memory = float(cfg.kv_memory_fraction)
+            elif self.device.type == "cuda":   # no more than the engine can use (prefix-cache room included)
+                per_block = bytes_per_block(model.n_layers, model.n_kv_heads, model.head_dim, cfg.block_size,
+                                            kv_dtype)
+                num_blocks = min(blocks_for_budget(0.5, per_block, self.device),
+                                 2 * cfg.max_num_seqs * math.ceil(model.max_context / cfg.block_size))
             else:
-                memory = 0.5 if self.device.type == "cuda" else CPU_KV_BYTES
+                memory = CPU_KV_BYTES
         # the prefix cache's keys include what else K/V depend on: the model, its dtype and quantization
         salt = (f"{model.config}|{getattr(model, 'directory', None)}|{self.dtype}|{self.quant}|{cfg.group_size}"
                 f"|{cfg.fp8_block}|{cfg.kv_cache_dtype}|{id(model.w)}")
-        kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
         return BlockPool(model.n_layers, model.n_kv_heads, model.head_dim, cfg.block_size, kv_dtype, self.device,
-                         num_blocks=cfg.num_blocks, memory=memory, cache_salt=salt)
+                         num_blocks=num_blocks, memory=memory, cache_salt=salt)
 
     def _on_fp8_pool(self, model):
         """The model on ops that write and read the pool's e4m3 blocks and their scales, when it has them

@@ -80,8 +80,20 @@ class _Children:
                 rank, ok, value = self.results.get()
                 self.got[rank] = (ok, value)
 
-    def failure(self) -> RankFailed | None:
-        """RankFailed for the ranks that exited non-zero (or sent an error), the likely first one named."""
+    def failure(self, grace_s: float = 2.0) -> RankFailed | None:
+        """RankFailed for the ranks that exited non-zero (or sent an error), the likely first one named: when
+        every failure so far is a Python error (often a collective broken by a peer that is dying), the
+        ranks still running get up to ``grace_s`` to show their exit first."""
+        err = self.found()
+        deadline = time.monotonic() + grace_s
+        while err is not None and err.error is not None and time.monotonic() < deadline and any(
+                p.is_alive() for r, p in self.procs.items() if r not in err.failures):
+            time.sleep(0.05)
+            err = self.found()
+        return err
+
+    def found(self) -> RankFailed | None:
+        """The failures seen now (see :meth:`failure`)."""
         self.drain()
         bad = {}
         for r, p in self.procs.items():

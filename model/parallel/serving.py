@@ -247,6 +247,9 @@ def start(model, n: int, *, backend: str | None = None, timeout_s: float = DEFAU
         return model
     Shard.of(model.config, plan_for(model), 0, n)      # refuse a split the heads do not allow before spawning
     cuda = torch.device(model.device).type == "cuda"
+    if cuda and n > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel: {n} ranks need {n} CUDA devices (one per rank), "
+                         f"{torch.cuda.device_count()} visible")
     backend = backend or ("nccl" if cuda else "gloo")
     spec = ModelSpec.of(model)
     workers = L.Workers(n, follower_main, spec, backend=backend, timeout_s=timeout_s,
