@@ -120,9 +120,9 @@ def pytest_runtest_call(item):
         handle.inner_test = inner
 
 
-# Durations (s) of the GPU suite's long tests on an H100 under 16 workers: {node id: seconds} of the tests
-# over 8 s, the largest over per-test logs (TRITUNE_TEST_LOG: "<seconds>s <outcome> <node id>" a line, as
-# benchmarks/gpu_suite.sh writes them).
+# Durations (s) of the GPU suite's long tests on an H200 under 16 workers with a cold Triton cache: {node id:
+# seconds} of the tests over 8 s, from a per-test log (TRITUNE_TEST_LOG: "<seconds>s <outcome> <node id>" a
+# line, as benchmarks/gpu_suite.sh writes them).
 DURATIONS = os.path.join(os.path.dirname(__file__), "gpu_durations.json")
 
 

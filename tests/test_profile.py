@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tritune.harness import profiling as P
 
@@ -65,8 +66,48 @@ def test_regression_gate_reads_files_folders_and_revisions(tmp_path):
         regress.load_baseline("no-such-revision-or-file", "gpu", ["layer_norm"])
 
 
-def test_noise_is_the_spread_of_the_rounds():
+def test_noise_is_the_scatter_of_the_per_round_ratios():
     from tritune.harness import regress
 
-    assert regress.spread([10.0, 10.0, 10.0]) == 0
-    assert regress.spread([9.0, 10.0, 11.0]) == pytest.approx(0.2)
+    assert regress.scatter([1.0, 1.0, 1.0]) == 0
+    assert regress.scatter([0.9, 1.0, 1.1, 1.0, 1.0]) == 0
+    assert regress.scatter([0.9, 1.0, 1.1]) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("slow,want", [(1.0, False), (1.02, False), (2.0, True)])
+def test_the_gate_times_both_configs_by_the_tuners_timer_and_flags_only_a_real_slowdown(monkeypatch, slow, want):
+    """Each round times today's lookup and the baseline row's config through tuning.timing (graph replay
+    over rotating inputs on a GPU); a drift common to a round cancels in its ratio."""
+    import itertools
+
+    from tritune import kernels
+    from tritune.harness import regress
+    from tritune.tuning import timing
+
+    spec = kernels.get("layer_norm")
+    problem = spec.small_problems[0]
+    dtype = torch.float32
+    base_cfg = spec.default_config(problem, dtype)
+    made, modes = [], []
+    real_cycling = timing.cycling
+
+    def cycling(cases, make_call):      # the first callable made is today's config, the second the baseline's
+        call = real_cycling(cases, make_call)
+        call.now = not made
+        made.append(call)
+        return call
+
+    drift = itertools.cycle([1.0, 1.0, 1.3, 1.3, 0.8, 0.8, 1.1, 1.1, 0.9, 0.9])   # per round, both configs
+
+    def time_ms(fn, mode):
+        modes.append(mode)
+        fn()                             # the launch itself runs (the interpreter here)
+        return 0.01 * next(drift) * (slow if fn.now else 1.0)
+
+    monkeypatch.setattr(timing, "cycling", cycling)
+    monkeypatch.setattr(timing, "time_ms", time_ms)
+    monkeypatch.setattr(spec, "config_for", lambda *a, **k: dict(base_cfg))
+    row = {"problem": str(problem), "dtype": "float32", "config": base_cfg}
+    v = regress.compare_row(spec, row, problem, dtype, rounds=5, min_slowdown=0.03)
+    assert v.slower is want and v.ratio == pytest.approx(slow) and v.noise == pytest.approx(0.0)
+    assert v.same_config and len(modes) == 10 and set(modes) == {timing.timing_mode(spec, problem, dtype)}

@@ -104,7 +104,7 @@ def cmd_compare(args, specs) -> int:
                 (problem,) = parse_problems(spec, row["problem"])
             except ValueError:
                 continue   # a problem this version of the kernel no longer has
-            verdicts.append(regress.compare_row(spec, row, problem, dtype, rounds=args.rounds, rep_ms=50,
+            verdicts.append(regress.compare_row(spec, row, problem, dtype, rounds=args.rounds,
                                                 min_slowdown=args.min_slowdown))
             print(regress.table(verdicts[-1:]).splitlines()[-1], flush=True)
     if not verdicts:
