@@ -103,6 +103,29 @@ def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def graph_columns(row: dict, spec, problem, dtype, paths: dict, times: dict) -> None:
+    """Each path replayed from a CUDA graph beside its do_bench median: ``graph_us`` (ours, with its %
+    of the roofline), ``<name>_graph_us`` and ``vs_<name>_graph`` (theirs / ours) for the vendor path and
+    the peers that timed; a path that cannot be captured says so (``<name>_graph_error``)."""
+    gms = None
+    for name, fn in paths.items():
+        if name != "ours" and not isinstance(times.get(name), float):
+            continue
+        key = "graph" if name == "ours" else f"{name}_graph"
+        try:
+            ms = graph_ms(fn)
+        except Exception as e:  # a launcher that cannot be captured says so in the row
+            row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+            torch.cuda.synchronize()
+            continue
+        row[f"{key}_us"] = ms * 1e3
+        if name == "ours":
+            gms = ms
+            row["pct_roofline_graph"] = roofline(spec.cost(problem, dtype), dtype, ms).get("pct_roofline")
+        elif gms:
+            row[f"vs_{name}_graph"] = ms / gms
+
+
 def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, config=None,
                seed: int = 0, on_row: Callable[[dict], object] | None = None) -> list[dict]:
     """Time ours, the vendor path and each available peer on each problem, after checking correctness.
@@ -151,13 +174,7 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
                 row["rounds"] = rounds
             if not dev.interpreted():
                 row["host_us"] = host_us(ours)
-                try:
-                    gms = graph_ms(ours)
-                    row["graph_us"] = gms * 1e3
-                    row["pct_roofline_graph"] = roofline(spec.cost(problem, dtype), dtype, gms).get("pct_roofline")
-                except Exception as e:  # a launcher that cannot be captured says so in the row
-                    row["graph_error"] = f"{type(e).__name__}: {e}"[:200]
-                    torch.cuda.synchronize()
+                graph_columns(row, spec, problem, dtype, paths, times)
             row.update(roofline(spec.cost(problem, dtype), dtype, ms))
             for name, t in times.items():
                 if isinstance(t, str):

@@ -22,10 +22,12 @@ from tritune.tuning.ledger import fmt as _fmt  # one number format for every tab
 def bench_table(rows: list[dict], fmt: str = "simple", regressed: dict | None = None) -> str:
     """``regressed``: (problem, dtype) -> :class:`Regression` of the rows to mark "↓"."""
     regressed = regressed or {}
-    peers = sorted({k[:-3] for r in rows for k in r if k.endswith("_us") and k not in ("ours_us", "vendor_us", "host_us", "graph_us")})
+    peers = sorted({k[:-3] for r in rows for k in r if k.endswith("_us") and not k.endswith("_graph_us")
+                    and k not in ("ours_us", "vendor_us", "host_us", "graph_us")})
+    graphs = [p for p in ["vendor"] + peers if any(f"vs_{p}_graph" in r for r in rows)]  # ratios in a CUDA graph
     headers = ["kernel", "problem", "dtype", "ours µs", "host µs", "GB/s", "TFLOP/s", "% roofline", "graph µs",
                "% roofline (graph)", "vendor µs", "vs vendor"]
-    headers += [h for p in peers for h in (f"{p} µs", f"vs {p}")]
+    headers += [h for p in peers for h in (f"{p} µs", f"vs {p}")] + [f"vs {p} (graph)" for p in graphs]
     table = []
     for r in rows:
         if "error" in r:
@@ -36,6 +38,7 @@ def bench_table(rows: list[dict], fmt: str = "simple", regressed: dict | None = 
                 _fmt(r.get("pct_roofline_graph"), 0), _fmt(r.get("vendor_us")), _fmt(r.get("vs_vendor"), 2) + ("x" if r.get("vs_vendor") else "")]
         for p in peers:
             line += [_fmt(r.get(f"{p}_us")), _fmt(r.get(f"vs_{p}"), 2) + ("x" if r.get(f"vs_{p}") else "")]
+        line += [_fmt(r.get(f"vs_{p}_graph"), 2) + ("x" if r.get(f"vs_{p}_graph") else "") for p in graphs]
         if not r.get("correct", True):
             line[3] += " (WRONG)"
         if (r.get("problem"), r.get("dtype")) in regressed:

@@ -342,3 +342,35 @@ def test_contract_fast_mode_switch(monkeypatch):
     fast = contract._settings(6, fast=True)
     assert fast.max_examples == 6 and "shrink" not in {p.name for p in fast.phases}
     assert "shrink" in {p.name for p in contract._settings(6).phases}
+
+
+def test_bench_rows_put_each_paths_graph_time_beside_ours(monkeypatch):
+    """The vendor path and the peers replayed from a CUDA graph too (a ratio to ours in the same mode);
+    one that cannot be captured says so; one that did not time is left out."""
+    from tritune.harness import bench
+
+    spec = kernels.get("layer_norm")
+    problem = spec.small_problems[0]
+    graph = {"ours": 0.010, "vendor": 0.015}
+
+    def fake_graph_ms(fn):
+        if fn.name not in graph:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return graph[fn.name]
+
+    def path(name):
+        def fn():
+            return None
+        fn.name = name
+        return fn
+
+    monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    row = {}
+    paths = {n: path(n) for n in ("ours", "vendor", "liger", "broken")}
+    bench.graph_columns(row, spec, problem, torch.float32, paths,
+                        {"vendor": 0.02, "liger": 0.03, "broken": "RuntimeError: no"})
+    assert row["graph_us"] == pytest.approx(10.0) and "pct_roofline_graph" in row
+    assert row["vendor_graph_us"] == pytest.approx(15.0) and row["vs_vendor_graph"] == pytest.approx(1.5)
+    assert "capturing" in row["liger_graph_error"] and "vs_liger_graph" not in row
+    assert not any(k.startswith("broken_graph") for k in row)
