@@ -1,6 +1,7 @@
-"""``tritune eval``: perplexity and memory of a GPT-2 in each precision: fp32, fp16, bf16, int8, int4-RTN,
+"""``tritune eval``: perplexity and memory of a checkpoint in each precision: fp32, fp16, bf16, int8, int4-RTN,
 int4-GPTQ, int4-AWQ, FP8 (W8A8 per channel or 128x128 block, the FP8 KV cache, both; see ``FP8_ROWS``) (and
-any GPTQ/AWQ/FP8 checkpoint directory).
+any GPTQ/AWQ/FP8 checkpoint directory). GPT-2 has every row; the Llama family all but GPTQ and AWQ, its
+int8 / int4-RTN rows quantized from the loaded weights as the engine's load-time swap does.
 
 Perplexity: exp of the mean next-token loss over non-overlapping windows of ``n_positions`` tokens (the
 measure of ``model/default/metrics.json``) of held-out text: by default the packaged model's validation
@@ -87,31 +88,37 @@ def perplexity(model, stream: torch.Tensor, batch: int = 16, max_windows: int | 
 
 
 def weight_bytes(weights) -> int:
-    """Bytes of every weight tensor (QuantizedWeight: codes + scale/zero words), shared storage once."""
+    """Bytes of every weight tensor of any family's weights (QuantizedWeight: codes + scale/zero words),
+    shared storage (a tied head) once."""
     seen, total = set(), 0
 
     def add(t):
         nonlocal total
-        if hasattr(t, "nbytes") and callable(t.nbytes):        # QuantizedWeight, ActOrderWeight
+        if hasattr(t, "nbytes") and callable(t.nbytes):        # QuantizedWeight, ActOrderWeight, Fp8Weight
             total += t.nbytes()
+            return
+        if not isinstance(t, torch.Tensor):
             return
         key = (t.untyped_storage().data_ptr(), t.dtype)
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
 
-    for t in (weights.wte, weights.wpe, weights.lnf_w, weights.lnf_b, weights.lm_head):
-        add(t)
-    for L in weights.layers:
-        for t in vars(L).values():
-            add(t)
+    for t in vars(weights).values():
+        for item in (t if isinstance(t, (list, tuple)) else [t]):
+            if isinstance(item, torch.Tensor) or callable(getattr(item, "nbytes", None)):
+                add(item)
+            elif hasattr(item, "__dict__"):             # a layer's weights
+                for u in vars(item).values():
+                    add(u)
     return total
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype, fp8: bool = False) -> int:
-    if fp8:     # one byte a value and a float32 scale per (token, head)
-        return 2 * config.n_layer * (config.n_embd + 4 * config.n_head)
-    return 2 * config.n_layer * config.n_embd * torch.empty(0, dtype=dtype).element_size()
+def kv_bytes_per_token(model, fp8: bool = False) -> int:
+    """K and V of every layer for one token (the e4m3 cache: a byte a value and a float32 scale per head)."""
+    if fp8:
+        return 2 * model.n_layers * model.n_kv_heads * (model.head_dim + 4)
+    return 2 * model.n_layers * model.n_kv_heads * model.head_dim * torch.empty(0, dtype=model.dtype).element_size()
 
 
 def decode_run(model, batch: int = 16, new_tokens: int = 128, prompt_len: int = 16, seed: int = 0,
@@ -123,12 +130,11 @@ def decode_run(model, batch: int = 16, new_tokens: int = 128, prompt_len: int = 
 
     if torch.device(model.device).type != "cuda":
         return {"peak_bytes": None, "decode_tok_s": None}
-    c = model.config
-    new_tokens = min(new_tokens, c.n_positions - prompt_len)
+    new_tokens = min(new_tokens, model.max_context - prompt_len)
     block = 16
     blocks = batch * math.ceil((prompt_len + new_tokens) / block)
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(1, c.vocab_size, (batch, prompt_len), generator=g).tolist()
+    prompts = torch.randint(1, model.vocab_size, (batch, prompt_len), generator=g).tolist()
     sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -173,6 +179,12 @@ def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n
     from tritune.model.quant import quantize as QZ
     from tritune.model.gpt2.model import GPT2
 
+    from tritune.model.load import model_type
+
+    family = model_type(model_dir)
+    if family != "gpt2" and not Path(row).is_dir():
+        return _family_row(row, model_dir, family, backend=backend, device=device, act_dtype=act_dtype,
+                           group=group)
     if row in DENSE:
         return GPT2.from_pretrained(model_dir, backend=backend, dtype=DENSE[row], device=device)
     if row in FP8_ROWS:
@@ -201,13 +213,37 @@ def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n
     return hf_quant.install(base, _cast(qw, act_dtype, device))
 
 
+# the rows GPT-2 has and the other families not yet: GPTQ and AWQ run GPT-2's block structure
+GPT2_ONLY = ("int4-gptq", "int4-awq")
+
+
+def _family_row(row, model_dir, family, *, backend, device, act_dtype, group):
+    """A row of a non-GPT-2 family (the Llama family): dense dtypes, the FP8 rows, and int8 / int4-rtn as
+    the engine's load-time swap makes them (round to nearest from the loaded ``act_dtype`` weights)."""
+    from tritune.model.load import load_model
+    from tritune.model.quant import ops as quant_ops
+
+    if row in DENSE:
+        return load_model(model_dir, backend=backend, dtype=DENSE[row], device=device)
+    if row in FP8_ROWS:
+        return _fp8_row(row, model_dir, backend=backend, device=device, act_dtype=act_dtype)
+    if row in ("int8", "int4-rtn"):
+        m = load_model(model_dir, backend=backend, dtype=act_dtype, device=device)
+        return quant_ops.quantize_model(m, row[:4], group)
+    if row in GPT2_ONLY:
+        raise ValueError(f"--quant {row}: GPT-2 checkpoints only; a {family} checkpoint has the rows "
+                         f"{', '.join(r for r in ROWS if r not in GPT2_ONLY)}")
+    raise ValueError(f"--quant: unknown row {row!r}; expected one of {', '.join(ROWS)} or a quantized "
+                     "checkpoint directory")
+
+
 def _fp8_row(row, model_dir, *, backend, device, act_dtype):
     from tritune.model.engine.kv_fp8 import Fp8KVPrefillOps
-    from tritune.model.gpt2.model import GPT2
+    from tritune.model.load import load_model
     from tritune.model.quant import fp8
 
     weights, block, kv = FP8_ROWS[row]
-    m = GPT2.from_pretrained(model_dir, backend=backend, dtype=act_dtype, device=device)
+    m = load_model(model_dir, backend=backend, dtype=act_dtype, device=device)
     if weights:
         m = fp8.quantize_model(m, block)
     return m.with_ops(Fp8KVPrefillOps(m.ops)) if kv else m
@@ -215,8 +251,10 @@ def _fp8_row(row, model_dir, *, backend, device, act_dtype):
 
 def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_dtype=torch.bfloat16,
              calib=None, n_samples: int = 128, seed: int = 0, group: int = 128, max_windows=None,
-             decode: bool = True, decode_batch: int = 16, progress: bool = True) -> dict:
-    """The table as a dict: {"rows": [...], "text": ..., "device": ...}."""
+             decode: bool = True, decode_batch: int = 16, progress: bool = True, strict: bool = True) -> dict:
+    """The table as a dict: {"rows": [...], "text": ..., "device": ...}. ``strict=False``: a row this
+    checkpoint cannot be built in (e.g. int4 on a K no group size divides) is kept as {"row", "error"} and
+    the others go on; else its ValueError ends the run."""
     from tritune.model.quant import hf as hf_quant
     from tritune.model.gpt2 import weights as W
     from tritune.model.tokenizer import Tokenizer
@@ -224,7 +262,9 @@ def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_
     cuda = torch.cuda.is_available()
     backend = backend or ("triton" if cuda else "torch")
     device = device or ("cuda" if cuda else "cpu")
-    directory = W.resolve(model_dir)
+    from tritune.model.load import packaged_or
+
+    directory = W.resolve(packaged_or(model_dir))
     if hf_quant.quantization_config(directory) is not None:   # a quantized checkpoint: its one row
         rows = [str(directory)]
     tok = Tokenizer.from_dir(directory)
@@ -235,12 +275,19 @@ def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_
     base_ppl = None
     for row in rows:
         t0 = time.perf_counter()
-        m = build(row, directory, backend=backend, device=device, act_dtype=act_dtype, calib=calib,
-                  n_samples=n_samples, seed=seed, group=group, progress=progress)
+        try:
+            m = build(row, directory, backend=backend, device=device, act_dtype=act_dtype, calib=calib,
+                      n_samples=n_samples, seed=seed, group=group, progress=progress)
+        except ValueError as e:
+            if strict:
+                raise
+            out["rows"].append({"row": row, "error": str(e)})
+            print(f"{row}: n/a: {e}", file=sys.stderr, flush=True)
+            continue
         t_build = time.perf_counter() - t0
         ppl = perplexity(m, stream, max_windows=max_windows)
         r = {"row": row, "perplexity": round(ppl, 4), "weight_bytes": weight_bytes(m.w),
-             "kv_bytes_per_token": kv_bytes_per_token(m.config, m.dtype, FP8_ROWS.get(row, (0, 0, 0))[2]),
+             "kv_bytes_per_token": kv_bytes_per_token(m, FP8_ROWS.get(row, (0, 0, 0))[2]),
              "build_s": round(t_build, 1)}
         if row == "bf16":
             base_ppl = ppl
@@ -256,7 +303,7 @@ def evaluate(model_dir, rows=ROWS, *, text=None, backend=None, device=None, act_
         print(f"{row}: perplexity {ppl:.3f}", file=sys.stderr, flush=True)
         del m
     if base_ppl is not None:
-        for r in out["rows"]:
+        for r in (r for r in out["rows"] if "error" not in r):
             r["vs_bf16_pct"] = round(100 * (r["perplexity"] / base_ppl - 1), 3)
     return out
 
@@ -267,7 +314,11 @@ def table(result: dict) -> str:
     def mib(b):
         return "n/a" if b is None else f"{b / 2**20:.2f}"
 
-    rows = [[r["row"] if len(r["row"]) < 40 else "..." + r["row"][-37:], f"{r['perplexity']:.3f}",
+    def name(r):
+        return r["row"] if len(r["row"]) < 40 else "..." + r["row"][-37:]
+
+    rows = [[name(r), "n/a: " + r["error"][:70]] + [""] * 5 if "error" in r else
+            [name(r), f"{r['perplexity']:.3f}",
              "" if "vs_bf16_pct" not in r else f"{r['vs_bf16_pct']:+.2f}%", mib(r["weight_bytes"]),
              r["kv_bytes_per_token"], mib(r.get("peak_bytes")),
              "n/a" if r.get("decode_tok_s") is None else f"{r['decode_tok_s']:.0f}"] for r in result["rows"]]
@@ -284,7 +335,8 @@ def add_parser(subparsers, name: str) -> None:
         return
     from tritune.kernels.runtime.args import parse_dtype
 
-    s = subparsers.add_parser("eval", help="perplexity and memory of a GPT-2 from fp32 to int4 (RTN, GPTQ, AWQ)")
+    s = subparsers.add_parser("eval", help="perplexity and memory of a checkpoint from fp32 to int4 and FP8 "
+                                           "(GPT-2: also GPTQ, AWQ)")
     s.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory, or a GPTQ/AWQ checkpoint (default: the packaged model)")
     s.add_argument("--quant", default=None,
@@ -313,7 +365,11 @@ def run(args) -> int:
     model = model_or_default(args.model)
     if model is None:
         return 2
-    quant = args.quant or ",".join(r for r in ROWS if torch.cuda.is_available() or r != "fp16")
+    from tritune.model.load import model_type, packaged_or
+
+    gpt2 = model_type(packaged_or(model)) in ("gpt2", None)
+    quant = args.quant or ",".join(r for r in ROWS if (torch.cuda.is_available() or r != "fp16")
+                                   and (gpt2 or r not in GPT2_ONLY))
     rows = [r.strip() for r in quant.split(",") if r.strip()]
     bad = [r for r in rows if r not in ROWS and not Path(r).is_dir()]
     if bad or not rows:
@@ -324,7 +380,7 @@ def run(args) -> int:
         res = evaluate(model, rows, text=args.text, backend=args.backend, act_dtype=args.act_dtype,
                        calib=args.calib, n_samples=args.n_samples, seed=args.seed, group=args.group,
                        max_windows=args.max_windows, decode=not args.no_decode, decode_batch=args.decode_batch,
-                       progress=not args.quiet)
+                       progress=not args.quiet, strict=args.quant is not None)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -371,6 +371,23 @@ def test_eval_cli_bad_row_exits_2(tiny, capsys):
     assert "int3" in capsys.readouterr().err
 
 
+def test_eval_on_the_llama_family(capsys):
+    """The packaged Llama-style model: every row but GPTQ/AWQ by default, a row its shapes refuse (int4 on
+    an intermediate size no group divides) shown as n/a while the others go on; asked for, GPTQ is refused
+    by name."""
+    from tritune.model.eval import evaluate, table
+
+    res = evaluate("llama", ["bf16", "int8", "int4-rtn", "fp8-kv"], max_windows=1, decode=False, progress=False,
+                   strict=False)
+    got = {r["row"]: r for r in res["rows"]}
+    assert list(got) == ["bf16", "int8", "int4-rtn", "fp8-kv"] and "group size" in got["int4-rtn"]["error"]
+    assert abs(got["int8"]["vs_bf16_pct"]) < 1 and abs(got["fp8-kv"]["vs_bf16_pct"]) < 1
+    assert got["fp8-kv"]["kv_bytes_per_token"] < got["bf16"]["kv_bytes_per_token"]
+    assert "n/a: int4" in table(res)
+    assert cli(["eval", "llama", "--quant", "int4-gptq", "--no-decode", "--max-windows", "1", "--quiet"]) == 2
+    assert "int4-gptq: GPT-2 checkpoints only" in capsys.readouterr().err
+
+
 def test_plain_loader_names_quantized_checkpoints(tiny, quantized, tmp_path):
     cfg = json.loads((tiny / "config.json").read_text())
     HQ.save(tmp_path, quantized[("rtn", 4, False, False)], cfg, {"quant_method": "gptq", "bits": 4,
