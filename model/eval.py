@@ -189,12 +189,10 @@ def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n
         return GPT2.from_pretrained(model_dir, backend=backend, dtype=DENSE[row], device=device)
     if row in FP8_ROWS:
         return _fp8_row(row, model_dir, backend=backend, device=device, act_dtype=act_dtype)
-    if Path(row).is_dir():
-        from tritune.model.quant import fp8_hf
+    if Path(row).is_dir():   # a quantized checkpoint (GPTQ, AWQ, FP8) of any family, by its family's loader
+        from tritune.model.load import load_model
 
-        if fp8_hf.is_fp8_checkpoint(row):
-            return fp8_hf.load_model(row, backend=backend, dtype=act_dtype, device=device)
-        return hf_quant.load_model(row, backend=backend, dtype=act_dtype, device=device)
+        return load_model(row, backend=backend, dtype=act_dtype, device=device)
     specs = {"int8": QZ.QuantSpec("rtn", 8), "int4-rtn": QZ.QuantSpec("rtn", 4, group),
              "int4-gptq": QZ.QuantSpec("gptq", 4, group, act_order=True),
              "int4-awq": QZ.QuantSpec("awq", 4, group)}

@@ -26,7 +26,7 @@ COMMANDS = {
     "serve-bench": "tritune.model.bench.serve_bench",
     "serve": "tritune.model.serve.server",
     "eval": "tritune.model.eval",
-    "quantize": "tritune.model.quant.quantize",
+    "quantize": "tritune.model.quant.cli",
     "tune-decode": "tritune.model.engine.fused_tune",
     "profile": "tritune.harness.cli.profile",
     "bench": "tritune.harness.cli.bench",

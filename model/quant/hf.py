@@ -362,7 +362,7 @@ def quantization_config(directory) -> dict | None:
     return q if isinstance(q, dict) else None
 
 
-def _check_qcfg(q: dict, source: str) -> None:
+def check_qcfg(q: dict, source: str) -> None:
     method = q.get("quant_method")
     if method not in FORMATS:
         raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not supported "
@@ -387,7 +387,7 @@ def load(directory, dtype: torch.dtype = torch.float32, device="cpu"):
     q = quantization_config(directory)
     if q is None:
         raise ValueError(f"{directory}: config.json has no quantization_config")
-    _check_qcfg(q, str(directory / "config.json"))
+    check_qcfg(q, str(directory / "config.json"))
     cfg_dict = json.loads((directory / "config.json").read_text())
     cfg_dict["tie_word_embeddings"] = True        # the embedding is read as wte either way
     c = GPT2Config.from_dict(cfg_dict, str(directory / "config.json"))

@@ -1,0 +1,259 @@
+"""INT8 / INT4 checkpoints of the Llama family (Llama, Qwen2/3, Mistral) in Hugging Face's GPTQ layout.
+
+``tritune quantize DIR --method rtn|gptq`` on a Llama-family checkpoint quantizes each ``nn.Linear`` of the
+decoder layers (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``) on its own and writes, in place
+of its ``weight``, GPTQ's ``qweight``/``qzeros``/``scales``/``g_idx`` (:func:`tritune.model.quant.hf.to_hf`);
+embeddings, norms, biases and the LM head stay dense. ``--method gptq`` collects each linear's Hessian
+from calibration text run through transformers' model of the checkpoint, one decoder layer at a time,
+every earlier layer already replaced by its quantized weights (q, k, v share one Hessian, as gate and up
+do). AWQ is not offered for the family yet.
+
+The family's loader runs such checkpoints, and GPTQ or AWQ (gemm) checkpoints of the family written by
+other tools: q, k, v are fused into tritune's one qkv linear and gate, up into one gate/up linear, so
+their column order must agree; an act-order (``desc_act``) checkpoint that permutes them differently is
+refused by name.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from tritune.model.quant import hf as hf_quant
+from tritune.references import quant as Q
+
+# tritune's fused linears (LayerWeights fields) -> the checkpoint's modules, in column order
+FUSED = {"w_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "w_o": ("self_attn.o_proj",),
+         "w_gu": ("mlp.gate_proj", "mlp.up_proj"),
+         "w_down": ("mlp.down_proj",)}
+# the modules whose input each Hessian is (k and v see q's input, up sees gate's)
+SHARED_INPUT = {"self_attn.q_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "self_attn.o_proj": ("self_attn.o_proj",),
+                "mlp.gate_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                "mlp.down_proj": ("mlp.down_proj",)}
+MAX_CALIB_LEN = 2048
+
+
+def group_for(K: int, spec, name: str) -> int:
+    """The group of a K-wide linear: K for int8; for int4 the largest supported size <= the asked one
+    that divides K."""
+    if spec.bits == 8:
+        return K
+    g = next((s for s in sorted(Q.INT4_GROUP_SIZES, reverse=True) if s <= spec.group_size and K % s == 0), None)
+    if g is None:
+        raise ValueError(f"{name}: int4 needs K ({K}) to be a multiple of a group size in {Q.INT4_GROUP_SIZES}")
+    return g
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantizing
+# ---------------------------------------------------------------------------------------------------
+class _Stop(Exception):
+    """Raised by a hook to end a calibration forward once the layer studied has run."""
+
+
+def layer_hessians(model, layer: int, batches) -> dict:
+    """{module: 2 XᵀX / n} of one decoder layer's linears' inputs (float64), the forward stopped after it."""
+    layers = model.model.layers
+    block = layers[layer]
+    sums, counts, hooks = {}, {}, []
+
+    def collect(name):
+        def pre(_mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + x.t() @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return pre
+
+    def stop(*_):
+        raise _Stop
+
+    for name in SHARED_INPUT:
+        hooks.append(block.get_submodule(name).register_forward_pre_hook(collect(name)))
+    after = layers[layer + 1] if layer + 1 < len(layers) else model.model.norm
+    hooks.append(after.register_forward_pre_hook(stop))
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                try:
+                    model(input_ids=ids, use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: (2.0 / counts[n]) * sums[n] for n in sums}
+
+
+def quantize_layers(directory, spec, ids, *, progress: bool = True) -> dict:
+    """{"layers.{i}.{module}": QuantizedWeight} for every decoder linear (``ids``: (n, T) calibration
+    windows; rtn needs none)."""
+    import transformers
+    from tqdm import tqdm
+
+    from tritune.model.quant import quantize as QZ
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    n_layers = len(model.model.layers)
+    out = {}
+    bar = tqdm(total=n_layers * 7, desc=f"{spec.method} int{spec.bits}", disable=not progress, file=sys.stderr,
+               unit="linear")
+    batches = [] if ids is None else list(ids.split(8))
+    for i in range(n_layers):
+        block = model.model.layers[i]
+        hs = layer_hessians(model, i, batches) if spec.method == "gptq" else {}
+        for first, names in SHARED_INPUT.items():
+            for name in names:
+                lin = block.get_submodule(name)
+                w = lin.weight.detach().float()
+                g = group_for(w.shape[1], spec, f"layers.{i}.{name}")
+                qw = QZ.gptq(w, hs[first], spec, g) if spec.method == "gptq" else QZ.rtn(w, spec, g)
+                lin.weight.data.copy_(qw.dequantize(torch.float32))  # the next layers see the quantized ones
+                out[f"layers.{i}.{name}"] = qw
+                bar.update()
+    bar.close()
+    return out
+
+
+def quantize_checkpoint(directory, out, spec, *, calib=None, n_samples: int = 128, seq_len: int | None = None,
+                        seed: int = 0, checkpoint_format: str = "auto", progress: bool = True) -> Path:
+    """Quantize a Llama-family checkpoint with ``spec`` (rtn or gptq) into ``out`` (GPTQ layout)."""
+    from tritune.model.llama import weights as LW
+    from tritune.model.llama.config import LlamaConfig
+    from tritune.model.quant import quantize as QZ
+    from tritune.model.tokenizer import Tokenizer
+
+    if spec.method == "awq":
+        raise ValueError("method: awq is not offered for the Llama family yet (rtn, gptq)")
+    directory = Path(directory)
+    config = LlamaConfig.from_file(directory / "config.json")
+    T = seq_len or min(config.n_positions, MAX_CALIB_LEN)
+    if not 1 <= T <= config.n_positions:
+        raise ValueError(f"seq_len: expected 1..{config.n_positions}, got {T}")
+    torch.manual_seed(seed)
+    ids, calib_name = None, None
+    if spec.method != "rtn":
+        stream, calib_name = QZ.calibration_text(Tokenizer.from_dir(directory), calib)
+        ids = QZ.windows(stream, n_samples, T, seed)
+    qws = quantize_layers(directory, spec, ids, progress=progress)
+    q = {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size if spec.bits == 4 else -1,
+         "sym": spec.sym or spec.bits == 8, "desc_act": False, "damp_percent": spec.damp, "true_sequential": False,
+         "lm_head": False, "tritune": {"method": spec.method, "calib": calib_name,
+                                        "n_samples": n_samples if ids is not None else 0, "seq_len": T, "seed": seed}}
+    if checkpoint_format == "auto":
+        checkpoint_format = "gptq" if all(w.bits == 8 or int(w.zeros.min()) >= 1 for w in qws.values()) else "gptq_v2"
+    q["checkpoint_format"] = checkpoint_format
+    return write(out, directory, LW.load_state_dict(directory), qws, q)
+
+
+def write(out, src_dir: Path, dense: dict, qws: dict, q: dict) -> Path:
+    """The checkpoint: ``dense`` (the source's tensors, ``model.`` stripped) with each quantized module's
+    ``weight`` replaced by its GPTQ tensors; config.json with ``quantization_config``; the tokenizer files."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, t in dense.items():
+        module = name.rsplit(".", 1)[0]
+        if module in qws and name.endswith(".weight"):
+            continue
+        state[name if name.startswith("lm_head") else "model." + name] = t.contiguous()
+    for module, qw in qws.items():
+        for tn, t in hf_quant.to_hf(qw, "gptq", q["checkpoint_format"]).items():
+            state[f"model.{module}.{tn}"] = t.contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src_dir / "config.json").read_text())
+    cfg["quantization_config"] = q
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in hf_quant.COPY_FILES + ("tokenizer_config.json", "special_tokens_map.json"):
+        if (src_dir / f).is_file():
+            shutil.copyfile(src_dir / f, out / f)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------
+def fuse(parts: list, name: str):
+    """QuantizedWeights of one input stacked along their outputs (q, k, v -> qkv), as one."""
+    if len(parts) == 1:
+        return parts[0]
+    if any(isinstance(p, hf_quant.ActOrderWeight) for p in parts):
+        raise ValueError(f"{name}: an act-order (desc_act) checkpoint whose fused projections permute their "
+                         "columns is not supported for the Llama family")
+    bits, K, g = parts[0].bits, parts[0].K, parts[0].group_size
+    if any((p.bits, p.K, p.group_size) != (bits, K, g) for p in parts):
+        raise ValueError(f"{name}: its projections differ in bits or group size; tritune fuses them")
+    N = sum(p.N for p in parts)
+    if bits == 8:
+        return Q.QuantizedWeight(8, N, K, K, torch.cat([p.data for p in parts]).contiguous(),
+                                 torch.cat([p.scales for p in parts]).contiguous(), None)
+    codes = torch.cat([p.codes() for p in parts]).to(torch.uint8)
+    sb = torch.cat([p.scales.contiguous() for p in parts]).contiguous()
+    zeros = torch.cat([p.zeros.contiguous() for p in parts]).contiguous()
+    scales, zp = Q.scale_zero_views(Q.pack_scale_zero(sb, zeros))
+    qw = Q.QuantizedWeight(4, N, K, g, Q.to_panels(Q.pack_int4(codes, g), g), scales, zp)
+    qw.validate()
+    return qw
+
+
+def load(directory, dtype: torch.dtype = torch.float32, device="cpu"):
+    """(LlamaConfig, LlamaWeights with quantized linears, directory) from a GPTQ/AWQ checkpoint of the family."""
+    from tritune.model.llama import weights as LW
+    from tritune.model.llama.config import LlamaConfig
+
+    directory = Path(directory)
+    q = hf_quant.quantization_config(directory)
+    hf_quant.check_qcfg(q, str(directory / "config.json"))
+    d = {k: v for k, v in json.loads((directory / "config.json").read_text()).items() if k != "quantization_config"}
+    c = LlamaConfig.from_dict(d, str(directory / "config.json")).with_generation_eos(
+        directory / "generation_config.json")
+    raw = LW.load_state_dict(directory)
+
+    def dense(name):
+        if name not in raw:
+            raise ValueError(f"{directory}: tensor {name!r} missing")
+        return raw[name].to(device=device, dtype=dtype).contiguous()
+
+    def bias(i, modules):
+        names = [f"layers.{i}.{m}.bias" for m in modules]
+        return torch.cat([dense(n) for n in names]).contiguous() if names[0] in raw else None
+
+    sizes = {"self_attn.q_proj": c.n_head * c.head_dim, "self_attn.k_proj": c.n_kv_head * c.head_dim,
+             "self_attn.v_proj": c.n_kv_head * c.head_dim, "self_attn.o_proj": c.n_embd,
+             "mlp.gate_proj": c.d_mlp, "mlp.up_proj": c.d_mlp, "mlp.down_proj": c.n_embd}
+    ins = {"self_attn.o_proj": c.n_head * c.head_dim, "mlp.down_proj": c.d_mlp}
+    layers = []
+    for i in range(c.n_layer):
+        lin = {}
+        for field, modules in FUSED.items():
+            parts = []
+            for m in modules:
+                pre = f"layers.{i}.{m}"
+                t = {k: raw[f"{pre}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx") if f"{pre}.{k}" in raw}
+                parts.append(hf_quant.from_hf(t, q, sizes[m], ins.get(m, c.n_embd), pre))
+            lin[field] = fuse(parts, f"layers.{i}.{field}").to(device)
+        layers.append(LW.LayerWeights(
+            ln1_w=dense(f"layers.{i}.input_layernorm.weight"), b_qkv=bias(i, FUSED["w_qkv"]),
+            b_o=bias(i, FUSED["w_o"]), ln2_w=dense(f"layers.{i}.post_attention_layernorm.weight"),
+            b_gu=bias(i, FUSED["w_gu"]), b_down=bias(i, FUSED["w_down"]),
+            q_norm=dense(f"layers.{i}.self_attn.q_norm.weight") if c.qk_norm else None,
+            k_norm=dense(f"layers.{i}.self_attn.k_norm.weight") if c.qk_norm else None, **lin))
+    wte = dense("embed_tokens.weight")
+    head = wte.t() if c.tie_word_embeddings else dense("lm_head.weight").t()
+    return c, LW.LlamaWeights(wte=wte, layers=layers, lnf_w=dense("norm.weight"), lm_head=head), directory
+
+
+def load_model(directory, *, backend: str = "triton", dtype: torch.dtype = torch.float32, device=None):
+    """A :class:`~tritune.model.llama.model.Llama` running a GPTQ/AWQ checkpoint's linears on the quant kernels."""
+    from tritune.model.gpt2.model import default_device
+    from tritune.model.llama.model import Llama
+    from tritune.model.quant import ops as quant_ops
+
+    c, w, d = load(directory, dtype, default_device(backend) if device is None else device)
+    return quant_ops.with_quantized_weights(Llama(c, w, backend=backend, directory=d), w)
