@@ -1,7 +1,8 @@
 """``tritune eval``: perplexity and memory of a checkpoint in each precision: fp32, fp16, bf16, int8, int4-RTN,
 int4-GPTQ, int4-AWQ, FP8 (W8A8 per channel or 128x128 block, the FP8 KV cache, both; see ``FP8_ROWS``) (and
-any GPTQ/AWQ/FP8 checkpoint directory). GPT-2 has every row; the Llama family all but GPTQ and AWQ, its
-int8 / int4-RTN rows quantized from the loaded weights as the engine's load-time swap does.
+any GPTQ/AWQ/FP8 checkpoint directory), for GPT-2 and the Llama family (whose int8 / int4-RTN rows are
+quantized from the loaded weights as the engine's load-time swap does, its GPTQ / AWQ rows written by
+:mod:`tritune.model.quant.llama_hf` and loaded back).
 
 Perplexity: exp of the mean next-token loss over non-overlapping windows of ``n_positions`` tokens (the
 measure of ``model/default/metrics.json``) of held-out text: by default the packaged model's validation
@@ -184,7 +185,7 @@ def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n
     family = model_type(model_dir)
     if family != "gpt2" and not Path(row).is_dir():
         return _family_row(row, model_dir, family, backend=backend, device=device, act_dtype=act_dtype,
-                           group=group)
+                           group=group, calib=calib, n_samples=n_samples, seed=seed, progress=progress)
     if row in DENSE:
         return GPT2.from_pretrained(model_dir, backend=backend, dtype=DENSE[row], device=device)
     if row in FP8_ROWS:
@@ -211,16 +212,23 @@ def build(row: str, model_dir, *, backend: str, device, act_dtype, calib=None, n
     return hf_quant.install(base, _cast(qw, act_dtype, device))
 
 
-# the rows GPT-2 has and the other families not yet: GPTQ and AWQ run GPT-2's block structure
-GPT2_ONLY = ("int4-gptq", "int4-awq")
+def _family_row(row, model_dir, family, *, backend, device, act_dtype, group, calib, n_samples, seed, progress):
+    """A row of a non-GPT-2 family (the Llama family): dense dtypes, the FP8 rows, int8 / int4-rtn as the
+    engine's load-time swap makes them (round to nearest from the loaded ``act_dtype`` weights), and GPTQ /
+    AWQ through the family's checkpoint writer (:mod:`tritune.model.quant.llama_hf`), loaded back."""
+    import tempfile
 
-
-def _family_row(row, model_dir, family, *, backend, device, act_dtype, group):
-    """A row of a non-GPT-2 family (the Llama family): dense dtypes, the FP8 rows, and int8 / int4-rtn as
-    the engine's load-time swap makes them (round to nearest from the loaded ``act_dtype`` weights)."""
     from tritune.model.load import load_model
+    from tritune.model.quant import llama_hf
     from tritune.model.quant import ops as quant_ops
+    from tritune.model.quant import quantize as QZ
 
+    if row in ("int4-gptq", "int4-awq"):
+        spec = QZ.QuantSpec(row[len("int4-"):], 4, group)
+        with tempfile.TemporaryDirectory() as tmp:   # the weights are read into memory before it goes
+            d = llama_hf.quantize_checkpoint(model_dir, Path(tmp) / "q", spec, calib=calib, n_samples=n_samples,
+                                             seed=seed, progress=progress)
+            return load_model(d, backend=backend, dtype=act_dtype, device=device)
     if row in DENSE:
         return load_model(model_dir, backend=backend, dtype=DENSE[row], device=device)
     if row in FP8_ROWS:
@@ -228,9 +236,6 @@ def _family_row(row, model_dir, family, *, backend, device, act_dtype, group):
     if row in ("int8", "int4-rtn"):
         m = load_model(model_dir, backend=backend, dtype=act_dtype, device=device)
         return quant_ops.quantize_model(m, row[:4], group)
-    if row in GPT2_ONLY:
-        raise ValueError(f"--quant {row}: GPT-2 checkpoints only; a {family} checkpoint has the rows "
-                         f"{', '.join(r for r in ROWS if r not in GPT2_ONLY)}")
     raise ValueError(f"--quant: unknown row {row!r}; expected one of {', '.join(ROWS)} or a quantized "
                      "checkpoint directory")
 
@@ -333,8 +338,8 @@ def add_parser(subparsers, name: str) -> None:
         return
     from tritune.kernels.runtime.args import parse_dtype
 
-    s = subparsers.add_parser("eval", help="perplexity and memory of a checkpoint from fp32 to int4 and FP8 "
-                                           "(GPT-2: also GPTQ, AWQ)")
+    s = subparsers.add_parser("eval", help="perplexity and memory of a checkpoint (GPT-2, the Llama family) from "
+                                           "fp32 to int4 (RTN, GPTQ, AWQ) and FP8")
     s.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory, or a GPTQ/AWQ checkpoint (default: the packaged model)")
     s.add_argument("--quant", default=None,
@@ -363,11 +368,7 @@ def run(args) -> int:
     model = model_or_default(args.model)
     if model is None:
         return 2
-    from tritune.model.load import model_type, packaged_or
-
-    gpt2 = model_type(packaged_or(model)) in ("gpt2", None)
-    quant = args.quant or ",".join(r for r in ROWS if (torch.cuda.is_available() or r != "fp16")
-                                   and (gpt2 or r not in GPT2_ONLY))
+    quant = args.quant or ",".join(r for r in ROWS if torch.cuda.is_available() or r != "fp16")
     rows = [r.strip() for r in quant.split(",") if r.strip()]
     bad = [r for r in rows if r not in ROWS and not Path(r).is_dir()]
     if bad or not rows:

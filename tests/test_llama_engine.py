@@ -247,15 +247,12 @@ def test_captured_decode_graphs_on_the_gpu(tmp_path):
     assert run_all(eng, ps, 6) == want
 
 
-def test_gpt2s_quantizer_refuses_the_family_and_awq_is_refused_by_name(tmp_path):
+def test_gpt2s_quantizer_refuses_the_family_by_model_type(tmp_path):
     """GPT-2's quantizer calibrates through GPT-2's block: a Llama checkpoint is refused by its model_type
-    before any work; the family's own (tritune.model.quant.llama_hf: RTN, GPTQ) refuses AWQ by name."""
-    from tritune.model.quant import llama_hf
+    before any work (the family's own is tritune.model.quant.llama_hf; tests/test_llama_quantize.py)."""
     from tritune.model.quant.quantize import QuantSpec, quantize_checkpoint
 
     d = write_checkpoint(tmp_path / "ckpt", "torch")
     for method in ("gptq", "awq"):
         with pytest.raises(ValueError, match="model_type"):
             quantize_checkpoint(d, tmp_path / method, QuantSpec(method=method), progress=False)
-    with pytest.raises(ValueError, match="awq is not offered for the Llama family"):
-        llama_hf.quantize_checkpoint(d, tmp_path / "a", QuantSpec(method="awq"), progress=False)

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tritune.harness.cli import main as cli  # noqa: E402
-from tritune.model.llama.model import load_model  # noqa: E402
+from tritune.model.llama.model import Llama, load_model  # noqa: E402
 from tritune.model.load import load_model as load_any  # noqa: E402
 from tritune.model.quant import llama_hf  # noqa: E402
 from tritune.model.quant import ops as quant_ops  # noqa: E402
@@ -36,9 +36,13 @@ def qwen2(tmp_path_factory):
     return d
 
 
-def dequantized_reference(dense_dir, quantized):
-    """The dense model with each fused linear replaced by the quantized one's exact weight."""
-    ref = load_model(dense_dir, backend="torch", dtype=torch.float32, device="cpu")
+def dequantized_reference(dense_dir, quantized, dense_state: bool = False):
+    """The dense model with each fused linear replaced by the quantized one's exact weight (``dense_state``:
+    ``dense_dir`` is the quantized checkpoint: its norms and biases, the linears from ``quantized``)."""
+    if dense_state:
+        ref = Llama(quantized.config, quantized.w, backend="torch")
+    else:
+        ref = load_model(dense_dir, backend="torch", dtype=torch.float32, device="cpu")
     layers = []
     for Ld, Lq in zip(ref.w.layers, quantized.w.layers):
         layers.append(type(Ld)(**{**vars(Ld), **{k: getattr(Lq, k).dequantize(torch.float32).t().contiguous()
@@ -67,7 +71,7 @@ def test_rtn_checkpoint_runs_exactly_its_quantized_weights(qwen2, tmp_path, bits
 
 def test_gptq_on_the_packaged_llama_and_the_cli(tmp_path, capsys):
     """GPTQ int8 through the CLI on the packaged model's calibration text: perplexity within 1% of the
-    dense model's; AWQ, and int4 on an intermediate size no group divides, are refused by name."""
+    dense model's; int4 on an intermediate size no group divides is refused by name."""
     from tritune.model.eval import evaluate
 
     out = tmp_path / "g8"
@@ -78,8 +82,6 @@ def test_gptq_on_the_packaged_llama_and_the_cli(tmp_path, capsys):
     ppl = {r["row"]: r["perplexity"] for r in res["rows"]}
     assert abs(ppl[str(out)] / ppl["fp32"] - 1) < 0.01, ppl
     capsys.readouterr()
-    assert cli(["quantize", "llama", "--method", "awq", "--out", str(tmp_path / "a"), "--quiet"]) == 2
-    assert "awq is not offered for the Llama family" in capsys.readouterr().err
     assert cli(["quantize", "llama", "--method", "rtn", "--bits", "4", "--out", str(tmp_path / "r"), "--quiet"]) == 2
     assert "int4 needs K (688)" in capsys.readouterr().err
 
@@ -91,3 +93,38 @@ def test_fusing_refuses_projections_that_disagree(qwen2, tmp_path):
     b = llama_hf.load(llama_hf.quantize_checkpoint(qwen2, tmp_path / "q8", QZ.QuantSpec("rtn", 8), progress=False))[1]
     with pytest.raises(ValueError, match="differ in bits"):
         llama_hf.fuse([a, b.layers[0].w_o], "layers.0.w_x")
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["gqa", "mha"])
+def llama(request, tmp_path_factory):
+    """A random Llama, grouped KV heads or not (AWQ folds v into o only without grouping)."""
+    cfg = transformers.LlamaConfig(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=64, num_attention_heads=4,
+                                   num_key_value_heads=request.param, num_hidden_layers=2, intermediate_size=96,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    randomize(m)
+    d = tmp_path_factory.mktemp("llama")
+    m.save_pretrained(d)
+    return d
+
+
+def test_awq_folds_scales_and_runs_exactly_what_it_wrote(llama, tmp_path):
+    """AWQ int4 on calibration windows: the checkpoint (AWQ's gemm layout, folded norms) runs exactly its
+    dense tensors and dequantized linears, and its error against the dense model is no larger than
+    round-to-nearest's on held-out prompts."""
+    spec = QZ.QuantSpec("awq", 4, 32)
+    ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(3))
+    qws, dense = llama_hf.quantize_layers(llama, spec, ids, progress=False)
+    out = llama_hf.write(tmp_path / "awq", llama, dense, qws, {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                                               "zero_point": True, "version": "gemm", "lm_head": False})
+    m = load_any(out, backend="torch", dtype=torch.float32, device="cpu")
+    ids = torch.tensor(prompt(24, 5))
+    got = m.prefill(ids, [24], all_logits=True)
+    torch.testing.assert_close(got, dequantized_reference(out, m, dense_state=True).prefill(ids, [24], all_logits=True),
+                               rtol=1e-4, atol=1e-4)
+    base = load_model(llama, backend="torch", dtype=torch.float32, device="cpu").prefill(ids, [24], all_logits=True)
+    rtn = load_any(llama_hf.quantize_checkpoint(llama, tmp_path / "rtn", QZ.QuantSpec("rtn", 4, 32), progress=False),
+                   backend="torch", dtype=torch.float32, device="cpu").prefill(ids, [24], all_logits=True)
+    err = lambda x: float((x - base).norm() / base.norm())   # noqa: E731
+    assert err(got) <= 1.05 * err(rtn), (err(got), err(rtn))

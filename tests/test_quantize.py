@@ -372,9 +372,8 @@ def test_eval_cli_bad_row_exits_2(tiny, capsys):
 
 
 def test_eval_on_the_llama_family(capsys):
-    """The packaged Llama-style model: every row but GPTQ/AWQ by default, a row its shapes refuse (int4 on
-    an intermediate size no group divides) shown as n/a while the others go on; asked for, GPTQ is refused
-    by name."""
+    """The packaged Llama-style model: a row its shapes refuse (int4 on an intermediate size no group divides)
+    shown as n/a while the others go on; asked for alone, refused before any work, naming the size."""
     from tritune.model.eval import evaluate, table
 
     res = evaluate("llama", ["bf16", "int8", "int4-rtn", "fp8-kv"], max_windows=1, decode=False, progress=False,
@@ -385,7 +384,7 @@ def test_eval_on_the_llama_family(capsys):
     assert got["fp8-kv"]["kv_bytes_per_token"] < got["bf16"]["kv_bytes_per_token"]
     assert "n/a: int4" in table(res)
     assert cli(["eval", "llama", "--quant", "int4-gptq", "--no-decode", "--max-windows", "1", "--quiet"]) == 2
-    assert "int4-gptq: GPT-2 checkpoints only" in capsys.readouterr().err
+    assert "intermediate_size: int4 needs K (688)" in capsys.readouterr().err
 
 
 def test_plain_loader_names_quantized_checkpoints(tiny, quantized, tmp_path):

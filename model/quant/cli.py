@@ -1,5 +1,5 @@
 """``tritune quantize``: a checkpoint into Hugging Face's GPTQ / AWQ layout (RTN, GPTQ, AWQ: GPT-2 through
-:mod:`tritune.model.quant.quantize`; RTN, GPTQ: the Llama family through :mod:`tritune.model.quant.llama_hf`),
+:mod:`tritune.model.quant.quantize`, the Llama family through :mod:`tritune.model.quant.llama_hf`),
 or into its FP8 layout (:mod:`tritune.model.quant.fp8_hf`)."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tritune.model.quant.quantize import METHODS, QuantSpec, quantize_checkpoint
 def add_parser(subparsers, name: str) -> None:
     if name != "quantize":
         return
-    s = subparsers.add_parser("quantize", help="quantize a checkpoint into an HF GPTQ/AWQ checkpoint (GPT-2: RTN, "
-                                               "GPTQ, AWQ; the Llama family: RTN, GPTQ) or an FP8 one")
+    s = subparsers.add_parser("quantize", help="quantize a checkpoint (GPT-2, the Llama family) into an HF "
+                                               "GPTQ/AWQ checkpoint (RTN, GPTQ, AWQ) or an FP8 one")
     s.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the packaged model)")
     s.add_argument("--method", choices=METHODS + ("fp8",), default="gptq",
                    help="fp8: e4m3 weights with 128x128 block scales in Hugging Face's FP8 layout (W8A8 at run time)")

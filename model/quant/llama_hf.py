@@ -6,7 +6,10 @@ of its ``weight``, GPTQ's ``qweight``/``qzeros``/``scales``/``g_idx`` (:func:`tr
 embeddings, norms, biases and the LM head stay dense. ``--method gptq`` collects each linear's Hessian
 from calibration text run through transformers' model of the checkpoint, one decoder layer at a time,
 every earlier layer already replaced by its quantized weights (q, k, v share one Hessian, as gate and up
-do). AWQ is not offered for the family yet.
+do). ``--method awq`` (int4) searches per-input-channel scales on the same layer inputs and folds them into
+what feeds each group of linears (input_layernorm -> q, k, v; v -> o where the heads are not grouped;
+post_attention_layernorm -> gate, up; up -> down), clips each group's range (q and k not: their error
+shows only through the scores) and writes AWQ's gemm layout.
 
 The family's loader runs such checkpoints, and GPTQ or AWQ (gemm) checkpoints of the family written by
 other tools: q, k, v are fused into tritune's one qkv linear and gate, up into one gate/up linear, so
@@ -89,15 +92,107 @@ def layer_hessians(model, layer: int, batches) -> dict:
     return {n: (2.0 / counts[n]) * sums[n] for n in sums}
 
 
+def layer_inputs(model, layer: int, batches, rows: int = 4096, seed: int = 0) -> dict:
+    """{module: (n, K) float32} inputs of one decoder layer's linears (at most ``rows`` of them, drawn evenly
+    from the batches), the forward stopped after the layer."""
+    layers = model.model.layers
+    block = layers[layer]
+    got, hooks = {}, []
+    per = max(1, rows // max(1, len(batches)))
+    gen = torch.Generator().manual_seed(seed + layer)
+
+    def collect(name):
+        def pre(_mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            if x.shape[0] > per:
+                x = x[torch.randperm(x.shape[0], generator=gen)[:per]]
+            got.setdefault(name, []).append(x)
+        return pre
+
+    def stop(*_):
+        raise _Stop
+
+    for name in SHARED_INPUT:
+        hooks.append(block.get_submodule(name).register_forward_pre_hook(collect(name)))
+    after = layers[layer + 1] if layer + 1 < len(layers) else model.model.norm
+    hooks.append(after.register_forward_pre_hook(stop))
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                try:
+                    model(input_ids=ids, use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: torch.cat(v) for n, v in got.items()}
+
+
+def awq_fold(block, xs: dict, spec, grouped_heads: bool, name: str) -> dict:
+    """AWQ's scales of one block searched and folded into its weights in place; returns each linear's
+    input after the folds (what its clipping search sees)."""
+    from tritune.model.quant import quantize as QZ
+
+    def w(n):
+        return block.get_submodule(n).weight.data
+
+    def search(names, x, what):
+        ws = torch.cat([w(n) for n in names])
+        return QZ.awq_scale(ws, x, spec, group_for(ws.shape[1], spec, f"{name}.{what}"))
+
+    def into_rows(n, s):        # a linear whose outputs feed the scaled inputs: rows (and bias) / s
+        lin = block.get_submodule(n)
+        lin.weight.data.div_(s[:, None])
+        if lin.bias is not None:
+            lin.bias.data.div_(s)
+
+    qkv, gu = SHARED_INPUT["self_attn.q_proj"], SHARED_INPUT["mlp.gate_proj"]
+    s = search(qkv, xs["self_attn.q_proj"], "qkv")
+    block.input_layernorm.weight.data.div_(s)
+    for n in qkv:
+        w(n).mul_(s[None, :])
+    x_attn, x_o = xs["self_attn.q_proj"] / s, xs["self_attn.o_proj"]
+    if not grouped_heads:     # v's rows feed o's columns one to one only without grouped KV heads
+        s = search(("self_attn.o_proj",), x_o, "o_proj")
+        into_rows("self_attn.v_proj", s)
+        w("self_attn.o_proj").mul_(s[None, :])
+        x_o = x_o / s
+    s = search(gu, xs["mlp.gate_proj"], "gate_up")
+    block.post_attention_layernorm.weight.data.div_(s)
+    for n in gu:
+        w(n).mul_(s[None, :])
+    x_mlp = xs["mlp.gate_proj"] / s
+    s = search(("mlp.down_proj",), xs["mlp.down_proj"], "down_proj")
+    into_rows("mlp.up_proj", s)
+    w("mlp.down_proj").mul_(s[None, :])
+    return {"self_attn.q_proj": x_attn, "self_attn.k_proj": x_attn, "self_attn.v_proj": x_attn,
+            "self_attn.o_proj": x_o, "mlp.gate_proj": x_mlp, "mlp.up_proj": x_mlp,
+            "mlp.down_proj": xs["mlp.down_proj"] / s}
+
+
+def quantize_one(w, spec, g: int, h=None, x=None, name: str = ""):
+    """One (N, K) weight: rtn, gptq (Hessian ``h``) or awq's clipped rounding (inputs ``x``; q and k unclipped)."""
+    from tritune.model.quant import quantize as QZ
+
+    if spec.method == "gptq":
+        return QZ.gptq(w, h, spec, g)
+    if spec.method == "awq":
+        clip = not name.endswith(("q_proj", "k_proj"))
+        shrink = QZ.awq_clip(w, x, spec, g) if clip else torch.ones(w.shape[0], w.shape[1] // g)
+        return QZ.quantize_clipped(w, shrink, spec, g)
+    return QZ.rtn(w, spec, g)
+
+
 def quantize_layers(directory, spec, ids, *, progress: bool = True) -> dict:
     """{"layers.{i}.{module}": QuantizedWeight} for every decoder linear (``ids``: (n, T) calibration
     windows; rtn needs none)."""
     import transformers
     from tqdm import tqdm
 
-    from tritune.model.quant import quantize as QZ
-
     model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    c = model.config
+    grouped = c.num_key_value_heads != c.num_attention_heads
     n_layers = len(model.model.layers)
     out = {}
     bar = tqdm(total=n_layers * 7, desc=f"{spec.method} int{spec.bits}", disable=not progress, file=sys.stderr,
@@ -106,31 +201,40 @@ def quantize_layers(directory, spec, ids, *, progress: bool = True) -> dict:
     for i in range(n_layers):
         block = model.model.layers[i]
         hs = layer_hessians(model, i, batches) if spec.method == "gptq" else {}
+        xs = awq_fold(block, layer_inputs(model, i, batches), spec, grouped, f"layers.{i}") \
+            if spec.method == "awq" else {}
         for first, names in SHARED_INPUT.items():
             for name in names:
                 lin = block.get_submodule(name)
                 w = lin.weight.detach().float()
                 g = group_for(w.shape[1], spec, f"layers.{i}.{name}")
-                qw = QZ.gptq(w, hs[first], spec, g) if spec.method == "gptq" else QZ.rtn(w, spec, g)
+                qw = quantize_one(w, spec, g, hs.get(first), xs.get(name), name)
                 lin.weight.data.copy_(qw.dequantize(torch.float32))  # the next layers see the quantized ones
                 out[f"layers.{i}.{name}"] = qw
                 bar.update()
     bar.close()
-    return out
+    dense = None
+    if spec.method == "awq":   # the folds changed norms and biases: the dense tensors come from the model
+        tied = bool(getattr(c, "tie_word_embeddings", False))
+        dense = {(k[len("model."):] if k.startswith("model.") else k): v.detach()
+                 for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    return out, dense
 
 
 def quantize_checkpoint(directory, out, spec, *, calib=None, n_samples: int = 128, seq_len: int | None = None,
                         seed: int = 0, checkpoint_format: str = "auto", progress: bool = True) -> Path:
-    """Quantize a Llama-family checkpoint with ``spec`` (rtn or gptq) into ``out`` (GPTQ layout)."""
+    """Quantize a Llama-family checkpoint with ``spec`` into ``out`` (rtn, gptq: GPTQ's layout; awq: AWQ's)."""
     from tritune.model.llama import weights as LW
     from tritune.model.llama.config import LlamaConfig
     from tritune.model.quant import quantize as QZ
     from tritune.model.tokenizer import Tokenizer
 
-    if spec.method == "awq":
-        raise ValueError("method: awq is not offered for the Llama family yet (rtn, gptq)")
+    spec.validate()
     directory = Path(directory)
     config = LlamaConfig.from_file(directory / "config.json")
+    for K, what in ((config.n_embd, "hidden_size"), (config.n_head * config.head_dim, "the attention output"),
+                    (config.d_mlp, "intermediate_size")):
+        group_for(K, spec, what)           # before any work: every linear's K takes a group
     T = seq_len or min(config.n_positions, MAX_CALIB_LEN)
     if not 1 <= T <= config.n_positions:
         raise ValueError(f"seq_len: expected 1..{config.n_positions}, got {T}")
@@ -139,15 +243,23 @@ def quantize_checkpoint(directory, out, spec, *, calib=None, n_samples: int = 12
     if spec.method != "rtn":
         stream, calib_name = QZ.calibration_text(Tokenizer.from_dir(directory), calib)
         ids = QZ.windows(stream, n_samples, T, seed)
-    qws = quantize_layers(directory, spec, ids, progress=progress)
-    q = {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size if spec.bits == 4 else -1,
-         "sym": spec.sym or spec.bits == 8, "desc_act": False, "damp_percent": spec.damp, "true_sequential": False,
-         "lm_head": False, "tritune": {"method": spec.method, "calib": calib_name,
-                                        "n_samples": n_samples if ids is not None else 0, "seq_len": T, "seed": seed}}
-    if checkpoint_format == "auto":
-        checkpoint_format = "gptq" if all(w.bits == 8 or int(w.zeros.min()) >= 1 for w in qws.values()) else "gptq_v2"
-    q["checkpoint_format"] = checkpoint_format
-    return write(out, directory, LW.load_state_dict(directory), qws, q)
+    qws, dense = quantize_layers(directory, spec, ids, progress=progress)
+    source = LW.load_state_dict(directory)
+    if dense is not None:      # AWQ's folded norms and biases, in the source's dtype
+        dtype = next(iter(source.values())).dtype
+        dense = {k: v.to(dtype) for k, v in dense.items()}
+    q = {"bits": spec.bits, "group_size": spec.group_size if spec.bits == 4 else -1, "lm_head": False,
+         "tritune": {"method": spec.method, "calib": calib_name, "n_samples": n_samples if ids is not None else 0,
+                     "seq_len": T, "seed": seed}}
+    if spec.method == "awq":
+        q.update(quant_method="awq", zero_point=not spec.sym, version="gemm")
+    else:
+        if checkpoint_format == "auto":
+            v1 = all(w.bits == 8 or int(w.zeros.min()) >= 1 for w in qws.values())
+            checkpoint_format = "gptq" if v1 else "gptq_v2"
+        q.update(quant_method="gptq", sym=spec.sym or spec.bits == 8, desc_act=False, damp_percent=spec.damp,
+                 true_sequential=False, checkpoint_format=checkpoint_format)
+    return write(out, directory, source if dense is None else dense, qws, q)
 
 
 def write(out, src_dir: Path, dense: dict, qws: dict, q: dict) -> Path:
@@ -164,7 +276,7 @@ def write(out, src_dir: Path, dense: dict, qws: dict, q: dict) -> Path:
             continue
         state[name if name.startswith("lm_head") else "model." + name] = t.contiguous()
     for module, qw in qws.items():
-        for tn, t in hf_quant.to_hf(qw, "gptq", q["checkpoint_format"]).items():
+        for tn, t in hf_quant.to_hf(qw, q["quant_method"], q.get("checkpoint_format", "gptq")).items():
             state[f"model.{module}.{tn}"] = t.contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src_dir / "config.json").read_text())
