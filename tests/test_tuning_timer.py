@@ -236,3 +236,27 @@ def test_the_retime_is_a_race_the_close_calls_get_every_round(monkeypatch):
     assert out["config"] == {"a": 2, "b": 2} and out["time_us"] == 10.0 and out["times_us"]["default"] == 20.0
     by_a = {c["config"]["a"]: c["retime_us"] for c in out["candidates"]}
     assert by_a == {1: 20.0, 2: 10.0, 3: 10.4, 4: 13.0, 5: 30.0}
+
+
+def test_graph_timers_time_each_launch_without_pdl(monkeypatch):
+    """The graph timers replay one launch back to back: with programmatic dependent launch each would
+    overlap the one before. The switch they use is the one launches read (a copy of a module flag, set
+    elsewhere, would leave PDL on)."""
+    from tritune.kernels.runtime import launch as L
+    from tritune.tuning import timing
+
+    seen = []
+
+    def fake_bench(fn, rep, return_mode):
+        with L.pdl_forced():            # as inside a capture
+            seen.append(L.pdl_now())
+        return 1.0
+
+    monkeypatch.setattr(timing.dev, "interpreted", lambda: False)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(timing.triton.testing, "do_bench_cudagraph", fake_bench)
+    monkeypatch.setattr(L, "PDL", True)
+    monkeypatch.setattr(L, "PDL_KERNELS", None)
+    assert timing.graph_ms(lambda: None) == 1.0 and seen == [False]
+    with L.pdl_forced():
+        assert L.pdl_now()              # outside the timer, PDL as configured

@@ -20,6 +20,7 @@ import triton
 import triton.testing
 
 from tritune.kernels.runtime import device as dev
+from tritune.kernels.runtime.launch import pdl_off
 
 
 _WARM = [False]
@@ -107,17 +108,12 @@ def graph_ms(fn: Callable[[], object]) -> float:
     do_bench and 91.5% here)."""
     if dev.interpreted():  # no CUDA graphs: the interpreter's own timing (tests of the tuning path)
         return median_ms(fn)
-    from tritune import kernels as K
-
     fn()
     torch.cuda.synchronize()
     # Without programmatic dependent launch: the graph repeats one launch back to back, and with it each
     # repeat would overlap the one before (a chain of the same kernel, not its own time).
-    saved, K.PDL = K.PDL, False
-    try:
+    with pdl_off():
         return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
-    finally:
-        K.PDL = saved
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,51 +227,48 @@ def replay_ms(fn: Callable[[], object]) -> float:
         return median_ms(fn)
     import statistics
 
-    from tritune import kernels as K
-
     if not _WARM[0]:
         warm_gpu()
     cycle = max(1, int(getattr(fn, "cycle", 1)))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    saved, K.PDL = K.PDL, False
-    try:
-        with torch.cuda.stream(stream):
-            for _ in range(2 * cycle):  # compile, module load, split-K counters: all outside the capture
-                fn()
-        torch.cuda.synchronize()
-
-        def capture(n):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=stream):
-                for _ in range(n):
-                    fn()
-            return g
-
-        def replay(g, n):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with pdl_off():   # no PDL: each replayed launch would overlap the one before
+        try:
             with torch.cuda.stream(stream):
-                s.record()
-                g.replay()
-                e.record()
-            e.synchronize()
-            return s.elapsed_time(e) / n
+                for _ in range(2 * cycle):  # compile, module load, split-K counters: all outside the capture
+                    fn()
+            torch.cuda.synchronize()
 
-        n0 = cycle * math.ceil(8 / cycle)
-        g = capture(n0)
-        replay(g, n0)
-        est = replay(g, n0)
-        del g
-        n = max(n0, min(GRAPH_MAX_LAUNCHES, math.ceil(GRAPH_TARGET_MS / max(est, 1e-4))))
-        n = cycle * math.ceil(n / cycle)
-        g = capture(n)
-        replay(g, n)  # the first replay uploads the graph
-        times = [replay(g, n) for _ in range(GRAPH_REPLAYS)]
-        del g
-        return float(statistics.median(times))
-    finally:
-        K.PDL = saved
-        torch.cuda.current_stream().wait_stream(stream)
+            def capture(n):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=stream):
+                    for _ in range(n):
+                        fn()
+                return g
+
+            def replay(g, n):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    s.record()
+                    g.replay()
+                    e.record()
+                e.synchronize()
+                return s.elapsed_time(e) / n
+
+            n0 = cycle * math.ceil(8 / cycle)
+            g = capture(n0)
+            replay(g, n0)
+            est = replay(g, n0)
+            del g
+            n = max(n0, min(GRAPH_MAX_LAUNCHES, math.ceil(GRAPH_TARGET_MS / max(est, 1e-4))))
+            n = cycle * math.ceil(n / cycle)
+            g = capture(n)
+            replay(g, n)  # the first replay uploads the graph
+            times = [replay(g, n) for _ in range(GRAPH_REPLAYS)]
+            del g
+            return float(statistics.median(times))
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
 
 
 def problem_label(problem) -> str:

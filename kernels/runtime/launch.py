@@ -216,13 +216,24 @@ def pdl_now(kernel: str | None = None) -> bool:
     nothing at replay and each launch overlaps the end of the one before; an eager launch with it took
     ~25 us more host time through triton 3.6 (paged attention at B=1: 33 -> 58 us a call), more than a
     decode kernel runs, so eager launches go without."""
-    if PDL_KERNELS is not None and kernel not in PDL_KERNELS:
+    if PDL_KERNELS is not None and kernel not in PDL_KERNELS or _PDL_OFF.get():
         return False
     return PDL and (_PDL_FORCED.get() or torch.cuda.is_current_stream_capturing())
 
 
-
 _PDL_FORCED = contextvars.ContextVar("tritune_pdl_forced", default=False)
+_PDL_OFF = contextvars.ContextVar("tritune_pdl_off", default=False)
+
+
+@contextlib.contextmanager
+def pdl_off():
+    """No launch made in this context uses PDL, captured or not: a timer that replays one launch back to
+    back (with PDL each repeat would overlap the one before: a chain of the kernel, not its own time)."""
+    token = _PDL_OFF.set(True)
+    try:
+        yield
+    finally:
+        _PDL_OFF.reset(token)
 
 
 @contextlib.contextmanager
