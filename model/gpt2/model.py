@@ -221,6 +221,7 @@ def ln_linear(ops, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
 
 class TorchOps:
     capturable = False      # write_kv masks padding slots on the host
+    quant_kernel = False    # quantized linears: dequantize + matmul (the reference), not the kernel
     steps = {s: "plain PyTorch in the model dtype" for s in
              ("layernorm", "linear", "gelu", "attention prefill", "attention decode")}
     layer_norm = staticmethod(torch_layer_norm)

@@ -127,6 +127,7 @@ def rms_linear(ops, x, norm_w, eps, w, b=None, activation=None):
 
 class TorchOps:
     capturable = False      # write_kv masks padding slots on the host
+    quant_kernel = False    # quantized linears: dequantize + matmul (the reference), not the kernel
     steps = {s: "plain PyTorch in the model dtype" for s in
              ("rmsnorm", "rotary", "linear", "swiglu", "attention prefill", "attention decode")}
     rms_norm = staticmethod(torch_rms_norm)

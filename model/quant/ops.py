@@ -5,7 +5,9 @@
 the tied lm_head) to nearest; ``with_quantized_weights(model, weights)`` takes weights quantized elsewhere
 (GPTQ, AWQ: any GPT2Weights whose linears are QuantizedWeight). Embeddings and LayerNorms stay dense.
 fp16/bf16 activations run ``tritune.kernels.quant_matmul.quant_linear``; fp32 dequantizes to fp32 and
-runs a dense matmul (the kernel takes half-precision activations only).
+runs a dense matmul (the kernel takes half-precision activations only), and so does any dtype on the torch
+backend (the reference path: its ops say ``quant_kernel = False``; on a CPU the kernel would run through
+Triton's interpreter, ~100x slower).
 """
 from __future__ import annotations
 
@@ -37,14 +39,16 @@ class QuantOps:
         self.attn_prefill, self.write_kv, self.attn_decode = base.attn_prefill, base.write_kv, base.attn_decode
         self.steps = dict(getattr(base, "steps", {}))
         self.capturable = getattr(base, "capturable", False)
+        self.kernel = getattr(base, "quant_kernel", True)
         self.steps["linear"] = (f"{mode}: kernel tritune.kernels.quant_matmul.quant_linear for fp16/bf16 "
-                                "activations (fp32: dequantize + dense matmul)")
+                                "activations (fp32: dequantize + dense matmul)" if self.kernel else
+                                f"{mode}: dequantize + dense matmul in the activations' dtype")
 
     def linear(self, x, w, b=None, activation=None, residual=None):
         if not isinstance(w, Q.QuantizedWeight):
             return self.base.linear(x, w, b, activation=activation, residual=residual)
         x2 = x.reshape(-1, x.shape[-1])
-        if x.dtype in (torch.float16, torch.bfloat16):   # the kernel's dtypes
+        if self.kernel and x.dtype in (torch.float16, torch.bfloat16):   # the kernel's dtypes
             y = quant_linear(x2, w, b)
         else:
             wd = w.dequantize(torch.float32).to(x.dtype).t()
