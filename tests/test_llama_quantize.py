@@ -144,3 +144,30 @@ def test_the_triton_backend_runs_the_fused_quantized_linears(tmp_path):
     want = load_any(out, backend="torch", dtype=torch.float32, device="cpu").prefill(ids, [10], all_logits=True)
     got = load_any(out, backend="triton", dtype=torch.float32, device="cpu").prefill(ids, [10], all_logits=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_checkpoint_with_a_quantized_lm_head(tmp_path):
+    """GPTQ checkpoints written with "lm_head": true: the head runs quantized, as the load-time swap's."""
+    from tritune.model.llama import weights as LW
+    from tritune.model.quant import hf as hf_quant
+
+    cfg = transformers.Qwen2Config(hidden_size=64, vocab_size=96, max_position_embeddings=64, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=1, intermediate_size=96,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(4)
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    randomize(hf)
+    qwen2 = tmp_path / "dense"
+    hf.save_pretrained(qwen2)
+    qws, _ = llama_hf.quantize_layers(qwen2, QZ.QuantSpec("rtn", 8), None, progress=False)
+    dense = LW.load_state_dict(qwen2)
+    qws["lm_head"] = QZ.rtn(dense["lm_head.weight"].float(), QZ.QuantSpec("rtn", 8), 64)
+    out = llama_hf.write(tmp_path / "h", qwen2, dense, qws, {"quant_method": "gptq", "bits": 8, "group_size": -1,
+                                                          "checkpoint_format": "gptq", "lm_head": True})
+    m = load_any(out, backend="torch", dtype=torch.float32, device="cpu")
+    assert isinstance(m.w.lm_head, hf_quant.Q.QuantizedWeight)
+    base = load_model(qwen2, backend="torch", dtype=torch.float32, device="cpu")
+    swapped = quant_ops.quantize_model(base, "int8")
+    ids = torch.tensor(prompt(12, 4))
+    torch.testing.assert_close(m.prefill(ids, [12], all_logits=True), swapped.prefill(ids, [12], all_logits=True),
+                               rtol=1e-5, atol=1e-5)

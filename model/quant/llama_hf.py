@@ -357,7 +357,11 @@ def load(directory, dtype: torch.dtype = torch.float32, device="cpu"):
             q_norm=dense(f"layers.{i}.self_attn.q_norm.weight") if c.qk_norm else None,
             k_norm=dense(f"layers.{i}.self_attn.k_norm.weight") if c.qk_norm else None, **lin))
     wte = dense("embed_tokens.weight")
-    head = wte.t() if c.tie_word_embeddings else dense("lm_head.weight").t()
+    if "lm_head.qweight" in raw:       # a checkpoint whose LM head is quantized too ("lm_head": true)
+        t = {k: raw[f"lm_head.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx") if f"lm_head.{k}" in raw}
+        head = hf_quant.from_hf(t, q, c.vocab_size, c.n_embd, "lm_head").to(device)
+    else:
+        head = wte.t() if c.tie_word_embeddings else dense("lm_head.weight").t()
     return c, LW.LlamaWeights(wte=wte, layers=layers, lnf_w=dense("norm.weight"), lm_head=head), directory
 
 
