@@ -371,20 +371,33 @@ def test_eval_cli_bad_row_exits_2(tiny, capsys):
     assert "int3" in capsys.readouterr().err
 
 
-def test_eval_on_the_llama_family(capsys):
-    """The packaged Llama-style model: a row its shapes refuse (int4 on an intermediate size no group divides)
-    shown as n/a while the others go on; asked for alone, refused before any work, naming the size."""
-    from tritune.model.eval import evaluate, table
+def test_eval_on_the_llama_family(tmp_path, capsys):
+    """A Llama-family checkpoint (the packaged tokenizer, an intermediate size no INT4 group divides): a row
+    its shapes refuse is shown n/a while the others go on; asked for alone, refused before any work, naming
+    the size."""
+    import shutil
 
-    res = evaluate("llama", ["bf16", "int8", "int4-rtn", "fp8-kv"], max_windows=1, decode=False, progress=False,
+    import transformers
+
+    from tritune.model.eval import evaluate, table
+    from tritune.model.load import default_model_dir
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=100, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=8192, max_position_embeddings=128,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    d = tmp_path / "llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    shutil.copyfile(default_model_dir("llama") / "tokenizer.json", d / "tokenizer.json")
+    res = evaluate(str(d), ["bf16", "int8", "int4-rtn", "fp8-kv"], max_windows=1, decode=False, progress=False,
                    strict=False)
     got = {r["row"]: r for r in res["rows"]}
     assert list(got) == ["bf16", "int8", "int4-rtn", "fp8-kv"] and "group size" in got["int4-rtn"]["error"]
     assert abs(got["int8"]["vs_bf16_pct"]) < 1 and abs(got["fp8-kv"]["vs_bf16_pct"]) < 1
     assert got["fp8-kv"]["kv_bytes_per_token"] < got["bf16"]["kv_bytes_per_token"]
     assert "n/a: int4" in table(res)
-    assert cli(["eval", "llama", "--quant", "int4-gptq", "--no-decode", "--max-windows", "1", "--quiet"]) == 2
-    assert "intermediate_size: int4 needs K (688)" in capsys.readouterr().err
+    assert cli(["eval", str(d), "--quant", "int4-gptq", "--no-decode", "--max-windows", "1", "--quiet"]) == 2
+    assert "intermediate_size: int4 needs K (100)" in capsys.readouterr().err
 
 
 def test_plain_loader_names_quantized_checkpoints(tiny, quantized, tmp_path):
