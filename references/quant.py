@@ -53,6 +53,12 @@ from dataclasses import dataclass, replace
 import torch
 
 INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def group_for(K: int, group_size: int) -> int | None:
+    """The INT4 group of a K-wide weight asked for ``group_size``: the largest supported size no larger that
+    divides K (a narrow linear takes a smaller group), or None when none does."""
+    return next((g for g in sorted(INT4_GROUP_SIZES, reverse=True) if g <= group_size and K % g == 0), None)
 INT8_QMAX = 127
 INT4_QMAX = 15
 PANEL_ROWS = 64  # int4 rows per panel (module docstring)

@@ -46,7 +46,7 @@ def group_for(K: int, spec, name: str) -> int:
     that divides K."""
     if spec.bits == 8:
         return K
-    g = next((s for s in sorted(Q.INT4_GROUP_SIZES, reverse=True) if s <= spec.group_size and K % s == 0), None)
+    g = Q.group_for(K, spec.group_size)
     if g is None:
         raise ValueError(f"{name}: int4 needs K ({K}) to be a multiple of a group size in {Q.INT4_GROUP_SIZES}")
     return g
@@ -59,24 +59,21 @@ class _Stop(Exception):
     """Raised by a hook to end a calibration forward once the layer studied has run."""
 
 
-def layer_hessians(model, layer: int, batches) -> dict:
-    """{module: 2 XᵀX / n} of one decoder layer's linears' inputs (float64), the forward stopped after it."""
+def through_layer(model, layer: int, batches, on_input) -> None:
+    """Run the calibration batches through the model up to decoder layer ``layer`` (the forward stopped after
+    it), calling ``on_input(module, x)`` with each of its hooked linears' (n, K) inputs."""
     layers = model.model.layers
     block = layers[layer]
-    sums, counts, hooks = {}, {}, []
 
     def collect(name):
         def pre(_mod, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            sums[name] = sums.get(name, 0) + x.t() @ x
-            counts[name] = counts.get(name, 0) + x.shape[0]
+            on_input(name, args[0].detach().reshape(-1, args[0].shape[-1]))
         return pre
 
     def stop(*_):
         raise _Stop
 
-    for name in SHARED_INPUT:
-        hooks.append(block.get_submodule(name).register_forward_pre_hook(collect(name)))
+    hooks = [block.get_submodule(name).register_forward_pre_hook(collect(name)) for name in SHARED_INPUT]
     after = layers[layer + 1] if layer + 1 < len(layers) else model.model.norm
     hooks.append(after.register_forward_pre_hook(stop))
     try:
@@ -89,43 +86,35 @@ def layer_hessians(model, layer: int, batches) -> dict:
     finally:
         for h in hooks:
             h.remove()
+
+
+def layer_hessians(model, layer: int, batches) -> dict:
+    """{module: 2 XᵀX / n} of one decoder layer's linears' inputs (float64)."""
+    sums, counts = {}, {}
+
+    def add(name, x):
+        x = x.double()
+        sums[name] = sums.get(name, 0) + x.t() @ x
+        counts[name] = counts.get(name, 0) + x.shape[0]
+
+    through_layer(model, layer, batches, add)
     return {n: (2.0 / counts[n]) * sums[n] for n in sums}
 
 
 def layer_inputs(model, layer: int, batches, rows: int = 4096, seed: int = 0) -> dict:
-    """{module: (n, K) float32} inputs of one decoder layer's linears (at most ``rows`` of them, drawn evenly
-    from the batches), the forward stopped after the layer."""
-    layers = model.model.layers
-    block = layers[layer]
-    got, hooks = {}, []
+    """{module: (n, K) float32} inputs of one decoder layer's linears, at most ``rows`` of them, drawn evenly
+    from the batches."""
+    got = {}
     per = max(1, rows // max(1, len(batches)))
     gen = torch.Generator().manual_seed(seed + layer)
 
-    def collect(name):
-        def pre(_mod, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            if x.shape[0] > per:
-                x = x[torch.randperm(x.shape[0], generator=gen)[:per]]
-            got.setdefault(name, []).append(x)
-        return pre
+    def keep(name, x):
+        x = x.float()
+        if x.shape[0] > per:
+            x = x[torch.randperm(x.shape[0], generator=gen)[:per]]
+        got.setdefault(name, []).append(x)
 
-    def stop(*_):
-        raise _Stop
-
-    for name in SHARED_INPUT:
-        hooks.append(block.get_submodule(name).register_forward_pre_hook(collect(name)))
-    after = layers[layer + 1] if layer + 1 < len(layers) else model.model.norm
-    hooks.append(after.register_forward_pre_hook(stop))
-    try:
-        with torch.inference_mode():
-            for ids in batches:
-                try:
-                    model(input_ids=ids, use_cache=False)
-                except _Stop:
-                    pass
-    finally:
-        for h in hooks:
-            h.remove()
+    through_layer(model, layer, batches, keep)
     return {n: torch.cat(v) for n, v in got.items()}
 
 

@@ -92,7 +92,7 @@ def quantize_weights(w, quant: str, group_size: int = 128):
         K = t.shape[0]
         g = group_size
         if bits == 4 and K % g:   # a narrow model: the largest supported group that divides K
-            g = next((s for s in sorted(Q.INT4_GROUP_SIZES, reverse=True) if s <= group_size and K % s == 0), None)
+            g = Q.group_for(K, group_size)
             if g is None:
                 raise ValueError(f"int4: K={K} is not a multiple of any group size in {Q.INT4_GROUP_SIZES}")
         return Q.quantize(t.t().contiguous(), bits, g)

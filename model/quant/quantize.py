@@ -331,7 +331,7 @@ def windows(stream: torch.Tensor, n_samples: int, seq_len: int, seed: int) -> to
 # ---------------------------------------------------------------------------------------------------
 def _group_for(K: int, group_size: int) -> int:
     """The engine's rule for narrow K: the largest supported group <= group_size dividing K."""
-    g = next((s for s in sorted(Q.INT4_GROUP_SIZES, reverse=True) if s <= group_size and K % s == 0), None)
+    g = Q.group_for(K, group_size)
     if g is None:
         raise ValueError(f"int4: K={K} is not a multiple of any group size in {Q.INT4_GROUP_SIZES}")
     return g
