@@ -43,7 +43,7 @@ TOKENS, WIDTH = 16384, 2048
 # the weakest rows of the H100 grid (run at 6b00e06, bf16, best of the
 # sweep against SDPA's cuDNN): D=128 causal 1k 0.652x, full 1k 0.724x, causal 2k 0.716x
 WORST = ((128, True, 1024), (128, False, 1024), (128, True, 2048))
-PEERS = ("flash", "efficient", "cudnn")
+PEERS = ("flash", "efficient", "cudnn", "fa4")   # SDPA forced to each backend; flash-attn-4 (CuTe, sm90)
 
 
 PIPE, WS, AHEAD = "pipelined", "warp_specialized", "ahead"   # the Triton kernel's SCHEDULE values
@@ -230,6 +230,8 @@ def main(argv=None) -> int:
                             except Exception as e:  # that backend cannot run this case
                                 row[f"sdpa_{name}_us"] = None
                                 row[f"sdpa_{name}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                        if "fa4" in peers:
+                            _fa4_column(row, q, k, v, causal, want, timed, dtype)
                         own = A.SPEC.config_for(p, dtype)
                         default = A.default_config(p, dtype)
                         if args.sweep == "new":
@@ -298,6 +300,7 @@ def main(argv=None) -> int:
                             row["ours_tflops"] = tfs(mine["us"])
                             row["ours_vs_sdpa"] = round(row["sdpa_us"] / mine["us"], 3)
                         row["sdpa_tflops"] = tfs(row["sdpa_us"])
+                        _peer_ratios(row)
                         del q, k, v, out, want
                     except TimeoutError:
                         stopped = f"time budget of {args.budget_s:.0f} s spent"
@@ -323,6 +326,46 @@ def main(argv=None) -> int:
     return 0
 
 
+def _fa4_column(row: dict, q, k, v, causal: bool, want, timed, dtype) -> None:
+    """flash-attn-4's forward (kernels.attention.peers.fa4_dense), checked against SDPA's output, then timed."""
+    from types import SimpleNamespace
+
+    from tritune.kernels.attention import peers as P
+    from tritune.kernels.runtime import compare as cmp
+    try:
+        fn = P.fa4_dense(SimpleNamespace(args=(q, k, v), kwargs={"causal": causal}))
+        if fn is None:
+            row["fa4_us"], row["fa4_error"] = None, "flash-attn-4 not installed"
+            return
+        got = fn()
+        got = got[0] if isinstance(got, tuple) else got   # (out, lse)
+        err = cmp.rel_error(got.transpose(1, 2), want)
+        row["fa4_rel_err_vs_sdpa"] = err
+        if not err <= 2 * cmp.tolerance(dtype):
+            row["fa4_us"], row["fa4_error"] = None, f"mismatch: rel err {err:.2e}"
+            return
+        row["fa4_us"] = timed(fn)
+    except TimeoutError:
+        raise
+    except Exception as e:  # noqa: BLE001  (its compile or runtime refused this case: recorded)
+        row["fa4_us"], row["fa4_error"] = None, f"{type(e).__name__}: {str(e)[:120]}"
+
+
+def _peer_ratios(row: dict) -> None:
+    """ours (the launcher's config) and best (the sweep's) against each FA3-class peer and the best of them."""
+    peers = {n: row.get(f"{n}_us") for n in ("fa4", "sdpa_cudnn", "sdpa_flash")}
+    peers = {n: t for n, t in peers.items() if t}
+    if not peers:
+        return
+    best_peer = min(peers, key=peers.get)
+    row["best_peer"], row["best_peer_us"] = best_peer, peers[best_peer]
+    for who in ("ours", "best"):
+        if row.get(f"{who}_us"):
+            for n, t in peers.items():
+                row[f"{who}_vs_{n}"] = round(t / row[f"{who}_us"], 3)
+            row[f"{who}_vs_best_peer"] = round(peers[best_peer] / row[f"{who}_us"], 3)
+
+
 def _line(r: dict) -> str:
     head = f"{r['dtype']} D={r['D']:3d} {'causal' if r['causal'] else 'full  '} T={r['T']:5d} B={r['B']:2d}"
     if "skipped" in r or "error" in r:
@@ -333,7 +376,8 @@ def _line(r: dict) -> str:
     return (f"{head}  ours {us(r.get('ours_us'))} best {us(r.get('best_us'))} ({r.get('best_tflops', '-')} TF/s, "
             f"{r.get('best_vs_sdpa', '-')}x)  sdpa[{r.get('sdpa_backend')}] {us(r.get('sdpa_us'))}  "
             f"flash {us(r.get('sdpa_flash_us'))} eff {us(r.get('sdpa_efficient_us'))} "
-            f"cudnn {us(r.get('sdpa_cudnn_us'))}  best cfg {_short(r.get('best_config'))}")
+            f"cudnn {us(r.get('sdpa_cudnn_us'))} fa4 {us(r.get('fa4_us'))}  ours/best-peer "
+            f"{r.get('ours_vs_best_peer', '-')}x [{r.get('best_peer', '-')}]  best cfg {_short(r.get('best_config'))}")
 
 
 def _cand_line(rec: dict, row: dict) -> str:
@@ -366,6 +410,13 @@ def _summary(rows: list[dict]) -> dict:
              "ours_vs_sdpa_median": statistics.median(ours) if ours else None,
              "points_below_1x": [f"D={r['D']} {'causal' if r['causal'] else 'full'} T={r['T']}"
                                  for r in rs if r["best_vs_sdpa"] < 1.0]}
+        for n in ("fa4", "sdpa_cudnn", "best_peer"):
+            vs = [r[f"ours_vs_{n}"] for r in rs if f"ours_vs_{n}" in r]
+            if vs:
+                d[f"ours_vs_{n}_median"], d[f"ours_vs_{n}_min"] = statistics.median(vs), min(vs)
+                d[f"ours_vs_{n}_max"] = max(vs)
+        d["points_below_best_peer"] = [f"D={r['D']} {'causal' if r['causal'] else 'full'} T={r['T']}"
+                                       for r in rs if r.get("ours_vs_best_peer", 1.0) < 1.0]
         for causal, target in ((False, 600), (True, 560)):
             top = next((r for r in rs if r["D"] == 128 and r["T"] == 16384 and r["causal"] == causal), None)
             if top:

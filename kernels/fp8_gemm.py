@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
+from tritune.kernels.gemm import gemm
 from tritune.kernels.runtime import strategies as S
 from tritune.references import fp8 as ref
 
@@ -289,6 +290,29 @@ def _vendor(c: K.Case):
     return lambda: torch._scaled_mm(a, bt, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=dt)
 
 
+def _bf16_operands(c: K.Case):
+    """The same A and B as bf16, B in the same layout (timing only: the values are the e4m3 codes)."""
+    a, b = c.args[0], c.args[1]
+    bh = torch.empty_strided(b.shape, b.stride(), dtype=torch.bfloat16, device=b.device).copy_(b)
+    return a.to(torch.bfloat16), bh
+
+
+def _ours_bf16(c: K.Case):
+    """tritune's own bf16 GEMM on the same shapes and layouts: the issue's "x our bf16 GEMM" column."""
+    if c.kwargs["activation"] != "none" or c.kwargs["residual"] is not None:
+        return None
+    a, b = _bf16_operands(c)
+    return lambda: gemm(a, b)
+
+
+def _torch_bf16(c: K.Case):
+    """torch.matmul in bf16 (cuBLAS) on the same shapes: what FP8 saves against the unquantized default."""
+    if c.kwargs["activation"] != "none" or c.kwargs["residual"] is not None:
+        return None
+    a, b = _bf16_operands(c)
+    return lambda: torch.matmul(a, b)
+
+
 def _bad_inputs(device):
     a, sa = ref.quantize_rows(torch.randn(8, 64, device=device))
     b, sb = ref.quantize_channels(torch.randn(64, 32, device=device))
@@ -325,5 +349,6 @@ SPEC = K.register(K.KernelSpec(
     layouts=("contiguous", "transposed", "sliced"),
     vendor=_vendor,
     vendor_name="torch._scaled_mm (cuBLASLt)",
+    peers={"tritune_bf16": _ours_bf16, "torch_bf16": _torch_bf16},
     bad_inputs=_bad_inputs,
 ))
