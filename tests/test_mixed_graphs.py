@@ -296,3 +296,55 @@ def test_serving_paged_config_splits_long_rows():
     got = PA.paged_attention(q, kc, vc, tables, lens, config=cfg)
     ref = G.torch_attn_decode(q.double(), kc.double(), vc.double(), tables, lens)
     assert cmp.rel_error(got, ref) <= cmp.tolerance(torch.float32)
+
+
+def test_decode_graph_widths_follow_the_longest_table(model, monkeypatch):
+    """The device-side step runs at the narrowest captured block-table width that holds every loaded row's
+    table (paged attention takes its config from the table's capacity), growing as the rows grow; greedy
+    tokens equal each request alone; the batch-invariant mode keeps one width."""
+    from tritune.model.engine import graphs as GR
+
+    monkeypatch.setattr(GR, "MIN_WIDTH_TOKENS", 8)      # block_size 4: widths 2, 8, then max_blocks
+    assert GR.table_widths(24, 4) == [2, 8, 24] and GR.table_widths(2, 4) == [2] and GR.table_widths(1, 4) == [1]
+    eng = Engine(model, num_blocks=64, block_size=4, cuda_graphs="eager", graph_buckets=(1, 2, 4),
+                 max_num_seqs=4, prefill_batching=False, graph_prefill_tokens=0)
+    g = eng.runner.graphs
+    assert g.widths == GR.table_widths(g.mb, 4) and len(g.widths) >= 3, g.widths
+    used = collections.Counter()
+    orig = g._run
+
+    def run(b, w=None):
+        used[w] += 1
+        return orig(b, w)
+    monkeypatch.setattr(g, "_run", run)
+    ps = prompts(3, seed=71, lo=2, hi=6)
+    reqs = run_arrivals(eng, ps, [40, 12, 30], gap=1)
+    assert [r.output_ids for r in reqs] == [alone(model, p, n) for p, n in zip(ps, [40, 12, 30])]
+    assert len([w for w in used if w is not None]) >= 2, used     # short rows ran narrow, long rows wider
+    assert eng.pool.num_free == eng.pool.num_blocks
+    inv = Engine(model, num_blocks=64, block_size=4, cuda_graphs="eager", graph_buckets=(1, 2, 4),
+                 max_num_seqs=4, batch_invariant=True)
+    if inv.runner.graphs is not None:
+        assert inv.runner.graphs.widths == [inv.runner.graphs.mb]
+    with pytest.raises(ValueError, match="widths"):
+        GR.DecodeGraphs(model, eng.pool, g.mb, [1, 2], capture=False, widths=[2, 4])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_gpu_graph_widths_equal_one_width(monkeypatch):
+    """Captured graphs per block-table width (fp32, triton, 1024 positions: widths 16, 64 blocks): greedy
+    tokens equal those of the engine captured at the full width only."""
+    from tritune.model.engine import graphs as GR
+
+    m = tiny_model("triton", n_layer=2, n_embd=128, n_head=2, n_positions=1024, device="cuda")
+    ps = prompts(6, seed=72, lo=3, hi=300)
+    news = [40, 300, 25, 90, 18, 260]
+    outs = []
+    for min_tokens in (GR.MIN_WIDTH_TOKENS, 1 << 30):
+        monkeypatch.setattr(GR, "MIN_WIDTH_TOKENS", min_tokens)
+        eng = Engine(m, num_blocks=600, block_size=16, max_num_seqs=8, decode_steps=4)
+        assert bool(eng.graphs.graphs) and eng.graphs.widths == ([16, 64] if min_tokens < 1024 else [64])
+        outs.append([r.output_ids for r in run_arrivals(eng, ps, news, gap=2)])
+        assert eng.pool.num_free == eng.pool.num_blocks
+    assert outs[0] == outs[1]

@@ -197,10 +197,30 @@ def _step_out_kernel(Logits, stride_l, V, Ids, Pos, Stop, Eos, Hist, R, PartV, P
 
 
 # ---------------------------------------------------------------------------------------------------
-# The decode step with its state on the device, one CUDA graph per batch bucket
+# The decode step with its state on the device, one CUDA graph per batch bucket and table width
 # ---------------------------------------------------------------------------------------------------
+MIN_WIDTH_TOKENS = 256   # the narrowest block table a decode graph is captured for, in tokens
+WIDTH_STEP = 4           # each next width this many times the last, up to max_blocks
+
+
+def table_widths(max_blocks: int, block_size: int = 16) -> list[int]:
+    """The block-table widths (in blocks) decode graphs are captured at: from MIN_WIDTH_TOKENS of context,
+    times WIDTH_STEP each, then ``max_blocks``. Paged attention picks its config by the table's capacity
+    (it cannot read the lengths on the host inside a graph), so a step whose rows are all short runs a
+    graph whose table view is narrow and gets the config tuned for short contexts, not the one for the
+    model's whole context (for Llama-3's 131k positions: one split-KV chunk of 1024 tokens holding all of a
+    160-token context, 8 programs doing the work)."""
+    out, w = [], max(1, MIN_WIDTH_TOKENS // block_size)
+    while w < max_blocks:
+        out.append(w)
+        w *= WIDTH_STEP
+    return out + [max_blocks]
+
+
 class DecodeGraphs:
-    """The decode step with its metadata on the device, one CUDA graph per batch-size bucket.
+    """The decode step with its metadata on the device, one CUDA graph per batch-size bucket and block-table
+    width (:func:`table_widths`; ``widths=[max_blocks]``: one width, as the batch-invariant mode needs, where
+    a row's config must not follow its neighbours' lengths).
 
     State (persistent device buffers, one int32 buffer filled by a single host-to-device copy per
     :meth:`load`): per row the input token, its position (-1: padding), the position at which the row
@@ -214,11 +234,17 @@ class DecodeGraphs:
 
     OUT_CHUNKS = 8
 
-    def __init__(self, model, kv, max_blocks, buckets, *, hist: int = 16, capture: bool = True, n_eos: int = 1):
+    def __init__(self, model, kv, max_blocks, buckets, *, hist: int = 16, capture: bool = True, n_eos: int = 1,
+                 widths=None):
         self.model, self.kv = model, kv
         self.device = torch.device(model.device)
         self.buckets, self.Bmax, self.mb, self.R = list(buckets), buckets[-1], max_blocks, hist
         self.block_size = kv.k_caches[0].shape[1]
+        self.widths = (table_widths(max_blocks, self.block_size) if widths is None
+                       else sorted({min(int(w), max_blocks) for w in widths}))
+        if not self.widths or self.widths[-1] != max_blocks:
+            raise ValueError(f"widths: the widest must be max_blocks ({max_blocks}), got {widths}")
+        self.width = self.widths[-1]       # the block-table width the loaded rows need (set by load)
         self.max_pos = min(model.max_context, max_blocks * self.block_size) - 1
         Bm, dev = self.Bmax, self.device
         pin = dev.type == "cuda"
@@ -251,7 +277,8 @@ class DecodeGraphs:
         if capture:
             self._capture()
 
-    def _run(self, b):
+    def _run(self, b, w=None):
+        w = self.mb if w is None else w
         pdl = {"PDL": True, "launch_pdl": True} if self.pdl_ok and K.pdl_now("engine") else {"PDL": False}
         m = self.model
         wte, wpe, E = embedding_tables(m)
@@ -260,7 +287,7 @@ class DecodeGraphs:
                               self.bt.stride(0), wte.stride(0), 0 if wpe is None else wpe.stride(0), E, self.max_pos,
                               BLOCK_SIZE=self.block_size, BLOCK_E=triton.next_power_of_2(E),
                               num_warps=4 if E >= 512 else 1, HAS_WPE=wpe is not None, **pdl)
-        logits = m.decode(None, None, self.kv, self.slots[:b], self.bt[:b], self.ctx[:b], x=x)
+        logits = m.decode(None, None, self.kv, self.slots[:b], self.bt[:b, :w], self.ctx[:b], x=x)
         V = logits.shape[1]
         _step_out_kernel[(b, self.out_chunks)](logits, logits.stride(0), V, self.ids, self.pos, self.stop, self.eos,
                                                self.hist, self.R, self.part_v, self.part_i, self.tickets,
@@ -272,7 +299,8 @@ class DecodeGraphs:
         return logits
 
     def _capture(self):      # every row is padding while it runs: nothing is written
-        self.graphs, self.out, self.capture_s = capture_buckets(self.buckets, self._run, self.device,
+        keys = [(b, w) for b in self.buckets for w in self.widths]
+        self.graphs, self.out, self.capture_s = capture_buckets(keys, lambda k: self._run(*k), self.device,
                                                                 "CUDA-graph capture of the decode step")
 
     def bucket(self, B):
@@ -319,20 +347,22 @@ class DecodeGraphs:
                 bt[i, :k] = blocks
                 rows[i], lens[i] = t, k
             i = j
+        need = max(lens[:B], default=1)
+        self.width = next(w for w in self.widths if w >= need)
         # The previous load's copy is done: every caller syncs on its tokens before loading again.
         k = self.top + b * self.mb
         self.d[:k].copy_(self.h[:k], non_blocking=True)
 
     def run(self, B, steps: int = 1):
         """``steps`` decode steps of the loaded rows; the logits (B, V) of the last."""
-        b = self.bucket(B)
-        g = self.graphs.get(b)
+        key = (self.bucket(B), self.width)
+        g = self.graphs.get(key)
         for _ in range(steps):
             if g is not None:
                 g.replay()
             else:
-                self.out[b] = self._run(b)
-        return self.out[b][:B]
+                self.out[key] = self._run(*key)
+        return self.out[key][:B]
 
     def feed(self, row: int, token: torch.Tensor, position: int, step: int) -> None:
         """After step ``step`` (0-based) of a run from the rows loaded at ``position``: row ``row``'s next

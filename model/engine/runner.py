@@ -327,10 +327,13 @@ class ModelRunner:
             buckets = prefill_buckets(buckets, max(buckets) + graph_prefill_tokens)
         self.graphs = None
         self.compiled = None
+        # batch-invariant rows must not take their attention config from their neighbours' lengths: one width
+        widths = [self.max_blocks] if self.invariant else None
         if cuda_graphs == "eager":
             # the model's own ops: padding rows (slot -1) go through write_kv, which must skip them
             self.graphs = DecodeGraphs(self._decode_model(model, fused_decode, buckets), pool, self.max_blocks,
-                                       buckets, hist=hist, capture=False, n_eos=len(eos_ids(model)))
+                                       buckets, hist=hist, capture=False, n_eos=len(eos_ids(model)),
+                                       widths=widths)
             self.notes.append(f"device-side decode step at batch {buckets}, run eagerly (no capture)")
         elif cuda_graphs:
             if self.device.type != "cuda":
@@ -343,9 +346,9 @@ class ModelRunner:
                                   f"kernel for head dim {model.head_dim})")
             else:
                 self.graphs = DecodeGraphs(self._decode_model(model, fused_decode, buckets), pool, self.max_blocks,
-                                           buckets, hist=hist, n_eos=len(eos_ids(model)))
-                self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} "
-                                  f"(captured in {self.graphs.capture_s:.1f} s)")
+                                           buckets, hist=hist, n_eos=len(eos_ids(model)), widths=widths)
+                self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} x block-table width "
+                                  f"{self.graphs.widths} (captured in {self.graphs.capture_s:.1f} s)")
         if self.graphs is None:
             self.graph_prefill_tokens = 0
         elif self.graph_prefill_tokens:
