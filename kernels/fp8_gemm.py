@@ -6,6 +6,15 @@ fp32 dot added into the fp32 accumulator: Hopper's FP8 tensor cores keep fewer a
 and Triton lets them accumulate over the whole K by default, so starting each BLOCK_K (≤ 128) afresh is
 the periodic promotion long K needs; block scales multiply each tile's partial product, row and channel
 scales the finished tile once. Any strides: weights are usually stored (N, K) and passed as ``w.t()``.
+
+Two loops compute the same thing. Where both operands are K-major with 16-byte aligned bases and rows (A
+(M, K) row-major, B passed as ``w.t()`` of a row-major (N, K) weight) and the tile is at least 64 rows,
+TMA tensor descriptors bring the tiles in (no per-thread address arithmetic in the loop); a 256-wide N
+tile is then computed as two 128-wide halves, each half's K-tile product a fresh fp32 dot as above, so the
+fresh product needs registers for half the tile only (a whole 128x256 product beside its accumulator
+spills). Any other layout takes the pointer loop. Either way the wgmma of one K tile is waited on before
+its product is added (Triton cannot keep a fresh product's MMA in flight): the promotion interval stays
+one K tile (≤ 128), and its wait is not overlapped with the next tile's MMAs.
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.kernels.gemm import gemm
+from tritune.kernels.runtime import device as dev
 from tritune.kernels.runtime import strategies as S
 from tritune.references import fp8 as ref
 
@@ -26,6 +36,20 @@ A_SCALES = ("tensor", "row")
 B_SCALES = ("tensor", "channel", "block")
 ACTIVATIONS = ("none", "gelu_tanh")
 SCALE_BLOCK = ref.BLOCK
+
+try:   # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:   # pragma: no cover
+    TensorDescriptor = None
+
+
+def _tma_device(t) -> bool:
+    """TMA descriptors work here: the interpreter, or a Hopper (sm_90) or later GPU."""
+    if TensorDescriptor is None:
+        return False
+    if dev.interpreted():
+        return True
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
 @triton.jit
@@ -85,6 +109,80 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, BIAS, RES, M, N, KD,
              mask=mask)
 
 
+@triton.jit
+def _fp8_epilogue(acc, C, SA, SB, BIAS, RES, M, N, offs_m, offs_n, s_cm, s_cn, s_rm, s_rn,
+                  A_ROW: tl.constexpr, B_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                  HAS_RES: tl.constexpr):
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if A_ROW:
+        acc *= tl.load(SA + offs_m, mask=mask_m, other=0.0)[:, None]
+    else:
+        acc *= tl.load(SA)
+    if B_MODE == 0:
+        acc *= tl.load(SB)
+    elif B_MODE == 1:
+        acc *= tl.load(SB + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GELU:  # tanh form as x·sigmoid(2z): no overflow for large |z|
+        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc / (1.0 + tl.exp(-2.0 * z))
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        acc += tl.load(RES + offs_m[:, None].to(tl.int64) * s_rm + offs_n[None, :] * s_rn, mask=mask,
+                       other=0.0).to(tl.float32)
+    tl.store(C + offs_m[:, None].to(tl.int64) * s_cm + offs_n[None, :] * s_cn, acc.to(C.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _fp8_tile_part(A_d, B_d, SB, acc, m0, n0, k0, N, s_sbk, s_sbn,
+                   B_MODE: tl.constexpr, HN: tl.constexpr, SBLOCK: tl.constexpr):
+    """acc + one K tile's product over HN columns from n0, as a fresh fp32 dot (the promotion)."""
+    a = A_d.load([m0, k0])
+    b = B_d.load([n0, k0])                    # (HN, BLOCK_K): B is K-major
+    part = tl.dot(a, b.T)
+    if B_MODE == 2:   # one scale per SBLOCK x SBLOCK block of B: a K tile lies in one block row
+        offs_n = n0 + tl.arange(0, HN)
+        sb = tl.load(SB + (k0 // SBLOCK) * s_sbk + (offs_n // SBLOCK) * s_sbn, mask=offs_n < N, other=0.0)
+        return acc + part * sb[None, :]
+    return acc + part
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(A_d, B_d, C, SA, SB, BIAS, RES, M, N, KD, s_cm, s_cn, s_rm, s_rn, s_sbk, s_sbn,
+                         A_ROW: tl.constexpr, B_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                         HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SBLOCK: tl.constexpr, HN: tl.constexpr):
+    """The same product from TMA descriptors: A_d over A (M, K) in (BLOCK_M, BLOCK_K) boxes, B_d over B's
+    (N, K) view in (HN, BLOCK_K) boxes; HN = BLOCK_N or BLOCK_N / 2 (two halves, fresh products of half
+    the tile)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc0 = tl.zeros((BLOCK_M, HN), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, HN), dtype=tl.float32)
+    for k0 in range(0, KD, BLOCK_K):   # out-of-bounds parts of a box (M, N and K edges) read as zeros
+        acc0 = _fp8_tile_part(A_d, B_d, SB, acc0, m0, n0, k0, N, s_sbk, s_sbn, B_MODE, HN, SBLOCK)
+        if HN < BLOCK_N:
+            acc1 = _fp8_tile_part(A_d, B_d, SB, acc1, m0, n0 + HN, k0, N, s_sbk, s_sbn, B_MODE, HN, SBLOCK)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, HN)
+    _fp8_epilogue(acc0, C, SA, SB, BIAS, RES, M, N, offs_m, offs_n, s_cm, s_cn, s_rm, s_rn,
+                  A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES)
+    if HN < BLOCK_N:
+        _fp8_epilogue(acc1, C, SA, SB, BIAS, RES, M, N, offs_m, offs_n + HN, s_cm, s_cn, s_rm, s_rn,
+                      A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES)
+
+
 @dataclass(frozen=True)
 class Problem:
     M: int
@@ -119,7 +217,7 @@ def problem_of(a, b, a_scale, b_scale, bias=None, activation="none", residual=No
 
 
 class _Plan:
-    __slots__ = ("problem", "grid", "kws", "cfg", "cfg_key", "out_dtype", "sbs")
+    __slots__ = ("problem", "grid", "kws", "cfg", "cfg_key", "out_dtype", "sbs", "tma", "hn", "descs")
 
 
 _PLANS = K.PlanCache()
@@ -158,7 +256,23 @@ def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, co
                  HAS_BIAS=bias is not None, GELU=activation == "gelu_tanh", HAS_RES=residual is not None,
                  BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
                  SBLOCK=SCALE_BLOCK, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    # TMA loop: both operands K-major with 16-byte rows (the bases' alignment is checked per call), tiles
+    # of 64 rows and more; a 256-wide tile as two 128-wide halves
+    p.tma = c["BLOCK_M"] >= 64 and a.shape[1] > 0 and _tma_device(a) \
+        and a.stride(1) == 1 and b.stride(0) == 1 and a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0
+    p.hn = min(c["BLOCK_N"], 128)
+    p.descs = (None, None, None)
     return p
+
+
+def _descriptors(plan, a, b):
+    """The TMA descriptors of a and b (the last call's again when its operands are the same tensors)."""
+    key, a_d, b_d = plan.descs
+    if key != (a.data_ptr(), b.data_ptr()):
+        a_d = TensorDescriptor.from_tensor(a, [plan.kws["BLOCK_M"], plan.kws["BLOCK_K"]])
+        b_d = TensorDescriptor.from_tensor(b.t(), [plan.hn, plan.kws["BLOCK_K"]])
+        plan.descs = ((a.data_ptr(), b.data_ptr()), a_d, b_d)
+    return a_d, b_d
 
 
 def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", residual=None, out=None,
@@ -184,7 +298,14 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", res
     if m == 0 or n == 0:
         return out
     res = residual if residual is not None else out
-    _fp8_gemm_kernel[plan.grid](a, b, out, a_scale, b_scale, bias if bias is not None else out, res, m, n,
+    bias_arg = bias if bias is not None else out
+    if plan.tma and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
+        a_d, b_d = _descriptors(plan, a, b)
+        _fp8_gemm_tma_kernel[plan.grid](a_d, b_d, out, a_scale, b_scale, bias_arg, res, m, n, a.shape[1],
+                                        out.stride(0), out.stride(1), res.stride(0), res.stride(1), *plan.sbs,
+                                        HN=plan.hn, **plan.kws)
+        return out
+    _fp8_gemm_kernel[plan.grid](a, b, out, a_scale, b_scale, bias_arg, res, m, n,
                                 a.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
                                 out.stride(1), res.stride(0), res.stride(1), *plan.sbs, **plan.kws)
     return out
@@ -221,6 +342,17 @@ def default_config(p: Problem, dtype) -> dict:
     bk = min(128, max(32, triton.next_power_of_2(p.K)))
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8 if p.M >= 1024 else 1,
             "num_warps": 8 if bm * bn >= 128 * 128 else 4, "num_stages": 3 if bm >= 128 else 4}
+
+
+def seeds(p: Problem, dtype) -> list[dict]:
+    """Large M: the 128x256 tile (TMA loop, two 128-wide fresh products) and 64x128 one-warpgroup tiles,
+    which one-step moves from 128x128 do not reach together with their stage counts."""
+    if p.M < 256:
+        return []
+    return [{"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": g, "num_warps": 8, "num_stages": s}
+            for g in (8, 1) for s in (3, 4)] + \
+        [{"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": s}
+         for s in (3, 4)]
 
 
 def bucket(p: Problem) -> dict:
@@ -351,4 +483,5 @@ SPEC = K.register(K.KernelSpec(
     vendor_name="torch._scaled_mm (cuBLASLt)",
     peers={"tritune_bf16": _ours_bf16, "torch_bf16": _torch_bf16},
     bad_inputs=_bad_inputs,
+    seeds=seeds,
 ))
