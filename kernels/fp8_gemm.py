@@ -261,18 +261,19 @@ def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, co
     p.tma = c["BLOCK_M"] >= 64 and a.shape[1] > 0 and _tma_device(a) \
         and a.stride(1) == 1 and b.stride(0) == 1 and a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0
     p.hn = min(c["BLOCK_N"], 128)
-    p.descs = (None, None, None)
+    p.descs = (None, None)
     return p
 
 
 def _descriptors(plan, a, b):
-    """The TMA descriptors of a and b (the last call's again when its operands are the same tensors)."""
-    key, a_d, b_d = plan.descs
-    if key != (a.data_ptr(), b.data_ptr()):
-        a_d = TensorDescriptor.from_tensor(a, [plan.kws["BLOCK_M"], plan.kws["BLOCK_K"]])
+    """The TMA descriptors of a and b. B's (the weight, the same tensor call after call) is kept with the plan
+    and made again when b changes; A's (activations: a new tensor most calls) is made each call, so a plan
+    never holds an activation alive."""
+    key, b_d = plan.descs
+    if key != b.data_ptr():
         b_d = TensorDescriptor.from_tensor(b.t(), [plan.hn, plan.kws["BLOCK_K"]])
-        plan.descs = ((a.data_ptr(), b.data_ptr()), a_d, b_d)
-    return a_d, b_d
+        plan.descs = (b.data_ptr(), b_d)
+    return TensorDescriptor.from_tensor(a, [plan.kws["BLOCK_M"], plan.kws["BLOCK_K"]]), b_d
 
 
 def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", residual=None, out=None,
