@@ -218,6 +218,31 @@ def test_device_speculation_equals_target_alone(dmodel, ddraft, kind):
     blocks_back_and_self_accepted(eng, prop, kind)
 
 
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_device_speculation_widths_follow_the_longest_table(dmodel, ddraft, kind, monkeypatch):
+    """The speculative step runs at the narrowest captured block-table width holding its rows' tables (the
+    draft's as wide in tokens); greedy tokens are still the target's alone."""
+    from tritune.model.engine import graphs as GR
+
+    monkeypatch.setattr(GR, "MIN_WIDTH_TOKENS", 16)     # block_size 4: widths 4, 16, then the whole context
+    model, draft = dmodel, ddraft
+    prop = NgramProposer(k=3) if kind == "ngram" else DraftModelProposer(draft, k=3, block_size=4)
+    eng = Engine(model, num_blocks=128, block_size=4, cuda_graphs="eager", speculative=prop, max_num_seqs=4,
+                 decode_steps=2)
+    sg = eng.spec.graphs
+    assert len(sg.widths) >= 3 and sg.widths[-1] == sg.mb, sg.widths
+    used = []
+    orig = sg._run
+    monkeypatch.setattr(sg, "_run", lambda b, w=None: (used.append(w), orig(b, w))[1])
+    ps = _loopy(3, seed=36)
+    lens = [40, 6, 30]
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
+    eng.run()
+    assert [r.output_ids for r in reqs] == [alone(model, p, n) for p, n in zip(ps, lens)]
+    assert len(set(used)) >= 2, used
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
 def test_device_speculation_under_preemption_and_context_end(dmodel, ddraft):
     model, draft = dmodel, ddraft
     """A pool too small for every sequence (preemption, the graph step falling back to the eager one when

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritune.model.engine.graphs import embed_row, embedding_tables
+from tritune.model.engine.graphs import capture_buckets, embed_row, embedding_tables, table_widths
 from tritune.model.engine.kv_cache import BlockPool, BlockTable
 from tritune.model.engine.runner import ModelRunner
 from tritune.model.engine.sampling import probs
@@ -339,7 +339,8 @@ def _accept_kernel(Logits, stride_l, V, Hist, stride_h, Len, Live, Stop, Eos, Ca
 
 
 class SpecGraphs:
-    """Greedy speculative steps with their state on the device, one CUDA graph per batch bucket (k fixed).
+    """Greedy speculative steps with their state on the device, one CUDA graph per batch bucket (k fixed) and
+    block-table width (``graphs.table_widths``: the narrowest that holds the loaded tables runs).
 
     State (one int32 buffer, written by one host-to-device copy per :meth:`load`, read back by one copy
     per :meth:`read`): per sequence its token count L, live flag, the count at which it stops, its EOS id,
@@ -359,7 +360,10 @@ class SpecGraphs:
         self.n_pos = model.max_context
         self.bs = pool.k_caches[0].shape[1]
         self.mb = -(-self.n_pos // self.bs)
-        self.dmb = -(-self.n_pos // draft_pool.k_caches[0].shape[1]) if draft is not None else 0
+        self.dbs = draft_pool.k_caches[0].shape[1] if draft is not None else self.bs
+        self.dmb = -(-self.n_pos // self.dbs) if draft is not None else 0
+        self.widths = table_widths(self.mb, self.bs)   # block-table views captured (graphs.table_widths)
+        self.width = self.mb                           # the one the loaded rows need (set by load)
         self.HL = self.n_pos
         Bm = self.Bmax
         self.NS = 7                        # Len, Live, Stop, Eos, Cap, Acc, Steps
@@ -377,7 +381,7 @@ class SpecGraphs:
         o += Bm * self.mb
         self.dbt = self.d[o:o + Bm * self.dmb].view(Bm, self.dmb) if draft is not None else None
         self.drafts = torch.zeros((Bm, k), dtype=torch.int32, device=dev)
-        self.scratch = {}                  # (model id, rows per sequence) -> (slots, ctx, per-row tables)
+        self.scratch = {}                  # (model, rows per sequence, width) -> (slots, ctx, per-row tables)
         self.graphs = {}
         self.capture_s = 0.0
         self.replays = 0
@@ -386,10 +390,10 @@ class SpecGraphs:
             self._capture()
 
     def _rows(self, tag, R, mb):
-        s = self.scratch.get((tag, R))
+        s = self.scratch.get((tag, R, mb))
         if s is None:
             n = self.Bmax * R
-            s = self.scratch[(tag, R)] = (torch.full((n,), -1, dtype=torch.int32, device=self.device),
+            s = self.scratch[(tag, R, mb)] = (torch.full((n,), -1, dtype=torch.int32, device=self.device),
                                          torch.ones(n, dtype=torch.int32, device=self.device),
                                          torch.zeros((n, mb), dtype=torch.int32, device=self.device))
         return s
@@ -413,11 +417,15 @@ class SpecGraphs:
     def _block_v(self, V):
         return min(8192, triton.next_power_of_2(V))
 
-    def _run(self, b):
+    def _run(self, b, w=None):
+        """One speculative step of bucket b, the target's block tables seen ``w`` blocks wide (the draft's as
+        wide in tokens)."""
         k, d = self.k, self.draft
+        w = self.mb if w is None else w
         if d is not None:
+            dbt = self.dbt[:, :min(self.dmb, -(-w * self.bs // self.dbs))]
             for s in range(k):             # s = 0: the last two tokens (catch-up), then one draft each
-                lg = self._forward("draft", d, self.dpool, self.dbt, b, 2 if s == 0 else 1, -1 if s == 0 else s)
+                lg = self._forward("draft", d, self.dpool, dbt, b, 2 if s == 0 else 1, -1 if s == 0 else s)
                 V = lg.shape[1]
                 _draft_out_kernel[(b,)](lg, lg.stride(0), V, self.drafts, self.drafts.stride(0), R=2 if s == 0 else 1,
                                         COL=s, BLOCK_V=self._block_v(V), num_warps=8)
@@ -425,16 +433,15 @@ class SpecGraphs:
             _ngram_kernel[(b,)](self.hist, self.hist.stride(0), self.len, self.live, self.drafts, self.drafts.stride(0),
                                 self.HL, K=k, N_MIN=self.ngram[0], N_MAX=self.ngram[1],
                                 BLOCK_H=triton.next_power_of_2(self.HL), num_warps=4)
-        lg = self._forward("target", self.model, self.pool, self.bt, b, k + 1, 0)
+        lg = self._forward("target", self.model, self.pool, self.bt[:, :w], b, k + 1, 0)
         V = lg.shape[1]
         _accept_kernel[(b,)](lg, lg.stride(0), V, self.hist, self.hist.stride(0), self.len, self.live, self.stop,
                              self.eos, self.cap, self.drafts, self.drafts.stride(0), self.acc, self.steps, K=k,
                              BLOCK_V=self._block_v(V), num_warps=8)
 
     def _capture(self):      # every sequence dead while it runs: nothing is written
-        from tritune.model.engine.graphs import capture_buckets
-
-        self.graphs, _, self.capture_s = capture_buckets(self.buckets, self._run, self.device,
+        keys = [(b, w) for b in self.buckets for w in self.widths]
+        self.graphs, _, self.capture_s = capture_buckets(keys, lambda key: self._run(*key), self.device,
                                                          "CUDA-graph capture of the speculative step")
 
     def bucket(self, B):
@@ -459,14 +466,16 @@ class SpecGraphs:
             bt[i, :len(tables[i].blocks)] = tables[i].blocks
             if draft_tables is not None:
                 dbt[i, :len(draft_tables[i].blocks)] = draft_tables[i].blocks
+        need = max((len(t.blocks) for t in tables[:B]), default=1)
+        self.width = next(w for w in self.widths if w >= need)
         self.d.copy_(self.h, non_blocking=True)     # the last read synced: the buffer is free
         return b
 
     def run(self, B, steps: int):
-        b = self.bucket(B)
-        g = self.graphs.get(b)
+        key = (self.bucket(B), self.width)
+        g = self.graphs.get(key)
         for _ in range(steps):
-            g.replay() if g is not None else self._run(b)
+            g.replay() if g is not None else self._run(*key)
         self.replays += steps
 
     def read(self, B):
