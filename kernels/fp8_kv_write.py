@@ -1,8 +1,10 @@
 """The quantizing KV write of the FP8 paged cache (spec ``fp8_kv_write``): new K/V rows (T, Hkv, D) in
-fp32/fp16/bf16 quantized into an e4m3 (num_blocks, block_size, Hkv, D) cache, with one float32 scale per
-(token, kv head) in (num_blocks, block_size, Hkv) beside it: k ≈ k_cache · k_scale[..., None]. The decode
-that reads the cache is :mod:`tritune.kernels.fp8_paged_attention` (where the choice of per-token scales
-is explained).
+fp32/fp16/bf16 quantized into e4m3 caches, with one float32 scale per (token, kv head) in (num_blocks,
+block_size, Hkv) beside each. K's cache is (num_blocks, block_size, Hkv, D); V's is transposed within each
+block, (num_blocks, Hkv, D, block_size), tokens contiguous, each block and head a contiguous (D, block_size)
+slab: k ≈ k_cache · k_scale[..., None], v[n, b, h, :] ≈ v_cache[n, h, :, b] · v_scale[n, b, h]. The decode
+that reads the cache is :mod:`tritune.kernels.fp8_paged_attention` (where the per-token scales and V's layout
+are explained: P·V's operand then loads tokens-contiguous, with no byte transposes on sm90).
 
 One program quantizes one token's rows for BLOCK_H kv heads: each row's amax gives its scale (max|row| /
 448, clamped away from 0), its values are divided, clamped to ±448 and rounded to e4m3, and both go to the
@@ -34,7 +36,7 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 @triton.jit
 def _fp8_write_kv(Kn, Vn, Kc, Vc, Ks, Vs, Slots, num_slots, Hkv, D, stride_s,
                   s_knt, s_knh, s_knd, s_vnt, s_vnh, s_vnd,
-                  s_kcn, s_kcb, s_kch, s_kcd, s_vcn, s_vcb, s_vch, s_vcd,
+                  s_kcn, s_kcb, s_kch, s_kcd, s_vcn, s_vch, s_vcd, s_vcb,
                   s_ksn, s_ksb, s_ksh, s_vsn, s_vsb, s_vsh,
                   BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                   MIN_SCALE: tl.constexpr):
@@ -66,13 +68,25 @@ def _fp8_write_kv(Kn, Vn, Kc, Vc, Ks, Vs, Slots, num_slots, Hkv, D, stride_s,
             tl.store(Vs + block * s_vsn + offset * s_vsb + offs_h * s_vsh, scale, mask=mask_h)
 
 
+def v_cache_shape(num_blocks: int, block_size: int, Hkv: int, D: int) -> tuple[int, int, int, int]:
+    """V's cache shape beside a K cache of (num_blocks, block_size, Hkv, D): transposed within each block."""
+    return num_blocks, Hkv, D, block_size
+
+
 def check_cache(k_cache, v_cache, k_scale, v_scale, device):
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         K.check_tensor(name, c, ndim=4, dtypes=(E4M3,))
         if c.device != device:
             raise ValueError(f"{name}: on {c.device}, but the queries/new rows are on {device}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)}")
+    want = v_cache_shape(*k_cache.shape)
+    if tuple(v_cache.shape) != want:
+        old = " (K's token-major layout)" if v_cache.shape == k_cache.shape else ""
+        raise ValueError(f"v_cache: expected shape {want} (num_blocks, Hkv, D, block_size), V transposed within "
+                         f"each block beside k_cache {tuple(k_cache.shape)}; got {tuple(v_cache.shape)}{old}")
+    bs, D = k_cache.shape[1], k_cache.shape[3]
+    if (bs > 1 and v_cache.stride(3) != 1) or (D > 1 and v_cache.stride(2) != bs):
+        raise ValueError(f"v_cache: each block's (D, block_size) slab must be contiguous (strides ({bs}, 1) in "
+                         f"the last two dims), got strides {tuple(v_cache.stride())}")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         K.check_tensor(name, s, ndim=3, dtypes=(torch.float32,))
         if tuple(s.shape) != tuple(k_cache.shape[:3]):
@@ -125,7 +139,8 @@ def fp8_write_kv(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, *, vali
     """Quantize new tokens into the FP8 cache, in place: for s = slot_mapping[t], each kv head's row of
     k[t] gets scale max|row| / 448 in k_scale[s // block_size, s % block_size] and its e4m3 values in
     k_cache at the same slot (and v likewise). k, v (T, Hkv, D) fp32/fp16/bf16; caches (num_blocks,
-    block_size, Hkv, D) e4m3; scales (num_blocks, block_size, Hkv) float32; a negative slot is padding.
+    block_size, Hkv, D) e4m3 for K, (num_blocks, Hkv, D, block_size) for V (see the module's docstring);
+    scales (num_blocks, block_size, Hkv) float32; a negative slot is padding.
     ``validate=True`` checks that slots are in range and distinct (a host sync). Returns the four caches."""
     try:
         key = tuple(K.tensor_meta(t) for t in (k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)) + (
@@ -174,7 +189,7 @@ def _write_run(k, v, slot_mapping, *, num_blocks: int, block_size: int, out=None
     if out is None:
         Hkv, D = k.shape[1:]
         out = (torch.empty((num_blocks, block_size, Hkv, D), dtype=E4M3, device=k.device),
-               torch.empty((num_blocks, block_size, Hkv, D), dtype=E4M3, device=k.device),
+               torch.empty(v_cache_shape(num_blocks, block_size, Hkv, D), dtype=E4M3, device=k.device),
                torch.empty((num_blocks, block_size, Hkv), dtype=torch.float32, device=k.device),
                torch.empty((num_blocks, block_size, Hkv), dtype=torch.float32, device=k.device))
     return fp8_write_kv(k, v, slot_mapping, *out, validate=validate, config=config)
@@ -183,8 +198,9 @@ def _write_run(k, v, slot_mapping, *, num_blocks: int, block_size: int, out=None
 def _write_reference(k, v, slot_mapping, *, num_blocks: int, block_size: int, **_):
     Hkv, D = k.shape[1:]
     z4 = torch.zeros((num_blocks, block_size, Hkv, D), dtype=torch.float64, device=k.device)
+    zv = torch.zeros(v_cache_shape(num_blocks, block_size, Hkv, D), dtype=torch.float64, device=k.device)
     z3 = torch.zeros((num_blocks, block_size, Hkv), dtype=torch.float64, device=k.device)
-    return ref.fp8_write_kv(k, v, slot_mapping, z4, z4, z3, z3)
+    return ref.fp8_write_kv(k, v, slot_mapping, z4, zv, z3, z3)
 
 
 def _write_make_inputs(p: WriteProblem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
@@ -207,7 +223,7 @@ def _write_make_inputs(p: WriteProblem, dtype, device, seed: int, layout: str = 
     slots = torch.cat([torch.randperm(n, generator=g), torch.full((p.pad,), -1, dtype=torch.long)])
     slots = slots[torch.randperm(T, generator=g)].to(torch.int32 if seed % 2 else torch.int64).to(device)
     out = (torch.empty((p.blocks, p.block_size, p.Hkv, p.D), dtype=E4M3, device=device),
-           torch.empty((p.blocks, p.block_size, p.Hkv, p.D), dtype=E4M3, device=device),
+           torch.empty(v_cache_shape(p.blocks, p.block_size, p.Hkv, p.D), dtype=E4M3, device=device),
            torch.empty((p.blocks, p.block_size, p.Hkv), dtype=torch.float32, device=device),
            torch.empty((p.blocks, p.block_size, p.Hkv), dtype=torch.float32, device=device))
     return K.Case(args=(k, v, slots), kwargs={"num_blocks": p.blocks, "block_size": p.block_size}, out=out)
@@ -264,10 +280,16 @@ def _write_vendor(c: K.Case):
     idx = slots[live].long()
     kl, vl = k[live], v[live]
 
+    v_rows = ref.v_rows(caches[1])      # (num_blocks, block_size, Hkv, D) view of V's transposed blocks
+
     def call():
-        for x, qc, sc in ((kl, caches[0], caches[2]), (vl, caches[1], caches[3])):
+        for x, qc, sc in ((kl, caches[0], caches[2]), (vl, None, caches[3])):
             s = (x.abs().amax(dim=-1).float() / 448.0).clamp_min(ref.MIN_SCALE)
-            qc.view(nb * bs, *qc.shape[2:]).index_copy_(0, idx, (x.float() / s[..., None]).to(E4M3))
+            q = (x.float() / s[..., None]).to(E4M3)
+            if qc is None:
+                v_rows.view(torch.uint8)[idx // bs, idx % bs] = q.view(torch.uint8)
+            else:
+                qc.view(nb * bs, *qc.shape[2:]).index_copy_(0, idx, q)
             sc.view(nb * bs, -1).index_copy_(0, idx, s)
         return caches
 
@@ -277,18 +299,21 @@ def _write_vendor(c: K.Case):
 def _write_bad_inputs(device):
     Hkv, D, bs, nb = 2, 32, 16, 6
     kc = torch.zeros(nb, bs, Hkv, D, device=device).to(E4M3)
+    vc = torch.zeros(v_cache_shape(nb, bs, Hkv, D), device=device).to(E4M3)
     sc = torch.ones(nb, bs, Hkv, device=device)
     kn = torch.randn(3, Hkv, D, device=device, dtype=torch.bfloat16)
     slots = torch.tensor([0, 17, -1], dtype=torch.int32, device=device)
 
     def wk(**kw):
-        a = dict(k=kn, v=kn.clone(), slot_mapping=slots, k_cache=kc.clone(), v_cache=kc.clone(), k_scale=sc.clone(),
+        a = dict(k=kn, v=kn.clone(), slot_mapping=slots, k_cache=kc.clone(), v_cache=vc.clone(), k_scale=sc.clone(),
                  v_scale=sc.clone())
         a.update(kw)
         return lambda: fp8_write_kv(**a)
 
     return [
         ("k_scale of the wrong shape", wk(k_scale=sc[:, :8]), ValueError),
+        ("write: v_cache in K's token-major layout", wk(v_cache=kc.clone()), ValueError),
+        ("write: v_cache blocks not contiguous slabs", wk(v_cache=kc.clone().permute(0, 2, 3, 1)), ValueError),
         ("write: slot out of range", wk(slot_mapping=torch.tensor([0, nb * bs, -1], dtype=torch.int32,
                                                                    device=device)), ValueError),
         ("write: duplicate slot", wk(slot_mapping=torch.tensor([4, 4, -1], dtype=torch.int32, device=device)),

@@ -1,8 +1,19 @@
 """Decode over an FP8 paged KV cache (spec ``fp8_paged_attention``); the write that quantizes new K/V rows
 into it is :mod:`tritune.kernels.fp8_kv_write` (spec ``fp8_kv_write``).
 
-The cache is ``paged_attention``'s layout in e4m3 — (num_blocks, block_size, Hkv, D) — with one float32
-scale per (token, kv head) beside it, (num_blocks, block_size, Hkv): k ≈ k_cache · k_scale[..., None].
+The cache, in e4m3: K in ``paged_attention``'s layout, (num_blocks, block_size, Hkv, D); V transposed
+within each block, (num_blocks, Hkv, D, block_size), tokens contiguous (each block and head a contiguous
+(D, block_size) slab); one float32 scale per (token, kv head) beside each, (num_blocks, block_size, Hkv):
+k ≈ k_cache · k_scale[..., None], v[n, b, h, :] ≈ v_cache[n, h, :, b] · v_scale[n, b, h].
+
+Why V is transposed: P·V's B operand is V (tokens × D) with the tokens along the dot's K, so each thread
+holds consecutive tokens; from a D-contiguous V, sm90 (no ldmatrix.trans for 8-bit data) reads the tile out
+of shared memory byte by byte: at D = 128, 64-token tiles and 4 warps (Triton 3.6, sm90), 64 single-byte
+loads per thread and tile, a loop of 1,160 SASS instructions (the bf16 decode's: 543) and 231 registers.
+Tokens-contiguous, the tile loads as it lies: 795 instructions and 128 registers (most of the rest is the
+e4m3 -> bf16 widening, which fp16 queries do in one instruction per pair). K needs no such care: q·Kᵀ
+contracts over D, along which K (tokens, D) is already contiguous.
+
 Per-token rather than per-head scales: each write quantizes its own rows with their own amax (dynamic, no
 calibration pass, nothing saturates however later tokens grow, an outlier token coarsens only itself),
 and the scale costs 4 bytes per D bytes of values (3% at D = 128), so the cache still reads about half of
@@ -12,9 +23,10 @@ scales out of the loop, but needs calibration and clips what it did not foresee.
 Decode: one program per (sequence, kv head[, chunk]) takes the G = Hq / Hkv query heads of that kv head at
 once (padded to 16 rows for ``tl.dot``), streams BLOCK_N-token tiles with an online softmax (float32, base
 2), widens K and V from e4m3 to the query's dtype (exact: e4m3 is a subset of bf16 and fp16), multiplies the
-scores by each token's k scale and the probabilities by each token's v scale before P·V. Split-KV
-(PARTITION > 0): chunks of PARTITION tokens write partial (m, l, acc) to a float32 workspace and a second
-launch merges them per (sequence, kv head).
+scores by each token's k scale and the probabilities by each token's v scale before P·V. Whole tiles load
+unmasked (a per-token predicate would split V's token rows into byte loads); the rest of the context goes
+through 16-token tiles masked per token. Split-KV (PARTITION > 0): chunks of PARTITION tokens write partial
+(m, l, acc) to a float32 workspace and a second launch merges them per (sequence, kv head).
 """
 from __future__ import annotations
 
@@ -26,7 +38,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
-from tritune.kernels.fp8_kv_write import HEAD_DIMS, check_cache, fp8_write_kv  # noqa: F401
+from tritune.kernels.fp8_kv_write import HEAD_DIMS, check_cache, fp8_write_kv, v_cache_shape  # noqa: F401
 from tritune.kernels.runtime import device as dev
 from tritune.kernels.runtime import interpret_fp8
 from tritune.kernels.runtime import strategies as S
@@ -46,30 +58,42 @@ SMS = 132   # H100/H200; the split heuristic needs only the order of magnitude
 # The decode
 @triton.jit
 def _decode_tile(q, table, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
-                 stride_tn, s_kcn, s_kcb, s_vcn, s_vcb, s_ksn, s_ksb, s_vsn, s_vsb,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                 stride_tn, s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Tokens [n0, n0 + BLOCK_N). MASKED=False only for a tile wholly inside the context: no per-token mask,
+    whose predicates would split V's token-contiguous rows into byte loads (the tail's tiles pass True)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    # table entries past the length are never read: they may hold anything
-    block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
     slot = offs_n % BLOCK_SIZE
-    k = tl.load(k_head + (block * s_kcn + slot * s_kcb)[:, None], mask=mask_n[:, None], other=0.0)
-    v = tl.load(v_head + (block * s_vcn + slot * s_vcb)[:, None], mask=mask_n[:, None], other=0.0)
-    ks = tl.load(ks_head + block * s_ksn + slot * s_ksb, mask=mask_n, other=0.0)
-    vs = tl.load(vs_head + block * s_vsn + slot * s_vsb, mask=mask_n, other=0.0)
+    if MASKED:
+        mask_n = offs_n < end
+        # table entries past the length are never read: they may hold anything
+        block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(k_head + (block * s_kcn + slot * s_kcb)[:, None], mask=mask_n[:, None], other=0.0)
+        # V^T (D, BLOCK_N): each block's tokens contiguous
+        vt = tl.load(v_head + (block * s_vcn + slot)[None, :], mask=mask_n[None, :], other=0.0)
+        ks = tl.load(ks_head + block * s_ksn + slot * s_ksb, mask=mask_n, other=0.0)
+        vs = tl.load(vs_head + block * s_vsn + slot * s_vsb, mask=mask_n, other=0.0)
+    else:
+        block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn).to(tl.int64)
+        k = tl.load(k_head + (block * s_kcn + slot * s_kcb)[:, None])
+        vt = tl.load(v_head + (block * s_vcn + slot)[None, :])
+        ks = tl.load(ks_head + block * s_ksn + slot * s_ksb)
+        vs = tl.load(vs_head + block * s_vsn + slot * s_vsb)
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * qk_scale)[None, :]
-    s = tl.where(mask_n[None, :], s, float("-inf"))
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype))
+    # P·V with V^T's tokens along the dot's K: the operand loads as it lies, no byte transposes
+    acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), tl.trans(vt.to(q.dtype)))
     return m_new, l_i, acc
 
 
 @triton.jit
 def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, qk_scale, num_parts, stride_cl,
-                s_qb, s_qh, s_qd, s_kcn, s_kcb, s_kch, s_kcd, s_vcn, s_vcb, s_vch, s_vcd,
+                s_qb, s_qh, s_qd, s_kcn, s_kcb, s_kch, s_kcd, s_vcn, s_vch,
                 s_ksn, s_ksb, s_ksh, s_vsn, s_vsb, s_vsh, stride_tb, stride_tn, s_ob, s_oh, s_od,
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_N: tl.constexpr, PARTITION: tl.constexpr):
@@ -92,14 +116,24 @@ def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, qk_scale, num_parts, stride_
     table = BT + b.to(tl.int64) * stride_tb
     kvh64 = kvh.to(tl.int64)
     k_head = Kc + kvh64 * s_kch + offs_d[None, :] * s_kcd
-    v_head = Vc + kvh64 * s_vch + offs_d[None, :] * s_vcd
+    v_head = Vc + kvh64 * s_vch + offs_d[:, None] * BLOCK_SIZE   # a (D, block_size) slab per block and head
+    ks_head = Ks + kvh64 * s_ksh
+    vs_head = Vs + kvh64 * s_vsh
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, D), dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        m_i, l_i, acc = _decode_tile(q, table, k_head, v_head, Ks + kvh64 * s_ksh, Vs + kvh64 * s_vsh, n0, end,
-                                     m_i, l_i, acc, qk_scale, stride_tn, s_kcn, s_kcb, s_vcn, s_vcb, s_ksn,
-                                     s_ksb, s_vsn, s_vsb, BLOCK_SIZE, BLOCK_N)
+    # whole tiles unmasked (pipelined, vector loads), then what is left in 16-token tiles masked per token:
+    # a small unpipelined tail keeps the kernel's registers at the main loop's
+    full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    TAIL_N: tl.constexpr = 16
+    for n0 in range(start, full, BLOCK_N):
+        m_i, l_i, acc = _decode_tile(q, table, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
+                                     stride_tn, s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
+                                     BLOCK_SIZE, BLOCK_N, False)
+    for n0 in tl.range(full, end, TAIL_N, num_stages=1):
+        m_i, l_i, acc = _decode_tile(q, table, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc,
+                                     qk_scale, stride_tn, s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
+                                     BLOCK_SIZE, TAIL_N, True)
     if PARTITION > 0:
         # partials (acc, then m, then l) of row (b, head, chunk); chunks past the length store m = -inf
         n_rows = tl.num_programs(0).to(tl.int64) * tl.num_programs(1) * GROUP * num_parts
@@ -215,7 +249,7 @@ def _plan(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, sca
     plan.grid = (B, Hkv, num_parts)
     sm = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
     o_st = (Hq * D, D, 1) if out is None else out.stride()
-    plan.args = (sm, num_parts, context_lens.stride(0), *q.stride(), *k_cache.stride(), *v_cache.stride(),
+    plan.args = (sm, num_parts, context_lens.stride(0), *q.stride(), *k_cache.stride(), *v_cache.stride()[:2],
                  *k_scale.stride(), *v_scale.stride(), *block_tables.stride(), *o_st)
     plan.kws = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
                     BLOCK_N=c["BLOCK_N"], PARTITION=part, num_warps=c["num_warps"], num_stages=c["num_stages"])
@@ -246,8 +280,9 @@ def fp8_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, con
                         config: dict | None = None, validate: bool = True):
     """Decode attention over an FP8 paged KV cache. Returns out (B, Hq, D) in q's dtype (bf16 or fp16).
 
-    q (B, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D) e4m3 with Hq a multiple of Hkv;
-    k_scale, v_scale (num_blocks, block_size, Hkv) float32 (as :func:`fp8_write_kv` writes them);
+    q (B, Hq, D); k_cache (num_blocks, block_size, Hkv, D) and v_cache (num_blocks, Hkv, D, block_size) e4m3
+    (V transposed per block, see the module's docstring) with Hq a multiple of Hkv; k_scale, v_scale
+    (num_blocks, block_size, Hkv) float32 (as :func:`fp8_write_kv` writes them);
     block_tables (B, max_blocks) int32; context_lens (B,) int32, each in [1, max_blocks · block_size].
     ``validate=True`` checks the lengths and the block ids in use (a host sync)."""
     try:
@@ -368,26 +403,27 @@ def _fill_garbage(caches, block_tables, lens):
     even = (torch.arange(num_blocks, device=k_cache.device) % 2 == 0)[:, None] & hidden
     k_cache.view(torch.uint8)[hidden] = 0x7F        # e4m3 NaN
     k_cache.view(torch.uint8)[even] = 0x7E          # 448
-    v_cache.view(torch.uint8)[hidden] = 0x7F
+    ref.v_rows(v_cache.view(torch.uint8))[hidden] = 0x7F
     k_scale[hidden] = float("nan")
     v_scale[hidden] = float("nan")
 
 
 def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
     """K/V rows of varied magnitudes quantized per token by the reference quantizer into a pool of randomly
-    permuted blocks with a few spare ones; every slot not holding a context token holds garbage. "strided":
-    q is a slice of a fused (B, 3·Hq, D) buffer and K/V are views of one (num_blocks, block_size, 2, Hkv, D)
-    pool."""
+    permuted blocks with a few spare ones (V transposed within each block); every slot not holding a context
+    token holds garbage. "strided": q is a slice of a fused (B, 3·Hq, D) buffer and K/V are views of one
+    pool of (num_blocks, 2, block_size · Hkv · D) bytes, K's and V's blocks interleaved."""
     nb = -(-p.ctx // p.block_size)
     num_blocks = p.B * nb + 3
     shape = (num_blocks, p.block_size, p.Hkv, p.D)
     mag = torch.exp(S.randn((*shape[:3], 1), torch.float32, device, seed + 4, scale=0.5))
     k8, ks = ref.quantize_kv(S.randn(shape, torch.float32, device, seed + 1) * mag)
     v8, vs = ref.quantize_kv(S.randn(shape, torch.float32, device, seed + 2, shift=0.25) * mag.flip(0))
+    v8 = v8.permute(0, 2, 3, 1).contiguous()        # (num_blocks, Hkv, D, block_size)
     if layout == "strided":
-        pool = torch.empty((num_blocks, p.block_size, 2, p.Hkv, p.D), dtype=E4M3, device=device)
-        pool[:, :, 0], pool[:, :, 1] = k8, v8
-        k8, v8 = pool[:, :, 0], pool[:, :, 1]
+        pool = torch.empty((num_blocks, 2, v8[0].numel()), dtype=E4M3, device=device)
+        pool[:, 0], pool[:, 1] = k8.flatten(1), v8.flatten(1)
+        k8, v8 = pool[:, 0].view(k8.shape), pool[:, 1].view(v8.shape)
         q = S.randn((p.B, 3 * p.Hq, p.D), dtype, device, seed, scale=1.5)[:, p.Hq:2 * p.Hq]
     elif layout == "contiguous":
         q = S.randn((p.B, p.Hq, p.D), dtype, device, seed, scale=1.5)
@@ -436,7 +472,7 @@ def dequantized_kv(c: K.Case):
         x = cache[blocks].float() * sc[blocks][..., None]
         return x.reshape(B, -1, *cache.shape[2:])[:, :n].transpose(1, 2).contiguous().to(q.dtype)
 
-    return gather(k_cache, k_scale), gather(v_cache, v_scale)
+    return gather(k_cache, k_scale), gather(ref.v_rows(v_cache), v_scale)
 
 
 def _vendor(c: K.Case):
@@ -460,12 +496,13 @@ def _bad_inputs(device):
     B, Hq, Hkv, D, bs, nb = 2, 4, 2, 32, 16, 3
     q = torch.randn(B, Hq, D, device=device, dtype=torch.bfloat16)
     kc = torch.zeros(B * nb, bs, Hkv, D, device=device).to(E4M3)
+    vc = torch.zeros(v_cache_shape(B * nb, bs, Hkv, D), device=device).to(E4M3)
     sc = torch.ones(B * nb, bs, Hkv, device=device)
     bt = torch.arange(B * nb, dtype=torch.int32, device=device).reshape(B, nb)
     cl = torch.tensor([5, 40], dtype=torch.int32, device=device)
 
     def pa(**kw):
-        a = dict(q=q, k_cache=kc, v_cache=kc.clone(), k_scale=sc, v_scale=sc.clone(), block_tables=bt, context_lens=cl)
+        a = dict(q=q, k_cache=kc, v_cache=vc, k_scale=sc, v_scale=sc.clone(), block_tables=bt, context_lens=cl)
         a.update(kw)
         return lambda: fp8_paged_attention(**a)
 
@@ -473,13 +510,15 @@ def _bad_inputs(device):
         ("bf16 cache", pa(k_cache=kc.to(torch.bfloat16)), TypeError),
         ("fp32 q", pa(q=q.float()), TypeError),
         ("k_scale of the wrong shape", pa(k_scale=sc[:, :8]), ValueError),
+        ("v_cache in K's token-major layout", pa(v_cache=kc.clone()), ValueError),
+        ("v_cache blocks not contiguous slabs", pa(v_cache=kc.clone().permute(0, 2, 3, 1)), ValueError),
         ("float16 v_scale", pa(v_scale=sc.half()), TypeError),
         ("context longer than its block table", pa(context_lens=torch.tensor([5, nb * bs + 1], dtype=torch.int32,
                                                                               device=device)), ValueError),
         ("block id out of the pool", pa(block_tables=bt + 100), ValueError),
         ("Hq not a multiple of Hkv", pa(q=q[:, :3]), ValueError),
         ("head dim mismatch", pa(q=torch.randn(B, Hq, 64, device=device, dtype=torch.bfloat16)), ValueError),
-        ("negative scale", lambda: fp8_paged_attention(q, kc, kc, sc, sc, bt, cl, scale=-1.0), ValueError),
+        ("negative scale", lambda: fp8_paged_attention(q, kc, vc, sc, sc, bt, cl, scale=-1.0), ValueError),
     ]
 
 

@@ -470,8 +470,9 @@ def _(q, k, v, q_descale=None, k_descale=None, v_descale=None, causal=False, sca
 @_op("fp8_kv_write", ("k_cache", "v_cache", "k_scale", "v_scale"))
 def fp8_kv_write(k: Tensor, v: Tensor, slot_mapping: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor,
                  v_scale: Tensor, validate: bool = True) -> None:
-    """Quantize new tokens' K and V (T, Hkv, D) into the e4m3 paged caches and their per-(token, kv head)
-    float32 scales at each token's slot, in place (tritune.kernels.fp8_kv_write.fp8_write_kv)."""
+    """Quantize new tokens' K and V (T, Hkv, D) into the e4m3 paged caches (V's transposed within each
+    block) and their per-(token, kv head) float32 scales at each token's slot, in place
+    (tritune.kernels.fp8_kv_write.fp8_write_kv)."""
     _fp8_kv_write.fp8_write_kv(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, validate=validate)
 
 

@@ -10,7 +10,8 @@ equals this one: the reference reproduces the format's rounding of P, and the to
 The denominator sums P before rounding (FA3 does the same); V's descale multiplies the finished row.
 
 Decode: the cache holds e4m3 values with one float32 scale per (token, kv head) (``k ≈ q · scale``),
-written by :func:`quantize_kv`.
+written by :func:`quantize_kv`; K's cache is (num_blocks, block_size, Hkv, D), V's is transposed within each
+block, (num_blocks, Hkv, D, block_size) (:func:`v_rows` views it token-major).
 """
 from __future__ import annotations
 
@@ -102,20 +103,27 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.float()
 
 
+def v_rows(v_cache):
+    """V's cache (num_blocks, Hkv, D, block_size), transposed within each block, as a (num_blocks,
+    block_size, Hkv, D) view: row [n, b] is the token at slot n · block_size + b, like K's cache."""
+    return v_cache.permute(0, 3, 1, 2)
+
+
 def fp8_write_kv(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, **_):
     """float64 copies of the four cache tensors with token t of k/v quantized into flat slot
-    slot_mapping[t] (negative: skipped). Each token's scale is computed in float64 (amax / 448)."""
+    slot_mapping[t] (negative: skipped). Each token's scale is computed in float64 (amax / 448). V's cache is
+    transposed within each block (:func:`v_rows`)."""
     outs = [t.double().clone() for t in (k_cache, v_cache, k_scale, v_scale)]
-    nb, bs = k_cache.shape[:2]
-    flat = [o.view(nb * bs, *o.shape[2:]) for o in outs]
-    for src, (qc, sc) in ((k, (flat[0], flat[2])), (v, (flat[1], flat[3]))):
+    bs = k_cache.shape[1]
+    rows = (outs[0], v_rows(outs[1]), outs[2], outs[3])   # views: writes land in outs
+    for src, (qc, sc) in ((k, (rows[0], rows[2])), (v, (rows[1], rows[3]))):
         amax = src.double().abs().amax(dim=-1)
         scale = (amax / E4M3_MAX).clamp_min(MIN_SCALE)
         q = (src.double() / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).double()
         for t, slot in enumerate(slot_mapping.tolist()):
             if slot >= 0:
-                qc[slot] = q[t]
-                sc[slot] = scale[t]
+                qc[slot // bs, slot % bs] = q[t]
+                sc[slot // bs, slot % bs] = scale[t]
     return tuple(outs)
 
 
@@ -127,7 +135,7 @@ def gather(cache, block_table, n: int):
 
 def fp8_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale=None, **_):
     """One query token per sequence against its e4m3 paged K/V times their per-token scales, in float64:
-    (B, Hq, D)."""
+    (B, Hq, D). v_cache is transposed within each block (:func:`v_rows`)."""
     B, Hq, D = q.shape
     group = Hq // k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -135,7 +143,8 @@ def fp8_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, con
     for b in range(B):
         n = int(context_lens[b])
         kb = gather(k_cache, block_tables[b], n).double() * gather(k_scale, block_tables[b], n).double()[..., None]
-        vb = gather(v_cache, block_tables[b], n).double() * gather(v_scale, block_tables[b], n).double()[..., None]
+        vb = gather(v_rows(v_cache), block_tables[b], n).double() * gather(v_scale, block_tables[b], n).double()[
+            ..., None]
         kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
         s = torch.einsum("hd,nhd->hn", q[b].double(), kb) * scale
         out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), vb)

@@ -87,8 +87,9 @@ def test_vendor_and_peer_columns():
 
 # ---------------------------------------------------------------------------------------------------
 def _pool(nb, bs, hkv, d):
+    """K (nb, bs, hkv, d), V transposed within each block (nb, hkv, d, bs), and their scales."""
     return (torch.zeros(nb, bs, hkv, d, device=DEV).to(torch.float8_e4m3fn),
-            torch.zeros(nb, bs, hkv, d, device=DEV).to(torch.float8_e4m3fn),
+            torch.zeros(nb, hkv, d, bs, device=DEV).to(torch.float8_e4m3fn),
             torch.ones(nb, bs, hkv, device=DEV), torch.ones(nb, bs, hkv, device=DEV))
 
 
@@ -107,10 +108,85 @@ def test_write_skips_padding_and_leaves_other_slots_alone():
         cmp.check(got, w, BF16)
     untouched = torch.ones(32, dtype=torch.bool, device=DEV)
     untouched[[3, 17, 31]] = False
-    for got, old in zip(caches, before):
-        flat = got.view(32, *got.shape[2:]).view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got.view(32, -1)
-        was = old.view(32, *old.shape[2:]).view(torch.uint8) if old.dtype == torch.float8_e4m3fn else old.view(32, -1)
-        assert torch.equal(flat[untouched], was[untouched])
+    for i, (got, old) in enumerate(zip(caches, before)):
+        if got.dtype == torch.float8_e4m3fn:
+            got, old = got.view(torch.uint8), old.view(torch.uint8)
+        if i == 1:      # V: (blocks, Hkv, D, block_size), token-major again for the slot rows
+            got, old = ref.v_rows(got), ref.v_rows(old)
+        assert torch.equal(got.reshape(32, -1)[untouched], old.reshape(32, -1)[untouched])
+
+
+def test_write_lays_v_out_transposed_within_each_block():
+    """V's cache is (blocks, Hkv, D, block_size): slot s's quantized row of head h lies along D at
+    v_cache[s // bs, h, :, s % bs], tokens contiguous; K's stays (blocks, block_size, Hkv, D). Read back
+    through the reference's view of the layout, the cache gives exactly the quantized rows."""
+    g = torch.Generator().manual_seed(5)
+    nb, bs, hkv, d = 3, 8, 2, 16
+    caches = _pool(nb, bs, hkv, d)
+    k = (torch.randn(nb * bs, hkv, d, generator=g) * 2).to(BF16).to(DEV)
+    v = torch.randn(nb * bs, hkv, d, generator=g).to(BF16).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g).to(DEV)
+    W.fp8_write_kv(k, v, slots, *caches)
+    k8, ks = ref.quantize_kv(k.float())
+    v8, vs = ref.quantize_kv(v.float())
+    k_cache, v_cache, k_scale, v_scale = caches
+    assert v_cache.stride() == (hkv * d * bs, d * bs, bs, 1)
+    s = slots.long()
+    for t in (0, 5, nb * bs - 1):
+        blk, off = int(s[t]) // bs, int(s[t]) % bs
+        assert torch.equal(v_cache[blk, :, :, off].view(torch.uint8), v8[t].view(torch.uint8))
+        assert torch.equal(k_cache[blk, off].view(torch.uint8), k8[t].view(torch.uint8))
+    want_v = torch.empty_like(v8.view(torch.uint8))
+    want_v[s] = v8.view(torch.uint8)
+    assert torch.equal(ref.v_rows(v_cache).reshape(nb * bs, hkv, d).view(torch.uint8), want_v)
+    assert torch.equal(v_scale.view(-1, hkv)[s], vs) and torch.equal(k_scale.view(-1, hkv)[s], ks)
+    # one sequence over the blocks in slot order: the reference reads the rows the write quantized
+    table = torch.arange(nb, dtype=torch.int32, device=DEV)
+    order = torch.argsort(s)
+    got = ref.gather(ref.v_rows(v_cache), table, nb * bs).view(torch.uint8)
+    assert torch.equal(got, v8[order].view(torch.uint8))
+
+
+@pytest.mark.parametrize("call", ["write", "decode"])
+def test_v_cache_in_the_old_layout_is_refused_by_name(call):
+    """A V cache in K's token-major layout (the layout before V was transposed), or transposed but without
+    contiguous (D, block_size) slabs, is refused with a ValueError naming v_cache and the layout expected."""
+    nb, bs, hkv, d = 4, 8, 2, 32
+    k_cache, v_cache, k_scale, v_scale = _pool(nb, bs, hkv, d)
+    x = torch.randn(3, hkv, d, device=DEV, dtype=BF16)
+    slots = torch.tensor([0, 9, -1], device=DEV)
+    q = torch.randn(2, 2 * hkv, d, device=DEV, dtype=BF16)
+    tables = torch.arange(nb, dtype=torch.int32, device=DEV).reshape(2, 2)
+    lens = torch.tensor([5, 16], dtype=torch.int32, device=DEV)
+
+    def run(vc):
+        if call == "write":
+            return W.fp8_write_kv(x, x, slots, k_cache, vc, k_scale, v_scale)
+        return PA.fp8_paged_attention(q, k_cache, vc, k_scale, v_scale, tables, lens)
+
+    with pytest.raises(ValueError, match=r"v_cache: expected shape \(4, 2, 32, 8\) \(num_blocks, Hkv, D, "
+                                         r"block_size\).*token-major"):
+        run(torch.zeros_like(k_cache))
+    with pytest.raises(ValueError, match=r"v_cache: each block's \(D, block_size\) slab must be contiguous"):
+        run(torch.zeros(nb, bs, hkv, d, device=DEV).to(torch.float8_e4m3fn).permute(0, 2, 3, 1))
+    run(v_cache)   # the layout it expects
+
+
+@pytest.mark.parametrize("bs, block_n, ctx", [(4, 32, 70), (8, 16, 33), (32, 16, 50), (16, 64, 64),
+                                              (16, 64, 127), (64, 32, 97)])
+def test_decode_whole_tiles_and_tail_against_the_reference(bs, block_n, ctx):
+    """Whole BLOCK_N tiles load unmasked and the rest goes through masked 16-token tiles: block sizes
+    below, at and above BLOCK_N, contexts ending on and off tile boundaries (mixed lengths, NaN in every
+    slot no sequence may read), split-KV and not, all at the float64 reference over the transposed V."""
+    p = PA.Problem(3, 4, 2, 32, ctx, bs, True)
+    c = PA.SPEC.make_inputs(p, BF16, DEV, 1)
+    want = PA.SPEC.reference(*c.args, **c.kwargs)
+    cap = p.capacity
+    for part in (0, 2 * block_n):
+        if part and part >= cap:
+            continue
+        cfg = {"BLOCK_N": block_n, "PARTITION": part, "num_warps": 2, "num_stages": 2}
+        cmp.check(PA.fp8_paged_attention(*c.args, **c.kwargs, config=cfg), want, BF16)
 
 
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])

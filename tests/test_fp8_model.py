@@ -174,7 +174,7 @@ def _check_fp8_cache(model, prompt, new, block_size=8, bound=LOGITS_REL):
     """The FP8 cache's greedy tokens equal the dense cache's, every decode step's logits stay within the
     format's error of them, and the cache holds the K rows' e4m3 rounding (dequantized: within half a
     step of the dense cache's). Returns the FP8 run's logits."""
-    from tritune.model.engine.kv_fp8 import Fp8KVOps, with_fp8_cache
+    from tritune.model.engine.kv_fp8 import Fp8KVOps, v_rows, with_fp8_cache
 
     n = len(prompt) + new
     dense = model.new_cache(n, block_size)
@@ -189,6 +189,11 @@ def _check_fp8_cache(model, prompt, new, block_size=8, bound=LOGITS_REL):
     ks = cache.k_scales[0].view(-1, cache.k_scales[0].shape[-1])[:T].double()
     kd = dense.k_caches[0].view(-1, *dense.k_caches[0].shape[2:])[:T].double()
     assert ((k8 * ks[..., None] - kd).abs() <= kd.abs() * 2.0**-4 + ks[..., None] * 2.0**-9 + 1e-6).all()
+    # V's blocks transposed (num_blocks, H, D, block_size): viewed back token-major, the same bound
+    v8 = v_rows(cache.v_caches[0]).reshape(-1, *cache.k_caches[0].shape[2:])[:T].double()
+    vs = cache.v_scales[0].view(-1, cache.v_scales[0].shape[-1])[:T].double()
+    vd = dense.v_caches[0].view(-1, *dense.v_caches[0].shape[2:])[:T].double()
+    assert ((v8 * vs[..., None] - vd).abs() <= vd.abs() * 2.0**-4 + vs[..., None] * 2.0**-9 + 1e-6).all()
     return got_logits
 
 
@@ -364,6 +369,49 @@ def test_fp8_kv_pool_bytes():
     assert bytes_per_block(2, 2, 32, 4, torch.bfloat16) == 2 * 2 * 4 * 2 * 32 * 2
     pool = BlockPool(2, 2, 32, 4, torch.float16, "cpu", num_blocks=3)
     assert pool.k_scales is None
+
+
+class _DenseDecode:
+    """Base ops whose decode is the float64 reference over a dense paged cache (the FP8 ops' fallback)."""
+    steps: dict = {}
+
+    def attn_decode(self, q, k_cache, v_cache, block_tables, context_lens, **kw):
+        from tritune.references.paged_attention import paged_attention
+
+        return paged_attention(q, k_cache, v_cache, block_tables, context_lens, **kw)
+
+
+def test_fp8_pool_lays_v_out_transposed_and_reads_it_back():
+    """The engine's e4m3 pool holds V as the kernels read it, per layer (num_blocks, H, D, block_size), a
+    view of the pool's bytes; rows written by the PyTorch write come back as their quantized values through
+    ``gather_kv`` (prefill over cached blocks) and the dequantizing decode (against the float64 reference
+    over the same cache)."""
+    from tritune.model.engine.kv_cache import BlockPool
+    from tritune.model.engine.kv_fp8 import Fp8KVOps, quantize_rows
+    from tritune.references import fp8_attention as ref
+
+    H, D, bs, nb = 2, 16, 4, 5
+    pool = BlockPool(2, H, D, bs, torch.float8_e4m3fn, "cpu", num_blocks=nb)
+    kc, vc = pool.k_caches[1], pool.v_caches[1]
+    assert kc.shape == (nb, bs, H, D) and vc.shape == (nb, H, D, bs) and vc.is_contiguous()
+    assert vc.data_ptr() == pool.cache[1, 1].data_ptr()
+    ops = Fp8KVOps(_DenseDecode(), "torch", pool.k_caches, pool.v_caches, pool.k_scales, pool.v_scales)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(9, H, D, generator=g) * 3, torch.randn(9, H, D, generator=g)
+    slots = torch.tensor([4, 5, 6, 7, 8, -1, 0, 1, 2])      # blocks 1, 2 then 0; one padding token
+    ops.write_kv(k, v, kc, vc, slots)
+    (k8, kscale), (v8, vscale) = quantize_rows(k), quantize_rows(v)
+    for t in (0, 4, 8):
+        blk, off = int(slots[t]) // bs, int(slots[t]) % bs
+        assert torch.equal(vc[blk, :, :, off].view(torch.uint8), v8[t].view(torch.uint8))
+    keep = slots >= 0
+    got_k, got_v = ops.gather_kv(kc, vc, slots[keep], torch.float32)
+    assert torch.equal(got_k, k8[keep].float() * kscale[keep][..., None])
+    assert torch.equal(got_v, v8[keep].float() * vscale[keep][..., None])
+    q = torch.randn(1, 2 * H, D, generator=g)
+    tables, lens = torch.tensor([[1, 2, 0]], dtype=torch.int32), torch.tensor([11], dtype=torch.int32)
+    want = ref.fp8_paged_attention(q, kc, vc, pool.k_scales[1], pool.v_scales[1], tables, lens)
+    assert cmp.rel_error(ops.attn_decode(q, kc, vc, tables, lens).double(), want) < 1e-6
 
 
 @pytest.mark.parametrize("kw, match", [(dict(fp8_block=True), "fp8_block"),

@@ -1,10 +1,12 @@
 """Paged KV cache: a pool of fixed-size blocks, and per-sequence block tables grown on demand.
 
 The cache of layer ``l`` is ``pool.k_caches[l]`` / ``pool.v_caches[l]``, each ``(num_blocks, block_size,
-H, D)``. Token ``pos`` of a sequence lives in block ``table.blocks[pos // block_size]`` at offset
-``pos % block_size``; its flat *slot* is ``block * block_size + offset`` (what ``write_kv`` takes; a
-negative slot means "skip"). Memory is reserved once, when the pool is built; sequences take blocks only
-as they grow, so no sequence holds room for a maximum length it may never reach.
+H, D)`` (an FP8 pool's V: ``(num_blocks, H, D, block_size)``, transposed within each block;
+:mod:`tritune.model.engine.kv_fp8`). Token ``pos`` of a sequence lives in block
+``table.blocks[pos // block_size]`` at offset ``pos % block_size``; its flat *slot* is
+``block * block_size + offset`` (what ``write_kv`` takes; a negative slot means "skip"). Memory is reserved
+once, when the pool is built; sequences take blocks only as they grow, so no sequence holds room for a
+maximum length it may never reach.
 
 Prefix caching: a *full* block whose K/V are computed (or scheduled to be, in the step that admits it)
 is keyed by a chained hash of its tokens: hash(parent block's hash, its block_size token ids), the root
@@ -22,6 +24,8 @@ import struct
 from collections import OrderedDict
 
 import torch
+
+from tritune.model.engine.kv_fp8 import layer_caches
 
 
 class OutOfBlocks(RuntimeError):
@@ -59,9 +63,11 @@ class BlockPool:
                                  device=self.device)
         self.k_caches = list(self.cache[0].unbind(0))
         self.v_caches = list(self.cache[1].unbind(0))
-        # an FP8 (e4m3) pool: a float32 scale per (token, kv head) beside it (tritune.model.engine.kv_fp8)
+        # an FP8 (e4m3) pool: V's blocks transposed, a float32 scale per (token, kv head) beside each
+        # (tritune.model.engine.kv_fp8)
         self.k_scales = self.v_scales = None
         if dtype == torch.float8_e4m3fn:
+            self.k_caches, self.v_caches = layer_caches(self.cache)
             self.scales = torch.zeros(2, n_layer, num_blocks, block_size, n_kv_heads, dtype=torch.float32,
                                       device=self.device)
             self.k_scales, self.v_scales = list(self.scales[0].unbind(0)), list(self.scales[1].unbind(0))

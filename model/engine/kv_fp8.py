@@ -1,8 +1,11 @@
 """The FP8 paged KV cache (``kv_cache_dtype="fp8"``): K and V in e4m3 with one float32 scale per (token,
 kv head), half the bytes of a bf16 cache (plus 4 bytes per head_dim values of scale).
 
-The pool holds, beside its e4m3 ``k_caches`` / ``v_caches``, per-layer ``k_scales`` / ``v_scales`` of shape
-(num_blocks, block_size, n_kv_heads): k ≈ k_cache · k_scale[..., None]. The attention callback the engine
+The pool holds, beside its e4m3 ``k_caches`` (num_blocks, block_size, n_kv_heads, head_dim) and ``v_caches``
+(num_blocks, n_kv_heads, head_dim, block_size) (V transposed within each block, tokens contiguous: the
+decode's P·V operand loads as it lies; :mod:`tritune.kernels.fp8_paged_attention`), per-layer ``k_scales`` /
+``v_scales`` of shape (num_blocks, block_size, n_kv_heads): k ≈ k_cache · k_scale[..., None]. The attention
+callback the engine
 hands the model calls ``ops.write_kv`` / ``ops.attn_decode`` with a layer's caches only, so the ops here
 find the layer's scales by the cache tensor they are given (its data pointer), and the engine's code stays
 as it is:
@@ -31,10 +34,22 @@ Q_DTYPES = (torch.float16, torch.bfloat16)
 
 def alloc(n_layer: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, device):
     """(cache (2, L, blocks, block_size, H, D) e4m3, scales (2, L, blocks, block_size, H) float32), zeroed:
-    an unwritten slot dequantizes to 0."""
+    an unwritten slot dequantizes to 0. ``cache[1]`` holds V's blocks transposed: see :func:`layer_caches`."""
     cache = torch.zeros(2, n_layer, num_blocks, block_size, n_kv_heads, head_dim, dtype=E4M3, device=device)
     scales = torch.zeros(2, n_layer, num_blocks, block_size, n_kv_heads, dtype=torch.float32, device=device)
     return cache, scales
+
+
+def layer_caches(cache):
+    """Per-layer (k_caches, v_caches) of an :func:`alloc` pool: K (num_blocks, block_size, H, D), V a view of
+    the same bytes as (num_blocks, H, D, block_size), transposed within each block."""
+    L, nb, bs, H, D = cache.shape[1:]
+    return list(cache[0].unbind(0)), list(cache[1].view(L, nb, H, D, bs).unbind(0))
+
+
+def v_rows(v_cache):
+    """V's transposed blocks (num_blocks, H, D, block_size) as a (num_blocks, block_size, H, D) view."""
+    return v_cache.permute(0, 3, 1, 2)
 
 
 def bytes_per_block(n_layer: int, n_kv_heads: int, head_dim: int, block_size: int) -> int:
@@ -90,17 +105,19 @@ class Fp8KVOps:
             return
         keep = slot_mapping >= 0
         idx = slot_mapping[keep].long()
-        for x, cache, scale in ((k, k_cache, ks), (v, v_cache, vs)):
+        bs = k_cache.shape[1]
+        for x, cache, scale in ((k, k_cache, ks), (v, v_rows(v_cache), vs)):
             q, s = quantize_rows(x[keep])
-            cache.view(-1, *cache.shape[2:])[idx] = q
+            cache.view(torch.uint8)[idx // bs, idx % bs] = q.view(torch.uint8)
             scale.view(-1, scale.shape[-1])[idx] = s
 
     def gather_kv(self, k_cache, v_cache, idx, dtype):
         """K and V (len(idx), H, D) in ``dtype`` at flat slots ``idx``, dequantized."""
         ks, vs = self.scales_of(k_cache)
         out = []
-        for cache, scale in ((k_cache, ks), (v_cache, vs)):
-            q = cache.view(-1, *cache.shape[2:]).index_select(0, idx)
+        bs = k_cache.shape[1]
+        for cache, scale in ((k_cache, ks), (v_rows(v_cache), vs)):
+            q = cache[idx // bs, idx % bs]
             s = scale.view(-1, scale.shape[-1]).index_select(0, idx)
             out.append((q.float() * s[..., None]).to(dtype))
         return out[0], out[1]
@@ -114,7 +131,7 @@ class Fp8KVOps:
         B, nb = block_tables.shape
         bt = block_tables.long()
         kd = (k_cache[bt].float() * ks[bt][..., None]).to(q.dtype).reshape(B * nb, *k_cache.shape[1:])
-        vd = (v_cache[bt].float() * vs[bt][..., None]).to(q.dtype).reshape(B * nb, *v_cache.shape[1:])
+        vd = (v_rows(v_cache[bt].flatten(0, 1)).float() * vs[bt].flatten(0, 1)[..., None]).to(q.dtype).contiguous()
         tables = torch.arange(B * nb, dtype=block_tables.dtype, device=q.device).view(B, nb)
         return self.base.attn_decode(q, kd, vd, tables, context_lens, **kw)
 
@@ -147,7 +164,7 @@ class Fp8PagedCache:
         self.num_blocks = max(1, -(-num_tokens // block_size))
         self.cache, self.scales = alloc(model.n_layers, self.num_blocks, block_size, model.n_kv_heads,
                                         model.head_dim, model.device)
-        self.k_caches, self.v_caches = list(self.cache[0].unbind(0)), list(self.cache[1].unbind(0))
+        self.k_caches, self.v_caches = layer_caches(self.cache)
         self.k_scales, self.v_scales = list(self.scales[0].unbind(0)), list(self.scales[1].unbind(0))
         self.ops = Fp8KVOps(model.ops, model.backend, self.k_caches, self.v_caches, self.k_scales, self.v_scales)
 
