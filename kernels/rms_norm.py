@@ -223,7 +223,7 @@ def rms_norm(x, weight=None, eps: float = 1e-6, residual=None, *, out=None, conf
 # ---------------------------------------------------------------------------------------------------
 SPACE = K.Space(
     params={
-        "BLOCK_N": [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+        "BLOCK_N": [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536],
         "ROWS": [1, 2, 4, 8, 16, 32],
         "num_warps": [1, 2, 4, 8, 16, 32],
     },
@@ -260,6 +260,15 @@ def default_config(p: Problem, dtype) -> dict:
     while block * rows // (32 * warps) > 64:
         warps *= 2
     return {"BLOCK_N": block, "ROWS": rows, "num_warps": warps}
+
+
+def seeds(p: Problem, dtype) -> list[dict]:
+    """Rows past the default's one-pass width (16384): the whole row in registers, one pass (32 warps keep it
+    at 64 values a thread up to 65536), which one-step moves from the looped 8192 do not reach."""
+    n2 = triton.next_power_of_2(p.N)
+    if n2 <= 16384 or n2 > 65536:
+        return []
+    return [{"BLOCK_N": n2, "ROWS": 1, "num_warps": w} for w in (16, 32) if n2 // (32 * w) <= 64]
 
 
 def bucket(p: Problem) -> dict:
@@ -361,4 +370,5 @@ SPEC = K.register(K.KernelSpec(
     vendor_name="F.rms_norm",
     peers={"liger": _liger},
     bad_inputs=_bad_inputs,
+    seeds=seeds,
 ))
