@@ -11,15 +11,11 @@
 set -uo pipefail
 : "${OUT:?OUT must be set}"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+. benchmarks/install_wheels.sh
+install_wheels "$OUT/wheels.log" || exit 1
 root=$(pwd)
-use() {  # install a tree editable; echo its decode script
-  (cd "$1" && python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/$2/install.log" 2>&1) \
-    || { cat "$OUT/$2/install.log"; return 1; }
+use() {  # install a tree editable
+  install_tree "$OUT/$2/install.log" "$1"
 }
 # the decode benchmark and where it writes: benchmarks/ (--results DIR) or, in trees before it moved there,
 # scripts/ (--out FILE)

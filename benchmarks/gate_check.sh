@@ -27,13 +27,8 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
 export TRITUNE_COMMIT=${TRITUNE_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}
 if [ "${INSTALL:-1}" != 0 ]; then
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  fi
-  python -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 \
-    || { cat "$OUT/install.log"; exit 1; }
+  . benchmarks/install_wheels.sh
+  install_wheels "$OUT/install.log" && install_tree "$OUT/install.log" . || exit 1
 fi
 KERNEL=${KERNEL:-gemv}
 P=${P:-M=1,N=3072,K=768,bias=True,act=gelu_tanh,ln=True}

@@ -10,13 +10,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
 # the commit measured: $TRITUNE_COMMIT, else .commit (a copied tree's .git may be stale), else git's HEAD
 export TRITUNE_COMMIT=${TRITUNE_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-python -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 \
-  || { cat "$OUT/install.log"; exit 1; }
+. benchmarks/install_wheels.sh
+install_wheels "$OUT/install.log" && install_tree "$OUT/install.log" . || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv >"$OUT/gpu.csv" 2>&1
 echo "commit $TRITUNE_COMMIT, GPU slug $(python -c 'from tritune.kernels.runtime import device; print(device.gpu_slug())')"
 # shellcheck disable=SC2086  (TEST_ARGS: several pytest arguments)

@@ -10,12 +10,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
 export TRITUNE_COMMIT=${TRITUNE_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}
 w=$OUT/w; mkdir -p "$w"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >"$w/install.log" 2>&1 || { cat "$w/install.log"; exit 1; }
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-python -m pip install -q --no-deps --no-build-isolation -e . >>"$w/install.log" 2>&1 || { cat "$w/install.log"; exit 1; }
+. benchmarks/install_wheels.sh
+install_wheels "$w/install.log" && install_tree "$w/install.log" . || exit 1
 k_expr=$(echo "$KERNELS" | sed 's/ \+/ or /g')
 if [ "${TEST_BUDGET:-150}" != 0 ]; then
   echo "== tests: ${TEST_ARGS:--k \"$k_expr\"}"

@@ -3,6 +3,8 @@ decoding through a model's own prefill and paged decode, and transformers' greed
 whose choice is clear (top-2 logit gap over 1e-3)."""
 import torch
 
+from tests.test_engine import alone
+
 VOCAB = 97
 
 
@@ -20,21 +22,9 @@ def prompt(n, seed):
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@torch.inference_mode()
-def greedy(model, p, max_new):
-    """Greedy tokens through the model's own prefill and paged decode over a private cache (block size 4)."""
-    dev = model.device
-    cache = model.new_cache(len(p) + max_new, 4)
-    table = torch.arange(cache.num_blocks, dtype=torch.int32, device=dev)[None, :]
-    logits = model.prefill(torch.tensor(p, device=dev), [len(p)], kv_cache=cache,
-                           slot_mapping=torch.arange(len(p), device=dev))
-    out = [int(logits[0].argmax())]
-    for n in range(len(p), len(p) + max_new - 1):
-        pos = torch.tensor([n], device=dev)
-        logits = model.decode(torch.tensor([out[-1]], device=dev), pos, cache, pos, table,
-                              torch.tensor([n + 1], dtype=torch.int32, device=dev))
-        out.append(int(logits[0].argmax()))
-    return out
+# greedy tokens through a model's own prefill and paged decode over a private cache (block size 4): the
+# engine tests' independent path, which takes any family's model
+greedy = alone
 
 
 def hf_greedy(hf, p, max_new):

@@ -22,18 +22,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers b
 from llama_helpers import VOCAB, prompt, randomize  # noqa: E402
 
 
+def _checkpoint(tmp_path_factory, kind, seed, **fields):
+    """A random 2-layer checkpoint written by transformers (every K a multiple of 32: int4 groups)."""
+    cfg_cls, cls = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if kind == "qwen2"
+                    else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    cfg = cfg_cls(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=64, num_attention_heads=4,
+                  num_hidden_layers=2, intermediate_size=96, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  **fields)
+    torch.manual_seed(seed)
+    m = cls(cfg).eval()
+    randomize(m)
+    d = tmp_path_factory.mktemp(kind)
+    m.save_pretrained(d)
+    return d
+
+
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     """A random Qwen2 (q/k/v biases, GQA 2, untied head), every K a multiple of 32 (int4 groups)."""
-    cfg = transformers.Qwen2Config(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=64, num_attention_heads=4,
-                                   num_key_value_heads=2, num_hidden_layers=2, intermediate_size=96,
-                                   bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    m = transformers.Qwen2ForCausalLM(cfg).eval()
-    randomize(m)
-    d = tmp_path_factory.mktemp("qwen2")
-    m.save_pretrained(d)
-    return d
+    return _checkpoint(tmp_path_factory, "qwen2", seed=0, num_key_value_heads=2, tie_word_embeddings=False)
 
 
 def dequantized_reference(dense_dir, quantized, dense_state: bool = False):
@@ -97,15 +104,7 @@ def test_fusing_refuses_projections_that_disagree(qwen2, tmp_path):
 @pytest.fixture(scope="module", params=[2, 4], ids=["gqa", "mha"])
 def llama(request, tmp_path_factory):
     """A random Llama, grouped KV heads or not (AWQ folds v into o only without grouping)."""
-    cfg = transformers.LlamaConfig(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=64, num_attention_heads=4,
-                                   num_key_value_heads=request.param, num_hidden_layers=2, intermediate_size=96,
-                                   bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=True)
-    torch.manual_seed(1)
-    m = transformers.LlamaForCausalLM(cfg).eval()
-    randomize(m)
-    d = tmp_path_factory.mktemp("llama")
-    m.save_pretrained(d)
-    return d
+    return _checkpoint(tmp_path_factory, "llama", seed=1, num_key_value_heads=request.param, tie_word_embeddings=True)
 
 
 def test_awq_folds_scales_and_runs_exactly_what_it_wrote(llama, tmp_path):
