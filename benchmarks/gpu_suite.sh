@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite on a GPU machine, from the repository root:
-#   OUT=/some/dir bash benchmarks/gpu_suite.sh            # TEST_ARGS="-k attention" to narrow it
+#   OUT=/some/dir bash benchmarks/gpu_suite.sh   # TEST_K="fp8 or rms" narrows it (pytest -k); TEST_ARGS adds flags
 # Installs the wheels carried in .whl/ (the machine has no network) into /tmp/site, tritune editable on top,
 # then runs `python -m pytest -n 16`. Under $OUT: install.log, tests.log (one line per test as it finishes:
 # TRITUNE_TEST_LOG, so a run cut by TEST_BUDGET keeps what finished), pytest.log (the summary) and gpu.csv.
@@ -16,5 +16,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv >"$O
 echo "commit $TRITUNE_COMMIT, GPU slug $(python -c 'from tritune.kernels.runtime import device; print(device.gpu_slug())')"
 # shellcheck disable=SC2086  (TEST_ARGS: several pytest arguments)
 TRITUNE_TEST_LOG="$OUT/tests.log" timeout "${TEST_BUDGET:-540}" \
-  python -m pytest -n "${WORKERS:-16}" --dist worksteal -q -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tail -60 | tee "$OUT/pytest.log"
-exit "${PIPESTATUS[0]}"
+  python -m pytest -n "${WORKERS:-16}" --dist worksteal -q -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} 2>&1 \
+  | tee "$OUT/pytest_full.log" | tail -60 >"$OUT/pytest.log"
+rc=${PIPESTATUS[0]}
+grep -v PytestBenchmarkWarning "$OUT/pytest.log" | tail -40
+exit "$rc"
