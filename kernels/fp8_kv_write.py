@@ -56,8 +56,10 @@ def _fp8_write_kv(Kn, Vn, Kc, Vc, Ks, Vs, Slots, num_slots, Hkv, D, stride_s,
         else:
             x = tl.load(Vn + t * s_vnt + offs_h[:, None] * s_vnh + offs_d[None, :] * s_vnd, mask=mask, other=0.0)
         x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, MIN_SCALE)
-        q = tl.clamp(x / scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        # IEEE-rounded divisions (fp32 `/` compiles to an approximate one on GPUs): the scales and codes are the
+        # reference's bit for bit, which the decode's reference reads back
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), MIN_SCALE)
+        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0).to(tl.float8e4nv)
         if which == 0:
             tl.store(Kc + block * s_kcn + offset * s_kcb + offs_h[:, None] * s_kch + offs_d[None, :] * s_kcd, q,
                      mask=mask)

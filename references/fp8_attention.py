@@ -98,9 +98,9 @@ def attention_unquantized(q, k, v, causal: bool = False, scale=None) -> torch.Te
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., D): per-row (each token's head) scales. Returns (e4m3 of x's shape, scale float32 (...))."""
     amax = x.double().abs().amax(dim=-1)
-    scale = (amax / E4M3_MAX).clamp_min(MIN_SCALE)
-    q = (x.double() / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).float().to(E4M3)
-    return q, scale.float()
+    scale = (amax / E4M3_MAX).clamp_min(MIN_SCALE).float()   # the float32 scale stored, and divided by
+    q = (x.double() / scale.double()[..., None]).clamp(-E4M3_MAX, E4M3_MAX).float().to(E4M3)
+    return q, scale
 
 
 def v_rows(v_cache):

@@ -280,6 +280,8 @@ def _run_mode(args, mode: str, config, state, items, dtype, gpu: bool) -> dict:
         model = build_model(config, state, backend, dtype, "cuda" if gpu else "cpu")
         t0 = time.perf_counter()
         kv = {"kv_memory_fraction": args.kv_memory_fraction} if gpu else {}
+        if args.max_batch_tokens < config.n_positions:  # a whole-context prompt runs in chunks of that budget
+            opts.setdefault("enable_chunked_prefill", True)
         eng = Engine(model, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                      max_num_seqs=args.max_num_seqs, **kv, **opts)
         # (on the CPU the workload's longest prompt: nothing compiles there, and long prompts take seconds)
