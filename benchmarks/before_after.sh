@@ -10,6 +10,7 @@
 # $OUT/compare.txt and compare.json.
 set -uo pipefail
 : "${OUT:?OUT must be set}"
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
 . benchmarks/install_wheels.sh
 install_wheels "$OUT/wheels.log" || exit 1

@@ -179,10 +179,12 @@ def test_missing_tensor_named(checkpoint, tmp_path):
         load_model(tmp_path, backend="torch")
 
 
-def test_triton_backend_matches_transformers(checkpoint):
+@pytest.mark.parametrize("name", ["llama-triton", "llama-gqa2-tied-linear"])
+def test_triton_backend_matches_transformers(checkpoint, name):
     """The smallest config on the kernels (interpreter): rms_norm, rotary, gemm / gemv, varlen attention with
-    2 query heads per KV head, the paged KV write and paged attention."""
-    hf, d = checkpoint("llama-triton")
+    2 query heads per KV head, the paged KV write and paged attention; at head dim 16, which the attention
+    kernels do not take, the same through PyTorch's attention with the KV groups repeated."""
+    hf, d = checkpoint(name)
     model = load_model(d, backend="triton", device=runtime_device.device())
     assert "kernel tritune.kernels.rotary" in model.backend_report()
     p = prompt(9, 4)

@@ -174,20 +174,23 @@ class TritonOps(G.TritonOps):
         # validate=False: positions come from the engine's own bookkeeping (checking them syncs the host)
         return self._rotary(q, k, cos, sin, positions, out=(q, k), validate=False)
 
+    # Without the kernel (a head dim it does not take), this family's torch functions: GPT-2's have no KV groups.
     def attn_prefill(self, q, k, v, seq_lens, cu_seqlens, max_seqlen, window=None):
+        if not self._varlen:
+            return torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen, window)
         if window is None:
             return super().attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
-        if self._varlen:   # tiles wholly before every row's window are skipped
-            return self._varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True,
-                                validate=False, window=window)
-        return torch_attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen, window)
+        # tiles wholly before every row's window are skipped
+        return self._varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True, validate=False,
+                            window=window)
 
     def attn_decode(self, q, k_cache, v_cache, block_tables, context_lens, window=None):
+        if not self._paged:
+            return torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens, window)
         if window is None:
             return super().attn_decode(q, k_cache, v_cache, block_tables, context_lens)
-        if self._paged:    # the window's blocks only; the config chosen for the window's span
-            return self._paged(q, k_cache, v_cache, block_tables, context_lens, validate=False, window=window)
-        return torch_attn_decode(q, k_cache, v_cache, block_tables, context_lens, window)
+        # the window's blocks only; the config chosen for the window's span
+        return self._paged(q, k_cache, v_cache, block_tables, context_lens, validate=False, window=window)
 
     def rotary_kv(self, q, k, v, cos, sin, positions, kv):
         """:meth:`rotary` that also writes the rotated k and v to the paged caches ``kv`` = (k_cache, v_cache,
