@@ -111,3 +111,18 @@ def test_the_gate_times_both_configs_by_the_tuners_timer_and_flags_only_a_real_s
     v = regress.compare_row(spec, row, problem, dtype, rounds=5, min_slowdown=0.03)
     assert v.slower is want and v.ratio == pytest.approx(slow) and v.noise == pytest.approx(0.0)
     assert v.same_config and len(modes) == 10 and set(modes) == {timing.timing_mode(spec, problem, dtype)}
+
+
+def test_events_are_read_from_kinetos_records_as_the_profilers_own_list():
+    """The kernel records come from kineto's raw events (fast for a serving run's million), the same names
+    and durations as ``prof.events()`` lists (host ops stand in for kernels on a machine without a GPU)."""
+    from torch.autograd import DeviceType
+
+    x = torch.randn(32, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(50):
+            x = x * 1.0001
+    got = P.events_of(prof, DeviceType.CPU)
+    want = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    assert sorted(e.name for e in got) == sorted(e.name for e in want) and len(got) >= 50
+    assert abs(sum(e.dur_us for e in got) - sum(e.time_range.elapsed_us() for e in want)) <= 0.01 * len(want) + 1
