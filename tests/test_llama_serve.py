@@ -153,6 +153,25 @@ def test_serve_bench_on_a_llama_checkpoint(ckpt, tmp_path):
     assert res["transformers"]["output_tok_s"] > 0
 
 
+def test_serve_bench_chunks_prefill_under_a_budget_below_the_context(ckpt, tmp_path):
+    """A --max-batch-tokens under the model's context (Llama-3.2-1B's is 131,072 against the default 8,192):
+    the engine is built with chunked prefill, so prompts over the budget run in pieces instead of the run
+    being refused."""
+    from tritune.harness.cli import build_parser
+    from tritune.model.bench import serve_bench as S
+
+    out = tmp_path / "res.json"
+    args = build_parser().parse_args(["serve-bench", "--model", str(ckpt), "-n", "3", "--prompt-len", "9:12",
+                                      "--output-len", "2:3", "--modes", "torch", "--max-batch-tokens", "8",
+                                      "--hf-requests", "-1", "--naive-requests", "0", "--decode-tokens", "0",
+                                      "--batch-sweep", "", "-q", "--out", str(out)])
+    assert S.run(args) == 0
+    mode = json.loads(out.read_text())["modes"]["torch"]
+    assert "error" not in mode, mode
+    assert mode["engine"]["chunked_prefill"] and mode["engine"]["max_batch_tokens"] == 8
+    assert mode["run"]["output_tokens"] == json.loads(out.read_text())["workload"]["output_tokens"]
+
+
 def test_random_checkpoint_of_a_shape(monkeypatch):
     """Without --model, serve-bench writes a random checkpoint of the named shape with transformers (a
     small stand-in shape here: the real ones are GPU-sized) and loads it through load_model."""

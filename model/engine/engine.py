@@ -578,6 +578,7 @@ class Engine:
                 "long_prefill_token_threshold": self.scheduler.long_prefill_token_threshold,
                 "num_blocks": self.pool.num_blocks,
                 "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
-                "max_batch_tokens": self.scheduler.max_num_batched_tokens, "prefill_batching": self.prefill_batching,
+                "max_batch_tokens": self.scheduler.max_num_batched_tokens, "chunked_prefill": self.scheduler.chunked,
+                "prefill_batching": self.prefill_batching,
                 "prefill_min_seats": self.prefill_min_seats, "prefill_max_wait": self.prefill_max_wait,
                 "notes": list(self.notes)}
