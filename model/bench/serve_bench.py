@@ -111,7 +111,8 @@ def add_parser(subparsers, name: str) -> None:
                         "CPU: the triton modes run the kernels through the Triton interpreter there)")
     s.add_argument("--dtype", type=parse_dtype, default=None, help="default bf16 on a GPU, fp32 on the CPU")
     s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--max-batch-tokens", type=int, default=8192)
+    s.add_argument("--max-batch-tokens", type=int, default=8192,
+                   help="tokens a step runs (default 8192); under the model's context, prefill runs in chunks")
     s.add_argument("--kv-memory-fraction", type=float, default=0.4)
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--batch-sweep", default="8", help="also run the first requests at these max batch sizes "
