@@ -32,6 +32,7 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
+        check_text(text)
         return self._tok.encode(text).ids
 
     def encode_batch(self, texts) -> list[list[int]]:
@@ -44,6 +45,20 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+def check_text(text, what: str = "prompt") -> None:
+    """A ValueError naming ``what`` unless ``text`` is Unicode text a UTF-8 tokenizer takes: a command-line
+    argument that was not UTF-8 arrives with its bytes escaped as lone surrogates (U+DC80-U+DCFF)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what}: expected text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        why = (f"byte 0x{c - 0xDC00:02x} at character {e.start} is not UTF-8" if 0xDC80 <= c <= 0xDCFF else
+               f"a lone surrogate U+{c:04X} at character {e.start}")
+        raise ValueError(f"{what}: not valid Unicode text ({why}); pass UTF-8 text") from None
 
 
 _REPL = "\ufffd"  # what a byte sequence that is not (yet) a character decodes to

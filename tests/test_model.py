@@ -455,6 +455,23 @@ def test_cli_generate(text_model, capsys):
     assert rc == 2 and "nope" in err
 
 
+def test_cli_generate_prompt_that_is_not_utf8(text_model, capsys):
+    """An argument that was not UTF-8 (Python escapes its bytes as lone surrogates): one line naming the
+    prompt and the byte, exit 2, before the model loads; the tokenizer refuses such text by name too."""
+    from tritune.harness.cli import main
+    from tritune.model.tokenizer import Tokenizer
+
+    bad = b"\xff\xfe ROMEO".decode("utf-8", "surrogateescape")
+    rc = main(["generate", bad, "--model", str(text_model / "nope"), "--backend", "torch"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "prompt: not valid Unicode text (byte 0xff at character 0 is not UTF-8)" in err
+    with pytest.raises(ValueError, match="lone surrogate U\\+D800"):
+        Tokenizer.from_dir(text_model).encode("a\ud800")
+    with pytest.raises(TypeError, match="prompt: expected text"):
+        Tokenizer.from_dir(text_model).encode(b"ROMEO")
+
+
 def test_cli_generate_context_limit(text_model, capsys):
     """The engine's context rule, in the command line's terms: one line naming the flags, exit 2."""
     from tritune.harness.cli import main

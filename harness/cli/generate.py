@@ -57,8 +57,13 @@ def run(args) -> int:
     from tritune.model.engine.generate import stream
     from tritune.model.engine.scheduler import ContextLimitError
     from tritune.model.load import default_dtype, load_model, set_cpu_threads
-    from tritune.model.tokenizer import Tokenizer
+    from tritune.model.tokenizer import Tokenizer, check_text
 
+    try:
+        check_text(args.prompt)   # before the model loads
+    except ValueError as e:
+        print(f"tritune generate: {e}", file=sys.stderr)
+        return 2
     model_path = args.model
     if model_path is None:
         d = default_model_dir()
