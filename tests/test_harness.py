@@ -172,6 +172,16 @@ def test_time_rounds_alternates_and_takes_medians(monkeypatch):
     (["--plugin", "/no/such/plugin.py", "bench", "gelu"], "no such file"),
     (["bench", "gelu", "--problems", "M=1"], "no field 'M'"),
     (["frobnicate"], "invalid choice"),
+    # numbers out of range are refused by value before any work (a negative count ran into an IndexError, a
+    # negative patience tuned until killed)
+    (["serve-bench", "-n", "-3"], "-n/--num-requests: expected an integer >= 1, got -3"),
+    (["serve-bench", "--max-batch-tokens", "0"], "--max-batch-tokens: expected an integer >= 1, got 0"),
+    (["serve-bench", "--rate", "-1"], "--rate: expected a positive number, got '-1'"),
+    (["serve-bench", "--kv-memory-fraction", "2"], "expected a fraction in (0, 1]"),
+    (["tune", "gelu", "--budget", "1m", "--patience", "-1"], "--patience: expected an integer >= 1, got -1"),
+    (["tune", "gelu", "--min-gain", "nan"], "--min-gain: expected a finite number >= 0, got 'nan'"),
+    (["bench", "gelu", "--rounds", "1"], "--rounds: expected an integer >= 2, got 1"),
+    (["profile", "--top", "0", "generate", "hi"], "--top: expected an integer >= 1, got 0"),
 ])
 def test_cli_misuse_is_one_line_and_exit_2(argv, needle, capsys, monkeypatch):
     from tritune.harness import cli

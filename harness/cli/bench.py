@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tritune.kernels.runtime.args import UsageError, parse_dtype, writable_dir
+from tritune.kernels.runtime.args import UsageError, int_at_least, nonnegative_number, parse_dtype, writable_dir
 
 
 def add_parser(subparsers, name: str) -> None:
@@ -24,8 +24,8 @@ def add_parser(subparsers, name: str) -> None:
                    help="regression gate: re-time the configs of BASELINE's rows (a results file or folder, or a "
                         "git revision's results) against today's, interleaved; exit 1 when a row is slower "
                         "beyond its measured noise")
-    s.add_argument("--rounds", type=int, default=5, help="--compare: interleaved rounds (default 5)")
-    s.add_argument("--min-slowdown", type=float, default=0.03,
+    s.add_argument("--rounds", type=int_at_least(2), default=5, help="--compare: interleaved rounds (default 5)")
+    s.add_argument("--min-slowdown", type=nonnegative_number, default=0.03,
                    help="--compare: the smallest slowdown that counts (default 0.03: 3%%)")
     s.set_defaults(func=cmd_bench)
 

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tritune.kernels.runtime.args import UsageError
+from tritune.kernels.runtime.args import UsageError, int_at_least
 
 TOP = 25
 
@@ -26,12 +26,12 @@ TOP = 25
 def add_parser(subparsers, name: str) -> None:
     s = subparsers.add_parser(name, help="run a tritune command under torch.profiler: a per-kernel table, "
                                          "host gaps, a Chrome trace; --ncu adds Nsight Compute counters")
-    s.add_argument("--warmup", type=int, default=1, help="unprofiled runs first (default 1)")
+    s.add_argument("--warmup", type=int_at_least(0), default=1, help="unprofiled runs first (default 1)")
     s.add_argument("--trace", default=None, help="Chrome/Perfetto trace path (default: results dir)")
     s.add_argument("--ncu", action="store_true", help="also Nsight Compute counters per tritune kernel")
-    s.add_argument("--ncu-launches", type=int, default=40, help="launches ncu profiles (default 40)")
+    s.add_argument("--ncu-launches", type=int_at_least(1), default=40, help="launches ncu profiles (default 40)")
     s.add_argument("--results-dir", default="results", help="where profile.json goes (default ./results)")
-    s.add_argument("--top", type=int, default=TOP, help=f"rows of the table (default {TOP})")
+    s.add_argument("--top", type=int_at_least(1), default=TOP, help=f"rows of the table (default {TOP})")
     s.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="the tritune command and its arguments, e.g. "
                    "generate 'ROMEO:' --max-new-tokens 64 ")
     s.set_defaults(func=run)

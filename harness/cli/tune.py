@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from tritune.tuning.ledger import fmt  # one number format for every table
-from tritune.kernels.runtime.args import parse_dtype, parse_duration
+from tritune.kernels.runtime.args import (int_at_least, nonnegative_number, parse_dtype, parse_duration,
+                                           positive_number)
 
 
 def _problem_class(spec):
@@ -412,12 +413,12 @@ def _add_budget_options(s) -> None:
     s.add_argument("--warm-from", default=None, metavar="SLUG",
                    help="with --budget: the GPU type whose stored winners seed the studies (default: the "
                         "nearest stored one, e.g. an H200 from the H100)")
-    s.add_argument("--retime-rounds", type=int, default=retime.RETIME_ROUNDS, metavar="N",
+    s.add_argument("--retime-rounds", type=int_at_least(1), default=retime.RETIME_ROUNDS, metavar="N",
                    help=f"with --budget: interleaved rounds of the side-by-side re-timing (default {retime.RETIME_ROUNDS})")
-    s.add_argument("--patience", type=int, default=turn.PATIENCE, metavar="K",
+    s.add_argument("--patience", type=int_at_least(1), default=turn.PATIENCE, metavar="K",
                    help="with --budget: a study has converged after K trials (after its seeds: its best's "
                         f"one-step neighbours, then its sampler's) without a gain (default {turn.PATIENCE})")
-    s.add_argument("--min-gain", type=float, default=turn.MIN_GAIN, metavar="F",
+    s.add_argument("--min-gain", type=nonnegative_number, default=turn.MIN_GAIN, metavar="F",
                    help="with --budget: a gain beats the study's best by more than this fraction, the timing "
                         f"noise (default {turn.MIN_GAIN})")
     s.add_argument("--no-fill", action="store_true",
@@ -425,7 +426,7 @@ def _add_budget_options(s) -> None:
                         "converged studies again, with doubled patience per pass, the most promising first, "
                         "each searched around its best (one-step neighbours) and from its nearest buckets' "
                         "winners, until the budget is spent)")
-    s.add_argument("--precompile", type=int, default=None, metavar="N",
+    s.add_argument("--precompile", type=int_at_least(0), default=None, metavar="N",
                    help="with --budget: N helper processes compile the configs the sweep tries next (its "
                         "seeds, its best's neighbours) while it times others; 0: none (default: "
                         "$TRITUNE_PRECOMPILE, else the CPU cores less two, at most 8 and one per 10 GiB of GPU "
@@ -464,7 +465,7 @@ def add_parser(subparsers, name: str) -> None:
                        help=search.STORAGE_HELP + "; default $TRITUNE_STUDIES or ~/.cache/tritune/tuning-studies.journal. "
                             "Several processes or machines on one storage share its studies")
         s.add_argument("--workers", type=int, default=1, help="worker processes, one per visible GPU (default 1)")
-        s.add_argument("--time-budget", type=float, default=None, metavar="S",
+        s.add_argument("--time-budget", type=positive_number, default=None, metavar="S",
                        help="stop starting trials after S seconds (shared evenly among the studies)")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--seed-configs", metavar="FILE", default=None,
@@ -484,13 +485,13 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--isolation", choices=("auto", "process", "inline"), default="auto",
                        help="evaluate in a restartable worker process (auto, the default: a config that crashes "
                             "is one failed trial) or in this process")
-        s.add_argument("--trial-timeout", type=float, default=search.TASK_TIMEOUT, metavar="S",
+        s.add_argument("--trial-timeout", type=positive_number, default=search.TASK_TIMEOUT, metavar="S",
                        help=f"kill the worker after S seconds on one trial (default {search.TASK_TIMEOUT:.0f})")
         s.add_argument("--compare-samplers", action="store_true",
                        help="complete the grid, then replay TPE and random on its measurements: trials to reach "
                             "within --threshold of the grid's best")
-        s.add_argument("--repeats", type=int, default=10, help="seeds per sampler for --compare-samplers")
-        s.add_argument("--threshold", type=float, default=0.03)
+        s.add_argument("--repeats", type=int_at_least(1), default=10, help="seeds per sampler for --compare-samplers")
+        s.add_argument("--threshold", type=nonnegative_number, default=0.03)
         s.add_argument("--results-dir", default="results", help="--compare-samplers writes "
                                                                 "<dir>/<slug>/tuning_efficiency.json")
         s.add_argument("--quiet", action="store_true", help="no progress bars (none either when stderr is not a "

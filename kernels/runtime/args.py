@@ -39,6 +39,51 @@ def parse_duration(s: str) -> float:
     return total
 
 
+def int_at_least(lo: int):
+    """An argparse type: an integer >= ``lo`` (a count, a size), refused at parse time by value."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = f"int>={lo}"
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a number > 0 (``inf`` allowed, as a rate's "all at once"; NaN is not)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def nonnegative_number(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a margin, a threshold)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    v = positive_number(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return v
+
+
 class UsageError(Exception):
     """A user's mistake: the CLI prints the message on one line and exits 2."""
 

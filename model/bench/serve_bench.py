@@ -89,7 +89,7 @@ def progression_table(res) -> str:
 def add_parser(subparsers, name: str) -> None:
     if name != "serve-bench":
         return
-    from tritune.kernels.runtime.args import parse_dtype
+    from tritune.kernels.runtime.args import fraction, int_at_least, parse_dtype, positive_number
 
     s = subparsers.add_parser("serve-bench", help="serving throughput/latency of the engine vs transformers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,37 +97,37 @@ def add_parser(subparsers, name: str) -> None:
                    "config with random weights)")
     s.add_argument("--shape", choices=tuple(SHAPES), default="gpt2",
                    help="without --model: the random-weight model's shape (default gpt2: GPT-2 small)")
-    s.add_argument("-n", "--num-requests", type=int, default=512)
+    s.add_argument("-n", "--num-requests", type=int_at_least(1), default=512)
     s.add_argument("--prompt-len", type=parse_range, default=None, help="LO:HI, uniform (default 64:512 on a GPU, "
                    "16:64 on the CPU)")
     s.add_argument("--output-len", type=parse_range, default=None, help="LO:HI, uniform (default 64:512 on a GPU, "
                    "16:64 on the CPU)")
     s.add_argument("--jsonl", default=None, help="workload file instead of the drawn lengths")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals, requests/s (default inf: "
+    s.add_argument("--rate", type=positive_number, default=math.inf, help="Poisson arrivals, requests/s (default inf: "
                    "all at once)")
     s.add_argument("--modes", default=None,
                    help=f"comma-separated, from {','.join(MODES)} (default triton-graphs on a GPU, torch on the "
                         "CPU: the triton modes run the kernels through the Triton interpreter there)")
     s.add_argument("--dtype", type=parse_dtype, default=None, help="default bf16 on a GPU, fp32 on the CPU")
-    s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--max-batch-tokens", type=int, default=8192,
+    s.add_argument("--max-num-seqs", type=int_at_least(1), default=256)
+    s.add_argument("--max-batch-tokens", type=int_at_least(1), default=8192,
                    help="tokens a step runs (default 8192); under the model's context, prefill runs in chunks")
-    s.add_argument("--kv-memory-fraction", type=float, default=0.4)
-    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--kv-memory-fraction", type=fraction, default=0.4)
+    s.add_argument("--block-size", type=int_at_least(1), default=16)
     s.add_argument("--batch-sweep", default="8", help="also run the first requests at these max batch sizes "
                    "(comma-separated; '' for none), for the factor over naive")
     s.add_argument("--sweep-modes", default="triton-graphs,triton-int8,triton-int4",
                    help="the modes that run the batch sweep (comma-separated)")
-    s.add_argument("--sweep-requests", type=int, default=64)
-    s.add_argument("--decode-tokens", type=int, default=None, help="batch-1 decode run length (0: skip; default "
+    s.add_argument("--sweep-requests", type=int_at_least(1), default=64)
+    s.add_argument("--decode-tokens", type=int_at_least(0), default=None, help="batch-1 decode run length (0: skip; default "
                    "512 on a GPU, 32 on the CPU)")
-    s.add_argument("--hf-batch-size", type=int, default=32)
-    s.add_argument("--hf-requests", type=int, default=64, help="requests timed through transformers "
+    s.add_argument("--hf-batch-size", type=int_at_least(1), default=32)
+    s.add_argument("--hf-requests", type=int_at_least(-1), default=64, help="requests timed through transformers "
                    "(0: all; -1: skip the transformers baseline)")
-    s.add_argument("--naive-requests", type=int, default=None, help="0: skip the naive baseline (default 2 on a "
+    s.add_argument("--naive-requests", type=int_at_least(0), default=None, help="0: skip the naive baseline (default 2 on a "
                    "GPU, 1 on the CPU)")
-    s.add_argument("--naive-tokens", type=int, default=None, help="default 64 on a GPU, 8 on the CPU")
+    s.add_argument("--naive-tokens", type=int_at_least(1), default=None, help="default 64 on a GPU, 8 on the CPU")
     s.add_argument("--out", default=None, help="write the results as JSON here")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they also stay off when stdout "
                    "is not a terminal)")
@@ -136,24 +136,24 @@ def add_parser(subparsers, name: str) -> None:
                    help="shared-prefix: a common --prefix-len prefix + --prompt-len suffixes, prefix cache on vs off; "
                    "mixed: -n decodes while --long-prompts prompts arrive, chunked (--chunk) vs not; speculative: "
                    "-n prompts alone, plain vs n-gram and a draft (--draft or --draft-layers)")
-    w.add_argument("--prefix-len", type=int, default=192)
-    w.add_argument("--long-prompt", type=int, default=2048, help="mixed: long prompt tokens (at most the context)")
-    w.add_argument("--long-prompts", type=int, default=4)
-    w.add_argument("--chunk", type=int, default=512, help="mixed: the chunked run's token budget per step")
-    w.add_argument("--spec-k", type=int, default=4, help="speculative: draft tokens per step")
+    w.add_argument("--prefix-len", type=int_at_least(1), default=192)
+    w.add_argument("--long-prompt", type=int_at_least(1), default=2048, help="mixed: long prompt tokens (at most the context)")
+    w.add_argument("--long-prompts", type=int_at_least(0), default=4)
+    w.add_argument("--chunk", type=int_at_least(1), default=512, help="mixed: the chunked run's token budget per step")
+    w.add_argument("--spec-k", type=int_at_least(1), default=4, help="speculative: draft tokens per step")
     w.add_argument("--draft", default=None, help="speculative: draft checkpoint sharing the tokenizer")
-    w.add_argument("--draft-layers", type=int, default=None, help="speculative: draft from the target's first N layers")
+    w.add_argument("--draft-layers", type=int_at_least(1), default=None, help="speculative: draft from the target's first N layers")
     h = s.add_argument_group("over HTTP (--url: any OpenAI-compatible server; see tritune.model.bench.http)")
     h.add_argument("--url", default=None, help="drive the server at this URL (e.g. http://127.0.0.1:8000) "
                    "instead of an engine in this process")
-    h.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at most (default 256)")
+    h.add_argument("--max-concurrency", type=int_at_least(1), default=256, help="requests in flight at most (default 256)")
     h.add_argument("--served-model", default=None, help="the model name to send (default: the first of "
                    "/v1/models)")
     h.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
-    h.add_argument("--vocab-size", type=int, default=None, help="for drawn prompts (default: the server's "
+    h.add_argument("--vocab-size", type=int_at_least(1), default=None, help="for drawn prompts (default: the server's "
                    "vocab_size in /v1/models, else 50257)")
-    h.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default 600)")
-    h.add_argument("--client-procs", type=int, default=None, help="client processes (default: one per 32 "
+    h.add_argument("--timeout", type=positive_number, default=600.0, help="seconds for the whole run (default 600)")
+    h.add_argument("--client-procs", type=int_at_least(1), default=None, help="client processes (default: one per 32 "
                    "streams, up to half the cores)")
     s.set_defaults(func=run)
 
