@@ -51,27 +51,35 @@ def add_parser(subparsers, name: str) -> None:
     s.set_defaults(func=run)
 
 
+def _model_path(args):
+    """The checkpoint to load, or None after one line on stderr; the prompt is checked first, before any load."""
+    from tritune.model.tokenizer import check_text
+
+    try:
+        check_text(args.prompt)
+    except ValueError as e:
+        print(f"tritune generate: {e}", file=sys.stderr)
+        return None
+    if args.model is not None:
+        return args.model
+    d = default_model_dir()
+    if d is None:
+        print("tritune generate: no packaged default checkpoint (model/default/config.json is missing); "
+              "pass --model DIR or a hub id such as --model gpt2", file=sys.stderr)
+    return d
+
+
 def run(args) -> int:
     import torch
 
     from tritune.model.engine.generate import stream
     from tritune.model.engine.scheduler import ContextLimitError
     from tritune.model.load import default_dtype, load_model, set_cpu_threads
-    from tritune.model.tokenizer import Tokenizer, check_text
+    from tritune.model.tokenizer import Tokenizer
 
-    try:
-        check_text(args.prompt)   # before the model loads
-    except ValueError as e:
-        print(f"tritune generate: {e}", file=sys.stderr)
-        return 2
-    model_path = args.model
+    model_path = _model_path(args)
     if model_path is None:
-        d = default_model_dir()
-        if d is None:
-            print("tritune generate: no packaged default checkpoint (model/default/config.json is missing); "
-                  "pass --model DIR or a hub id such as --model gpt2", file=sys.stderr)
-            return 2
-        model_path = d
+        return 2
     gpu = torch.cuda.is_available()
     backend = args.backend
     if backend is None:
