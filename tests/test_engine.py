@@ -753,7 +753,8 @@ def test_engine_config_object_and_keywords_agree(model):
         Engine(model, num_blockz=3)
     for kw, name in ((dict(decode_steps=0), "decode_steps"), (dict(max_num_seqs=True), "max_num_seqs"),
                      (dict(policy="lifo"), "policy"), (dict(cuda_graphs="yes"), "cuda_graphs"),
-                     (dict(block_size=0), "block_size"), (dict(prefill_max_wait=-1), "prefill_max_wait"),
+                     (dict(block_size=0), "block_size"), (dict(block_size=3), "block_size: expected a power of two"),
+                     (dict(block_size=512), "block_size"), (dict(prefill_max_wait=-1), "prefill_max_wait"),
                      (dict(fused_decode="sometimes"), "fused_decode"), (dict(graph_prefill_work=0), "graph_prefill_work")):
         with pytest.raises(ValueError, match=name):
             EngineConfig(**kw)

@@ -178,6 +178,7 @@ def test_time_rounds_alternates_and_takes_medians(monkeypatch):
     (["serve-bench", "--max-batch-tokens", "0"], "--max-batch-tokens: expected an integer >= 1, got 0"),
     (["serve-bench", "--rate", "-1"], "--rate: expected a positive number, got '-1'"),
     (["serve-bench", "--kv-memory-fraction", "2"], "expected a fraction in (0, 1]"),
+    (["serve-bench", "--block-size", "3"], "--block-size: expected a power of two in [1, 256], got 3"),
     (["tune", "gelu", "--budget", "1m", "--patience", "-1"], "--patience: expected an integer >= 1, got -1"),
     (["tune", "gelu", "--min-gain", "nan"], "--min-gain: expected a finite number >= 0, got 'nan'"),
     (["bench", "gelu", "--rounds", "1"], "--rounds: expected an integer >= 2, got 1"),

@@ -54,6 +54,14 @@ def int_at_least(lo: int):
     return parse
 
 
+def block_size(text: str) -> int:
+    """An argparse type: a KV-cache block size, a power of two in [1, 256] (the engine's rule, at parse time)."""
+    v = int_at_least(1)(text)
+    if v > 256 or v & (v - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two in [1, 256], got {v}")
+    return v
+
+
 def positive_number(text: str) -> float:
     """An argparse type: a number > 0 (``inf`` allowed, as a rate's "all at once"; NaN is not)."""
     try:

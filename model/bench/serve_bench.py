@@ -89,7 +89,7 @@ def progression_table(res) -> str:
 def add_parser(subparsers, name: str) -> None:
     if name != "serve-bench":
         return
-    from tritune.kernels.runtime.args import fraction, int_at_least, parse_dtype, positive_number
+    from tritune.kernels.runtime.args import block_size, fraction, int_at_least, parse_dtype, positive_number
 
     s = subparsers.add_parser("serve-bench", help="serving throughput/latency of the engine vs transformers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,7 +114,7 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--max-batch-tokens", type=int_at_least(1), default=8192,
                    help="tokens a step runs (default 8192); under the model's context, prefill runs in chunks")
     s.add_argument("--kv-memory-fraction", type=fraction, default=0.4)
-    s.add_argument("--block-size", type=int_at_least(1), default=16)
+    s.add_argument("--block-size", type=block_size, default=16)
     s.add_argument("--batch-sweep", default="8", help="also run the first requests at these max batch sizes "
                    "(comma-separated; '' for none), for the factor over naive")
     s.add_argument("--sweep-modes", default="triton-graphs,triton-int8,triton-int4",

@@ -127,7 +127,9 @@ class EngineConfig:
         f = self.kv_memory_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ValueError(f"kv_memory_fraction: expected a number in (0, 1], got {f!r}")
-        _int("block_size", self.block_size, 1)
+        _int("block_size", self.block_size, 1, 256)
+        if self.block_size & (self.block_size - 1):   # the paged kernels' tiles split a block in powers of two
+            raise ValueError(f"block_size: expected a power of two in [1, 256], got {self.block_size}")
 
     @classmethod
     def build(cls, config: "EngineConfig | None" = None, **kwargs) -> "EngineConfig":

@@ -405,7 +405,7 @@ def add_parser(subparsers, name: str) -> None:
         return
     import argparse
 
-    from tritune.kernels.runtime.args import parse_dtype
+    from tritune.kernels.runtime.args import block_size, parse_dtype
 
     s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -434,7 +434,7 @@ def add_parser(subparsers, name: str) -> None:
                    "answer 413 before they are read (default: 1 MiB, or 256 bytes per token of the context where "
                    "that is more)")
     s.add_argument("--kv-memory-fraction", type=float, default=None, help="of free GPU memory (default 0.5)")
-    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--block-size", type=block_size, default=16)
     s.add_argument("--no-cuda-graphs", action="store_true")
     s.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: each request's "
                    "tokens those it gets alone (tritune.model.engine.invariant)")
