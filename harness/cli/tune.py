@@ -426,7 +426,7 @@ def _add_budget_options(s) -> None:
                         "converged studies again, with doubled patience per pass, the most promising first, "
                         "each searched around its best (one-step neighbours) and from its nearest buckets' "
                         "winners, until the budget is spent)")
-    s.add_argument("--precompile", type=int_at_least(0), default=None, metavar="N",
+    s.add_argument("--precompile", type=int, default=None, metavar="N",
                    help="with --budget: N helper processes compile the configs the sweep tries next (its "
                         "seeds, its best's neighbours) while it times others; 0: none (default: "
                         "$TRITUNE_PRECOMPILE, else the CPU cores less two, at most 8 and one per 10 GiB of GPU "
