@@ -137,19 +137,24 @@ def test_engine_counters_travel_with_the_load():
     assert load["spec_over_batch_steps"] == 3 and load["request_errors"] == 1 and "steps" not in load
 
 
-def test_serve_bench_on_a_llama_checkpoint(ckpt, tmp_path):
+def _serve_bench(ckpt, tmp_path, *flags) -> dict:
+    """serve-bench's torch mode on the checkpoint with ``flags``: its results file, the mode run without error."""
     from tritune.harness.cli import build_parser
     from tritune.model.bench import serve_bench as S
 
     out = tmp_path / "res.json"
-    args = build_parser().parse_args(["serve-bench", "--model", str(ckpt), "-n", "4", "--prompt-len", "4:8",
-                                      "--output-len", "3:5", "--modes", "torch", "--hf-requests", "2",
-                                      "--hf-batch-size", "2", "--naive-requests", "0", "--decode-tokens", "4",
-                                      "--batch-sweep", "", "-q", "--out", str(out)])
+    args = build_parser().parse_args(["serve-bench", "--model", str(ckpt), "--modes", "torch", "--naive-requests",
+                                      "0", "--batch-sweep", "", "-q", "--out", str(out), *flags])
     assert S.run(args) == 0
     res = json.loads(out.read_text())
     assert "error" not in res["modes"]["torch"], res["modes"]["torch"]
     assert res["modes"]["torch"]["run"]["output_tokens"] == res["workload"]["output_tokens"]
+    return res
+
+
+def test_serve_bench_on_a_llama_checkpoint(ckpt, tmp_path):
+    res = _serve_bench(ckpt, tmp_path, "-n", "4", "--prompt-len", "4:8", "--output-len", "3:5", "--hf-requests", "2",
+                       "--hf-batch-size", "2", "--decode-tokens", "4")
     assert res["transformers"]["output_tok_s"] > 0
 
 
@@ -157,19 +162,10 @@ def test_serve_bench_chunks_prefill_under_a_budget_below_the_context(ckpt, tmp_p
     """A --max-batch-tokens under the model's context (Llama-3.2-1B's is 131,072 against the default 8,192):
     the engine is built with chunked prefill, so prompts over the budget run in pieces instead of the run
     being refused."""
-    from tritune.harness.cli import build_parser
-    from tritune.model.bench import serve_bench as S
-
-    out = tmp_path / "res.json"
-    args = build_parser().parse_args(["serve-bench", "--model", str(ckpt), "-n", "3", "--prompt-len", "9:12",
-                                      "--output-len", "2:3", "--modes", "torch", "--max-batch-tokens", "8",
-                                      "--hf-requests", "-1", "--naive-requests", "0", "--decode-tokens", "0",
-                                      "--batch-sweep", "", "-q", "--out", str(out)])
-    assert S.run(args) == 0
-    mode = json.loads(out.read_text())["modes"]["torch"]
-    assert "error" not in mode, mode
-    assert mode["engine"]["chunked_prefill"] and mode["engine"]["max_batch_tokens"] == 8
-    assert mode["run"]["output_tokens"] == json.loads(out.read_text())["workload"]["output_tokens"]
+    res = _serve_bench(ckpt, tmp_path, "-n", "3", "--prompt-len", "9:12", "--output-len", "2:3",
+                       "--max-batch-tokens", "8", "--hf-requests", "-1", "--decode-tokens", "0")
+    engine = res["modes"]["torch"]["engine"]
+    assert engine["chunked_prefill"] and engine["max_batch_tokens"] == 8
 
 
 def test_random_checkpoint_of_a_shape(monkeypatch):

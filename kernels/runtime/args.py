@@ -62,34 +62,30 @@ def block_size(text: str) -> int:
     return v
 
 
-def positive_number(text: str) -> float:
-    """An argparse type: a number > 0 (``inf`` allowed, as a rate's "all at once"; NaN is not)."""
+def number_in(text: str, ok, want: str) -> float:
+    """``text`` as a float for which ``ok(value)`` holds, else an ArgumentTypeError saying ``want``."""
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        v = float("nan")
+    if v != v or not ok(v):   # NaN (or no number) is never in range
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
     return v
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a number > 0 (``inf`` allowed, as a rate's "all at once"; NaN is not)."""
+    return number_in(text, lambda v: v > 0, "a positive number")
 
 
 def nonnegative_number(text: str) -> float:
     """An argparse type: a finite number >= 0 (a margin, a threshold)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
+    return number_in(text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
 def fraction(text: str) -> float:
     """An argparse type: a number in (0, 1]."""
-    v = positive_number(text)
-    if v > 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return v
+    return number_in(text, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 
 class UsageError(Exception):
