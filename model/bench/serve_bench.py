@@ -120,13 +120,13 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--sweep-modes", default="triton-graphs,triton-int8,triton-int4",
                    help="the modes that run the batch sweep (comma-separated)")
     s.add_argument("--sweep-requests", type=int_at_least(1), default=64)
-    s.add_argument("--decode-tokens", type=int_at_least(0), default=None, help="batch-1 decode run length (0: skip; default "
-                   "512 on a GPU, 32 on the CPU)")
+    s.add_argument("--decode-tokens", type=int_at_least(0), default=None,
+                   help="batch-1 decode run length (0: skip; default 512 on a GPU, 32 on the CPU)")
     s.add_argument("--hf-batch-size", type=int_at_least(1), default=32)
     s.add_argument("--hf-requests", type=int_at_least(-1), default=64, help="requests timed through transformers "
                    "(0: all; -1: skip the transformers baseline)")
-    s.add_argument("--naive-requests", type=int_at_least(0), default=None, help="0: skip the naive baseline (default 2 on a "
-                   "GPU, 1 on the CPU)")
+    s.add_argument("--naive-requests", type=int_at_least(0), default=None,
+                   help="0: skip the naive baseline (default 2 on a GPU, 1 on the CPU)")
     s.add_argument("--naive-tokens", type=int_at_least(1), default=None, help="default 64 on a GPU, 8 on the CPU")
     s.add_argument("--out", default=None, help="write the results as JSON here")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they also stay off when stdout "
@@ -137,16 +137,19 @@ def add_parser(subparsers, name: str) -> None:
                    "mixed: -n decodes while --long-prompts prompts arrive, chunked (--chunk) vs not; speculative: "
                    "-n prompts alone, plain vs n-gram and a draft (--draft or --draft-layers)")
     w.add_argument("--prefix-len", type=int_at_least(1), default=192)
-    w.add_argument("--long-prompt", type=int_at_least(1), default=2048, help="mixed: long prompt tokens (at most the context)")
+    w.add_argument("--long-prompt", type=int_at_least(1), default=2048,
+                   help="mixed: long prompt tokens (at most the context)")
     w.add_argument("--long-prompts", type=int_at_least(0), default=4)
     w.add_argument("--chunk", type=int_at_least(1), default=512, help="mixed: the chunked run's token budget per step")
     w.add_argument("--spec-k", type=int_at_least(1), default=4, help="speculative: draft tokens per step")
     w.add_argument("--draft", default=None, help="speculative: draft checkpoint sharing the tokenizer")
-    w.add_argument("--draft-layers", type=int_at_least(1), default=None, help="speculative: draft from the target's first N layers")
+    w.add_argument("--draft-layers", type=int_at_least(1), default=None,
+                   help="speculative: draft from the target's first N layers")
     h = s.add_argument_group("over HTTP (--url: any OpenAI-compatible server; see tritune.model.bench.http)")
     h.add_argument("--url", default=None, help="drive the server at this URL (e.g. http://127.0.0.1:8000) "
                    "instead of an engine in this process")
-    h.add_argument("--max-concurrency", type=int_at_least(1), default=256, help="requests in flight at most (default 256)")
+    h.add_argument("--max-concurrency", type=int_at_least(1), default=256,
+                   help="requests in flight at most (default 256)")
     h.add_argument("--served-model", default=None, help="the model name to send (default: the first of "
                    "/v1/models)")
     h.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
