@@ -8,8 +8,9 @@ from tritune.kernels.runtime.spec import (REGISTRY, Case, Cost, KernelSpec, Plan
                                           bucket_key, clear_config_cache, CONFIG_CACHE, fp32_accumulation,
                                           fp32_precision, get, precision_key, register, set_tune_on_miss,
                                           store_dtype)
-from tritune.kernels.runtime.checks import (check_device, check_fusions, check_no_alias, check_out,  # noqa: F401
-                                            check_tensor, check_vec, extent, kernel_device, span, tensor_meta)
+from tritune.kernels.runtime.checks import (BLOCK_SIZES, check_device, check_fusions, check_no_alias,  # noqa: F401
+                                            check_out, check_tensor, check_vec, extent, is_block_size,
+                                            kernel_device, span, tensor_meta)
 from tritune.kernels.runtime.launch import (DIRECT_LAUNCH, PDL, PDL_KERNELS, Counters,  # noqa: F401
                                             DescriptorMaker, Workspace, constexpr_params, keepable,
                                             launch_cached, launch_direct, num_sms, pdl, pdl_forced, pdl_now,

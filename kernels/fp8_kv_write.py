@@ -97,8 +97,8 @@ def check_cache(k_cache, v_cache, k_scale, v_scale, device):
         if s.device != device:
             raise ValueError(f"{name}: on {s.device}, but the queries/new rows are on {device}")
     bs = k_cache.shape[1]
-    if bs & (bs - 1) or not 1 <= bs <= 256:
-        raise ValueError(f"k_cache: block_size {bs} is not a power of two in [1, 256]")
+    if not K.is_block_size(bs):
+        raise ValueError(f"k_cache: block_size {bs} is not {K.BLOCK_SIZES}")
 
 
 _WRITE_PLANS = K.PlanCache()

@@ -387,8 +387,8 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config, w
         raise ValueError(f"q: head dim {D} not supported (expected one of {HEAD_DIMS})")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q: {Hq} heads is not a multiple of the cache's {Hkv} kv heads")
-    if block_size & (block_size - 1) or not 1 <= block_size <= 256:
-        raise ValueError(f"k_cache: block_size {block_size} is not a power of two in [1, 256]")
+    if not K.is_block_size(block_size):
+        raise ValueError(f"k_cache: block_size {block_size} is not {K.BLOCK_SIZES}")
     K.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     K.check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
     for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):

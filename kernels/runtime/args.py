@@ -56,9 +56,11 @@ def int_at_least(lo: int):
 
 def block_size(text: str) -> int:
     """An argparse type: a KV-cache block size, a power of two in [1, 256] (the engine's rule, at parse time)."""
+    from tritune.kernels.runtime.checks import BLOCK_SIZES, is_block_size
+
     v = int_at_least(1)(text)
-    if v > 256 or v & (v - 1):
-        raise argparse.ArgumentTypeError(f"expected a power of two in [1, 256], got {v}")
+    if not is_block_size(v):
+        raise argparse.ArgumentTypeError(f"expected {BLOCK_SIZES}, got {v}")
     return v
 
 

@@ -26,6 +26,14 @@ def check_tensor(name: str, t, *, ndim: int | Iterable[int] | None = None, dtype
         raise ValueError(f"{name}: expected a tensor on {torch.device(device).type}, got {t.device}")
 
 
+BLOCK_SIZES = "a power of two in [1, 256]"   # the paged KV cache's block sizes, as messages name them
+
+
+def is_block_size(v) -> bool:
+    """A paged KV-cache block size the kernels take: their tiles split a block in powers of two."""
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 256 and not v & (v - 1)
+
+
 def kernel_device() -> str:
     return dev.device()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from tritune.kernels.runtime.checks import BLOCK_SIZES, is_block_size
 from tritune.model.quant import ops as Q
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -128,8 +129,8 @@ class EngineConfig:
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ValueError(f"kv_memory_fraction: expected a number in (0, 1], got {f!r}")
         _int("block_size", self.block_size, 1, 256)
-        if self.block_size & (self.block_size - 1):   # the paged kernels' tiles split a block in powers of two
-            raise ValueError(f"block_size: expected a power of two in [1, 256], got {self.block_size}")
+        if not is_block_size(self.block_size):
+            raise ValueError(f"block_size: expected {BLOCK_SIZES}, got {self.block_size}")
 
     @classmethod
     def build(cls, config: "EngineConfig | None" = None, **kwargs) -> "EngineConfig":
