@@ -3,11 +3,12 @@
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh   # TEST_K="fp8 or rms" narrows it (pytest -k); TEST_ARGS adds flags
 # Installs the wheels carried in .whl/ (the machine has no network) into /tmp/site, tritune editable on top,
 # then runs `python -m pytest -n 16`. Under $OUT: install.log, tests.log (one line per test as it finishes:
-# TRITUNE_TEST_LOG, so a run cut by TEST_BUDGET keeps what finished), pytest.log (the summary) and gpu.csv.
+# TRITUNE_TEST_LOG, so a run cut by TEST_BUDGET keeps what finished), compiles.log (each Triton compile, timed,
+# with its test: TRITUNE_COMPILE_LOG), pytest.log (the summary) and gpu.csv.
 set -uo pipefail
 : "${OUT:?OUT must be set (the folder the results go to)}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache} TRITUNE_COMPILE_LOG=${TRITUNE_COMPILE_LOG-$OUT/compiles.log}
 # the commit measured: $TRITUNE_COMMIT, else .commit (a copied tree's .git may be stale), else git's HEAD
 export TRITUNE_COMMIT=${TRITUNE_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}
 . benchmarks/install_wheels.sh

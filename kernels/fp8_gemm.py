@@ -88,25 +88,8 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, BIAS, RES, M, N, KD,
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
 
-    if A_ROW:
-        acc *= tl.load(SA + offs_m, mask=mask_m, other=0.0)[:, None]
-    else:
-        acc *= tl.load(SA)
-    if B_MODE == 0:
-        acc *= tl.load(SB)
-    elif B_MODE == 1:
-        acc *= tl.load(SB + offs_n, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if GELU:  # tanh form as x·sigmoid(2z): no overflow for large |z|
-        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-        acc = acc / (1.0 + tl.exp(-2.0 * z))
-    mask = mask_m[:, None] & mask_n[None, :]
-    if HAS_RES:
-        acc += tl.load(RES + offs_m[:, None].to(tl.int64) * s_rm + offs_n[None, :] * s_rn, mask=mask,
-                       other=0.0).to(tl.float32)
-    tl.store(C + offs_m[:, None].to(tl.int64) * s_cm + offs_n[None, :] * s_cn, acc.to(C.dtype.element_ty),
-             mask=mask)
+    _fp8_epilogue(acc, C, SA, SB, BIAS, RES, M, N, offs_m, offs_n, s_cm, s_cn, s_rm, s_rn,
+                  A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES)
 
 
 @triton.jit

@@ -38,6 +38,32 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    if os.environ.get("TRITUNE_COMPILE_LOG") and not dev.interpreted():
+        log_compiles(os.environ["TRITUNE_COMPILE_LOG"])
+
+
+def log_compiles(path):
+    """Each Triton/Gluon compile in this process (a miss of the in-memory cache: from source, or from the disk
+    cache in a fraction of a second) as a line "<seconds>s <kernel> <key hash> <test>" in ``path``: where a
+    cold suite's compile time goes, and which variants two workers compiled at once."""
+    import hashlib
+    import time
+
+    from triton.runtime.jit import JITFunction
+
+    inner = JITFunction._do_compile
+
+    def timed(self, key, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(self, key, *args, **kwargs)
+        finally:
+            test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+            digest = hashlib.sha1(f"{self.cache_key}{key}".encode()).hexdigest()[:10]
+            with open(path, "a") as f:
+                f.write(f"{time.perf_counter() - t0:8.3f}s {self.fn.__name__} {digest} {test}\n")
+
+    JITFunction._do_compile = timed
 
 
 def pytest_report_header(config):
