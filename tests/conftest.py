@@ -10,15 +10,21 @@ A fast suite (``python -m pytest -n auto``, slow tests deselected by pyproject's
 - the tests in SLOW below, by node id (so their files need no edit), are marked slow; those in GPU_SLOW only
   on a GPU, where 16 workers share the CPU: CLI flows in subprocesses, killed sweeps, statistical tests and
   inductor compiles (the CPU suite still runs them, in CI).
+- on a GPU, the fast suite runs a pairwise covering subset of each ``pairwise``-marked test's items (every two
+  parameter values still meet in one; tests/pairwise.py) and marks the rest slow, for ``-m slow`` to run.
 """
 import json
 import os
+import sys
 
 import tritune.kernels.runtime  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 import pytest
 from hypothesis import HealthCheck, settings
 
 from tritune.kernels.runtime import device as dev
+
+sys.path.insert(0, os.path.dirname(__file__))  # the helpers beside the tests
+from pairwise import mark_beyond_pairwise  # noqa: E402
 
 # The interpreter runs every program instance in Python: few, small examples. On a GPU: many, larger.
 settings.register_profile("interpreter", max_examples=int(os.environ.get("TRITUNE_EXAMPLES", 12)),
@@ -117,11 +123,13 @@ def mark_slow_and_gpu(items):
     for item in items:
         if item.nodeid.startswith(slow):
             item.add_marker(pytest.mark.slow)
-    if dev.interpreted():
-        skip = pytest.mark.skip(reason="needs a CUDA GPU (this machine runs kernels through the Triton interpreter)")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    if not dev.interpreted():
+        mark_beyond_pairwise(items)
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (this machine runs kernels through the Triton interpreter)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -148,7 +156,7 @@ def pytest_runtest_call(item):
 
 # Durations (s) of the GPU suite's long tests on an H200 under 16 workers with a cold Triton cache: {node id:
 # seconds} of the tests over 8 s, from a per-test log (TRITUNE_TEST_LOG: "<seconds>s <outcome> <node id>" a
-# line, as benchmarks/gpu_suite.sh writes them).
+# line, as benchmarks/gpu_suite.sh writes them); a test split since into several items gives each its share.
 DURATIONS = os.path.join(os.path.dirname(__file__), "gpu_durations.json")
 
 

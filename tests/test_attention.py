@@ -157,6 +157,7 @@ def test_causal_tq_lt_tk_is_the_tail_of_the_square_problem():
 
 # ---------------------------------------------------------------------------------------------------
 # Head dims, layouts, GQA
+@pytest.mark.pairwise
 @pytest.mark.parametrize("D", A.HEAD_DIMS)
 @pytest.mark.parametrize("layout", ["contiguous", "bthd", "sliced", "transposed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
@@ -358,6 +359,7 @@ def test_hopper_points_cover_the_space():
                 assert A.SPACE.why_invalid(cfg, p, torch.bfloat16), cfg
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("hopper", _hopper_points())
 @pytest.mark.parametrize("D", [64, 80] if not GPU else [64, 80, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -631,66 +633,65 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
 
 
 @needs_gluon
+@pytest.mark.pairwise
 @pytest.mark.parametrize("schedule", [0, 1, 2])
 @pytest.mark.parametrize("D", A.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal, dtype):
     """Every head dim and schedule, both dtypes: ragged lengths (4-D descriptors over the tensors'
     strides) with the lse output, (B, T, H, D) views, GQA, Tq < Tk causal, and FA3's flat case (2-D
     descriptors)."""
-    for dtype in (torch.bfloat16, torch.float16):
-        p = P(2, 4, 2, 300, 517, D, causal)
-        cfg = _gluon_cfg(p, dtype, schedule)
-        _dense(p, dtype, seed=D + schedule, config=cfg, lse=True)
-        assert _gluon_plan(cfg).gluon is not None
-        _dense(p, dtype, seed=D + 7, layout="bthd", config=cfg, lse=False)
-        flat = P(1, 3, 1, 256, 384, D, causal)
-        _dense(flat, dtype, seed=D + 9, config=_gluon_cfg(flat, dtype, schedule), lse=False)
+    p = P(2, 4, 2, 300, 517, D, causal)
+    cfg = _gluon_cfg(p, dtype, schedule)
+    _dense(p, dtype, seed=D + schedule, config=cfg, lse=True)
+    assert _gluon_plan(cfg).gluon is not None
+    _dense(p, dtype, seed=D + 7, layout="bthd", config=cfg, lse=False)
+    flat = P(1, 3, 1, 256, 384, D, causal)
+    _dense(flat, dtype, seed=D + 9, config=_gluon_cfg(flat, dtype, schedule), lse=False)
 
 
 @needs_gluon
+@pytest.mark.pairwise
 @pytest.mark.parametrize("schedule", [0, 1, 2])
 @pytest.mark.parametrize("D", A.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal, dtype):
     """Packed batches on the Gluon kernel (descriptors made on the device per sequence and head), both
     dtypes: ragged lengths across tile boundaries, an empty query sequence, an empty key sequence, more
     queries than keys (causal: rows that see no key output 0, lse -inf; a CTA none of whose rows sees
     one), the lse output, GQA, and views sliced from wider buffers."""
     vp = VP((300, 0, 129, 5, 77, 260), (517, 40, 0, 5, 30, 3), 4, 2, D, causal)
-    for dtype in (torch.bfloat16, torch.float16):
-        cfg = _gluon_cfg(vp, dtype, schedule)
-        _varlen(vp, dtype, seed=D + schedule, config=cfg, lse=True)
-        assert next(pl for pl in A._VARLEN_PLANS.values() if pl.cfg == cfg).gluon is not None
-        _varlen(vp, dtype, seed=D + 5, layout="sliced", config=cfg, lse=False)
-        # q, k, v as views of one fused (total, Hq + 2 Hkv, D) projection: strided, and TMA-readable
-        q, k, v, cq, ck, mq, mk = A.make_varlen_inputs(VP((300, 129, 5), (300, 129, 5), 4, 2, D, causal), dtype,
-                                                       DEV, D + 6).args
-        fused = torch.cat([q, k, v], dim=1)
-        views = fused[:, :4], fused[:, 4:6], fused[:, 6:]
-        got = cmp.poison(torch.empty_like(q))
-        A.attention_varlen(*views, cq, ck, mq, mk, causal=causal, out=got, config=cfg)
-        cmp.check(got, ref.attention_varlen(q, k, v, cq, ck, causal=causal), dtype, A.SPEC.accumulation(dtype),
-                  what=f"gluon varlen, fused qkv views, D={D}")
+    cfg = _gluon_cfg(vp, dtype, schedule)
+    _varlen(vp, dtype, seed=D + schedule, config=cfg, lse=True)
+    assert next(pl for pl in A._VARLEN_PLANS.values() if pl.cfg == cfg).gluon is not None
+    _varlen(vp, dtype, seed=D + 5, layout="sliced", config=cfg, lse=False)
+    # q, k, v as views of one fused (total, Hq + 2 Hkv, D) projection: strided, and TMA-readable
+    q, k, v, cq, ck, mq, mk = A.make_varlen_inputs(VP((300, 129, 5), (300, 129, 5), 4, 2, D, causal), dtype,
+                                                   DEV, D + 6).args
+    fused = torch.cat([q, k, v], dim=1)
+    views = fused[:, :4], fused[:, 4:6], fused[:, 6:]
+    got = cmp.poison(torch.empty_like(q))
+    A.attention_varlen(*views, cq, ck, mq, mk, causal=causal, out=got, config=cfg)
+    cmp.check(got, ref.attention_varlen(q, k, v, cq, ck, causal=causal), dtype, A.SPEC.accumulation(dtype),
+              what=f"gluon varlen, fused qkv views, D={D}")
 
 
 @needs_gluon
+@pytest.mark.pairwise
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
-def test_gluon_varlen_every_tile_and_stage_count(D, st):
+@pytest.mark.parametrize("bn", A.SPACE.params["BLOCK_N"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_varlen_every_tile_and_stage_count(D, st, bn, causal):
     """Every (BLOCK_N, num_stages) the space admits on a packed batch, ping-pong schedule, causal and not.
-    A test per point, so that a parallel run spreads the compiles."""
-    ran = 0
-    for bn in A.SPACE.params["BLOCK_N"]:
-        for causal in (False, True):
-            vp = VP((1, 200, 64, 333), (40, 700, 64, 128), 2, 1, D, causal)
-            cfg = A.gluon_config(vp, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
-            if A.SPACE.why_invalid(cfg, vp, torch.bfloat16):
-                continue
-            ran += 1
-            _varlen(vp, torch.bfloat16, seed=bn + st, config=cfg, lse=False)
-    if not ran:
-        pytest.skip(f"num_stages={st} is not a point of the Gluon space at D={D}")
+    A test per point (one compiled variant), so that a parallel run spreads the compiles."""
+    vp = VP((1, 200, 64, 333), (40, 700, 64, 128), 2, 1, D, causal)
+    cfg = A.gluon_config(vp, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
+    if A.SPACE.why_invalid(cfg, vp, torch.bfloat16):
+        pytest.skip(f"BLOCK_N={bn}, num_stages={st} is not a point of the Gluon space at D={D}")
+    _varlen(vp, torch.bfloat16, seed=bn + st, config=cfg, lse=False)
 
 
 @needs_gluon
@@ -719,23 +720,25 @@ def test_gluon_varlen_in_a_cuda_graph():
 
 
 @needs_gluon
+@pytest.mark.pairwise
 @pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
-def test_gluon_every_tile_and_stage_count(D, st):
+@pytest.mark.parametrize("bn", A.SPACE.params["BLOCK_N"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_every_tile_and_stage_count(D, st, bn, causal):
     """Every (BLOCK_N, num_stages) the space admits, with the ping-pong schedule, causal and not; key counts
-    below, at and past a tile and the ring's depth. A test per point, so that a parallel run spreads the
-    compiles."""
+    below, at and past a tile and the ring's depth. A test per point (one compiled variant), so that a
+    parallel run spreads the compiles."""
     ran = 0
-    for bn in A.SPACE.params["BLOCK_N"]:
-        for tk, causal in ((40, False), (128, True), (700, True), (1000, False)):
-            p = P(1, 2, 1, min(tk, 300), tk, D, causal)
-            cfg = A.gluon_config(p, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
-            if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
-                continue
-            ran += 1
-            _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
+    for tk in ((128, 700) if causal else (40, 1000)):
+        p = P(1, 2, 1, min(tk, 300), tk, D, causal)
+        cfg = A.gluon_config(p, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
+        if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
+            continue
+        ran += 1
+        _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
     if not ran:
-        pytest.skip(f"num_stages={st} is not a point of the Gluon space at D={D}")
+        pytest.skip(f"BLOCK_N={bn}, num_stages={st} is not a point of the Gluon space at D={D}")
 
 
 @needs_gluon
@@ -952,6 +955,7 @@ def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
 
 
 @needs_gluon
+@pytest.mark.pairwise
 @pytest.mark.parametrize("D", [d for d in A.HEAD_DIMS if d <= 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("ws", [5, 4, 3, 6, 7])
@@ -1016,28 +1020,30 @@ def test_which_calls_the_persistent_gluon_kernel_takes(monkeypatch):
 
 
 @needs_gluon
+@pytest.mark.pairwise
 @pytest.mark.parametrize("schedule", [1, 2])
 @pytest.mark.parametrize("D", A.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_persistent_every_head_dim_schedule_and_layout(schedule, D, causal):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+def test_gluon_persistent_every_head_dim_schedule_and_layout(schedule, D, causal, dtype):
     """Every head dim and both schedules, both dtypes: ragged lengths with the lse output, (B, T, H, D) views,
     GQA, Tq < Tk causal; and more work items than SMs, so each CTA runs several (the ring's slots and phases,
     the ping-pong turn and the doubled Q buffers carried from item to item)."""
-    for dtype in (torch.bfloat16, torch.float16):
-        p = P(2, 4, 2, 300, 517, D, causal)
-        cfg = A.gluon_config(p, dtype, schedule, persistent=True)
-        if "shared memory" in (A.SPACE.why_invalid(cfg, p, dtype) or ""):   # four Q buffers of D padded to 256
-            assert D > 128
-            pytest.skip("the persistent form's smallest ring does not fit in shared memory past D=128")
-        cfg = _gluon_cfg(p, dtype, schedule, persistent=True)
-        _dense(p, dtype, seed=D + schedule, config=cfg, lse=True)
-        assert _gluon_plan(cfg).gluon["persistent"] is True
-        _dense(p, dtype, seed=D + 7, layout="bthd", config=cfg, lse=False)
-        many = P(3, 16, 4, 700, 1000, D, causal)   # 3 x 16 x 6 = 288 items
-        _dense(many, dtype, seed=D + 9, config=_gluon_cfg(many, dtype, schedule, persistent=True), lse=True)
+    p = P(2, 4, 2, 300, 517, D, causal)
+    cfg = A.gluon_config(p, dtype, schedule, persistent=True)
+    if "shared memory" in (A.SPACE.why_invalid(cfg, p, dtype) or ""):   # four Q buffers of D padded to 256
+        assert D > 128
+        pytest.skip("the persistent form's smallest ring does not fit in shared memory past D=128")
+    cfg = _gluon_cfg(p, dtype, schedule, persistent=True)
+    _dense(p, dtype, seed=D + schedule, config=cfg, lse=True)
+    assert _gluon_plan(cfg).gluon["persistent"] is True
+    _dense(p, dtype, seed=D + 7, layout="bthd", config=cfg, lse=False)
+    many = P(3, 16, 4, 700, 1000, D, causal)   # 3 x 16 x 6 = 288 items
+    _dense(many, dtype, seed=D + 9, config=_gluon_cfg(many, dtype, schedule, persistent=True), lse=True)
 
 
 @needs_gluon
+@pytest.mark.pairwise
 @pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
 @pytest.mark.parametrize("schedule", [1, 2])

@@ -333,6 +333,7 @@ def _check_cache(case, y):
     assert fk[dead].isnan().all() and fv[dead].isnan().all()
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("extra", [{}, {"SPLIT_K": 2, "GROUP_M": 1, "BLOCK_K": 16},
                                    {"SPLIT_K": 4, "GROUP_M": 1, "BLOCK_K": 16}, {"BLOCK_N": 16, "num_warps": 2}],
