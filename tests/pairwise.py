@@ -39,14 +39,18 @@ def mark_beyond_pairwise(items) -> None:
     """Mark slow the items of each ``pairwise``-marked test outside the covering subset of its items that are
     not slow already (those the slow suite runs whatever the pairs). Items are grouped by node id without the
     parameter part; their parameters are ``callspec.params`` (pytest 9's ``callspec.indices`` numbers the
-    items of the product, not each list's values)."""
+    items of the product, not each list's values). ``@pytest.mark.pairwise(runs=f)``: ``f(**params)`` says
+    whether an item runs on this machine (False: it will skip); the pairs are those of the items that run, and
+    the items that will skip go to the slow suite with the rest (the default suite lists no skip for them)."""
     groups: dict[str, list] = {}
     for item in items:
         if (item.get_closest_marker("pairwise") and not item.get_closest_marker("slow")
                 and getattr(item, "callspec", None) is not None):
             groups.setdefault(item.nodeid.split("[", 1)[0], []).append(item)
     for group in groups.values():
-        kept = set(covering([item.callspec.params for item in group]))
-        for i, item in enumerate(group):
-            if i not in kept:
+        runs = group[0].get_closest_marker("pairwise").kwargs.get("runs")
+        running = [item for item in group if runs is None or runs(**item.callspec.params)]
+        kept = {id(running[i]) for i in covering([item.callspec.params for item in running])}
+        for item in group:
+            if id(item) not in kept:
                 item.add_marker(pytest.mark.slow)

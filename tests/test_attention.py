@@ -42,14 +42,20 @@ def _check_lse(lse, want, what):
         cmp.check(lse[finite], want[finite], torch.float32, "ieee", what=f"{what} lse")
 
 
-def _config(problem, dtype, **over):
-    if not over:
-        return None
+def _fitted(problem, dtype, **over):
+    """(the default config with ``over``, fewer stages where the space asks; why it is refused, or None)."""
     cfg = dict(A.default_config(problem, dtype), **over)
     why = A.SPACE.why_invalid(cfg, problem, dtype)
     while why and "num_stages" not in over and cfg["num_stages"] > 1:  # e.g. SCHEDULE='ahead''s deeper buffers
         cfg["num_stages"] -= 1
         why = A.SPACE.why_invalid(cfg, problem, dtype)
+    return cfg, why
+
+
+def _config(problem, dtype, **over):
+    if not over:
+        return None
+    cfg, why = _fitted(problem, dtype, **over)
     if why:
         pytest.skip(f"config {cfg} not in the space for {problem}: {why}")
     return cfg
@@ -359,20 +365,31 @@ def test_hopper_points_cover_the_space():
                 assert A.SPACE.why_invalid(cfg, p, torch.bfloat16), cfg
 
 
-@pytest.mark.pairwise
+def _hopper_cases(hopper, D, causal):
+    """(dtype, dense problem, packed problem, extra keys) of test_hopper_path_configs's point."""
+    tq, tk = (300, 517) if GPU else (37, 53)
+    small = {} if GPU else dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    vp = VP((tq // 3, 0, 1, tq), (tk // 3, 5, 1, tk), 4, 2, D, causal)
+    return torch.bfloat16 if GPU else torch.float16, P(2, 4, 2, tq, tk, D, causal), vp, small
+
+
+def _hopper_runs(hopper, D, causal):
+    """Whether test_hopper_path_configs runs its point here (it skips a config the space refuses)."""
+    dtype, p, vp, small = _hopper_cases(hopper, D, causal)
+    return ((A.capability() >= (9, 0) or not hopper["TMA"]) and _fitted(p, dtype, **hopper, **small)[1] is None
+            and _fitted(vp, dtype, **dict(hopper, TMA=min(hopper["TMA"], 1)), **small)[1] is None)
+
+
+@pytest.mark.pairwise(runs=_hopper_runs)
 @pytest.mark.parametrize("hopper", _hopper_points())
 @pytest.mark.parametrize("D", [64, 80] if not GPU else [64, 80, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_path_configs(hopper, D, causal):
     if A.capability() < (9, 0) and hopper["TMA"]:
         pytest.skip("TMA needs sm90 or newer")
-    tq, tk = (300, 517) if GPU else (37, 53)
-    dtype = torch.bfloat16 if GPU else torch.float16
-    p = P(2, 4, 2, tq, tk, D, causal)
-    small = {} if GPU else dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    dtype, p, vp, small = _hopper_cases(hopper, D, causal)
     _dense(p, dtype, seed=D, config=_config(p, dtype, **hopper, **small))
     _dense(p, dtype, seed=D + 1, layout="bthd", config=_config(p, dtype, **hopper, **small))
-    vp = VP((tq // 3, 0, 1, tq), (tk // 3, 5, 1, tk), 4, 2, D, causal)
     # a packed batch has no host-built descriptors (TMA=2 is no point of its space; its launcher runs TMA=1)
     _varlen(vp, dtype, seed=D + 2, config=_config(vp, dtype, **dict(hopper, TMA=min(hopper["TMA"], 1)), **small))
 
@@ -678,8 +695,14 @@ def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal, dtype):
               what=f"gluon varlen, fused qkv views, D={D}")
 
 
+def _varlen_tile_case(D, st, bn, causal):
+    vp = VP((1, 200, 64, 333), (40, 700, 64, 128), 2, 1, D, causal)
+    return vp, A.gluon_config(vp, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
+
+
 @needs_gluon
-@pytest.mark.pairwise
+@pytest.mark.pairwise(runs=lambda **k: GLUON and not A.SPACE.why_invalid(*_varlen_tile_case(**k)[::-1],
+                                                                         torch.bfloat16))
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
 @pytest.mark.parametrize("bn", A.SPACE.params["BLOCK_N"])
@@ -687,8 +710,7 @@ def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal, dtype):
 def test_gluon_varlen_every_tile_and_stage_count(D, st, bn, causal):
     """Every (BLOCK_N, num_stages) the space admits on a packed batch, ping-pong schedule, causal and not.
     A test per point (one compiled variant), so that a parallel run spreads the compiles."""
-    vp = VP((1, 200, 64, 333), (40, 700, 64, 128), 2, 1, D, causal)
-    cfg = A.gluon_config(vp, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
+    vp, cfg = _varlen_tile_case(D, st, bn, causal)
     if A.SPACE.why_invalid(cfg, vp, torch.bfloat16):
         pytest.skip(f"BLOCK_N={bn}, num_stages={st} is not a point of the Gluon space at D={D}")
     _varlen(vp, torch.bfloat16, seed=bn + st, config=cfg, lse=False)
@@ -719,8 +741,19 @@ def test_gluon_varlen_in_a_cuda_graph():
     cmp.check(out, ref.attention_varlen(q, k, v, cq, ck, causal=True), dtype, acc, what="gluon varlen in a CUDA graph")
 
 
+def _tile_cases(D, st, bn, causal):
+    """(key count, problem, config) of test_gluon_every_tile_and_stage_count's point that the space admits."""
+    out = []
+    for tk in ((128, 700) if causal else (40, 1000)):
+        p = P(1, 2, 1, min(tk, 300), tk, D, causal)
+        cfg = A.gluon_config(p, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
+        if not A.SPACE.why_invalid(cfg, p, torch.bfloat16):
+            out.append((tk, p, cfg))
+    return out
+
+
 @needs_gluon
-@pytest.mark.pairwise
+@pytest.mark.pairwise(runs=lambda **k: GLUON and bool(_tile_cases(**k)))
 @pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
 @pytest.mark.parametrize("bn", A.SPACE.params["BLOCK_N"])
@@ -729,15 +762,10 @@ def test_gluon_every_tile_and_stage_count(D, st, bn, causal):
     """Every (BLOCK_N, num_stages) the space admits, with the ping-pong schedule, causal and not; key counts
     below, at and past a tile and the ring's depth. A test per point (one compiled variant), so that a
     parallel run spreads the compiles."""
-    ran = 0
-    for tk in ((128, 700) if causal else (40, 1000)):
-        p = P(1, 2, 1, min(tk, 300), tk, D, causal)
-        cfg = A.gluon_config(p, torch.bfloat16, schedule=2, BLOCK_N=bn, num_stages=st)
-        if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
-            continue
-        ran += 1
+    cases = _tile_cases(D, st, bn, causal)
+    for tk, p, cfg in cases:
         _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
-    if not ran:
+    if not cases:
         pytest.skip(f"BLOCK_N={bn}, num_stages={st} is not a point of the Gluon space at D={D}")
 
 
@@ -954,8 +982,17 @@ def test_vendor_is_default_sdpa_named_by_the_backend_that_ran():
     assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(A.SPEC.peers)
 
 
+def _wg3_config(D, causal, ws):
+    """The three-warpgroup config of WARP_SPEC ``ws`` at this head dim (key tile 128 up to D=64, else 64)."""
+    _, schedule, persistent = M.WARP_SPEC[ws]
+    bn = 128 if D <= 64 and ws != 3 else 64
+    return A.gluon_config(P(2, 4, 2, 300, 517, D, causal), torch.bfloat16, schedule, BLOCK_N=bn, num_stages=3,
+                          persistent=persistent, BLOCK_M=192)
+
+
 @needs_gluon
-@pytest.mark.pairwise
+@pytest.mark.pairwise(runs=lambda D, causal, ws: GLUON and not A.SPACE.why_invalid(
+    _wg3_config(D, causal, ws), P(2, 4, 2, 300, 517, D, causal), torch.bfloat16))
 @pytest.mark.parametrize("D", [d for d in A.HEAD_DIMS if d <= 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("ws", [5, 4, 3, 6, 7])
@@ -972,9 +1009,8 @@ def test_gluon_three_warpgroups_every_head_dim_schedule_and_form(D, causal, ws):
     many = P(3, 16, 4, 700, 1000, D, causal)   # 3 x 16 x 4 = 192 items
     vp = VP((300, 0, 129, 5, 77, 260), (517, 40, 0, 5, 30, 3), 4, 2, D, causal)
     dt = torch.bfloat16
-    _, schedule, persistent = M.WARP_SPEC[ws]
-    bn = 128 if D <= 64 and ws != 3 else 64
-    cfg = A.gluon_config(p, dt, schedule, BLOCK_N=bn, num_stages=3, persistent=persistent, BLOCK_M=192)
+    persistent = M.WARP_SPEC[ws][2]
+    cfg = _wg3_config(D, causal, ws)
     if A.SPACE.why_invalid(cfg, p, dt):
         assert D > 64 and ws == 7, A.SPACE.why_invalid(cfg, p, dt)
         pytest.skip("the persistent ping-pong has no three-warpgroup form past D=64")
@@ -1019,8 +1055,15 @@ def test_which_calls_the_persistent_gluon_kernel_takes(monkeypatch):
         A._PLANS.clear()
 
 
+def _persistent_fits(schedule, D, causal, dtype):
+    """Whether the persistent form's smallest ring fits in shared memory at this point (four Q buffers)."""
+    p = P(2, 4, 2, 300, 517, D, causal)
+    return "shared memory" not in (A.SPACE.why_invalid(A.gluon_config(p, dtype, schedule, persistent=True), p, dtype)
+                                   or "")
+
+
 @needs_gluon
-@pytest.mark.pairwise
+@pytest.mark.pairwise(runs=lambda **k: GLUON and _persistent_fits(**k))
 @pytest.mark.parametrize("schedule", [1, 2])
 @pytest.mark.parametrize("D", A.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -1030,8 +1073,7 @@ def test_gluon_persistent_every_head_dim_schedule_and_layout(schedule, D, causal
     GQA, Tq < Tk causal; and more work items than SMs, so each CTA runs several (the ring's slots and phases,
     the ping-pong turn and the doubled Q buffers carried from item to item)."""
     p = P(2, 4, 2, 300, 517, D, causal)
-    cfg = A.gluon_config(p, dtype, schedule, persistent=True)
-    if "shared memory" in (A.SPACE.why_invalid(cfg, p, dtype) or ""):   # four Q buffers of D padded to 256
+    if not _persistent_fits(schedule, D, causal, dtype):   # four Q buffers of D padded to 256
         assert D > 128
         pytest.skip("the persistent form's smallest ring does not fit in shared memory past D=128")
     cfg = _gluon_cfg(p, dtype, schedule, persistent=True)
@@ -1042,8 +1084,22 @@ def test_gluon_persistent_every_head_dim_schedule_and_layout(schedule, D, causal
     _dense(many, dtype, seed=D + 9, config=_gluon_cfg(many, dtype, schedule, persistent=True), lse=True)
 
 
+def _persistent_tile_cases(D, st, schedule):
+    """(BLOCK_N, key count, problem, config) of test_gluon_persistent_every_tile_and_stage_count's point that the
+    space admits."""
+    out = []
+    for bn in A.SPACE.params["BLOCK_N"]:
+        for B, H, tk, causal in ((1, 2, 40, False), (1, 2, 128, True), (2, 8, 700, True), (40, 4, 300, False)):
+            p = P(B, H, 1, min(tk, 300), tk, D, causal)
+            cfg = A.gluon_config(p, torch.bfloat16, schedule=schedule, BLOCK_N=bn, num_stages=st,
+                                 persistent=True)
+            if not A.SPACE.why_invalid(cfg, p, torch.bfloat16):
+                out.append((bn, tk, p, cfg))
+    return out
+
+
 @needs_gluon
-@pytest.mark.pairwise
+@pytest.mark.pairwise(runs=lambda **k: GLUON and bool(_persistent_tile_cases(**k)))
 @pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
 @pytest.mark.parametrize("schedule", [1, 2])
@@ -1051,17 +1107,10 @@ def test_gluon_persistent_every_tile_and_stage_count(D, st, schedule):
     """Every (BLOCK_N, num_stages) the space admits for the persistent form, schedules 1 and 2, causal and not;
     key counts below, at and past a tile and the ring's depth, and more items than SMs. A test per point, so
     that a parallel run spreads the compiles."""
-    ran = 0
-    for bn in A.SPACE.params["BLOCK_N"]:
-        for B, H, tk, causal in ((1, 2, 40, False), (1, 2, 128, True), (2, 8, 700, True), (40, 4, 300, False)):
-            p = P(B, H, 1, min(tk, 300), tk, D, causal)
-            cfg = A.gluon_config(p, torch.bfloat16, schedule=schedule, BLOCK_N=bn, num_stages=st,
-                                 persistent=True)
-            if A.SPACE.why_invalid(cfg, p, torch.bfloat16):
-                continue
-            ran += 1
-            _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
-    if not ran:
+    cases = _persistent_tile_cases(D, st, schedule)
+    for bn, tk, p, cfg in cases:
+        _dense(p, torch.bfloat16, seed=bn + st + tk, config=cfg, lse=False)
+    if not cases:
         pytest.skip(f"num_stages={st} is not a point of the persistent Gluon space at D={D}")
 
 

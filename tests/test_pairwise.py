@@ -63,12 +63,15 @@ def test_unhashable_values_are_told_apart_by_repr():
 class _Item:
     """What mark_beyond_pairwise and mark_slow_and_gpu read of a collected item."""
 
-    def __init__(self, nodeid: str, params: dict, marks=("pairwise",)):
+    def __init__(self, nodeid: str, params: dict, marks=("pairwise",), runs=None):
         self.nodeid, self.marks, self.keywords = nodeid, list(marks), {}
         self.callspec = SimpleNamespace(params=params)
+        self.runs = runs
 
     def get_closest_marker(self, name):
-        return name if name in self.marks else None
+        if name not in self.marks:
+            return None
+        return SimpleNamespace(name=name, kwargs={} if self.runs is None else {"runs": self.runs})
 
     def add_marker(self, mark):
         self.marks.append(mark.name)
@@ -113,3 +116,21 @@ def test_the_hook_marks_nothing_under_the_interpreter(monkeypatch, request):
         slow = sum("slow" in it.marks for it in items)
         assert slow == 0 if interpreted else slow == len(items) - len(covering([it.callspec.params for it in items]))
 
+
+
+
+def test_items_that_will_skip_are_left_out_of_the_pairs():
+    """With ``pairwise(runs=f)``, the pairs are those of the items that run: an item that will skip covers
+    nothing, and goes to the slow suite."""
+    def runs(D, st, c):
+        return not (D == 256 and st == 4)
+
+    items = [_Item(f"t[{D}-{st}-{c}]", dict(D=D, st=st, c=c), runs=runs)
+             for D in (64, 256) for st in (3, 4) for c in (0, 1)]
+    mark_beyond_pairwise(items)
+    fast = [it.callspec.params for it in items if "slow" not in it.marks]
+    assert all(runs(**p) for p in fast)
+    ran = fast
+    for a, va, b, vb in [("D", 256, "c", 0), ("D", 256, "c", 1), ("st", 4, "c", 0), ("st", 4, "c", 1),
+                         ("D", 256, "st", 3), ("D", 64, "st", 4)]:
+        assert any(p[a] == va and p[b] == vb for p in ran), (a, va, b, vb)
