@@ -158,6 +158,8 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
             if spec.vendor is not None:
                 try:
                     vfns = [spec.vendor(c) for c in cases]
+                    if any(f is None for f in vfns):
+                        raise LookupError(f"{spec.vendor_name} has no form for this problem")
                     paths["vendor"] = cycling(vfns, lambda f: f)
                     # the path torch's default dispatch took, named by what ran (e.g. "sdpa (cudnn)")
                     vendor_label = getattr(vfns[0], "label", None) or spec.vendor_name

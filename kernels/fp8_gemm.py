@@ -391,18 +391,26 @@ def problems(max_elems: int):
 
 
 def _vendor(c: K.Case):
-    """torch._scaled_mm (cuBLASLt): per-tensor scales, or row-wise A with channel-wise B; block scales and
+    """torch._scaled_mm (cuBLASLt): per-tensor scales, row-wise A with channel-wise B, or B in 128x128 blocks
+    (cuBLASLt's 1x128 x 128x128 form: A's scale repeated over its K blocks, both scale grids outer-dim-major);
     epilogues beyond bias are not among its forms (None: no vendor time for that row)."""
     a, b, sa, sb, bias = c.args
-    if c.kwargs["activation"] != "none" or c.kwargs["residual"] is not None or sb.dim() == 2:
+    if c.kwargs["activation"] != "none" or c.kwargs["residual"] is not None:
         return None
+    bt = b.t().contiguous().t()   # cuBLASLt wants B column-major
+    dt = c.kwargs["out_dtype"]
+    if sb.dim() == 2:
+        kb = sb.shape[0]
+        scale_a = sa.reshape(-1, 1).expand(a.shape[0], kb).t().contiguous().t()
+        scale_b = sb.t().contiguous().t()
+        call = lambda: torch._scaled_mm(a, bt, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=dt)  # noqa: E731
+        call.label = "torch._scaled_mm (cuBLASLt, 1x128 x 128x128 blocks)"
+        return call
     rowwise = sa.dim() > 0 and sa.numel() > 1 or sb.dim() > 0 and sb.numel() > 1
     if rowwise and not (sa.numel() == a.shape[0] and sb.numel() == b.shape[1]):
         return None
-    bt = b.t().contiguous().t()   # cuBLASLt wants B column-major
     scale_a = sa.reshape(-1, 1) if rowwise else sa.reshape(())
     scale_b = sb.reshape(1, -1) if rowwise else sb.reshape(())
-    dt = c.kwargs["out_dtype"]
     return lambda: torch._scaled_mm(a, bt, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=dt)
 
 

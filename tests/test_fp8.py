@@ -51,8 +51,10 @@ def test_error_against_the_unquantized_product_is_the_formats():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(dev.interpreted(), reason="GPU only: torch._scaled_mm needs CUDA")
-def test_vendor_scaled_mm_agrees():
-    case = SPEC.make_inputs(Problem(64, 256, 512, "row", "channel"), torch.bfloat16, "cuda", seed=3)
+@pytest.mark.parametrize("a_scale,b_scale", [("row", "channel"), ("tensor", "tensor"), ("row", "block")])
+def test_vendor_scaled_mm_agrees(a_scale, b_scale):
+    """The vendor column computes the same product (each scaling cuBLASLt has a form for)."""
+    case = SPEC.make_inputs(Problem(64, 256, 512, a_scale, b_scale), torch.bfloat16, "cuda", seed=3)
     ours = fp8_gemm(*case.args, **case.kwargs)
     theirs = SPEC.vendor(case)()
     assert cmp.rel_error(ours, theirs.double()) < cmp.tolerance(torch.bfloat16)
