@@ -474,6 +474,13 @@ def test_lazy_rescale_with_growing_scores(lazy, scale):
 # ---------------------------------------------------------------------------------------------------
 # IMPL="gluon": the Gluon FA3-structured kernel (kernels/attention/gluon.py), sm90 GPUs only
 GLUON = GPU and A.G.AVAILABLE and A.capability()[0] == 9
+CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
+
+
+def _g(values) -> list:
+    """A Gluon-only test's parameter values: all of them where the Gluon kernel runs, else the first (the test
+    skips anyway: one item says why, not hundreds)."""
+    return list(values) if GLUON else list(values)[:1]
 needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FA3 kernel runs on sm90 GPUs only")
 
 
@@ -651,10 +658,10 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
 
 @needs_gluon
 @pytest.mark.pairwise
-@pytest.mark.parametrize("schedule", [0, 1, 2])
-@pytest.mark.parametrize("D", A.HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("schedule", _g([0, 1, 2]))
+@pytest.mark.parametrize("D", _g(A.HEAD_DIMS))
+@pytest.mark.parametrize("causal", _g(CAUSAL))
+@pytest.mark.parametrize("dtype", _g([torch.bfloat16, torch.float16]), ids=_id)
 def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal, dtype):
     """Every head dim and schedule, both dtypes: ragged lengths (4-D descriptors over the tensors'
     strides) with the lse output, (B, T, H, D) views, GQA, Tq < Tk causal, and FA3's flat case (2-D
@@ -670,10 +677,10 @@ def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal, dtype):
 
 @needs_gluon
 @pytest.mark.pairwise
-@pytest.mark.parametrize("schedule", [0, 1, 2])
-@pytest.mark.parametrize("D", A.HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("schedule", _g([0, 1, 2]))
+@pytest.mark.parametrize("D", _g(A.HEAD_DIMS))
+@pytest.mark.parametrize("causal", _g(CAUSAL))
+@pytest.mark.parametrize("dtype", _g([torch.bfloat16, torch.float16]), ids=_id)
 def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal, dtype):
     """Packed batches on the Gluon kernel (descriptors made on the device per sequence and head), both
     dtypes: ragged lengths across tile boundaries, an empty query sequence, an empty key sequence, more
@@ -703,10 +710,10 @@ def _varlen_tile_case(D, st, bn, causal):
 @needs_gluon
 @pytest.mark.pairwise(runs=lambda **k: GLUON and not A.SPACE.why_invalid(*_varlen_tile_case(**k)[::-1],
                                                                          torch.bfloat16))
-@pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
-@pytest.mark.parametrize("bn", A.SPACE.params["BLOCK_N"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", _g([64, 128, 256]))
+@pytest.mark.parametrize("st", _g(A.SPACE.params["num_stages"]))
+@pytest.mark.parametrize("bn", _g(A.SPACE.params["BLOCK_N"]))
+@pytest.mark.parametrize("causal", _g(CAUSAL))
 def test_gluon_varlen_every_tile_and_stage_count(D, st, bn, causal):
     """Every (BLOCK_N, num_stages) the space admits on a packed batch, ping-pong schedule, causal and not.
     A test per point (one compiled variant), so that a parallel run spreads the compiles."""
@@ -754,10 +761,10 @@ def _tile_cases(D, st, bn, causal):
 
 @needs_gluon
 @pytest.mark.pairwise(runs=lambda **k: GLUON and bool(_tile_cases(**k)))
-@pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
-@pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
-@pytest.mark.parametrize("bn", A.SPACE.params["BLOCK_N"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", _g([32, 64, 80, 128, 256]))
+@pytest.mark.parametrize("st", _g(A.SPACE.params["num_stages"]))
+@pytest.mark.parametrize("bn", _g(A.SPACE.params["BLOCK_N"]))
+@pytest.mark.parametrize("causal", _g(CAUSAL))
 def test_gluon_every_tile_and_stage_count(D, st, bn, causal):
     """Every (BLOCK_N, num_stages) the space admits, with the ping-pong schedule, causal and not; key counts
     below, at and past a tile and the ring's depth. A test per point (one compiled variant), so that a
@@ -993,9 +1000,9 @@ def _wg3_config(D, causal, ws):
 @needs_gluon
 @pytest.mark.pairwise(runs=lambda D, causal, ws: GLUON and not A.SPACE.why_invalid(
     _wg3_config(D, causal, ws), P(2, 4, 2, 300, 517, D, causal), torch.bfloat16))
-@pytest.mark.parametrize("D", [d for d in A.HEAD_DIMS if d <= 128])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("ws", [5, 4, 3, 6, 7])
+@pytest.mark.parametrize("D", _g([d for d in A.HEAD_DIMS if d <= 128]))
+@pytest.mark.parametrize("causal", _g(CAUSAL))
+@pytest.mark.parametrize("ws", _g([5, 4, 3, 6, 7]))
 def test_gluon_three_warpgroups_every_head_dim_schedule_and_form(D, causal, ws):
     """CTAs of three consumer warpgroups (BLOCK_M=192), every Gluon schedule and form at this head dim (the key tile the
     space admits: 128 up to D=64, 64 past it and for schedule 0). Each: ragged lengths (4-D descriptors, rows
@@ -1064,10 +1071,10 @@ def _persistent_fits(schedule, D, causal, dtype):
 
 @needs_gluon
 @pytest.mark.pairwise(runs=lambda **k: GLUON and _persistent_fits(**k))
-@pytest.mark.parametrize("schedule", [1, 2])
-@pytest.mark.parametrize("D", A.HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("schedule", _g([1, 2]))
+@pytest.mark.parametrize("D", _g(A.HEAD_DIMS))
+@pytest.mark.parametrize("causal", _g(CAUSAL))
+@pytest.mark.parametrize("dtype", _g([torch.bfloat16, torch.float16]), ids=_id)
 def test_gluon_persistent_every_head_dim_schedule_and_layout(schedule, D, causal, dtype):
     """Every head dim and both schedules, both dtypes: ragged lengths with the lse output, (B, T, H, D) views,
     GQA, Tq < Tk causal; and more work items than SMs, so each CTA runs several (the ring's slots and phases,
@@ -1100,9 +1107,9 @@ def _persistent_tile_cases(D, st, schedule):
 
 @needs_gluon
 @pytest.mark.pairwise(runs=lambda **k: GLUON and bool(_persistent_tile_cases(**k)))
-@pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
-@pytest.mark.parametrize("st", A.SPACE.params["num_stages"])
-@pytest.mark.parametrize("schedule", [1, 2])
+@pytest.mark.parametrize("D", _g([32, 64, 80, 128, 256]))
+@pytest.mark.parametrize("st", _g(A.SPACE.params["num_stages"]))
+@pytest.mark.parametrize("schedule", _g([1, 2]))
 def test_gluon_persistent_every_tile_and_stage_count(D, st, schedule):
     """Every (BLOCK_N, num_stages) the space admits for the persistent form, schedules 1 and 2, causal and not;
     key counts below, at and past a tile and the ring's depth, and more items than SMs. A test per point, so
