@@ -6,9 +6,10 @@ activation) are rejected at load with the option named, rather than run wrong.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from tritune.model.hf_config import config_json
 
 # HF names of the tanh-approximated GELU GPT-2 uses (gelu_new is GPT-2's own name for it).
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -84,12 +85,4 @@ class GPT2Config:
     @classmethod
     def from_file(cls, path) -> "GPT2Config":
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file (a GPT-2 checkpoint directory needs config.json)")
-        try:
-            d = json.loads(path.read_text())
-        except ValueError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a JSON object")
-        return cls.from_dict(d, str(path))
+        return cls.from_dict(config_json(path, "a GPT-2 checkpoint directory"), str(path))

@@ -28,7 +28,6 @@ float64 ``tritune.references`` are the kernels' judges, far too slow to run a mo
 """
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import os
@@ -39,12 +38,11 @@ import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton 
 import torch
 import torch.nn.functional as F
 
-from tritune.model.packed import packed
+# DTYPES, BACKENDS, default_device and PagedKVCache are this module's names too (other modules import them here)
+from tritune.model.family_base import (BACKENDS, DTYPES, FamilyModel, PagedKVCache,  # noqa: F401
+                                       default_device, ops_chooser)
 from tritune.model.gpt2 import weights as W
 from tritune.model.gpt2.config import GPT2Config
-
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BACKENDS = ("triton", "torch")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,17 +229,7 @@ class TorchOps:
     attn_decode = staticmethod(torch_attn_decode)
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_ops(head_dim: int | None = None) -> TritonOps:
-    return TritonOps(head_dim)
-
-
-def ops_for(backend: str, head_dim: int | None = None):
-    if backend == "triton":
-        return _triton_ops(head_dim)
-    if backend == "torch":
-        return TorchOps
-    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+ops_for = ops_chooser(TritonOps, TorchOps)
 
 
 def _report(title: str, steps: dict) -> str:
@@ -256,45 +244,20 @@ def backend_report(head_dim: int = 64) -> str:
     """Which implementation each step of the triton backend runs (for ``tritune info``): kernel or
     reference, and why not the kernel. ``head_dim`` 64 is every released GPT-2's."""
     return _report(f"GPT-2 triton backend (tritune.model.gpt2.model), head dim {head_dim}:",
-                   _triton_ops(head_dim).steps)
-
-
-# ---------------------------------------------------------------------------------------------------
-# KV cache for one or a few sequences
-# ---------------------------------------------------------------------------------------------------
-class PagedKVCache:
-    """Per-layer K/V caches in the paged layout (num_blocks, block_size, H, D), no allocator.
-
-    Enough for single-request generation: the sequence takes blocks 0, 1, 2, ... in order, so its block
-    table is ``arange(num_blocks)`` and a position's slot is the position itself.
-    """
-
-    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, dtype, device):
-        shape = (config.n_layer, num_blocks, block_size, config.n_head, config.head_dim)
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.k_caches = list(self.k.unbind(0))
-        self.v_caches = list(self.v.unbind(0))
-
-    @property
-    def capacity(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def clone(self) -> "PagedKVCache":
-        """A copy with its own K/V tensors (same values): one step's writes leave this cache as it is."""
-        import copy
-
-        out = copy.copy(self)
-        out.k, out.v = self.k.clone(), self.v.clone()
-        out.k_caches, out.v_caches = list(out.k.unbind(0)), list(out.v.unbind(0))
-        return out
+                   ops_for("triton", head_dim).steps)
 
 
 # ---------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------
-class GPT2:
+class GPT2(FamilyModel):
+    """GPT-2's layer stack (the module docstring says what a layer computes); the entry points, loading and
+    the sizes every family shares are :class:`~tritune.model.family_base.FamilyModel`'s."""
+
+    ops_for = staticmethod(ops_for)
+    load_weights = staticmethod(W.load)
+    cache_type = PagedKVCache
+
     def __init__(self, config: GPT2Config, weights: W.GPT2Weights, *, backend: str = "triton",
                  directory: Path | None = None, ops=None):
         head = weights.lm_head
@@ -306,86 +269,31 @@ class GPT2:
             # is tuned and benchmarked on (trans_b=True, 40.5 us at M=1).
             tied = weights.wte.shape == head.shape[::-1] and torch.equal(weights.wte, head.t())
             weights = replace(weights, lm_head=weights.wte.t() if tied else head.t().contiguous().t())
-        self.config, self.w, self.directory = config, weights, directory
-        self.backend = backend
-        # ops: the backend's, unless the caller swaps in its own (quantized linears, the engine's write_kv)
-        self.ops = ops_for(backend, config.head_dim) if ops is None else ops
-        self.dtype = weights.wte.dtype
-        self.device = weights.wte.device
+        super().__init__(config, weights, backend=backend, directory=directory, ops=ops)
 
-    # -- the engine's contract (tritune.model.engine.contract.EngineModel): sizes and KV layout ---------
-    @property
-    def n_layers(self) -> int:
-        return self.config.n_layer
-
-    @property
-    def n_heads(self) -> int:
-        return self.config.n_head
-
+    # -- the engine's contract: the sizes GPT-2 has its own way ---------------------------------------
     @property
     def n_kv_heads(self) -> int:
         return self.config.n_head           # no grouped-query attention in GPT-2
 
     @property
-    def head_dim(self) -> int:
-        return self.config.head_dim
-
-    @property
     def max_context(self) -> int:
         return self.config.n_positions
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.config.eos_token_id
-
-    def with_ops(self, ops) -> "GPT2":
-        """The same model (weights shared) running on ``ops``: this one is left as it is."""
-        m = copy.copy(self)
-        m.ops = ops
-        return m
-
-    def with_weights(self, weights: W.GPT2Weights, ops=None) -> "GPT2":
-        """The same architecture on other weights (e.g. quantized ones: any object with the fields of
-        GPT2Weights), with ``ops`` that run them (default: this model's)."""
-        m = copy.copy(self)
-        m.w = weights
-        if ops is not None:
-            m.ops = ops
-        return m
-
-    @classmethod
-    def from_pretrained(cls, model, *, backend: str = "triton", dtype: torch.dtype = torch.float32,
-                        device=None) -> "GPT2":
-        """Load a checkpoint directory or hub id. ``device`` defaults to where the backend runs."""
-        ops_for(backend)  # validate the backend name before reading gigabytes
-        if dtype not in DTYPES:
-            raise TypeError(f"dtype: expected one of {DTYPES}, got {dtype}")
-        if device is None:
-            device = default_device(backend)
-        config, w, directory = W.load(model, dtype, device)
-        return cls(config, w, backend=backend, directory=directory)
 
     def backend_report(self) -> str:
         """Which implementation each step of this model runs (kernel or reference, and why)."""
         return _report(f"GPT-2 {self.backend} backend, head dim {self.config.head_dim}, {self.dtype}:",
                        self.ops.steps)
 
-    def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
-        return PagedKVCache(self.config, max(1, math.ceil(num_tokens / block_size)), block_size,
-                            self.dtype, self.device)
-
     # -- the shared layer stack ---------------------------------------------------------------------
     def embed(self, input_ids, positions):
         return self.w.wte[input_ids] + self.w.wpe[positions]
 
-    def blocks(self, x, attend, kv_for=None):
+    def blocks(self, x, attend, kv_for=None, positions=None):
         """The layer stack. ``attend(i, q, k, v, written)`` writes layer i's k, v to the cache unless
         ``written`` and returns the attention output; ``kv_for(i)`` (k_cache, v_cache, slots), when given,
-        lets the qkv projection write the cache itself where the ops fuse that."""
+        lets the qkv projection write the cache itself where the ops fuse that. ``positions`` is not read
+        (GPT-2's positions are learned, added by :meth:`embed`)."""
         c, ops = self.config, self.ops
         T, H, D = x.shape[0], c.n_head, c.head_dim
         eps = c.layer_norm_epsilon
@@ -402,75 +310,3 @@ class GPT2:
     def logits(self, x):
         c = self.config
         return ln_linear(self.ops, x, self.w.lnf_w, self.w.lnf_b, c.layer_norm_epsilon, self.w.lm_head)[0]
-
-    # -- entry points -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, input_ids, seq_lens, *, positions=None, kv_cache=None, slot_mapping=None,
-                all_logits: bool = False):
-        """Whole sequences, packed: ``input_ids`` (T,) = the concatenation of ``seq_lens`` tokens each.
-
-        Returns logits (len(seq_lens), V) of each sequence's last token, or (T, V) with ``all_logits``.
-        With ``kv_cache``, every token's K/V goes to ``slot_mapping`` (T,) (flat slots; < 0 skips).
-        """
-        pk = packed(input_ids, seq_lens, positions, kv_cache, slot_mapping, device=self.device,
-                    n_positions=self.config.n_positions)
-        self._check_ids(pk.input_ids)
-        input_ids, seq_lens, positions, slot_mapping = pk.input_ids, pk.seq_lens, pk.positions, pk.slot_mapping
-        cu, cu_seqlens, max_seqlen = pk.cu, pk.cu_seqlens, pk.max_seqlen
-        ops = self.ops
-
-        def attend(i, q, k, v, written=False):
-            if kv_cache is not None and not written:
-                ops.write_kv(k, v, kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping)
-            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen)
-
-        x = self.blocks(self.embed(input_ids, positions), attend)
-        if not all_logits:
-            x = x[torch.tensor(cu[1:], device=self.device) - 1]
-        return self.logits(x)
-
-    @torch.inference_mode()
-    def decode(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens, *, x=None):
-        """One new token per sequence: input_ids, positions, slot_mapping (B,), block_tables (B, max_blocks)
-        int32, context_lens (B,) int32 (tokens to attend to, the new one included). Returns logits (B, V).
-        ``x`` (B, E): the tokens already embedded (then input_ids and positions are not read).
-
-        All on the model's device; nothing here syncs with the host (the engine may capture it in a graph).
-        """
-        B = slot_mapping.shape[0]
-        ops = self.ops
-
-        def attend(i, q, k, v, written=False):
-            kc, vc = kv_cache.k_caches[i], kv_cache.v_caches[i]
-            if not written:
-                ops.write_kv(k, v, kc, vc, slot_mapping)
-            return ops.attn_decode(q, kc, vc, block_tables, context_lens)
-
-        def kv_for(i):
-            return kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping
-
-        if x is None:
-            x = self.embed(input_ids.reshape(B), positions.reshape(B))
-        x = self.blocks(x, attend, kv_for)
-        return self.logits(x)
-
-    @torch.inference_mode()
-    def forward(self, sequences) -> list[torch.Tensor]:
-        """Logits (len_i, V) of every position of each token-id list in ``sequences`` (no cache)."""
-        seqs = [list(map(int, s)) for s in sequences]
-        flat = [t for s in seqs for t in s]
-        logits = self.prefill(torch.tensor(flat, dtype=torch.long), [len(s) for s in seqs], all_logits=True)
-        return list(logits.split([len(s) for s in seqs]))
-
-    def _check_ids(self, ids):
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids: token ids must lie in [0, {self.config.vocab_size}), "
-                             f"got min {int(ids.min())}, max {int(ids.max())}")
-
-
-def default_device(backend: str) -> str:
-    if backend == "triton":
-        from tritune.kernels.runtime.device import device
-
-        return device()
-    return "cuda" if torch.cuda.is_available() else "cpu"

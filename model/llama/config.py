@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tritune.model.hf_config import config_json
+
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -139,15 +141,7 @@ class LlamaConfig:
     @classmethod
     def from_file(cls, path) -> "LlamaConfig":
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file (a checkpoint directory needs config.json)")
-        try:
-            d = json.loads(path.read_text())
-        except ValueError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a JSON object")
-        return cls.from_dict(d, str(path))
+        return cls.from_dict(config_json(path, "a checkpoint directory"), str(path))
 
     def with_generation_eos(self, path) -> "LlamaConfig":
         """This config with the EOS ids of ``path`` (a checkpoint's generation_config.json, where Llama-3

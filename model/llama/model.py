@@ -27,23 +27,19 @@ model's dtype, RMSNorm and rotary written as transformers computes them (the flo
 """
 from __future__ import annotations
 
-import copy
-import functools
-import math
 from pathlib import Path
 
 import tritune.kernels.runtime  # noqa: F401  (interpreter switch before triton loads)
 import torch
 import torch.nn.functional as F
 
-from tritune.model.packed import packed
+# DTYPES and BACKENDS are this module's names too
+from tritune.model import family_base
+from tritune.model.family_base import BACKENDS, DTYPES, FamilyModel, ops_chooser  # noqa: F401
 from tritune.model.gpt2 import model as G
 from tritune.model.llama import rope
 from tritune.model.llama import weights as W
 from tritune.model.llama.config import LlamaConfig
-
-DTYPES = G.DTYPES
-BACKENDS = G.BACKENDS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -201,62 +197,39 @@ class TritonOps(G.TritonOps):
     swiglu = staticmethod(swiglu)
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_ops(head_dim: int | None = None) -> TritonOps:
-    return TritonOps(head_dim)
+ops_for = ops_chooser(TritonOps, TorchOps)
 
 
-def ops_for(backend: str, head_dim: int | None = None):
-    if backend == "triton":
-        return _triton_ops(head_dim)
-    if backend == "torch":
-        return TorchOps
-    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+class PagedKVCache(family_base.PagedKVCache):
+    """The single-request paged cache with the model's KV heads (num_key_value_heads)."""
 
-
-class PagedKVCache(G.PagedKVCache):
-    """GPT-2's single-request paged cache with the model's KV heads (num_key_value_heads)."""
-
-    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype, device):
-        shape = (config.n_layer, num_blocks, block_size, config.n_kv_head, config.head_dim)
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.k_caches = list(self.k.unbind(0))
-        self.v_caches = list(self.v.unbind(0))
+    @staticmethod
+    def kv_heads(config: LlamaConfig) -> int:
+        return config.n_kv_head
 
 
 # ---------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------
-class Llama:
+class Llama(FamilyModel):
+    """The Llama family's layer stack (the module docstring says what a layer computes); the entry points,
+    loading and the sizes every family shares are :class:`~tritune.model.family_base.FamilyModel`'s."""
+
+    ops_for = staticmethod(ops_for)
+    load_weights = staticmethod(W.load)
+    cache_type = PagedKVCache
+
     def __init__(self, config: LlamaConfig, weights: W.LlamaWeights, *, backend: str = "triton",
                  directory: Path | None = None, ops=None):
-        self.config, self.w, self.directory = config, weights, directory
-        self.backend = backend
-        self.ops = ops_for(backend, config.head_dim) if ops is None else ops
-        self.dtype = weights.wte.dtype
-        self.device = weights.wte.device
+        super().__init__(config, weights, backend=backend, directory=directory, ops=ops)
         self.cos, self.sin = rope.tables(config, device=self.device)
         self.positions = None     # the positions of the tokens embed() saw last (see blocks)
         self.windows = config.layer_windows or (None,) * config.n_layer   # each layer's sliding window
 
-    # -- the engine's contract (tritune.model.engine.contract.EngineModel): sizes and KV layout ---------
-    @property
-    def n_layers(self) -> int:
-        return self.config.n_layer
-
-    @property
-    def n_heads(self) -> int:
-        return self.config.n_head
-
+    # -- the engine's contract: the sizes this family has its own way ----------------------------------
     @property
     def n_kv_heads(self) -> int:
         return self.config.n_kv_head
-
-    @property
-    def head_dim(self) -> int:
-        return self.config.head_dim
 
     @property
     def max_context(self) -> int:
@@ -265,31 +238,9 @@ class Llama:
         return min([self.config.n_positions] + [w for w in self.windows if w is not None])
 
     @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.config.eos_token_id
-
-    @property
     def eos_token_ids(self) -> tuple:
         """Every id that ends a request (config.json's and generation_config.json's ``eos_token_id``)."""
         return self.config.eos_token_ids
-
-    def with_ops(self, ops) -> "Llama":
-        """The same model (weights shared) running on ``ops``: this one is left as it is."""
-        m = copy.copy(self)
-        m.ops = ops
-        return m
-
-    def with_weights(self, weights: W.LlamaWeights, ops=None) -> "Llama":
-        """The same architecture on other weights (any object with the fields of LlamaWeights)."""
-        m = copy.copy(self)
-        m.w = weights
-        if ops is not None:
-            m.ops = ops
-        return m
 
     def compiled_decode(self, kv, write_kv):
         """The engine's ``compile=True`` decode over the paged cache ``kv`` (torch backend: the layer and head
@@ -300,18 +251,6 @@ class Llama:
 
         return CompiledDecode(self, kv, write_kv, TorchOps)
 
-    @classmethod
-    def from_pretrained(cls, model, *, backend: str = "triton", dtype: torch.dtype = torch.float32,
-                        device=None) -> "Llama":
-        """Load a checkpoint directory or hub id. ``device`` defaults to where the backend runs."""
-        ops_for(backend)  # validate the backend name before reading gigabytes
-        if dtype not in DTYPES:
-            raise TypeError(f"dtype: expected one of {DTYPES}, got {dtype}")
-        if device is None:
-            device = G.default_device(backend)
-        config, w, directory = W.load(model, dtype, device)
-        return cls(config, w, backend=backend, directory=directory)
-
     def backend_report(self) -> str:
         c = self.config
         steps = dict(self.ops.steps)
@@ -320,10 +259,6 @@ class Llama:
         lines = [f"{c.model_type} {self.backend} backend, head dim {c.head_dim}, {c.n_head} query / "
                  f"{c.n_kv_head} KV heads, {self.dtype}:"]
         return "\n".join(lines + [f"  {k:<{width}}  {v}" for k, v in steps.items()])
-
-    def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
-        return PagedKVCache(self.config, max(1, math.ceil(num_tokens / block_size)), block_size,
-                            self.dtype, self.device)
 
     # -- the shared layer stack ---------------------------------------------------------------------
     def embed(self, input_ids, positions):
@@ -364,72 +299,17 @@ class Llama:
     def logits(self, x):
         return rms_linear(self.ops, x, self.w.lnf_w, self.config.rms_norm_eps, self.w.lm_head)
 
-    # -- entry points -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, input_ids, seq_lens, *, positions=None, kv_cache=None, slot_mapping=None,
-                all_logits: bool = False):
-        """Whole sequences, packed: ``input_ids`` (T,) = the concatenation of ``seq_lens`` tokens each.
-        Returns logits (len(seq_lens), V) of each sequence's last token, or (T, V) with ``all_logits``.
-        With ``kv_cache``, every token's K/V goes to ``slot_mapping`` (T,) (flat slots; < 0 skips)."""
-        pk = packed(input_ids, seq_lens, positions, kv_cache, slot_mapping, device=self.device,
-                    n_positions=self.config.n_positions)
-        self._check_ids(pk.input_ids)
-        input_ids, seq_lens, positions, slot_mapping = pk.input_ids, pk.seq_lens, pk.positions, pk.slot_mapping
-        cu, cu_seqlens, max_seqlen = pk.cu, pk.cu_seqlens, pk.max_seqlen
-        ops = self.ops
-
-        def attend(i, q, k, v, written=False):
-            if kv_cache is not None and not written:
-                ops.write_kv(k, v, kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping)
-            return ops.attn_prefill(q, k, v, seq_lens, cu_seqlens, max_seqlen, **self._window_kw(i))
-
-        x = self.blocks(self.embed(input_ids, positions), attend, positions=positions)
-        if not all_logits:
-            x = x[torch.tensor(cu[1:], device=self.device) - 1]
-        return self.logits(x)
-
-    @torch.inference_mode()
-    def decode(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens, *, x=None):
-        """One new token per sequence: input_ids, positions, slot_mapping (B,), block_tables (B, max_blocks)
-        int32, context_lens (B,) int32 (tokens to attend to, the new one included). Returns logits (B, V).
-        ``x`` (B, E): the tokens already embedded (then input_ids are not read). ``positions`` None: each
-        row's context length minus one (a paged decode row attends to every token up to its own, so its
-        position is that), as the device-side decode step, which passes none, needs.
-        Nothing here syncs with the host."""
-        B = slot_mapping.shape[0]
-        ops = self.ops
-
-        def attend(i, q, k, v, written=False):
-            kc, vc = kv_cache.k_caches[i], kv_cache.v_caches[i]
-            if not written:
-                ops.write_kv(k, v, kc, vc, slot_mapping)
-            return ops.attn_decode(q, kc, vc, block_tables, context_lens, **self._window_kw(i))
-
-        def kv_for(i):
-            return kv_cache.k_caches[i], kv_cache.v_caches[i], slot_mapping
-
-        positions = context_lens.reshape(B) - 1 if positions is None else positions.reshape(B)
-        if x is None:
-            x = self.embed(input_ids.reshape(B), positions)
-        return self.logits(self.blocks(x, attend, kv_for, positions=positions))
-
-    @torch.inference_mode()
-    def forward(self, sequences) -> list[torch.Tensor]:
-        """Logits (len_i, V) of every position of each token-id list in ``sequences`` (no cache)."""
-        seqs = [list(map(int, s)) for s in sequences]
-        flat = [t for s in seqs for t in s]
-        logits = self.prefill(torch.tensor(flat, dtype=torch.long), [len(s) for s in seqs], all_logits=True)
-        return list(logits.split([len(s) for s in seqs]))
-
-    def _window_kw(self, i: int) -> dict:
+    # -- the hooks of the shared entry points ----------------------------------------------------------
+    def window_kw(self, i: int) -> dict:
         """The attention ops' keyword for layer i's sliding window (none for a full layer: ops that take no
         window still run the model's full layers)."""
         return {} if self.windows[i] is None else {"window": self.windows[i]}
 
-    def _check_ids(self, ids):
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids: token ids must lie in [0, {self.config.vocab_size}), "
-                             f"got min {int(ids.min())}, max {int(ids.max())}")
+    def decode_positions(self, positions, context_lens, batch: int):
+        """``positions`` (B,); None: each row's context length minus one (a paged decode row attends to every
+        token up to its own, so its position is that), as the device-side decode step, which passes none,
+        needs."""
+        return context_lens.reshape(batch) - 1 if positions is None else positions.reshape(batch)
 
 
 def load_model(model, *, backend: str = "triton", dtype: torch.dtype = torch.float32, device=None) -> Llama:
