@@ -656,12 +656,17 @@ def test_which_calls_the_gluon_kernel_takes(monkeypatch):
         A._VARLEN_PLANS.clear()
 
 
-@needs_gluon
-@pytest.mark.pairwise
-@pytest.mark.parametrize("schedule", _g([0, 1, 2]))
-@pytest.mark.parametrize("D", _g(A.HEAD_DIMS))
-@pytest.mark.parametrize("causal", _g(CAUSAL))
-@pytest.mark.parametrize("dtype", _g([torch.bfloat16, torch.float16]), ids=_id)
+def _every_head_dim_and_schedule(test):
+    """The Gluon kernel's (schedule, head dim, causal, dtype) matrix, pairwise in the fast GPU suite."""
+    marks = [pytest.mark.parametrize("dtype", _g([torch.bfloat16, torch.float16]), ids=_id),
+             pytest.mark.parametrize("causal", _g(CAUSAL)), pytest.mark.parametrize("D", _g(A.HEAD_DIMS)),
+             pytest.mark.parametrize("schedule", _g([0, 1, 2])), pytest.mark.pairwise, needs_gluon]
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
+@_every_head_dim_and_schedule
 def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal, dtype):
     """Every head dim and schedule, both dtypes: ragged lengths (4-D descriptors over the tensors'
     strides) with the lse output, (B, T, H, D) views, GQA, Tq < Tk causal, and FA3's flat case (2-D
@@ -675,12 +680,7 @@ def test_gluon_every_head_dim_schedule_and_layout(schedule, D, causal, dtype):
     _dense(flat, dtype, seed=D + 9, config=_gluon_cfg(flat, dtype, schedule), lse=False)
 
 
-@needs_gluon
-@pytest.mark.pairwise
-@pytest.mark.parametrize("schedule", _g([0, 1, 2]))
-@pytest.mark.parametrize("D", _g(A.HEAD_DIMS))
-@pytest.mark.parametrize("causal", _g(CAUSAL))
-@pytest.mark.parametrize("dtype", _g([torch.bfloat16, torch.float16]), ids=_id)
+@_every_head_dim_and_schedule
 def test_gluon_varlen_every_head_dim_and_schedule(schedule, D, causal, dtype):
     """Packed batches on the Gluon kernel (descriptors made on the device per sequence and head), both
     dtypes: ragged lengths across tile boundaries, an empty query sequence, an empty key sequence, more
