@@ -692,6 +692,14 @@ def _gpt2(m: int) -> list[Problem]:
             Problem(m, 50257, 768, trans_w=True, ln=True)]
 
 
+def borrow(c: dict, p: Problem, dtype) -> str | None:
+    """Why a neighbouring bucket's config does not carry over: a tile of fewer rows than the problem has
+    reads the weight once per tile of rows (a one-row tile tuned at M=1 reads it 4 times at M=4)."""
+    if c["BLOCK_M"] < p.M:
+        return f"BLOCK_M={c['BLOCK_M']} would read the weight {triton.cdiv(p.M, c['BLOCK_M'])} times for {p.M} rows"
+    return None
+
+
 def _llama(m: int) -> list[Problem]:
     """Llama-3.2-1B's decode linears with what they fuse (hidden 2048, 32 / 8 heads of 64, intermediate
     8192): input RMSNorm + qkv, post-attention RMSNorm + gate/up + SwiGLU."""
@@ -713,11 +721,12 @@ SPEC = K.register(K.KernelSpec(
     problem_of=problem_of,
     standard_problems=[p for m in (1, 4, 8) for p in _gpt2(m)]
     + [Problem(1, 4096, 4096), Problem(1, 28672, 8192), Problem(8, 28672, 8192)]
-    + [p for m in (1, 8) for p in _llama(m)],
+    + [p for m in (1, 2, 4, 8) for p in _llama(m)],
     small_problems=[Problem(1, 96, 80, bias=True, act="gelu_tanh", ln=True),
                     Problem(5, 33, 47, trans_w=True, residual=True),
                     Problem(3, 64, 40, bias=True, act="swiglu", residual=True, rms=True)],
     layouts=("contiguous", "sliced"),
+    borrow=borrow,
     vendor=_vendor,
     vendor_name="torch (F.layer_norm / F.rms_norm + cuBLAS)",
     peers={"tritune_ln_gemm": _gemm_peer},

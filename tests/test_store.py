@@ -246,3 +246,31 @@ def test_the_code_key_covers_held_modules_imported_functions_aggregates_and_cons
         for m in [m for m in sys.modules if m.startswith("hashpkg2")]:
             del sys.modules[m]
         store.module_hash.cache_clear()
+
+
+def test_a_neighbours_config_that_does_not_carry_over_is_not_borrowed(stores):
+    """gemv at M=4 with only the M=1 bucket stored: the M=1 winner's one-row tile would read the weight four
+    times, so the default runs; M=2 likewise; M=1 takes its entry, and an M=4 bucket's own one-row winner is
+    used as stored (a tuned choice, not a borrowed one)."""
+    from tritune.kernels import gemv as G
+
+    one_row = {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3}
+    problems = {m: G.Problem(m, 3072, 2048, rms=True) for m in (1, 2, 4)}
+    key = {m: spec_mod.bucket_key(G.SPEC.bucket(p)) for m, p in problems.items()}
+
+    def write(*buckets):
+        path = stores / dev.gpu_slug() / "gemv.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": 1, "kernel": "gemv", "gpu": dev.gpu_slug(), "triton": "3.6.0",
+                                    "torch": "2.11", "date": "2026-11-29",
+                                    "entries": [{"bucket": b, "dtype": "float16", "config": dict(one_row),
+                                                 "time_us": 1.0, "default_us": 2.0} for b in buckets]}))
+        store.clear_cache()
+
+    write(key[1])
+    assert G.SPEC.config_for(problems[1], torch.float16) == one_row
+    for m in (2, 4):
+        assert G.borrow(one_row, problems[m], torch.float16) == f"BLOCK_M=1 would read the weight {m} times for {m} rows"
+        assert G.SPEC.config_for(problems[m], torch.float16) == G.default_config(problems[m], torch.float16)
+    write(key[1], key[4])
+    assert G.SPEC.config_for(problems[4], torch.float16) == one_row

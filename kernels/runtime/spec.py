@@ -129,6 +129,10 @@ class KernelSpec:
     # stored entry: the way into a region of the space that one-step moves do not reach (attention's Gluon
     # kernel fixes five keys at once); invalid ones are skipped
     seeds: Callable | None = None
+    # borrow(config, problem, dtype) -> why a neighbouring bucket's stored config does not carry over to this
+    # problem (None: it does): a store lookup that falls back to a neighbour asks it (gemv: a one-row tile
+    # tuned at M=1 would read the weight once per row at M=4); the default runs instead
+    borrow: Callable | None = None
     description: str = ""
 
     def config_for(self, problem, dtype, config: dict | None = None) -> dict:
@@ -234,13 +238,16 @@ def _lookup(spec: KernelSpec, key: str, dtype, problem) -> dict:
         return hit
     cfg = store.lookup(spec.name, key, sd)
     if cfg is not None:
+        own = store.entry_config(spec.name, key, sd) == cfg
         why = spec.space.why_invalid(cfg, problem, dtype)
         if why is not None:
             # this bucket's own entry, or any entry that is no point of the space, is reported; a
             # neighbouring bucket's sound config that does not fit this problem is just not used
-            if spec.space.why_malformed(cfg) or store.entry_config(spec.name, key, sd) == cfg:
+            if spec.space.why_malformed(cfg) or own:
                 _report_invalid(spec.name, key, sd, cfg, why)
             cfg = None
+        elif not own and spec.borrow is not None and spec.borrow(cfg, problem, dtype):
+            cfg = None   # a neighbour's winner that does not carry over to this problem
     if tune_on_miss():   # opt-in: the handler may tune this bucket now (tuning/on_miss.py)
         cfg, keep = miss_handler()(spec, problem, dtype, key, sd, cfg)
         if not keep:     # nothing tuned now (a graph capture, tracing): ask again at the next launch
