@@ -747,6 +747,14 @@ def _standard() -> list[Problem]:
     return [Problem(m, n, k, bits, 128, b) for bits in (4, 8) for (k, n, b) in shapes for m in (1, 16, 64, 256)]
 
 
+def borrow(c: dict, p: Problem, dtype) -> str | None:
+    """Why a neighbouring bucket's config does not carry over: the one-row GEMV kernel (BLOCK_M=1), tuned at
+    M=1, would read and dequantize the weight once per row at M > 1."""
+    if c["BLOCK_M"] == 1 and p.M > 1:
+        return f"BLOCK_M=1 would read the weight {p.M} times for {p.M} rows"
+    return None
+
+
 SPEC = K.register(K.KernelSpec(
     name="quant_matmul",
     description="INT8 / INT4 weight-only dequant-matmul: GEMV and tiled tl.dot paths, split-K",
@@ -763,6 +771,7 @@ SPEC = K.register(K.KernelSpec(
     small_problems=[Problem(1, 96, 256, 4, 64, True), Problem(5, 33, 128, 8, 128, False)],
     dtypes=DTYPES,
     layouts=("contiguous", "sliced", "transposed"),
+    borrow=borrow,
     vendor=_vendor,
     vendor_name="F.linear(dequant W)",
     peers={"tinygemm": _tinygemm, "int8pack": _int8pack, "gemlite": _gemlite},

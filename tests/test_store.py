@@ -270,7 +270,18 @@ def test_a_neighbours_config_that_does_not_carry_over_is_not_borrowed(stores):
     write(key[1])
     assert G.SPEC.config_for(problems[1], torch.float16) == one_row
     for m in (2, 4):
-        assert G.borrow(one_row, problems[m], torch.float16) == f"BLOCK_M=1 would read the weight {m} times for {m} rows"
+        why = G.borrow(one_row, problems[m], torch.float16)
+        assert why == f"BLOCK_M=1 would read the weight {m} times for {m} rows"
         assert G.SPEC.config_for(problems[m], torch.float16) == G.default_config(problems[m], torch.float16)
     write(key[1], key[4])
     assert G.SPEC.config_for(problems[4], torch.float16) == one_row
+
+
+def test_quant_matmul_does_not_borrow_the_one_row_kernel_for_more_rows():
+    from tritune.kernels import quant_matmul as Q
+
+    one_row = dict(Q.default_config(Q.Problem(1, 4096, 4096), torch.float16), BLOCK_M=1)
+    assert Q.borrow(one_row, Q.Problem(1, 4096, 4096), torch.float16) is None
+    why = Q.borrow(one_row, Q.Problem(4, 4096, 4096), torch.float16)
+    assert why == "BLOCK_M=1 would read the weight 4 times for 4 rows"
+    assert Q.borrow(dict(one_row, BLOCK_M=64), Q.Problem(512, 4096, 4096), torch.float16) is None   # GEMM tiles
