@@ -23,3 +23,4 @@ def test_readme_snippet_runs_as_written(code):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "TRITUNE_TEST"))}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"the snippet failed:\n{code}\n--- stderr ---\n{r.stderr[-3000:]}"
+    assert "Warning" not in r.stderr, f"the snippet warns:\n{r.stderr[-3000:]}"
