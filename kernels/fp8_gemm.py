@@ -15,6 +15,12 @@ fresh product needs registers for half the tile only (a whole 128x256 product be
 spills). Any other layout takes the pointer loop. Either way the wgmma of one K tile is waited on before
 its product is added (Triton cannot keep a fresh product's MMA in flight): the promotion interval stays
 one K tile (≤ 128), and its wait is not overlapped with the next tile's MMAs.
+
+Config key ``IMPL``: "triton" (the two loops above) or "gluon" (:mod:`.fp8_gemm_gluon`, sm90 GPUs only: a
+warp-specialized kernel whose consumer warpgroups keep the next K tile's wgmma in flight while the last one's
+product is promoted; ``PERSISTENT=1``: its persistent grid). A stored config without these keys (tuned
+before them) is IMPL="triton", PERSISTENT=0. Where the Gluon kernel does not take the operands (not K-major,
+unaligned), a gluon config runs the Triton kernel with its tiles.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
+from tritune.kernels.fp8_gemm_gluon import AVAILABLE as GLUON_AVAILABLE
+from tritune.kernels.fp8_gemm_gluon import launch as gluon_launch, smem_bytes as gluon_smem, takes as gluon_takes
 from tritune.kernels.gemm import gemm
 from tritune.kernels.runtime import device as dev
 from tritune.kernels.runtime import strategies as S
@@ -200,7 +208,7 @@ def problem_of(a, b, a_scale, b_scale, bias=None, activation="none", residual=No
 
 
 class _Plan:
-    __slots__ = ("problem", "grid", "kws", "cfg", "cfg_key", "out_dtype", "sbs", "tma", "hn", "descs")
+    __slots__ = ("problem", "grid", "kws", "cfg", "cfg_key", "out_dtype", "sbs", "tma", "hn", "descs", "gluon")
 
 
 _PLANS = K.PlanCache()
@@ -245,6 +253,8 @@ def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, co
         and a.stride(1) == 1 and b.stride(0) == 1 and a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0
     p.hn = min(c["BLOCK_N"], 128)
     p.descs = (None, None)
+    # IMPL=gluon (the constraint admits it on sm90 GPUs only): its launch state, where it takes the operands
+    p.gluon = {} if c.get("IMPL") == "gluon" and gluon_takes(a, b) else None
     return p
 
 
@@ -281,6 +291,12 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", res
         K.check_no_alias(out, (("a", a), ("b", b), ("bias", bias), ("residual", residual)), "residual")
     if m == 0 or n == 0:
         return out
+    if plan.gluon is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
+        c = plan.cfg
+        gluon_launch(a, b, out, a_scale, b_scale, bias, residual, kws=plan.kws, block_m=c["BLOCK_M"],
+                     block_n=c["BLOCK_N"], stages=c["num_stages"], persistent=bool(c.get("PERSISTENT")),
+                     sbs=plan.sbs, cache=plan.gluon)
+        return out
     res = residual if residual is not None else out
     bias_arg = bias if bias is not None else out
     if plan.tma and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
@@ -295,7 +311,42 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", res
     return out
 
 
+_SM90 = []
+
+
+def _sm90() -> bool:
+    """A GPU of compute capability 9.x is here (asked once); False under the interpreter."""
+    if not _SM90:
+        _SM90.append(not dev.interpreted() and torch.cuda.is_available()
+                     and torch.cuda.get_device_capability()[0] == 9)
+    return _SM90[0]
+
+
+def _gluon_constraint(c, p: Problem) -> str | None:
+    """What the Gluon kernel does not take (beyond the Triton kernel's own limits, which its fallback needs)."""
+    if not (GLUON_AVAILABLE and _sm90()):
+        return "IMPL=gluon (the warp-specialized Gluon kernel) runs on sm90 GPUs only"
+    if c["BLOCK_M"] not in (64, 128) or c["BLOCK_N"] not in (64, 128) or c["BLOCK_K"] != 128:
+        # a consumer warpgroup holds its 64 x BLOCK_N accumulator and two fresh products: 1.5 x BLOCK_N fp32
+        # registers a thread (a 256-wide tile would need 384)
+        return "IMPL=gluon: BLOCK_M 64 or 128 (one or two consumer warpgroups), BLOCK_N 64 or 128, BLOCK_K 128"
+    if c["num_warps"] != 4:
+        return "IMPL=gluon takes num_warps=4 (a consumer warpgroup a partition; the key it does not read, fixed)"
+    if c["BLOCK_M"] == 128 and c["BLOCK_N"] == 128 and p.bias and p.act != "none" and p.residual:
+        # the one epilogue whose registers spill beside two 64x128 warpgroups (sm90 SASS, triton 3.6)
+        return "IMPL=gluon: bias, GELU and residual together take BLOCK_M or BLOCK_N 64"
+    if gluon_smem(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"]) > 227 * 1024:
+        return "IMPL=gluon: its ring exceeds 227 KiB of shared memory"
+    return None
+
+
 def _constraint(c, p: Problem, dtype) -> str | None:
+    if c.get("IMPL", "triton") == "gluon":
+        why = _gluon_constraint(c, p)
+        if why is not None:
+            return why
+    elif c.get("PERSISTENT", 0):
+        return "PERSISTENT=1 is the Gluon kernel's (IMPL=gluon)"
     if c["BLOCK_M"] > max(16, triton.next_power_of_2(p.M)):
         return "BLOCK_M larger than M"
     if c["BLOCK_N"] > max(32, triton.next_power_of_2(p.N)):
@@ -312,9 +363,23 @@ def _constraint(c, p: Problem, dtype) -> str | None:
     return None
 
 
-SPACE = K.Space(
+# the keys added with the Gluon kernel, at the value a config stored before them meant
+LEGACY = {"IMPL": "triton", "PERSISTENT": 0}
+
+
+class Fp8Space(K.Space):
+    """The space, where a config without IMPL or PERSISTENT (stored before they existed) is the Triton
+    kernel's point (:data:`LEGACY`): stored entries keep loading, the launcher reads the keys with that
+    default."""
+
+    def why_malformed(self, config: dict) -> str | None:
+        return super().why_malformed({**LEGACY, **config})
+
+
+SPACE = Fp8Space(
     params={"BLOCK_M": [16, 32, 64, 128, 256], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [32, 64, 128],
-            "GROUP_M": [1, 8], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5]},
+            "GROUP_M": [1, 8], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "IMPL": ["triton", "gluon"],
+            "PERSISTENT": [0, 1]},
     constraint=_constraint,
 )
 
@@ -325,18 +390,23 @@ def default_config(p: Problem, dtype) -> dict:
     bn = min(128, max(32, triton.next_power_of_2(p.N)))
     bk = min(128, max(32, triton.next_power_of_2(p.K)))
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8 if p.M >= 1024 else 1,
-            "num_warps": 8 if bm * bn >= 128 * 128 else 4, "num_stages": 3 if bm >= 128 else 4}
+            "num_warps": 8 if bm * bn >= 128 * 128 else 4, "num_stages": 3 if bm >= 128 else 4, **LEGACY}
 
 
 def seeds(p: Problem, dtype) -> list[dict]:
     """Large M: the 128x256 tile (TMA loop, two 128-wide fresh products) and 64x128 one-warpgroup tiles,
-    which one-step moves from 128x128 do not reach together with their stage counts."""
+    which one-step moves from 128x128 do not reach together with their stage counts; and the Gluon kernel
+    (IMPL="gluon" fixes several keys at once): 128x128 on two consumer warpgroups with 4 or 5 stages, its
+    persistent grid, and 64x128 on one (two CTAs an SM). The tuner skips those the space refuses here."""
     if p.M < 256:
         return []
-    return [{"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": g, "num_warps": 8, "num_stages": s}
+    gluon = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, IMPL="gluon")
+    return [{"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": g, "num_warps": 8, "num_stages": s, **LEGACY}
             for g in (8, 1) for s in (3, 4)] + \
-        [{"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": s}
-         for s in (3, 4)]
+        [{"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": s, **LEGACY}
+         for s in (3, 4)] + \
+        [dict(gluon, BLOCK_M=128, BLOCK_N=128, num_stages=s, PERSISTENT=pers) for pers in (0, 1) for s in (4, 5)] + \
+        [dict(gluon, BLOCK_M=64, BLOCK_N=128, num_stages=4, PERSISTENT=0)]
 
 
 def bucket(p: Problem) -> dict:

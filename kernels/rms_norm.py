@@ -6,7 +6,10 @@ once and writes both.
 Statistics in float32 whatever the storage type. The sum s is rounded to the storage type before it is
 normalised (and stored): the same value a model that adds in its dtype and then normalises sees. Rows of up
 to BLOCK_N elements are normalised in one pass from registers; longer rows loop over BLOCK_N chunks twice
-(sum of squares, then normalise; with a residual the second pass re-reads the s it stored). Several short rows
+(sum of squares, then normalise; with a residual the second pass re-reads the s it stored). The second pass
+walks the chunks last to first, and the first pass's loads ask L2 to keep the row (``evict_last``), the second's
+and its stores to drop it: a row re-read from L2 instead of HBM is what a long row's two passes cost (a 64k-wide
+bf16 row is 128 KiB; a few hundred of them in flight fill L2). Several short rows
 share a program (ROWS) so small N still fills the warps.
 """
 from __future__ import annotations
@@ -24,12 +27,13 @@ from tritune.references import rms_norm as ref
 
 @triton.jit
 def _sum_chunk(X, R, S_out, rows_x, rows_r, rows_s, offs_n, mask, stride_xn, stride_rn, stride_sn,
-               HAS_R: tl.constexpr):
+               HAS_R: tl.constexpr, POLICY: tl.constexpr):
     """One (ROWS, BLOCK_N) chunk of s = x (+ r) in float32, s rounded to the storage type and stored when
-    there is a residual."""
-    s = tl.load(rows_x + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    there is a residual. ``POLICY``: the loads' L2 eviction hint ("evict_last" where the chunk is read again)."""
+    s = tl.load(rows_x + offs_n[None, :] * stride_xn, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
     if HAS_R:
-        s += tl.load(rows_r + offs_n[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
+        s += tl.load(rows_r + offs_n[None, :] * stride_rn, mask=mask, other=0.0,
+                     eviction_policy=POLICY).to(tl.float32)
         s_st = s.to(S_out.dtype.element_ty)
         tl.store(rows_s + offs_n[None, :] * stride_sn, s_st, mask=mask)
         s = s_st.to(tl.float32)
@@ -50,7 +54,8 @@ def _rms_norm_fwd(X, R, W, Y, S_out, M, N, stride_xm, stride_xn, stride_rm, stri
         offs_n = tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         mask = mask_m[:, None] & mask_n[None, :]
-        s = _sum_chunk(X, R, S_out, rows_x, rows_r, rows_s, offs_n, mask, stride_xn, stride_rn, stride_sn, HAS_R)
+        s = _sum_chunk(X, R, S_out, rows_x, rows_r, rows_s, offs_n, mask, stride_xn, stride_rn, stride_sn, HAS_R,
+                       "")
         if HAS_W:  # requested with x, so its latency overlaps x's and the reduction
             w = tl.load(W + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / N + eps)
@@ -64,23 +69,27 @@ def _rms_norm_fwd(X, R, W, Y, S_out, M, N, stride_xm, stride_xn, stride_rm, stri
             offs_n = start + tl.arange(0, BLOCK_N)
             mask = mask_m[:, None] & (offs_n < N)[None, :]
             s = _sum_chunk(X, R, S_out, rows_x, rows_r, rows_s, offs_n, mask, stride_xn, stride_rn, stride_sn,
-                           HAS_R)
+                           HAS_R, "evict_last")
             acc += s * s
         rstd = tl.math.rsqrt(tl.sum(acc, axis=1) / N + eps)
         if HAS_R:
             tl.debug_barrier()  # the second pass reads back the s this program's threads stored
-        for start in range(0, N, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+        n_chunks = tl.cdiv(N, BLOCK_N)
+        for i in range(0, n_chunks):  # last chunk first: the most recently read, likeliest still in L2
+            offs_n = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             mask = mask_m[:, None] & mask_n[None, :]
             if HAS_R:
-                s = tl.load(rows_s + offs_n[None, :] * stride_sn, mask=mask, other=0.0).to(tl.float32)
+                s = tl.load(rows_s + offs_n[None, :] * stride_sn, mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
             else:
-                s = tl.load(rows_x + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+                s = tl.load(rows_x + offs_n[None, :] * stride_xn, mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
             y = s * rstd[:, None]
             if HAS_W:
                 y = y * tl.load(W + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(rows_y + offs_n[None, :] * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(rows_y + offs_n[None, :] * stride_yn, y.to(Y.dtype.element_ty), mask=mask,
+                     eviction_policy="evict_first")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -58,3 +58,75 @@ def test_vendor_scaled_mm_agrees(a_scale, b_scale):
     ours = fp8_gemm(*case.args, **case.kwargs)
     theirs = SPEC.vendor(case)()
     assert cmp.rel_error(ours, theirs.double()) < cmp.tolerance(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------
+# IMPL="gluon": the warp-specialized Gluon kernel (kernels/fp8_gemm_gluon.py), sm90 GPUs only
+from tritune.kernels import fp8_gemm as F  # noqa: E402
+
+GLUON = (not dev.interpreted() and torch.cuda.is_available() and F.GLUON_AVAILABLE
+         and torch.cuda.get_device_capability()[0] == 9)
+needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FP8 GEMM runs on sm90 GPUs only")
+
+
+def _g(values) -> list:
+    """A Gluon-only test's parameter values: all of them where the Gluon kernel runs, else the first (the test
+    skips anyway)."""
+    return list(values) if GLUON else list(values)[:1]
+
+
+def test_gluon_points_are_refused_off_sm90_and_old_entries_stay_valid():
+    """Without an sm90 GPU (the interpreter included) every IMPL="gluon" point is refused with the reason; a
+    config stored before IMPL and PERSISTENT existed is the Triton kernel's point, valid and launched as such."""
+    p = Problem(300, 520, 1040, "row", "block")
+    cfg = dict(F.default_config(p, torch.bfloat16), BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4,
+               num_stages=4, IMPL="gluon")
+    why = F.SPACE.why_invalid(cfg, p, torch.bfloat16)
+    assert (why is None) if GLUON else ("sm90" in why)
+    assert "PERSISTENT=1" in F.SPACE.why_invalid(dict(cfg, IMPL="triton", PERSISTENT=1), p, torch.bfloat16)
+    old = {k: v for k, v in F.default_config(p, torch.bfloat16).items() if k not in ("IMPL", "PERSISTENT")}
+    assert F.SPACE.why_invalid(old, p, torch.bfloat16) is None
+    small = Problem(5, 40, 96)
+    case = SPEC.make_inputs(small, torch.bfloat16, DEV, seed=4)
+    got = fp8_gemm(*case.args, **case.kwargs, config={k: v for k, v in F.default_config(small, torch.bfloat16).items()
+                                                      if k not in ("IMPL", "PERSISTENT")})
+    cmp.check(got, SPEC.reference(*case.args, **case.kwargs), torch.bfloat16)
+
+
+GLUON_TILES = [(128, 128, 0), (128, 128, 1), (64, 128, 0), (128, 64, 1), (64, 64, 1)]   # BLOCK_M, BLOCK_N, PERSISTENT
+GLUON_SCALES = [("row", "channel"), ("tensor", "tensor"), ("row", "block"), ("tensor", "block"), ("row", "tensor"),
+                ("tensor", "channel")]
+# odd M, N, K (33 K tiles, the last partial), an even count of K tiles, one K tile, and more tiles than SMs
+# (the persistent grid walks several tiles a CTA)
+GLUON_SHAPES = [(1000, 520, 4160), (257, 384, 512), (64, 72, 96), (2048, 1544, 1040)]
+
+
+@pytest.mark.gpu
+@pytest.mark.pairwise
+@needs_gluon
+@pytest.mark.parametrize("epilogue", _g(["none", "bias", "gelu+residual", "all"]))
+@pytest.mark.parametrize("scales", _g(GLUON_SCALES), ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("tile", _g(GLUON_TILES), ids=lambda t: "x".join(map(str, t)))
+def test_gluon_matches_float64(tile, scales, epilogue):
+    """IMPL="gluon" against the float64 reference: every scale pairing, the epilogues, both output dtypes, and
+    shapes with ragged edges in M, N and K; the Gluon kernel itself ran (not the Triton fallback)."""
+    bm, bn, persistent = tile
+    bias, act, res = epilogue in ("bias", "all"), epilogue in ("gelu+residual", "all"), epilogue != "none" and \
+        epilogue != "bias"
+    dtype = torch.float16 if epilogue == "gelu+residual" else torch.bfloat16
+    ran = 0
+    for i, (m, n, k) in enumerate(GLUON_SHAPES):
+        p = Problem(m, n, k, *scales, bias, "gelu_tanh" if act else "none", res)
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, IMPL="gluon",
+                   PERSISTENT=persistent)
+        if SPEC.space.why_invalid(cfg, p, dtype):
+            continue   # a tile over the problem, or the epilogue that spills at 128 x 128
+        case = SPEC.make_inputs(p, dtype, "cuda", seed=i + 7)
+        out = fp8_gemm(*case.args, **case.kwargs, config=cfg)
+        cmp.check(out, SPEC.reference(*case.args, **case.kwargs), dtype, SPEC.accumulation(dtype),
+                  what=f"gluon {tile} {p}")
+        plan = next(pl for pl in F._PLANS.values() if pl.cfg == cfg and pl.problem == p)
+        assert plan.gluon is not None and "gluon" in plan.gluon, "the Triton fallback ran"
+        ran += 1
+    if not ran:
+        pytest.skip(f"no shape takes tile {tile} with epilogue {epilogue}")
