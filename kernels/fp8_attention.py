@@ -17,6 +17,11 @@ every row sees in full run unmasked, the causal diagonal and the key tail masked
 ``attention``: query i sees key j <= i + Tk − Tq). Any strides; V stored token-contiguous (the "v_t"
 layout) gives the P·V product the K-major operand Hopper's FP8 MMA takes without a transpose, and V in
 any other layout is copied so first (FA3 transposes V in the kernel instead).
+
+Two implementations, the config's ``IMPL``: "triton" (the kernel below; ``SCHEDULE`` "pipelined", Triton's
+software pipeliner) and "gluon", the FlashAttention-3-structured Hopper kernel (kernels/fp8_attention_gluon.py:
+a TMA producer warp, two consumer warpgroups, ``SCHEDULE`` "ahead", "intra_wg" or "pingpong" as attention's
+Gluon kernel), sm90 only, the same arithmetic. Configs stored before those keys existed read as IMPL="triton".
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
+from tritune.kernels import fp8_attention_gluon as FG
 from tritune.kernels.runtime import device as dev
 from tritune.kernels.runtime import interpret_fp8
 from tritune.kernels.runtime import strategies as S
@@ -153,7 +159,11 @@ def _descale(name, d, B, Hkv, device):
 
 
 class _Plan:
-    __slots__ = ("cfg", "cfg_key", "grid", "args", "kws", "out_shape", "empty", "v_copy")
+    # gluon: the Gluon kernel's launch keywords (None: the Triton kernel, cfg's or, for an IMPL=gluon config,
+    # the default, which also runs the Gluon plan's launches whose bases TMA cannot read); descales: their
+    # (batch, kv head) strides; cache: the Gluon launch's (descriptor geometry, compiled kernels)
+    __slots__ = ("cfg", "cfg_key", "grid", "args", "kws", "out_shape", "empty", "v_copy", "gluon", "descales",
+                 "cache")
 
 
 _PLANS = K.PlanCache()
@@ -198,11 +208,19 @@ def _plan(q, k, v, qd, kd, vd, causal, scale, out, out_dtype, config) -> _Plan:
     plan.out_shape = shape
     plan.empty = p.B * p.Hq * p.Tq == 0
     plan.cfg, plan.cfg_key = SPEC.config_and_key(p, out_dtype, config)
-    c = plan.cfg
+    c = {**LEGACY, **plan.cfg}
+    sm = (1.0 / math.sqrt(p.D) if scale is None else float(scale)) * LOG2E
+    plan.descales = tuple(d[1:] for d in descales)
+    plan.gluon = plan.cache = None
+    if c["IMPL"] == "gluon":
+        if _gluon_takes(p, q, k, out, out_dtype):
+            plan.gluon = dict(causal=p.causal, sm_scale_log2=sm, BN=c["BLOCK_N"], stages=c["num_stages"],
+                              schedule=GLUON_SCHEDULES[c["SCHEDULE"]])
+            plan.cache = {}
+        c = default_config(p, out_dtype)
     nmb = triton.cdiv(p.Tq, c["BLOCK_M"])
     plan.grid = (nmb * p.B * p.Hq,)
     o_st = out.stride() if out is not None else (p.Hq * p.Tq * p.D, p.Tq * p.D, p.D, 1)
-    sm = (1.0 / math.sqrt(p.D) if scale is None else float(scale)) * LOG2E
     # V not token-contiguous: each call reads a token-contiguous copy (B·Hkv·Tk·D bytes, a copy's cost
     # against the attention's Tq·Tk work), the K-major operand Hopper's FP8 MMA takes; without it the P·V
     # product ran at under half of the bf16 kernel's speed on an H200
@@ -239,9 +257,13 @@ def fp8_attention(q, k, v, q_descale=None, k_descale=None, v_descale=None, *, ca
         return out
     if k.shape[2] == 0:
         return out.zero_()
+    ones = _ONES.get(q.device)
+    if plan.gluon is not None and FG.aligned(q, k, out):
+        ds = [(d if d is not None else ones, *st) for d, st in zip((q_descale, k_descale, v_descale), plan.descales)]
+        FG.launch(q, k, v, out, ds, cache=plan.cache, **plan.gluon)
+        return out
     if plan.v_copy:
         v = v.transpose(2, 3).contiguous().transpose(2, 3)
-    ones = _ONES.get(q.device)
     _fp8_attn_fwd[plan.grid](q, k, v, out, q_descale if q_descale is not None else ones,
                              k_descale if k_descale is not None else ones,
                              v_descale if v_descale is not None else ones, *plan.args, **plan.kws)
@@ -249,7 +271,53 @@ def fp8_attention(q, k, v, q_descale=None, k_descale=None, v_descale=None, *, ca
 
 
 # ---------------------------------------------------------------------------------------------------
+# IMPL and SCHEDULE: which kernel runs, and the order of the Gluon kernel's GEMMs (its SCHEDULE constexpr)
+LEGACY = {"IMPL": "triton", "SCHEDULE": "pipelined"}   # what a config stored before these keys existed means
+GLUON_SCHEDULES = {"ahead": 0, "intra_wg": 1, "pingpong": 2}
+
+
+def _gluon_call_constraint(p: Problem) -> str | None:
+    """What of the problem (not the tiles) the Gluon kernel refuses."""
+    if not FG.runs_here():
+        return "IMPL=gluon (the FA3-structured Gluon kernel) runs on sm90 GPUs only, not in the interpreter"
+    if p.causal and p.Tq > p.Tk:   # every row must see a key (its first tile's softmax takes m finite)
+        return "IMPL=gluon: causal needs Tq <= Tk"
+    if p.B * p.Hq > 65535:   # its grid is (query tiles, batch x heads): CUDA caps the second dimension
+        return "IMPL=gluon: at most 65,535 batch x heads"
+    return None
+
+
+def _gluon_constraint(c, p: Problem, dtype) -> str | None:
+    why = _gluon_call_constraint(p)
+    if why is not None:
+        return why
+    if c["SCHEDULE"] not in GLUON_SCHEDULES:
+        return f"IMPL=gluon: SCHEDULE one of {tuple(GLUON_SCHEDULES)}"
+    if (c["BLOCK_M"], c["num_warps"]) != (FG.ROWS, 4):
+        return f"IMPL=gluon takes BLOCK_M={FG.ROWS} (two consumer warpgroups of {FG.BM} rows) and num_warps=4"
+    if c["BLOCK_N"] not in (64, 128):
+        return "IMPL=gluon: BLOCK_N 64 or 128"
+    if c["num_stages"] < 2:
+        return "IMPL=gluon: a ring of 2 stages or more"
+    need = FG.smem_bytes(p.D, c["BLOCK_N"], c["num_stages"], torch.finfo(dtype).bits // 8)
+    if need > FG.smem_limit():
+        return f"IMPL=gluon: needs {need} B of shared memory (budget {FG.smem_limit()})"
+    return None
+
+
+def _gluon_takes(p: Problem, q, k, out, out_dtype) -> bool:
+    """The Gluon kernel takes this call (a config of the bucket was checked against its first problem only):
+    the problem, and strides TMA reads (q, k, and out where given: a new one is contiguous)."""
+    return (_gluon_call_constraint(p) is None and FG.tma_strides_ok(q, k)
+            and (out is None or FG.tma_strides_ok(out)) and out_dtype in OUT_DTYPES)
+
+
 def _constraint(c, p: Problem, dtype) -> str | None:
+    c = {**LEGACY, **c}
+    if c["IMPL"] == "gluon":
+        return _gluon_constraint(c, p, dtype)
+    if c["SCHEDULE"] != "pipelined":
+        return "IMPL=triton: SCHEDULE='pipelined' (the others are the Gluon kernel's)"
     if c["BLOCK_M"] > max(16, triton.next_power_of_2(p.Tq)):
         return "BLOCK_M larger than Tq"
     if c["BLOCK_N"] > max(32, triton.next_power_of_2(p.Tk)):
@@ -265,9 +333,17 @@ def _constraint(c, p: Problem, dtype) -> str | None:
     return None
 
 
-SPACE = K.Space(
+class _Space(K.Space):
+    """The space; a config without IMPL and SCHEDULE (stored before they existed) is the Triton kernel's."""
+
+    def why_malformed(self, config: dict) -> str | None:
+        return super().why_malformed({**LEGACY, **config})
+
+
+SPACE = _Space(
     params={"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "num_warps": [4, 8],
-            "num_stages": [1, 2, 3, 4]},
+            "num_stages": [1, 2, 3, 4], "IMPL": ["triton", "gluon"],
+            "SCHEDULE": ["pipelined", "ahead", "intra_wg", "pingpong"]},
     constraint=_constraint,
 )
 
@@ -277,10 +353,27 @@ def default_config(p: Problem, dtype) -> dict:
     halved here in N because Triton keeps the P tile in registers as well."""
     bm = min(128, max(16, triton.next_power_of_2(p.Tq)))
     bn = min(128 if p.D <= 64 else 64, max(32, triton.next_power_of_2(p.Tk)))
-    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 8 if bm >= 128 else 4, "num_stages": 3}
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 8 if bm >= 128 else 4, "num_stages": 3, **LEGACY}
     while _constraint(cfg, p, dtype) is not None and cfg["num_warps"] > 4:
         cfg["num_warps"] //= 2
     return cfg
+
+
+def gluon_config(p: Problem, dtype, schedule: str = "pingpong", BLOCK_N: int = 128, num_stages: int = 2) -> dict:
+    """The point that runs the Gluon kernel with ``schedule`` (a name of GLUON_SCHEDULES), its key tile and ring
+    depth; not checked against the problem (``SPACE.why_invalid`` says)."""
+    return dict(default_config(p, dtype), IMPL="gluon", SCHEDULE=schedule, BLOCK_M=FG.ROWS, num_warps=4,
+                BLOCK_N=BLOCK_N, num_stages=num_stages)
+
+
+def seeds(p: Problem, dtype) -> list[dict]:
+    """Every tuning study's way into the Gluon kernel at 1k tokens and more (IMPL=gluon fixes BLOCK_M, num_warps
+    and SCHEDULE at once, which no one-step move reaches): FA3's FP8 tile (128 x 128) under its two schedules,
+    two and three stages, and 64-key tiles. The tuner skips those the problem refuses."""
+    if min(p.Tq, p.Tk) < 1024:
+        return []
+    return [gluon_config(p, dtype, s, bn, st) for s, bn, st in (("intra_wg", 128, 2), ("pingpong", 128, 2),
+                                                                ("intra_wg", 128, 3), ("pingpong", 64, 2))]
 
 
 def bucket(p: Problem) -> dict:
@@ -435,6 +528,7 @@ SPEC = K.register(K.KernelSpec(
     vendor_name="sdpa on dequantized bf16 (torch's default dispatch)",
     peers={"fa3_fp8": _fa3},
     bad_inputs=_bad_inputs,
+    seeds=seeds,
 ))
 
 

@@ -24,9 +24,11 @@ Decode: one program per (sequence, kv head[, chunk]) takes the G = Hq / Hkv quer
 once (padded to 16 rows for ``tl.dot``), streams BLOCK_N-token tiles with an online softmax (float32, base
 2), widens K and V from e4m3 to the query's dtype (exact: e4m3 is a subset of bf16 and fp16), multiplies the
 scores by each token's k scale and the probabilities by each token's v scale before P·V. Whole tiles load
-unmasked (a per-token predicate would split V's token rows into byte loads); the rest of the context goes
-through 16-token tiles masked per token. Split-KV (PARTITION > 0): chunks of PARTITION tokens write partial
-(m, l, acc) to a float32 workspace and a second launch merges them per (sequence, kv head).
+unmasked (a per-token predicate would split V's token rows into byte loads), their block ids loaded a tile
+ahead so that the pipeliner keeps num_stages - 1 tiles of K, V and scales in flight (see paged_attention);
+the rest of the context goes through 16-token tiles masked per token. Split-KV (PARTITION > 0): chunks of
+PARTITION tokens write partial (m, l, acc) to a float32 workspace and a second launch merges them per
+(sequence, kv head).
 """
 from __future__ import annotations
 
@@ -57,24 +59,31 @@ SMS = 132   # H100/H200; the split heuristic needs only the order of magnitude
 # ---------------------------------------------------------------------------------------------------
 # The decode
 @triton.jit
-def _decode_tile(q, table, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
-                 stride_tn, s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
+def _block_ids(table, n0, end, stride_tn, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block id of each token of [n0, n0 + BLOCK_N); 0 past the block holding token end - 1 (entries past
+    the length are never read: they may hold anything). Masked by block, not by token, so that the ids keep
+    their constancy over each block's tokens: V^T's token rows then stay 16-byte loads, not single bytes."""
+    idx = (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE
+    return tl.load(table + idx * stride_tn, mask=idx < tl.cdiv(end, BLOCK_SIZE), other=0).to(tl.int64)
+
+
+@triton.jit
+def _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
+                 s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Tokens [n0, n0 + BLOCK_N). MASKED=False only for a tile wholly inside the context: no per-token mask,
-    whose predicates would split V's token-contiguous rows into byte loads (the tail's tiles pass True)."""
+    """Tokens [n0, n0 + BLOCK_N), held in blocks ``block``. MASKED=False only for a tile wholly inside the
+    context: no per-token mask, whose predicates would split V's token-contiguous rows into byte loads (the
+    tail's tiles pass True)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     slot = offs_n % BLOCK_SIZE
     if MASKED:
         mask_n = offs_n < end
-        # table entries past the length are never read: they may hold anything
-        block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_head + (block * s_kcn + slot * s_kcb)[:, None], mask=mask_n[:, None], other=0.0)
         # V^T (D, BLOCK_N): each block's tokens contiguous
         vt = tl.load(v_head + (block * s_vcn + slot)[None, :], mask=mask_n[None, :], other=0.0)
         ks = tl.load(ks_head + block * s_ksn + slot * s_ksb, mask=mask_n, other=0.0)
         vs = tl.load(vs_head + block * s_vsn + slot * s_vsb, mask=mask_n, other=0.0)
     else:
-        block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn).to(tl.int64)
         k = tl.load(k_head + (block * s_kcn + slot * s_kcb)[:, None])
         vt = tl.load(v_head + (block * s_vcn + slot)[None, :])
         ks = tl.load(ks_head + block * s_ksn + slot * s_ksb)
@@ -126,14 +135,20 @@ def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, qk_scale, num_parts, stride_
     # a small unpipelined tail keeps the kernel's registers at the main loop's
     full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     TAIL_N: tl.constexpr = 16
+    # The whole tiles' block ids are loaded one tile ahead (loop-carried), so K/V addresses depend on no load of
+    # their own iteration: Triton's pipeliner then keeps num_stages - 1 tiles of K, V and scales in flight
+    # (looked up in the same iteration, the ids take a stage of their own and leave the rest one buffer, waited
+    # for with nothing to overlap: cp.async.wait_group 0)
+    block = _block_ids(table, start, end, stride_tn, BLOCK_SIZE, BLOCK_N)
     for n0 in range(start, full, BLOCK_N):
-        m_i, l_i, acc = _decode_tile(q, table, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
-                                     stride_tn, s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
-                                     BLOCK_SIZE, BLOCK_N, False)
+        block_nx = _block_ids(table, n0 + BLOCK_N, end, stride_tn, BLOCK_SIZE, BLOCK_N)
+        m_i, l_i, acc = _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
+                                     s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb, BLOCK_SIZE, BLOCK_N, False)
+        block = block_nx
     for n0 in tl.range(full, end, TAIL_N, num_stages=1):
-        m_i, l_i, acc = _decode_tile(q, table, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc,
-                                     qk_scale, stride_tn, s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
-                                     BLOCK_SIZE, TAIL_N, True)
+        tail = _block_ids(table, n0, end, stride_tn, BLOCK_SIZE, TAIL_N)
+        m_i, l_i, acc = _decode_tile(q, tail, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
+                                     s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb, BLOCK_SIZE, TAIL_N, True)
     if PARTITION > 0:
         # partials (acc, then m, then l) of row (b, head, chunk); chunks past the length store m = -inf
         n_rows = tl.num_programs(0).to(tl.int64) * tl.num_programs(1) * GROUP * num_parts
@@ -320,7 +335,7 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         return "idle threads"
     if c["BLOCK_N"] > max(16, triton.next_power_of_2(p.capacity)):
         return "BLOCK_N larger than the context"
-    if 2 * c["BLOCK_N"] * p.D * c["num_stages"] > 192 * 1024:
+    if 2 * c["BLOCK_N"] * p.D * max(1, c["num_stages"] - 1) > 192 * 1024:   # the pipeliner's num_stages - 1
         return "K and V tiles of every stage exceed shared memory"
     part = c["PARTITION"]
     if part:
@@ -334,7 +349,7 @@ def _constraint(c, p: Problem, dtype) -> str | None:
 
 
 SPACE = K.Space(
-    params={"BLOCK_N": [16, 32, 64, 128], "PARTITION": [0, 32, 64, 128, 256, 512, 1024, 2048, 4096],
+    params={"BLOCK_N": [16, 32, 64, 128, 256], "PARTITION": [0, 32, 64, 128, 256, 512, 1024, 2048, 4096],
             "num_warps": [1, 2, 4, 8], "num_stages": [1, 2, 3, 4]},
     constraint=_constraint,
 )
@@ -362,6 +377,22 @@ def default_config(p: Problem, dtype) -> dict:
     if (cfg["PARTITION"] or p.capacity) <= 2 * cfg["BLOCK_N"]:
         cfg["num_stages"] = 2
     return cfg
+
+
+def seeds(p: Problem, dtype) -> list[dict]:
+    """Deep pipelines, tried first by every study: with the block ids loaded a tile ahead, num_stages 3-4 keep
+    2-3 tiles of K, V and scales in flight (one buffer before, at any num_stages); 64- and 128-token tiles at 4
+    stages and 256-token ones (a bf16 128-token tile's bytes) at 3, at the default's chunk and twice it, where
+    a chunk fills the pipeline."""
+    base = default_config(p, dtype)
+    part = base["PARTITION"]
+    out = []
+    for chunk in ([part, 2 * part] if part else [0]):
+        for block_n, warps, stages in ((64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 3)):
+            cfg = dict(base, PARTITION=chunk, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            if (chunk or p.capacity) >= stages * block_n and SPACE.why_invalid(cfg, p, dtype) is None:
+                out.append(cfg)
+    return out
 
 
 def bucket(p: Problem) -> dict:
@@ -534,6 +565,7 @@ SPEC = K.register(K.KernelSpec(
     problems=problems,
     space=SPACE,
     default_config=default_config,
+    seeds=seeds,
     bucket=bucket,
     cost=cost,
     problem_of=problem_of,

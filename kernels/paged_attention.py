@@ -21,6 +21,12 @@ BLOCK_N boundary: tokens are looked up one by one, so nothing before lo is read,
 block-table entry), and split-KV chunks are counted from lo, so the grid has cdiv(min(capacity, W),
 PARTITION) chunks a sequence and the config is chosen for that span (``Problem.span``).
 
+A tile's block ids are loaded a tile ahead of its K/V (loop-carried), so that no K/V address depends on a
+load of its own iteration: Triton's pipeliner then keeps num_stages - 1 K/V tiles in shared memory, in
+flight while the current tile is used (cp.async.wait_group > 0). Looked up in the same iteration, the ids
+took a pipeline stage of their own and left K/V one buffer at any num_stages, waited for with nothing to
+overlap (sm90, Triton 3.6, offline compile; docs/findings.md).
+
 Two tuned switches shape the tile loop: PREFETCH loads tile i + 1 by hand while tile i is used (with
 num_stages 1: plain loads instead of the pipeliner's cp.async), and EVICT marks the K/V loads
 evict_first (read once a step; the hint survives only plain loads: a compiled kernel's PTX has it at
@@ -43,7 +49,7 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.kernels.runtime import device as dev
-from tritune.kernels.paged_attention_cases import Problem, flex, make_inputs, problems, vendor
+from tritune.kernels.paged_attention_cases import Problem, flex, make_inputs, problems, validate_lengths, vendor
 from tritune.references import paged_attention as ref
 
 LOG2E = 1.4426950408889634
@@ -79,13 +85,20 @@ def _weighted_values(p, v, USE_DOT: tl.constexpr, GROUP_PAD: tl.constexpr, PRECI
 
 
 @triton.jit
-def _kv_tile(table, k_head, v_head, n0, end, stride_tn, stride_kn, stride_kb, stride_vn, stride_vb,
-             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
-    """K and V of tokens [n0, n0 + BLOCK_N) (those before end; the rest read nothing) and their mask."""
+def _table_tile(table, n0, end, stride_tn, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block id of each token of [n0, n0 + BLOCK_N) (0 past end: table entries past the length are
+    never read, they may hold anything)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=offs_n < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_at(block, k_head, v_head, n0, end, stride_kn, stride_kb, stride_vn, stride_vb,
+           BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    """K and V of tokens [n0, n0 + BLOCK_N) held in blocks ``block`` (those before end; the rest read
+    nothing) and their mask."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
-    # Table entries past the length are never read: they may hold anything.
-    block = tl.load(table + (offs_n // BLOCK_SIZE) * stride_tn, mask=mask_n, other=0).to(tl.int64)
     slot_in_block = offs_n % BLOCK_SIZE
     k_ptr = k_head + (block * stride_kn + slot_in_block * stride_kb)[:, None]
     v_ptr = v_head + (block * stride_vn + slot_in_block * stride_vb)[:, None]
@@ -169,22 +182,31 @@ def _paged_attention_fwd(
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, D), dtype=tl.float32)
+    # The block ids of a tile are loaded one tile ahead (loop-carried): K/V addresses then depend on no load
+    # of their own iteration, which is what lets Triton's pipeliner keep num_stages - 1 K/V tiles in flight
+    # (looked up in the same iteration, the ids take a stage of their own and leave K/V one buffer, loaded
+    # and waited for with nothing to overlap: cp.async.wait_group 0; docs/findings.md).
+    block = _table_tile(table, start, end, stride_tn, BLOCK_SIZE, BLOCK_N)
     if PREFETCH:
         # Loads one tile ahead by hand (num_stages 1: no pipeliner), so they stay plain loads that keep
         # the EVICT hint (the pipeliner's cp.async drops it): tile i + 1 is in flight while tile i is used.
-        k, v, mask_n = _kv_tile(table, k_head, v_head, start, end, stride_tn, stride_kn, stride_kb,
-                                stride_vn, stride_vb, BLOCK_SIZE, BLOCK_N, EVICT)
+        k, v, mask_n = _kv_at(block, k_head, v_head, start, end, stride_kn, stride_kb, stride_vn, stride_vb,
+                              BLOCK_SIZE, BLOCK_N, EVICT)
+        block = _table_tile(table, start + BLOCK_N, end, stride_tn, BLOCK_SIZE, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
-            k_nx, v_nx, mask_nx = _kv_tile(table, k_head, v_head, n0 + BLOCK_N, end, stride_tn, stride_kn,
-                                           stride_kb, stride_vn, stride_vb, BLOCK_SIZE, BLOCK_N, EVICT)
+            block_nx = _table_tile(table, n0 + 2 * BLOCK_N, end, stride_tn, BLOCK_SIZE, BLOCK_N)
+            k_nx, v_nx, mask_nx = _kv_at(block, k_head, v_head, n0 + BLOCK_N, end, stride_kn, stride_kb,
+                                         stride_vn, stride_vb, BLOCK_SIZE, BLOCK_N, EVICT)
             m_i, l_i, acc = _online_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, USE_DOT, GROUP_PAD, PRECISION)
-            k, v, mask_n = k_nx, v_nx, mask_nx
+            k, v, mask_n, block = k_nx, v_nx, mask_nx, block_nx
     else:
         for n0 in range(start, end, BLOCK_N):
+            block_nx = _table_tile(table, n0 + BLOCK_N, end, stride_tn, BLOCK_SIZE, BLOCK_N)
             # Both tiles are requested before any math, so K and V loads are in flight together.
-            k, v, mask_n = _kv_tile(table, k_head, v_head, n0, end, stride_tn, stride_kn, stride_kb,
-                                    stride_vn, stride_vb, BLOCK_SIZE, BLOCK_N, EVICT)
+            k, v, mask_n = _kv_at(block, k_head, v_head, n0, end, stride_kn, stride_kb, stride_vn, stride_vb,
+                                  BLOCK_SIZE, BLOCK_N, EVICT)
             m_i, l_i, acc = _online_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, USE_DOT, GROUP_PAD, PRECISION)
+            block = block_nx
 
     if PARTITION > 0:
         # Chunks past the length do nothing; a sequence that fits one chunk is finished here.
@@ -328,7 +350,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     if not plan.B:
         return out
     if validate and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # no host sync in a capture
-        _validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
+        validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     # split-KV partials (acc, m, l) in one per-device float32 buffer; the kernel finds each part's offset
     ws = _workspace(q.device, plan.ws_numel) if plan.ws_numel else out
     # One launch (the split-KV merge is in the kernel). Triton's own launch is most of the host time
@@ -452,26 +474,6 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config, w
 _CONSTEXPRS = K.constexpr_params(_paged_attention_fwd)  # what a direct launch passes after the arguments
 
 
-def _validate_lengths(block_tables, context_lens, num_blocks, block_size):
-    """Length range and block ids of the table entries in use, with one device-to-host sync."""
-    max_blocks = block_tables.shape[1]
-    lens = context_lens.long()
-    used = torch.arange(max_blocks, device=lens.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
-    bad_id = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    flags = torch.stack([(lens < 1).any(), (lens > max_blocks * block_size).any(), bad_id.any()]).tolist()
-    if flags[0]:
-        i = int(torch.nonzero(lens < 1)[0, 0])
-        raise ValueError(f"context_lens: sequence {i} has length {int(lens[i])}; lengths must be >= 1")
-    if flags[1]:
-        i = int(torch.nonzero(lens > max_blocks * block_size)[0, 0])
-        raise ValueError(f"context_lens: sequence {i} has length {int(lens[i])}, more than its block table "
-                         f"addresses ({max_blocks} blocks x {block_size} tokens)")
-    if flags[2]:
-        i, j = (int(x) for x in torch.nonzero(bad_id)[0])
-        raise ValueError(f"block_tables: entry [{i}, {j}] = {int(block_tables[i, j])} is not a block id "
-                         f"in [0, {num_blocks})")
-
-
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = True):
     """Store new tokens: k_cache[s // block_size, s % block_size] = k[t] (and v) for s = slot_mapping[t].
 
@@ -546,7 +548,8 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         rows = max(16, triton.next_power_of_2(group))
         if rows * c["BLOCK_N"] // (32 * warps) > 128 or c["BLOCK_N"] * p.D // (32 * warps) > 128:
             return "tiles too large for the warps (register spills)"
-        if 2 * c["BLOCK_N"] * p.D * dtype.itemsize * c["num_stages"] > 192 * 1024:
+        # the pipeliner keeps num_stages - 1 K/V tiles in shared memory (the block ids load a tile ahead)
+        if 2 * c["BLOCK_N"] * p.D * dtype.itemsize * max(1, c["num_stages"] - 1) > 192 * 1024:
             return "K and V tiles of every stage exceed shared memory"
     else:
         per_thread = triton.next_power_of_2(group) * c["BLOCK_N"] * p.D // (32 * warps)
@@ -673,6 +676,24 @@ def default_config(p: Problem, dtype) -> dict:
     return cfg
 
 
+def seeds(p: Problem, dtype) -> list[dict]:
+    """Deep K/V pipelines, tried first by every study: since the block ids load a tile ahead, num_stages 3-4
+    keep 2-3 tiles in flight (before, one buffer at any num_stages), which one-step moves from the default's
+    hand-pipelined short chunks (B=1) do not reach together with the tile and chunk: 64-token tiles at 4
+    stages and 128-token ones at 3, at the default's chunk and twice it, where a chunk fills the pipeline."""
+    base = default_config(p, dtype)
+    if not base["USE_DOT"]:
+        return []
+    part = base["PARTITION"]
+    out = []
+    for chunk in ([part, 2 * part] if part else [0]):
+        for block_n, stages in ((64, 4), (128, 3)):
+            cfg = dict(base, PARTITION=chunk, BLOCK_N=block_n, num_stages=stages, EVICT=False, PREFETCH=False)
+            if (chunk or p.span) >= stages * block_n and SPACE.why_invalid(cfg, p, dtype) is None:
+                out.append(cfg)
+    return out
+
+
 def bucket(p: Problem) -> dict:
     # a window's problem is looked up as the full-context problem of its span (the same work a query)
     return {"B": triton.next_power_of_2(p.B), "Hq": p.Hq, "Hkv": p.Hkv, "D": p.D,
@@ -754,6 +775,7 @@ SPEC = K.register(K.KernelSpec(
     problems=problems,
     space=SPACE,
     default_config=default_config,
+    seeds=seeds,
     bucket=bucket,
     cost=cost,
     problem_of=problem_of,

@@ -1,6 +1,7 @@
 """Paged attention's problems and cases: the problem type, the inputs the tests, the benchmark and the tuner
-launch on (block pools whose unreadable slots hold NaN or ±max), the hypothesis strategy of problems, and
-the vendor (SDPA) and peer (flex_attention) it is timed against. The kernel, its launcher and its config
+launch on (block pools whose unreadable slots hold NaN or ±max), the hypothesis strategy of problems, the
+check of the lengths and block ids a launch is given (``validate=True``), and the vendor (SDPA) and peer
+(flex_attention) it is timed against. The kernel, its launcher and its config
 space are in :mod:`tritune.kernels.paged_attention`, which registers the spec; this module registers none.
 """
 from __future__ import annotations
@@ -137,6 +138,26 @@ def problems(max_elems: int):
 
 
 # ---------------------------------------------------------------------------------------------------
+def validate_lengths(block_tables, context_lens, num_blocks, block_size):
+    """Length range and block ids of the table entries in use, with one device-to-host sync."""
+    max_blocks = block_tables.shape[1]
+    lens = context_lens.long()
+    used = torch.arange(max_blocks, device=lens.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    bad_id = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    flags = torch.stack([(lens < 1).any(), (lens > max_blocks * block_size).any(), bad_id.any()]).tolist()
+    if flags[0]:
+        i = int(torch.nonzero(lens < 1)[0, 0])
+        raise ValueError(f"context_lens: sequence {i} has length {int(lens[i])}; lengths must be >= 1")
+    if flags[1]:
+        i = int(torch.nonzero(lens > max_blocks * block_size)[0, 0])
+        raise ValueError(f"context_lens: sequence {i} has length {int(lens[i])}, more than its block table "
+                         f"addresses ({max_blocks} blocks x {block_size} tokens)")
+    if flags[2]:
+        i, j = (int(x) for x in torch.nonzero(bad_id)[0])
+        raise ValueError(f"block_tables: entry [{i}, {j}] = {int(block_tables[i, j])} is not a block id "
+                         f"in [0, {num_blocks})")
+
+
 def contiguous_kv(c: K.Case):
     """(B, Hkv, ctx, D) copies of the equal-length K and V (the vendor's input), built untimed."""
     q, k_cache, v_cache, block_tables, context_lens = c.args

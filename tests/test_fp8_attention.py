@@ -212,3 +212,161 @@ def test_cache_round_trip_against_unquantized_attention(qdtype):
         cmp.check(out, ref.fp8_paged_attention(q, *caches, tables, lens), qdtype)
         err = cmp.rel_error(out, exact)
         assert err < FORMAT_BOUND, f"fp8 cache off bf16 attention by {err:.3f}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The block ids loaded a tile ahead (so that Triton's pipeliner can keep num_stages - 1 tiles in flight)
+@pytest.mark.skipif(not dev.interpreted() or DEV != "cpu", reason="counts the interpreter's loads")
+@pytest.mark.parametrize("part", [0, 32], ids=["single", "split"])
+def test_block_ids_loaded_ahead_read_only_the_entries_in_use(monkeypatch, part):
+    """The whole-tile loop loads the next tile's block ids a tile ahead, masked by block (keeping the ids'
+    constancy over a block's tokens, which keeps V^T's rows 16-byte loads on a GPU): every table entry of a
+    block holding a context token is read, and none past the length, on a table exactly as wide as needed."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    p = PA.Problem(3, 4, 2, 32, 70, 8, True)
+    c = PA.SPEC.make_inputs(p, BF16, DEV, 5)
+    bt, lens = c.args[5], c.args[6]
+    assert bt.shape[1] == -(-p.ctx // 8)
+    reads = []
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def counted(self, ptrs, mask, other, *a):
+        addr = ptrs.data[mask.data.astype(bool)] if mask is not None else ptrs.data.ravel()
+        reads.append(addr.ravel().copy())
+        return load(self, ptrs, mask, other, *a)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    cfg = {"BLOCK_N": 16, "PARTITION": part, "num_warps": 2, "num_stages": 3}
+    out = PA.fp8_paged_attention(*c.args, **c.kwargs, config=cfg)
+    monkeypatch.undo()
+    cmp.check(out, PA.SPEC.reference(*c.args, **c.kwargs), BF16)
+    addr = np.unique(np.concatenate(reads).astype(np.int64))
+    base, size = bt.data_ptr(), bt.element_size()
+    flat = (addr[(addr >= base) & (addr < base + bt.numel() * size)] - base) // size
+    read = {(int(i) // bt.shape[1], int(i) % bt.shape[1]) for i in flat}
+    assert read == {(b, j) for b, n in enumerate(lens.tolist()) for j in range(-(-n // 8))}
+
+
+@pytest.mark.parametrize("block_n, stages", [(16, 4), (32, 3), (256, 3)])
+def test_deep_pipelines_and_wide_tiles_against_the_reference(block_n, stages):
+    """3-4 stages over more whole tiles than stages (the interpreter runs the loop unpipelined), and
+    256-token tiles spanning sixteen 16-token blocks, split and not, mixed lengths with a tail."""
+    p = PA.Problem(2, 4, 2, 32, 600 if block_n == 256 else 150, 16, True)
+    c = PA.SPEC.make_inputs(p, BF16, DEV, block_n + stages)
+    want = PA.SPEC.reference(*c.args, **c.kwargs)
+    for part in (0, 2 * block_n if block_n < 256 else 512):
+        cfg = {"BLOCK_N": block_n, "PARTITION": part, "num_warps": 8 if block_n == 256 else 2, "num_stages": stages}
+        assert PA.SPACE.why_invalid(cfg, p, BF16) is None
+        cmp.check(PA.fp8_paged_attention(*c.args, **c.kwargs, config=cfg), want, BF16)
+
+
+def test_seeds_are_deep_pipelines_inside_the_space():
+    """Every seed is a point of the space with 3-4 stages whose chunk fills its pipeline; the H200's stored
+    entries stay points of the space (it only grew: 256-token tiles, and the shared-memory bound counts
+    the num_stages - 1 tiles the pipeliner keeps)."""
+    import warnings
+
+    from tritune.kernels.runtime import store
+
+    for p in PA.SPEC.standard_problems:
+        for cfg in PA.seeds(p, BF16):
+            assert PA.SPACE.why_invalid(cfg, p, BF16) is None
+            assert cfg["num_stages"] >= 3 and (cfg["PARTITION"] or p.capacity) >= cfg["num_stages"] * cfg["BLOCK_N"]
+    assert PA.seeds(PA.Problem(64, 32, 8, 128, 4096), BF16)
+    with warnings.catch_warnings():   # the stored entries are stale (tuned on the code before): said elsewhere
+        warnings.simplefilter("ignore")
+        entries = store.entries("fp8_paged_attention", "nvidia-h200")
+    for e in entries:
+        assert store.why_invalid(PA.SPEC, e) is None, e
+
+
+# ---------------------------------------------------------------------------------------------------
+# IMPL="gluon": the FA3-structured Gluon kernel (kernels/fp8_attention_gluon.py), sm90 GPUs only
+import json  # noqa: E402
+
+from tritune.kernels import fp8_attention_gluon as FG  # noqa: E402
+from tritune.kernels.runtime import store  # noqa: E402
+
+needs_gluon = pytest.mark.skipif(not FG.runs_here(), reason="the FP8 Gluon kernel runs on sm90 GPUs only")
+
+
+def test_configs_stored_before_impl_read_as_the_triton_kernel():
+    """A config of tile keys only (the store's entries before IMPL and SCHEDULE) is a point of the space and
+    runs the Triton kernel; the packaged stores' entries all stay points of it."""
+    legacy = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    p = A.Problem(1, 2, 1, 20, 40, 64, True)
+    assert A.SPACE.why_invalid(legacy, p, BF16) is None
+    c = A.SPEC.make_inputs(p, BF16, DEV, 1)
+    cmp.check(A.fp8_attention(*c.args, config=legacy, **c.kwargs), A.SPEC.reference(*c.args, **c.kwargs), BF16)
+    for path in store.package_root().glob("*/fp8_attention.json"):
+        for e in json.loads(path.read_text())["entries"]:
+            assert A.SPACE.why_malformed(e["config"]) is None, (path, e["config"])
+    assert "SCHEDULE" in A.SPACE.why_invalid(dict(A.default_config(p, BF16), SCHEDULE="pingpong"), p, BF16)
+
+
+def test_gluon_points_and_seeds():
+    """Gluon points are refused where the kernel cannot run (with the reason) and for problems it does not
+    take; long sequences seed tuning studies with them, short ones do not."""
+    long_p, short_p = A.Problem(1, 32, 8, 4096, 4096, 128, True), A.Problem(1, 4, 2, 512, 512, 128, False)
+    cfg = A.gluon_config(long_p, BF16)
+    assert A.seeds(short_p, BF16) == [] and all(s["IMPL"] == "gluon" for s in A.seeds(long_p, BF16))
+    why = A.SPACE.why_invalid(cfg, long_p, BF16)
+    if not FG.runs_here():
+        assert "sm90" in why
+        return
+    assert why is None
+    assert "Tq <= Tk" in A.SPACE.why_invalid(cfg, A.Problem(1, 4, 2, 2048, 1024, 128, True), BF16)
+    assert "BLOCK_M" in A.SPACE.why_invalid(dict(cfg, BLOCK_M=64), long_p, BF16)
+
+
+def _gluon_ran(cfg) -> bool:
+    return any(pl.cfg == cfg and pl.gluon is not None for pl in A._PLANS.values())
+
+
+@needs_gluon
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule, block_n", [("intra_wg", 128), ("pingpong", 64), ("ahead", 128)])
+def test_gluon_matches_the_reference(D, causal, schedule, block_n):
+    """Odd lengths (1000: a ragged last query and key tile), GQA 8 on 2: the float64 reference's rounding of P,
+    held to the bf16 tolerance."""
+    p = A.Problem(2, 8, 2, 1000, 1000, D, causal)
+    c = A.SPEC.make_inputs(p, BF16, DEV, 5)
+    cfg = A.gluon_config(p, BF16, schedule, block_n)
+    got = A.fp8_attention(*c.args, config=cfg, **c.kwargs)
+    assert _gluon_ran(cfg)
+    cmp.check(got, A.SPEC.reference(*c.args, **c.kwargs), BF16, what=f"gluon {p} {cfg}")
+
+
+@needs_gluon
+@pytest.mark.parametrize("p, layout, seed, dtype", [
+    (A.Problem(1, 4, 4, 300, 1000, 128, True), "contiguous", 1, BF16),      # chunked prefill, (Hkv,) descales
+    (A.Problem(2, 4, 1, 1024, 1024, 128, False), "v_t", 2, BF16),           # V token-contiguous as given
+    (A.Problem(1, 8, 2, 1000, 1000, 64, True), "v_t", 0, torch.float16),    # ... rows of 1000 B: copied, padded
+    (A.Problem(2, 4, 2, 257, 513, 64, False), "bthd", 3, BF16),             # (B, T, H, D) views
+])
+def test_gluon_layouts_and_lengths(p, layout, seed, dtype):
+    c = A.SPEC.make_inputs(p, dtype, DEV, seed, layout)
+    cfg = A.gluon_config(p, dtype, "pingpong", 128, 3)
+    got = A.fp8_attention(*c.args, config=cfg, **c.kwargs)
+    assert _gluon_ran(cfg)
+    cmp.check(got, A.SPEC.reference(*c.args, **c.kwargs), dtype, what=f"gluon {p} {layout}")
+    err = cmp.rel_error(got, A.unquantized_attention(p, DEV, seed))
+    assert err < FORMAT_BOUND, f"gluon fp8 attention off the unquantized one by {err:.3f}"
+
+
+@needs_gluon
+def test_gluon_large_scores_and_a_misaligned_base():
+    """Scores of hundreds in base 2 stay in e4m3's range; a q whose base TMA cannot read runs the Triton kernel."""
+    p = A.Problem(1, 2, 1, 200, 300, 128, False)
+    c = A.SPEC.make_inputs(p, BF16, DEV, 2)
+    q8, k8, v8, qd, kd, vd = c.args
+    cfg = A.gluon_config(p, BF16)
+    got = A.fp8_attention(q8, k8, v8, qd * 40, kd * 40, vd, config=cfg)
+    cmp.check(got, ref.fp8_attention(q8, k8, v8, qd * 40, kd * 40, vd), BF16)
+    buf = torch.empty(q8.numel() + 1, dtype=torch.uint8, device=DEV)
+    q_off = buf[1:].view(torch.float8_e4m3fn).view(q8.shape)
+    q_off.copy_(q8)
+    cmp.check(A.fp8_attention(q_off, k8, v8, qd, kd, vd, config=cfg), ref.fp8_attention(q8, k8, v8, qd, kd, vd), BF16)
