@@ -289,7 +289,8 @@ import json  # noqa: E402
 from tritune.kernels import fp8_attention_gluon as FG  # noqa: E402
 from tritune.kernels.runtime import store  # noqa: E402
 
-needs_gluon = pytest.mark.skipif(not FG.runs_here(), reason="the FP8 Gluon kernel runs on sm90 GPUs only")
+needs_gluon = pytest.mark.skipif(not FG.runs_here() or bool(A.GLUON_OFF),
+                                 reason="the FP8 Gluon kernel runs on sm90 GPUs only, and is off until right")
 
 
 def test_configs_stored_before_impl_read_as_the_triton_kernel():
@@ -312,9 +313,13 @@ def test_gluon_points_and_seeds():
     long_p, short_p = A.Problem(1, 32, 8, 4096, 4096, 128, True), A.Problem(1, 4, 2, 512, 512, 128, False)
     cfg = A.gluon_config(long_p, BF16)
     assert A.seeds(short_p, BF16) == [] and all(s["IMPL"] == "gluon" for s in A.seeds(long_p, BF16))
+    assert A.seeds(long_p, BF16) or A.GLUON_OFF
     why = A.SPACE.why_invalid(cfg, long_p, BF16)
     if not FG.runs_here():
         assert "sm90" in why
+        return
+    if A.GLUON_OFF:
+        assert why == A.GLUON_OFF
         return
     assert why is None
     assert "Tq <= Tk" in A.SPACE.why_invalid(cfg, A.Problem(1, 4, 2, 2048, 1024, 128, True), BF16)
