@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
-from tritune.kernels.fp8_gemm_gluon import AVAILABLE as GLUON_AVAILABLE
-from tritune.kernels.fp8_gemm_gluon import launch as gluon_launch, smem_bytes as gluon_smem, takes as gluon_takes
+from tritune.kernels import fp8_gemm_gluon as FGG   # held as a module: its jitted code counts in the store's hash
 from tritune.kernels.gemm import gemm
 from tritune.kernels.runtime import device as dev
 from tritune.kernels.runtime import strategies as S
@@ -254,7 +253,7 @@ def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, co
     p.hn = min(c["BLOCK_N"], 128)
     p.descs = (None, None)
     # IMPL=gluon (the constraint admits it on sm90 GPUs only): its launch state, where it takes the operands
-    p.gluon = {} if c.get("IMPL") == "gluon" and gluon_takes(a, b) else None
+    p.gluon = {} if c.get("IMPL") == "gluon" and FGG.takes(a, b) else None
     return p
 
 
@@ -293,7 +292,7 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", res
         return out
     if plan.gluon is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
         c = plan.cfg
-        gluon_launch(a, b, out, a_scale, b_scale, bias, residual, kws=plan.kws, block_m=c["BLOCK_M"],
+        FGG.launch(a, b, out, a_scale, b_scale, bias, residual, kws=plan.kws, block_m=c["BLOCK_M"],
                      block_n=c["BLOCK_N"], stages=c["num_stages"], persistent=bool(c.get("PERSISTENT")),
                      sbs=plan.sbs, cache=plan.gluon)
         return out
@@ -324,7 +323,7 @@ def _sm90() -> bool:
 
 def _gluon_constraint(c, p: Problem) -> str | None:
     """What the Gluon kernel does not take (beyond the Triton kernel's own limits, which its fallback needs)."""
-    if not (GLUON_AVAILABLE and _sm90()):
+    if not (FGG.AVAILABLE and _sm90()):
         return "IMPL=gluon (the warp-specialized Gluon kernel) runs on sm90 GPUs only"
     if c["BLOCK_M"] not in (64, 128) or c["BLOCK_N"] not in (64, 128) or c["BLOCK_K"] != 128:
         # a consumer warpgroup holds its 64 x BLOCK_N accumulator and two fresh products: 1.5 x BLOCK_N fp32
@@ -335,7 +334,7 @@ def _gluon_constraint(c, p: Problem) -> str | None:
     if c["BLOCK_M"] == 128 and c["BLOCK_N"] == 128 and p.bias and p.act != "none" and p.residual:
         # the one epilogue whose registers spill beside two 64x128 warpgroups (sm90 SASS, triton 3.6)
         return "IMPL=gluon: bias, GELU and residual together take BLOCK_M or BLOCK_N 64"
-    if gluon_smem(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"]) > 227 * 1024:
+    if FGG.smem_bytes(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"]) > 227 * 1024:
         return "IMPL=gluon: its ring exceeds 227 KiB of shared memory"
     return None
 
