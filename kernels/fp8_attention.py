@@ -279,6 +279,9 @@ GLUON_SCHEDULES = {"ahead": 0, "intra_wg": 1, "pingpong": 2}
 # The Gluon kernel is refused everywhere until it is right: on an H200 it missed the tolerance (D=64 causal
 # Tq=Tk=1000 GQA with V given token-contiguous: 2.7e-3 against 2e-3; large scores on a misaligned base: 3.9e-2
 # against 1e-2; and 22 wrong answers among the tuner's trials). docs/findings.md, "FP8 attention in Gluon".
+# Since: P @ V no longer chained through the FP8 wgmma accumulator (the tuner's drift, fixed, to be confirmed on a
+# GPU); the first two are the FP8 wgmma's ~14-bit accumulation of Q.K^T, which the Triton kernel's wgmma tiles
+# share (a CPU emulation of that accumulator reproduces 2.67e-3 and 3.7e-2).
 GLUON_OFF = "IMPL=gluon (the FP8 Gluon attention) is off: wrong answers on an H200 (docs/findings.md)"
 
 
