@@ -344,18 +344,12 @@ def _constraint(c, p: Problem, dtype) -> str | None:
     return None
 
 
-class _Space(K.Space):
-    """The space; a config without IMPL and SCHEDULE (stored before they existed) is the Triton kernel's."""
-
-    def why_malformed(self, config: dict) -> str | None:
-        return super().why_malformed({**LEGACY, **config})
-
-
-SPACE = _Space(
+SPACE = K.Space(
     params={"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "num_warps": [4, 8],
             "num_stages": [1, 2, 3, 4], "IMPL": ["triton", "gluon"],
             "SCHEDULE": ["pipelined", "ahead", "intra_wg", "pingpong"]},
     constraint=_constraint,
+    legacy=LEGACY,   # a config stored before IMPL and SCHEDULE existed is the Triton kernel's
 )
 
 

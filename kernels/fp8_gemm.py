@@ -366,20 +366,12 @@ def _constraint(c, p: Problem, dtype) -> str | None:
 LEGACY = {"IMPL": "triton", "PERSISTENT": 0}
 
 
-class Fp8Space(K.Space):
-    """The space, where a config without IMPL or PERSISTENT (stored before they existed) is the Triton
-    kernel's point (:data:`LEGACY`): stored entries keep loading, the launcher reads the keys with that
-    default."""
-
-    def why_malformed(self, config: dict) -> str | None:
-        return super().why_malformed({**LEGACY, **config})
-
-
-SPACE = Fp8Space(
+SPACE = K.Space(
     params={"BLOCK_M": [16, 32, 64, 128, 256], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [32, 64, 128],
             "GROUP_M": [1, 8], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "IMPL": ["triton", "gluon"],
             "PERSISTENT": [0, 1]},
     constraint=_constraint,
+    legacy=LEGACY,   # a config stored before IMPL and PERSISTENT existed is the Triton kernel's
 )
 
 

@@ -9,7 +9,9 @@ to BLOCK_N elements are normalised in one pass from registers; longer rows loop 
 (sum of squares, then normalise; with a residual the second pass re-reads the s it stored). The second pass
 walks the chunks last to first, and the first pass's loads ask L2 to keep the row (``evict_last``), the second's
 and its stores to drop it: a row re-read from L2 instead of HBM is what a long row's two passes cost (a 64k-wide
-bf16 row is 128 KiB; a few hundred of them in flight fill L2). Several short rows
+bf16 row is 128 KiB; a few hundred of them in flight fill L2). ``num_stages`` > 1 pipelines both passes' loads
+(``cp.async`` into that many shared buffers: more bytes in flight a program without more warps); 1 is the
+plain loop, what a config stored before the key existed means. Several short rows
 share a program (ROWS) so small N still fills the warps.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _sum_chunk(X, R, S_out, rows_x, rows_r, rows_s, offs_n, mask, stride_xn, str
 def _rms_norm_fwd(X, R, W, Y, S_out, M, N, stride_xm, stride_xn, stride_rm, stride_rn, stride_ym, stride_yn,
                   stride_sm, stride_sn, eps,
                   HAS_R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                  ONE_PASS: tl.constexpr):
+                  ONE_PASS: tl.constexpr, STAGES: tl.constexpr):
     offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     mask_m = offs_m < M
     rows = offs_m.to(tl.int64)[:, None]
@@ -65,7 +67,7 @@ def _rms_norm_fwd(X, R, W, Y, S_out, M, N, stride_xm, stride_xn, stride_rm, stri
         tl.store(rows_y + offs_n[None, :] * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask = mask_m[:, None] & (offs_n < N)[None, :]
             s = _sum_chunk(X, R, S_out, rows_x, rows_r, rows_s, offs_n, mask, stride_xn, stride_rn, stride_sn,
@@ -75,7 +77,8 @@ def _rms_norm_fwd(X, R, W, Y, S_out, M, N, stride_xm, stride_xn, stride_rm, stri
         if HAS_R:
             tl.debug_barrier()  # the second pass reads back the s this program's threads stored
         n_chunks = tl.cdiv(N, BLOCK_N)
-        for i in range(0, n_chunks):  # last chunk first: the most recently read, likeliest still in L2
+        # last chunk first: the most recently read, likeliest still in L2
+        for i in tl.range(0, n_chunks, num_stages=STAGES):
             offs_n = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             mask = mask_m[:, None] & mask_n[None, :]
@@ -172,7 +175,8 @@ def _plan(x, weight, eps, residual, out, config) -> _Plan:
                                            config)
     p.grid = (triton.cdiv(p.M, p.cfg["ROWS"]),)
     p.kws = dict(HAS_R=residual is not None, HAS_W=weight is not None, BLOCK_N=p.cfg["BLOCK_N"],
-                 ROWS=p.cfg["ROWS"], ONE_PASS=p.cfg["BLOCK_N"] >= N, num_warps=p.cfg["num_warps"])
+                 ROWS=p.cfg["ROWS"], ONE_PASS=p.cfg["BLOCK_N"] >= N, STAGES=SPACE.full(p.cfg)["num_stages"],
+                 num_warps=p.cfg["num_warps"])
     return p
 
 
@@ -235,7 +239,9 @@ SPACE = K.Space(
         "BLOCK_N": [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536],
         "ROWS": [1, 2, 4, 8, 16, 32],
         "num_warps": [1, 2, 4, 8, 16, 32],
+        "num_stages": [1, 2, 3, 4],
     },
+    legacy={"num_stages": 1},   # the plain loops, before the key existed
 )
 
 
@@ -252,6 +258,12 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         return "idle warps"
     if c["BLOCK_N"] < n2 and c["ROWS"] > 4:
         return "looped variant takes few rows"
+    stages = c.get("num_stages", 1)
+    if stages > 1 and c["BLOCK_N"] >= p.N:
+        return "num_stages > 1 pipelines the looped variant's chunks (this row fits one)"
+    smem = stages * c["ROWS"] * c["BLOCK_N"] * (torch.finfo(dtype).bits // 8) * (2 if p.residual else 1)
+    if stages > 1 and smem > 192 * 1024:
+        return f"{smem // 1024} KiB of shared memory for {stages} stages"
     return None
 
 
@@ -268,16 +280,19 @@ def default_config(p: Problem, dtype) -> dict:
     warps = max(1, min(16, block * rows // 512))
     while block * rows // (32 * warps) > 64:
         warps *= 2
-    return {"BLOCK_N": block, "ROWS": rows, "num_warps": warps}
+    return {"BLOCK_N": block, "ROWS": rows, "num_warps": warps, "num_stages": 1}
 
 
 def seeds(p: Problem, dtype) -> list[dict]:
     """Rows past the default's one-pass width (16384): the whole row in registers, one pass (32 warps keep it
-    at 64 values a thread up to 65536), which one-step moves from the looped 8192 do not reach."""
+    at 64 values a thread up to 65536), which one-step moves from the looped 8192 do not reach; and the looped
+    form with its loads pipelined (3-4 stages, fewer warps)."""
     n2 = triton.next_power_of_2(p.N)
     if n2 <= 16384 or n2 > 65536:
         return []
-    return [{"BLOCK_N": n2, "ROWS": 1, "num_warps": w} for w in (16, 32) if n2 // (32 * w) <= 64]
+    return [{"BLOCK_N": n2, "ROWS": 1, "num_warps": w, "num_stages": 1} for w in (16, 32) if n2 // (32 * w) <= 64] \
+        + [{"BLOCK_N": b, "ROWS": 1, "num_warps": w, "num_stages": s} for b in (4096, 8192) for w in (8, 16)
+           for s in (3, 4)]
 
 
 def bucket(p: Problem) -> dict:

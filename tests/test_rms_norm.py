@@ -94,3 +94,18 @@ def test_reference_sum_is_the_kernels_sum(dtype):
         y, s = rms_norm(x, None, 1e-6, r, config=cfg)
         assert torch.equal(s.double(), want_s)
         cmp.check(y, want_y, dtype)
+
+
+@pytest.mark.parametrize("stages", [1, 3, 4])
+@pytest.mark.parametrize("residual", [False, True])
+def test_pipelined_chunks_match(stages, residual):
+    """The looped form with its loads pipelined (num_stages > 1) and without; a stored config from before the
+    key existed is the plain loop's point and runs."""
+    p = Problem(3, 200, residual)
+    c = SPEC.make_inputs(p, torch.float32, dev.device(), 7)
+    cfg = {"BLOCK_N": 64, "ROWS": 1, "num_warps": 1, "num_stages": stages}
+    assert SPEC.space.why_invalid(cfg, p, torch.float32) is None
+    cmp.check(rms_norm(*c.args, **c.kwargs, config=cfg), SPEC.reference(*c.args, **c.kwargs), torch.float32)
+    legacy = {k: v for k, v in cfg.items() if k != "num_stages"}
+    assert SPEC.space.why_malformed(legacy) is None and SPEC.space.full(legacy)["num_stages"] == 1
+    assert "fits one" in SPEC.space.why_invalid(dict(cfg, BLOCK_N=256, num_stages=3), p, torch.float32)

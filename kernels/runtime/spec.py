@@ -68,12 +68,21 @@ class Space:
     ``constraint(config, problem, dtype)`` returns ``None`` when the point is valid, else a short reason
     (shared-memory budget, block larger than the problem, ...). Optuna draws from ``params``; the grid
     sampler enumerates :meth:`points`.
+
+    ``legacy``: keys added to the space after configs were stored, each with the value a config without it
+    means (the code before the key existed); such a config stays a point, read through :meth:`full`.
     """
     params: dict[str, list]
     constraint: Callable[[dict, Any, torch.dtype], str | None] = lambda c, p, d: None
+    legacy: dict = field(default_factory=dict)
+
+    def full(self, config: dict) -> dict:
+        """``config`` with the :attr:`legacy` keys it lacks filled in."""
+        return {**self.legacy, **config} if self.legacy else config
 
     def why_malformed(self, config: dict) -> str | None:
         """What makes ``config`` no point of the space for any problem (unknown, missing or unlisted values)."""
+        config = self.full(config)
         for k, v in config.items():
             if k not in self.params:
                 return f"unknown parameter {k!r}"
