@@ -700,10 +700,18 @@ def borrow(c: dict, p: Problem, dtype) -> str | None:
     return None
 
 
-def _llama(m: int) -> list[Problem]:
-    """Llama-3.2-1B's decode linears with what they fuse (hidden 2048, 32 / 8 heads of 64, intermediate
-    8192): input RMSNorm + qkv, post-attention RMSNorm + gate/up + SwiGLU."""
-    return [Problem(m, 3072, 2048, rms=True), Problem(m, 16384, 2048, act="swiglu", rms=True)]
+def _llama(m: int, hidden: int = 2048, qkv: int = 3072, inter: int = 8192, vocab: int = 128256) -> list[Problem]:
+    """A Llama-family model's decode linears with what they fuse (default: Llama-3.2-1B, hidden 2048, 32 / 8
+    heads of 64, intermediate 8192): input RMSNorm + qkv, o_proj + residual, post-attention RMSNorm + gate/up
+    + SwiGLU, down_proj + residual, the final RMSNorm + the LM head (the tied embedding, read transposed)."""
+    return [Problem(m, qkv, hidden, rms=True), Problem(m, hidden, hidden, residual=True),
+            Problem(m, 2 * inter, hidden, act="swiglu", rms=True), Problem(m, hidden, inter, residual=True),
+            Problem(m, vocab, hidden, trans_w=True, rms=True)]
+
+
+def _qwen05(m: int) -> list[Problem]:
+    """Qwen2.5-0.5B's (hidden 896, 14 / 2 heads of 64, intermediate 4864, qkv with bias)."""
+    return [Problem(m, 1152, 896, bias=True, rms=True)] + _llama(m, 896, 1152, 4864, 151936)[1:]
 
 
 SPEC = K.register(K.KernelSpec(
@@ -721,7 +729,7 @@ SPEC = K.register(K.KernelSpec(
     problem_of=problem_of,
     standard_problems=[p for m in (1, 4, 8) for p in _gpt2(m)]
     + [Problem(1, 4096, 4096), Problem(1, 28672, 8192), Problem(8, 28672, 8192)]
-    + [p for m in (1, 2, 4, 8) for p in _llama(m)],
+    + [p for m in (1, 2, 4, 8) for p in _llama(m) + _qwen05(m)],
     small_problems=[Problem(1, 96, 80, bias=True, act="gelu_tanh", ln=True),
                     Problem(5, 33, 47, trans_w=True, residual=True),
                     Problem(3, 64, 40, bias=True, act="swiglu", residual=True, rms=True)],
