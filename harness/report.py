@@ -165,6 +165,17 @@ def _serve_rows(modes: dict, label: str) -> list:
     return out
 
 
+def _sweep_rows(modes: dict) -> list:
+    out = []
+    for name, m in modes.items():
+        for b, r in sorted((m.get("batch_sweep") or {}).items(), key=lambda kv: int(kv[0])):
+            t = r.get("tpot_ms") or {}
+            ttft = (r.get("ttft_ms") or {}).get("p50")
+            out.append([name, b, r.get("requests", ""), _fmt(r.get("output_tok_s"), 0),
+                        f"{_fmt(t.get('p50'), 2)} / {_fmt(t.get('p99'), 2)}", _fmt(ttft, 0)])
+    return out
+
+
 def _serve_table(d: dict, fmt: str) -> str:
     runs = [("", d)] + [(k, v) for k, v in d.items() if isinstance(v, dict) and "modes" in v]
     rows = []
@@ -180,6 +191,11 @@ def _serve_table(d: dict, fmt: str) -> str:
     head = ["run", "mode", "output tok/s", "total tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
             "batch-1 decode tok/s", "peak KV blocks"]
     text = tabulate(rows, headers=head, tablefmt=fmt, disable_numparse=True)
+    sweep = _sweep_rows(d.get("modes", {}))
+    if sweep:
+        text += "\n\nBatch sweep (the first requests at each max batch):\n\n" + tabulate(
+            sweep, headers=["mode", "max batch", "requests", "output tok/s", "TPOT p50/p99 ms", "TTFT p50 ms"],
+            tablefmt=fmt, disable_numparse=True)
     if d.get("command"):
         text += f"\n\n`{d['command']}`"
     if d.get("note"):

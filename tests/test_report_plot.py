@@ -87,6 +87,17 @@ def test_no_marks_without_history(tmp_path):
     assert "↓" not in report.results_tables(tmp_path / "results", configs_dir=tmp_path / "none")
 
 
+
+def test_serving_results_show_their_batch_sweep(tmp_path):
+    run = {"requests": 64, "output_tok_s": 1790.4, "tpot_ms": {"p50": 1.1078, "p99": 1.2}, "ttft_ms": {"p50": 42.0}}
+    d = {"workload": {"requests": 64}, "model": "m", "dtype": "bfloat16", "command": "tritune serve-bench ...",
+         "modes": {"triton-graphs": {"run": {"output_tok_s": 21028.0}, "batch_sweep": {"8": run, "2": run}}}}
+    (tmp_path / "results" / "nvidia-h200").mkdir(parents=True)
+    (tmp_path / "results" / "nvidia-h200" / "serve_x.json").write_text(json.dumps(d))
+    text = report.results_tables(tmp_path / "results", configs_dir=tmp_path / "none")
+    sweep = text[text.index("Batch sweep"):]
+    assert "1790" in sweep and "1.11 / 1.20" in sweep and sweep.index("| 2 ") < sweep.index("| 8 ")
+
 PROFILE = {"rows": [
     {"command": "generate ROMEO: --max-new-tokens 8", "gpu": "NVIDIA H200", "date": "2026-11-28",
      "summary": {}, "kernels": [], "trace": "trace-generate.json",
