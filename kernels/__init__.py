@@ -9,7 +9,7 @@ from tritune.kernels.runtime.spec import (REGISTRY, Case, Cost, KernelSpec, Plan
                                           fp32_precision, get, precision_key, register, set_tune_on_miss,
                                           store_dtype)
 from tritune.kernels.runtime.checks import (BLOCK_SIZES, check_device, check_fusions, check_no_alias,  # noqa: F401
-                                            check_out, check_tensor, check_vec, extent, is_block_size,
+                                            aligned, check_out, check_tensor, check_vec, extent, is_block_size,
                                             kernel_device, span, tensor_meta)
 from tritune.kernels.runtime.launch import (DIRECT_LAUNCH, PDL, PDL_KERNELS, Counters,  # noqa: F401
                                             DescriptorMaker, Workspace, constexpr_params, keepable,

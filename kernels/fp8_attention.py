@@ -258,7 +258,7 @@ def fp8_attention(q, k, v, q_descale=None, k_descale=None, v_descale=None, *, ca
     if k.shape[2] == 0:
         return out.zero_()
     ones = _ONES.get(q.device)
-    if plan.gluon is not None and FG.aligned(q, k, out):
+    if plan.gluon is not None and K.aligned(q, k, out):
         ds = [(d if d is not None else ones, *st) for d, st in zip((q_descale, k_descale, v_descale), plan.descales)]
         FG.launch(q, k, v, out, ds, cache=plan.cache, **plan.gluon)
         return out

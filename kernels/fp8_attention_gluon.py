@@ -27,6 +27,7 @@ import torch
 import triton
 
 from tritune import kernels as K
+from tritune.kernels.runtime import device as dev
 
 try:  # Gluon is triton's; a build without it (or without its Hopper module) has no such path
     from triton.experimental import gluon
@@ -315,12 +316,9 @@ if AVAILABLE:
 
 # ---------------------------------------------------------------------------------------------------
 # The host side: where it runs, which calls it takes, the token-contiguous V, the descriptors and the launch
-@functools.lru_cache(maxsize=None)
 def runs_here() -> bool:
     """Gluon present and an sm90 GPU to run it (never the interpreter: Gluon does not run there)."""
-    from tritune.kernels.runtime import device as dev
-
-    return AVAILABLE and not dev.interpreted() and torch.cuda.get_device_capability()[0] == 9
+    return AVAILABLE and dev.hopper()
 
 
 @functools.lru_cache(maxsize=None)
@@ -336,16 +334,12 @@ def tma_strides_ok(*tensors) -> bool:
                for t in tensors)
 
 
-def aligned(*tensors) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
-
-
 def v_major(v):
     """V (B, H, T, D) as the (B, H, D, T) view of a token-contiguous tensor TMA reads: V itself where it is one
     (the "v_t" layout, T's rows 16-byte aligned), else a copy whose rows are padded to 16 bytes (TMA zero-fills
     tokens past T, so the padding is never read as keys)."""
     vt = v.transpose(2, 3)
-    if tma_strides_ok(vt) and aligned(vt):
+    if tma_strides_ok(vt) and K.aligned(vt):
         return vt
     B, H, D, T = vt.shape
     buf = torch.empty(B, H, D, triton.cdiv(T, 16) * 16, dtype=v.dtype, device=v.device)

@@ -290,7 +290,7 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", res
         K.check_no_alias(out, (("a", a), ("b", b), ("bias", bias), ("residual", residual)), "residual")
     if m == 0 or n == 0:
         return out
-    if plan.gluon is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
+    if plan.gluon is not None and K.aligned(a, b):
         c = plan.cfg
         FGG.launch(a, b, out, a_scale, b_scale, bias, residual, kws=plan.kws, block_m=c["BLOCK_M"],
                      block_n=c["BLOCK_N"], stages=c["num_stages"], persistent=bool(c.get("PERSISTENT")),
@@ -298,7 +298,7 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", res
         return out
     res = residual if residual is not None else out
     bias_arg = bias if bias is not None else out
-    if plan.tma and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
+    if plan.tma and K.aligned(a, b):
         a_d, b_d = _descriptors(plan, a, b)
         _fp8_gemm_tma_kernel[plan.grid](a_d, b_d, out, a_scale, b_scale, bias_arg, res, m, n, a.shape[1],
                                         out.stride(0), out.stride(1), res.stride(0), res.stride(1), *plan.sbs,
@@ -310,20 +310,9 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", res
     return out
 
 
-_SM90 = []
-
-
-def _sm90() -> bool:
-    """A GPU of compute capability 9.x is here (asked once); False under the interpreter."""
-    if not _SM90:
-        _SM90.append(not dev.interpreted() and torch.cuda.is_available()
-                     and torch.cuda.get_device_capability()[0] == 9)
-    return _SM90[0]
-
-
 def _gluon_constraint(c, p: Problem) -> str | None:
     """What the Gluon kernel does not take (beyond the Triton kernel's own limits, which its fallback needs)."""
-    if not (FGG.AVAILABLE and _sm90()):
+    if not (FGG.AVAILABLE and dev.hopper()):
         return "IMPL=gluon (the warp-specialized Gluon kernel) runs on sm90 GPUs only"
     if c["BLOCK_M"] not in (64, 128) or c["BLOCK_N"] not in (64, 128) or c["BLOCK_K"] != 128:
         # a consumer warpgroup holds its 64 x BLOCK_N accumulator and two fresh products: 1.5 x BLOCK_N fp32

@@ -16,6 +16,8 @@ from tritune.kernels.runtime import device as dev
 from tritune.references import attention as ref_attn
 from tritune.references import fp8_attention as ref
 
+from load_addresses import entries_read, loads_during  # the helpers beside the tests (conftest)
+
 DEV = dev.device()
 BF16 = torch.bfloat16
 # e4m3 rounds each of q, k, v and P within 2^-4 (about 2^-5 typical): a few percent of the output's norm
@@ -222,30 +224,15 @@ def test_block_ids_loaded_ahead_read_only_the_entries_in_use(monkeypatch, part):
     """The whole-tile loop loads the next tile's block ids a tile ahead, masked by block (keeping the ids'
     constancy over a block's tokens, which keeps V^T's rows 16-byte loads on a GPU): every table entry of a
     block holding a context token is read, and none past the length, on a table exactly as wide as needed."""
-    import numpy as np
-    from triton.runtime import interpreter
-
     p = PA.Problem(3, 4, 2, 32, 70, 8, True)
     c = PA.SPEC.make_inputs(p, BF16, DEV, 5)
     bt, lens = c.args[5], c.args[6]
     assert bt.shape[1] == -(-p.ctx // 8)
-    reads = []
-    load = interpreter.InterpreterBuilder.create_masked_load
-
-    def counted(self, ptrs, mask, other, *a):
-        addr = ptrs.data[mask.data.astype(bool)] if mask is not None else ptrs.data.ravel()
-        reads.append(addr.ravel().copy())
-        return load(self, ptrs, mask, other, *a)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
     cfg = {"BLOCK_N": 16, "PARTITION": part, "num_warps": 2, "num_stages": 3}
-    out = PA.fp8_paged_attention(*c.args, **c.kwargs, config=cfg)
-    monkeypatch.undo()
-    cmp.check(out, PA.SPEC.reference(*c.args, **c.kwargs), BF16)
-    addr = np.unique(np.concatenate(reads).astype(np.int64))
-    base, size = bt.data_ptr(), bt.element_size()
-    flat = (addr[(addr >= base) & (addr < base + bt.numel() * size)] - base) // size
-    read = {(int(i) // bt.shape[1], int(i) % bt.shape[1]) for i in flat}
+    out = []
+    read = entries_read(loads_during(monkeypatch, lambda: out.append(PA.fp8_paged_attention(*c.args, **c.kwargs,
+                                                                                           config=cfg))), bt)
+    cmp.check(out[0], PA.SPEC.reference(*c.args, **c.kwargs), BF16)
     assert read == {(b, j) for b, n in enumerate(lens.tolist()) for j in range(-(-n // 8))}
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,6 +15,8 @@ from tritune.kernels.runtime import compare as cmp
 from tritune.kernels.runtime import device as dev
 from tritune.kernels import paged_attention as pa
 from tritune.references import paged_attention as ref
+
+from load_addresses import entries_read, loads_during  # the helpers beside the tests (conftest)
 
 P = pa.Problem
 DEVICE = dev.device()
@@ -225,23 +226,11 @@ def test_each_kv_token_read_once_per_kv_head(monkeypatch, window, partition):
     """GQA (4 query heads on each kv head): one program per (sequence, kv head[, chunk]) loads a K/V tile
     once for the whole query group, so every K and V element in a sequence's window is read exactly once
     per step, and nothing outside the windows (counted from the interpreter's loads of the cache)."""
-    from triton.runtime import interpreter
-
     problem = P(3, 8, 2, 16, 50, 8, mixed=True, window=window)
     c = pa.make_inputs(problem, torch.float32, DEVICE, 3)
     q, kc, vc, bt, cl = c.args
-    reads = []
-    load = interpreter.InterpreterBuilder.create_masked_load
-
-    def counted(self, ptrs, mask, other, *a):
-        addr = ptrs.data[mask.data.astype(bool)] if mask is not None else ptrs.data.ravel()
-        reads.append(addr.ravel().copy())
-        return load(self, ptrs, mask, other, *a)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
-    pa.paged_attention(*c.args, config=_cfg(8, partition), **c.kwargs)
-    monkeypatch.undo()
-    addr = torch.from_numpy(np.concatenate(reads).astype(np.int64))
+    addr = torch.from_numpy(loads_during(monkeypatch, lambda: pa.paged_attention(*c.args, config=_cfg(8, partition),
+                                                                               **c.kwargs)))
     for cache in (kc, vc):
         base, size = cache.data_ptr(), cache.element_size()
         mine = addr[(addr >= base) & (addr < base + cache.numel() * size)]
@@ -465,27 +454,6 @@ def test_cached_launch_plan_still_validates_values_and_follows_config_cache():
 
 # ---------------------------------------------------------------------------------------------------
 # The block ids loaded a tile ahead (so that Triton's pipeliner can keep num_stages - 1 K/V tiles in flight)
-def _table_entries_read(monkeypatch, run, bt):
-    """The (sequence, column) block-table entries the interpreter's loads read during ``run()``."""
-    from triton.runtime import interpreter
-
-    reads = []
-    load = interpreter.InterpreterBuilder.create_masked_load
-
-    def counted(self, ptrs, mask, other, *a):
-        addr = ptrs.data[mask.data.astype(bool)] if mask is not None else ptrs.data.ravel()
-        reads.append(addr.ravel().copy())
-        return load(self, ptrs, mask, other, *a)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
-    run()
-    monkeypatch.undo()
-    addr = np.unique(np.concatenate(reads).astype(np.int64))
-    base, size = bt.data_ptr(), bt.element_size()
-    flat = (addr[(addr >= base) & (addr < base + bt.numel() * size)] - base) // size
-    return {(int(i) // bt.shape[1], int(i) % bt.shape[1]) for i in flat}
-
-
 @pytest.mark.skipif(not dev.interpreted() or DEVICE != "cpu", reason="counts the interpreter's loads")
 @pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("partition", [0, 16], ids=["single", "split"])
@@ -500,7 +468,7 @@ def test_block_ids_loaded_ahead_read_only_the_entries_in_use(monkeypatch, window
     q, kc, vc, bt, cl = c.args
     assert bt.shape[1] == -(-problem.ctx // 8)
     cfg = _cfg(8, partition, prefetch=prefetch)
-    read = _table_entries_read(monkeypatch, lambda: pa.paged_attention(*c.args, config=cfg, **c.kwargs), bt)
+    read = entries_read(loads_during(monkeypatch, lambda: pa.paged_attention(*c.args, config=cfg, **c.kwargs)), bt)
     want = set()
     for b, n in enumerate(cl.tolist()):
         lo = 0 if window is None else max(n - window, 0)

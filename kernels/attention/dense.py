@@ -95,7 +95,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
         K.check_no_alias(out, (("q", q), ("k", k), ("v", v)))
     lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.gluon is not None:
-        if L.aligned(q, k, v, out):
+        if K.aligned(q, k, v, out):
             GL.launch(q, k, v, out, lse=lse, cache=plan.gluon_cache, **plan.gluon)
             return (out, lse) if return_lse else out
         plan = plan.fallback   # a base TMA cannot read (e.g. a view one element in)

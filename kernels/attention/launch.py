@@ -128,10 +128,6 @@ def tma_strides_ok(e: int, *tensor_strides) -> bool:
     return all(st[-1] == 1 and all((x * e) % 16 == 0 for x in st[:-1]) for st in tensor_strides)
 
 
-def aligned(*ts) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in ts)
-
-
 _ALLOCATOR_SET = threading.local()
 
 
@@ -167,7 +163,7 @@ def launch_meta(plan, q, k, v, out) -> dict:
     stride along D, 16-byte aligned rows and bases), with the descriptors' allocator set; else the pointer path."""
     meta = plan.meta
     if meta["TMA"]:
-        meta = meta if aligned(q, k, v, out) else plan.meta_ptr
+        meta = meta if K.aligned(q, k, v, out) else plan.meta_ptr
         if meta["TMA"] == 1 and q.is_cuda:
             ensure_allocator()
     return meta

@@ -120,7 +120,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                ("cu_seqlens_k", cu_seqlens_k)))
     lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     if plan.gluon is not None:
-        if L.aligned(q, k, v, out):
+        if K.aligned(q, k, v, out):
             L.ensure_allocator()   # the kernel makes its descriptors on the device
             GL.launch_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, lse=lse, cache=plan.gluon_cache,
                             **plan.gluon)

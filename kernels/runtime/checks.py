@@ -143,6 +143,11 @@ def span(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
 
 
+def aligned(*ts) -> bool:
+    """Every tensor's base 16-byte aligned (what TMA and 16-byte vector loads need)."""
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
 def tensor_meta(t):
     """What a cached launch plan depends on for an optional tensor argument."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)

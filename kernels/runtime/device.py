@@ -32,6 +32,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
+def hopper() -> bool:
+    """A GPU of compute capability 9.x runs the kernels here (Gluon's sm90 kernels); never the interpreter."""
+    import torch
+
+    return not interpreted() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def device() -> str:
     """The device kernels run on: 'cuda' on a GPU, 'cpu' under the interpreter."""
     return "cpu" if interpreted() else "cuda"
