@@ -21,12 +21,18 @@ bf16's bytes. A per-head scale fixed ahead of time would save those bytes and le
 scales out of the loop, but needs calibration and clips what it did not foresee.
 
 Decode: one program per (sequence, kv head[, chunk]) takes the G = Hq / Hkv query heads of that kv head at
-once (padded to 16 rows for ``tl.dot``), streams BLOCK_N-token tiles with an online softmax (float32, base
-2), widens K and V from e4m3 to the query's dtype (exact: e4m3 is a subset of bf16 and fp16), multiplies the
-scores by each token's k scale and the probabilities by each token's v scale before P·V. Whole tiles load
-unmasked (a per-token predicate would split V's token rows into byte loads), their block ids loaded a tile
-ahead so that the pipeliner keeps num_stages - 1 tiles of K, V and scales in flight (see paged_attention);
-the rest of the context goes through 16-token tiles masked per token. Split-KV (PARTITION > 0): chunks of
+once (padded to 16 rows for ``tl.dot``) and streams BLOCK_N-token tiles with an online softmax (float32, base
+2). Both dots run in fp16 whatever the query's dtype: e4m3 widens to fp16 exactly in one instruction a pair,
+while to bf16 it takes three, two of them on the SM's quarter-rate conversion pipe, which bounded the decode
+(at B=64, 4k tokens: 384 conversions a token, ~190 µs of conversion pipe against the 127 µs the bytes need).
+The query enters as fp16 times a power of two (exact: fp16 holds bf16's significand); each token's k scale
+multiplies its score column. Each token's v scale cannot multiply P in fp16 (P·vs spans any range), so the
+kernel keeps two running maxima: m of the scores, for the denominator Σ 2^(s − m), and r of s − m + log2(vs)
+(relative to m: a score of 1e12 would swallow the scale's exponent), for the numerator's fp16 weights
+2^(s − m + log2 vs − r) in [0, 1]; the finished row is acc · 2^r / l.
+Whole tiles load unmasked (a per-token predicate would split V's token rows into byte loads), their block ids
+loaded a tile ahead so that the pipeliner keeps num_stages - 1 tiles of K, V and scales in flight (see
+paged_attention); the rest of the context goes through 16-token tiles masked per token. Split-KV (PARTITION > 0): chunks of
 PARTITION tokens write partial (m, l, acc) to a float32 workspace and a second launch merges them per
 (sequence, kv head).
 """
@@ -68,12 +74,13 @@ def _block_ids(table, n0, end, stride_tn, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
+def _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, r_i, acc, qk_scale,
                  s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Tokens [n0, n0 + BLOCK_N), held in blocks ``block``. MASKED=False only for a tile wholly inside the
     context: no per-token mask, whose predicates would split V's token-contiguous rows into byte loads (the
-    tail's tiles pass True)."""
+    tail's tiles pass True). Two running maxima: m_i of the scores s (for the denominator l_i) and r_i, relative
+    to m_i, of s - m_i + log2(v scale) (for acc, whose fp16 weights 2^(s - m + log2 vs - r) lie in [0, 1])."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     slot = offs_n % BLOCK_SIZE
     if MASKED:
@@ -88,16 +95,34 @@ def _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, 
         vt = tl.load(v_head + (block * s_vcn + slot)[None, :])
         ks = tl.load(ks_head + block * s_ksn + slot * s_ksb)
         vs = tl.load(vs_head + block * s_vsn + slot * s_vsb)
-    s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * qk_scale)[None, :]
+    # e4m3 -> fp16 is exact and one instruction a pair (to bf16: three, two of them on the conversion pipe)
+    s = tl.dot(q, tl.trans(k.to(tl.float16))) * (ks * qk_scale)[None, :]
     if MASKED:
         s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    shift = m_i - m_new                      # <= 0; -inf on the first tile
+    d = s - m_new[:, None]
+    l_i = l_i * tl.exp2(shift) + tl.sum(tl.exp2(d), axis=1)
+    # u = s - m + log2(vs), formed after the subtraction: scores of 1e12 would swallow the scale's exponent;
+    # a zero scale (an all-zero row) weighs nothing: log2(0) = -inf
+    u = d + tl.log2(vs)[None, :]
+    r_new = tl.maximum(r_i + shift, tl.max(u, axis=1))
+    r_sub = tl.where(r_new == float("-inf"), 0.0, r_new)
     # P·V with V^T's tokens along the dot's K: the operand loads as it lies, no byte transposes
-    acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), tl.trans(vt.to(q.dtype)))
-    return m_new, l_i, acc
+    w = tl.exp2(u - r_sub[:, None]).to(tl.float16)
+    acc = acc * tl.exp2(shift + r_i - r_sub)[:, None] + tl.dot(w, tl.trans(vt.to(tl.float16)))
+    return m_new, l_i, r_new, acc
+
+
+@triton.jit
+def _fp16_query(q, qk_scale):
+    """q (bf16 or fp16) as fp16 times 2^c, c an integer putting max |q| in [2^13, 2^14): exact (fp16 holds bf16's
+    8 significant bits; what falls under fp16's range is < 2^-38 of the largest entry); the score scale
+    absorbs 2^-c."""
+    amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+    e = tl.minimum(tl.maximum(tl.math.floor(tl.log2(amax)), -100.0), 100.0).to(tl.int32)
+    two_c = ((127 + 13 - e) << 23).to(tl.float32, bitcast=True)
+    return (q.to(tl.float32) * two_c).to(tl.float16), qk_scale / two_c
 
 
 @triton.jit
@@ -128,7 +153,9 @@ def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, qk_scale, num_parts, stride_
     v_head = Vc + kvh64 * s_vch + offs_d[:, None] * BLOCK_SIZE   # a (D, block_size) slab per block and head
     ks_head = Ks + kvh64 * s_ksh
     vs_head = Vs + kvh64 * s_vsh
+    q, qk_scale = _fp16_query(q, qk_scale)
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    r_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, D), dtype=tl.float32)
     # whole tiles unmasked (pipelined, vector loads), then what is left in 16-token tiles masked per token:
@@ -142,13 +169,17 @@ def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, qk_scale, num_parts, stride_
     block = _block_ids(table, start, end, stride_tn, BLOCK_SIZE, BLOCK_N)
     for n0 in range(start, full, BLOCK_N):
         block_nx = _block_ids(table, n0 + BLOCK_N, end, stride_tn, BLOCK_SIZE, BLOCK_N)
-        m_i, l_i, acc = _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
-                                     s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb, BLOCK_SIZE, BLOCK_N, False)
+        m_i, l_i, r_i, acc = _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, r_i, acc,
+                                          qk_scale, s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
+                                          BLOCK_SIZE, BLOCK_N, False)
         block = block_nx
     for n0 in tl.range(full, end, TAIL_N, num_stages=1):
         tail = _block_ids(table, n0, end, stride_tn, BLOCK_SIZE, TAIL_N)
-        m_i, l_i, acc = _decode_tile(q, tail, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, qk_scale,
-                                     s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb, BLOCK_SIZE, TAIL_N, True)
+        m_i, l_i, r_i, acc = _decode_tile(q, tail, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, r_i, acc,
+                                          qk_scale, s_kcn, s_kcb, s_vcn, s_ksn, s_ksb, s_vsn, s_vsb,
+                                          BLOCK_SIZE, TAIL_N, True)
+    # acc held Σ 2^(s - m + log2 vs - r) v: back to the standard partial Σ 2^(s - m) vs v (0 where nothing was seen)
+    acc = acc * tl.where(r_i == float("-inf"), 0.0, tl.exp2(r_i))[:, None]
     if PARTITION > 0:
         # partials (acc, then m, then l) of row (b, head, chunk); chunks past the length store m = -inf
         n_rows = tl.num_programs(0).to(tl.int64) * tl.num_programs(1) * GROUP * num_parts

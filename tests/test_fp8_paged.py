@@ -1,0 +1,30 @@
+"""The FP8-cache decode's fp16 arithmetic (kernels/fp8_paged_attention.py) over scales and queries of any range:
+per-token k and v scales spread over 2^±40, queries of 1e-25 and 1e25, zero V rows. The weights of P·V stay in
+fp16's [0, 1] and the query enters fp16 scaled by a power of two, so none of it over- or underflows."""
+import pytest
+import torch
+
+from tritune.kernels import fp8_paged_attention as PA
+from tritune.kernels.runtime import compare as cmp
+from tritune.kernels.runtime import device as dev
+
+DEV = dev.device()
+
+
+@pytest.mark.parametrize("q_mag", [1e-25, 1.0, 1e25])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scales_and_queries_of_any_range(q_mag, dtype):
+    if dtype == torch.float16 and q_mag != 1.0:
+        q_mag = 1e-3 if q_mag < 1 else 3e3   # within fp16's range
+    p = PA.Problem(2, 4, 2, 32, 70, 16, True)
+    c = PA.SPEC.make_inputs(p, dtype, DEV, 3)
+    q, k_cache, v_cache, k_scale, v_scale, tables, lens = c.args
+    g = torch.Generator().manual_seed(7)
+    spread = lambda: torch.exp2(torch.randint(-40, 41, k_scale.shape, generator=g).float()).to(DEV)  # noqa: E731
+    k_scale, v_scale = k_scale * spread(), v_scale * spread()
+    v_scale[::3] = 0.0                                       # all-zero V rows weigh nothing
+    q = (q.float() * q_mag).to(dtype)
+    args = (q, k_cache, v_cache, k_scale, v_scale, tables, lens)
+    want = PA.SPEC.reference(*args, **c.kwargs)
+    for cfg in (None, {"BLOCK_N": 16, "PARTITION": 32, "num_warps": 1, "num_stages": 2}):
+        cmp.check(PA.fp8_paged_attention(*args, **c.kwargs, config=cfg), want, dtype, what=f"q x {q_mag:g} {cfg}")
