@@ -101,7 +101,9 @@ def _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, 
         s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     shift = m_i - m_new                      # <= 0; -inf on the first tile
-    d = s - m_new[:, None]
+    # at most 0: the GPU contracts s = dot * scale and s - m into one FMA, which leaves the top score up to half
+    # an ulp of s above m (at |s| ~ 1e14 that is 2^24, and 2^(2^24) overflows)
+    d = tl.minimum(s - m_new[:, None], 0.0)
     l_i = l_i * tl.exp2(shift) + tl.sum(tl.exp2(d), axis=1)
     # u = s - m + log2(vs), formed after the subtraction: scores of 1e12 would swallow the scale's exponent;
     # a zero scale (an all-zero row) weighs nothing: log2(0) = -inf
