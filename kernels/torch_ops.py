@@ -35,6 +35,7 @@ import torch
 from tritune.kernels import attention as _attention
 from tritune.kernels import fp8_attention as _fp8_attention
 from tritune.kernels import fp8_gemm as _fp8_gemm
+from tritune.kernels import fp8_gemv as _fp8_gemv
 from tritune.kernels import fp8_kv_write as _fp8_kv_write
 from tritune.kernels import fp8_paged_attention as _fp8_paged
 from tritune.kernels import fp8_quant as _fp8_quant
@@ -430,6 +431,23 @@ def _(a, b, a_scale, b_scale, bias=None, activation="none", residual=None, out_d
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+@_op("fp8_gemv", ())
+def fp8_gemv(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, bias: Optional[Tensor] = None,
+             activation: str = "none", residual: Optional[Tensor] = None,
+             out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """fp8_gemm's product for at most 16 rows of a (decode) (tritune.kernels.fp8_gemv.fp8_gemv)."""
+    return _fp8_gemv.fp8_gemv(a, b, a_scale, b_scale, bias, activation=activation, residual=residual,
+                              out_dtype=out_dtype)
+
+
+@fp8_gemv.register_fake
+def _(a, b, a_scale, b_scale, bias=None, activation="none", residual=None, out_dtype=torch.bfloat16):
+    _two_dims("a", a)
+    _two_dims("b", b)
+    _inner("a", a, "b", b.shape[0])
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 @_op("fp8_quant", ())
 def fp8_quant(x: Tensor, norm: Optional[str] = None, norm_weight: Optional[Tensor] = None,
               norm_bias: Optional[Tensor] = None, eps: float = 1e-6, swiglu: bool = False) -> tuple[Tensor, Tensor]:
@@ -556,6 +574,7 @@ def _(q, k, cos, sin, positions, k_cache, v_cache, slot_mapping, v, validate=Tru
 # every op by name: what the tests iterate
 OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "gemv_kv": gemv_kv, "linear": linear,
        "attention": attention, "attention_varlen": attention_varlen, "paged_attention": paged_attention,
-       "write_kv": write_kv, "quant_matmul": quant_matmul, "fp8_gemm": fp8_gemm, "fp8_quant": fp8_quant,
-       "fp8_attention": fp8_attention, "fp8_kv_write": fp8_kv_write, "fp8_paged_attention": fp8_paged_attention,
-       "rms_norm": rms_norm, "rms_norm_add": rms_norm_add, "rotary": rotary, "rotary_kv": rotary_kv}
+       "write_kv": write_kv, "quant_matmul": quant_matmul, "fp8_gemm": fp8_gemm, "fp8_gemv": fp8_gemv,
+       "fp8_quant": fp8_quant, "fp8_attention": fp8_attention, "fp8_kv_write": fp8_kv_write,
+       "fp8_paged_attention": fp8_paged_attention, "rms_norm": rms_norm, "rms_norm_add": rms_norm_add,
+       "rotary": rotary, "rotary_kv": rotary_kv}
