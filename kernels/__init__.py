@@ -13,5 +13,5 @@ from tritune.kernels.runtime.checks import (BLOCK_SIZES, check_device, check_fus
                                             kernel_device, span, tensor_meta)
 from tritune.kernels.runtime.launch import (DIRECT_LAUNCH, PDL, PDL_KERNELS, Counters,  # noqa: F401
                                             DescriptorMaker, Workspace, constexpr_params, keepable,
-                                            launch_cached, launch_direct, num_sms, pdl, pdl_forced, pdl_now,
+                                            launch_cached, launch_direct, launch_variants, num_sms, pdl, pdl_forced, pdl_now,
                                             sdpa_backend)

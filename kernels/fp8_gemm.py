@@ -213,7 +213,8 @@ class _Plan:
 _PLANS = K.PlanCache()
 
 
-def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, config) -> _Plan:
+def check_args(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype) -> None:
+    """fp8_gemm's argument checks (a ValueError/TypeError naming the argument); fp8_gemv's too."""
     K.check_tensor("a", a, ndim=2, dtypes=(E4M3,))
     K.check_tensor("b", b, ndim=2, dtypes=(E4M3,))
     K.check_device("a", a)
@@ -233,8 +234,15 @@ def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, co
         K.check_tensor("residual", residual, ndim=2, dtypes=(out_dtype,))
         if tuple(residual.shape) != (m, n):
             raise ValueError(f"residual: expected shape {(m, n)}, got {tuple(residual.shape)}")
+        if residual.device != a.device:
+            raise ValueError(f"residual: on {residual.device}, but a is on {a.device}")
     if out is not None:
         K.check_out(out, (m, n), out_dtype, a.device)
+
+
+def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, config) -> _Plan:
+    check_args(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype)
+    m, n = a.shape[0], b.shape[1]
     p = _Plan()
     p.problem = problem_of(a, b, a_scale, b_scale, bias, activation, residual)
     p.out_dtype = out_dtype

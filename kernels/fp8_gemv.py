@@ -44,7 +44,6 @@ from tritune.kernels.gemv import gemv
 from tritune.kernels.runtime import strategies as S
 from tritune.references import fp8 as ref
 
-E4M3 = torch.float8_e4m3fn
 MAX_M = 16            # more rows: fp8_gemm's tiles
 SCALE_BLOCK = ref.BLOCK
 ACTIVATIONS = FG.ACTIVATIONS
@@ -221,32 +220,10 @@ _workspace = K.Workspace()
 
 def _check(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype) -> Problem:
     """fp8_gemm's checks (errors name the argument), and at most MAX_M rows; returns the problem."""
-    K.check_tensor("a", a, ndim=2, dtypes=(E4M3,))
-    K.check_tensor("b", b, ndim=2, dtypes=(E4M3,))
-    K.check_device("a", a)
-    for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
-        if isinstance(t, torch.Tensor) and t.device != a.device:
-            raise ValueError(f"{name}: on {t.device}, but a is on {a.device}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"b: expected {a.shape[1]} rows (a's columns), got shape {tuple(b.shape)}")
+    FG.check_args(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype)
     if a.shape[0] > MAX_M:
         raise ValueError(f"a: {a.shape[0]} rows; fp8_gemv takes at most {MAX_M} (decode rows): "
                          "use tritune.kernels.fp8_gemm.fp8_gemm for more")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype: expected one of {OUT_DTYPES}, got {out_dtype}")
-    m, n = a.shape[0], b.shape[1]
-    if bias is not None:
-        K.check_vec("bias", bias, n, out_dtype, a.device, "b's columns")
-    if residual is not None:
-        K.check_tensor("residual", residual, ndim=2, dtypes=(out_dtype,))
-        if tuple(residual.shape) != (m, n):
-            raise ValueError(f"residual: expected shape {(m, n)}, got {tuple(residual.shape)}")
-        if residual.device != a.device:
-            raise ValueError(f"residual: on {residual.device}, but a is on {a.device}")
-    if out is not None:
-        K.check_out(out, (m, n), out_dtype, a.device)
     return FG.problem_of(a, b, a_scale, b_scale, bias, activation, residual)
 
 
@@ -279,12 +256,7 @@ def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, co
                  HAS_BIAS=bias is not None, GELU=activation == "gelu_tanh", HAS_RES=residual is not None,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=kdim > 0 and kdim % bk == 0,
                  SBLOCK=SCALE_BLOCK, PDL=False, num_warps=c["num_warps"], num_stages=c["num_stages"])
-    # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
-    p.kws_pdl = dict(p.kws, PDL=True, launch_pdl=True) if K.pdl(a.device) else None
-    # direct launches (kernels.launch_direct) after the first: every parameter, constexprs included
-    p.kernels = {} if K.DIRECT_LAUNCH and a.device.type == "cuda" else None
-    p.consts = tuple(p.kws[k] for k in _CONSTEXPRS)
-    p.consts_pdl = tuple(p.kws_pdl[k] for k in _CONSTEXPRS) if p.kws_pdl is not None else None
+    K.launch_variants(p, a.device, _CONSTEXPRS)   # PDL in graphs, direct launches after the first
     return p
 
 

@@ -458,12 +458,7 @@ def _make_plan(x, w, bias, activation, residual, ln, kv, out, config, rms=None) 
                  LN_BLOCK=min(triton.next_power_of_2(kdim), max(64, 8192 // max(bm, 1))),
                  EVEN_K=kdim % bk == 0, INT64=int64, PDL=False, num_warps=cfg["num_warps"],
                  num_stages=cfg["num_stages"])
-    # the same launch with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)
-    p.kws_pdl = dict(p.kws, PDL=True, launch_pdl=True) if K.pdl(x.device) else None
-    # direct launches (kernels.launch_direct) after the first: every parameter, constexprs included
-    p.kernels = {} if K.DIRECT_LAUNCH and x.device.type == "cuda" else None
-    p.consts = tuple(p.kws[c] for c in _CONSTEXPRS)
-    p.consts_pdl = tuple(p.kws_pdl[c] for c in _CONSTEXPRS) if p.kws_pdl is not None else None
+    K.launch_variants(p, x.device, _CONSTEXPRS)   # PDL in graphs, direct launches after the first
     return p
 
 

@@ -423,12 +423,16 @@ def fp8_gemm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, bias: Optio
                               out_dtype=out_dtype)
 
 
-@fp8_gemm.register_fake
-def _(a, b, a_scale, b_scale, bias=None, activation="none", residual=None, out_dtype=torch.bfloat16):
+def _fp8_product_fake(a, b, a_scale, b_scale, bias=None, activation="none", residual=None,
+                      out_dtype=torch.bfloat16):
+    """The fake of fp8_gemm and fp8_gemv (one product, two kernels): (M, N) in ``out_dtype``."""
     _two_dims("a", a)
     _two_dims("b", b)
     _inner("a", a, "b", b.shape[0])
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+fp8_gemm.register_fake(_fp8_product_fake)
 
 
 @_op("fp8_gemv", ())
@@ -440,12 +444,7 @@ def fp8_gemv(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, bias: Optio
                               out_dtype=out_dtype)
 
 
-@fp8_gemv.register_fake
-def _(a, b, a_scale, b_scale, bias=None, activation="none", residual=None, out_dtype=torch.bfloat16):
-    _two_dims("a", a)
-    _two_dims("b", b)
-    _inner("a", a, "b", b.shape[0])
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+fp8_gemv.register_fake(_fp8_product_fake)
 
 
 @_op("fp8_quant", ())

@@ -210,6 +210,17 @@ def pdl(device) -> bool:
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def launch_variants(plan, device, constexprs: tuple) -> None:
+    """Fill a plan's launch variants from ``plan.kws``: ``kws_pdl`` (the same launch with programmatic dependent
+    launch, taken while a CUDA graph is captured: :func:`pdl_now`), ``kernels`` (the compiled kernels of direct
+    launches, :func:`launch_direct`, after the first) and ``consts``/``consts_pdl`` (every constexpr a direct
+    launch passes after the runtime arguments, in ``constexprs``' order)."""
+    plan.kws_pdl = dict(plan.kws, PDL=True, launch_pdl=True) if pdl(device) else None
+    plan.kernels = {} if DIRECT_LAUNCH and torch.device(device).type == "cuda" else None
+    plan.consts = tuple(plan.kws[c] for c in constexprs)
+    plan.consts_pdl = tuple(plan.kws_pdl[c] for c in constexprs) if plan.kws_pdl is not None else None
+
+
 def pdl_now(kernel: str | None = None) -> bool:
     """Whether a launch made now (on a device where :func:`pdl` holds) uses it: only while a CUDA graph is
     being captured, and not with TRITUNE_PDL=0 or ``PDL = False``. In a graph the launch attribute costs
