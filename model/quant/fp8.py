@@ -148,6 +148,9 @@ def torch_fp8_linear(q, s, w: Fp8Weight, b=None, activation=None, residual=None,
     return y.to(out_dtype)
 
 
+GEMV_ROWS = 8   # decode steps of at most this many rows: fp8_gemv (reads the e4m3 weight once)
+
+
 class Fp8Ops:
     """A model's ops, with a linear whose weight is an :class:`Fp8Weight` run W8A8 (the rest delegated)."""
 
@@ -157,15 +160,17 @@ class Fp8Ops:
         self.capturable = getattr(base, "capturable", False)
         if backend == "triton":
             from tritune.kernels.fp8_gemm import fp8_gemm
+            from tritune.kernels.fp8_gemv import fp8_gemv
             from tritune.kernels.fp8_quant import fp8_quant
 
-            self._quant, self._gemm = fp8_quant, fp8_gemm
+            self._quant, self._gemm, self._gemv = fp8_quant, fp8_gemm, fp8_gemv
             self.steps["linear"] = (f"{mode}: per-token kernel tritune.kernels.fp8_quant (the LayerNorm before "
                                     "it fused where the forward has one) + kernel tritune.kernels.fp8_gemm "
-                                    "(bias, GELU, residual in its epilogue) for fp16/bf16 activations; fp32: "
-                                    "the same quantized math in PyTorch")
+                                    f"(tritune.kernels.fp8_gemv for decode's <= {GEMV_ROWS} rows; bias, GELU, "
+                                    "residual in their epilogue) for fp16/bf16 activations; fp32: the same "
+                                    "quantized math in PyTorch")
         else:
-            self._quant = self._gemm = None
+            self._quant = self._gemm = self._gemv = None
             self.steps["linear"] = f"{mode}: per-token e4m3 activations x e4m3 weights, the quantized math in PyTorch"
 
     def __getattr__(self, name):
@@ -184,7 +189,8 @@ class Fp8Ops:
             return y if residual is None else y + residual
         res = None if residual is None else residual.reshape(-1, w.N)
         if self._kernels(x):
-            y = self._gemm(q, w.b, s, w.b_scale, b, activation=activation or "none", residual=res, out_dtype=x.dtype)
+            gemm = self._gemv if q.shape[0] <= GEMV_ROWS else self._gemm
+            y = gemm(q, w.b, s, w.b_scale, b, activation=activation or "none", residual=res, out_dtype=x.dtype)
         else:
             y = torch_fp8_linear(q, s, w, b, activation, res, x.dtype)
         return y.reshape(*lead, w.N)
