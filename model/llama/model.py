@@ -121,6 +121,16 @@ def rms_linear(ops, x, norm_w, eps, w, b=None, activation=None):
     return ops.swiglu(y) if activation == "swiglu" else y
 
 
+def rms_mlp(ops, x, norm_w, eps, w_gu, b_gu, w_down, b_down):
+    """x + down(swiglu(gate_up(rms_norm(x)))): the ops' own fused ``rms_mlp`` where their class defines one
+    (fp8: the SwiGLU fused into the down projection's activation quantization), else :func:`rms_linear`
+    with the SwiGLU and then the down projection with the residual."""
+    if hasattr(type(ops), "rms_mlp"):
+        return ops.rms_mlp(x, norm_w, eps, w_gu, b_gu, w_down, b_down)
+    f = rms_linear(ops, x, norm_w, eps, w_gu, b_gu, activation="swiglu")
+    return ops.linear(f, w_down, b_down, residual=x)
+
+
 class TorchOps:
     capturable = False      # write_kv masks padding slots on the host
     quant_kernel = False    # quantized linears: dequantize + matmul (the reference), not the kernel
@@ -292,8 +302,7 @@ class Llama(FamilyModel):
                 q, k = ops.rotary(q, k, self.cos, self.sin, pos)
             a = attend(i, q, k, v, fused_kv is not None)
             x = ops.linear(a.reshape(T, Hq * D), L.w_o, L.b_o, residual=x)
-            f = rms_linear(ops, x, L.ln2_w, eps, L.w_gu, L.b_gu, activation="swiglu")
-            x = ops.linear(f, L.w_down, L.b_down, residual=x)
+            x = rms_mlp(ops, x, L.ln2_w, eps, L.w_gu, L.b_gu, L.w_down, L.b_down)
         return x
 
     def logits(self, x):

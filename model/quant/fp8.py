@@ -148,7 +148,7 @@ def torch_fp8_linear(q, s, w: Fp8Weight, b=None, activation=None, residual=None,
     return y.to(out_dtype)
 
 
-GEMV_ROWS = 8   # decode steps of at most this many rows: fp8_gemv (reads the e4m3 weight once)
+GEMV_ROWS = 16  # decode steps of at most this many rows: fp8_gemv (reads the e4m3 weight once)
 
 
 class Fp8Ops:
@@ -219,6 +219,18 @@ class Fp8Ops:
             q, s = torch_quant_rows(h)
         return self._run(q, s, x, w, b, activation, None), False
 
+
+    def rms_mlp(self, x, norm_w, eps, w_gu, b_gu, w_down, b_down):
+        """x + down(swiglu(gate_up(rms_norm(x)))) (the Llama family's hook): with both weights e4m3 and the
+        kernels in use, the SwiGLU runs inside the down projection's activation quantization
+        (``fp8_quant(swiglu=True)``), so silu(g)·u never reaches memory in bf16; otherwise the steps."""
+        if not (isinstance(w_gu, Fp8Weight) and isinstance(w_down, Fp8Weight) and self._kernels(x)):
+            f = self.rms_linear(x, norm_w, eps, w_gu, b_gu, activation="swiglu")
+            return self.linear(f, w_down, b_down, residual=x)
+        x2 = x.reshape(-1, x.shape[-1])
+        gu = self._run(*self._quant(x2, norm=("rms", norm_w, eps)), x, w_gu, b_gu, None, None)
+        q, s = self._quant(gu.reshape(-1, w_gu.N), swiglu=True)
+        return self._run(q, s, x, w_down, b_down, None, x)
 
     def rms_linear(self, x, norm_w, eps, w, b=None, activation=None):
         """linear(rms_norm(x)) (the Llama family's hook), the RMSNorm fused into the activation quantization;
