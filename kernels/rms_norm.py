@@ -13,6 +13,12 @@ bf16 row is 128 KiB; a few hundred of them in flight fill L2). ``num_stages`` > 
 (``cp.async`` into that many shared buffers: more bytes in flight a program without more warps); 1 is the
 plain loop, what a config stored before the key existed means. Several short rows
 share a program (ROWS) so small N still fills the warps.
+
+``gluon=1`` (a config key; 0, the Triton kernel, for configs stored before it existed): long rows (N > 16384) of
+bf16/fp16 without a residual take :mod:`.rms_norm_gluon`'s kernel on CUDA GPUs of compute capability 9 or more,
+which holds each row in shared memory and reads it from HBM once (its BLOCK_N is the ring's chunk, num_warps its
+warps). Where it does not take the call (the interpreter, another GPU, strides or a base TMA cannot read), the
+Triton kernel runs with the same config: the same results.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tritune import kernels as K
+from tritune.kernels import rms_norm_gluon as RG   # held as a module: its jitted code counts in the store's hash
 from tritune.kernels.runtime import strategies as S
 from tritune.references import rms_norm as ref
 
@@ -116,7 +123,9 @@ def problem_of(x, weight=None, eps=1e-6, residual=None, **_) -> Problem:
 class _Plan:
     """What a launch needs beyond the data pointers, worked out (and the arguments checked) once per
     combination of metadata (K.PlanCache)."""
-    __slots__ = ("shape", "M", "N", "grid", "kws", "eps", "cfg", "cfg_key")
+    # gluon: the Gluon kernel's launch state (kernels.rms_norm_gluon.launch's cache), where the config asks for it
+    # and it takes the call (bf16/fp16, no residual, long rows, TMA-readable x, a GPU it runs on); else None
+    __slots__ = ("shape", "M", "N", "grid", "kws", "eps", "cfg", "cfg_key", "gluon")
 
 
 _PLANS = K.PlanCache()
@@ -169,7 +178,7 @@ def _plan(x, weight, eps, residual, out, config) -> _Plan:
     p.M, p.N = x.numel() // N, N
     p.eps = float(eps)
     if p.M == 0:
-        p.cfg = p.cfg_key = p.grid = p.kws = None
+        p.cfg = p.cfg_key = p.grid = p.kws = p.gluon = None
         return p
     p.cfg, p.cfg_key = SPEC.config_and_key(Problem(p.M, N, residual is not None, weight is not None), x.dtype,
                                            config)
@@ -177,7 +186,27 @@ def _plan(x, weight, eps, residual, out, config) -> _Plan:
     p.kws = dict(HAS_R=residual is not None, HAS_W=weight is not None, BLOCK_N=p.cfg["BLOCK_N"],
                  ROWS=p.cfg["ROWS"], ONE_PASS=p.cfg["BLOCK_N"] >= N, STAGES=SPACE.full(p.cfg)["num_stages"],
                  num_warps=p.cfg["num_warps"])
+    p.gluon = {} if _gluon_takes(p, x, residual, out) else None
     return p
+
+
+def _view_strides(t, M, N) -> tuple:
+    """The strides of ``t``'s (M, N) rows as the launcher sees them (:func:`_rows`: a view, else a contiguous
+    copy), without copying."""
+    try:
+        return t.view(M, N).stride()
+    except RuntimeError:
+        return (N, 1)
+
+
+def _gluon_takes(p: _Plan, x, residual, out) -> bool:
+    """The plan's config asks for the Gluon kernel and it takes the call (x's base: checked each launch)."""
+    if not SPACE.full(p.cfg)["gluon"] or not RG.runs_on(x.device):
+        return False
+    if RG.problem_refusal(p.N, x.dtype, residual is not None, p.cfg["BLOCK_N"], x.device.index) is not None:
+        return False
+    y_strides = (p.N, 1) if out is None else _view_strides(out, p.M, p.N)
+    return RG.strides_ok(p.N, _view_strides(x, p.M, p.N), y_strides, x.element_size())
 
 
 def _rows(t, M, N):
@@ -227,6 +256,10 @@ def rms_norm(x, weight=None, eps: float = 1e-6, residual=None, *, out=None, conf
     r2, srm, srn = _rows(residual, M, N) if has_r else (x2, 0, 0)
     y2, sym, syn = _writable_rows(y, M, N)
     s2, ssm, ssn = _writable_rows(s, M, N) if has_r else (y2, 0, 0)
+    if plan.gluon is not None and RG.aligned(x2):
+        RG.launch(x2, weight.contiguous() if weight is not None else None, y2, plan.eps, chunk=plan.cfg["BLOCK_N"],
+                  num_warps=plan.cfg["num_warps"], cache=plan.gluon)
+        return y
     w = weight.contiguous() if weight is not None else x2
     _rms_norm_fwd[plan.grid](x2, r2, w, y2, s2, M, N, sxm, sxn, srm, srn, sym, syn, ssm, ssn, plan.eps,
                              **plan.kws)
@@ -240,8 +273,9 @@ SPACE = K.Space(
         "ROWS": [1, 2, 4, 8, 16, 32],
         "num_warps": [1, 2, 4, 8, 16, 32],
         "num_stages": [1, 2, 3, 4],
+        "gluon": [0, 1],
     },
-    legacy={"num_stages": 1},   # the plain loops, before the key existed
+    legacy={"num_stages": 1, "gluon": 0},   # the plain loops and the Triton kernel, before the keys existed
 )
 
 
@@ -264,7 +298,21 @@ def _constraint(c, p: Problem, dtype) -> str | None:
     smem = stages * c["ROWS"] * c["BLOCK_N"] * (torch.finfo(dtype).bits // 8) * (2 if p.residual else 1)
     if stages > 1 and smem > 192 * 1024:
         return f"{smem // 1024} KiB of shared memory for {stages} stages"
+    if c.get("gluon", 0):
+        return _gluon_constraint(c, p, dtype)
     return None
+
+
+def _gluon_constraint(c, p: Problem, dtype) -> str | None:
+    """What the Gluon kernel does not take, beyond the Triton kernel's limits above (which its fallback needs):
+    it reads BLOCK_N (its ring's chunk) and num_warps; ROWS and num_stages, the Triton kernel's, are fixed at 1."""
+    if not RG.runs_here():
+        return "gluon=1 (the Gluon kernel) runs on CUDA GPUs of compute capability 9 or more, not in the interpreter"
+    if c["BLOCK_N"] not in RG.CHUNKS or c["num_warps"] not in RG.WARPS:
+        return f"gluon=1: BLOCK_N (the ring's chunk) one of {RG.CHUNKS}, num_warps one of {RG.WARPS}"
+    if c["ROWS"] != 1 or c.get("num_stages", 1) != 1:
+        return "gluon=1 takes ROWS=1 and num_stages=1 (the Triton kernel's keys it does not read, fixed)"
+    return RG.problem_refusal(p.N, dtype, p.residual, c["BLOCK_N"])
 
 
 SPACE.constraint = _constraint
@@ -286,13 +334,16 @@ def default_config(p: Problem, dtype) -> dict:
 def seeds(p: Problem, dtype) -> list[dict]:
     """Rows past the default's one-pass width (16384): the whole row in registers, one pass (32 warps keep it
     at 64 values a thread up to 65536), which one-step moves from the looped 8192 do not reach; and the looped
-    form with its loads pipelined (3-4 stages, fewer warps)."""
+    form with its loads pipelined (3-4 stages, fewer warps). Where the Gluon kernel takes the problem
+    (bf16/fp16, no residual, on a GPU it runs on): gluon=1 with chunks of 4096 to 16384 (a row read from HBM
+    once); seeds it refuses are skipped."""
     n2 = triton.next_power_of_2(p.N)
     if n2 <= 16384 or n2 > 65536:
         return []
     return [{"BLOCK_N": n2, "ROWS": 1, "num_warps": w, "num_stages": 1} for w in (16, 32) if n2 // (32 * w) <= 64] \
         + [{"BLOCK_N": b, "ROWS": 1, "num_warps": w, "num_stages": s} for b in (4096, 8192) for w in (8, 16)
-           for s in (3, 4)]
+           for s in (3, 4)] \
+        + [{"BLOCK_N": b, "ROWS": 1, "num_warps": w, "num_stages": 1, "gluon": 1} for b in RG.CHUNKS for w in RG.WARPS]
 
 
 def bucket(p: Problem) -> dict:
