@@ -56,8 +56,11 @@ def write_checkpoint(shape: str, folder: Path) -> Path:
     return folder
 
 
-def engine_decode(directory: Path, prompt: int, new: int, reps: int) -> tuple[list[float], object]:
+def engine_decode(directory: Path, prompt: int, new: int, reps: int, quant: str | None = None):
+    """(decode tok/s of each timed run, the engine, the bytes of the weights it serves)."""
     import torch
+
+    from tritune.model.eval import weight_bytes
 
     from tritune.model.engine.engine import Engine
     from tritune.model.engine.scheduler import SamplingParams
@@ -66,6 +69,10 @@ def engine_decode(directory: Path, prompt: int, new: int, reps: int) -> tuple[li
 
     model_type = json.loads((directory / "config.json").read_text())["model_type"]
     model = loader(model_type)(directory, backend="triton", dtype=torch.bfloat16, device="cuda")
+    if quant == "fp8":   # W8A8: the projections in e4m3 with per-channel scales, as `quant="fp8"` serves them
+        from tritune.model.quant.fp8 import quantize_model
+
+        model = quantize_model(model)
     ids = list(range(1, prompt + 1))
     for graphs in (True, False):   # CUDA graphs where the engine can capture this family, else eager
         try:
@@ -79,7 +86,7 @@ def engine_decode(directory: Path, prompt: int, new: int, reps: int) -> tuple[li
                 if i:   # the first run compiles and captures
                     rates.append((new - 1) / (req.finish_time - req.first_token_time))
             eng.graphs_used = graphs
-            return rates, eng
+            return rates, eng, weight_bytes(model.w)
         except Exception as e:  # noqa: BLE001  (reported, then the eager engine)
             if not graphs:
                 raise
@@ -133,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--hf", action="store_true", help="also transformers + static cache + torch.compile")
+    p.add_argument("--quant", choices=["fp8"], help="serve the weights quantized (the floor: their bytes)")
     p.add_argument("--results", default="results")
     args = p.parse_args(argv)
     from tabulate import tabulate
@@ -145,18 +153,20 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             d = write_checkpoint(shape, Path(tmp))
             weight_bytes = sum(f.stat().st_size for f in d.glob("*.safetensors"))
-            rates, eng = engine_decode(d, args.prompt, args.new, args.reps)
+            rates, eng, served_bytes = engine_decode(d, args.prompt, args.new, args.reps, args.quant)
+            if args.quant:   # the floor is what the engine reads: e4m3 projections, bf16 head and norms
+                weight_bytes = served_bytes
             split = kernel_split(eng, args.prompt, args.new)
             graphs_used = eng.graphs_used
             del eng
             hf = hf_compiled(d, args.prompt, args.new) if args.hf else None
         floor = bw / weight_bytes
         rate = statistics.median(rates)
-        row = dict(shape=shape, cuda_graphs=graphs_used, weight_bytes=weight_bytes, floor_tok_s=floor, decode_tok_s=rate,
+        row = dict(shape=shape, quant=args.quant or "none", cuda_graphs=graphs_used, weight_bytes=weight_bytes, floor_tok_s=floor, decode_tok_s=rate,
                    of_floor=rate / floor, runs=rates, hf_compiled_tok_s=hf, new=args.new, prompt=args.prompt,
                    split=split[:25])
         out.append(row)
-        print(f"{shape}: {rate:.0f} tok/s decode, floor {floor:.0f} ({100 * rate / floor:.0f}%)"
+        print(f"{shape}{' ' + args.quant if args.quant else ''}: {rate:.0f} tok/s decode, floor {floor:.0f} ({100 * rate / floor:.0f}%)"
               + (f", transformers static+compile {hf:.0f}" if hf else ""), flush=True)
         print(tabulate([[r["kernel"][:56], "yes" if r["tritune"] else "", f"{r['calls'] / (args.new - 1):.1f}",
                          f"{r['us_per_token']:.1f}", f"{100 * r['share']:.1f}%"] for r in split[:15]],
