@@ -120,3 +120,29 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, activation: str = "none", residu
     if residual is not None:
         out = out + residual.double()
     return out
+
+
+def quotients(x: torch.Tensor, norm=None, swiglu: bool = False) -> torch.Tensor:
+    """What :func:`fp8_quant` rounds to e4m3, in float64: y / scale of each row, clamped to ±448."""
+    x64 = normalize(x, norm, swiglu)
+    scale = (x64.abs().amax(dim=-1) / E4M3_MAX).clamp_min(MIN_SCALE)
+    return (x64 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX)
+
+
+def midpoint_distance(t: torch.Tensor) -> torch.Tensor:
+    """How far each value lies from e4m3's nearest rounding midpoint, in units of the gap between the two
+    codes around it: 0.5 on a code, 0 on a midpoint. A kernel that forms the quotient in float32 may round
+    a value within float32's last bits of a midpoint the other way than this float64 reference does (both
+    right); inputs kept a distance away from 0 compare code for code."""
+    a = t.abs().double()
+    step = torch.exp2(torch.floor(torch.log2(a.clamp_min(2.0**-6))) - 3)   # subnormals: the lowest binade's step
+    frac = a / step
+    return (frac - frac.floor() - 0.5).abs()
+
+
+def fp8_qgemv(x, b, b_scale, bias=None, norm=None, swiglu: bool = False, activation: str = "none",
+              residual=None, **_):
+    """The fused W8A8 decode linear in float64: :func:`fp8_quant` of x (its norm or SwiGLU) gives the e4m3
+    rows and their scales, :func:`fp8_gemm` multiplies them by b · b_scale (+ bias, GELU, + residual)."""
+    q, scale = fp8_quant(x, norm=norm, swiglu=swiglu)
+    return fp8_gemm(q, b, scale, b_scale, bias, activation, residual)
