@@ -36,6 +36,7 @@ from tritune.kernels import attention as _attention
 from tritune.kernels import fp8_attention as _fp8_attention
 from tritune.kernels import fp8_gemm as _fp8_gemm
 from tritune.kernels import fp8_gemv as _fp8_gemv
+from tritune.kernels import fp8_qgemv as _fp8_qgemv
 from tritune.kernels import fp8_kv_write as _fp8_kv_write
 from tritune.kernels import fp8_paged_attention as _fp8_paged
 from tritune.kernels import fp8_quant as _fp8_quant
@@ -447,6 +448,25 @@ def fp8_gemv(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, bias: Optio
 fp8_gemv.register_fake(_fp8_product_fake)
 
 
+@_op("fp8_qgemv", ())
+def fp8_qgemv(x: Tensor, b: Tensor, b_scale: Tensor, bias: Optional[Tensor] = None, norm: Optional[str] = None,
+              norm_weight: Optional[Tensor] = None, eps: float = 1e-6, swiglu: bool = False,
+              activation: str = "none", residual: Optional[Tensor] = None) -> Tensor:
+    """fp8_quant of x's rows then fp8_gemv, in one launch (tritune.kernels.fp8_qgemv.fp8_qgemv); the output
+    (M, N) in x's dtype. The launcher's ``norm`` tuple flattened: ``norm`` None or "rms" (norm_weight, eps)."""
+    return _fp8_qgemv.fp8_qgemv(x, b, b_scale, bias, norm=None if norm is None else (norm, norm_weight, eps),
+                                swiglu=swiglu, activation=activation, residual=residual)
+
+
+@fp8_qgemv.register_fake
+def _(x, b, b_scale, bias=None, norm=None, norm_weight=None, eps=1e-6, swiglu=False, activation="none",
+      residual=None):
+    _two_dims("x", x)
+    _two_dims("b", b)
+    _inner("x", x, "b", b.shape[0] * (2 if swiglu else 1))
+    return x.new_empty((x.shape[0], b.shape[1]))
+
+
 @_op("fp8_quant", ())
 def fp8_quant(x: Tensor, norm: Optional[str] = None, norm_weight: Optional[Tensor] = None,
               norm_bias: Optional[Tensor] = None, eps: float = 1e-6, swiglu: bool = False) -> tuple[Tensor, Tensor]:
@@ -573,7 +593,7 @@ def _(q, k, cos, sin, positions, k_cache, v_cache, slot_mapping, v, validate=Tru
 # every op by name: what the tests iterate
 OPS = {"layer_norm": layer_norm, "gemm": gemm, "gelu": gelu, "gemv": gemv, "gemv_kv": gemv_kv, "linear": linear,
        "attention": attention, "attention_varlen": attention_varlen, "paged_attention": paged_attention,
-       "write_kv": write_kv, "quant_matmul": quant_matmul, "fp8_gemm": fp8_gemm, "fp8_gemv": fp8_gemv,
+       "write_kv": write_kv, "quant_matmul": quant_matmul, "fp8_gemm": fp8_gemm, "fp8_gemv": fp8_gemv, "fp8_qgemv": fp8_qgemv,
        "fp8_quant": fp8_quant, "fp8_attention": fp8_attention, "fp8_kv_write": fp8_kv_write,
        "fp8_paged_attention": fp8_paged_attention, "rms_norm": rms_norm, "rms_norm_add": rms_norm_add,
        "rotary": rotary, "rotary_kv": rotary_kv}

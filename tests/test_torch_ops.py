@@ -123,6 +123,18 @@ def _fp8_case(name, dtype):
         flat = (None, None, None, 1e-6) if norm is None else (
             (norm[0], norm[1], None, norm[2]) if norm[0] == "rms" else norm)
         return (*c.args, *flat, mode == "swiglu"), {}, fq.SPEC.reference(*c.args, **c.kwargs)
+    if name.startswith("fp8_qgemv"):  # fp8_qgemv/<mode>: the norm tuple travels as (norm, weight, eps)
+        from tritune.kernels import fp8_qgemv as fqg
+
+        mode = name.split("/")[1]
+        p = (fqg.Problem(3, 40, 96, "rms", "block", True, "gelu_tanh", True) if mode == "rms"
+             else fqg.Problem(2, 72, 64, "swiglu", "channel", False, "none", True))
+        c = fqg.SPEC.make_inputs(p, dtype, DEVICE, 0, "transposed")
+        kw = c.kwargs
+        norm = kw.get("norm")
+        flat = (None, None, 1e-6) if norm is None else norm
+        return ((*c.args, *flat, kw.get("swiglu", False), kw["activation"], kw["residual"]), {},
+                fqg.SPEC.reference(*c.args, **kw))
     if name == "fp8_attention":  # (Hkv,) descales (seed 1), GQA, causal, Tq < Tk
         c = fa.SPEC.make_inputs(fa.Problem(1, 2, 1, 9, 13, 64, True), dtype, DEVICE, 1)
         return (*c.args, True, 0.2, dtype), {}, fa.SPEC.reference(*c.args, causal=True, scale=0.2)
@@ -133,7 +145,7 @@ def _fp8_case(name, dtype):
 
 
 FP8 = ["fp8_gemm", "fp8_gemm_block", "fp8_quant/none", "fp8_quant/rms", "fp8_quant/layer", "fp8_quant/swiglu",
-       "fp8_attention", "fp8_paged_attention"]
+       "fp8_qgemv/rms", "fp8_qgemv/swiglu", "fp8_attention", "fp8_paged_attention"]
 PURE = ["layer_norm", "gemm", "gelu", "gemv", "linear", "linear_rows", "attention", "attention_varlen",
         "paged_attention", "quant_matmul", "rms_norm", "rms_norm_add", "rotary"] + FP8
 
