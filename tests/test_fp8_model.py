@@ -482,8 +482,9 @@ def test_llama_fp8_on_the_kernels(tmp_path):
     assert cmp.rel_error(got, want) < 0.03
 
 
-@pytest.mark.parametrize("n_tokens", [5, 20], ids=["gemv-rows", "gemm-rows"])
-def test_llama_triton_fp8_path_matches_the_quantized_math(n_tokens):
+@pytest.mark.parametrize("n_tokens,qgemv", [(5, False), (20, False), (5, True)],
+                         ids=["gemv-rows", "gemm-rows", "qgemv-rows"])
+def test_llama_triton_fp8_path_matches_the_quantized_math(n_tokens, qgemv, monkeypatch):
     """The packaged Llama-style model, W8A8 on the triton backend (bf16): fp8_quant with the RMSNorm fused,
     fp8_gemv at <= 16 rows / fp8_gemm above, the SwiGLU fused into the down projection's quantization
     (``Fp8Ops.rms_mlp``), against the torch backend's PyTorch math of the same quantization (fp32). bf16
@@ -494,6 +495,7 @@ def test_llama_triton_fp8_path_matches_the_quantized_math(n_tokens):
     path = default_model_dir("llama")
     if path is None:
         pytest.skip("no packaged Llama-style checkpoint")
+    monkeypatch.setenv(F8.QGEMV_ENV, "1" if qgemv else "0")   # the opt-in one-launch quantize + GEMV
     tri = F8.quantize_model(load_llama(path, backend="triton", dtype=torch.bfloat16, device=kernel_device()))
     ref = F8.quantize_model(load_llama(path, backend="torch", dtype=torch.float32, device="cpu"))
     ref16 = F8.quantize_model(load_llama(path, backend="torch", dtype=torch.bfloat16, device="cpu"))
@@ -502,3 +504,4 @@ def test_llama_triton_fp8_path_matches_the_quantized_math(n_tokens):
     assert cmp.rel_error(got, want) < 1.25 * cmp.rel_error(torch16, want) + 1e-3
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
     assert "fp8_gemv" in tri.ops.steps["linear"] and hasattr(type(tri.ops), "rms_mlp")
+    assert ("fp8_qgemv" in tri.ops.steps["linear"]) == qgemv

@@ -18,6 +18,7 @@ the dequantized operands in float32.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
@@ -148,6 +149,9 @@ def torch_fp8_linear(q, s, w: Fp8Weight, b=None, activation=None, residual=None,
     return y.to(out_dtype)
 
 
+# TRITUNE_FP8_QGEMV=1: decode rows run fp8_qgemv (the per-token quantizer inside the GEMV, one launch a linear)
+# instead of fp8_quant + fp8_gemv; off until it is measured faster on a GPU (docs/findings.md)
+QGEMV_ENV = "TRITUNE_FP8_QGEMV"
 GEMV_ROWS = 16  # decode steps of at most this many rows: fp8_gemv (reads the e4m3 weight once)
 
 
@@ -169,8 +173,15 @@ class Fp8Ops:
                                     f"(tritune.kernels.fp8_gemv for decode's <= {GEMV_ROWS} rows; bias, GELU, "
                                     "residual in their epilogue) for fp16/bf16 activations; fp32: the same "
                                     "quantized math in PyTorch")
+            self._qgemv = None
+            if os.environ.get(QGEMV_ENV) == "1":
+                from tritune.kernels.fp8_qgemv import fp8_qgemv
+
+                self._qgemv = fp8_qgemv
+                self.steps["linear"] += (f"; {QGEMV_ENV}=1: at <= {GEMV_ROWS} rows kernel tritune.kernels.fp8_qgemv "
+                                         "instead (the quantizer inside the GEMV, one launch)")
         else:
-            self._quant = self._gemm = self._gemv = None
+            self._quant = self._gemm = self._gemv = self._qgemv = None
             self.steps["linear"] = f"{mode}: per-token e4m3 activations x e4m3 weights, the quantized math in PyTorch"
 
     def __getattr__(self, name):
@@ -181,6 +192,18 @@ class Fp8Ops:
 
     def _kernels(self, x) -> bool:
         return self._gemm is not None and x.dtype in KERNEL_DTYPES
+
+    def _fused(self, x, w) -> bool:
+        """Whether fp8_qgemv (opted in) takes this linear: decode rows on the kernels."""
+        return (self._qgemv is not None and isinstance(w, Fp8Weight) and self._kernels(x)
+                and x.numel() // x.shape[-1] <= GEMV_ROWS)
+
+    def _qlinear(self, x, w: Fp8Weight, b=None, activation=None, residual=None, norm=None, swiglu=False):
+        """fp8_qgemv: quantize x's rows (after ``norm``, or silu(g)·u with ``swiglu``) and multiply, one launch."""
+        res = None if residual is None else residual.reshape(-1, w.N)
+        y = self._qgemv(x.reshape(-1, x.shape[-1]), w.b, w.b_scale, b, norm=norm, swiglu=swiglu,
+                        activation=activation or "none", residual=res)
+        return y.reshape(*x.shape[:-1], w.N)
 
     def _run(self, q, s, x, w: Fp8Weight, b, activation, residual):
         lead = x.shape[:-1]
@@ -198,6 +221,8 @@ class Fp8Ops:
     def linear(self, x, w, b=None, activation=None, residual=None):
         if not isinstance(w, Fp8Weight):
             return self.base.linear(x, w, b, activation=activation, residual=residual)
+        if self._fused(x, w) and activation != "swiglu":
+            return self._qlinear(x, w, b, activation, residual)
         x2 = x.reshape(-1, x.shape[-1])
         q, s = self._quant(x2) if self._kernels(x) else torch_quant_rows(x2)
         return self._run(q, s, x, w, b, activation, residual)
@@ -227,6 +252,9 @@ class Fp8Ops:
         if not (isinstance(w_gu, Fp8Weight) and isinstance(w_down, Fp8Weight) and self._kernels(x)):
             f = self.rms_linear(x, norm_w, eps, w_gu, b_gu, activation="swiglu")
             return self.linear(f, w_down, b_down, residual=x)
+        if self._fused(x, w_gu):
+            gu = self._qlinear(x, w_gu, b_gu, norm=("rms", norm_w, eps))
+            return self._qlinear(gu, w_down, b_down, residual=x, swiglu=True)
         x2 = x.reshape(-1, x.shape[-1])
         gu = self._run(*self._quant(x2, norm=("rms", norm_w, eps)), x, w_gu, b_gu, None, None)
         q, s = self._quant(gu.reshape(-1, w_gu.N), swiglu=True)
@@ -239,6 +267,9 @@ class Fp8Ops:
             if hasattr(type(self.base), "rms_linear"):
                 return self.base.rms_linear(x, norm_w, eps, w, b, activation=activation)
             y = self.base.linear(self.base.rms_norm(x, norm_w, eps), w, b)
+            return self.base.swiglu(y) if activation == "swiglu" else y
+        if self._fused(x, w):
+            y = self._qlinear(x, w, b, norm=("rms", norm_w, eps))
             return self.base.swiglu(y) if activation == "swiglu" else y
         x2 = x.reshape(-1, x.shape[-1])
         if self._kernels(x):
