@@ -310,6 +310,32 @@ SPACE = K.Space(params={
 })
 
 
+def tile_limits(c, p) -> str | None:
+    """What every tile of this GEMV's loops keeps (fp8_qgemv's one-row loop too): within N and K, a program's
+    columns in one 128-wide scale block, no more K slices than K tiles."""
+    bn, bk = c["BLOCK_N"], c["BLOCK_K"]
+    if bn > max(16, triton.next_power_of_2(p.N)):
+        return "BLOCK_N larger than N"
+    if bk > max(16, triton.next_power_of_2(p.K)):
+        return "BLOCK_K larger than K"
+    if p.b_scale == "block" and bn > SCALE_BLOCK:
+        return "a program's columns must lie in one 128-wide scale block"
+    if c["SPLIT_K"] > max(1, triton.cdiv(p.K, bk)):
+        return "more K slices than K tiles"
+    return None
+
+
+def one_row_limits(c) -> str | None:
+    """A one-row tile's weight bytes a thread: at most 128 (32 registers of e4m3 values, the float32 values
+    beside them), at least 2."""
+    bn, bk, threads = c["BLOCK_N"], c["BLOCK_K"], 32 * c["num_warps"]
+    if bn * bk > 128 * threads:
+        return f"{bn * bk // threads} weight bytes a thread per tile"
+    if bn * bk < 2 * threads:
+        return "idle threads"
+    return None
+
+
 def _constraint(c, p: Problem, dtype) -> str | None:
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
     threads = 32 * c["num_warps"]
@@ -317,32 +343,23 @@ def _constraint(c, p: Problem, dtype) -> str | None:
         return f"M={p.M}: fp8_gemv takes at most {MAX_M} rows (fp8_gemm's tiles for more)"
     if bm == 1 and p.M > 4:
         return "one row per program reads the weight once per row (at most 4 rows)"
-    if bn > max(16, triton.next_power_of_2(p.N)):
-        return "BLOCK_N larger than N"
-    if bk > max(16, triton.next_power_of_2(p.K)):
-        return "BLOCK_K larger than K"
-    if p.b_scale == "block" and bn > SCALE_BLOCK:
-        return "a program's columns must lie in one 128-wide scale block"
+    why = tile_limits(c, p)
+    if why is not None:
+        return why
     if bm == 1:
         if c["num_stages"] != 1:
             return "BLOCK_M=1 pipelines no loads (num_stages=1)"
-        if bn * bk > 128 * threads:   # 32 registers of e4m3 values a thread, the float32 values beside them
-            return f"{bn * bk // threads} weight bytes a thread per tile"
-        if bn * bk < 2 * threads:
-            return "idle threads"
-    else:
-        if bn < 16:
-            return "tl.dot takes BLOCK_N >= 16"
-        if p.b_scale == "block" and bk > SCALE_BLOCK:
-            return "a K tile must lie in one scale block (BLOCK_K <= 128)"
-        if c["num_stages"] * (bm + bn) * bk * 2 > 200 * 1024:
-            return "shared memory for the pipeline"
-        if bn * bk * 2 > 256 * threads:   # the fp16 B operand: 64 registers a thread
-            return f"{bn * bk * 2 // threads} bytes of fp16 weights a thread"
-        if bm * bn < 4 * threads:
-            return "idle warps"
-    if c["SPLIT_K"] > max(1, triton.cdiv(p.K, bk)):
-        return "more K slices than K tiles"
+        return one_row_limits(c)
+    if bn < 16:
+        return "tl.dot takes BLOCK_N >= 16"
+    if p.b_scale == "block" and bk > SCALE_BLOCK:
+        return "a K tile must lie in one scale block (BLOCK_K <= 128)"
+    if c["num_stages"] * (bm + bn) * bk * 2 > 200 * 1024:
+        return "shared memory for the pipeline"
+    if bn * bk * 2 > 256 * threads:   # the fp16 B operand: 64 registers a thread
+        return f"{bn * bk * 2 // threads} bytes of fp16 weights a thread"
+    if bm * bn < 4 * threads:
+        return "idle warps"
     return None
 
 

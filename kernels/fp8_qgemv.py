@@ -394,23 +394,9 @@ SPACE = K.Space(params={
 
 
 def _constraint(c, p: Problem, dtype) -> str | None:
-    bn, bk = c["BLOCK_N"], c["BLOCK_K"]
-    threads = 32 * c["num_warps"]
     if p.M > MAX_M:
         return f"M={p.M}: fp8_qgemv takes at most {MAX_M} rows (fp8_quant, then fp8_gemm's tiles for more)"
-    if bn > max(16, triton.next_power_of_2(p.N)):
-        return "BLOCK_N larger than N"
-    if bk > max(16, triton.next_power_of_2(p.K)):
-        return "BLOCK_K larger than K"
-    if p.b_scale == "block" and bn > SCALE_BLOCK:
-        return "a program's columns must lie in one 128-wide scale block"
-    if bn * bk > 128 * threads:   # 32 registers of e4m3 values a thread, the float32 values beside them
-        return f"{bn * bk // threads} weight bytes a thread per tile"
-    if bn * bk < 2 * threads:
-        return "idle threads"
-    if c["SPLIT_K"] > max(1, triton.cdiv(p.K, bk)):
-        return "more K slices than K tiles"
-    return None
+    return FGV.tile_limits(c, p) or FGV.one_row_limits(c)   # fp8_gemv's one-row loop, its tiles' limits
 
 
 SPACE.constraint = _constraint
