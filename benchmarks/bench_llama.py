@@ -15,6 +15,7 @@ one request at a time by the engine (CUDA graphs). Reported per shape:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -162,11 +163,13 @@ def main(argv=None) -> int:
             hf = hf_compiled(d, args.prompt, args.new) if args.hf else None
         floor = bw / weight_bytes
         rate = statistics.median(rates)
-        row = dict(shape=shape, quant=args.quant or "none", cuda_graphs=graphs_used, weight_bytes=weight_bytes, floor_tok_s=floor, decode_tok_s=rate,
+        row = dict(shape=shape, quant=args.quant or "none", cuda_graphs=graphs_used,
+                   fp8_qgemv=os.environ.get("TRITUNE_FP8_QGEMV") == "1", weight_bytes=weight_bytes, floor_tok_s=floor, decode_tok_s=rate,
                    of_floor=rate / floor, runs=rates, hf_compiled_tok_s=hf, new=args.new, prompt=args.prompt,
                    split=split[:25])
         out.append(row)
-        print(f"{shape}{' ' + args.quant if args.quant else ''}: {rate:.0f} tok/s decode, floor {floor:.0f} ({100 * rate / floor:.0f}%)"
+        qg = " fp8_qgemv" if row["fp8_qgemv"] else ""
+        print(f"{shape}{' ' + args.quant if args.quant else ''}{qg}: {rate:.0f} tok/s decode, floor {floor:.0f} ({100 * rate / floor:.0f}%)"
               + (f", transformers static+compile {hf:.0f}" if hf else ""), flush=True)
         print(tabulate([[r["kernel"][:56], "yes" if r["tritune"] else "", f"{r['calls'] / (args.new - 1):.1f}",
                          f"{r['us_per_token']:.1f}", f"{100 * r['share']:.1f}%"] for r in split[:15]],
