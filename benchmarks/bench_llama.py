@@ -164,11 +164,11 @@ def main(argv=None) -> int:
         floor = bw / weight_bytes
         rate = statistics.median(rates)
         row = dict(shape=shape, quant=args.quant or "none", cuda_graphs=graphs_used,
-                   fp8_qgemv=os.environ.get("TRITUNE_FP8_QGEMV") == "1", weight_bytes=weight_bytes, floor_tok_s=floor, decode_tok_s=rate,
+                   fp8_qgemv_rows=os.environ.get("TRITUNE_FP8_QGEMV", "1"), weight_bytes=weight_bytes, floor_tok_s=floor, decode_tok_s=rate,
                    of_floor=rate / floor, runs=rates, hf_compiled_tok_s=hf, new=args.new, prompt=args.prompt,
                    split=split[:25])
         out.append(row)
-        qg = " fp8_qgemv" if row["fp8_qgemv"] else ""
+        qg = f" fp8_qgemv<={row['fp8_qgemv_rows']}" if args.quant else ""
         print(f"{shape}{' ' + args.quant if args.quant else ''}{qg}: {rate:.0f} tok/s decode, floor {floor:.0f} ({100 * rate / floor:.0f}%)"
               + (f", transformers static+compile {hf:.0f}" if hf else ""), flush=True)
         print(tabulate([[r["kernel"][:56], "yes" if r["tritune"] else "", f"{r['calls'] / (args.new - 1):.1f}",

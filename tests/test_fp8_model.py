@@ -495,7 +495,7 @@ def test_llama_triton_fp8_path_matches_the_quantized_math(n_tokens, qgemv, monke
     path = default_model_dir("llama")
     if path is None:
         pytest.skip("no packaged Llama-style checkpoint")
-    monkeypatch.setenv(F8.QGEMV_ENV, "1" if qgemv else "0")   # the opt-in one-launch quantize + GEMV
+    monkeypatch.setenv(F8.QGEMV_ENV, str(F8.GEMV_ROWS) if qgemv else "0")   # the one-launch quantize + GEMV
     tri = F8.quantize_model(load_llama(path, backend="triton", dtype=torch.bfloat16, device=kernel_device()))
     ref = F8.quantize_model(load_llama(path, backend="torch", dtype=torch.float32, device="cpu"))
     ref16 = F8.quantize_model(load_llama(path, backend="torch", dtype=torch.bfloat16, device="cpu"))

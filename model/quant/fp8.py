@@ -149,10 +149,27 @@ def torch_fp8_linear(q, s, w: Fp8Weight, b=None, activation=None, residual=None,
     return y.to(out_dtype)
 
 
-# TRITUNE_FP8_QGEMV=1: decode rows run fp8_qgemv (the per-token quantizer inside the GEMV, one launch a linear)
-# instead of fp8_quant + fp8_gemv; off until it is measured faster on a GPU (docs/findings.md)
+# decode steps of at most QGEMV_ROWS rows run fp8_qgemv (the per-token quantizer inside the GEMV, one launch a
+# linear) instead of fp8_quant + fp8_gemv: on the H200 it is 0.98-1.47x the two launches at one row and
+# 0.27-0.85x at eight (it re-reads the weight a row), so one row by default (docs/findings.md);
+# TRITUNE_FP8_QGEMV=N sets the rows (0: never)
 QGEMV_ENV = "TRITUNE_FP8_QGEMV"
+QGEMV_ROWS = 1
 GEMV_ROWS = 16  # decode steps of at most this many rows: fp8_gemv (reads the e4m3 weight once)
+
+
+def qgemv_rows() -> int:
+    """The most rows a decode step runs on fp8_qgemv: ``TRITUNE_FP8_QGEMV`` (0 to GEMV_ROWS), else QGEMV_ROWS."""
+    raw = os.environ.get(QGEMV_ENV, "").strip()
+    if not raw:
+        return QGEMV_ROWS
+    try:
+        rows = int(raw)
+    except ValueError:
+        raise ValueError(f"{QGEMV_ENV}={raw!r}: expected a row count from 0 to {GEMV_ROWS}") from None
+    if not 0 <= rows <= GEMV_ROWS:
+        raise ValueError(f"{QGEMV_ENV}={raw!r}: expected a row count from 0 to {GEMV_ROWS}")
+    return rows
 
 
 class Fp8Ops:
@@ -173,15 +190,16 @@ class Fp8Ops:
                                     f"(tritune.kernels.fp8_gemv for decode's <= {GEMV_ROWS} rows; bias, GELU, "
                                     "residual in their epilogue) for fp16/bf16 activations; fp32: the same "
                                     "quantized math in PyTorch")
-            self._qgemv = None
-            if os.environ.get(QGEMV_ENV) == "1":
+            self._qgemv, self.qgemv_rows = None, qgemv_rows()
+            if self.qgemv_rows:
                 from tritune.kernels.fp8_qgemv import fp8_qgemv
 
                 self._qgemv = fp8_qgemv
-                self.steps["linear"] += (f"; {QGEMV_ENV}=1: at <= {GEMV_ROWS} rows kernel tritune.kernels.fp8_qgemv "
-                                         "instead (the quantizer inside the GEMV, one launch)")
+                self.steps["linear"] += (f"; at <= {self.qgemv_rows} rows kernel tritune.kernels.fp8_qgemv instead "
+                                         f"(the quantizer inside the GEMV, one launch; {QGEMV_ENV}=0 turns it off)")
         else:
             self._quant = self._gemm = self._gemv = self._qgemv = None
+            self.qgemv_rows = 0
             self.steps["linear"] = f"{mode}: per-token e4m3 activations x e4m3 weights, the quantized math in PyTorch"
 
     def __getattr__(self, name):
@@ -194,9 +212,9 @@ class Fp8Ops:
         return self._gemm is not None and x.dtype in KERNEL_DTYPES
 
     def _fused(self, x, w) -> bool:
-        """Whether fp8_qgemv (opted in) takes this linear: decode rows on the kernels."""
+        """Whether fp8_qgemv takes this linear: decode steps of at most ``qgemv_rows`` rows on the kernels."""
         return (self._qgemv is not None and isinstance(w, Fp8Weight) and self._kernels(x)
-                and x.numel() // x.shape[-1] <= GEMV_ROWS)
+                and x.numel() // x.shape[-1] <= self.qgemv_rows)
 
     def _qlinear(self, x, w: Fp8Weight, b=None, activation=None, residual=None, norm=None, swiglu=False):
         """fp8_qgemv: quantize x's rows (after ``norm``, or silu(g)·u with ``swiglu``) and multiply, one launch."""
