@@ -209,7 +209,8 @@ def _write_make_inputs(p: WriteProblem, dtype, device, seed: int, layout: str = 
     """Every slot of a (blocks, block_size) cache written once, in a random order, with ``pad`` padding
     tokens (slot -1) among them; rows of very different magnitudes (per-token scales), each with an outlier
     (``fp8_quant.outlier_rows``: no quotient on a rounding midpoint). "sliced": k and v are views of one
-    fused (T, 2·Hkv, D) buffer, as a QKV projection leaves them."""
+    fused (T, 2·Hkv, D) buffer, as a QKV projection leaves them, and the scales token-major (contiguous);
+    "contiguous": the scales head-major within each block, as the engine's pool holds them."""
     n = p.blocks * p.block_size
     T = n + p.pad
     # at most 2^9: a row's outlier is up to 16 times its largest other value, and must stay finite in fp16
@@ -226,8 +227,9 @@ def _write_make_inputs(p: WriteProblem, dtype, device, seed: int, layout: str = 
     slots = slots[torch.randperm(T, generator=g)].to(torch.int32 if seed % 2 else torch.int64).to(device)
     out = (torch.empty((p.blocks, p.block_size, p.Hkv, p.D), dtype=E4M3, device=device),
            torch.empty(v_cache_shape(p.blocks, p.block_size, p.Hkv, p.D), dtype=E4M3, device=device),
-           torch.empty((p.blocks, p.block_size, p.Hkv), dtype=torch.float32, device=device),
-           torch.empty((p.blocks, p.block_size, p.Hkv), dtype=torch.float32, device=device))
+           *(torch.empty((p.blocks, p.block_size, p.Hkv), dtype=torch.float32, device=device) if layout == "sliced"
+             else torch.empty((p.blocks, p.Hkv, p.block_size), dtype=torch.float32, device=device).transpose(1, 2)
+             for _ in range(2)))
     return K.Case(args=(k, v, slots), kwargs={"num_blocks": p.blocks, "block_size": p.block_size}, out=out)
 
 

@@ -33,8 +33,10 @@ kernel keeps two running maxima: m of the scores, for the denominator Σ 2^(s �
 Whole tiles load unmasked (a per-token predicate would split V's token rows into byte loads), their block ids
 loaded a tile ahead so that the pipeliner keeps num_stages - 1 tiles of K, V and scales in flight (see
 paged_attention); the rest of the context goes through 16-token tiles masked per token. Split-KV (PARTITION > 0): chunks of
-PARTITION tokens write partial (m, l, acc) to a float32 workspace and a second launch merges them per
-(sequence, kv head).
+PARTITION tokens write partial (m, l, acc) to a float32 workspace, and the program that takes a (sequence, kv
+head)'s last ticket merges them in chunk order (``paged_attention.merge_chunks``, the bf16 decode's merge over
+blocks of chunks): one launch, as in paged_attention; a sequence that one chunk holds is finished by its first
+chunk. Inside a CUDA graph the launch uses programmatic dependent launch (``PDL``).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.kernels.fp8_kv_write import HEAD_DIMS, check_cache, fp8_write_kv, v_cache_shape  # noqa: F401
+from tritune.kernels.paged_attention import merge_chunks
 from tritune.kernels.runtime import device as dev
 from tritune.kernels.runtime import interpret_fp8
 from tritune.kernels.runtime import strategies as S
@@ -128,11 +131,15 @@ def _fp16_query(q, qk_scale):
 
 
 @triton.jit
-def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, qk_scale, num_parts, stride_cl,
+def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, Locks, qk_scale, num_parts, stride_cl,
                 s_qb, s_qh, s_qd, s_kcn, s_kcb, s_kch, s_kcd, s_vcn, s_vch,
                 s_ksn, s_ksb, s_ksh, s_vsn, s_vsb, s_vsh, stride_tb, stride_tn, s_ob, s_oh, s_od,
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                BLOCK_N: tl.constexpr, PARTITION: tl.constexpr):
+                BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, GROUP_MERGE: tl.constexpr,
+                PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: q, the caches and the lengths come from launches before this
+        tl.extra.cuda.gdc_wait()               # one (wait for them before any read or write); then the next
+        tl.extra.cuda.gdc_launch_dependents()  # launch may start and read its weights: one launch ahead
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -182,49 +189,31 @@ def _fp8_decode(Q, Kc, Vc, Ks, Vs, BT, CL, Out, WS, qk_scale, num_parts, stride_
                                           BLOCK_SIZE, TAIL_N, True)
     # acc held Σ 2^(s - m + log2 vs - r) v: back to the standard partial Σ 2^(s - m) vs v (0 where nothing was seen)
     acc = acc * tl.where(r_i == float("-inf"), 0.0, tl.exp2(r_i))[:, None]
+    n_live = 1
     if PARTITION > 0:
-        # partials (acc, then m, then l) of row (b, head, chunk); chunks past the length store m = -inf
+        n_live = tl.maximum(tl.cdiv(seq_len, PARTITION), 1)
+    if n_live == 1:   # unsplit, or a sequence one chunk holds: finished here (chunks past it do nothing)
+        if part == 0:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # a length-0 sequence (validate=False) gets zeros
+            tl.store(Out + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
+                     out.to(Out.dtype.element_ty), mask=mask_g[:, None])
+    elif part < n_live:
+        # partials (acc, then m, then l) of row (b, head, chunk), paged_attention's workspace layout
         n_rows = tl.num_programs(0).to(tl.int64) * tl.num_programs(1) * GROUP * num_parts
-        row = (b.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_parts + part
+        row0 = (b.to(tl.int64) * tl.num_programs(1) * GROUP + kvh * GROUP) * num_parts   # head 0, chunk 0
+        row = row0 + offs_g * num_parts + part
         tl.store(WS + row[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
         tl.store(WS + n_rows * D + row, m_i, mask=mask_g)
         tl.store(WS + n_rows * (D + 1) + row, l_i, mask=mask_g)
-    else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # a length-0 sequence (validate=False) gets zeros
-        tl.store(Out + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
-                 out.to(Out.dtype.element_ty), mask=mask_g[:, None])
-
-
-@triton.jit
-def _fp8_decode_merge(WS, CL, Out, num_parts, stride_cl, s_ob, s_oh, s_od,
-                      GROUP: tl.constexpr, GROUP_MERGE: tl.constexpr, D: tl.constexpr, PARTITION: tl.constexpr):
-    """out = Σ_p 2^(m_p − M) acc_p / Σ_p 2^(m_p − M) l_p over the live chunks, in chunk order."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n_kv = tl.num_programs(1)
-    offs_g = tl.arange(0, GROUP_MERGE)
-    mask_g = offs_g < GROUP
-    heads = kvh * GROUP + offs_g
-    offs_d = tl.arange(0, D)
-    n_rows = tl.num_programs(0).to(tl.int64) * n_kv * GROUP * num_parts
-    row0 = (b.to(tl.int64) * n_kv * GROUP + heads) * num_parts
-    n_live = tl.cdiv(tl.load(CL + b * stride_cl), PARTITION)
-    m_i = tl.full((GROUP_MERGE,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((GROUP_MERGE,), dtype=tl.float32)
-    acc = tl.zeros((GROUP_MERGE, D), dtype=tl.float32)
-    for p in range(0, n_live):
-        m = tl.load(WS + n_rows * D + row0 + p, mask=mask_g, other=0.0)
-        l = tl.load(WS + n_rows * (D + 1) + row0 + p, mask=mask_g, other=0.0)
-        a = tl.load(WS + (row0 + p)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0)
-        m_new = tl.maximum(m_i, m)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(m - m_new)
-        l_i = l_i * alpha + w * l
-        acc = acc * alpha[:, None] + w[:, None] * a
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
-             out.to(Out.dtype.element_ty), mask=mask_g[:, None])
+        # every thread's partial is written before the ticket is taken (the atomic releases them); the
+        # program that takes the last ticket merges the chunks in chunk order and resets the counter
+        tl.debug_barrier()
+        lock = Locks + b * tl.num_programs(1) + kvh
+        ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_live - 1:
+            merge_chunks(WS + row0 * D, WS + n_rows * D + row0, WS + n_rows * (D + 1) + row0, Out, b, kvh, n_live,
+                         num_parts, s_ob, s_oh, s_od, GROUP, D, GROUP_MERGE, PARTS_BLOCK)
+            tl.store(lock, 0)
 
 
 @dataclass(frozen=True)
@@ -248,11 +237,13 @@ def problem_of(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens
 
 
 class _Plan:
-    __slots__ = ("cfg", "cfg_key", "B", "out_shape", "grid", "args", "kws", "ws_numel", "merge_kws")
+    __slots__ = ("cfg", "cfg_key", "B", "out_shape", "grid", "args", "kws", "ws_numel", "locks", "kws_pdl",
+                 "kernels", "consts", "consts_pdl")
 
 
 _PLANS = K.PlanCache()
-_workspace = K.Workspace()
+_workspace = K.Workspace()             # split-KV partials (acc, m, l), per device
+_locks = K.Counters(minimum=1 << 14)   # split-KV tickets, per device, zero between launches
 
 
 def _plan(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out, config) -> _Plan:
@@ -299,10 +290,18 @@ def _plan(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, sca
     o_st = (Hq * D, D, 1) if out is None else out.stride()
     plan.args = (sm, num_parts, context_lens.stride(0), *q.stride(), *k_cache.stride(), *v_cache.stride()[:2],
                  *k_scale.stride(), *v_scale.stride(), *block_tables.stride(), *o_st)
+    group_merge, parts_block = triton.next_power_of_2(group), 1
+    plan.locks = None
+    if part:
+        plan.locks = _locks(q.device, B * Hkv)   # (Counters keep outgrown buffers alive for captured graphs)
+        # the merge holds (group, chunks, D) float32 tiles: ~32 values a thread
+        budget = 32 * 32 * c["num_warps"]
+        while parts_block * 2 <= min(triton.next_power_of_2(num_parts), budget // (group_merge * D)):
+            parts_block *= 2
     plan.kws = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
-                    BLOCK_N=c["BLOCK_N"], PARTITION=part, num_warps=c["num_warps"], num_stages=c["num_stages"])
-    plan.merge_kws = dict(GROUP=group, GROUP_MERGE=triton.next_power_of_2(group), D=D, PARTITION=max(part, 1),
-                          num_warps=4) if part else None
+                    BLOCK_N=c["BLOCK_N"], PARTITION=part, GROUP_MERGE=group_merge, PARTS_BLOCK=parts_block,
+                    PDL=False, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    K.launch_variants(plan, q.device, _CONSTEXPRS)   # PDL in graphs, direct launches after the first
     return plan
 
 
@@ -351,12 +350,15 @@ def fp8_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, con
     if validate and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         _validate_lengths(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     ws = _workspace(q.device, plan.ws_numel) if plan.ws_numel else out
-    _fp8_decode[plan.grid](q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, ws, *plan.args,
-                           **plan.kws)
-    if plan.merge_kws is not None:
-        _fp8_decode_merge[plan.grid[:2]](ws, context_lens, out, plan.grid[2], context_lens.stride(0),
-                                         *plan.args[-3:], **plan.merge_kws)
+    locks = context_lens if plan.locks is None else plan.locks   # no split-KV: any pointer of this call
+    pdl = plan.kws_pdl is not None and K.pdl_now("fp8_paged_attention")
+    args = (q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, ws, locks, *plan.args)
+    K.launch_cached(_fp8_decode, plan.kernels, plan.grid, args, plan.kws_pdl if pdl else plan.kws,
+                    plan.consts_pdl if pdl else plan.consts, pdl, args[:10])
     return out
+
+
+_CONSTEXPRS = K.constexpr_params(_fp8_decode)  # what a direct launch passes after the runtime arguments
 
 
 def _constraint(c, p: Problem, dtype) -> str | None:
@@ -475,8 +477,10 @@ def _fill_garbage(caches, block_tables, lens):
 def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous") -> K.Case:
     """K/V rows of varied magnitudes quantized per token by the reference quantizer into a pool of randomly
     permuted blocks with a few spare ones (V transposed within each block); every slot not holding a context
-    token holds garbage. "strided": q is a slice of a fused (B, 3·Hq, D) buffer and K/V are views of one
-    pool of (num_blocks, 2, block_size · Hkv · D) bytes, K's and V's blocks interleaved."""
+    token holds garbage. "contiguous": the scales head-major within each block, as the engine's pool holds
+    them (``kv_fp8.alloc_scales``). "strided": q is a slice of a fused (B, 3·Hq, D) buffer, K/V are views of one
+    pool of (num_blocks, 2, block_size · Hkv · D) bytes, K's and V's blocks interleaved, and the scales
+    token-major (contiguous (num_blocks, block_size, Hkv))."""
     nb = -(-p.ctx // p.block_size)
     num_blocks = p.B * nb + 3
     shape = (num_blocks, p.block_size, p.Hkv, p.D)
@@ -491,6 +495,7 @@ def make_inputs(p: Problem, dtype, device, seed: int, layout: str = "contiguous"
         q = S.randn((p.B, 3 * p.Hq, p.D), dtype, device, seed, scale=1.5)[:, p.Hq:2 * p.Hq]
     elif layout == "contiguous":
         q = S.randn((p.B, p.Hq, p.D), dtype, device, seed, scale=1.5)
+        ks, vs = (s.transpose(1, 2).contiguous().transpose(1, 2) for s in (ks, vs))   # head-major storage
     else:
         raise ValueError(f"layout: unknown {layout!r}; expected contiguous or strided")
     g = torch.Generator().manual_seed(seed + 3)

@@ -12,8 +12,8 @@ broadcast multiply and reduce in float32 on the CUDA cores (no padding).
 Split-KV (flash-decoding), PARTITION > 0: the context is cut into chunks of PARTITION tokens handled by
 separate programs, each writing its partial (m, l, acc) to a float32 workspace and taking a ticket
 from a per-(sequence, kv head) counter; the program that takes the last ticket merges the partials and
-resets the counter (one launch, no second kernel, no zero-fill). This fills the GPU when B·Hkv programs
-alone would leave SMs idle (small batch, long context), or run in a fraction of a wave.
+resets the counter (one launch, no second kernel, no zero-fill; ``merge_chunks``, which the FP8-cache decode
+shares). This fills the GPU when B·Hkv programs alone would leave SMs idle (small batch, long context).
 
 Sliding window, WINDOW = W > 0 (a constexpr: W = 0 compiles the full-context kernel unchanged): a
 sequence's keys are its last W tokens, from lo = max(len − W, 0) on. The tile loop starts at lo (not at a
@@ -21,11 +21,9 @@ BLOCK_N boundary: tokens are looked up one by one, so nothing before lo is read,
 block-table entry), and split-KV chunks are counted from lo, so the grid has cdiv(min(capacity, W),
 PARTITION) chunks a sequence and the config is chosen for that span (``Problem.span``).
 
-A tile's block ids are loaded a tile ahead of its K/V (loop-carried), so that no K/V address depends on a
-load of its own iteration: Triton's pipeliner then keeps num_stages - 1 K/V tiles in shared memory, in
-flight while the current tile is used (cp.async.wait_group > 0). Looked up in the same iteration, the ids
-took a pipeline stage of their own and left K/V one buffer at any num_stages, waited for with nothing to
-overlap (sm90, Triton 3.6, offline compile; docs/findings.md).
+A tile's block ids are loaded a tile ahead of its K/V (loop-carried): no K/V address depends on a load of
+its own iteration, so Triton's pipeliner keeps num_stages - 1 K/V tiles in flight in shared memory. Looked
+up in the same iteration, the ids took a stage of their own and left K/V one buffer (docs/findings.md).
 
 Two tuned switches shape the tile loop: PREFETCH loads tile i + 1 by hand while tile i is used (with
 num_stages 1: plain loads instead of the pipeliner's cp.async), and EVICT marks the K/V loads
@@ -266,6 +264,9 @@ def _merge_chunks(Aw, Mw, Lw, Out, b, kvh, n_live, num_parts, stride_ob, stride_
         m_i = m_new
     heads = kvh * GROUP + offs_g
     _store_out(Out, b, heads, mask_g, offs_d, acc, l_i, stride_ob, stride_oh, stride_od)
+
+
+merge_chunks = _merge_chunks   # shared with fp8_paged_attention's decode (the same partials' layout)
 
 
 @triton.jit

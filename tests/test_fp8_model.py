@@ -186,12 +186,14 @@ def _check_fp8_cache(model, prompt, new, block_size=8, bound=LOGITS_REL):
     assert cmp.rel_error(got_logits, want_logits) < bound
     T = n - 1     # the last token's K/V is never written (its logits end the run)
     k8 = cache.k_caches[0].view(-1, *cache.k_caches[0].shape[2:])[:T].double()
-    ks = cache.k_scales[0].view(-1, cache.k_scales[0].shape[-1])[:T].double()
+    # the scales head-major within each block (kv_fp8.alloc_scales): a head's block_size scales contiguous
+    assert cache.k_scales[0].stride()[1:] == (1, block_size) and cache.v_scales[0].stride()[1:] == (1, block_size)
+    ks = cache.k_scales[0].reshape(-1, cache.k_scales[0].shape[-1])[:T].double()
     kd = dense.k_caches[0].view(-1, *dense.k_caches[0].shape[2:])[:T].double()
     assert ((k8 * ks[..., None] - kd).abs() <= kd.abs() * 2.0**-4 + ks[..., None] * 2.0**-9 + 1e-6).all()
     # V's blocks transposed (num_blocks, H, D, block_size): viewed back token-major, the same bound
     v8 = v_rows(cache.v_caches[0]).reshape(-1, *cache.k_caches[0].shape[2:])[:T].double()
-    vs = cache.v_scales[0].view(-1, cache.v_scales[0].shape[-1])[:T].double()
+    vs = cache.v_scales[0].reshape(-1, cache.v_scales[0].shape[-1])[:T].double()
     vd = dense.v_caches[0].view(-1, *dense.v_caches[0].shape[2:])[:T].double()
     assert ((v8 * vs[..., None] - vd).abs() <= vd.abs() * 2.0**-4 + vs[..., None] * 2.0**-9 + 1e-6).all()
     return got_logits

@@ -33,3 +33,21 @@ def test_scales_and_queries_of_wide_range(q_mag, k_spread, dtype):
     want = PA.SPEC.reference(*args, **c.kwargs)
     for cfg in (None, {"BLOCK_N": 16, "PARTITION": 32, "num_warps": 1, "num_stages": 2}):
         cmp.check(PA.fp8_paged_attention(*args, **c.kwargs, config=cfg), want, dtype, what=f"q x {q_mag:g} {cfg}")
+
+
+@pytest.mark.parametrize("partition", [32, 64, 128])
+def test_split_kv_merges_in_the_kernel_and_resets_its_tickets(partition):
+    """Split-KV: lengths of one chunk (finished by their first chunk), of several, and past the last chunk's
+    start, in one batch; the program that takes a (sequence, kv head)'s last ticket merges. Launched twice with
+    the same plan: the tickets are back at zero after each launch, so the second answer is the first."""
+    p = PA.Problem(5, 8, 2, 64, 150, 16)   # every sequence's 150 tokens written: any shorter length reads them
+    c = PA.SPEC.make_inputs(p, torch.bfloat16, DEV, 11)
+    q, k_cache, v_cache, k_scale, v_scale, tables, _ = c.args
+    lens = torch.tensor([1, partition, partition + 1, 150, min(2 * partition - 1, 150)], dtype=torch.int32, device=DEV)
+    args = (q, k_cache, v_cache, k_scale, v_scale, tables, lens)
+    want = PA.SPEC.reference(*args, **c.kwargs)
+    cfg = {"BLOCK_N": 16, "PARTITION": partition, "num_warps": 1, "num_stages": 2}
+    first = PA.fp8_paged_attention(*args, **c.kwargs, config=cfg)
+    cmp.check(first, want, torch.bfloat16, what=f"PARTITION={partition}")
+    out = torch.full_like(first, float("nan"))
+    assert torch.equal(PA.fp8_paged_attention(*args, **c.kwargs, config=cfg, out=out), first)

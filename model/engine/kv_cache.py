@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import torch
 
-from tritune.model.engine.kv_fp8 import layer_caches
+from tritune.model.engine.kv_fp8 import alloc_scales, layer_caches
 
 
 class OutOfBlocks(RuntimeError):
@@ -68,8 +68,7 @@ class BlockPool:
         self.k_scales = self.v_scales = None
         if dtype == torch.float8_e4m3fn:
             self.k_caches, self.v_caches = layer_caches(self.cache)
-            self.scales = torch.zeros(2, n_layer, num_blocks, block_size, n_kv_heads, dtype=torch.float32,
-                                      device=self.device)
+            self.scales = alloc_scales(n_layer, num_blocks, block_size, n_kv_heads, self.device)
             self.k_scales, self.v_scales = list(self.scales[0].unbind(0)), list(self.scales[1].unbind(0))
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: allocate() hands out 0, 1, 2, ... first
         self._ref = [0] * num_blocks

@@ -36,8 +36,16 @@ def alloc(n_layer: int, num_blocks: int, block_size: int, n_kv_heads: int, head_
     """(cache (2, L, blocks, block_size, H, D) e4m3, scales (2, L, blocks, block_size, H) float32), zeroed:
     an unwritten slot dequantizes to 0. ``cache[1]`` holds V's blocks transposed: see :func:`layer_caches`."""
     cache = torch.zeros(2, n_layer, num_blocks, block_size, n_kv_heads, head_dim, dtype=E4M3, device=device)
-    scales = torch.zeros(2, n_layer, num_blocks, block_size, n_kv_heads, dtype=torch.float32, device=device)
-    return cache, scales
+    return cache, alloc_scales(n_layer, num_blocks, block_size, n_kv_heads, device)
+
+
+def alloc_scales(n_layer: int, num_blocks: int, block_size: int, n_kv_heads: int, device):
+    """Zeroed float32 scales (2, L, blocks, block_size, H), stored head-major within each block (strides
+    (.., H·block_size, 1, block_size)): a kv head's block_size scales are one contiguous run, so the decode
+    reads a tile's scales in whole sectors (token-major, each 4-byte scale sat in a sector of its own: 15% of
+    the FP8 decode's L2 sectors at B=64, docs/findings.md). The kernels take any strides."""
+    return torch.zeros(2, n_layer, num_blocks, n_kv_heads, block_size, dtype=torch.float32,
+                       device=device).transpose(-1, -2)
 
 
 def layer_caches(cache):
@@ -109,7 +117,7 @@ class Fp8KVOps:
         for x, cache, scale in ((k, k_cache, ks), (v, v_rows(v_cache), vs)):
             q, s = quantize_rows(x[keep])
             cache.view(torch.uint8)[idx // bs, idx % bs] = q.view(torch.uint8)
-            scale.view(-1, scale.shape[-1])[idx] = s
+            scale[idx // bs, idx % bs] = s   # (any layout: the pool's scales are head-major views)
 
     def gather_kv(self, k_cache, v_cache, idx, dtype):
         """K and V (len(idx), H, D) in ``dtype`` at flat slots ``idx``, dequantized."""
@@ -118,7 +126,7 @@ class Fp8KVOps:
         bs = k_cache.shape[1]
         for cache, scale in ((k_cache, ks), (v_rows(v_cache), vs)):
             q = cache[idx // bs, idx % bs]
-            s = scale.view(-1, scale.shape[-1]).index_select(0, idx)
+            s = scale[idx // bs, idx % bs]
             out.append((q.float() * s[..., None]).to(dtype))
         return out[0], out[1]
 
