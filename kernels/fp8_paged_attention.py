@@ -280,7 +280,7 @@ def _plan(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, sca
         return plan
     p = problem_of(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens)
     plan.cfg, plan.cfg_key = SPEC.config_and_key(p, q.dtype, config)
-    c = plan.cfg
+    c = SPACE.full(plan.cfg)
     group = Hq // Hkv
     part = c["PARTITION"]
     num_parts = triton.cdiv(p.capacity, part) if part else 1
@@ -301,6 +301,8 @@ def _plan(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, sca
     plan.kws = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
                     BLOCK_N=c["BLOCK_N"], PARTITION=part, GROUP_MERGE=group_merge, PARTS_BLOCK=parts_block,
                     PDL=False, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if c["maxnreg"]:   # a register cap for ptxas: more programs an SM, what does not fit spills
+        plan.kws["maxnreg"] = c["maxnreg"]
     K.launch_variants(plan, q.device, _CONSTEXPRS)   # PDL in graphs, direct launches after the first
     return plan
 
@@ -385,15 +387,19 @@ def _constraint(c, p: Problem, dtype) -> str | None:
 
 SPACE = K.Space(
     params={"BLOCK_N": [16, 32, 64, 128, 256], "PARTITION": [0, 32, 64, 128, 256, 512, 1024, 2048, 4096],
-            "num_warps": [1, 2, 4, 8], "num_stages": [1, 2, 3, 4]},
+            "num_warps": [1, 2, 4, 8], "num_stages": [1, 2, 3, 4],
+            # ptxas's register cap (0: none). The B=64 winner (16-token tiles, one warp) takes 197 registers:
+            # two warps a scheduler (12.5% occupancy, the bound ncu shows); 168 fits three, no spill (sm90)
+            "maxnreg": [0, 128, 168]},
     constraint=_constraint,
+    legacy={"maxnreg": 0},   # configs stored before the key: no cap
 )
 
 
 def default_config(p: Problem, dtype) -> dict:
     """paged_attention's tl.dot defaults (64-token tiles, 4 warps, 3 stages; half the bytes a tile, so the
     same tile moves half as much) and its split rule: chunks when B·Hkv programs give under ~3 per SM."""
-    cfg = {"BLOCK_N": 64, "PARTITION": 0, "num_warps": 4, "num_stages": 3}
+    cfg = {"BLOCK_N": 64, "PARTITION": 0, "num_warps": 4, "num_stages": 3, "maxnreg": 0}
     cfg["BLOCK_N"] = min(64, max(16, triton.next_power_of_2(p.capacity)))
     while _constraint(cfg, p, dtype) is not None and cfg["BLOCK_N"] > 16:
         cfg["BLOCK_N"] //= 2

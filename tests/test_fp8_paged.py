@@ -51,3 +51,23 @@ def test_split_kv_merges_in_the_kernel_and_resets_its_tickets(partition):
     cmp.check(first, want, torch.bfloat16, what=f"PARTITION={partition}")
     out = torch.full_like(first, float("nan"))
     assert torch.equal(PA.fp8_paged_attention(*args, **c.kwargs, config=cfg, out=out), first)
+
+
+def test_configs_stored_before_maxnreg_read_as_no_cap():
+    """Entries tuned before the ``maxnreg`` key are points of the space with no register cap; every packaged
+    entry stays valid for the problem it was tuned on."""
+    import json
+
+    from tritune.kernels.runtime import store
+
+    p = PA.Problem(2, 4, 2, 32, 40)
+    legacy = {"BLOCK_N": 16, "PARTITION": 0, "num_warps": 1, "num_stages": 2}
+    assert PA.SPACE.why_invalid(legacy, p, torch.bfloat16) is None and PA.SPACE.full(legacy)["maxnreg"] == 0
+    for path in store.package_root().glob("*/fp8_paged_attention.json"):
+        for e in json.loads(path.read_text())["entries"]:
+            assert PA.SPACE.why_malformed(e["config"]) is None, (path, e["config"])
+            assert store.why_invalid(PA.SPEC, e) is None, (path, e["bucket"])
+    c = PA.SPEC.make_inputs(p, torch.bfloat16, DEV, 2)
+    capped = dict(legacy, maxnreg=128)   # a launch option (ignored by the interpreter): the same numbers
+    cmp.check(PA.fp8_paged_attention(*c.args, **c.kwargs, config=capped), PA.SPEC.reference(*c.args, **c.kwargs),
+              torch.bfloat16)
