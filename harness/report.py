@@ -159,7 +159,10 @@ def _serve_rows(modes: dict, label: str) -> list:
             continue
         r, b1 = m.get("run", {}), m.get("batch1_decode", {})
         q = lambda k, p: _fmt((r.get(k) or {}).get(p))  # noqa: E731
-        out.append([label, name, _fmt(r.get("output_tok_s"), 0), _fmt(r.get("total_tok_s"), 0), _fmt(r.get("req_s")),
+        sp = r.get("spread") or {}   # --runs N: the median run, with the runs' range
+        tok = _fmt(r.get("output_tok_s"), 0) + (f" ({_fmt(sp['output_tok_s_min'], 0)}-{_fmt(sp['output_tok_s_max'], 0)}, "
+                                                 f"{sp['runs']} runs)" if sp else "")
+        out.append([label, name, tok, _fmt(r.get("total_tok_s"), 0), _fmt(r.get("req_s")),
                     f"{q('ttft_ms', 'p50')} / {q('ttft_ms', 'p99')}", f"{q('tpot_ms', 'p50')} / {q('tpot_ms', 'p99')}",
                     _fmt(b1.get("decode_tok_s"), 0), r.get("peak_kv_blocks", "")])
     return out

@@ -168,6 +168,24 @@ def test_serve_bench_chunks_prefill_under_a_budget_below_the_context(ckpt, tmp_p
     assert engine["chunked_prefill"] and engine["max_batch_tokens"] == 8
 
 
+def test_serve_bench_runs_report_the_median_run_and_the_spread(ckpt, tmp_path, monkeypatch):
+    """--runs 3: the workload timed three times on the warm engine, each starting with an empty prefix cache
+    (a repeat would find every prompt cached: no prefill); the result is the median run, with each run's
+    output tok/s, TTFT and TPOT beside it."""
+    from tritune.model.engine.kv_cache import BlockPool
+
+    resets = []
+    real = BlockPool.reset_cache
+    monkeypatch.setattr(BlockPool, "reset_cache", lambda self: (resets.append(1), real(self))[1])
+    res = _serve_bench(ckpt, tmp_path, "-n", "3", "--prompt-len", "4:8", "--output-len", "2:3", "--hf-requests",
+                       "-1", "--decode-tokens", "0", "--runs", "3")
+    run = res["modes"]["torch"]["run"]
+    sp = run["spread"]
+    assert sp["runs"] == 3 and len(sp["output_tok_s"]) == len(sp["ttft_p50_ms"]) == len(sp["tpot_p50_ms"]) == 3
+    assert sorted(sp["output_tok_s"])[1] == run["output_tok_s"]
+    assert sp["output_tok_s_min"] <= run["output_tok_s"] <= sp["output_tok_s_max"] and len(resets) >= 3
+
+
 def test_random_checkpoint_of_a_shape(monkeypatch):
     """Without --model, serve-bench writes a random checkpoint of the named shape with transformers (a
     small stand-in shape here: the real ones are GPU-sized) and loads it through load_model."""

@@ -10,11 +10,11 @@ from tritune.model.bench.workload import percentiles
 
 # The defaults on a GPU and without one (serve-bench's docstring); a flag given explicitly always wins.
 GPU_DEFAULTS = {"modes": "triton-graphs", "prompt_len": (64, 512), "output_len": (64, 512), "decode_tokens": 512,
-                "naive_requests": 2, "naive_tokens": 64}
+                "naive_requests": 2, "naive_tokens": 64, "runs": 3}
 # GPT-2 small in fp32 on a few CPU cores: a forward of 64 tokens takes 0.1 s to seconds, and the naive
 # baseline re-runs the whole sequence per token (the old defaults: over 300 s before any output)
 CPU_DEFAULTS = {"modes": "torch", "prompt_len": (16, 64), "output_len": (16, 64), "decode_tokens": 32,
-                "naive_requests": 1, "naive_tokens": 8}
+                "naive_requests": 1, "naive_tokens": 8, "runs": 1}
 
 MODES = {
     "torch": dict(backend="torch", cuda_graphs=False),
@@ -174,6 +174,26 @@ class CompileLog:
 
         return {"count": len(self.events), "by_kernel": dict(Counter(e["kernel"] for e in self.events)),
                 "first": self.events[:limit]}
+
+
+def run_engine_repeated(engine, items, runs: int, *, desc: str = "run", show_progress: bool = False) -> dict:
+    """The workload ``runs`` times on the same warm engine, its prefix cache emptied before each (a repeat
+    would find every prompt cached): the run of median output tok/s, with ``spread`` (each run's output
+    tok/s, TTFT p50 and TPOT p50; their min and max). A serving run is seconds of host-bound work whose
+    throughput moves by several percent from one run to the next (docs/findings.md)."""
+    done = []
+    for i in range(runs):
+        engine.pool.reset_cache()
+        done.append(run_engine(engine, items, desc=desc if runs == 1 else f"{desc} {i + 1}/{runs}",
+                               show_progress=show_progress))
+    order = sorted(range(runs), key=lambda i: done[i]["output_tok_s"])
+    med = dict(done[order[(runs - 1) // 2]])
+    if runs > 1:
+        tok = [r["output_tok_s"] for r in done]
+        med["spread"] = {"runs": runs, "output_tok_s": tok, "output_tok_s_min": min(tok), "output_tok_s_max": max(tok),
+                         "ttft_p50_ms": [r["ttft_ms"]["p50"] for r in done],
+                         "tpot_p50_ms": [r["tpot_ms"]["p50"] for r in done]}
+    return med
 
 
 def run_engine(engine, items, *, desc: str = "run", show_progress: bool = False) -> dict:

@@ -38,7 +38,7 @@ from tritune.model.bench.features import (WORKLOADS, run_mixed, run_shared_prefi
                                           run_workload, shared_prefix_items)
 from tritune.model.bench.runs import (CPU_DEFAULTS, GPU_DEFAULTS, MODES, SHAPES, CompileLog,  # noqa: F401
                                       build_model, decode_rate, fill_defaults, load_models, progress, run_engine,
-                                      say)
+                                      run_engine_repeated, say)
 from tritune.model.load import default_dtype
 from tritune.model.bench.workload import Item, make_workload, parse_range, percentiles  # noqa: F401
 from tritune.model.serve.warmup import warm_up
@@ -128,6 +128,9 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--naive-requests", type=int_at_least(0), default=None,
                    help="0: skip the naive baseline (default 2 on a GPU, 1 on the CPU)")
     s.add_argument("--naive-tokens", type=int_at_least(1), default=None, help="default 64 on a GPU, 8 on the CPU")
+    s.add_argument("--runs", type=int_at_least(1), default=None, help="time the workload this many times on each "
+                   "warm engine (prefix cache emptied before each) and report the median run with the spread "
+                   "(default 3 on a GPU, 1 on the CPU)")
     s.add_argument("--out", default=None, help="write the results as JSON here")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they also stay off when stdout "
                    "is not a terminal)")
@@ -294,8 +297,10 @@ def _run_mode(args, mode: str, config, state, items, dtype, gpu: bool) -> dict:
         r["engine"] = eng.describe()
         if args.decode_tokens:
             r["batch1_decode"] = _batch1(eng, mode, args.decode_tokens, config.vocab_size, show)
-        r["run"] = m = run_engine(eng, items, desc=f"[{mode}] run", show_progress=show)
-        say(f"[{mode}] {m['output_tok_s']:.0f} output tok/s, {m['total_tok_s']:.0f} total tok/s, "
+        r["run"] = m = run_engine_repeated(eng, items, getattr(args, "runs", None) or 1, desc=f"[{mode}] run", show_progress=show)
+        sp = m.get("spread")
+        rng = f" (median of {sp['runs']} runs: {sp['output_tok_s_min']:.0f}-{sp['output_tok_s_max']:.0f})" if sp else ""
+        say(f"[{mode}] {m['output_tok_s']:.0f} output tok/s{rng}, {m['total_tok_s']:.0f} total tok/s, "
             f"{m['req_s']:.2f} req/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, TPOT p50 "
             f"{m['tpot_ms']['p50']:.2f} ms, peak KV blocks {m['peak_kv_blocks']}/{m['kv_blocks']}, "
             f"{m['steps']} steps, {m['preemptions']} preemptions")
@@ -326,6 +331,7 @@ def _batch_sweep(args, eng, mode: str, items, show: bool) -> dict:
     for b in [int(x) for x in args.batch_sweep.split(",") if x and mode in args.sweep_modes.split(",")]:
         eng.scheduler.max_num_seqs = b
         sub = items[:max(args.sweep_requests, 0) or len(items)]
+        eng.pool.reset_cache()   # the main run cached these prompts: each sweep run starts as cold as it did
         sweep[b] = run_engine(eng, sub, desc=f"[{mode}] max batch {b}", show_progress=show)
         say(f"[{mode}] max batch {b} ({len(sub)} requests): {sweep[b]['output_tok_s']:.0f} output tok/s")
     eng.scheduler.max_num_seqs = args.max_num_seqs
