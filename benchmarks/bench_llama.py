@@ -15,7 +15,6 @@ one request at a time by the engine (CUDA graphs). Reported per shape:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -147,6 +146,7 @@ def main(argv=None) -> int:
     from tabulate import tabulate
 
     from tritune.kernels.runtime import device as dev
+    from tritune.model.quant.fp8 import qgemv_rows
 
     bw = dev.ceilings()["copy_bytes_per_s"]   # bytes a copy moves per second (read + write), as the rooflines use
     out = []
@@ -164,7 +164,8 @@ def main(argv=None) -> int:
         floor = bw / weight_bytes
         rate = statistics.median(rates)
         row = dict(shape=shape, quant=args.quant or "none", cuda_graphs=graphs_used,
-                   fp8_qgemv_rows=os.environ.get("TRITUNE_FP8_QGEMV", "1"), weight_bytes=weight_bytes, floor_tok_s=floor, decode_tok_s=rate,
+                   fp8_qgemv_rows=qgemv_rows() if args.quant else 0, weight_bytes=weight_bytes, floor_tok_s=floor,
+                   decode_tok_s=rate,
                    of_floor=rate / floor, runs=rates, hf_compiled_tok_s=hf, new=args.new, prompt=args.prompt,
                    split=split[:25])
         out.append(row)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from tritune import kernels as K
 from tritune.kernels.fp8_kv_write import HEAD_DIMS, check_cache, fp8_write_kv, v_cache_shape  # noqa: F401
-from tritune.kernels.paged_attention import merge_chunks
+from tritune.kernels.paged_attention import merge_chunks, merge_parts_block
 from tritune.kernels.runtime import device as dev
 from tritune.kernels.runtime import interpret_fp8
 from tritune.kernels.runtime import strategies as S
@@ -290,14 +290,10 @@ def _plan(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, sca
     o_st = (Hq * D, D, 1) if out is None else out.stride()
     plan.args = (sm, num_parts, context_lens.stride(0), *q.stride(), *k_cache.stride(), *v_cache.stride()[:2],
                  *k_scale.stride(), *v_scale.stride(), *block_tables.stride(), *o_st)
-    group_merge, parts_block = triton.next_power_of_2(group), 1
-    plan.locks = None
-    if part:
-        plan.locks = _locks(q.device, B * Hkv)   # (Counters keep outgrown buffers alive for captured graphs)
-        # the merge holds (group, chunks, D) float32 tiles: ~32 values a thread
-        budget = 32 * 32 * c["num_warps"]
-        while parts_block * 2 <= min(triton.next_power_of_2(num_parts), budget // (group_merge * D)):
-            parts_block *= 2
+    group_merge = triton.next_power_of_2(group)
+    parts_block = merge_parts_block(num_parts, group_merge, D, c["num_warps"]) if part else 1
+    # split-KV tickets (Counters keep outgrown buffers alive for captured graphs)
+    plan.locks = _locks(q.device, B * Hkv) if part else None
     plan.kws = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
                     BLOCK_N=c["BLOCK_N"], PARTITION=part, GROUP_MERGE=group_merge, PARTS_BLOCK=parts_block,
                     PDL=False, num_warps=c["num_warps"], num_stages=c["num_stages"])

@@ -26,15 +26,13 @@ its own iteration, so Triton's pipeliner keeps num_stages - 1 K/V tiles in fligh
 up in the same iteration, the ids took a stage of their own and left K/V one buffer (docs/findings.md).
 
 Two tuned switches shape the tile loop: PREFETCH loads tile i + 1 by hand while tile i is used (with
-num_stages 1: plain loads instead of the pipeliner's cp.async), and EVICT marks the K/V loads
-evict_first (read once a step; the hint survives only plain loads: a compiled kernel's PTX has it at
-num_stages 1 and not from the pipeliner; docs/findings.md). The hand loop wins for short
-split-KV chunks (B=1) and loses to the pipeliner on long single-pass programs (B=64).
+num_stages 1: plain loads instead of the pipeliner's cp.async), and EVICT marks the K/V loads evict_first
+(read once a step; the hint survives only plain loads, not the pipeliner's; docs/findings.md). The hand loop
+wins for short split-KV chunks (B=1) and loses to the pipeliner on long single-pass programs (B=64).
 
 ``write_kv`` stores new tokens' K and V into their slots (slot = block id · block_size + offset).
 
-The problem type, the cases and the peers are in :mod:`tritune.kernels.paged_attention_cases`; their public
-names are re-exported here.
+The problem type, the cases and the peers: :mod:`tritune.kernels.paged_attention_cases` (re-exported here).
 """
 from __future__ import annotations
 
@@ -269,6 +267,14 @@ def _merge_chunks(Aw, Mw, Lw, Out, b, kvh, n_live, num_parts, stride_ob, stride_
 merge_chunks = _merge_chunks   # shared with fp8_paged_attention's decode (the same partials' layout)
 
 
+def merge_parts_block(num_parts: int, group_merge: int, D: int, num_warps: int) -> int:
+    """``merge_chunks``' PARTS_BLOCK: chunks merged at a time ((group, chunks, D) float32 tiles, ~32 a thread)."""
+    pb = 1
+    while pb * 2 <= min(triton.next_power_of_2(num_parts), 32 * 32 * num_warps // (group_merge * D)):
+        pb *= 2
+    return pb
+
+
 @triton.jit
 def _write_kv(Kn, Vn, Kc, Vc, Slots, num_slots, stride_s,
               stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
@@ -442,19 +448,12 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, scale, out, config, w
     precision = K.fp32_precision() if q.dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
     num_parts = triton.cdiv(problem.span, partition) if partition else 1  # chunks count from the window's start
     group_merge = triton.next_power_of_2(group)
-    parts_block = 1
-    if partition:
-        plan.ws_numel = B * Hq * num_parts * (D + 2)
-        plan.locks = _locks(q.device, B * Hkv)  # (Counters keep outgrown buffers alive for captured graphs)
-        # the merge holds (group, chunks, D) float32 tiles: ~32 values a thread
-        budget = 32 * 32 * cfg["num_warps"]
-        while parts_block * 2 <= min(triton.next_power_of_2(num_parts), budget // (group_merge * D)):
-            parts_block *= 2
-    else:
-        # unused by the kernel, and no tensor of a call is kept: a plan made in a cudagraph tree's warm-up
-        # would keep memory of the graph's pool alive that the graph does not own (torch.compile
-        # "reduce-overhead" refuses that: "tensor(s) in the cudagraph pool not tracked as outputs")
-        plan.locks = None
+    parts_block = merge_parts_block(num_parts, group_merge, D, cfg["num_warps"]) if partition else 1
+    plan.ws_numel = B * Hq * num_parts * (D + 2) if partition else 0
+    # split-KV tickets (Counters keep outgrown buffers alive for captured graphs); without split-KV none, and no
+    # tensor of a call is kept: a plan made in a cudagraph tree's warm-up would keep memory of the graph's pool
+    # alive that the graph does not own (torch.compile "reduce-overhead" refuses that)
+    plan.locks = _locks(q.device, B * Hkv) if partition else None
     os_ = (Hq * D, D, 1) if out is None else out.stride()
     plan.grid = (B, Hkv, num_parts)
     plan.args = (scale * LOG2E, num_parts, context_lens.stride(0), *q.stride(), *k_cache.stride(),
