@@ -10,13 +10,11 @@ bf16 a row) the second read comes from L2 or HBM, and the kernel stays near 87% 
   of a shared-memory ring of SLOTS chunks (as many as the device's shared memory holds, at least a row's), each
   slot with its own mbarrier. The chunks of the program's rows form one stream: item c (row c // nch, chunk
   c % nch) lives in slot c % SLOTS and its load completes phase (c // SLOTS) & 1 of that slot's barrier;
-- row r is written chunk by chunk from shared memory: y = x * rstd (* w, the weight read from global memory /
-  L2 a chunk ahead), plain coalesced stores; once every thread has read the chunk (a CTA barrier) its slot is
-  refilled with stream item c + SLOTS. In the same step, chunk j of row r + 1 (already issued: SLOTS is at least
-  a row's chunks) is waited for and its float32 squares accumulated, so when row r is written row r + 1's
-  rstd = rsqrt(sum / N + eps) is ready: loads and stores stream with no pause between rows (the two-phase form,
-  a row's sum of squares and then its writes, left HBM idle while each row's sum was taken: 89% of copy
-  bandwidth at 4096 x 65536, where the chunks it read were already in shared memory).
+- phase 1 waits for each chunk of the row, reads it from shared memory and accumulates the float32 squares;
+  rstd = rsqrt(sum / N + eps);
+- phase 2 reads each chunk again from shared memory, y = x * rstd (* w, the weight read from global memory /
+  L2 a chunk ahead), stored with plain coalesced stores; once every thread has read the chunk (a CTA barrier)
+  the slot is refilled with stream item c + SLOTS: the next rows' loads are in flight while this row is written.
 
 The math is ``_rms_norm_fwd``'s looped form with BLOCK_N = CHUNK: squares summed elementwise across the chunks in
 float32, then over the chunk; y = (x * rstd) * w in float32, rounded once to the output dtype.
@@ -72,9 +70,7 @@ if AVAILABLE:
     def rms_norm_ring(x_desc, W, Y, M, N, stride_ym, eps, HAS_W: gl.constexpr, SLOTS: gl.constexpr,
                       num_warps: gl.constexpr):
         """y = x * rsqrt(mean(x^2) + eps) (* w) over the rows of ``x_desc`` ((M, N), [1, CHUNK] boxes) into Y
-        (unit column stride, row stride ``stride_ym``); a grid of at most M programs. Row r + 1's sum of squares
-        is taken chunk by chunk inside row r's writing loop (each chunk of row r + 1 was issued at or before
-        the step that reads it: SLOTS >= a row's chunks), so loads and stores stream without a pause a row."""
+        (unit column stride, row stride ``stride_ym``); a grid of at most M programs."""
         CHUNK: gl.constexpr = x_desc.block_type.shape[1]
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, num_warps], [1, 0])   # 16 bytes a lane
         ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, 1, CHUNK], x_desc.layout)
@@ -84,29 +80,27 @@ if AVAILABLE:
         pid = gl.program_id(0)
         G = gl.num_programs(0)
         nch = gl.cdiv(N, CHUNK)
-        n_rows = gl.cdiv(M - pid, G)   # >= 1: the grid has at most M programs
-        total = n_rows * nch           # stream items of this program
+        n_rows = gl.cdiv(M - pid, G)
+        total = n_rows * nch   # stream items of this program
         for c in range(gl.minimum(total, SLOTS)):
             _issue(x_desc, ring, bars, c, pid, G, nch)
         offs = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
-        if HAS_W:   # the weight's first chunk (each row's chunk j + 1 is requested at its chunk j)
-            w = gl.load(W + offs, mask=offs < N, other=0.0, eviction_policy="evict_last")
-        acc = gl.zeros([1, CHUNK], gl.float32, layout)
-        for j in range(nch):   # the first row's sum of squares
-            x = _chunk(ring, bars, j, layout)
-            acc += x * x
+        c0 = 0
         for r in range(n_rows):
-            rstd = gl.rsqrt(gl.sum(gl.sum(acc, axis=1), axis=0) / N + eps)
+            if HAS_W:   # the weight's first chunk, requested now: its latency (L2) passes under phase 1
+                w = gl.load(W + offs, mask=offs < N, other=0.0, eviction_policy="evict_last")
             acc = gl.zeros([1, CHUNK], gl.float32, layout)
-            has_next = r + 1 < n_rows
+            for j in range(nch):
+                x = _chunk(ring, bars, c0 + j, layout)
+                acc += x * x
+            rstd = gl.rsqrt(gl.sum(gl.sum(acc, axis=1), axis=0) / N + eps)
             rows_y = Y + (pid + r * G).to(gl.int64) * stride_ym
             for j in range(nch):
                 cols = j * CHUNK + offs
-                if HAS_W:   # the next chunk's weight (after the last: the first, for the next row)
-                    cols_nx = ((j + 1) % nch) * CHUNK + offs
-                    w_next = gl.load(W + cols_nx, mask=cols_nx < N, other=0.0, eviction_policy="evict_last")
-                c = r * nch + j
-                x = _chunk(ring, bars, c, layout)   # landed: its sum of squares waited on it
+                if HAS_W:   # the next chunk's weight, requested a chunk ahead (past N: masked, no traffic)
+                    w_next = gl.load(W + CHUNK + cols, mask=cols + CHUNK < N, other=0.0, eviction_policy="evict_last")
+                c = c0 + j
+                x = _chunk(ring, bars, c, layout)   # landed: phase 1 waited on it (a completed phase waits no more)
                 gl.thread_barrier()   # every thread has read slot c % SLOTS: refill it with stream item c + SLOTS
                 if c + SLOTS < total:
                     _issue(x_desc, ring, bars, c + SLOTS, pid, G, nch)
@@ -116,9 +110,7 @@ if AVAILABLE:
                     w = w_next
                 gl.store(rows_y + cols[None, :], y.to(Y.dtype.element_ty), mask=(cols < N)[None, :],
                          eviction_policy="evict_first")
-                if has_next:   # row r + 1's chunk j: issued at this step or before (item c + nch <= c + SLOTS)
-                    xn = _chunk(ring, bars, c + nch, layout)
-                    acc += xn * xn
+            c0 += nch
         for i in gl.static_range(SLOTS):
             mbarrier.invalidate(bars.index(i))
 
