@@ -207,10 +207,14 @@ def problem_of(a, b, a_scale, b_scale, bias=None, activation="none", residual=No
 
 
 class _Plan:
-    __slots__ = ("problem", "grid", "kws", "cfg", "cfg_key", "out_dtype", "sbs", "tma", "hn", "descs", "gluon")
+    __slots__ = ("problem", "grid", "kws", "cfg", "cfg_key", "out_dtype", "sbs", "tma", "hn", "descs", "gluon",
+                 "kws_tma", "consts", "consts_tma", "kernels")
 
 
 _PLANS = K.PlanCache()
+# direct launches (K.launch_cached): every constexpr after the runtime arguments, in each kernel's order
+_CONSTEXPRS = K.constexpr_params(_fp8_gemm_kernel)
+_TMA_CONSTEXPRS = K.constexpr_params(_fp8_gemm_tma_kernel)
 
 
 def check_args(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype) -> None:
@@ -259,6 +263,10 @@ def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, co
     p.tma = c["BLOCK_M"] >= 64 and a.shape[1] > 0 and _tma_device(a) \
         and a.stride(1) == 1 and b.stride(0) == 1 and a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0
     p.hn = min(c["BLOCK_N"], 128)
+    p.kws_tma = dict(p.kws, HN=p.hn)
+    p.consts = tuple(p.kws[k] for k in _CONSTEXPRS)
+    p.consts_tma = tuple(p.kws_tma[k] for k in _TMA_CONSTEXPRS)
+    p.kernels = {} if K.DIRECT_LAUNCH and a.device.type == "cuda" else None
     p.descs = (None, None)
     # IMPL=gluon (the constraint admits it on sm90 GPUs only): its launch state, where it takes the operands
     p.gluon = {} if c.get("IMPL") == "gluon" and FGG.takes(a, b) else None
@@ -306,15 +314,17 @@ def fp8_gemm(a, b, a_scale, b_scale, bias=None, *, activation: str = "none", res
         return out
     res = residual if residual is not None else out
     bias_arg = bias if bias is not None else out
+    ptrs = (out, a_scale, b_scale, bias_arg, res)  # what a direct launch keys on besides the plan
+    strides = (out.stride(0), out.stride(1), res.stride(0), res.stride(1), *plan.sbs)
     if plan.tma and K.aligned(a, b):
         a_d, b_d = _descriptors(plan, a, b)
-        _fp8_gemm_tma_kernel[plan.grid](a_d, b_d, out, a_scale, b_scale, bias_arg, res, m, n, a.shape[1],
-                                        out.stride(0), out.stride(1), res.stride(0), res.stride(1), *plan.sbs,
-                                        HN=plan.hn, **plan.kws)
+        args = (a_d, b_d, out, a_scale, b_scale, bias_arg, res, m, n, a.shape[1], *strides)
+        K.launch_cached(_fp8_gemm_tma_kernel, plan.kernels, plan.grid, args, plan.kws_tma, plan.consts_tma, "tma",
+                        ptrs)
         return out
-    _fp8_gemm_kernel[plan.grid](a, b, out, a_scale, b_scale, bias_arg, res, m, n,
-                                a.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
-                                out.stride(1), res.stride(0), res.stride(1), *plan.sbs, **plan.kws)
+    args = (a, b, out, a_scale, b_scale, bias_arg, res, m, n, a.shape[1], a.stride(0), a.stride(1), b.stride(0),
+            b.stride(1), *strides)
+    K.launch_cached(_fp8_gemm_kernel, plan.kernels, plan.grid, args, plan.kws, plan.consts, "pointers", ptrs + (a, b))
     return out
 
 

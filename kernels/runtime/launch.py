@@ -12,6 +12,7 @@ import torch
 import triton
 
 from tritune.kernels.runtime.checks import kernel_device
+from tritune.kernels.runtime.specialize import SHARED, check_hit
 
 def _outside_graph_pools(device, make):
     """``make()``, a buffer kept across launches (counters, workspace), from the caching allocator's
@@ -267,8 +268,10 @@ def pdl_forced():
 # fixed by a launcher's plan (shapes, strides, dtypes, constexprs) except the 16-byte alignment of each
 # pointer: so after a plan's first launch through triton, a launcher keeps the compiled kernel per
 # (pointer alignments, device, variant) and later launches call it directly, with the arguments, launch
-# metadata and hooks triton's launch would pass. The compiled kernel's run() signature is triton's
-# internal API, read on the sources of 3.5 to 3.9: other versions take triton's own launch.
+# metadata and hooks triton's launch would pass. A new plan first looks in the process-wide cache keyed on
+# triton's own specialisation (kernels.runtime.specialize): a new M finds the kernel another M compiled. The
+# compiled kernel's run() signature is triton's internal API, read on the sources of 3.5 to 3.9: other
+# versions take triton's own launch.
 try:
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover
@@ -294,11 +297,13 @@ def launch_direct(kern, grid, stream, args) -> None:
 
 
 def launch_cached(jit_fn, kernels: dict | None, grid, args: tuple, kws: dict, consts: tuple, variant, ptrs) -> None:
-    """Launch ``jit_fn`` on ``grid``: through triton the first time for each (variant, 16-byte alignment of
-    ``ptrs``, device), keeping the compiled kernel in ``kernels`` (a launch plan's dict), then directly
-    (:func:`launch_direct`, ``args + consts``). The alignment is what triton specialises a pointer on;
-    ``variant`` is whatever else picks another compiled kernel for the same plan (PDL, descriptor modes).
-    ``kernels=None``: always through triton (the interpreter, or direct launches switched off)."""
+    """Launch ``jit_fn`` on ``grid``: directly (:func:`launch_direct`, ``args + consts``) with the compiled
+    kernel kept in ``kernels`` (a launch plan's dict) for (variant, 16-byte alignment of ``ptrs``, device),
+    else with the one kept process-wide for the same specialisation (:data:`SHARED`: a new plan whose kernel
+    exists, e.g. a new M), else through triton, keeping what it compiled in both. The alignment is what
+    triton specialises a plan's pointers on; ``variant`` is whatever else picks another compiled kernel for
+    the same plan (PDL, descriptor modes). ``kernels=None``: always through triton (the interpreter, or
+    direct launches switched off)."""
     if kernels is None:
         # checked here too (the interpreter never launches directly), so a drift shows on the CPU
         check_direct_args(jit_fn, args, consts)
@@ -313,11 +318,22 @@ def launch_cached(jit_fn, kernels: dict | None, grid, args: tuple, kws: dict, co
     kern = kernels.get(key)
     if kern is not None:
         launch_direct(kern, grid, drv.get_current_stream(device), args + consts)
-    else:
-        check_direct_args(jit_fn, args, consts)
-        kern = jit_fn[grid](*args, **kws)
-        if keepable(kern):
-            kernels[key] = kern
+        return
+    check_direct_args(jit_fn, args, consts)
+    shared = SHARED.key(jit_fn, args, kws, variant, device)
+    kern = SHARED.get(shared) if shared is not None else None
+    if kern is not None:
+        if SHARED.check:
+            check_hit(jit_fn, grid, args, kws, kern)
+        SHARED.hits += 1
+        kernels[key] = kern
+        launch_direct(kern, grid, drv.get_current_stream(device), args + consts)
+        return
+    kern = jit_fn[grid](*args, **kws)
+    if keepable(kern):
+        kernels[key] = kern
+        if shared is not None:
+            SHARED[shared] = kern
 
 
 class DescriptorMaker:
