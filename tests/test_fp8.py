@@ -63,8 +63,9 @@ def test_vendor_scaled_mm_agrees(a_scale, b_scale):
 # ---------------------------------------------------------------------------------------------------
 # IMPL="gluon": the warp-specialized Gluon kernel (kernels/fp8_gemm_gluon.py), sm90 GPUs only
 from tritune.kernels import fp8_gemm as F  # noqa: E402
+from tritune.kernels import fp8_gemm_gluon as FGG  # noqa: E402
 
-GLUON = (not dev.interpreted() and torch.cuda.is_available() and F.GLUON_AVAILABLE
+GLUON = (not dev.interpreted() and torch.cuda.is_available() and FGG.AVAILABLE
          and torch.cuda.get_device_capability()[0] == 9)
 needs_gluon = pytest.mark.skipif(not GLUON, reason="the Gluon FP8 GEMM runs on sm90 GPUs only")
 
