@@ -24,7 +24,10 @@ unaligned), a gluon config runs the Triton kernel with its tiles.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +59,12 @@ def _tma_device(t) -> bool:
         return False
     if dev.interpreted():
         return True
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+    return t.is_cuda and _sm90(t.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 @triton.jit
@@ -212,6 +220,8 @@ class _Plan:
 
 
 _PLANS = K.PlanCache()
+_CONFIGS = K.BucketConfigs()  # (config, config cache key) per bucket: a new M of a known bucket skips the lookup
+_NOT_M = operator.attrgetter(*(f.name for f in dataclasses.fields(Problem) if f.name != "M"))  # fields but M
 # direct launches (K.launch_cached): every constexpr after the runtime arguments, in each kernel's order
 _CONSTEXPRS = K.constexpr_params(_fp8_gemm_kernel)
 _TMA_CONSTEXPRS = K.constexpr_params(_fp8_gemm_tma_kernel)
@@ -248,11 +258,13 @@ def _plan(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype, co
     check_args(a, b, a_scale, b_scale, bias, activation, residual, out, out_dtype)
     m, n = a.shape[0], b.shape[1]
     p = _Plan()
-    p.problem = problem_of(a, b, a_scale, b_scale, bias, activation, residual)
+    p.problem = pr = problem_of(a, b, a_scale, b_scale, bias, activation, residual)
     p.out_dtype = out_dtype
-    p.cfg, p.cfg_key = SPEC.config_and_key(p.problem, out_dtype, config)
+    key = (K.next_power_of_2(pr.M), _NOT_M(pr), out_dtype, K.precision_key(out_dtype),
+           None if config is None else tuple(config.items()))
+    p.cfg, p.cfg_key = _CONFIGS.pair(key, lambda: SPEC.config_and_key(pr, out_dtype, config))
     c = p.cfg
-    p.grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
+    p.grid = (K.cdiv(m, c["BLOCK_M"]) * K.cdiv(n, c["BLOCK_N"]),)
     p.sbs = tuple(b_scale.stride()) if p.problem.b_scale == "block" else (0, 0)
     p.kws = dict(A_ROW=p.problem.a_scale == "row", B_MODE=B_SCALES.index(p.problem.b_scale),
                  HAS_BIAS=bias is not None, GELU=activation == "gelu_tanh", HAS_RES=residual is not None,
@@ -353,11 +365,11 @@ def _constraint(c, p: Problem, dtype) -> str | None:
             return why
     elif c.get("PERSISTENT", 0):
         return "PERSISTENT=1 is the Gluon kernel's (IMPL=gluon)"
-    if c["BLOCK_M"] > max(16, triton.next_power_of_2(p.M)):
+    if c["BLOCK_M"] > max(16, K.next_power_of_2(p.M)):
         return "BLOCK_M larger than M"
-    if c["BLOCK_N"] > max(32, triton.next_power_of_2(p.N)):
+    if c["BLOCK_N"] > max(32, K.next_power_of_2(p.N)):
         return "BLOCK_N larger than N"
-    if c["BLOCK_K"] > max(32, triton.next_power_of_2(p.K)):
+    if c["BLOCK_K"] > max(32, K.next_power_of_2(p.K)):
         return "BLOCK_K larger than K"
     if p.b_scale == "block" and SCALE_BLOCK % c["BLOCK_K"]:
         return "a K tile must lie in one scale block"
@@ -384,9 +396,9 @@ SPACE = K.Space(
 
 def default_config(p: Problem, dtype) -> dict:
     """Skinny M (decode, small batches): narrow row tiles, wide K; large M: 128x128 tiles, 128-deep K."""
-    bm = min(128, max(16, triton.next_power_of_2(p.M)))
-    bn = min(128, max(32, triton.next_power_of_2(p.N)))
-    bk = min(128, max(32, triton.next_power_of_2(p.K)))
+    bm = min(128, max(16, K.next_power_of_2(p.M)))
+    bn = min(128, max(32, K.next_power_of_2(p.N)))
+    bk = min(128, max(32, K.next_power_of_2(p.K)))
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8 if p.M >= 1024 else 1,
             "num_warps": 8 if bm * bn >= 128 * 128 else 4, "num_stages": 3 if bm >= 128 else 4, **LEGACY}
 
@@ -408,7 +420,7 @@ def seeds(p: Problem, dtype) -> list[dict]:
 
 
 def bucket(p: Problem) -> dict:
-    return {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K, "a_scale": p.a_scale, "b_scale": p.b_scale,
+    return {"M": K.next_power_of_2(p.M), "N": p.N, "K": p.K, "a_scale": p.a_scale, "b_scale": p.b_scale,
             "epilogue": int(p.bias) + 2 * int(p.act != "none") + 4 * int(p.residual)}
 
 

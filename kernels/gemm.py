@@ -382,18 +382,10 @@ def _device_type() -> str:
     return K.kernel_device()
 
 
-_VALID: dict = {}  # explicit configs already validated, by (config, bucket, dtype): the hot path skips it
-
-
-def _config(problem: Problem, dtype, config: dict | None) -> dict:
-    if config is None:
-        return SPEC.config_for(problem, dtype)
-    key = (tuple(config.items()), triton.next_power_of_2(max(1, problem.M)), problem.N, problem.K, dtype,
-           problem.ln, problem.kv, problem.rms, problem.act == "swiglu")
-    hit = _VALID.get(key)
-    if hit is None:
-        hit = _VALID[key] = SPEC.config_for(problem, dtype, config)
-    return hit
+# What a new M of a known bucket takes from earlier plans instead of working it out again: the config and its
+# cache key (an explicit config: validated once a bucket), and the launch variants (see _launch_variants)
+_CONFIGS = K.BucketConfigs()
+_VARIANTS: dict = {}
 
 
 _num_sms = K.num_sms  # a module name: tests narrow the persistent grid through it
@@ -516,7 +508,7 @@ def gemm(a, b, bias=None, *, activation=None, residual=None, ln=None, rms=None, 
 def launch_shape(cfg: dict, m: int, n: int, dtype, sms: int, b_tiles: int = 1) -> tuple[tuple[int, int], int]:
     """(grid, PRE_EPI) of a launch of ``cfg`` on an (m, n) output with ``sms`` SMs (``b_tiles``: 2 with
     SwiGLU, whose programs hold two B tiles and accumulators)."""
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = K.cdiv(m, cfg["BLOCK_M"]) * K.cdiv(n, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
     grid = (min(tiles, sms * ctas_per_sm(cfg, dtype, b_tiles)), 1) if cfg["PERSISTENT"] else (tiles, split)
     pre_epi = 0
@@ -537,7 +529,7 @@ def ln_block(kdim: int, cfg: dict) -> int:
     """Chunk along K of the LayerNorm statistics: at most 32 float32 values a thread per chunk. A function
     of K and the config only, so a row's statistics never depend on M."""
     per = 32 * 32 * cfg["num_warps"] // cfg["BLOCK_M"]
-    return max(16, min(triton.next_power_of_2(kdim), 1 << max(0, per.bit_length() - 1)))
+    return max(16, min(K.next_power_of_2(kdim), 1 << max(0, per.bit_length() - 1)))
 
 
 def _check_epilogue(a, b, bias, activation, kv) -> int:
@@ -639,7 +631,9 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None, 
     p.out_shape, p.m, p.n, p.k = out_shape, m, n, kdim
     ln_w, ln_b, _, _ = _prologue(ln, rms)
     kc, vc, slots = kv if kv is not None else (None, None, None)
-    p.extents = tuple(K.extent(t) for t in (out, a, b, bias, residual, ln_w, ln_b, kc, vc, slots))  # check_no_alias
+    p.extents = None  # check_no_alias's, for a given out (whether out is given is part of the plan's key)
+    if out is not None:
+        p.extents = tuple(K.extent(t) for t in (out, a, b, bias, residual, ln_w, ln_b, kc, vc, slots))
     p.fused = ln is not None or rms is not None or kv is not None
     p.cfg = p.cfg_key = None
     p.empty = m == 0 or n == 0
@@ -647,12 +641,14 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None, 
         return p
     a2, a_3d, (s_a0, s_am, s_ak), r2, c2, (s_cm, s_cn) = _row_views(p, a, residual, out, m, n, kdim)
 
-    problem = Problem(m, b.shape[1], kdim, trans_a=s_ak != 1, trans_b=b.stride(1) != 1, bias=bias is not None,
-                      act=activation, residual=residual is not None, ln=ln is not None, kv=kv is not None,
-                      rms=rms is not None)
-    cfg = _config(problem, a.dtype, config)
-    if config is None:  # from the store or the defaults: re-checked per launch against the config cache
-        p.cfg, p.cfg_key = cfg, SPEC.config_key(problem, a.dtype)
+    fields = dict(N=b.shape[1], K=kdim, trans_a=s_ak != 1, trans_b=b.stride(1) != 1, bias=bias is not None,
+                  act=activation, residual=residual is not None, ln=ln is not None, kv=kv is not None,
+                  rms=rms is not None)  # the Problem's, but M
+    key = (K.next_power_of_2(m), tuple(fields.values()), a.dtype, K.precision_key(a.dtype),
+           None if config is None else tuple(config.items()))
+    cfg, cfg_key = _CONFIGS.pair(key, lambda: SPEC.config_and_key(Problem(m, **fields), a.dtype, config))
+    if cfg_key is not None:  # from the store or the defaults: re-checked per launch against the config cache
+        p.cfg, p.cfg_key = cfg, cfg_key
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
 
     e = a.element_size()
@@ -661,7 +657,7 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None, 
         p.a_tma = _tma_layout(m, kdim, s_am, s_ak, e, bm, bk)
         p.b_tma = _tma_layout(kdim, b.shape[1], b.stride(0), b.stride(1), e, bk, bn)
 
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = K.cdiv(m, bm) * K.cdiv(n, bn)
     accs = 2 if activation == "swiglu" else 1  # SwiGLU's split-K partials: the gate's, then the up's
     p.work_numel = accs * split * m * n if split > 1 else 0
     # the plan holds its counters: a buffer grown later for another plan stays alive for this one (and
@@ -687,24 +683,39 @@ def _make_plan(a, b, bias, activation, residual, out, config, ln=None, kv=None, 
 
 def _launch_variants(p: _Plan, base: dict, device, ln, kv, c_kv: int, kdim: int, cfg: dict, rms=None) -> None:
     """The plan's keyword sets: the fused kernel's, or the plain kernel's per (A, B) TMA mode; each also
-    with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now)."""
+    with programmatic dependent launch, taken while a CUDA graph is captured (K.pdl_now). Kept by what they
+    are made of and shared by every plan made of the same (a new M mostly): read only (launches unpack them);
+    a plan's compiled kernels stay its own."""
     ln_w, ln_b, _, is_rms = _prologue(ln, rms)
     pdl = K.pdl(device)
     p.kernels = {} if DIRECT_LAUNCH and device.type == "cuda" else None
+    fused = None
     if p.fused:  # ints: m, n, K, M1, C (eps goes in per call), then the strides
         p.ints = (*p.ints[:4], c_kv, *p.ints[4:])
-        for flag in ("PERSISTENT", "FLATTEN", "WARP_SPEC"):
-            del base[flag]
-        p.kws = dict(base, HAS_LN=ln is not None or is_rms, HAS_LN_W=ln_w is not None, HAS_LN_B=ln_b is not None,
+        fused = dict(HAS_LN=ln is not None or is_rms, HAS_LN_W=ln_w is not None, HAS_LN_B=ln_b is not None,
                      HAS_KV=kv is not None, LN_BLOCK=ln_block(kdim, cfg), RMS=is_rms)
-        p.consts = tuple(p.kws[c] for c in _FUSED_CONSTEXPRS)
-        p.kws_pdl = dict(p.kws, PDL=True, launch_pdl=True) if pdl else None
-        p.consts_pdl = tuple(p.kws_pdl[c] for c in _FUSED_CONSTEXPRS) if pdl else None
-        return
-    p.kws = [[dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)] for am in range(3)]
-    p.consts = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws]
-    p.kws_pdl = [[dict(kw, PDL=True, launch_pdl=True) for kw in row] for row in p.kws] if pdl else None
-    p.consts_pdl = [[tuple(kw[c] for c in _CONSTEXPRS) for kw in row] for row in p.kws_pdl] if pdl else None
+    key = (tuple(base.items()), pdl, None if fused is None else tuple(fused.items()))
+    hit = _VARIANTS.get(key)
+    if hit is None:
+        if len(_VARIANTS) >= 4096:
+            _VARIANTS.clear()
+        hit = _VARIANTS[key] = _variants(base, pdl, fused)
+    p.kws, p.consts, p.kws_pdl, p.consts_pdl = hit
+
+
+def _variants(base: dict, pdl: bool, fused: dict | None) -> tuple:
+    """(kws, consts, kws_pdl, consts_pdl) of a plan (see _launch_variants): the fused kernel's keywords
+    (``fused``: its prologue and KV flags), else the plain kernel's per (A, B) mode, nested tuples."""
+    if fused is not None:
+        kws = {k: v for k, v in base.items() if k not in ("PERSISTENT", "FLATTEN", "WARP_SPEC")}
+        kws.update(fused)
+        kws_pdl = dict(kws, PDL=True, launch_pdl=True) if pdl else None
+        return (kws, tuple(kws[c] for c in _FUSED_CONSTEXPRS), kws_pdl,
+                tuple(kws_pdl[c] for c in _FUSED_CONSTEXPRS) if pdl else None)
+    kws = tuple(tuple(dict(base, A_MODE=am, B_MODE=bmode) for bmode in range(3)) for am in range(3))
+    kws_pdl = tuple(tuple(dict(kw, PDL=True, launch_pdl=True) for kw in row) for row in kws) if pdl else None
+    return (kws, tuple(tuple(tuple(kw[c] for c in _CONSTEXPRS) for kw in row) for row in kws), kws_pdl,
+            tuple(tuple(tuple(kw[c] for c in _CONSTEXPRS) for kw in row) for row in kws_pdl) if pdl else None)
 
 
 SPEC = K.register(K.KernelSpec(

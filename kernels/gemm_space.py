@@ -8,7 +8,6 @@ import dataclasses
 import functools
 
 import torch
-import triton
 
 from tritune import kernels as K
 from tritune.kernels.gemm_cases import Problem
@@ -71,7 +70,7 @@ def _elem(dtype) -> int:
 @functools.lru_cache(maxsize=4096)
 def _limits(p: Problem) -> tuple:
     """Tile limits: M, C's columns and K to powers of two (at least 16)."""
-    return tuple(max(16, triton.next_power_of_2(v)) for v in (p.M, p.n_out, p.K))
+    return tuple(max(16, K.next_power_of_2(v)) for v in (p.M, p.n_out, p.K))
 
 
 def constraint(c, p: Problem, dtype) -> str | None:
@@ -103,7 +102,7 @@ def constraint(c, p: Problem, dtype) -> str | None:
     if split > 1 and c["PERSISTENT"]:
         return "persistent programs take whole tiles (no split-K)"
     if split > 1:
-        if split > triton.cdiv(p.K, bk):
+        if split > K.cdiv(p.K, bk):
             return "more K slices than K tiles"
         if c["GROUP_M"] > 1:
             return "split-K tiles are few: no grouping"
@@ -128,9 +127,9 @@ _MID_TILES = [(128, 256, 8, 3, 1.0), (128, 128, 8, 4, 0.85), (64, 128, 4, 4, 0.7
 def _estimate_s(bm: int, bn: int, split: int, eff: float, m: int, n: int, k: int, sms: int, e: int) -> float:
     """Rough seconds for a tiling: whole waves of tiles at a per-SM MMA rate, plus split-K's partials
     (written and read back in fp32, mostly through L2) and its ticket round trip."""
-    progs = triton.cdiv(m, bm) * triton.cdiv(n, bn) * split
+    progs = K.cdiv(m, bm) * K.cdiv(n, bn) * split
     rate = (3.2e12 if e == 2 else 1.6e12) * eff          # multiply-adds per second per SM, achieved
-    t = triton.cdiv(progs, sms) * bm * bn * triton.cdiv(triton.cdiv(k, split), 64) * 64 / rate
+    t = K.cdiv(progs, sms) * bm * bn * K.cdiv(K.cdiv(k, split), 64) * 64 / rate
     if split > 1:
         t += 2.0 * split * m * n * 4 / 5e12 + 1.5e-6
     return t
@@ -161,31 +160,31 @@ def default_config(p: Problem, dtype) -> dict:
         cfg = dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2))
         return _fit(cfg, p, dtype)
     e = _elem(dtype)
-    m2 = max(16, triton.next_power_of_2(p.M))
-    n2 = max(16, triton.next_power_of_2(p.N))
-    k2 = max(16, triton.next_power_of_2(p.K))
+    m2 = max(16, K.next_power_of_2(p.M))
+    n2 = max(16, K.next_power_of_2(p.N))
+    k2 = max(16, K.next_power_of_2(p.K))
     sms = K.num_sms()
     tma = tma_capable(0)
     if m2 <= 64:
         bm = 16 if m2 <= 16 else min(m2, 64)
-        if triton.cdiv(p.N, 128) >= sms:  # very wide N: enough 128-wide tiles for every SM
+        if K.cdiv(p.N, 128) >= sms:  # very wide N: enough 128-wide tiles for every SM
             bn, bk = 128, (128 if bm == 16 else 64)
         else:
             bn, bk = (64, 128) if bm == 16 else (32, 128 if p.K <= 1024 else 256)
         bn, bk = min(n2, bn), min(k2, bk if e == 2 else 64)
-        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
-        k_tiles = triton.cdiv(p.K, bk)
+        tiles = K.cdiv(p.M, bm) * K.cdiv(p.N, bn)
+        k_tiles = K.cdiv(p.K, bk)
         split = 1
         if p.K >= 2048:
             while split < 8 and tiles * split * 2 <= sms and k_tiles >= 6 * split:
                 split *= 2
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
                "num_warps": 4, "num_stages": 4, "TMA": False, "PERSISTENT": False}
-    elif e == 2 and m2 >= 128 and n2 >= 256 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 256) >= 2 * sms:
+    elif e == 2 and m2 >= 128 and n2 >= 256 and K.cdiv(p.M, 128) * K.cdiv(p.N, 256) >= 2 * sms:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": min(k2, 64 if e == 2 else 32), "GROUP_M": 8,
                "SPLIT_K": 1, "num_warps": 8, "num_stages": 3 if p.K <= 1024 or e == 4 else 4,
                "TMA": tma, "PERSISTENT": True}
-    elif m2 >= 128 and n2 >= 128 and triton.cdiv(p.M, 128) * triton.cdiv(p.N, 128) >= 2 * sms:
+    elif m2 >= 128 and n2 >= 128 and K.cdiv(p.M, 128) * K.cdiv(p.N, 128) >= 2 * sms:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": min(k2, 64 if e == 2 else 32), "GROUP_M": 8,
                "SPLIT_K": 1, "num_warps": 8, "num_stages": 4, "TMA": tma, "PERSISTENT": True}
     else:
@@ -194,7 +193,7 @@ def default_config(p: Problem, dtype) -> dict:
             if bm > m2 or bn > n2 or (e == 4 and bm * bn > 128 * 128):  # fp32: the epilogue scratch (constraint)
                 continue
             for split in (1, 2, 4, 8):
-                if split > 1 and (triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn) >= sms or p.K // split < 256):
+                if split > 1 and (K.cdiv(p.M, bm) * K.cdiv(p.N, bn) >= sms or p.K // split < 256):
                     break
                 t = _estimate_s(bm, bn, split, eff, m2, p.N, p.K, sms, e)
                 if best is None or t < best[0] * 0.97:
@@ -238,7 +237,7 @@ def bucket(p: Problem) -> dict:
     """M to a power of two, N, K; and ln=1 / kv=1 / rms=1 / swiglu=1 only when fused, so the keys of plain
     problems (and the store entries tuned under them) are what they were, and a fused problem never
     borrows a plain one's config (nearest-bucket lookups need the same fields)."""
-    b = {"M": triton.next_power_of_2(p.M), "N": p.N, "K": p.K}
+    b = {"M": K.next_power_of_2(p.M), "N": p.N, "K": p.K}
     if p.ln:
         b["ln"] = 1
     if p.kv:

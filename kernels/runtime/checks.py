@@ -140,7 +140,10 @@ def check_no_alias(out, inputs, in_place: str | None = None, extents: tuple | No
 
 def span(t: torch.Tensor) -> int:
     """1 + the largest element offset of a view: what its addressing must reach (64-bit offsets past 2^31)."""
-    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    s = 1
+    for n, st in zip(t.shape, t.stride()):  # a loop, not sum(generator): launch plans take several a call
+        s += (n - 1) * abs(st)
+    return s
 
 
 def aligned(*ts) -> bool:

@@ -203,6 +203,35 @@ class PlanCache(dict):
         return plan
 
 
+class BucketConfigs(dict):
+    """A launcher's (config, config cache key) pairs (:meth:`KernelSpec.config_and_key`) under a key that holds
+    the problem with M replaced by its bucket, the dtype, the precision setting and the explicit config: a
+    new M of a known bucket skips the bucket's string key and the lookup. While the config cache still holds
+    the pair's config (checked as :meth:`PlanCache.get` checks a plan) it is what the lookup gives for any M of
+    the bucket: the cache holds one config per bucket, whichever M made it. One it has dropped or replaced (a
+    store written since, tuning on a miss) is looked up again. An explicit config is validated once a key and
+    kept as a copy: only for a space whose constraint reads M through its bucket alone (gemm's, fp8_gemm's)."""
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def pair(self, key, make: Callable[[], tuple]) -> tuple:
+        """The pair under ``key``, else ``make()``'s (the lookup; it validates an explicit config), kept."""
+        try:
+            hit = super().get(key)
+        except TypeError:   # an unhashable explicit config: make() refuses it by name
+            return make()
+        if hit is not None and (hit[1] is None or CONFIG_CACHE.get(hit[1]) is hit[0]):
+            return hit
+        cfg, cfg_key = make()
+        hit = (cfg if cfg_key is not None else dict(cfg)), cfg_key
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = hit
+        return hit
+
+
 def bucket_key(bucket: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in bucket.items())
 
