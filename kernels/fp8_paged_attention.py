@@ -29,9 +29,7 @@ The query enters as fp16 times a power of two (exact: fp16 holds bf16's signific
 multiplies its score column. Each token's v scale cannot multiply P in fp16 (P·vs spans any range), so the
 kernel keeps two running maxima: m of the scores, for the denominator Σ 2^(s − m), and r of s − m + log2(vs)
 (relative to m: a score of 1e12 would swallow the scale's exponent), for the numerator's fp16 weights
-2^(s − m + log2 vs − r) in [0, 1]; the finished row is acc · 2^r / l. A tile where no row's reference m + r
-moved leaves the accumulator unscaled (its factor is exactly 1; the multiply of the (16, D) accumulator was a
-quarter of a 16-token tile's instructions on one warp), so only the few tiles that raise a maximum pay it.
+2^(s − m + log2 vs − r) in [0, 1]; the finished row is acc · 2^r / l.
 Whole tiles load unmasked (a per-token predicate would split V's token rows into byte loads), their block ids
 loaded a tile ahead so that the pipeliner keeps num_stages - 1 tiles of K, V and scales in flight (see
 paged_attention); the rest of the context goes through 16-token tiles masked per token. Split-KV (PARTITION > 0): chunks of
@@ -117,12 +115,7 @@ def _decode_tile(q, block, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, 
     r_sub = tl.where(r_new == float("-inf"), 0.0, r_new)
     # P·V with V^T's tokens along the dot's K: the operand loads as it lies, no byte transposes
     w = tl.exp2(u - r_sub[:, None]).to(tl.float16)
-    # the accumulator is rescaled only when a row's reference moved (a factor under 1): once the running maxima
-    # settle, most tiles skip the (GROUP_PAD, D) multiply; a factor of exactly 1 leaves acc as it is
-    alpha = tl.exp2(shift + r_i - r_sub)
-    if tl.min(alpha, axis=0) < 1.0:
-        acc = acc * alpha[:, None]
-    acc = tl.dot(w, tl.trans(vt.to(tl.float16)), acc)
+    acc = acc * tl.exp2(shift + r_i - r_sub)[:, None] + tl.dot(w, tl.trans(vt.to(tl.float16)))
     return m_new, l_i, r_new, acc
 
 
