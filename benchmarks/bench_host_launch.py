@@ -86,25 +86,30 @@ def summary(us: list[float]) -> dict:
 def measure(call, ms: list[int], rounds: int, steady: int) -> dict:
     """{mode: {"first_call": [us...], "steady": [us...], "hits": shared hits}} for modes "on" and "off",
     rounds interleaved so drift hits both alike."""
-    from tritune.kernels.runtime.specialize import SHARED
-
-    out = {mode: {"first_call": [], "steady": [], "hits": 0} for mode in ("on", "off")}
+    try:
+        from tritune.kernels.runtime.specialize import SHARED
+    except ImportError:   # a tree from before the shared cache (a before/after run): its one mode is "off"
+        SHARED = None
+    modes = ("on", "off") if SHARED is not None else ("off",)
+    out = {mode: {"first_call": [], "steady": [], "hits": 0} for mode in modes}
     for m in ms + [STEADY_M]:  # warm-up: every kernel compiled and loaded, both caches full
         call(m)
     for _ in range(rounds):
-        for mode in ("on", "off"):
-            SHARED.on = mode == "on"
+        for mode in modes:
+            if SHARED is not None:
+                SHARED.on = mode == "on"
             drop_plans()
             gc.collect()
             gc.disable()
-            hits = SHARED.hits
+            hits = SHARED.hits if SHARED is not None else 0
             try:
                 out[mode]["first_call"] += [host_us(call, m) for m in ms]
-                out[mode]["hits"] += SHARED.hits - hits
+                out[mode]["hits"] += (SHARED.hits if SHARED is not None else 0) - hits
                 out[mode]["steady"] += [host_us(call, STEADY_M) for _ in range(steady)][1:]
             finally:
                 gc.enable()
-    SHARED.on = True
+    if SHARED is not None:
+        SHARED.on = True
     return out
 
 
@@ -114,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steady", type=int, default=200, help="calls at one repeated M per round")
     p.add_argument("--results", default="results")
+    p.add_argument("--label", default="", help="recorded in each row (e.g. 'before' / 'after' for two trees)")
     args = p.parse_args(argv)
     import torch
 
@@ -127,6 +133,7 @@ def main(argv=None) -> int:
         for mode, r in res.items():
             for what in ("first_call", "steady"):
                 row = {"kernel": kernel, "N": n, "K": k, "shared_kernels": mode == "on", "timed": what,
+                       **({"label": args.label} if args.label else {}),
                        **summary(r[what])}
                 if what == "first_call":
                     row.update(shared_hits=r["hits"], m_values=f"{len(ms)} in {M_RANGE[0]}..{M_RANGE[1] - 1}")
