@@ -1,10 +1,10 @@
 """Host time of an eager launch at a new M: gemm and fp8_gemm, with and without the shared kernel cache.
 
-Serving brings a new token count M with most prefills, so each linear makes a new launch plan whose first
-call used to go through triton's binder (~40-110 us of host time on the H200 machine). With the process-wide
-cache of compiled kernels keyed on triton's own specialisation (``kernels/runtime/specialize.py``;
-``TRITUNE_SHARED_KERNELS=0`` turns it off, as this script's "off" mode does) that first call launches the
-kernel another M compiled, directly.
+Serving brings a new token count M with most prefills, so each linear makes a new launch plan: its checks and
+config lookup, then a first call through triton's launch. With the process-wide cache of compiled kernels keyed
+on triton's own specialisation (``kernels/runtime/specialize.py``; ``TRITUNE_SHARED_KERNELS=0`` turns it off, as
+this script's "off" mode does) that first call launches the kernel another M compiled, directly. Run it in two
+trees (``--label before|after``) to time a change of the plan itself.
 
 Per case (Llama-3.2-1B-ish linears: N = K = 2048 and N = 6144, K = 2048; bf16 gemm, and fp8_gemm with per-row
 and per-channel scales): every M is run once first (compiles every kernel, fills triton's and the shared

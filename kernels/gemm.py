@@ -383,9 +383,8 @@ def _device_type() -> str:
 
 
 # What a new M of a known bucket takes from earlier plans instead of working it out again: the config and its
-# cache key (an explicit config: validated once a bucket), and the launch variants (see _launch_variants)
+# cache key (an explicit config: validated once a bucket), and the launch variants (_variants, cached)
 _CONFIGS = K.BucketConfigs()
-_VARIANTS: dict = {}
 
 
 _num_sms = K.num_sms  # a module name: tests narrow the persistent grid through it
@@ -694,18 +693,15 @@ def _launch_variants(p: _Plan, base: dict, device, ln, kv, c_kv: int, kdim: int,
         p.ints = (*p.ints[:4], c_kv, *p.ints[4:])
         fused = dict(HAS_LN=ln is not None or is_rms, HAS_LN_W=ln_w is not None, HAS_LN_B=ln_b is not None,
                      HAS_KV=kv is not None, LN_BLOCK=ln_block(kdim, cfg), RMS=is_rms)
-    key = (tuple(base.items()), pdl, None if fused is None else tuple(fused.items()))
-    hit = _VARIANTS.get(key)
-    if hit is None:
-        if len(_VARIANTS) >= 4096:
-            _VARIANTS.clear()
-        hit = _VARIANTS[key] = _variants(base, pdl, fused)
-    p.kws, p.consts, p.kws_pdl, p.consts_pdl = hit
+    p.kws, p.consts, p.kws_pdl, p.consts_pdl = _variants(tuple(base.items()), pdl,
+                                                         None if fused is None else tuple(fused.items()))
 
 
-def _variants(base: dict, pdl: bool, fused: dict | None) -> tuple:
+@functools.lru_cache(maxsize=4096)
+def _variants(base_items: tuple, pdl: bool, fused_items: tuple | None) -> tuple:
     """(kws, consts, kws_pdl, consts_pdl) of a plan (see _launch_variants): the fused kernel's keywords
-    (``fused``: its prologue and KV flags), else the plain kernel's per (A, B) mode, nested tuples."""
+    (``fused_items``: its prologue and KV flags), else the plain kernel's per (A, B) mode, nested tuples."""
+    base, fused = dict(base_items), None if fused_items is None else dict(fused_items)
     if fused is not None:
         kws = {k: v for k, v in base.items() if k not in ("PERSISTENT", "FLATTEN", "WARP_SPEC")}
         kws.update(fused)

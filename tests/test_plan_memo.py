@@ -48,7 +48,7 @@ def test_a_gemm_plan_from_the_memos_is_the_plan_made_without_them(kind):
     memo = [_gemm_plan(m, kind) for m in ms]
     for m, got in zip(ms, memo):
         G._CONFIGS.clear()
-        G._VARIANTS.clear()
+        G._variants.cache_clear()
         assert _fields(got) == _fields(_gemm_plan(m, kind)), m
     assert memo[1].kws is memo[2].kws and memo[1].consts is memo[2].consts   # one bucket: shared, not copied
     p = _gemm_plan(40, kind, config=dict(memo[2].cfg))

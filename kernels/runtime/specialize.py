@@ -1,8 +1,8 @@
 """Compiled kernels shared across launch plans: triton's own specialisation rule, read in Python.
 
 A launcher keeps its compiled kernels per launch plan (exact shapes and strides), so a plan made for a new
-shape (every prefill brings a new token count M) went through triton's binder once more (~40-110 us of host
-time on the H200 machine), although the kernel it compiles to usually exists: triton compiles one kernel per
+shape (every prefill brings a new token count M) went through triton's launch once more (5-25 us more host time than a direct launch on
+the H200 machine; the plan itself costs more: docs/findings.md), although the kernel it compiles to usually exists: triton compiles one kernel per
 (constexprs and launch options, the specialisation of each runtime argument), and M moves few of those.
 :data:`SHARED` keeps compiled kernels process-wide under that same key, so a new plan whose kernel exists
 launches directly from its first call (:func:`tritune.kernels.runtime.launch.launch_cached`).
