@@ -39,7 +39,8 @@ from tritune import kernels as K
 try:  # Gluon is triton's; a build without it (or without its Hopper module) has no such path
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     try:   # public from triton 3.8; triton's own Gluon kernels reach it here before that
         from triton.experimental.gluon import aggregate
@@ -59,26 +60,30 @@ WORKER_REGS = {1: [24], 2: [240, 24]}
 
 
 def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
-    """The ring (an A and a B tile of 128 e4m3 columns a stage) and its barriers."""
-    return stages * (block_m + block_n) * TILE_K + 1024
+    """The ring (an A and a B tile of 128 e4m3 columns a stage), the output tile the TMA store reads (16-bit
+    values) and the barriers."""
+    return stages * (block_m + block_n) * TILE_K + block_m * block_n * 2 + 1024
 
 
 if AVAILABLE:
     @aggregate
     class Ring:
         """A CTA's shared memory: every consumer's A tile (slot s, warpgroup w at s * NWG + w) and the B tile of
-        each stage; a stage's barriers: landed (the producer's TMA) and free again (every consumer done)."""
+        each stage; a stage's barriers: landed (the producer's TMA) and free again (every consumer done); each
+        consumer's output tile (warpgroup w at w), which its TMA store reads."""
         a_bufs: gl.shared_memory_descriptor
         b_bufs: gl.shared_memory_descriptor
         ready: gl.shared_memory_descriptor
         empty: gl.shared_memory_descriptor
+        c_bufs: gl.shared_memory_descriptor
 
         @gluon.constexpr_function
-        def __init__(self, a_bufs, b_bufs, ready, empty):
+        def __init__(self, a_bufs, b_bufs, ready, empty, c_bufs):
             self.a_bufs = a_bufs
             self.b_bufs = b_bufs
             self.ready = ready
             self.empty = empty
+            self.c_bufs = c_bufs
 
     @aggregate
     class Gemm:
@@ -240,10 +245,33 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
-    def _epilogue(acc, g, m0, n0, A_ROW: gl.constexpr, B_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  GELU: gl.constexpr, HAS_RES: gl.constexpr, layout: gl.constexpr):
+    def _scales(g, m0, n0, BMW: gl.constexpr, BN: gl.constexpr, A_ROW: gl.constexpr, B_MODE: gl.constexpr):
+        """A warpgroup tile's A and B scales, loaded before its K loop so that their latency hides behind it: row
+        and channel scales one value a thread (``flat``), not the wgmma layout's BN / 4 columns a thread; the
+        epilogue moves them into that layout. 1.0 where the mode has no such scale (block scales: the loop's)."""
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        if A_ROW:
+            rows = m0 + gl.arange(0, BMW, layout=flat)
+            sa = gl.load(g.SA + rows, mask=rows < g.M, other=0.0)
+        else:
+            sa = gl.load(g.SA)
+        if B_MODE == 0:
+            sb = gl.load(g.SB)
+        elif B_MODE == 1:
+            cols = n0 + gl.arange(0, BN, layout=flat)
+            sb = gl.load(g.SB + cols, mask=cols < g.N, other=0.0)
+        else:
+            sb = 1.0
+        return sa, sb
+
+    @gluon.jit
+    def _epilogue(acc, g, r, c_desc, sa, sb, m0, n0, WG: gl.constexpr, A_ROW: gl.constexpr, B_MODE: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, HAS_RES: gl.constexpr, TMA_OUT: gl.constexpr,
+                  layout: gl.constexpr):
         """``fp8_gemm._fp8_epilogue``'s math on a warpgroup's tile, in the wgmma's register layout: the A and B
-        scales, bias, GELU (tanh, as x·sigmoid(2z)), residual; stored in the output's dtype, masked."""
+        scales (``sa``, ``sb`` from :func:`_scales`), bias, GELU (tanh, as x·sigmoid(2z)), residual; in the
+        output's dtype, stored by TMA from the warpgroup's shared tile (``TMA_OUT``: the store runs on while the
+        next tile's K loop does; its box clips the edges) or by masked stores."""
         BMW: gl.constexpr = acc.type.shape[0]
         BN: gl.constexpr = acc.type.shape[1]
         offs_m = m0 + gl.arange(0, BMW, layout=gl.SliceLayout(1, layout))
@@ -251,13 +279,13 @@ if AVAILABLE:
         mask_m = offs_m < g.M
         mask_n = offs_n < g.N
         if A_ROW:
-            acc *= gl.load(g.SA + offs_m, mask=mask_m, other=0.0)[:, None]
+            acc *= gl.convert_layout(sa, gl.SliceLayout(1, layout))[:, None]
         else:
-            acc *= gl.load(g.SA)
+            acc *= sa
         if B_MODE == 0:
-            acc *= gl.load(g.SB)
+            acc *= sb
         elif B_MODE == 1:
-            acc *= gl.load(g.SB + offs_n, mask=mask_n, other=0.0)[None, :]
+            acc *= gl.convert_layout(sb, gl.SliceLayout(0, layout))[None, :]
         if HAS_BIAS:
             acc += gl.load(g.BIAS + offs_n, mask=mask_n, other=0.0).to(gl.float32)[None, :]
         if GELU:
@@ -267,12 +295,21 @@ if AVAILABLE:
         if HAS_RES:
             acc += gl.load(g.RES + offs_m[:, None].to(gl.int64) * g.s_rm + offs_n[None, :] * g.s_rn, mask=mask,
                            other=0.0).to(gl.float32)
-        gl.store(g.C + offs_m[:, None].to(gl.int64) * g.s_cm + offs_n[None, :] * g.s_cn,
-                 acc.to(g.C.dtype.element_ty), mask=mask)
+        if TMA_OUT:
+            c_buf = r.c_bufs.index(WG)
+            tma.store_wait(0)      # the last tile's store has read the buffer (it was issued by this warpgroup)
+            gl.thread_barrier()
+            c_buf.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [m0, n0], c_buf)
+        else:
+            gl.store(g.C + offs_m[:, None].to(gl.int64) * g.s_cm + offs_n[None, :] * g.s_cn,
+                     acc.to(g.C.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _consumer(r, g, WG: gl.constexpr, A_ROW: gl.constexpr, B_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  GELU: gl.constexpr, HAS_RES: gl.constexpr, GROUP_M: gl.constexpr, SBLOCK: gl.constexpr):
+    def _consumer(r, g, c_desc, WG: gl.constexpr, A_ROW: gl.constexpr, B_MODE: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, HAS_RES: gl.constexpr, TMA_OUT: gl.constexpr,
+                  GROUP_M: gl.constexpr, SBLOCK: gl.constexpr):
         """One consumer warpgroup: rows WG*64 .. WG*64+63 of each of the CTA's tiles."""
         STAGES: gl.constexpr = r.b_bufs.type.shape[0]
         NWG: gl.constexpr = r.a_bufs.type.shape[0] // STAGES
@@ -286,9 +323,13 @@ if AVAILABLE:
         it = 0   # K steps consumed so far
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             m0, n0 = _tile_origin(t, g.M, g.N, NWG * BMW, BN, GROUP_M)
+            sa, sb = _scales(g, m0 + WG * BMW, n0, BMW, BN, A_ROW, B_MODE)
             acc = _mainloop(r, g, it, n0, WG, B_MODE, SBLOCK, layout)
-            _epilogue(acc, g, m0 + WG * BMW, n0, A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES, layout)
+            _epilogue(acc, g, r, c_desc, sa, sb, m0 + WG * BMW, n0, WG, A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES,
+                      TMA_OUT, layout)
             it += n_k
+        if TMA_OUT:
+            tma.store_wait(0)
 
     @gluon.jit
     def _barriers(N: gl.constexpr, COUNT: gl.constexpr):
@@ -299,35 +340,43 @@ if AVAILABLE:
         return bars
 
     @gluon.jit
-    def fp8_gemm_ws(a_desc, b_desc, C, SA, SB, BIAS, RES, M, N, KD, s_cm, s_cn, s_rm, s_rn, s_sbk, s_sbn,
+    def fp8_gemm_ws(a_desc, b_desc, c_desc, C, SA, SB, BIAS, RES, M, N, KD, s_cm, s_cn, s_rm, s_rn, s_sbk, s_sbn,
                     A_ROW: gl.constexpr, B_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, GELU: gl.constexpr,
-                    HAS_RES: gl.constexpr, GROUP_M: gl.constexpr, SBLOCK: gl.constexpr, STAGES: gl.constexpr,
-                    NWG: gl.constexpr, num_warps: gl.constexpr):
+                    HAS_RES: gl.constexpr, TMA_OUT: gl.constexpr, GROUP_M: gl.constexpr, SBLOCK: gl.constexpr,
+                    STAGES: gl.constexpr, NWG: gl.constexpr, num_warps: gl.constexpr):
         """C = epilogue(sum over K steps of (A tile @ B tile) [x block scale]): ``a_desc`` over A (M, K) in
-        (64, 128) boxes, ``b_desc`` over B's (N, K) view in (BN, 128) boxes; a CTA per output tile, or fewer
-        CTAs each walking the tiles (the persistent grid)."""
+        (64, 128) boxes, ``b_desc`` over B's (N, K) view in (BN, 128) boxes, ``c_desc`` over C in (64, BN)
+        boxes (``TMA_OUT``; else unused); a CTA per output tile, or fewer CTAs each walking the tiles (the
+        persistent grid)."""
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * NWG] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        r = Ring(a_bufs, b_bufs, _barriers(STAGES, 1), _barriers(STAGES, NWG))
+        if TMA_OUT:
+            c_bufs = gl.allocate_shared_memory(c_desc.dtype, [NWG] + c_desc.block_type.shape, c_desc.layout)
+        else:
+            c_bufs = a_bufs   # not read
+        r = Ring(a_bufs, b_bufs, _barriers(STAGES, 1), _barriers(STAGES, NWG), c_bufs)
         g = _gemm(M, N, KD, C, SA, SB, BIAS, RES, s_cm, s_cn, s_rm, s_rn, s_sbk, s_sbn)
         if NWG == 2:
             gl.warp_specialize([
-                (_consumer, (r, g, 0, A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES, GROUP_M, SBLOCK)),
-                (_consumer, (r, g, 1, A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES, GROUP_M, SBLOCK)),
+                (_consumer, (r, g, c_desc, 0, A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES, TMA_OUT, GROUP_M, SBLOCK)),
+                (_consumer, (r, g, c_desc, 1, A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES, TMA_OUT, GROUP_M, SBLOCK)),
                 (_producer, (a_desc, b_desc, r, g, GROUP_M)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (r, g, 0, A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES, GROUP_M, SBLOCK)),
+                (_consumer, (r, g, c_desc, 0, A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES, TMA_OUT, GROUP_M, SBLOCK)),
                 (_producer, (a_desc, b_desc, r, g, GROUP_M)),
             ], [1], [24])
 
 
+_OUT_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 @functools.lru_cache(maxsize=None)
-def _layout(block: tuple):
-    """The shared-memory layout of an e4m3 TMA tile (made once per shape, not per launch)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv)
+def _layout(block: tuple, dtype: str = "float8e4nv"):
+    """The shared-memory layout of a TMA tile (made once per shape and dtype, not per launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, dtype))
 
 
 def descriptor_makers(a, b, block_n: int) -> tuple:
@@ -339,10 +388,38 @@ def descriptor_makers(a, b, block_n: int) -> tuple:
             K.DescriptorMaker(GluonDescriptor, bt.shape, bt.stride(), [block_n, TILE_K], _layout((block_n, TILE_K))))
 
 
+def stores_by_tma(out) -> bool:
+    """The output's geometry a TMA store takes: 16-bit values, unit column stride, 16-byte aligned rows (its base
+    is checked at each launch)."""
+    return (out.dtype in _OUT_TYPES and out.stride(1) == 1 and out.stride(0) * out.element_size() % 16 == 0
+            and out.shape[0] > 0 and out.shape[1] > 0)
+
+
 def takes(a, b) -> bool:
     """The operands this kernel reads: both K-major, rows 16-byte aligned, K > 0 (bases: :func:`launch`)."""
     return (a.shape[1] > 0 and a.stride(1) == 1 and b.stride(0) == 1 and a.stride(0) % 16 == 0
             and b.stride(1) % 16 == 0)
+
+
+def _launch_state(a, b, out, kws: dict, block_m: int, block_n: int, stages: int, persistent: bool, tma_out: bool):
+    """A plan's launch state for one output path: descriptor makers (A, B, and C's (64, block_n) boxes where
+    ``tma_out``), grid, launch keywords, constexpr values and the compiled-kernel cache."""
+    m, n = a.shape[0], b.shape[1]
+    nwg = block_m // WG_ROWS
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    # persistent: as many CTAs as fit on the GPU at once (one warpgroup's CTAs: two an SM, registers and
+    # shared memory allowing)
+    per_sm = 2 if nwg == 1 and smem_bytes(block_m, block_n, stages) <= 113 * 1024 else 1
+    grid = (min(tiles, per_sm * K.num_sms()) if persistent else tiles,)
+    ck = dict(A_ROW=kws["A_ROW"], B_MODE=kws["B_MODE"], HAS_BIAS=kws["HAS_BIAS"], GELU=kws["GELU"],
+              HAS_RES=kws["HAS_RES"], TMA_OUT=tma_out, GROUP_M=kws["GROUP_M"], SBLOCK=kws["SBLOCK"], STAGES=stages,
+              NWG=nwg, num_warps=4)
+    makers = descriptor_makers(a, b, block_n)
+    if tma_out:
+        makers += (K.DescriptorMaker(GluonDescriptor, out.shape, out.stride(), [WG_ROWS, block_n],
+                                     _layout((WG_ROWS, block_n), _OUT_TYPES[out.dtype])),)
+    return (makers, grid, dict(ck, maxnreg=MAXNREG[nwg]), tuple(ck[c] for c in K.constexpr_params(fp8_gemm_ws)),
+            {} if K.DIRECT_LAUNCH else None)
 
 
 def launch(a, b, out, a_scale, b_scale, bias, residual, *, kws: dict, block_m: int, block_n: int, stages: int,
@@ -351,26 +428,18 @@ def launch(a, b, out, a_scale, b_scale, bias, residual, *, kws: dict, block_m: i
     :func:`takes`, 16-byte aligned bases (checked by the caller); ``kws``: the Triton kernel's epilogue and
     grouping constexprs (A_ROW, B_MODE, HAS_BIAS, GELU, HAS_RES, GROUP_M, SBLOCK); ``sbs``: the block scales'
     strides ((0, 0) otherwise). ``cache``: a launch plan's dict (same shapes, strides and arguments every call):
-    the descriptors' geometry and, for direct launches, the compiled kernel."""
-    st = cache.get("gluon")
-    m, n = a.shape[0], b.shape[1]
+    each output path's launch state (a TMA store where the output takes one, masked stores otherwise)."""
+    tma_out = cache.get("tma_geometry")
+    if tma_out is None:
+        tma_out = cache["tma_geometry"] = stores_by_tma(out)
+    tma_out = tma_out and out.data_ptr() % 16 == 0
+    st = cache.get(tma_out)
     if st is None:
-        nwg = block_m // WG_ROWS
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        # persistent: as many CTAs as fit on the GPU at once (one warpgroup's CTAs: two an SM, registers and
-        # shared memory allowing)
-        per_sm = 2 if nwg == 1 and smem_bytes(block_m, block_n, stages) <= 113 * 1024 else 1
-        grid = (min(tiles, per_sm * K.num_sms()) if persistent else tiles,)
-        ck = dict(A_ROW=kws["A_ROW"], B_MODE=kws["B_MODE"], HAS_BIAS=kws["HAS_BIAS"], GELU=kws["GELU"],
-                  HAS_RES=kws["HAS_RES"], GROUP_M=kws["GROUP_M"], SBLOCK=kws["SBLOCK"], STAGES=stages, NWG=nwg,
-                  num_warps=4)
-        launch_kws = dict(ck, maxnreg=MAXNREG[nwg])
-        st = (descriptor_makers(a, b, block_n), grid, launch_kws, tuple(ck[c] for c in K.constexpr_params(fp8_gemm_ws)),
-              {} if K.DIRECT_LAUNCH else None)
-        cache["gluon"] = st
+        st = cache[tma_out] = _launch_state(a, b, out, kws, block_m, block_n, stages, persistent, tma_out)
     makers, grid, launch_kws, consts, kernels = st
     res = residual if residual is not None else out
     bias_arg = bias if bias is not None else out
-    args = (makers[0](a), makers[1](b.t()), out, a_scale, b_scale, bias_arg, res, m, n, a.shape[1], out.stride(0),
-            out.stride(1), res.stride(0), res.stride(1), *sbs)
+    a_d, b_d = makers[0](a), makers[1](b.t())
+    args = (a_d, b_d, makers[2](out) if tma_out else a_d, out, a_scale, b_scale, bias_arg, res, a.shape[0],
+            b.shape[1], a.shape[1], out.stride(0), out.stride(1), res.stride(0), res.stride(1), *sbs)
     K.launch_cached(fp8_gemm_ws, kernels, grid, args, launch_kws, consts, 0, (out, a_scale, b_scale, bias_arg, res))
