@@ -143,7 +143,7 @@ def test_gluon_output_by_tma_and_by_masked_stores_agree(residual):
     reference's values."""
     cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, IMPL="gluon",
                PERSISTENT=1)
-    for m, n, k in ((1000, 520, 1040), (300, 100, 520)):
+    for m, n, k in ((1000, 520, 1040), (300, 100, 528)):
         p = Problem(m, n, k, "row", "channel", False, "none", residual)
         case = SPEC.make_inputs(p, torch.bfloat16, "cuda", seed=3)
         want = SPEC.reference(*case.args, **case.kwargs)
