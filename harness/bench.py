@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -197,14 +199,30 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
     return rows
 
 
+def source_commit() -> str | None:
+    """The commit measured: ``$TRITUNE_COMMIT`` where set (a tree copied to a GPU machine may carry a stale
+    ``.git``, or none), else ``git rev-parse --short HEAD`` of the checkout this package runs from; None where
+    neither answers (an installed wheel)."""
+    c = os.environ.get("TRITUNE_COMMIT", "").strip()
+    if c:
+        return c
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def write_results(rows: list[dict], results_dir: Path, name: str, merge: bool = False) -> Path:
-    """Write the rows (each stamped with its date). ``merge``: rows already in the file for other
-    (problem, dtype) pairs stay, in their order, with the new rows in place of the ones they re-measure."""
+    """Write the rows, each stamped with its date and the commit measured (:func:`source_commit`). ``merge``:
+    rows already in the file for other (problem, dtype) pairs stay, in their order, with the new rows in place
+    of the ones they re-measure."""
     d = Path(results_dir) / dev.gpu_slug()
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{name}.json"
     env = environment()
-    rows = [{**r, "measured": r.get("measured", env["date"])} for r in rows]
+    commit = source_commit()
+    rows = [{**r, "measured": r.get("measured", env["date"]), "commit": r.get("commit", commit)} for r in rows]
     if merge and path.exists():
         old = json.loads(path.read_text()).get("rows", [])
         new = {(r.get("problem"), r.get("dtype")): r for r in rows}

@@ -82,6 +82,21 @@ def test_registry_discovers_kernels():
         kernels.get("nope")
 
 
+def test_bench_rows_carry_the_commit_measured(tmp_path, monkeypatch):
+    """Each written row names the commit it measured: $TRITUNE_COMMIT where set (a tree copied to a GPU machine),
+    a row's own commit kept when it has one (rows merged from another run)."""
+    from tritune.harness import bench
+
+    monkeypatch.setenv("TRITUNE_COMMIT", "abc1234")
+    row = {"kernel": "gelu", "problem": "M=1 N=1", "dtype": "float32", "ours_us": 1.0}
+    path = bench.write_results([row, dict(row, problem="M=2 N=2", commit="0123456")], tmp_path, "gelu")
+    import json
+
+    assert [r["commit"] for r in json.loads(path.read_text())["rows"]] == ["abc1234", "0123456"]
+    monkeypatch.delenv("TRITUNE_COMMIT")
+    assert bench.source_commit() != "abc1234"
+
+
 def test_bench_on_interpreter_checks_and_times(tmp_path):
     from tritune.harness import bench, report
 
@@ -99,7 +114,7 @@ def test_bench_on_interpreter_checks_and_times(tmp_path):
 
     kept = json.loads(path.read_text())["rows"]
     assert [(r["problem"], r["ours_us"]) for r in kept] == [(rows[0]["problem"], 2.0), ("other", rows[0]["ours_us"])]
-    assert all("measured" in r for r in kept)
+    assert all("measured" in r and "commit" in r for r in kept)
     # `tritune report`: docs/results.md in full, the README's headline table between its markers only
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{report.BEGIN}\nOLD TABLE\n{report.END}\nrest\n")

@@ -134,6 +134,7 @@ def _write(out_dir: Path, cmd, rows, summary, ncu_rows, trace) -> Path:
 
     import torch
     import triton
+    from tritune.harness.bench import source_commit
     from tritune.kernels.runtime import device as dev
 
     path = out_dir / "profile.json"
@@ -141,16 +142,8 @@ def _write(out_dir: Path, cmd, rows, summary, ncu_rows, trace) -> Path:
     key = " ".join(cmd)
     data["rows"] = [r for r in data["rows"] if r.get("command") != key]
     data["rows"].append({"command": key, "gpu": dev.gpu_name(), "date": datetime.date.today().isoformat(),
-                         "commit": os.environ.get("TRITUNE_COMMIT") or _commit(), "torch": torch.__version__,
+                         "commit": source_commit(), "torch": torch.__version__,
                          "triton": triton.__version__, "summary": summary, "kernels": rows,
                          "ncu": ncu_rows, "trace": trace.name})
     path.write_text(json.dumps(data, indent=1))
     return path
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
