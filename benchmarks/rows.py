@@ -16,21 +16,15 @@ import datetime
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def commit() -> str:
-    c = os.environ.get("TRITUNE_COMMIT", "").strip()
-    if not c:
-        try:
-            c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                               timeout=10, cwd=ROOT).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            c = ""
-    return c[:7] if c else "unknown"
+    from tritune.tuning.timing import source_commit
+
+    return (source_commit() or "unknown")[:7]
 
 
 def gpu() -> tuple[str, str]:

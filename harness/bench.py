@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +14,8 @@ import torch
 
 from tritune.kernels.runtime import compare as cmp
 from tritune.kernels.runtime import device as dev
-from tritune.tuning.timing import cycling, environment, graph_ms, median_ms, problem_label, rotation
+from tritune.tuning.timing import (cycling, environment, graph_ms, median_ms, problem_label, rotation,
+                                   source_commit)
 
 
 def roofline(cost, dtype: torch.dtype, ms: float) -> dict:
@@ -197,20 +196,6 @@ def bench_spec(spec, dtype: torch.dtype, problems=None, peers: bool = True, conf
         if on_row is not None:
             on_row(row)
     return rows
-
-
-def source_commit() -> str | None:
-    """The commit measured: ``$TRITUNE_COMMIT`` where set (a tree copied to a GPU machine may carry a stale
-    ``.git``, or none), else ``git rev-parse --short HEAD`` of the checkout this package runs from; None where
-    neither answers (an installed wheel)."""
-    c = os.environ.get("TRITUNE_COMMIT", "").strip()
-    if c:
-        return c
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def write_results(rows: list[dict], results_dir: Path, name: str, merge: bool = False) -> Path:

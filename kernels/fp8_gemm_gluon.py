@@ -36,7 +36,6 @@ triton 3.6). Operands that are not K-major or not 16-byte aligned take the Trito
 import functools
 
 import torch
-import triton
 
 from tritune import kernels as K
 
@@ -410,7 +409,7 @@ def _launch_state(a, b, out, kws: dict, block_m: int, block_n: int, stages: int,
     ``tma_out``), grid, launch keywords, constexpr values and the compiled-kernel cache."""
     m, n = a.shape[0], b.shape[1]
     nwg = block_m // WG_ROWS
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    tiles = K.cdiv(m, block_m) * K.cdiv(n, block_n)
     # persistent: as many CTAs as fit on the GPU at once (one warpgroup's CTAs: two an SM, registers and
     # shared memory allowing)
     per_sm = 2 if nwg == 1 and smem_bytes(block_m, block_n, stages) <= 113 * 1024 else 1

@@ -384,20 +384,12 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     res["date"] = time.strftime("%Y-%m-%d")
-    res["commit"] = _commit()
+    from tritune.tuning.timing import source_commit
+
+    res["commit"] = source_commit()
     print(table(res))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
-
-
-def _commit() -> str | None:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None

@@ -12,7 +12,10 @@ import datetime
 import functools
 import itertools
 import math
+import os
 import platform
+import subprocess
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -276,6 +279,20 @@ def problem_label(problem) -> str:
     if not fields:
         return str(problem)
     return " ".join(f"{k}={getattr(problem, k)}" for k in fields)
+
+
+def source_commit() -> str | None:
+    """The commit measured: ``$TRITUNE_COMMIT`` where set (a tree copied to a GPU machine may carry a stale
+    ``.git``, or none), else ``git rev-parse --short HEAD`` of the checkout this package runs from; None where
+    neither answers (an installed wheel)."""
+    c = os.environ.get("TRITUNE_COMMIT", "").strip()
+    if c:
+        return c
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def environment() -> dict:

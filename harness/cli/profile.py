@@ -134,7 +134,7 @@ def _write(out_dir: Path, cmd, rows, summary, ncu_rows, trace) -> Path:
 
     import torch
     import triton
-    from tritune.harness.bench import source_commit
+    from tritune.tuning.timing import source_commit
     from tritune.kernels.runtime import device as dev
 
     path = out_dir / "profile.json"
