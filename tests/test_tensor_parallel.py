@@ -134,6 +134,40 @@ def test_ranks_match_one_rank(world, reference):
                   torch.from_numpy(ref["cache"][:, :, used][..., heads, :]), what=f"{name} rank {r} KV")
 
 
+SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+
+
+def serve_graphs(model, group=None):
+    """Greedy and sampled tokens through an Engine whose decode runs the device-side step (``"eager"``: the
+    graphs' own step without capture, the CPU's way through the same loads, replays and fed tokens)."""
+    if group is not None and group.rank != 0:
+        ledger, _ = serving.follow(group, model)
+        return {"ledger": ledger.summary()}
+    eng = Engine(model, num_blocks=NUM_BLOCKS, cuda_graphs="eager")
+    assert eng.runner.graphs is not None
+    ps = prompts(model.vocab_size)
+    out = {"greedy": [c.token_ids for c in eng.generate(ps, GREEDY)],
+           "sampled": [c.token_ids for c in eng.generate(ps[:2], SAMPLED)], "paths": dict(eng.path_counts)}
+    eng.close()
+    return out
+
+
+def rank_graphs(group):
+    return {name: serve_graphs(tensor_parallel(make(), group), group)
+            for name, make in (("gpt2", gpt2_model), ("llama", llama_model))}
+
+
+def test_decode_graph_steps_are_replayed_on_every_rank():
+    """Two ranks running the device-side decode step (rank 0's loads, replays and sampled tokens broadcast)
+    give one rank's greedy and sampled tokens, and the steps did take the graph path."""
+    ranks = launch(2, rank_graphs, timeout_s=240)
+    for name, make in (("gpt2", gpt2_model), ("llama", llama_model)):
+        one = serve_graphs(make())
+        assert ranks[0][name]["greedy"] == one["greedy"], name
+        assert ranks[0][name]["sampled"] == one["sampled"], name
+        assert ranks[0][name]["paths"].get("graph", 0) > 0, ranks[0][name]["paths"]
+
+
 class DieAfter:
     """A follower's ops that end the process (exit code 7) in the middle of a forward after ``n`` linears."""
 

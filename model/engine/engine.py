@@ -162,7 +162,8 @@ class Engine:
     ``stats["request_errors"]``: requests ended alone by a failure of their own (:meth:`step`).
     ``tensor_parallel`` (default 1): split the model over this many ranks (:mod:`tritune.model.parallel`:
     processes started here, gloo on the CPU, NCCL on GPUs; this process is rank 0 and schedules); a model
-    that is already one rank's shard runs as it is. Decode steps run eager; :meth:`close` stops the ranks.
+    that is already one rank's shard runs as it is. Every rank captures and replays the same decode graphs
+    (rank 0 broadcasts each load and replay); :meth:`close` stops the ranks.
     ``path_counts``: how many steps took each path ("graph": decode-only replays, "graph-mixed",
     "graph-prefill", "graph" beside an eager prefill is "graph+eager", "eager", "mixed", "compile", "spec").
     """
@@ -191,11 +192,12 @@ class Engine:
         model = self._prepare(model, cfg)
         self.pool = self._make_pool(model, cfg)
         model = self._on_fp8_pool(model)
-        self.runner = ModelRunner(model, self.pool, max_num_seqs=cfg.max_num_seqs,
-                                  cuda_graphs=False if hasattr(model, "tp") else cfg.cuda_graphs,
+        sharded = hasattr(model, "tp")      # a tensor-parallel rank: its graphs captured with the group's
+        self.runner = ModelRunner(model, self.pool, max_num_seqs=cfg.max_num_seqs, cuda_graphs=cfg.cuda_graphs,
                                   compile=cfg.compile, graph_buckets=cfg.graph_buckets,
-                                  hist=max(16, cfg.decode_steps), fused_decode=cfg.fused_decode,
-                                  graph_prefill_tokens=cfg.graph_prefill_tokens, invariant=self.batch_invariant)
+                                  hist=max(16, cfg.decode_steps), fused_decode=False if sharded else cfg.fused_decode,
+                                  graph_prefill_tokens=cfg.graph_prefill_tokens, invariant=self.batch_invariant,
+                                  defer_capture=sharded)
         # chunks beside decodes stay within the captured step's prefill rows (no eager stall)
         cap = self.runner.graph_prefill_tokens if cfg.enable_chunked_prefill else 0
         self.scheduler = Scheduler(
@@ -212,7 +214,8 @@ class Engine:
         self.tp_lead = tp.engine_lead(self.runner, model)     # rank 0 broadcasts each step to the other ranks
         if self.tp_lead is not None:
             self.notes.append(f"tensor parallel over {model.tp.group.world_size} ranks ({model.tp.group.backend}); "
-                              "decode steps eager (no CUDA graphs yet)")
+                              + ("every rank replays the same decode graphs" if self.runner.graphs is not None
+                                 else "decode steps eager"))
         self.sampler = Sampler(self.device)
         self._init_stats()
         self.spec = None

@@ -117,10 +117,12 @@ def capture_buckets(buckets, run, device, what: str) -> tuple[dict, dict, float]
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte, stride_wpe, E, max_pos,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr, HAS_WPE: tl.constexpr = True):
+                    BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr, HAS_WPE: tl.constexpr = True,
+                    EMBED: tl.constexpr = True):
     """Row b of a decode step: x = wte[ids[b]] (+ wpe[pos[b]] where the family has learned positions), the
     new token's cache slot bt[b, pos // block_size] * block_size + pos % block_size and context length
-    pos + 1. pos < 0 marks a padding row: slot -1 (write_kv skips it), context 1, position 0."""
+    pos + 1. pos < 0 marks a padding row: slot -1 (write_kv skips it), context 1, position 0. Without
+    ``EMBED`` x is left to the caller (a tensor-parallel rank holds a slice of the vocabulary)."""
     if PDL:  # the step's first gemv may start now (its weight tiles); our inputs come from the last step
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -131,7 +133,8 @@ def _step_in_kernel(Ids, Pos, BT, Wte, Wpe, X, Slots, Ctx, stride_bt, stride_wte
     blk = tl.load(BT + b * stride_bt + p // BLOCK_SIZE)
     tl.store(Slots + b, tl.where(pos >= 0, blk * BLOCK_SIZE + p % BLOCK_SIZE, -1))
     tl.store(Ctx + b, p + 1)
-    embed_row(Wte, Wpe, X, b, tok, p, stride_wte, stride_wpe, E, BLOCK_E, HAS_WPE)
+    if EMBED:
+        embed_row(Wte, Wpe, X, b, tok, p, stride_wte, stride_wpe, E, BLOCK_E, HAS_WPE)
 
 
 @triton.jit
@@ -275,7 +278,7 @@ class DecodeGraphs:
         self.graphs, self.out = {}, {}
         self.capture_s = 0.0
         if capture:
-            self._capture()
+            self.capture()
 
     def _run(self, b, w=None):
         w = self.mb if w is None else w
@@ -283,10 +286,13 @@ class DecodeGraphs:
         m = self.model
         wte, wpe, E = embedding_tables(m)
         x = torch.empty((b, E), dtype=m.dtype, device=self.device)
+        sharded = getattr(m, "tp", None) is not None     # a tensor-parallel rank: its own vocabulary rows only
         _step_in_kernel[(b,)](self.ids, self.pos, self.bt, wte, wte if wpe is None else wpe, x, self.slots, self.ctx,
                               self.bt.stride(0), wte.stride(0), 0 if wpe is None else wpe.stride(0), E, self.max_pos,
                               BLOCK_SIZE=self.block_size, BLOCK_E=triton.next_power_of_2(E),
-                              num_warps=4 if E >= 512 else 1, HAS_WPE=wpe is not None, **pdl)
+                              num_warps=4 if E >= 512 else 1, HAS_WPE=wpe is not None, EMBED=not sharded, **pdl)
+        if sharded:   # the family's embedding over the group (vocab-parallel rows, one all-reduce)
+            x = m.embed(self.ids[:b], self.ctx[:b] - 1)
         logits = m.decode(None, None, self.kv, self.slots[:b], self.bt[:b, :w], self.ctx[:b], x=x)
         V = logits.shape[1]
         _step_out_kernel[(b, self.out_chunks)](logits, logits.stride(0), V, self.ids, self.pos, self.stop, self.eos,
@@ -298,7 +304,9 @@ class DecodeGraphs:
                                                num_warps=8 if self.out_block >= 4096 else 4, **pdl)
         return logits
 
-    def _capture(self):      # every row is padding while it runs: nothing is written
+    def capture(self):
+        """Capture every (bucket, width) step (what ``capture=True`` does at construction; a tensor-parallel
+        rank captures later, when every rank of its group captures the same steps in the same order)."""
         keys = [(b, w) for b in self.buckets for w in self.widths]
         self.graphs, self.out, self.capture_s = capture_buckets(keys, lambda k: self._run(*k), self.device,
                                                                 "CUDA-graph capture of the decode step")

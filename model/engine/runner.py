@@ -296,12 +296,14 @@ class ModelRunner:
     ``compile``: torch.compile the decode forward instead (the triton backend's through torch.ops.tritune).
     ``graph_prefill_tokens``: a step whose prefill rows number at most this (and fit the largest bucket with
     its decodes) runs them inside the device-side step (the module docstring); the buckets grow to hold
-    ``max_num_seqs`` + this many rows. 0: prefills always eager.
+    ``max_num_seqs`` + this many rows. 0: prefills always eager. ``defer_capture``: build the graphs' state
+    but capture nothing yet (``graphs.capture()`` later: a tensor-parallel group's ranks capture together).
     """
 
     def __init__(self, model, pool, *, max_num_seqs: int, cuda_graphs=True, compile: bool = False,
                  graph_buckets=GRAPH_BUCKETS, hist: int = 16, fused_decode="auto",
-                 graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS, invariant: bool = False):
+                 graph_prefill_tokens: int = GRAPH_PREFILL_TOKENS, invariant: bool = False,
+                 defer_capture: bool = False):
         self.invariant = bool(invariant)    # batch-invariant mode (tritune.model.engine.invariant)
         if cuda_graphs not in (True, False, "eager"):
             raise ValueError(f"cuda_graphs: expected True, False or 'eager', got {cuda_graphs!r}")
@@ -346,9 +348,12 @@ class ModelRunner:
                                   f"kernel for head dim {model.head_dim})")
             else:
                 self.graphs = DecodeGraphs(self._decode_model(model, fused_decode, buckets), pool, self.max_blocks,
-                                           buckets, hist=hist, n_eos=len(eos_ids(model)), widths=widths)
+                                           buckets, hist=hist, n_eos=len(eos_ids(model)), widths=widths,
+                                           capture=not defer_capture)
+                when = ("captured when its group captures" if defer_capture
+                        else f"captured in {self.graphs.capture_s:.1f} s")
                 self.notes.append(f"cuda graphs for decode at batch {self.graphs.buckets} x block-table width "
-                                  f"{self.graphs.widths} (captured in {self.graphs.capture_s:.1f} s)")
+                                  f"{self.graphs.widths} ({when})")
         if self.graphs is None:
             self.graph_prefill_tokens = 0
         elif self.graph_prefill_tokens:

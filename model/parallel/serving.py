@@ -7,6 +7,11 @@ running it. Every other rank runs :func:`follow`: a block pool of the same block
 for each broadcast step the same forward, whose collectives meet rank 0's. Only rank 0 allocates blocks;
 the others write the slots they are given, so every rank's cache holds its heads of the same blocks.
 
+CUDA graphs: the device-side decode step (:class:`~tritune.model.engine.graphs.DecodeGraphs`) is captured by
+every rank at once, in :func:`lead` / :func:`follow` (the same buckets and widths, in the same order, so the
+captured all-reduces pair up), and each load, replay and fed-back token of rank 0's graphs is broadcast
+before it runs (:class:`LeadGraphs`): the ranks replay the same graphs on the same state.
+
 Metadata travels as one pickled object per step (``broadcast_object_list``). A rank that dies surfaces on
 rank 0 as a failed collective (or its timeout), raised as the launcher's
 :class:`~tritune.model.parallel.launch.RankFailed` when the watchdog has seen the exit; the group is then
@@ -22,9 +27,9 @@ Two ways to run it:
       group = tritune.model.parallel.group.init_from_env()
       local = tensor_parallel(load_model(path, backend=..., dtype=...), group)
       if group.rank == 0:
-          leader = lead(engine.runner, group)    # engine: an Engine over ``local``, CUDA graphs off
+          engine = Engine(local, ...)            # it leads the group (engine_lead)
           ...                                    # serve
-          leader.close()
+          engine.close()                         # the followers return
       else:
           follow(group, local)
       teardown()
@@ -43,7 +48,7 @@ from tritune.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
 from tritune.model.parallel.model import move, tensor_parallel
 from tritune.model.parallel.plan import Shard, plan_for
 
-STEP, STOP, SETUP = "step", "stop", "setup"
+STEP, STOP, SETUP, GRAPH = "step", "stop", "setup", "graph"
 # the positional arguments of ModelRunner.eager, by name (tables travel as lists of block ids)
 EAGER_ARGS = ("prefill_ids", "prefill_slots", "decode_ids", "decode_positions", "decode_slots", "context_lens",
               "tables")
@@ -97,8 +102,61 @@ def pack(args: tuple, kw: dict) -> dict:
     return out
 
 
+def pack_load(ids, positions, stops, eos, tables) -> tuple:
+    """A decode-graph load's arguments as plain data (tables as :class:`Table`, one per distinct table)."""
+    seen: dict = {}
+    packed = [seen.setdefault(id(t), Table(t.blocks if hasattr(t, "blocks") else t)) for t in tables]
+    return (list(ids), list(positions), list(stops), [e if isinstance(e, int) else list(e) for e in eos], packed)
+
+
+class LeadGraphs:
+    """Rank 0's decode graphs (:class:`~tritune.model.engine.graphs.DecodeGraphs`) with every call that moves
+    the device-side state (``load``, ``run``, ``feed``) sent to the followers first, so that each rank
+    replays the same graphs on the same state and their collectives meet. A load travels with the next run
+    (one broadcast a replay); a sampled token fed back follows its message as a tensor broadcast. Reads
+    (``tokens``, ``bucket``, the buffers) are the wrapped graphs' own."""
+
+    def __init__(self, graphs, lead: "Lead"):
+        self.graphs, self.lead, self.pending = graphs, lead, []
+
+    def __getattr__(self, name):
+        if name in ("graphs", "lead", "pending"):
+            raise AttributeError(name)
+        return getattr(self.graphs, name)
+
+    def load(self, ids, positions, stops, eos, tables):
+        self.pending.append(("load", pack_load(ids, positions, stops, eos, tables)))
+        return self.graphs.load(ids, positions, stops, eos, tables)
+
+    def run(self, B, steps: int = 1):
+        ops, self.pending = self.pending + [("run", (B, steps))], []
+        self.lead.send((GRAPH, ops))
+        return self.graphs.run(B, steps)
+
+    def feed(self, row: int, token, position: int, step: int) -> None:
+        ops, self.pending = self.pending + [("feed", (row, position, step, str(token.dtype).split(".")[-1]))], []
+        self.lead.send((GRAPH, ops), token)
+        self.graphs.feed(row, token, position, step)
+
+
+def replay_graph_ops(graphs, group: TPGroup, ops) -> None:
+    """A follower's side of :class:`LeadGraphs`: the same loads, replays and fed tokens, in order."""
+    for name, args in ops:
+        if name == "load":
+            graphs.load(*args)
+        elif name == "run":
+            graphs.run(*args)
+        elif name == "feed":
+            row, position, step, dtype = args
+            token = group.broadcast_tensor(torch.empty(1, dtype=getattr(torch, dtype), device=graphs.device))
+            graphs.feed(row, token, position, step)
+        else:
+            raise RuntimeError(f"tensor_parallel: unknown decode-graph call {name!r} from rank 0")
+
+
 class Lead:
-    """Rank 0's side: the runner's ``eager`` replaced by one that broadcasts each call first."""
+    """Rank 0's side: the runner's ``eager`` replaced by one that broadcasts each call first, and its decode
+    graphs (if any) by :class:`LeadGraphs`."""
 
     def __init__(self, runner: ModelRunner, group: TPGroup, workers=None):
         self.runner, self.group, self.workers = runner, group, workers
@@ -106,45 +164,71 @@ class Lead:
         self.broken: BaseException | None = None
         self._eager = runner.eager
         runner.eager = self.eager       # an instance attribute: the runner's own calls come here too
+        if runner.graphs is not None:
+            runner.graphs = LeadGraphs(runner.graphs, self)
 
-    def eager(self, *args, **kw):
+    def send(self, msg, tensor=None) -> None:
+        """Broadcast ``msg`` (and ``tensor``, after it) to the followers; a failure marks the group broken."""
         if self.broken is not None:
             raise RuntimeError(f"tensor-parallel group unusable after an earlier failure: {self.broken!r}")
-        kw = pack(args, kw)
         try:
-            self.group.broadcast_object((STEP, kw))
+            self.group.broadcast_object(msg)
+            if tensor is not None:
+                self.group.broadcast_tensor(tensor)
+        except BaseException as e:
+            self.fail(e)
+            raise
+
+    def eager(self, *args, **kw):
+        kw = pack(args, kw)
+        self.send((STEP, kw))
+        try:
             self.ledger.record(kw, self.runner.pool.block_size)
             return self._eager(**kw)
         except BaseException as e:
-            # the ranks may have stopped inside different collectives: nothing after this can pair up
-            self.broken = e
-            if self.workers is not None:
-                try:
-                    self.workers.wait_failure()     # RankFailed (the dead rank, its exit code) when one died
-                except L.RankFailed as dead:
-                    self.broken = dead
-                    raise dead from e
+            self.fail(e)
             raise
+
+    def fail(self, e: BaseException) -> None:
+        """Mark the group broken by ``e`` (the ranks may have stopped inside different collectives: nothing
+        after this can pair up); raise the launcher's RankFailed instead when the watchdog saw a rank die."""
+        self.broken = e
+        if self.workers is not None:
+            try:
+                self.workers.wait_failure()     # RankFailed (the dead rank, its exit code) when one died
+            except L.RankFailed as dead:
+                self.broken = dead
+                raise dead from e
 
     def close(self) -> None:
         """Tell the followers to return (once; not after a failure, when they may be gone)."""
         if self.broken is None and self.runner.eager == self.eager:
             self.group.broadcast_object((STOP, None))
             self.runner.eager = self._eager
+            if isinstance(self.runner.graphs, LeadGraphs):
+                self.runner.graphs = self.runner.graphs.graphs
 
 
 def lead(runner: ModelRunner, group: TPGroup, workers=None) -> Lead:
     """Make rank 0's ``runner`` (an engine's, over its shard of the model) lead the group: its block pool's
-    size goes to the followers, then each forward's metadata before the forward. Only the eager forward is
-    broadcast: CUDA graphs, compile and the batch-invariant mode are refused (ValueError)."""
-    if runner.graphs is not None or runner.compiled is not None:
-        raise ValueError("tensor_parallel: the device-side decode step and compile do not broadcast their steps "
-                         "yet; use cuda_graphs=False, compile=False")
+    size and its decode graphs' shape go to the followers (each rank then captures the same graphs, here,
+    together), then each forward's metadata before the forward. Compile and the batch-invariant mode are
+    refused (ValueError); graphs must come uncaptured (``ModelRunner(..., defer_capture=True)``)."""
+    if runner.compiled is not None:
+        raise ValueError("tensor_parallel: the compiled decode does not broadcast its steps yet; use compile=False")
     if runner.invariant:
         raise ValueError("tensor_parallel: batch_invariant is not supported with tensor parallelism yet")
+    g = runner.graphs
+    if g is not None and g.graphs:
+        raise ValueError("tensor_parallel: the runner's decode graphs are captured already (every rank must "
+                         "capture them together: ModelRunner(..., defer_capture=True))")
     pool = runner.pool
+    shape = None if g is None else {"buckets": g.buckets, "widths": g.widths, "hist": g.R, "n_eos": g.NE,
+                                    "max_blocks": g.mb, "capture": runner.device.type == "cuda"}
     group.broadcast_object((SETUP, {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
-                                    "max_num_seqs": 1}))
+                                    "max_num_seqs": 1, "graphs": shape}))
+    if shape is not None and shape["capture"]:
+        g.capture()
     return Lead(runner, group, workers)
 
 
@@ -158,15 +242,33 @@ def follow(group: TPGroup, model) -> tuple[Ledger, BlockPool]:
     pool = BlockPool(model.n_layers, model.n_kv_heads, model.head_dim, setup["block_size"], model.dtype,
                      model.device, num_blocks=setup["num_blocks"])
     runner = ModelRunner(model, pool, max_num_seqs=setup["max_num_seqs"], cuda_graphs=False)
+    graphs = follower_graphs(model, pool, setup.get("graphs"))
     ledger = Ledger()
     with torch.inference_mode():
         while True:
             kind, kw = group.broadcast_object(None)
             if kind == STOP:
                 break
+            if kind == GRAPH:
+                replay_graph_ops(graphs, group, kw)
+                continue
             ledger.record(kw, pool.block_size)
             runner.eager(**kw)
     return ledger, pool
+
+
+def follower_graphs(model, pool, shape):
+    """A follower's decode graphs of the shape rank 0 announced (None: none), captured now, as rank 0 captures
+    its own."""
+    if shape is None:
+        return None
+    from tritune.model.engine.graphs import DecodeGraphs
+
+    g = DecodeGraphs(model.with_ops(model.ops), pool, shape["max_blocks"], shape["buckets"], hist=shape["hist"],
+                     capture=False, n_eos=shape["n_eos"], widths=shape["widths"])
+    if shape["capture"]:
+        g.capture()
+    return g
 
 
 # ---------------------------------------------------------------------------------------------------
