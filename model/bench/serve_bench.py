@@ -111,6 +111,8 @@ def add_parser(subparsers, name: str) -> None:
                         "CPU: the triton modes run the kernels through the Triton interpreter there)")
     s.add_argument("--dtype", type=parse_dtype, default=None, help="default bf16 on a GPU, fp32 on the CPU")
     s.add_argument("--max-num-seqs", type=int_at_least(1), default=256)
+    s.add_argument("--tp", type=int_at_least(1), default=1, help="tensor parallelism: the engine's model split "
+                   "over this many GPUs (default 1)")
     s.add_argument("--max-batch-tokens", type=int_at_least(1), default=8192,
                    help="tokens a step runs (default 8192); under the model's context, prefill runs in chunks")
     s.add_argument("--kv-memory-fraction", type=fraction, default=0.4)
@@ -289,6 +291,8 @@ def _run_mode(args, mode: str, config, state, items, dtype, gpu: bool) -> dict:
         kv = {"kv_memory_fraction": args.kv_memory_fraction} if gpu else {}
         if args.max_batch_tokens < config.n_positions:  # a whole-context prompt runs in chunks of that budget
             opts.setdefault("enable_chunked_prefill", True)
+        if getattr(args, "tp", 1) > 1:
+            opts["tensor_parallel"] = args.tp
         eng = Engine(model, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                      max_num_seqs=args.max_num_seqs, **kv, **opts)
         # (on the CPU the workload's longest prompt: nothing compiles there, and long prompts take seconds)
@@ -307,6 +311,8 @@ def _run_mode(args, mode: str, config, state, items, dtype, gpu: bool) -> dict:
         sweep = _batch_sweep(args, eng, mode, items, show)
         if sweep:
             r["batch_sweep"] = sweep
+        if getattr(args, "tp", 1) > 1:
+            eng.close()         # the other ranks' processes and GPUs, before the next mode's
         del eng, model
     except Exception as e:  # noqa: BLE001 (one mode failing must not lose the others' numbers)
         import traceback

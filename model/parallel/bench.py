@@ -3,9 +3,10 @@
 ``python -m tritune.model.parallel.bench --tp 1 2 4 --sizes llama-8b --dtype bf16`` spawns each rank count
 (NCCL on GPUs, gloo on the CPU), builds a random-init Llama of those sizes on every rank (the same seed, so
 the same model), keeps each rank's shard, prefills a prompt and times ``--steps`` decode steps (the
-model's own ``decode`` over a paged cache, eager: no CUDA graphs yet). Each count runs twice: with its
-collectives, and with them replaced by local no-ops (wrong numbers, the same kernels), so
-``1 - without / with`` is what the all-reduces and the gather cost a step.
+model's own ``decode`` over a paged cache). On a GPU the step is captured as a CUDA graph on every rank
+(its all-reduces and gather inside) and replayed, as the engine runs it; ``--eager`` (and the CPU) times
+eager steps. Each count runs twice: with its collectives, and with them replaced by local no-ops (wrong
+numbers, the same kernels), so ``1 - without / with`` is what the all-reduces and the gather cost a step.
 """
 from __future__ import annotations
 
@@ -83,17 +84,53 @@ def decode_seconds(model, steps: int, prompt: int, warmup: int = 4) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def rank_bench(group: TPGroup, sizes: dict, dtype, backend: str, steps: int, prompt: int) -> dict:
+def graph_decode_seconds(model, steps: int, prompt: int, warmup: int = 3) -> float:
+    """Seconds per batch-1 decode step after a ``prompt``-token prefill, the step replayed from a CUDA graph
+    (its inputs fixed: the same token at the same position each replay, which times the same work)."""
+    dev = model.device
+    cache = model.new_cache(prompt + 2)
+    ids = torch.randint(0, model.vocab_size, (prompt,), generator=torch.Generator().manual_seed(1)).to(dev)
+    tok = model.prefill(ids, [prompt], kv_cache=cache, slot_mapping=torch.arange(prompt, device=dev)).argmax(-1)
+    tables = torch.arange(cache.num_blocks, dtype=torch.int32, device=dev)[None]
+    p = torch.tensor([prompt], device=dev)
+    ctx = (p + 1).to(torch.int32)
+
+    def step():
+        return model.decode(tok, p, cache, p, tables, ctx)
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(warmup):
+        g.replay()
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        g.replay()
+    _sync(dev)
+    return (time.perf_counter() - t0) / steps
+
+
+def rank_bench(group: TPGroup, sizes: dict, dtype, backend: str, steps: int, prompt: int, graphs: bool = True) -> dict:
     local = tensor_parallel(random_llama(sizes, dtype, group.device, backend), group)
-    if torch.device(group.device).type == "cuda":
+    cuda = torch.device(group.device).type == "cuda"
+    if cuda:
         torch.cuda.empty_cache()
+    timer = graph_decode_seconds if graphs and cuda else decode_seconds
     group.barrier()
-    with_comm = decode_seconds(local, steps, prompt)
+    with_comm = timer(local, steps, prompt)
     quiet = LocalOnly(group.rank, group.world_size, group.backend, group.device)
     local.ops.group = local.tp.group = quiet
     group.barrier()
-    without = decode_seconds(local, steps, prompt)
-    return {"rank": group.rank, "step_s": with_comm, "local_step_s": without}
+    without = timer(local, steps, prompt)
+    return {"rank": group.rank, "step_s": with_comm, "local_step_s": without,
+            "mode": "cuda graph" if graphs and cuda else "eager"}
 
 
 def main(argv=None) -> int:
@@ -104,17 +141,27 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("triton", "torch"), default="triton")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--eager", action="store_true", help="time eager steps (default on a GPU: CUDA graphs)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    base = None
+    base, rows = None, []
     for n in a.tp:
-        res = launch(n, rank_bench, SIZES[a.sizes], DTYPES[a.dtype], a.backend, a.steps, a.prompt,
+        res = launch(n, rank_bench, SIZES[a.sizes], DTYPES[a.dtype], a.backend, a.steps, a.prompt, not a.eager,
                      backend=backend, timeout_s=600, threads=None)
         step = max(r["step_s"] for r in res)
         local = max(r["local_step_s"] for r in res)
         base = base or step
-        print(f"tp={n} ({backend}, {a.sizes}, {a.dtype}, {a.backend}): {step * 1e3:.3f} ms/token, "
+        rows.append({"tp": n, "backend": backend, "sizes": a.sizes, "dtype": a.dtype, "kernels": a.backend,
+                     "mode": res[0]["mode"], "ms_per_token": step * 1e3, "local_ms_per_token": local * 1e3,
+                     "speedup_vs_first": base / step, "collective_share": max(0.0, 1 - local / step)})
+        print(f"tp={n} ({backend}, {a.sizes}, {a.dtype}, {a.backend}, {res[0]['mode']}): {step * 1e3:.3f} ms/token, "
               f"{base / step:.2f}x tp={a.tp[0]}; collectives {max(0.0, 1 - local / step):.0%} of the step")
+    if a.out:
+        import json
+
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 

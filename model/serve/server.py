@@ -436,6 +436,8 @@ def add_parser(subparsers, name: str) -> None:
     s.add_argument("--kv-memory-fraction", type=float, default=None, help="of free GPU memory (default 0.5)")
     s.add_argument("--block-size", type=block_size, default=16)
     s.add_argument("--no-cuda-graphs", action="store_true")
+    s.add_argument("--tp", type=int, default=1, help="tensor parallelism: split the model over this many GPUs "
+                   "(one process each, NCCL; default 1)")
     s.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: each request's "
                    "tokens those it gets alone (tritune.model.engine.invariant)")
     s.add_argument("--no-warm-up", action="store_true", help="skip compiling the kernel variants at start")
@@ -482,6 +484,7 @@ def engine_spec(args) -> dict:
             "engine": dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                            max_num_seqs=args.max_num_seqs, cuda_graphs=not args.no_cuda_graphs, quant=args.quant,
                            batch_invariant=getattr(args, "deterministic", False), **kv,
+                           **({"tensor_parallel": args.tp} if getattr(args, "tp", 1) != 1 else {}),
                            **{k: v for k, v in (("fp8_block", getattr(args, "fp8_block", False)),
                                                 ("kv_cache_dtype", getattr(args, "kv_cache_dtype", None))) if v})}
 
