@@ -193,6 +193,19 @@ def rank_dies(group):
     return serve(m, group)
 
 
+def idle_leader(group):
+    """Rank 0 stays silent past the collective timeout between two messages (a server between requests)."""
+    got = [group.broadcast_object("first" if group.rank == 0 else None)]
+    if group.rank == 0:
+        time.sleep(4.0)
+    got.append(group.broadcast_object("second" if group.rank == 0 else None))
+    return got
+
+
+def test_a_follower_waits_out_an_idle_leader():
+    assert launch(2, idle_leader, timeout_s=60, collective_timeout_s=1.5) == [["first", "second"]] * 2
+
+
 def test_a_dead_rank_is_reported_not_waited_for():
     t0 = time.monotonic()
     with pytest.raises(RankFailed) as e:

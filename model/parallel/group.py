@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 60.0
+MESSAGES_KEPT = 64      # broadcast objects kept in the store (a follower is never more than a step behind)
+IDLE_POLL_S = 30.0      # a follower waiting for rank 0's next message re-arms its wait this often, forever
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class TPGroup:
     backend: str = "gloo"
     device: Any = "cpu"
     group: Any = None           # a torch.distributed ProcessGroup; None: the default group
+    store: Any = None           # the group's TCPStore (rank 0 hosts it): where broadcast objects travel
+    sent: list = field(default_factory=lambda: [0], compare=False, repr=False)   # objects broadcast so far
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks, in place (what a row-parallel linear's partial products need)."""
@@ -49,9 +54,13 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, obj=None, src: int = 0):
-        """``obj`` of rank ``src`` on every rank (pickled; what the scheduler's step metadata travels as)."""
+        """``obj`` of rank ``src`` on every rank (pickled; what the scheduler's step metadata travels as).
+        Through the group's TCP store when it has one: a host-side message, so a follower may wait for the next
+        one as long as rank 0 stays idle (a served model between requests) without a collective timing out."""
         if self.world_size == 1:
             return obj
+        if self.store is not None:
+            return self._store_broadcast(obj, src)
         box = [obj]
         dev = torch.device(self.device) if self.backend == "nccl" else None
         dist.broadcast_object_list(box, src=src, group=self.group, device=dev)
@@ -62,6 +71,24 @@ class TPGroup:
         if self.world_size > 1:
             dist.broadcast(t, src=src, group=self.group)
         return t
+
+    def _store_broadcast(self, obj, src: int):
+        n = self.sent[0]
+        self.sent[0] += 1
+        key = f"tritune/tp/{n}"
+        if self.rank == src:
+            self.store.set(key, pickle.dumps(obj))
+            if n >= MESSAGES_KEPT:
+                self.store.delete_key(f"tritune/tp/{n - MESSAGES_KEPT}")
+            return obj
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=IDLE_POLL_S))
+                break
+            except dist.DistStoreError as e:    # the wait's own timeout: rank 0 idle, wait on; anything else raises
+                if "timeout" not in str(e).lower():
+                    raise
+        return pickle.loads(self.store.get(key))
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -111,9 +138,10 @@ def init(world_size: int, rank: int, backend: str = "gloo", *, addr: str | None 
         return TPGroup(0, 1, backend, device)
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: call teardown() first")
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port)}", world_size=world_size, rank=rank,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return TPGroup(rank, world_size, backend, device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, int(port), world_size, rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
+    return TPGroup(rank, world_size, backend, device, store=store)
 
 
 def init_from_env(backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
