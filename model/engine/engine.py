@@ -213,7 +213,10 @@ class Engine:
         self.notes += self.runner.notes
         self.tp_lead = tp.engine_lead(self.runner, model)     # rank 0 broadcasts each step to the other ranks
         if self.tp_lead is not None:
-            self.notes.append(f"tensor parallel over {model.tp.group.world_size} ranks ({model.tp.group.backend}); "
+            g = model.tp.group
+            why = (g.fast.get("why") or {}).get(model.dtype, "not set up")
+            self.notes.append(f"tensor parallel over {g.world_size} ranks ({g.backend}; all-reduce "
+                              f"{'one-shot over symmetric memory' if why is None else g.backend + ': ' + why}); "
                               + ("every rank replays the same decode graphs" if self.runner.graphs is not None
                                  else "decode steps eager"))
         self.sampler = Sampler(self.device)

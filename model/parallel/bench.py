@@ -11,6 +11,7 @@ numbers, the same kernels), so ``1 - without / with`` is what the all-reduces an
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass
 
@@ -129,8 +130,10 @@ def rank_bench(group: TPGroup, sizes: dict, dtype, backend: str, steps: int, pro
     local.ops.group = local.tp.group = quiet
     group.barrier()
     without = timer(local, steps, prompt)
+    why = (group.fast.get("why") or {}).get(local.dtype, "not set up (CPU)")
     return {"rank": group.rank, "step_s": with_comm, "local_step_s": without,
-            "mode": "cuda graph" if graphs and cuda else "eager"}
+            "mode": "cuda graph" if graphs and cuda else "eager",
+            "all_reduce": "one-shot (symmetric memory)" if why is None else f"backend ({why})"}
 
 
 def main(argv=None) -> int:
@@ -143,20 +146,27 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="time eager steps (default on a GPU: CUDA graphs)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--all-reduce", nargs="+", choices=("auto", "nccl"), default=["auto"],
+                    help="auto: the one-shot kernel where it serves (two NCCL ranks), else NCCL; nccl: NCCL always")
     a = ap.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     base, rows = None, []
     for n in a.tp:
-        res = launch(n, rank_bench, SIZES[a.sizes], DTYPES[a.dtype], a.backend, a.steps, a.prompt, not a.eager,
-                     backend=backend, timeout_s=600, threads=None)
-        step = max(r["step_s"] for r in res)
-        local = max(r["local_step_s"] for r in res)
-        base = base or step
-        rows.append({"tp": n, "backend": backend, "sizes": a.sizes, "dtype": a.dtype, "kernels": a.backend,
-                     "mode": res[0]["mode"], "ms_per_token": step * 1e3, "local_ms_per_token": local * 1e3,
-                     "speedup_vs_first": base / step, "collective_share": max(0.0, 1 - local / step)})
-        print(f"tp={n} ({backend}, {a.sizes}, {a.dtype}, {a.backend}, {res[0]['mode']}): {step * 1e3:.3f} ms/token, "
-              f"{base / step:.2f}x tp={a.tp[0]}; collectives {max(0.0, 1 - local / step):.0%} of the step")
+        for ar in (a.all_reduce if n > 1 else a.all_reduce[:1]):
+            os.environ["TRITUNE_TP_ALL_REDUCE"] = ar       # the spawned ranks read it
+            res = launch(n, rank_bench, SIZES[a.sizes], DTYPES[a.dtype], a.backend, a.steps, a.prompt, not a.eager,
+                         backend=backend, timeout_s=600, threads=None)
+            step = max(r["step_s"] for r in res)
+            local = max(r["local_step_s"] for r in res)
+            base = base or step
+            rows.append({"tp": n, "backend": backend, "sizes": a.sizes, "dtype": a.dtype, "kernels": a.backend,
+                         "mode": res[0]["mode"], "all_reduce": res[0]["all_reduce"], "ms_per_token": step * 1e3,
+                         "local_ms_per_token": local * 1e3, "speedup_vs_first": base / step,
+                         "collective_share": max(0.0, 1 - local / step)})
+            print(f"tp={n} ({backend}, {a.sizes}, {a.dtype}, {a.backend}, {res[0]['mode']}, all-reduce "
+                  f"{res[0]['all_reduce']}): {step * 1e3:.3f} ms/token, {base / step:.2f}x tp={a.tp[0]}; "
+                  f"collectives {max(0.0, 1 - local / step):.0%} of the step")
+    os.environ.pop("TRITUNE_TP_ALL_REDUCE", None)
     if a.out:
         import json
 

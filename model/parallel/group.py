@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 60.0
+FAST_ALL_REDUCE_BYTES = 4 << 20   # the symmetric buffer: all-reduces up to this size take the one-shot path
 MESSAGES_KEPT = 64      # broadcast objects kept in the store (a follower is never more than a step behind)
 IDLE_POLL_S = 30.0      # a follower waiting for rank 0's next message re-arms its wait this often, forever
 
@@ -37,12 +38,64 @@ class TPGroup:
     group: Any = None           # a torch.distributed ProcessGroup; None: the default group
     store: Any = None           # the group's TCPStore (rank 0 hosts it): where broadcast objects travel
     sent: list = field(default_factory=lambda: [0], compare=False, repr=False)   # objects broadcast so far
+    fast: dict = field(default_factory=dict, compare=False, repr=False)   # the one-shot all-reduce's state
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the ranks, in place (what a row-parallel linear's partial products need)."""
+        """The sum of ``x`` over the ranks, in place (what a row-parallel linear's partial products need):
+        small sums by the one-shot kernel over symmetric memory where :meth:`enable_fast_all_reduce` set it
+        up, the rest by the backend's all-reduce."""
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            buf = self.fast.get(x.dtype)
+            n = x.numel()
+            if buf is not None and n <= buf.numel() and (n * x.element_size()) % 16 == 0 and x.is_contiguous():
+                flat = x.view(-1)
+                buf[:n].copy_(flat)
+                torch.ops.symm_mem.one_shot_all_reduce_out(buf[:n], "sum", self.fast["name"], flat)
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
+
+    def enable_fast_all_reduce(self, dtype: torch.dtype) -> str | None:
+        """Collective (every rank, at the same point): set up the one-shot all-reduce for ``dtype`` sums of up
+        to FAST_ALL_REDUCE_BYTES (torch's symmetric memory: each rank reads its peer's buffer over NVLink, no
+        multicast). Two NCCL ranks only: a + b is the same sum on both ranks, so the ranks' logits stay bit
+        for bit equal (NCCL's own all-reduce keeps that for more ranks). ``TRITUNE_TP_ALL_REDUCE=nccl``
+        turns it off. Returns why it is off (None: on); checked against NCCL's sum once before it is used."""
+        why = self._fast_refusal()
+        if why is None:
+            try:
+                why = self._fast_setup(dtype)
+            except Exception as e:  # noqa: BLE001  (a build or a link without it: NCCL serves every sum)
+                why = f"symmetric memory unavailable: {type(e).__name__}: {e}"[:300]
+        if why is not None:
+            self.fast.pop(dtype, None)
+        self.fast.setdefault("why", {})[dtype] = why
+        return why
+
+    def _fast_refusal(self) -> str | None:
+        if self.world_size != 2 or self.backend != "nccl":
+            return "the one-shot all-reduce serves two NCCL ranks"
+        if os.environ.get("TRITUNE_TP_ALL_REDUCE", "").lower() == "nccl":
+            return "TRITUNE_TP_ALL_REDUCE=nccl"
+        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+            return "this torch has no symm_mem.one_shot_all_reduce_out"
+        return None
+
+    def _fast_setup(self, dtype) -> str | None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = (self.group or dist.group.WORLD).group_name
+        n = FAST_ALL_REDUCE_BYTES // torch.finfo(dtype).bits * 8
+        buf = symm_mem.empty(n, dtype=dtype, device=self.device)
+        symm_mem.rendezvous(buf, name)
+        self.fast["name"], self.fast[dtype] = name, buf
+        probe = torch.arange(4096, device=self.device, dtype=torch.float32).to(dtype) * (self.rank + 1)
+        want = probe.clone()
+        dist.all_reduce(want, group=self.group)
+        got = self.all_reduce(probe.clone())
+        if not torch.equal(got, want):
+            return "the one-shot sum differed from NCCL's on a probe"
+        return None
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` (equal shapes) side by side along the last dim, rank 0's first."""

@@ -160,6 +160,8 @@ def tensor_parallel(model, group: TPGroup, device=None):
         model = type(model)(model.config, move(weights, device), backend=model.backend,
                             directory=getattr(model, "directory", None))
         weights = model.w
+    if group.world_size > 1 and torch.device(model.device).type == "cuda":
+        group.enable_fast_all_reduce(model.dtype)     # collective: every rank shards at this point
     m = copy.copy(model)
     m.__class__ = _tp_class(type(model))
     special = P.special_of(weights, plan)
