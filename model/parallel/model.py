@@ -76,6 +76,20 @@ class TPOps:
         y = self.group.all_gather_last(self.base.linear(x, w, b, activation=activation))
         return y if y.shape[-1] == self.vocab_size else y[..., :self.vocab_size].contiguous()
 
+    def rms_linear(self, x, norm_w, eps, w, b=None, activation=None):
+        """linear(rms_norm(x)): the base ops' fused kernel (RMSNorm in the GEMV's prologue, SwiGLU in its
+        epilogue) on the rank's columns where the base has one, the LM head's shards then gathered; else the
+        steps. A row-parallel weight never follows a norm: steps, through :meth:`linear`'s all-reduce."""
+        role = self.special.get(id(w), (None,))[0]
+        if role == P.ROW or not hasattr(type(self.base), "rms_linear"):
+            y = self.linear(self.base.rms_norm(x, norm_w, eps), w, b)
+            return self.base.swiglu(y) if activation == "swiglu" else y
+        y = self.base.rms_linear(x, norm_w, eps, w, b, activation=activation)
+        if role is None or self.group.world_size == 1:
+            return y
+        y = self.group.all_gather_last(y)
+        return y if y.shape[-1] == self.vocab_size else y[..., :self.vocab_size].contiguous()
+
     def ln_linear(self, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
         """The family's fused norm + linear where no collective follows; else the two steps."""
         fused = getattr(self.base, "ln_linear", None)
