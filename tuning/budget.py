@@ -97,15 +97,17 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
                 warm_from: str | None = None, rounds: int = RETIME_ROUNDS, progress: bool = True,
                 slug: str | None = None, evaluate=None, isolation: str = "auto", timeout: float = TASK_TIMEOUT,
                 seed: int = 0, log=None, patience: int = PATIENCE, min_gain: float = MIN_GAIN,
-                stop_after: float | None = None, fill: bool = True,
-                precompile_helpers: int | None = None) -> tuple[list[dict], str | None]:
+                stop_after: float | None = None, fill: bool = True, precompile_helpers: int | None = None,
+                only=None) -> tuple[list[dict], str | None]:
     """Tune within ``budget_s`` seconds in all (this call and earlier ones on ``storage``), warm-started
     from ``warm_from`` (default: the nearest stored GPU type); see the module's docstring. ``stop_after``:
     this call stops starting trials after so many seconds (a later call resumes). ``precompile_helpers``:
     processes compiling the configs the sweep tries next (:mod:`tritune.tuning.precompile`; default
     ``TRITUNE_PRECOMPILE`` or the CPU cores less two, at most 8; none under the interpreter). ``fill``: spend
-    time left after every study stopped on the converged ones (phase 3). Returns (rows, the GPU type warmed
-    from); each row is the study's stats plus ``seed_us``, ``retimed``, ``ledger`` and ``progress``."""
+    time left after every study stopped on the converged ones (phase 3). ``only``: study names, a worker's
+    share of the plan (:mod:`tritune.tuning.spread`): the other studies are neither run nor counted in the
+    time spent, and the plan's messages are left to whoever made the shares. Returns (rows, the GPU type
+    warmed from); each row is the study's stats plus ``seed_us``, ``retimed``, ``ledger`` and ``progress``."""
     from tritune.kernels.runtime import device as dev
 
     if patience < 1:
@@ -115,7 +117,11 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
     log = log or (lambda m: print(m, file=sys.stderr))
     slug = slug or dev.gpu_slug()
     near = warm_from or nearest_slug(slug, store.slugs())
-    jobs = plan(resolve_specs(kernels_), problems, dtypes, slug, log)
+    jobs = plan(resolve_specs(kernels_), problems, dtypes, slug, log if only is None else None)
+    if only is not None:
+        if not set(only) <= {j.name for j in jobs}:   # a worker's plan differs from its parent's
+            raise ValueError(f"only: studies not in this plan: {sorted(set(only) - {j.name for j in jobs})[:3]}")
+        jobs = [j for j in jobs if j.name in only]
     storage_obj = open_storage(storage)
     studies = prepare(storage_obj, jobs, (lambda job: warm_configs(job, near)) if near else None, timeout + 120.0)
     spent = sum(ledger(s)["spent_s"] for s in studies.values())
@@ -150,6 +156,16 @@ def tune_budget(kernels_, budget_s: float, *, storage=None, trials: int | None =
     finally:
         _close(run, pre)
     return [_row(studies[job.name], job, min_gain) for job in jobs], near
+
+
+def study_rows(jobs, storage, min_gain: float = MIN_GAIN) -> list[dict]:
+    """``tune_budget``'s rows of ``jobs``, read from ``storage`` without tuning (a study never opened yet
+    is created, empty): the summary of studies other processes ran."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    storage_obj = open_storage(storage)
+    return [_row(open_study(storage_obj, job), job, min_gain) for job in jobs]
 
 
 def _log_start(log, budget_s: float, spent: float, n_jobs: int, near, patience: int, min_gain: float,

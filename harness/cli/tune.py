@@ -3,7 +3,7 @@
     tritune tune layer_norm --dtype bf16 --trials 40                  # TPE over the standard problems
     tritune tune gelu --problems "numel=6291456;numel=6291456,approximate=tanh" --sampler grid
     tritune tune all --trials 0 --export                              # write the user store from the studies
-    tritune tune all --budget 30m --export                            # a new GPU type in one command
+    tritune tune all --budget 30m --export                            # a new GPU type in one command, every GPU
     tritune tune all --budget 30m --stop-after 8m --export            # the same in calls of 8 min (rerun resumes)
     tritune tune all --budget 30m --dry-run --as-gpu nvidia-h200      # its studies, budget split and wall estimate
     tritune tune layer_norm --compare-samplers --dtype bf16           # search-efficiency experiment
@@ -189,7 +189,7 @@ def _check_budget_args(args) -> tuple[float | None, float | None]:
     """(--budget, --stop-after) in seconds, after the checks of the options that go with them."""
     if args.trials is not None and args.trials < 0:
         raise UsageError(f"--trials {args.trials}: expected a whole number >= 0")
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers {args.workers}: expected at least 1")
     budget = None
     if args.budget is not None:
@@ -197,8 +197,8 @@ def _check_budget_args(args) -> tuple[float | None, float | None]:
             budget = parse_duration(args.budget)
         except ValueError as e:
             raise UsageError(f"--budget: {e}") from None
-        if args.compare_samplers or args.workers > 1:
-            raise UsageError("--budget runs one worker and no sampler comparison")
+        if args.compare_samplers:
+            raise UsageError("--budget runs no sampler comparison: give one of --budget, --compare-samplers")
         if args.patience < 1:
             raise UsageError(f"--patience {args.patience}: expected a whole number >= 1")
         if args.precompile is not None and args.precompile < 0:
@@ -277,10 +277,11 @@ def _tune(args) -> int:
         if args.compare_samplers:
             return _compare(args, specs, problems, common)
         if budget is not None:
-            rows = _tune_budget(args, specs, problems, budget, stop_after, trials, slug, common, t0)
+            rows, workers_failed = _tune_budget(args, specs, problems, budget, stop_after, trials, slug, common, t0)
         else:
-            rows = search.tune(specs, problems, args.dtype, trials=trials, sampler=args.sampler, workers=args.workers,
-                               time_budget=args.time_budget, seed_configs=seeds, **common)
+            workers_failed = False
+            rows = search.tune(specs, problems, args.dtype, trials=trials, sampler=args.sampler,
+                               workers=args.workers or 1, time_budget=args.time_budget, seed_configs=seeds, **common)
             print(results_table(rows))
     except KeyboardInterrupt:
         print(f"\ntune: interrupted; finished trials are kept in {storage}: run the same command to resume",
@@ -294,13 +295,13 @@ def _tune(args) -> int:
     elif any(r.get("config") is not None for r in rows):
         print(where_winners_are(storage, slug, args.configs_dir))
     missing = [r for r in rows if (trials is None or trials > 0) and r.get("trials") and r.get("best_us") is None]
-    return 1 if missing else 0
+    return 1 if missing or workers_failed else 0
 
 
 def _compare(args, specs, problems, common) -> int:
     from tritune.tuning import compare
 
-    rows, path = compare.compare_samplers(specs, problems, args.dtype, repeats=args.repeats, workers=args.workers,
+    rows, path = compare.compare_samplers(specs, problems, args.dtype, repeats=args.repeats, workers=args.workers or 1,
                                           time_budget=args.time_budget, threshold=args.threshold,
                                           results_dir=args.results_dir, **common)
     print(efficiency_table(rows))
@@ -310,16 +311,29 @@ def _compare(args, specs, problems, common) -> int:
 
 
 def _tune_budget(args, specs, problems, budget: float, stop_after, trials, slug: str, common: dict,
-                 t0: float) -> list[dict]:
+                 t0: float) -> tuple[list[dict], bool]:
+    """The budgeted run: in this process on one GPU (or none), else one worker per visible GPU (or
+    ``--workers``), each on its share of the studies with the whole budget. Returns (rows, whether a
+    worker failed)."""
     import time
 
-    from tritune.tuning import budget as tb, ledger
+    from tritune.tuning import budget as tb, ledger, search, spread
 
-    rows, _ = tb.tune_budget(specs, budget, trials=trials, dtypes=args.dtype, problems=problems,
-                             warm_from=args.warm_from, rounds=args.retime_rounds, slug=slug,
-                             patience=args.patience, min_gain=args.min_gain, stop_after=stop_after,
-                             fill=not getattr(args, "no_fill", False), precompile_helpers=args.precompile,
-                             **common)
+    n = args.workers if args.workers is not None else max(1, len(search.visible_gpus()))
+    kw = dict(trials=trials, dtypes=args.dtype, problems=problems, warm_from=args.warm_from,
+              rounds=args.retime_rounds, patience=args.patience, min_gain=args.min_gain, stop_after=stop_after,
+              fill=not getattr(args, "no_fill", False), precompile_helpers=args.precompile, **common)
+    failed = False
+    if n <= 1:
+        rows, _ = tb.tune_budget(specs, budget, slug=slug, **kw)
+    else:   # the workers' slug is their GPU's, checked against this one's
+        rows, _, workers = spread.tune_budget_spread(specs, budget, workers=n, **kw)
+        failed = any(w["exitcode"] for w in workers)
+        n = len(workers)   # at most one per study
+        if n > 1:
+            print(f"tune: {n} workers, each with the {budget / 60:.1f} min budget: {n * budget / 60:.1f} "
+                  "worker-minutes in all, the time spent below summed over them", file=sys.stderr)
+    budget *= max(1, n)   # the studies' time spent sums over the workers that ran side by side
     print(ledger.summary_table(rows, budget, time.time() - t0))
     if failures_summary(rows):
         print(failures_summary(rows))
@@ -328,7 +342,7 @@ def _tune_budget(args, specs, problems, budget: float, stop_after, trials, slug:
     if "all" in args.kernels:   # the model's fused decode step is stored beside the kernels but is no bucket
         print("the fused decode step (a model's launch, not a kernel bucket) is tuned apart: "
               "tritune tune-decode --shape gpt2-small --batches 1,8 --export")
-    return rows
+    return rows, failed
 
 
 def efficiency_table(rows: list[dict]) -> str:
@@ -464,7 +478,9 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--storage", default=None,
                        help=search.STORAGE_HELP + "; default $TRITUNE_STUDIES or ~/.cache/tritune/tuning-studies.journal. "
                             "Several processes or machines on one storage share its studies")
-        s.add_argument("--workers", type=int, default=1, help="worker processes, one per visible GPU (default 1)")
+        s.add_argument("--workers", type=int, default=None,
+                       help="worker processes, one per visible GPU (default 1; with --budget: every visible GPU, "
+                            "each worker on its share of the studies with the whole budget)")
         s.add_argument("--time-budget", type=positive_number, default=None, metavar="S",
                        help="stop starting trials after S seconds (shared evenly among the studies)")
         s.add_argument("--seed", type=int, default=0)
