@@ -30,7 +30,7 @@ def decode_rows(tps, sizes, steps, prompt) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "tp.json"
         B.main(["--tp", *map(str, tps), "--sizes", sizes, "--steps", str(steps), "--prompt", str(prompt),
-                "--all-reduce", "auto", "nccl", "--out", str(out)])
+                "--all-reduce", "nccl", "one-shot", "--out", str(out)])
         return [{"part": "decode", **r} for r in json.loads(out.read_text())]
 
 

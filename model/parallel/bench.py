@@ -146,8 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="time eager steps (default on a GPU: CUDA graphs)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--all-reduce", nargs="+", choices=("auto", "nccl"), default=["auto"],
-                    help="auto: the one-shot kernel where it serves (two NCCL ranks), else NCCL; nccl: NCCL always")
+    ap.add_argument("--all-reduce", nargs="+", choices=("nccl", "one-shot"), default=["nccl"],
+                    help="one-shot: the one-shot kernel over symmetric memory where it serves (two NCCL ranks)")
     a = ap.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     base, rows = None, []

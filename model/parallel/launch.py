@@ -38,14 +38,14 @@ def _entry(rank, world, backend, port, timeout_s, threads, fn, args, results):
         torch.set_num_threads(threads)
     try:
         group = G.init(world, rank, backend, port=port, timeout_s=timeout_s)
-        try:
-            value = fn(group, *args)
-        finally:
-            G.teardown()
+        value = fn(group, *args)
     except BaseException:  # noqa: BLE001 (any failure of the rank is reported to the parent, then exits 1)
         results.put((rank, False, traceback.format_exc()))
         os._exit(1)     # skip interpreter teardown: a half-dead process group can hang it
+    # the value first: leaving an NCCL group can wait for the peers to leave it too, and rank 0 (an engine's
+    # process) leaves only once it has every follower's value
     results.put((rank, True, value))
+    G.teardown()
 
 
 def _stop(procs, grace_s: float = 3.0) -> None:
@@ -105,6 +105,11 @@ class _Children:
         # a rank that died without a Python error (a signal, os._exit) caused the others' failed collectives
         first = min(bad, key=lambda r: (bad[r][1] is not None, r))
         return RankFailed(first, bad[first][0], bad[first][1], bad)
+
+    def sent(self) -> bool:
+        """Every rank has sent its value (it may still be leaving the group)."""
+        self.drain()
+        return set(self.got) >= set(self.procs)
 
     def done(self) -> bool:
         self.drain()
@@ -200,7 +205,7 @@ class Workers:
     def results(self, timeout_s: float = 30.0) -> dict:
         """The workers' return values {rank: value}, waiting for them to exit (after rank 0 stopped them)."""
         deadline = time.monotonic() + timeout_s
-        while not self.kids.done():
+        while not self.kids.sent():
             self.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers: not finished after {timeout_s} s")
