@@ -314,6 +314,13 @@ class DecodeGraphs:
     def bucket(self, B):
         return next((b for b in self.buckets if b >= B), None)
 
+    def release(self) -> None:
+        """Drop the captured graphs (the steps run eagerly after this). A graph that captured an NCCL
+        collective holds its communicator: leaving the process group waits until every such graph is gone."""
+        if self.graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs, self.out = {}, {}
+
     def load(self, ids, positions, stops, eos, tables):
         """Set rows 0..B-1 (the rest of the bucket: padding): input token, its position, the position at
         which the row stops, its EOS id (-1: none; with ``n_eos`` > 1 a sequence of up to that many ids),

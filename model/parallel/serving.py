@@ -205,8 +205,9 @@ class Lead:
         if self.broken is None and self.runner.eager == self.eager:
             self.group.broadcast_object((STOP, None))
             self.runner.eager = self._eager
-            if isinstance(self.runner.graphs, LeadGraphs):
-                self.runner.graphs = self.runner.graphs.graphs
+        if isinstance(self.runner.graphs, LeadGraphs):
+            self.runner.graphs = self.runner.graphs.graphs
+            self.runner.graphs.release()    # (they hold the NCCL communicator the group's teardown frees)
 
 
 def lead(runner: ModelRunner, group: TPGroup, workers=None) -> Lead:
@@ -254,6 +255,8 @@ def follow(group: TPGroup, model) -> tuple[Ledger, BlockPool]:
                 continue
             ledger.record(kw, pool.block_size)
             runner.eager(**kw)
+    if graphs is not None:
+        graphs.release()        # (they hold the NCCL communicator the group's teardown frees)
     return ledger, pool
 
 
