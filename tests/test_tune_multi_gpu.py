@@ -5,6 +5,7 @@ a GPU each (``--workers 2``); fake evaluations over the sweep tests' plain-torch
 of gelu through the interpreter."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -168,3 +169,26 @@ def test_budget_workers_default_to_the_visible_gpus(tmp_path, monkeypatch, capsy
     assert len(err.strip().splitlines()) == 1 and "--workers 0: expected at least 1" in err
     assert tcli.main(base + ["--compare-samplers"]) == 2
     assert "--compare-samplers" in capsys.readouterr().err
+
+
+def test_hosts_split_the_plan_disjointly():
+    """``--host i/n``: the hosts' shares cover the plan once, the same for every host that computes them."""
+    from tritune.tuning import spread
+    from tritune.tuning.study import plan, resolve_specs
+
+    jobs = plan(resolve_specs(["gelu", "rms_norm"]), None, None, "nvidia-h200", lambda m: None)
+    shares = [spread.host_share(jobs, (i, 3)) for i in range(3)]
+    names = [j.name for s in shares for j in s]
+    assert sorted(names) == sorted(j.name for j in jobs) and len(set(names)) == len(names)
+    assert [j.name for j in spread.host_share(jobs, (1, 3))] == [j.name for j in shares[1]]
+    with pytest.raises(ValueError, match="host"):
+        spread.host_share(jobs, (3, 3))
+
+
+def test_host_flag_is_checked():
+    from tritune.harness.cli.tune import host_share_arg
+
+    assert host_share_arg("1/2") == (1, 2)
+    for bad in ("2/2", "x/2", "1", "-1/2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            host_share_arg(bad)

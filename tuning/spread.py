@@ -9,8 +9,8 @@ share with the whole wall-clock budget, and the parent prints the summary over e
 The partition depends on the plan and the number of workers only (never on the storage), so the same
 command gives each worker the same share again and resumes each share with its own time left (another
 ``--workers`` re-splits the studies, and each new share's time left is the budget less what its studies
-spent). Hosts that share a storage (PostgreSQL) each spread over their own GPUs; studies are shared between
-hosts through it.
+spent). Hosts that share a storage (PostgreSQL) split the plan first (``--host i/n``, :func:`host_share`),
+then each spreads its share over its own GPUs: no study is tuned by two hosts.
 """
 from __future__ import annotations
 
@@ -58,6 +58,16 @@ def partition(jobs: list, n: int, cost=study_cost) -> list[list]:
     return [sorted(s, key=lambda j: order[id(j)]) for s in shares]
 
 
+def host_share(jobs: list, host: tuple[int, int], patience: int = PATIENCE) -> list:
+    """Host ``i`` of ``n``'s share of the plan (``host = (i, n)``): hosts on one storage (PostgreSQL) that each
+    run the same command with their own ``--host i/n`` tune disjoint studies, each host then spreading its
+    share over its own GPUs. The same plan and ``n`` give every host the same split."""
+    i, n = host
+    if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n):
+        raise ValueError(f"host: expected (index, count) with 0 <= index < count, got {host!r}")
+    return partition(jobs, n, lambda j: study_cost(j, patience))[i]
+
+
 def _entry(index: int, kernel_names: list, budget_s: float, only: list, kwargs: dict, guard: dict,
            expect_slug: str | None, fp32_precision: str) -> None:
     """A worker: ``tune_budget`` on its share (``only``); it dies with the process that started it."""
@@ -93,7 +103,8 @@ def _helpers_each(n_workers: int, asked: int | None) -> int | None:
 def tune_budget_spread(kernels_, budget_s: float, *, workers: int, storage=None, dtypes=None, problems=None,
                        slug: str | None = None, warm_from: str | None = None, patience: int = PATIENCE,
                        min_gain: float = MIN_GAIN, precompile_helpers: int | None = None, progress: bool = True,
-                       log=None, **kwargs) -> tuple[list[dict], str | None, list[dict]]:
+                       log=None, host: tuple[int, int] | None = None,
+                       **kwargs) -> tuple[list[dict], str | None, list[dict]]:
     """:func:`~tritune.tuning.budget.tune_budget` in ``workers`` processes, one per visible GPU (round
     robin when there are more workers than GPUs; none set without a GPU), each on its share of the plan
     (:func:`partition`) with the whole budget; ``kwargs`` go to every worker's ``tune_budget`` (the
@@ -111,6 +122,8 @@ def tune_budget_spread(kernels_, budget_s: float, *, workers: int, storage=None,
     slug = slug or expect_slug
     specs = resolve_specs(kernels_)
     jobs = plan(specs, problems, dtypes, slug, log)
+    if host is not None:    # this host's share of the plan (several hosts on one storage)
+        jobs = host_share(jobs, host, patience)
     open_storage(storage)   # a storage that cannot be opened fails here, once
     gpus = visible_gpus()
     if gpus and workers > len(gpus):

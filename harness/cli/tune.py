@@ -205,7 +205,7 @@ def _check_budget_args(args) -> tuple[float | None, float | None]:
             raise UsageError(f"--precompile {args.precompile}: expected a number of helper processes >= 0")
         if not 0.0 <= args.min_gain < 1.0:
             raise UsageError(f"--min-gain {args.min_gain}: expected a fraction in [0, 1), e.g. 0.02")
-    for opt in ("dry_run", "stop_after", "as_gpu", "no_fill"):
+    for opt in ("dry_run", "stop_after", "as_gpu", "no_fill", "host"):
         if getattr(args, opt, None) and budget is None:
             raise UsageError(f"--{opt.replace('_', '-')} goes with --budget")
     stop_after = None
@@ -310,6 +310,18 @@ def _compare(args, specs, problems, common) -> int:
     return 0
 
 
+def host_share_arg(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 0 <= I < N."""
+    i, sep, n = text.partition("/")
+    try:
+        pair = (int(i), int(n))
+    except ValueError:
+        pair = None
+    if not sep or pair is None or not 0 <= pair[0] < pair[1]:
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N (e.g. 0/2), got {text!r}")
+    return pair
+
+
 def _tune_budget(args, specs, problems, budget: float, stop_after, trials, slug: str, common: dict,
                  t0: float) -> tuple[list[dict], bool]:
     """The budgeted run: in this process on one GPU (or none), else one worker per visible GPU (or
@@ -324,10 +336,17 @@ def _tune_budget(args, specs, problems, budget: float, stop_after, trials, slug:
               rounds=args.retime_rounds, patience=args.patience, min_gain=args.min_gain, stop_after=stop_after,
               fill=not getattr(args, "no_fill", False), precompile_helpers=args.precompile, **common)
     failed = False
+    host = getattr(args, "host", None)
     if n <= 1:
-        rows, _ = tb.tune_budget(specs, budget, slug=slug, **kw)
+        only = None
+        if host is not None:
+            from tritune.tuning.study import plan
+
+            only = frozenset(j.name for j in spread.host_share(plan(specs, problems, args.dtype, slug, lambda m: None),
+                                                               host, args.patience))
+        rows, _ = tb.tune_budget(specs, budget, slug=slug, only=only, **kw)
     else:   # the workers' slug is their GPU's, checked against this one's
-        rows, _, workers = spread.tune_budget_spread(specs, budget, workers=n, **kw)
+        rows, _, workers = spread.tune_budget_spread(specs, budget, workers=n, host=host, **kw)
         failed = any(w["exitcode"] for w in workers)
         n = len(workers)   # at most one per study
         if n > 1:
@@ -481,6 +500,9 @@ def add_parser(subparsers, name: str) -> None:
         s.add_argument("--workers", type=int, default=None,
                        help="worker processes, one per visible GPU (default 1; with --budget: every visible GPU, "
                             "each worker on its share of the studies with the whole budget)")
+        s.add_argument("--host", type=host_share_arg, default=None, metavar="I/N",
+                       help="with --budget and a shared --storage: this host is host I of N (0-based); the hosts "
+                            "tune disjoint shares of the studies, each over its own GPUs")
         s.add_argument("--time-budget", type=positive_number, default=None, metavar="S",
                        help="stop starting trials after S seconds (shared evenly among the studies)")
         s.add_argument("--seed", type=int, default=0)
