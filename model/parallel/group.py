@@ -209,7 +209,21 @@ def init_from_env(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
                 local_rank=int(local) if local is not None else None)
 
 
-def teardown() -> None:
-    """Leave the group (a no-op when none was joined)."""
-    if dist.is_available() and dist.is_initialized():
+TEARDOWN_TIMEOUT_S = 30.0
+
+
+def teardown(timeout_s: float | None = None) -> bool:
+    """Leave the group (a no-op when none was joined). ``timeout_s``: give up waiting after that long (leaving
+    an NCCL group can wait on peers, or on a CUDA graph that captured one of its collectives); the process goes
+    on, the group abandoned. Returns whether the group was left."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if timeout_s is None:
         dist.destroy_process_group()
+        return True
+    import threading
+
+    t = threading.Thread(target=dist.destroy_process_group, daemon=True, name="tritune-tp-teardown")
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()

@@ -139,7 +139,10 @@ def launch(n: int, fn, *args, backend: str = "gloo", timeout_s: float = 300.0,
             if err is not None:
                 kids.stop()         # (the ranks stopped here are not failures: err was taken before)
                 raise err
-            if kids.done():
+            if kids.sent():     # every value is in; a rank still leaving its group gets a moment, then is stopped
+                end = time.monotonic() + 5.0
+                while not kids.done() and time.monotonic() < end:
+                    time.sleep(0.05)
                 return [kids.got[r][1] for r in range(n)]
             if time.monotonic() > deadline:
                 alive = [r for r, p in kids.procs.items() if p.is_alive()]
@@ -216,4 +219,4 @@ class Workers:
         """Stop the watchdog and every worker still running; leave the group."""
         self._closing.set()
         self.kids.stop()
-        G.teardown()
+        G.teardown(G.TEARDOWN_TIMEOUT_S)

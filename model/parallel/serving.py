@@ -44,7 +44,7 @@ import torch
 from tritune.model.engine.kv_cache import BlockPool
 from tritune.model.engine.runner import ModelRunner
 from tritune.model.parallel import launch as L
-from tritune.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, teardown
+from tritune.model.parallel.group import DEFAULT_TIMEOUT_S, TEARDOWN_TIMEOUT_S, TPGroup, teardown
 from tritune.model.parallel.model import move, tensor_parallel
 from tritune.model.parallel.plan import Shard, plan_for
 
@@ -332,7 +332,7 @@ class Leadership:
                 self.group.broadcast_object((STOP, None))
             else:
                 self.leader.close()
-            teardown()      # beside the followers, which leave the group once they read the stop
+            teardown(TEARDOWN_TIMEOUT_S)    # beside the followers, which leave the group once they read the stop
             return self.workers.results(timeout_s)
         except (L.RankFailed, RuntimeError, TimeoutError):
             return {}           # a follower died (its step already raised RankFailed): nothing to collect
