@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args(argv)
     visible = [str(i) for i in range(torch.cuda.device_count())]
-    counts = a.gpus or sorted({1, len(visible)})
+    counts = a.gpus or sorted({1, max(1, len(visible))})
     runs, winners = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
