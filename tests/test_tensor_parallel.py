@@ -343,3 +343,49 @@ def test_init_from_torchrun_variables(monkeypatch):
         G.init(2, 2, "gloo", port=1)
     with pytest.raises(ValueError, match="backend"):
         G.init(2, 0, "mpi", port=1)
+
+
+@pytest.mark.skipif(default_model_dir() is None, reason="no packaged checkpoint (model/default/)")
+def test_serve_tp_over_http_equals_one_rank():
+    """``tritune serve --tp 2`` (the engine in its own process, leading a second rank over gloo) answers an
+    OpenAI completion with one rank's greedy text, and Ctrl-C ends the server, its engine and that rank."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import openai
+
+    from tritune.model.tokenizer import Tokenizer
+
+    model = GPT2.from_pretrained(default_model_dir(), backend="torch", dtype=torch.float32, device="cpu")
+    tok = Tokenizer.from_dir(model.directory)
+    eng = Engine(model, num_blocks=NUM_BLOCKS * 4, cuda_graphs=False, tokenizer=tok)
+    want = eng.generate([tok.encode("ROMEO:")], [SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)])
+    want_text = tok.decode(want[0].token_ids)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = "import sys; from tritune.harness.cli import main; sys.exit(main())"
+    p = subprocess.Popen([sys.executable, "-c", cli, "serve", "--port", str(port), "--log-level", "warning", "--tp",
+                          "2", "--engine", "process", "--backend", "torch", "--max-num-seqs", "4",
+                          "--max-batch-tokens", "256", "--no-warm-up"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        t0 = time.time()
+        while True:
+            try:
+                r = c.completions.create(model="tritune-default", prompt="ROMEO:", max_tokens=8, temperature=0)
+                break
+            except (openai.APIConnectionError, openai.APIStatusError):
+                assert p.poll() is None, p.stdout.read().decode()[-3000:]
+                assert time.time() - t0 < 90, "tritune serve --tp 2 did not come up in 90 s"
+                time.sleep(0.3)
+        assert r.choices[0].text == want_text and r.usage.completion_tokens == 8
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.terminate()
+            p.wait(20)
