@@ -340,6 +340,21 @@ class Leadership:
             self.workers.close()
 
 
+def abort_on_death(err) -> None:
+    """The watchdog's action when a follower dies (NCCL): abort the group's communicators, so that rank 0's
+    collectives waiting on the dead rank return (a collective inside a replayed CUDA graph has no timeout of
+    its own) and its next step raises the launcher's RankFailed instead of hanging. torch has no public
+    abort; where this one is missing the collective timeout is the bound."""
+    import torch.distributed as dist
+
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        try:
+            abort()
+        except Exception:  # noqa: BLE001  (best effort on a failure path; the step's own error follows)
+            pass
+
+
 def start(model, n: int, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
     """Split ``model`` over ``n`` ranks: ranks 1..n-1 spawned (each rebuilds the model from the weights sent
     to it and keeps its shard), this process rank 0. Returns rank 0's shard, ``.tp.leadership`` its
@@ -359,7 +374,7 @@ def start(model, n: int, *, backend: str | None = None, timeout_s: float = DEFAU
     backend = backend or ("nccl" if cuda else "gloo")
     spec = ModelSpec.of(model)
     workers = L.Workers(n, follower_main, spec, backend=backend, timeout_s=timeout_s,
-                        threads=1 if not cuda else None)
+                        threads=1 if not cuda else None, on_failure=abort_on_death if backend == "nccl" else None)
     local = tensor_parallel(model, workers.group)
     local.tp.leadership = Leadership(workers.group, workers)
     return local
