@@ -4,8 +4,8 @@ own forward, the collectives inserted where the plan (:mod:`~tritune.model.paral
 The family's layer stack runs unchanged on the rank's heads and columns; three things change:
 
 - the linears go through :class:`TPOps`, which wraps the family's ops: a row-parallel linear (attention
-  out, MLP down) computes its partial product without bias, all-reduces it (the one collective per
-  projection), then adds the bias and the residual; the LM head computes the rank's vocabulary columns
+  out, MLP down) computes its partial product (rank 0's with the bias and the residual in its epilogue) and
+  all-reduces it, the one collective per projection; the LM head computes the rank's vocabulary columns
   and all-gathers them (every rank ends with the whole logits). Every other step (norms, column-parallel
   projections, attention on the rank's heads, the KV-cache write) is the family's op as it is.
 - ``embed`` looks up the rank's rows of the vocabulary (ids outside them read as zeros) and all-reduces:
@@ -69,10 +69,11 @@ class TPOps:
         if role == P.ROW:
             if activation is not None:
                 raise ValueError(f"activation: a row-parallel linear takes none (got {activation!r})")
-            y = self.group.all_reduce(self.base.linear(x, w))
-            if b is not None:
-                y = y + b
-            return y if residual is None else y + residual.reshape(y.shape)
+            # rank 0's partial product carries the bias and the residual (the GEMV's / GEMM's epilogue), so the
+            # all-reduce's sum is the whole output: no add kernels after it
+            if self.group.rank == 0:
+                return self.group.all_reduce(self.base.linear(x, w, b, residual=residual))
+            return self.group.all_reduce(self.base.linear(x, w))
         y = self.group.all_gather_last(self.base.linear(x, w, b, activation=activation))
         return y if y.shape[-1] == self.vocab_size else y[..., :self.vocab_size].contiguous()
 
