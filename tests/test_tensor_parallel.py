@@ -389,3 +389,71 @@ def test_serve_tp_over_http_equals_one_rank():
         if p.poll() is None:
             p.terminate()
             p.wait(20)
+
+
+@pytest.mark.skipif(default_model_dir() is None, reason="no packaged checkpoint (model/default/)")
+def test_generate_under_torchrun_equals_one_process():
+    """``torchrun --nproc-per-node 2 -m tritune.harness.cli generate --tp 2``: every rank joins from torchrun's
+    variables (no rank spawned by the engine), rank 0 prints one process's greedy text, rank 1 follows it."""
+    import socket
+    import subprocess
+    import sys
+
+    args = ["generate", "ROMEO:", "--backend", "torch", "--max-new-tokens", "12", "--temperature", "0"]
+    one = subprocess.run([sys.executable, "-m", "tritune.harness.cli", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert one.returncode == 0, one.stderr[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(port), "-m", "tritune.harness.cli", *args, "--tp", "2"],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    assert two.stdout.strip() == one.stdout.strip(), (two.stdout, one.stdout)
+    assert "tp 2" in two.stderr
+
+
+@pytest.mark.skipif(default_model_dir() is None, reason="no packaged checkpoint (model/default/)")
+def test_serve_under_torchrun_answers_from_rank_0():
+    """``torchrun --nproc-per-node 2 -m tritune.harness.cli serve --tp 2``: rank 0 serves HTTP with its engine
+    leading, rank 1 follows without a server; the completion is one process's greedy text; Ctrl-C ends all."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import openai
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    one = subprocess.run([sys.executable, "-m", "tritune.harness.cli", "generate", "ROMEO:", "--backend", "torch",
+                          "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(ports[0]), "-m", "tritune.harness.cli", "serve", "--tp", "2",
+                          "--port", str(ports[1]), "--backend", "torch", "--engine", "process", "--no-warm-up",
+                          "--max-num-seqs", "4", "--max-batch-tokens", "256", "--log-level", "warning"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[1]}/v1", api_key="unused", max_retries=0, timeout=60)
+        t0 = time.time()
+        while True:
+            try:
+                r = c.completions.create(model="tritune-default", prompt="ROMEO:", max_tokens=8, temperature=0)
+                break
+            except (openai.APIConnectionError, openai.APIStatusError):
+                assert p.poll() is None, p.stdout.read().decode()[-3000:]
+                assert time.time() - t0 < 90, "serve --tp 2 under torchrun did not come up in 90 s"
+                time.sleep(0.3)
+        assert "ROMEO:" + r.choices[0].text == one.stdout.rstrip("\n")
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.terminate()
+            p.wait(20)

@@ -91,12 +91,18 @@ def run(args) -> int:
     set_cpu_threads()
     model = None
     try:
+        if args.tp > 1:
+            from tritune.model.parallel.group import use_local_gpu
+
+            use_local_gpu()     # under torchrun: this rank's GPU before the model lands on "cuda"
         model = load_model(model_path, backend=backend, dtype=dtype)
         if args.deterministic:
             from tritune.model.engine.invariant import invariant_model
 
             model = invariant_model(model)
         model = _tensor_parallel(model, args)
+        if model is None:       # a torchrun rank other than 0: it followed rank 0's engine to the end
+            return 0
         tok = Tokenizer.from_dir(model.directory)
         spec = None
         if args.speculative:
@@ -144,10 +150,17 @@ def run(args) -> int:
 
 
 def _tensor_parallel(model, args):
-    """--tp N: rank 0's shard of the model, the other ranks started (tritune.model.parallel)."""
+    """--tp N: rank 0's shard of the model, the other ranks started (tritune.model.parallel); under torchrun
+    (N ranks started by it) every rank joins, and a rank other than 0 follows rank 0 and returns None."""
     if args.tp == 1:
         return model
-    from tritune.model.parallel.serving import engine_model
+    from tritune.model.parallel.group import torchrun_rank
+    from tritune.model.parallel.serving import engine_model, follow_torchrun
+
+    env = torchrun_rank()
+    if env is not None and env[1] == args.tp and env[0] != 0:
+        follow_torchrun(model)
+        return None
 
     return engine_model(model, args.tp, batch_invariant=args.deterministic, speculative=args.speculative,
                         kv_cache_dtype=args.kv_cache_dtype)

@@ -192,9 +192,27 @@ def init(world_size: int, rank: int, backend: str = "gloo", *, addr: str | None 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: call teardown() first")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(addr, int(port), world_size, rank == 0, timeout=timeout)
+    # torchrun's agent already serves a store at MASTER_PORT: every rank is then its client
+    host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    store = dist.TCPStore(addr, int(port), world_size, host, timeout=timeout)
     dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
     return TPGroup(rank, world_size, backend, device, store=store)
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun started this process (RANK and WORLD_SIZE set), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+
+
+def use_local_gpu() -> None:
+    """Under torchrun with CUDA: make this rank's GPU (LOCAL_RANK) the current one, before anything is loaded
+    on "cuda" (else every rank of a host loads onto GPU 0)."""
+    env = torchrun_rank()
+    if env is not None and torch.cuda.is_available():
+        torch.cuda.set_device(env[2] % torch.cuda.device_count())
 
 
 def init_from_env(backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:

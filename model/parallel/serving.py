@@ -44,7 +44,8 @@ import torch
 from tritune.model.engine.kv_cache import BlockPool
 from tritune.model.engine.runner import ModelRunner
 from tritune.model.parallel import launch as L
-from tritune.model.parallel.group import DEFAULT_TIMEOUT_S, TEARDOWN_TIMEOUT_S, TPGroup, teardown
+from tritune.model.parallel.group import (DEFAULT_TIMEOUT_S, TEARDOWN_TIMEOUT_S, TPGroup, init_from_env, teardown,
+                                          torchrun_rank)
 from tritune.model.parallel.model import move, tensor_parallel
 from tritune.model.parallel.plan import Shard, plan_for
 
@@ -397,6 +398,12 @@ def engine_model(model, tensor_parallel: int = 1, **settings):
     if bad:
         raise ValueError(f"tensor_parallel: not supported with {', '.join(bad)} yet")
     if tp is None:
+        env = torchrun_rank()
+        if env is not None and env[1] == tensor_parallel:   # every rank started by torchrun: join, don't spawn
+            if env[0] != 0:
+                raise ValueError(f"tensor_parallel: torchrun rank {env[0]} follows rank 0's engine "
+                                 "(tritune.model.parallel.serving.follow_torchrun), it builds none")
+            return join_from_env(model)
         return start(model, tensor_parallel)
     if tensor_parallel not in (1, tp.group.world_size):
         raise ValueError(f"tensor_parallel: {tensor_parallel}, but the model is a shard of "
@@ -405,6 +412,24 @@ def engine_model(model, tensor_parallel: int = 1, **settings):
         raise ValueError(f"model: rank {tp.group.rank}'s shard; the engine runs on rank 0 (the other ranks "
                          "call tritune.model.parallel.serving.follow)")
     return model
+
+
+def join_from_env(model):
+    """This torchrun rank's shard of ``model`` (its group from torchrun's variables: NCCL for a CUDA model,
+    gloo on the CPU; the shard on the rank's GPU)."""
+    cuda = torch.device(model.device).type == "cuda"
+    group = init_from_env("nccl" if cuda else "gloo")
+    return tensor_parallel(model, group, device=group.device if cuda else None)
+
+
+def follow_torchrun(model) -> dict:
+    """A torchrun rank other than 0 of a command (``tritune generate|serve --tp N`` under torchrun): join the
+    group, keep this rank's shard of ``model``, follow rank 0's engine until it stops, leave the group.
+    Returns the ledger's summary."""
+    local = join_from_env(model)
+    ledger, _ = follow(local.tp.group, local)
+    teardown(TEARDOWN_TIMEOUT_S)
+    return ledger.summary()
 
 
 def engine_lead(runner: ModelRunner, model) -> Lead | None:
@@ -421,6 +446,9 @@ def engine_close(model, leader: Lead | None) -> None:
     collected, the group left)."""
     if leader is not None:
         leader.close()
-    leadership = getattr(getattr(model, "tp", None), "leadership", None)
+    tp = getattr(model, "tp", None)
+    leadership = getattr(tp, "leadership", None)
     if leadership is not None:
         leadership.close()
+    elif tp is not None and torchrun_rank() is not None:    # joined from torchrun's variables: leave too
+        teardown(TEARDOWN_TIMEOUT_S)

@@ -530,6 +530,28 @@ def _build_app(args, api_key):
     return app, engine, mode, warm
 
 
+def _follow(args) -> int:
+    """``tritune serve --tp N`` on a torchrun rank other than 0: this rank's shard, following rank 0's engine
+    until it stops."""
+    import torch
+
+    from tritune.model.load import load_model
+    from tritune.model.parallel.group import use_local_gpu
+    from tritune.model.parallel.serving import follow_torchrun
+
+    try:
+        spec = engine_spec(args)
+        use_local_gpu()
+        model = load_model(spec["model"], backend=spec["backend"], dtype=getattr(torch, spec["dtype"]))
+    except (FileNotFoundError, NotADirectoryError, ValueError, TypeError) as e:
+        return _fail(str(e))
+    try:
+        follow_torchrun(model)
+    except KeyboardInterrupt:   # Ctrl-C reaches every rank: rank 0's server stops its engine, this rank ends
+        return 130
+    return 0
+
+
 def run(args) -> int:
     import os
 
@@ -544,6 +566,13 @@ def run(args) -> int:
         return _fail(f"--port: expected 0..65535, got {args.port}")
     api_key = args.api_key or os.environ.get("TRITUNE_API_KEY") or None
     from tritune.model.serve.proc import EngineStartError
+
+    if getattr(args, "tp", 1) > 1:
+        from tritune.model.parallel.group import torchrun_rank
+
+        env = torchrun_rank()
+        if env is not None and env[1] == args.tp and env[0] != 0:
+            return _follow(args)    # a torchrun rank other than 0: no server here, rank 0's engine leads it
 
     try:
         app, engine, mode, warm = _build_app(args, api_key)
