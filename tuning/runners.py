@@ -274,3 +274,13 @@ def make_runner(evaluate: Callable | None, isolation: str = "auto", env: dict | 
     if isolation == "process":
         return ProcessRunner(evaluate, env=env, timeout=timeout)
     raise ValueError(f"isolation: expected 'auto', 'inline' or 'process', got {isolation!r}")
+
+
+def stop_workers(procs, grace_s: float = 10.0) -> None:
+    """After Ctrl-C (which the workers get too, from the terminal): each worker gets ``grace_s`` to write what
+    it has (its ledger, its last trial), then is terminated."""
+    for p in procs:
+        p.join(grace_s)
+        if p.is_alive():
+            p.terminate()
+

@@ -17,7 +17,7 @@ from tritune.tuning.evaluate import Evaluator, Task, classify  # noqa: F401  (pu
 from tritune.tuning.export import export  # noqa: F401  (public API)
 from tritune.tuning.optuna_sampler import SAMPLERS, STALL, TrialFailed, make_sampler, run_study  # noqa: F401
 from tritune.tuning.runners import (TASK_TIMEOUT, InlineRunner, ProcessRunner, ReplayRunner,  # noqa: F401
-                                    die_with_parent, make_runner, worker_guard)
+                                    die_with_parent, make_runner, stop_workers, worker_guard)
 from tritune.tuning.study import (STORAGE_HELP, Job, StorageError, check_seed_configs,  # noqa: F401
                                   code_version, config_key, current_trials, default_storage, dtype_name,
                                   ensure_seeds, enqueue_seeds, evaluated, open_storage, open_study, plan, reap,
@@ -233,10 +233,7 @@ def _run_workers(jobs, storage, storage_obj, *, workers, sampler, trials, deadli
             bar.update(min(n, bar.total) - bar.n)
             bar.set_postfix_str(f"{failed} failed")
     except KeyboardInterrupt:
-        for p in procs:
-            p.join(10.0)
-            if p.is_alive():
-                p.terminate()
+        stop_workers(procs)
         raise
     finally:
         if bar is not None:

@@ -24,7 +24,7 @@ from tritune.kernels.runtime import store
 from tritune.tuning import budget as tb, precompile
 from tritune.tuning.estimate import TRIAL_S, TRIAL_S_OTHER
 from tritune.tuning.local import neighbours
-from tritune.tuning.runners import die_with_parent, worker_guard
+from tritune.tuning.runners import die_with_parent, stop_workers, worker_guard
 from tritune.tuning.search import visible_gpus
 from tritune.tuning.study import default_storage, open_storage, plan, resolve_specs
 from tritune.tuning.turn import MIN_GAIN, PATIENCE
@@ -193,10 +193,7 @@ def _wait(procs, budget_s: float, progress: bool) -> None:
                 bar.update(min(round(time.time() - t0), bar.total) - bar.n)
                 bar.set_postfix_str(f"{sum(p.is_alive() for p in procs)} running")
     except KeyboardInterrupt:
-        for p in procs:
-            p.join(10.0)
-            if p.is_alive():
-                p.terminate()
+        stop_workers(procs)
         raise
     finally:
         if bar is not None:
