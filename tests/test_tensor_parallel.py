@@ -345,6 +345,22 @@ def test_init_from_torchrun_variables(monkeypatch):
         G.init(2, 0, "mpi", port=1)
 
 
+def complete_when_up(proc, port: int, what: str, bound_s: float = 90.0):
+    """The openai client's greedy 8-token completion of "ROMEO:" from the server ``proc`` starts on ``port``,
+    asked until it answers (``proc`` alive, within ``bound_s``)."""
+    import openai
+
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    t0 = time.time()
+    while True:
+        try:
+            return c.completions.create(model="tritune-default", prompt="ROMEO:", max_tokens=8, temperature=0)
+        except (openai.APIConnectionError, openai.APIStatusError):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.time() - t0 < bound_s, f"{what} did not come up in {bound_s:.0f} s"
+            time.sleep(0.3)
+
+
 @pytest.mark.skipif(default_model_dir() is None, reason="no packaged checkpoint (model/default/)")
 def test_serve_tp_over_http_equals_one_rank():
     """``tritune serve --tp 2`` (the engine in its own process, leading a second rank over gloo) answers an
@@ -353,8 +369,6 @@ def test_serve_tp_over_http_equals_one_rank():
     import socket
     import subprocess
     import sys
-
-    import openai
 
     from tritune.model.tokenizer import Tokenizer
 
@@ -372,16 +386,7 @@ def test_serve_tp_over_http_equals_one_rank():
                           "--max-batch-tokens", "256", "--no-warm-up"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        t0 = time.time()
-        while True:
-            try:
-                r = c.completions.create(model="tritune-default", prompt="ROMEO:", max_tokens=8, temperature=0)
-                break
-            except (openai.APIConnectionError, openai.APIStatusError):
-                assert p.poll() is None, p.stdout.read().decode()[-3000:]
-                assert time.time() - t0 < 90, "tritune serve --tp 2 did not come up in 90 s"
-                time.sleep(0.3)
+        r = complete_when_up(p, port, "tritune serve --tp 2")
         assert r.choices[0].text == want_text and r.usage.completion_tokens == 8
         p.send_signal(signal.SIGINT)
         assert p.wait(60) == 0
@@ -424,8 +429,6 @@ def test_serve_under_torchrun_answers_from_rank_0():
     import subprocess
     import sys
 
-    import openai
-
     ports = []
     for _ in range(2):
         with socket.socket() as s:
@@ -440,16 +443,7 @@ def test_serve_under_torchrun_answers_from_rank_0():
                           "--max-num-seqs", "4", "--max-batch-tokens", "256", "--log-level", "warning"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[1]}/v1", api_key="unused", max_retries=0, timeout=60)
-        t0 = time.time()
-        while True:
-            try:
-                r = c.completions.create(model="tritune-default", prompt="ROMEO:", max_tokens=8, temperature=0)
-                break
-            except (openai.APIConnectionError, openai.APIStatusError):
-                assert p.poll() is None, p.stdout.read().decode()[-3000:]
-                assert time.time() - t0 < 90, "serve --tp 2 under torchrun did not come up in 90 s"
-                time.sleep(0.3)
+        r = complete_when_up(p, ports[1], "serve --tp 2 under torchrun")
         assert "ROMEO:" + r.choices[0].text == one.stdout.rstrip("\n")
         p.send_signal(signal.SIGINT)
         p.wait(60)

@@ -74,7 +74,11 @@ class TPOps:
             if self.group.rank == 0:
                 return self.group.all_reduce(self.base.linear(x, w, b, residual=residual))
             return self.group.all_reduce(self.base.linear(x, w))
-        y = self.group.all_gather_last(self.base.linear(x, w, b, activation=activation))
+        return self.gather_vocab(self.base.linear(x, w, b, activation=activation))
+
+    def gather_vocab(self, y):
+        """The whole logits from the ranks' vocabulary shards (the padding of the last shard dropped)."""
+        y = self.group.all_gather_last(y)
         return y if y.shape[-1] == self.vocab_size else y[..., :self.vocab_size].contiguous()
 
     def rms_linear(self, x, norm_w, eps, w, b=None, activation=None):
@@ -86,10 +90,7 @@ class TPOps:
             y = self.linear(self.base.rms_norm(x, norm_w, eps), w, b)
             return self.base.swiglu(y) if activation == "swiglu" else y
         y = self.base.rms_linear(x, norm_w, eps, w, b, activation=activation)
-        if role is None or self.group.world_size == 1:
-            return y
-        y = self.group.all_gather_last(y)
-        return y if y.shape[-1] == self.vocab_size else y[..., :self.vocab_size].contiguous()
+        return y if role is None or self.group.world_size == 1 else self.gather_vocab(y)
 
     def ln_linear(self, x, ln_w, ln_b, eps, w, b=None, activation=None, kv=None):
         """The family's fused norm + linear where no collective follows; else the two steps."""
