@@ -60,7 +60,8 @@ class TPGroup:
         to FAST_ALL_REDUCE_BYTES (torch's symmetric memory: each rank reads its peer's buffer over NVLink, no
         multicast). Two NCCL ranks only: a + b is the same sum on both ranks, so the ranks' logits stay bit
         for bit equal (NCCL's own all-reduce keeps that for more ranks). Opt-in, ``TRITUNE_TP_ALL_REDUCE=one-shot``:
-        on two H200s it measured within noise of NCCL's (Llama-8B decode, 3.36 against 3.41 ms a token). Returns why it is off (None: on); checked against NCCL's sum once before it is used."""
+        on two H200s it measured within noise of NCCL's (Llama-8B decode, 3.36 against 3.41 ms a token).
+        Returns why it is off (None: on); checked against NCCL's sum once before it is used."""
         why = self._fast_refusal()
         if why is None:
             try:
